@@ -1,0 +1,45 @@
+"""dsagen: generated CuTe-DSL kernels for DeepSeek-style sparse attention.
+
+The public ops are imported lazily: `import dsagen` imports neither CuTe-DSL nor the CUDA driver
+bindings. Every op takes `impl="reference"` (plain PyTorch, CPU or CUDA) or `impl="fused"` (generated
+kernels on CUDA). See README.md for the table of ops and the seed each follows.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_OPS = {
+    "compactify": "dsagen.ops.indices",
+    "local_to_global": "dsagen.ops.indices",
+    "lightning_indexer": "dsagen.ops.lightning_indexer",
+    "indexer_scores": "dsagen.ops.indexer",
+    "indexer_topk": "dsagen.ops.indexer",
+    "indexer_forward_topk": "dsagen.ops.indexer",
+    "sparse_indexer_score_recompute": "dsagen.ops.indexer_training",
+    "dense_indexer_score_recompute": "dsagen.ops.indexer_training",
+    "indexer_backward": "dsagen.ops.indexer_training",
+    "dense_indexer_backward": "dsagen.ops.indexer_training",
+    "sparse_attention": "dsagen.ops.sparse_attention",
+    "sparse_attn_score_recompute": "dsagen.ops.sparse_attention",
+    "dense_attn_score_recompute": "dsagen.ops.sparse_attention",
+    "qsa_indexed_forward": "dsagen.ops.qsa",
+    "qsa_bitmap_forward": "dsagen.ops.qsa",
+    "native_sparse_attention": "dsagen.ops.nsa",
+}
+
+__all__ = sorted(_OPS)
+
+
+def __getattr__(name: str):
+    mod = _OPS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'dsagen' has no attribute {name!r}")
+    return getattr(importlib.import_module(mod), name)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_OPS))

@@ -1,0 +1,70 @@
+"""Render a spec's CuTe-DSL kernel module from its jinja2 template (StrictUndefined: a template that
+uses a value the spec does not provide fails to render instead of rendering a blank)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+from pathlib import Path
+
+import jinja2
+
+from ..spec import KernelSpec, get_arch
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+KERNEL_LIB = Path(__file__).resolve().parent.parent / "kernels"
+
+
+class TemplateNotFound(LookupError):
+    """No template implements a spec's op for its arch."""
+
+
+@functools.lru_cache(maxsize=None)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def template_name(spec: KernelSpec) -> str:
+    """The template file (relative to templates/) that renders `spec`: the arch family's own first,
+    then the arch-independent one in templates/generic/."""
+    family = get_arch(spec.arch).template_family
+    for folder in (family, "generic", "testing"):
+        if (TEMPLATES / folder / spec.template).is_file():
+            return f"{folder}/{spec.template}"
+    raise TemplateNotFound(f"no template {spec.template!r} for op {spec.op!r} on {spec.arch} "
+                           f"(looked in templates/{family}/, generic/, testing/)")
+
+
+def render(spec: KernelSpec) -> str:
+    """The kernel module source for `spec` (validated first)."""
+    spec.check()
+    return _environment().get_template(template_name(spec)).render(**spec.template_context())
+
+
+_IMPORT_RE = re.compile(r"^\s*(?:from\s+(dsagen\.kernels(?:\.\w+)*)\s+import|import\s+(dsagen\.kernels(?:\.\w+)*))",
+                        re.M)
+
+
+def helper_modules(source: str) -> dict[str, str]:
+    """{module name: sha256 of its file} for every hand-written device helper under dsagen/kernels/
+    that `source` imports, followed transitively. These hashes are part of the cache key."""
+    out: dict[str, str] = {}
+    todo = [m.group(1) or m.group(2) for m in _IMPORT_RE.finditer(source)]
+    while todo:
+        mod = todo.pop()
+        if mod in out or mod == "dsagen.kernels":
+            continue
+        rel = mod.split(".")[2:]
+        path = KERNEL_LIB.joinpath(*rel).with_suffix(".py")
+        if not path.is_file():
+            path = KERNEL_LIB.joinpath(*rel, "__init__.py")
+        text = path.read_text()
+        out[mod] = hashlib.sha256(text.encode()).hexdigest()
+        todo.extend(m.group(1) or m.group(2) for m in _IMPORT_RE.finditer(text))
+    return dict(sorted(out.items()))

@@ -1,0 +1,2 @@
+"""The torch-facing public ops: input validation, then dispatch to dsagen.reference (impl="reference")
+or dsagen.fused (impl="fused")."""

@@ -1,0 +1,64 @@
+"""Input validation shared by every public op. Each check raises TypeError (wrong type or dtype) or
+ValueError (wrong shape, device, layout or value) with a message that names the argument and the rule."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+IMPLS = ("reference", "fused")
+
+
+def check_impl(impl: str) -> str:
+    """`impl` must be "reference" or "fused"."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: expected one of {', '.join(repr(i) for i in IMPLS)}")
+    return impl
+
+
+def check_tensor(name: str, t, *, dtypes: Iterable[torch.dtype] | None = None,
+                 ndim: int | Sequence[int] | None = None, device: torch.device | None = None) -> torch.Tensor:
+    """`t` must be a torch.Tensor with one of `dtypes`, `ndim` dimensions and on `device` (when given)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if t.dim() not in allowed:
+            raise ValueError(f"{name} must have {' or '.join(map(str, allowed))} dimensions, "
+                             f"got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} (like the other inputs), got {t.device}")
+    return t
+
+
+def check_cuda(name: str, t: torch.Tensor) -> torch.Tensor:
+    """`t` must live on a CUDA device (fused kernels only run there)."""
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} must be a CUDA tensor for impl='fused', got device {t.device}")
+    return t
+
+
+def check_contiguous(name: str, t: torch.Tensor, *, last_dim_only: bool = False) -> torch.Tensor:
+    """`t` must be contiguous (or, with last_dim_only, have stride 1 in its last dimension)."""
+    if last_dim_only:
+        if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have stride 1 in its last dimension, got strides {t.stride()}")
+    elif not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
+    return t
+
+
+def check_int(name: str, v, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """`v` must be a Python int (not bool) within [minimum, maximum]."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {v}")
+    return v

@@ -1,0 +1,137 @@
+"""The base of every kernel spec: a frozen dataclass of plan-time facts only.
+
+A spec holds exactly what a kernel is specialized on (arch, dtypes, heads, head dim, top-k width,
+tile choices, ...). Sequence lengths, batch sizes, pointers and strides never go in a spec: they are
+run-time kernel arguments, so a new sequence length never compiles a new kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any, ClassVar, TypeVar
+
+from .arch import ARCHES
+
+S = TypeVar("S", bound="KernelSpec")
+
+_SPEC_TYPES: dict[str, type["KernelSpec"]] = {}
+
+
+def register_spec(cls: type[S]) -> type[S]:
+    """Class decorator: make `cls` reachable by its `op` name (for manifests, spec files, the CLI)."""
+    if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        raise TypeError(f"{cls.__name__} must be a frozen dataclass")
+    if cls.op in _SPEC_TYPES and _SPEC_TYPES[cls.op] is not cls:
+        raise ValueError(f"op {cls.op!r} is already registered by {_SPEC_TYPES[cls.op].__name__}")
+    _SPEC_TYPES[cls.op] = cls
+    return cls
+
+
+def spec_types() -> dict[str, type["KernelSpec"]]:
+    """op name -> spec class, for every registered family."""
+    from . import families  # noqa: F401  (registers the built-in families)
+
+    return dict(_SPEC_TYPES)
+
+
+class SpecError(ValueError):
+    """A spec that cannot be implemented; the message lists every reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """Base class. Subclasses are `@register_spec @dataclass(frozen=True)` and set `op` and `template`.
+
+    arch: target name from dsagen.spec.arch.ARCHES (e.g. "sm_90a").
+    """
+
+    op: ClassVar[str] = ""
+    template: ClassVar[str] = ""  # file name under templates/<family>/ (or templates/generic/)
+
+    arch: str
+
+    # ---- validation -------------------------------------------------------------------------------
+    def reasons(self) -> list[str]:
+        """Every reason this spec cannot be built, as sentences a person can act on; [] when valid."""
+        out = []
+        if self.arch not in ARCHES:
+            out.append(f"arch {self.arch!r} is unknown; choose one of {', '.join(sorted(ARCHES))}")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, (bool, int, float, str)):
+                out.append(f"field {f.name} must be a bool, int, float or str, got {type(v).__name__}")
+        return out
+
+    def can_implement(self) -> tuple[bool, str]:
+        """(True, "") when the spec is buildable, else (False, all reasons joined)."""
+        r = self.reasons()
+        return (not r, "; ".join(r))
+
+    def check(self: S) -> S:
+        """Return self, or raise SpecError naming the spec and every reason it is invalid."""
+        r = self.reasons()
+        if r:
+            raise SpecError(f"{self.name()}: " + "; ".join(r))
+        return self
+
+    # ---- identity ---------------------------------------------------------------------------------
+    def canonical(self) -> dict[str, Any]:
+        """JSON-safe dict: {"op": ..., "fields": {name: value}} with fields sorted by name."""
+        return {"op": self.op, "fields": {f.name: getattr(self, f.name) for f in sorted(
+            dataclasses.fields(self), key=lambda f: f.name)}}
+
+    def canonical_json(self) -> str:
+        """The canonical dict as compact, key-sorted JSON (the bytes the cache key hashes)."""
+        return json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+
+    def name(self) -> str:
+        """A readable name for listings and kernel symbols: op + the non-default fields (not the key)."""
+        parts = [self.op]
+        for f in dataclasses.fields(self):
+            if f.name == "arch":
+                continue
+            v = getattr(self, f.name)
+            if f.default is not dataclasses.MISSING and v == f.default:
+                continue
+            parts.append(f"{_short(f.name)}{_fmt(v)}")
+        parts.append(self.arch)
+        return "_".join(parts)
+
+    def symbol(self) -> str:
+        """A C identifier derived from name(), used as the kernel's entry-symbol prefix."""
+        return "dsagen_" + re.sub(r"[^A-Za-z0-9_]", "_", self.name())
+
+    @classmethod
+    def from_canonical(cls, d: dict[str, Any]) -> "KernelSpec":
+        """Rebuild a spec from canonical() output (any registered family)."""
+        types = spec_types()
+        if d.get("op") not in types:
+            raise SpecError(f"unknown op {d.get('op')!r}; known: {', '.join(sorted(types))}")
+        kind = types[d["op"]]
+        names = {f.name for f in dataclasses.fields(kind)}
+        extra = set(d.get("fields", {})) - names
+        if extra:
+            raise SpecError(f"{kind.__name__}: unknown fields {sorted(extra)}")
+        return kind(**d["fields"])
+
+    def template_context(self) -> dict[str, Any]:
+        """Values the template renders with: every field plus `symbol` and `spec_name`."""
+        ctx = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        ctx.update(symbol=self.symbol(), spec_name=self.name(), op=self.op)
+        return ctx
+
+
+_SHORT = {"num_heads": "h", "head_dim": "d", "topk": "k", "compress_ratio": "r", "dtype": "",
+          "rows_per_cta": "rows", "threads": "t"}
+
+
+def _short(name: str) -> str:
+    return _SHORT.get(name, name)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    return str(v)

@@ -27,11 +27,18 @@ def fused_impl(op: str, device: torch.device) -> Callable:
     if device.type != "cuda":
         raise ValueError(f"{op}: impl='fused' runs generated CUDA kernels; inputs are on {device}. "
                          f"Use impl='reference' on the CPU.")
+    fn = _resolved.get(op)
+    if fn is not None:
+        return fn
     target = FUSED.get(op)
     if target is None:
         from ..runtime.device import device_arch
 
         raise NotImplementedError(f"{op}: no fused kernel exists yet for {device_arch(device)}; "
                                   f"use impl='reference'")
-    mod, fn = target.split(":")
-    return getattr(importlib.import_module(mod), fn)
+    mod, name = target.split(":")
+    fn = _resolved[op] = getattr(importlib.import_module(mod), name)
+    return fn
+
+
+_resolved: dict[str, Callable] = {}

@@ -62,3 +62,49 @@ def check_int(name: str, v, *, minimum: int | None = None, maximum: int | None =
     if maximum is not None and v > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {v}")
     return v
+
+
+# --- appended: generic scalar / shape / option checks ---------------------------------------------
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_bool(name: str, v) -> bool:
+    """`v` must be a Python bool."""
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    return v
+
+
+def check_float(name: str, v, *, positive: bool = False) -> float:
+    """`v` must be a finite real Python number (int or float, not bool); with positive, > 0."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(v).__name__}")
+    v = float(v)
+    if v != v or v in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {v}")
+    if positive and v <= 0:
+        raise ValueError(f"{name} must be > 0, got {v}")
+    return v
+
+
+def check_shape(name: str, t: torch.Tensor, shape: Sequence[int], what: str = "") -> torch.Tensor:
+    """`t` must have exactly `shape`; `what` names the dimensions in the message, e.g. "[B, T, H]"."""
+    if tuple(t.shape) != tuple(shape):
+        dims = f" {what}" if what else ""
+        raise ValueError(f"{name} must have shape{dims} = {tuple(shape)}, got {tuple(t.shape)}")
+    return t
+
+
+def check_same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> torch.Tensor:
+    """`t` must have the dtype of `ref`."""
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name} must have the same dtype as {ref_name} ({ref.dtype}), got {t.dtype}")
+    return t
+
+
+def check_reference_options(name: str, options) -> None:
+    """impl='reference' takes no kernel options: `options` must be None."""
+    if options is not None:
+        raise ValueError(f"{name} is only accepted for impl='fused'; impl='reference' takes no {name}, "
+                         f"got {options!r}")

@@ -123,7 +123,7 @@ class KernelSpec:
         return ctx
 
 
-_SHORT = {"num_heads": "h", "head_dim": "d", "topk": "k", "compress_ratio": "r", "dtype": "",
+_SHORT = {"feature": "", "smem_bytes": "smem", "num_heads": "h", "head_dim": "d", "topk": "k", "compress_ratio": "r", "dtype": "",
           "rows_per_cta": "rows", "threads": "t"}
 
 

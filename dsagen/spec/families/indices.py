@@ -67,12 +67,12 @@ class RuntimeProbeSpec(KernelSpec):
     op = "runtime_probe"
     template = "runtime_probe.py.j2"
 
-    feature: str = "tma"
+    feature: str = ""
     smem_bytes: int = 0
 
     def reasons(self) -> list[str]:
         out = super().reasons()
-        if self.feature not in ("tma", "smem", "cluster"):
+        if self.feature not in ("tma", "smem", "cluster"):  # "" (the default) is rejected: say which
             out.append(f"feature={self.feature!r} must be one of 'tma', 'smem', 'cluster'")
         if self.feature == "smem" and not (49152 < self.smem_bytes <= 227 * 1024 and self.smem_bytes % 1024 == 0):
             out.append(f"smem_bytes={self.smem_bytes} must be a multiple of 1024 in (48 KiB, 227 KiB] "

@@ -1,0 +1,128 @@
+"""Host overhead per call on a cache hit, and time to first launch in a fresh process (GPU).
+
+    python bench/overhead.py [--calls N] [--json FILE]
+
+Compares, in one process: a near-empty torch op, the raw cuLaunchKernel of a prepacked kernel, the
+generated launcher (LoadedKernel.launch), and the public ops dsagen.local_to_global / compactify
+(validation + output allocation + launch). Each figure: host enqueue microseconds per call, the median
+of 5 rounds of N calls. Then spawns fresh processes that import dsagen and make the first fused call
+(cache hit) and reports the time to first launch. Writes the numbers as JSON with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def per_call_us(fn, calls: int, rounds: int = 5) -> float:
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    res = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        res.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(res)
+
+
+FIRST_LAUNCH = r"""
+import time, sys
+t0 = time.perf_counter()
+import torch
+torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+t1 = time.perf_counter()
+import dsagen
+ids = torch.tensor([[[1, -1, 3]]], dtype=torch.int32, device="cuda")
+out = dsagen.local_to_global(ids, 4, impl="fused"); torch.cuda.synchronize()
+t2 = time.perf_counter()
+assert out.tolist() == [[[1, -1, 3]]]
+print(f"{(t1 - t0) * 1e3:.1f} {(t2 - t1) * 1e3:.1f}")
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=20000)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    import dsagen
+    from dsagen.runtime import get_kernel
+    from dsagen.spec import LocalToGlobalSpec
+    from cuda.bindings import driver as cu
+
+    dev = torch.device("cuda")
+    a, b, c = (torch.ones(1, device=dev) for _ in range(3))
+    ids = torch.randint(-1, 100, (1, 4, 8), dtype=torch.int32, device=dev)
+    out = torch.empty_like(ids)
+    ids2d = ids.view(4, 8)
+    k = get_kernel(LocalToGlobalSpec(arch="sm_90a"), dev)
+    k.launch(ids, out, 32, 1, 100)
+    stream = torch.cuda.current_stream().cuda_stream
+    kp = k._kparams
+    import ctypes
+    kp_addr = ctypes.addressof(kp)
+    dsagen.local_to_global(ids, 100, impl="fused")
+    dsagen.compactify(ids2d, impl="fused")
+    cu_stream = cu.CUstream(stream)
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    raw = libcuda.cuLaunchKernel
+    raw.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    f_int = int(k.function)
+    rows = {
+        "torch.add(out=) on 1 element (near-empty torch op)": lambda: torch.add(a, b, out=c),
+        "torch.empty((4, 8), int32) (allocation only)": lambda: torch.empty((4, 8), dtype=torch.int32, device=dev),
+        "raw cuLaunchKernel, prepacked, CUstream object": lambda: cu.cuLaunchKernel(
+            k.function, 1, 1, 1, 256, 1, 1, 0, cu_stream, kp_addr, 0),
+        "raw ctypes libcuda.cuLaunchKernel, prepacked": lambda: raw(f_int, 1, 1, 1, 256, 1, 1, 0, stream, kp_addr, None),
+        "raw cuLaunchKernel, params prepacked (cuda.bindings)":
+            lambda: cu.cuLaunchKernel(k.function, 1, 1, 1, 256, 1, 1, 0, stream, kp_addr, 0),
+        "LoadedKernel.launch (generated launcher: pack + stream + launch)": lambda: k.launch(ids, out, 32, 1, 100),
+        "dsagen.local_to_global(impl='fused') (validate + alloc + launch)":
+            lambda: dsagen.local_to_global(ids, 100, impl="fused"),
+        "dsagen.compactify(impl='fused') (validate + 2 allocs + launch)":
+            lambda: dsagen.compactify(ids2d, impl="fused"),
+    }
+    results = {name: round(per_call_us(fn, args.calls), 2) for name, fn in rows.items()}
+    # CUDA-graph replay: 100 op calls captured once; replay cost per captured call
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(100):
+            dsagen.local_to_global(ids, 100, impl="fused")
+    results["CUDA-graph replay, per captured local_to_global call"] = round(
+        per_call_us(g.replay, max(args.calls // 100, 10)) / 100, 2)
+    firsts = []
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", FIRST_LAUNCH], capture_output=True, text=True, env=dict(os.environ))
+        if r.returncode != 0:
+            raise SystemExit(f"first-launch subprocess failed:\n{r.stdout}\n{r.stderr}")
+        torch_ms, dsagen_ms = map(float, r.stdout.split())
+        firsts.append((torch_ms, dsagen_ms))
+    results["fresh process: torch CUDA init, ms (median of 3)"] = statistics.median(f[0] for f in firsts)
+    results["fresh process: import dsagen + first fused call (warm cache hit), ms (median of 3)"] = \
+        statistics.median(f[1] for f in firsts)
+    import cuda.bindings
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "cuda_bindings": getattr(cuda.bindings, "__version__", "?"), "python": sys.version.split()[0],
+            "calls": args.calls}
+    w = max(len(n) for n in results)
+    print(f"{meta}")
+    for name, v in results.items():
+        print(f"  {name:<{w}}  {v:8.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""From a spec to a cache entry: look it up in the layers, or compile it (JIT) under the per-key lock.
+
+    entry = resolve(spec)          # Entry with manifest["kernel"] and read("kernel.cubin")
+
+With CuTe-DSL installed and JIT allowed, entries are found by exact key (the toolchain is part of it);
+a miss compiles under the lock, re-checks, and commits. Without the DSL (a deployment running a shipped
+cache), or with DSAGEN_DISABLE_JIT=1, entries are found by identity (the key without the toolchain);
+a miss raises KernelNotCached naming the spec and the exact `dsagen build` command.
+"""
+
+from __future__ import annotations
+
+import functools
+import shlex
+import tempfile
+import threading
+import warnings
+from datetime import datetime, timezone
+
+from filelock import Timeout as LockTimeout
+
+from .. import env
+from ..gen.render import render
+from ..gen import toolchain
+from ..spec import KernelSpec
+from .keys import identity_of, key_material, key_of
+from .store import CacheStore, Entry
+
+_memory_entries: dict[str, Entry] = {}
+_memory_lock = threading.Lock()
+
+
+class KernelNotCached(LookupError):
+    """A kernel is not in any cache layer and may not be compiled here."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _render_cached(spec: KernelSpec) -> str:
+    return render(spec)
+
+
+def build_command(spec: KernelSpec) -> str:
+    """The exact shell command that builds `spec` into the writable cache."""
+    return f"dsagen build --spec {shlex.quote(spec.canonical_json())}"
+
+
+def _manifest(spec: KernelSpec, material: dict, identity: str, compiled) -> dict:
+    return {
+        "schema": material["schema"],
+        "identity": identity,
+        "key_material": material,
+        "op": spec.op,
+        "name": spec.name(),
+        "spec": spec.canonical(),
+        "toolchain": material["toolchain"],
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "compile_seconds": round(compiled.compile_seconds, 3),
+        "kernel": compiled.record,
+    }
+
+
+def compile_entry_files(spec: KernelSpec, source: str, material: dict, identity: str) -> tuple[dict, dict]:
+    """Compile `spec` in a temporary folder: (files, manifest) ready to commit."""
+    from ..gen.build import compile_module
+
+    with tempfile.TemporaryDirectory(prefix="dsagen-build-") as work:
+        compiled = compile_module(spec, source, work)
+    files = {"kernel.py": source.encode(), "kernel.cubin": compiled.cubin, "kernel.ptx": compiled.ptx.encode()}
+    return files, _manifest(spec, material, identity, compiled)
+
+
+def resolve(spec: KernelSpec, store: CacheStore | None = None, *, jit: bool | None = None) -> Entry:
+    """The cache entry of `spec`, compiling it on a miss when JIT is allowed (see module docstring)."""
+    spec.check()
+    store = store or CacheStore.from_env()
+    source = _render_cached(spec)
+    material = key_material(spec, source, toolchain.toolchain_versions())
+    identity = identity_of(material)
+    can_compile = toolchain.dsl_available() and (not env.DISABLE_JIT.get() if jit is None else jit)
+    if toolchain.dsl_available():
+        hit = store.lookup(spec.arch, spec.op, key_of(material))
+        if hit is not None:
+            return hit
+    if not can_compile:
+        hit = store.lookup_identity(spec.arch, spec.op, identity)
+        if hit is not None:
+            return hit
+        why = ("DSAGEN_DISABLE_JIT=1" if toolchain.dsl_available() else
+               "CuTe-DSL (the [gen] extra) is not installed")
+        layers = ", ".join(f"{layer.root}{'' if layer.writable else ' (read-only)'}" for layer in store.layers)
+        raise KernelNotCached(
+            f"kernel {spec.name()} ({spec.canonical_json()}) is not in the cache "
+            f"[{layers or 'no layers: DSAGEN_CACHE=off'}] and cannot be compiled here ({why}). "
+            f"Build it where CuTe-DSL is installed with:\n  {build_command(spec)}\n"
+            f"then ship that cache folder and point DSAGEN_CACHE_PATH at it.")
+    return _compile_and_commit(spec, source, material, identity, store)
+
+
+def _compile_and_commit(spec, source, material, identity, store: CacheStore) -> Entry:
+    key = key_of(material)
+    writable = store.writable is not None and store.writable.writable
+    if writable:
+        try:
+            with store.lock(key):
+                hit = store.lookup(spec.arch, spec.op, key)  # another process may have built it
+                if hit is not None:
+                    return hit
+                files, manifest = compile_entry_files(spec, source, material, identity)
+                return store.commit(spec.arch, spec.op, key, files, manifest)
+        except PermissionError as e:
+            warnings.warn(f"dsagen: cache not writable ({e}); compiling {spec.name()} in memory", stacklevel=3)
+        except LockTimeout as e:
+            warnings.warn(f"dsagen: timed out waiting for the compile lock of {spec.name()} ({e}); "
+                          f"compiling in memory", stacklevel=3)
+        except OSError as e:  # read-only or full disk
+            warnings.warn(f"dsagen: cannot write the cache ({e}); compiling {spec.name()} in memory", stacklevel=3)
+    with _memory_lock:
+        hit = _memory_entries.get(key)
+        if hit is None:
+            files, manifest = compile_entry_files(spec, source, material, identity)
+            manifest.update(key=key, arch=spec.arch)
+            hit = _memory_entries[key] = Entry(None, manifest, None, files)
+        return hit

@@ -1,0 +1,35 @@
+"""Shared test setup: `gpu` tests skip without CUDA; `compile` tests skip without CuTe-DSL."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+
+def _has_dsl() -> bool:
+    return importlib.util.find_spec("cutlass") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    no_dsl = pytest.mark.skip(reason="needs CuTe-DSL (pip install -e '.[gen]')")
+    has_cuda = torch.cuda.is_available()
+    has_dsl = _has_dsl()
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(no_gpu)
+        if "compile" in item.keywords and not has_dsl:
+            item.add_marker(no_dsl)
+
+
+@pytest.fixture
+def cache_env(tmp_path, monkeypatch):
+    """A private writable cache for one test (and no read-only layers, JIT allowed)."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("DSAGEN_CACHE_DIR", str(root))
+    monkeypatch.delenv("DSAGEN_CACHE_PATH", raising=False)
+    monkeypatch.delenv("DSAGEN_DISABLE_JIT", raising=False)
+    monkeypatch.setenv("DSAGEN_CACHE", "rw")
+    return root

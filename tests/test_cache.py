@@ -1,0 +1,256 @@
+"""The cache: keys, the commit protocol, racing processes, crashes, corruption, layers, JIT switches,
+deployments without CuTe-DSL, pack/unpack."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dsagen.cache import CacheStore, KernelNotCached, identity_of, key_material, key_of, resolve
+from dsagen.cache.keys import canonical_json
+from dsagen.cache.pack import PackError, pack, unpack
+from dsagen.gen.render import render
+from dsagen.spec import CompactifySpec, LocalToGlobalSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+TC = {"nvidia-cutlass-dsl": "4.8.1"}
+
+
+def _key(spec, source=None, toolchain=TC):
+    return key_of(key_material(spec, source if source is not None else render(spec), toolchain))
+
+
+# ---- keys -----------------------------------------------------------------------------------------
+def test_key_changes_with_every_spec_field_and_arch():
+    base = LocalToGlobalSpec(arch="sm_90a")
+    variants = [LocalToGlobalSpec(arch="sm_100a"), LocalToGlobalSpec(arch="sm_90a", threads=128),
+                LocalToGlobalSpec(arch="sm_90a", items_per_thread=2), CompactifySpec(arch="sm_90a")]
+    keys = {_key(base)} | {_key(v) for v in variants}
+    assert len(keys) == 1 + len(variants)
+
+
+def test_key_changes_with_source_toolchain_and_helpers(monkeypatch):
+    spec = LocalToGlobalSpec(arch="sm_90a")
+    src = render(spec)
+    k0 = _key(spec, src)
+    assert _key(spec, src + "\n# edited\n") != k0
+    assert _key(spec, src, {"nvidia-cutlass-dsl": "4.9.0"}) != k0
+    m = key_material(spec, src, TC)
+    m2 = dict(m, helpers={"dsagen.kernels.x": "0" * 64})
+    assert key_of(m2) != key_of(m)
+    # the identity ignores only the toolchain
+    assert identity_of(key_material(spec, src, {"nvidia-cutlass-dsl": "4.9.0"})) == identity_of(m)
+    assert identity_of(key_material(spec, src + "#", TC)) != identity_of(m)
+
+
+def test_key_is_stable_and_independent_of_run_time_sizes():
+    """Two calls with different sequence lengths and batches build the same spec, hence the same key."""
+    import torch
+
+    import dsagen.fused.indices as fused
+
+    seen = []
+    monkey = fused._kernel
+    fused._kernel = lambda op, index: seen.append(op) or type("K", (), {"launch": lambda *a: None})()
+    try:
+        for b, s, k in [(1, 7, 5), (3, 1000, 64)]:
+            fused.local_to_global(torch.zeros((b, s, k), dtype=torch.int32), 10)
+    finally:
+        fused._kernel = monkey
+    assert seen == ["local_to_global", "local_to_global"]
+    assert _key(LocalToGlobalSpec(arch="sm_90a")) == _key(LocalToGlobalSpec(arch="sm_90a"))
+
+
+def test_key_material_fails_closed_on_unknown_types():
+    with pytest.raises(TypeError, match="cannot be key material"):
+        canonical_json({"a": object()})
+    with pytest.raises(TypeError, match="non-finite"):
+        canonical_json({"a": float("nan")})
+
+
+# ---- store protocol (no compiler needed) ------------------------------------------------------------
+def _commit(store, key="ab" * 32, payload=b"cubin-bytes"):
+    with store.lock(key):
+        return store.commit("sm_90a", "compactify", key, {"kernel.cubin": payload, "kernel.py": b"src"},
+                            {"identity": "id-" + key[:8], "created": "2026-01-01"})
+
+
+def test_commit_then_lookup(tmp_path):
+    store = CacheStore(tmp_path, [])
+    e = _commit(store)
+    assert store.lookup("sm_90a", "compactify", e.key).read("kernel.cubin") == b"cubin-bytes"
+    assert store.lookup_identity("sm_90a", "compactify", "id-" + e.key[:8]).key == e.key
+    assert not list((tmp_path / "tmp").iterdir())
+
+
+def test_flipped_byte_is_quarantined(tmp_path):
+    store = CacheStore(tmp_path, [])
+    e = _commit(store)
+    blob = bytearray((e.path / "kernel.cubin").read_bytes())
+    blob[3] ^= 0xFF
+    (e.path / "kernel.cubin").write_bytes(bytes(blob))
+    with pytest.warns(UserWarning, match="quarantined"):
+        assert store.lookup("sm_90a", "compactify", e.key) is None
+    assert not e.path.exists()
+    q = list((tmp_path / "quarantine").iterdir())
+    assert len(q) == 1 and "sha256" in (q[0] / "QUARANTINE_REASON").read_text()
+
+
+def test_crash_between_files_and_manifest_leaves_no_entry(tmp_path):
+    code = textwrap.dedent(f"""
+        import os
+        from dsagen.cache import store as st
+        st._write_manifest = lambda path, manifest: os._exit(17)   # die after the artifacts, before the manifest
+        s = st.CacheStore({str(tmp_path)!r}, [])
+        with s.lock("cd" * 32):
+            s.commit("sm_90a", "compactify", "cd" * 32, {{"kernel.cubin": b"x" * 100}}, {{}})
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 17
+    store = CacheStore(tmp_path, [])
+    assert store.lookup("sm_90a", "compactify", "cd" * 32) is None
+    assert not (tmp_path / "v1" / "sm_90a" / "compactify" / "cd").exists()
+    assert list((tmp_path / "tmp").iterdir())            # the half-written stage stays invisible in tmp/
+    store.prune()
+    assert not list((tmp_path / "tmp").iterdir())
+    assert _commit(store, "cd" * 32).path.exists()       # a later writer commits normally
+
+
+def test_readonly_layer_is_searched_first_and_never_written(tmp_path):
+    shipped = CacheStore(tmp_path / "shipped", [])
+    e = _commit(shipped)
+    store = CacheStore(tmp_path / "rw", [tmp_path / "shipped"])
+    hit = store.lookup("sm_90a", "compactify", e.key)
+    assert hit.layer.root == tmp_path / "shipped" and not hit.layer.writable
+    (hit.path / "kernel.cubin").write_bytes(b"tampered!!!")     # corrupt in a read-only layer: skipped
+    with pytest.warns(UserWarning, match="read-only"):
+        assert store.lookup("sm_90a", "compactify", e.key) is None
+    assert hit.path.exists()                                    # never moved: not ours to change
+
+
+def test_mode_ro_and_off(tmp_path):
+    ro = CacheStore(tmp_path, [], mode="ro")
+    with pytest.raises(PermissionError, match="not writable"):
+        _commit(ro)
+    assert CacheStore(tmp_path, [tmp_path], mode="off").layers == []
+
+
+def test_pack_unpack_round_trip_and_tamper_detection(tmp_path):
+    src = CacheStore(tmp_path / "a", [])
+    e1, e2 = _commit(src, "ab" * 32), _commit(src, "ef" * 32, b"other")
+    f = tmp_path / "kernels.tar"
+    assert pack(src, f) == 2 and f.exists()
+    dst = CacheStore(tmp_path / "b", [])
+    assert unpack(dst, f) == 2
+    assert dst.lookup("sm_90a", "compactify", e1.key).read("kernel.cubin") == b"cubin-bytes"
+    assert unpack(dst, f) == 0                                  # already present: kept
+    import io
+    import tarfile
+
+    bad = tmp_path / "bad.tar"
+    with tarfile.open(f) as t_in, tarfile.open(bad, "w") as t_out:
+        for m in t_in.getmembers():
+            data = t_in.extractfile(m).read()
+            if m.name.endswith("kernel.cubin"):
+                data = data[:-1] + bytes([data[-1] ^ 1])
+            t_out.addfile(m, io.BytesIO(data))
+    with pytest.raises(PackError, match="checksum"):
+        unpack(CacheStore(tmp_path / "c", []), bad)
+    assert not (tmp_path / "c" / "v1").exists()                 # nothing was added
+
+
+# ---- resolve: JIT, locks, races (needs CuTe-DSL) -----------------------------------------------------
+@pytest.mark.compile
+def test_jit_builds_once_then_hits(cache_env):
+    spec = CompactifySpec(arch="sm_90a")
+    e1 = resolve(spec)
+    m = e1.manifest
+    assert m["kernel"]["symbol"].startswith(spec.symbol()) and m["key_material"]["spec"] == spec.canonical()
+    assert set(m["artifacts"]) == {"kernel.py", "kernel.cubin", "kernel.ptx"}
+    assert (e1.path / "kernel.py").read_text() == render(spec)  # the exact source that compiled
+    assert resolve(spec).path == e1.path
+
+
+@pytest.mark.compile
+def test_disabled_jit_miss_names_spec_and_command(cache_env, monkeypatch):
+    monkeypatch.setenv("DSAGEN_DISABLE_JIT", "1")
+    spec = LocalToGlobalSpec(arch="sm_90a", threads=128)
+    with pytest.raises(KernelNotCached) as ei:
+        resolve(spec)
+    msg = str(ei.value)
+    assert spec.name() in msg and "dsagen build --spec" in msg and '"threads":128' in msg
+    monkeypatch.setenv("DSAGEN_DISABLE_JIT", "0")
+    assert resolve(spec).path.exists()
+
+
+@pytest.mark.compile
+def test_corrupt_entry_is_rebuilt(cache_env):
+    spec = CompactifySpec(arch="sm_90a")
+    e = resolve(spec)
+    good = (e.path / "kernel.cubin").read_bytes()
+    blob = bytearray(good)
+    blob[len(blob) // 2] ^= 0x01
+    (e.path / "kernel.cubin").write_bytes(bytes(blob))
+    with pytest.warns(UserWarning, match="quarantined"):
+        e2 = resolve(spec)
+    assert (e2.path / "kernel.cubin").read_bytes() == good      # deterministic rebuild
+
+
+@pytest.mark.compile
+def test_deployment_without_dsl_finds_kernels_by_identity(tmp_path, monkeypatch):
+    """Built with one toolchain into a shipped layer; a process without CuTe-DSL finds it."""
+    shipped = tmp_path / "shipped"
+    monkeypatch.setenv("DSAGEN_CACHE_DIR", str(shipped))
+    spec = CompactifySpec(arch="sm_90a")
+    built = resolve(spec)
+    code = textwrap.dedent("""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "cutlass" or name.startswith("cutlass."):
+                    raise ImportError("blocked")
+        sys.meta_path.insert(0, Block())
+        from dsagen.gen import toolchain
+        toolchain.toolchain_versions = lambda: {}
+        from dsagen.cache import resolve
+        from dsagen.spec import CompactifySpec
+        print(resolve(CompactifySpec(arch="sm_90a")).key)
+        assert not any(m.split(".")[0] == "cutlass" for m in sys.modules)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DSAGEN_CACHE_PATH=str(shipped),
+               DSAGEN_CACHE_DIR=str(tmp_path / "rw"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == built.key
+    assert not (tmp_path / "rw" / "v1").exists()
+
+
+@pytest.mark.compile
+def test_four_racing_processes_compile_once(cache_env, tmp_path):
+    log = tmp_path / "compiles.log"
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        import dsagen.cache.resolver as r
+        real = r.compile_entry_files
+        def counted(*a, **k):
+            with open({str(log)!r}, "a") as f:
+                f.write(f"{{os.getpid()}}\\n")
+            time.sleep(0.5)   # widen the window for the others to race
+            return real(*a, **k)
+        r.compile_entry_files = counted
+        from dsagen.spec import LocalToGlobalSpec
+        sys.stdout.write(r.resolve(LocalToGlobalSpec(arch="sm_90a", items_per_thread=8)).key)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for _ in range(4)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    assert len({o[0] for o in outs}) == 1
+    assert len(log.read_text().split()) == 1                    # exactly one compile

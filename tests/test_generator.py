@@ -1,0 +1,97 @@
+"""Rendering and cross-compilation: templates render with StrictUndefined, compile to cubins for
+sm_90a, and a declaration that disagrees with the compiled kernel is refused."""
+
+from __future__ import annotations
+
+import jinja2
+import pytest
+
+from dsagen.gen import abi
+from dsagen.gen.render import helper_modules, render, template_name
+from dsagen.spec import CompactifySpec, LocalToGlobalSpec, RuntimeProbeSpec
+
+
+def test_render_includes_spec_values():
+    src = render(CompactifySpec(arch="sm_90a", warps_per_cta=4))
+    assert 'SYMBOL = "dsagen_compactify_warps_per_cta4_sm_90a"' in src
+    assert "WARPS = 4" in src and '"ceil_div(n_rows, 4)"' in src
+    compile(src, "kernel.py", "exec")  # valid Python
+
+
+def test_render_is_strict(monkeypatch):
+    spec = CompactifySpec(arch="sm_90a")
+    monkeypatch.setattr(CompactifySpec, "template_context", lambda self: {"arch": self.arch})
+    with pytest.raises(jinja2.UndefinedError):
+        render(spec)
+
+
+def test_template_lookup_prefers_arch_family_then_generic():
+    assert template_name(CompactifySpec(arch="sm_90a")) == "generic/compactify.py.j2"
+    assert template_name(RuntimeProbeSpec(arch="sm_90a", feature="tma")) == "testing/runtime_probe.py.j2"
+
+
+def test_helper_modules_are_hashed(tmp_path, monkeypatch):
+    import dsagen.gen.render as r
+
+    lib = tmp_path / "kernels"
+    lib.mkdir()
+    (lib / "mathx.py").write_text("from dsagen.kernels.inner import y\nx = 1\n")
+    (lib / "inner.py").write_text("y = 2\n")
+    monkeypatch.setattr(r, "KERNEL_LIB", lib)
+    h1 = helper_modules("from dsagen.kernels.mathx import x\n")
+    assert set(h1) == {"dsagen.kernels.mathx", "dsagen.kernels.inner"}
+    (lib / "inner.py").write_text("y = 3\n")
+    assert helper_modules("from dsagen.kernels.mathx import x\n")["dsagen.kernels.inner"] != h1["dsagen.kernels.inner"]
+
+
+def test_param_declaration_reasons():
+    bad = [{"name": "a", "kind": "ptr", "dtype": "int32", "align": 3}, {"name": "a", "kind": "i16"},
+           {"name": "m", "kind": "tensormap"}]
+    r = " | ".join(abi.param_reasons(bad))
+    assert "align 3" in r and "duplicate name 'a'" in r and "kind 'i16'" in r and "encode" in r
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", [CompactifySpec(arch="sm_90a"), LocalToGlobalSpec(arch="sm_90a"),
+                                  LocalToGlobalSpec(arch="sm_100a"),
+                                  RuntimeProbeSpec(arch="sm_90a", feature="tma"),
+                                  RuntimeProbeSpec(arch="sm_90a", feature="cluster")])
+def test_compile_produces_a_checked_cubin(spec, tmp_path):
+    from dsagen.gen.build import compile_module
+
+    ck = compile_module(spec, render(spec), tmp_path)
+    assert ck.cubin[:4] == b"\x7fELF"
+    sm = {"sm_90a": 90, "sm_100a": 100}[spec.arch]
+    assert abi.cubin_sm(ck.cubin) == sm
+    kernels = abi.cubin_kernels(ck.cubin)
+    assert ck.record["symbol"] in kernels
+    assert [(p["offset"], p["size"]) for p in ck.record["params"]] == kernels[ck.record["symbol"]].params
+    assert list(kernels[ck.record["symbol"]].reqntid) == ck.record["launch"]["block"]
+
+
+@pytest.mark.compile
+def test_tensormap_param_is_128_bytes(tmp_path):
+    from dsagen.gen.build import compile_module
+
+    spec = RuntimeProbeSpec(arch="sm_90a", feature="tma")
+    rec = compile_module(spec, render(spec), tmp_path).record
+    assert rec["params"][0]["kind"] == "tensormap" and rec["params"][0]["size"] == 128
+    assert rec["params"][1]["offset"] == rec["params"][0]["offset"] + 128  # cbank offsets come from the cubin
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("edit,match", [
+    (('{"name": "k", "kind": "i32"}', '{"name": "k", "kind": "i64"}'), "param k declared i64"),
+    (("LAUNCH = ", 'HOST_ARGS = list(PARAMS)\nPARAMS = PARAMS + [{"name": "extra", "kind": "i32"}]\nLAUNCH = '),
+     "PARAMS declares 9"),
+    (('"block": [256, 1, 1]', '"block": [128, 1, 1]'), "reqntid"),
+    (('"smem": 0}', '"smem": 1024}'), "smem"),
+])
+def test_declaration_mismatch_is_refused(tmp_path, edit, match):
+    from dsagen.gen.build import compile_module
+
+    spec = CompactifySpec(arch="sm_90a")
+    src = render(spec)
+    assert edit[0] in src
+    with pytest.raises(abi.AbiError, match=match):
+        compile_module(spec, src.replace(edit[0], edit[1], 1), tmp_path)

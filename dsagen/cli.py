@@ -110,10 +110,15 @@ def cmd_build(args) -> int:
           f"{env.CACHE_DIR.get()} with {jobs} job(s)", file=sys.stderr)
     rows, failed, t0 = [], [], time.perf_counter()
 
+    tty = sys.stderr.isatty()
+
     def progress(i: int, row: dict) -> None:
         bar = "#" * int(24 * i / len(specs))
-        print(f"\r[{bar:<24}] {i}/{len(specs)} {row['name'][:48]:<48} {row['status']:>6} {row['seconds']:6.2f}s",
-              end="\n" if i == len(specs) else "", file=sys.stderr, flush=True)
+        line = f"[{bar:<24}] {i}/{len(specs)} {row['name'][:48]:<48} {row['status']:>6} {row['seconds']:6.2f}s"
+        if tty:  # redraw one line; a log gets one line per kernel
+            print("\r" + line, end="\n" if i == len(specs) else "", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     if jobs == 1:
         for i, s in enumerate(specs, 1):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dsagen.cache import CacheStore, KernelNotCached, identity_of, key_material, key_of, resolve
+from dsagen.cache.keys import identity_material
 from dsagen.cache.keys import canonical_json
 from dsagen.cache.pack import PackError, pack, unpack
 from dsagen.gen.render import render
@@ -44,9 +45,26 @@ def test_key_changes_with_source_toolchain_and_helpers(monkeypatch):
     m = key_material(spec, src, TC)
     m2 = dict(m, helpers={"dsagen.kernels.x": "0" * 64})
     assert key_of(m2) != key_of(m)
-    # the identity ignores only the toolchain
-    assert identity_of(key_material(spec, src, {"nvidia-cutlass-dsl": "4.9.0"})) == identity_of(m)
-    assert identity_of(key_material(spec, src + "#", TC)) != identity_of(m)
+
+
+
+def test_identity_follows_templates_and_helpers_but_not_toolchain(monkeypatch, tmp_path):
+    import shutil
+
+    import dsagen.gen.render as r
+
+    spec = LocalToGlobalSpec(arch="sm_90a")
+    ident = identity_of(spec)
+    assert ident == identity_of(LocalToGlobalSpec(arch="sm_90a")) != identity_of(LocalToGlobalSpec(arch="sm_100a"))
+    assert "generic/local_to_global.py.j2" in identity_material(spec)["templates"]
+    assert "_kernel_module.py.j2" in identity_material(spec)["templates"]  # the base it extends
+    templates = tmp_path / "templates"
+    shutil.copytree(r.TEMPLATES, templates)
+    monkeypatch.setattr(r, "TEMPLATES", templates)
+    assert identity_of(spec) == ident
+    base = templates / "_kernel_module.py.j2"
+    base.write_text(base.read_text() + "# changed\n")
+    assert identity_of(spec) != ident
 
 
 def test_key_is_stable_and_independent_of_run_time_sizes():
@@ -221,7 +239,7 @@ def test_deployment_without_dsl_finds_kernels_by_identity(tmp_path, monkeypatch)
         from dsagen.cache import resolve
         from dsagen.spec import CompactifySpec
         print(resolve(CompactifySpec(arch="sm_90a")).key)
-        assert not any(m.split(".")[0] == "cutlass" for m in sys.modules)
+        assert not any(m.split(".")[0] in ("cutlass", "jinja2") for m in sys.modules)
     """)
     env = dict(os.environ, PYTHONPATH=str(ROOT), DSAGEN_CACHE_PATH=str(shipped),
                DSAGEN_CACHE_DIR=str(tmp_path / "rw"))

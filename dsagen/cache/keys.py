@@ -2,8 +2,10 @@
 schema version, op, spec, arch, compile options, the rendered source, every hand-written helper module
 it imports, the generator version and the toolchain (every nvidia-cutlass-dsl* distribution).
 
-The *identity* is the same hash without the toolchain: it can be computed where the DSL is not
-installed (a deployment running a shipped cache), so such a process finds its kernels by identity.
+The *identity* hashes what determines the rendered source without rendering it: schema, op, spec,
+arch, compile options, the template files (and those they extend or include), the helper modules and
+the generator version; no toolchain. A process without CuTe-DSL (a deployment running a shipped
+cache) computes it cheaply, without jinja2, and finds its kernels by identity.
 Sequence lengths, batch sizes and pointers are never key material (specs cannot hold them).
 """
 
@@ -14,7 +16,7 @@ import json
 from typing import Any
 
 from ..gen.build import COMPILE_OPTIONS
-from ..gen.render import helper_modules
+from ..gen.render import helper_modules, template_helper_modules, template_sources
 from ..gen.toolchain import GENERATOR_VERSION
 from ..spec import KernelSpec
 
@@ -69,9 +71,23 @@ def key_material(spec: KernelSpec, source: str, toolchain: dict[str, str]) -> di
     }
 
 
-def identity_of(material: dict[str, Any]) -> str:
-    """The toolchain-independent identity of a key material."""
-    return sha256_hex(canonical_json({k: v for k, v in material.items() if k != "toolchain"}))
+def identity_material(spec: KernelSpec) -> dict[str, Any]:
+    """What the identity hashes (stored in the manifest)."""
+    return {
+        "schema": SCHEMA_VERSION,
+        "op": spec.op,
+        "spec": spec.canonical(),
+        "arch": spec.arch,
+        "compile_options": COMPILE_OPTIONS,
+        "templates": template_sources(spec),
+        "helpers": template_helper_modules(spec),
+        "generator": GENERATOR_VERSION,
+    }
+
+
+def identity_of(spec: KernelSpec) -> str:
+    """The toolchain-independent identity of `spec`'s kernel (no rendering, no DSL)."""
+    return sha256_hex(canonical_json(identity_material(spec)))
 
 
 def key_of(material: dict[str, Any]) -> str:

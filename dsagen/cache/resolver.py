@@ -2,10 +2,10 @@
 
     entry = resolve(spec)          # Entry with manifest["kernel"] and read("kernel.cubin")
 
-With CuTe-DSL installed and JIT allowed, entries are found by exact key (the toolchain is part of it);
-a miss compiles under the lock, re-checks, and commits. Without the DSL (a deployment running a shipped
-cache), or with DSAGEN_DISABLE_JIT=1, entries are found by identity (the key without the toolchain);
-a miss raises KernelNotCached naming the spec and the exact `dsagen build` command.
+With CuTe-DSL installed, entries are found by exact key (the toolchain is part of it); with JIT
+allowed a miss compiles under the lock, re-checks, and commits. Without the DSL (a deployment running
+a shipped cache), or with DSAGEN_DISABLE_JIT=1, entries are found by identity (see keys.py; computed
+without rendering); a miss raises KernelNotCached naming the spec and the exact `dsagen build` command.
 """
 
 from __future__ import annotations
@@ -17,14 +17,12 @@ import threading
 import warnings
 from datetime import datetime, timezone
 
-from filelock import Timeout as LockTimeout
-
 from .. import env
 from ..gen.render import render
 from ..gen import toolchain
 from ..spec import KernelSpec
-from .keys import identity_of, key_material, key_of
-from .store import CacheStore, Entry
+from .keys import identity_material, identity_of, key_material, key_of
+from .store import CacheLockTimeout, CacheStore, Entry
 
 _memory_entries: dict[str, Entry] = {}
 _memory_lock = threading.Lock()
@@ -48,6 +46,7 @@ def _manifest(spec: KernelSpec, material: dict, identity: str, compiled) -> dict
     return {
         "schema": material["schema"],
         "identity": identity,
+        "identity_material": identity_material(spec),
         "key_material": material,
         "op": spec.op,
         "name": spec.name(),
@@ -73,11 +72,12 @@ def resolve(spec: KernelSpec, store: CacheStore | None = None, *, jit: bool | No
     """The cache entry of `spec`, compiling it on a miss when JIT is allowed (see module docstring)."""
     spec.check()
     store = store or CacheStore.from_env()
-    source = _render_cached(spec)
-    material = key_material(spec, source, toolchain.toolchain_versions())
-    identity = identity_of(material)
-    can_compile = toolchain.dsl_available() and (not env.DISABLE_JIT.get() if jit is None else jit)
-    if toolchain.dsl_available():
+    identity = identity_of(spec)
+    has_dsl = toolchain.dsl_available()
+    can_compile = has_dsl and (not env.DISABLE_JIT.get() if jit is None else jit)
+    if has_dsl:
+        source = _render_cached(spec)
+        material = key_material(spec, source, toolchain.toolchain_versions())
         hit = store.lookup(spec.arch, spec.op, key_of(material))
         if hit is not None:
             return hit
@@ -85,8 +85,7 @@ def resolve(spec: KernelSpec, store: CacheStore | None = None, *, jit: bool | No
         hit = store.lookup_identity(spec.arch, spec.op, identity)
         if hit is not None:
             return hit
-        why = ("DSAGEN_DISABLE_JIT=1" if toolchain.dsl_available() else
-               "CuTe-DSL (the [gen] extra) is not installed")
+        why = "DSAGEN_DISABLE_JIT=1" if has_dsl else "CuTe-DSL (the [gen] extra) is not installed"
         layers = ", ".join(f"{layer.root}{'' if layer.writable else ' (read-only)'}" for layer in store.layers)
         raise KernelNotCached(
             f"kernel {spec.name()} ({spec.canonical_json()}) is not in the cache "
@@ -109,7 +108,7 @@ def _compile_and_commit(spec, source, material, identity, store: CacheStore) -> 
                 return store.commit(spec.arch, spec.op, key, files, manifest)
         except PermissionError as e:
             warnings.warn(f"dsagen: cache not writable ({e}); compiling {spec.name()} in memory", stacklevel=3)
-        except LockTimeout as e:
+        except CacheLockTimeout as e:
             warnings.warn(f"dsagen: timed out waiting for the compile lock of {spec.name()} ({e}); "
                           f"compiling in memory", stacklevel=3)
         except OSError as e:  # read-only or full disk

@@ -33,6 +33,10 @@ LAYOUT = "v1"
 MANIFEST = "manifest.json"
 
 
+class CacheLockTimeout(TimeoutError):
+    """Another process held a kernel's compile lock for longer than DSAGEN_LOCK_TIMEOUT."""
+
+
 class CacheCorruption(RuntimeError):
     """An entry whose files do not match its manifest."""
 
@@ -199,14 +203,21 @@ class CacheStore:
     @contextlib.contextmanager
     def lock(self, key: str, timeout: float | None = None):
         """A per-key inter-process lock in the writable root (filelock)."""
-        import filelock
+        import filelock  # imported here: only writers need it, and it is slow to import
 
         layer = self._require_writable()
         locks = layer.root / "locks"
         locks.mkdir(parents=True, exist_ok=True)
-        with filelock.FileLock(str(locks / f"{key}.lock"),
-                               timeout=env.LOCK_TIMEOUT.get() if timeout is None else timeout):
+        lock = filelock.FileLock(str(locks / f"{key}.lock"),
+                                 timeout=env.LOCK_TIMEOUT.get() if timeout is None else timeout)
+        try:
+            lock.acquire()
+        except filelock.Timeout as e:
+            raise CacheLockTimeout(f"timed out waiting for {e.lock_file}") from None
+        try:
             yield
+        finally:
+            lock.release()
 
     def commit(self, arch: str, op: str, key: str, files: dict[str, bytes], manifest: dict) -> Entry:
         """Atomically publish an entry: stage files in tmp/, fsync, manifest last, rename into place.

@@ -8,7 +8,6 @@ import hashlib
 import re
 from pathlib import Path
 
-import jinja2
 
 from ..spec import KernelSpec, get_arch
 
@@ -21,7 +20,9 @@ class TemplateNotFound(LookupError):
 
 
 @functools.lru_cache(maxsize=None)
-def _environment() -> jinja2.Environment:
+def _environment():
+    import jinja2  # only where modules are rendered: a deployment computing identities never needs it
+
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
         undefined=jinja2.StrictUndefined,
@@ -39,6 +40,31 @@ def template_name(spec: KernelSpec) -> str:
             return f"{folder}/{spec.template}"
     raise TemplateNotFound(f"no template {spec.template!r} for op {spec.op!r} on {spec.arch} "
                            f"(looked in templates/{family}/, generic/, testing/)")
+
+
+_TEMPLATE_REF_RE = re.compile(r"""{%-?\s*(?:extends|include|import|from)\s+["']([^"']+)["']""")
+
+
+def template_sources(spec: KernelSpec) -> dict[str, str]:
+    """{template path: sha256 of its text} for the spec's template and every template it extends,
+    includes or imports, followed transitively. With the spec and the helper modules this determines
+    the rendered source, without running jinja2 (so a deployment can compute identities cheaply)."""
+    out: dict[str, str] = {}
+    todo = [template_name(spec)]
+    while todo:
+        name = todo.pop()
+        if name in out:
+            continue
+        text = (TEMPLATES / name).read_text()
+        out[name] = hashlib.sha256(text.encode()).hexdigest()
+        todo.extend(_TEMPLATE_REF_RE.findall(text))
+    return dict(sorted(out.items()))
+
+
+def template_helper_modules(spec: KernelSpec) -> dict[str, str]:
+    """helper_modules() of the spec's templates' text (the imports a rendered module will contain)."""
+    text = "\n".join((TEMPLATES / name).read_text() for name in template_sources(spec))
+    return helper_modules(text)
 
 
 def render(spec: KernelSpec) -> str:

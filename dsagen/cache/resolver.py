@@ -2,10 +2,12 @@
 
     entry = resolve(spec)          # Entry with manifest["kernel"] and read("kernel.cubin")
 
-With CuTe-DSL installed, entries are found by exact key (the toolchain is part of it); with JIT
-allowed a miss compiles under the lock, re-checks, and commits. Without the DSL (a deployment running
-a shipped cache), or with DSAGEN_DISABLE_JIT=1, entries are found by identity (see keys.py; computed
-without rendering); a miss raises KernelNotCached naming the spec and the exact `dsagen build` command.
+Entries are found by identity (see keys.py; computed without rendering). Where kernels may be compiled
+(CuTe-DSL installed, JIT allowed) an entry must also have been built by this toolchain, which makes it
+the entry of the exact key; a miss renders, compiles under the per-key lock, re-checks and commits.
+Where they may not (no DSL: a deployment running a shipped cache; or DSAGEN_DISABLE_JIT=1), an entry
+of any toolchain is accepted and a miss raises KernelNotCached naming the spec and the exact
+`dsagen build` command.
 """
 
 from __future__ import annotations
@@ -73,25 +75,24 @@ def resolve(spec: KernelSpec, store: CacheStore | None = None, *, jit: bool | No
     spec.check()
     store = store or CacheStore.from_env()
     identity = identity_of(spec)
-    has_dsl = toolchain.dsl_available()
-    can_compile = has_dsl and (not env.DISABLE_JIT.get() if jit is None else jit)
-    if has_dsl:
-        source = _render_cached(spec)
-        material = key_material(spec, source, toolchain.toolchain_versions())
-        hit = store.lookup(spec.arch, spec.op, key_of(material))
-        if hit is not None:
-            return hit
+    can_compile = toolchain.dsl_available() and (not env.DISABLE_JIT.get() if jit is None else jit)
+    # identity + toolchain determine the key, so a hit needs no rendering; a process that cannot
+    # compile accepts an entry of any toolchain (a shipped cache)
+    wanted_toolchain = toolchain.toolchain_versions() if can_compile else None
+    hit = store.lookup_identity(spec.arch, spec.op, identity, wanted_toolchain)
+    if hit is not None:
+        return hit
     if not can_compile:
-        hit = store.lookup_identity(spec.arch, spec.op, identity)
-        if hit is not None:
-            return hit
-        why = "DSAGEN_DISABLE_JIT=1" if has_dsl else "CuTe-DSL (the [gen] extra) is not installed"
+        why = ("DSAGEN_DISABLE_JIT=1" if toolchain.dsl_available()
+               else "CuTe-DSL (the [gen] extra) is not installed")
         layers = ", ".join(f"{layer.root}{'' if layer.writable else ' (read-only)'}" for layer in store.layers)
         raise KernelNotCached(
             f"kernel {spec.name()} ({spec.canonical_json()}) is not in the cache "
             f"[{layers or 'no layers: DSAGEN_CACHE=off'}] and cannot be compiled here ({why}). "
             f"Build it where CuTe-DSL is installed with:\n  {build_command(spec)}\n"
             f"then ship that cache folder and point DSAGEN_CACHE_PATH at it.")
+    source = _render_cached(spec)
+    material = key_material(spec, source, toolchain.toolchain_versions())
     return _compile_and_commit(spec, source, material, identity, store)
 
 

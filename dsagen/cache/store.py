@@ -171,8 +171,10 @@ class CacheStore:
                 return e
         return None
 
-    def lookup_identity(self, arch: str, op: str, identity: str) -> Entry | None:
-        """A complete entry with this toolchain-independent identity (newest first within a layer)."""
+    def lookup_identity(self, arch: str, op: str, identity: str,
+                        toolchain: dict | None = None) -> Entry | None:
+        """A complete entry with this identity (and, when given, built by exactly this toolchain),
+        searching read-only layers first and taking the newest within a layer."""
         for layer in self.layers:
             found = []
             for path in layer.entry_dirs(arch, op):
@@ -180,7 +182,7 @@ class CacheStore:
                     m = json.loads((path / MANIFEST).read_text())
                 except (OSError, ValueError):
                     continue
-                if m.get("identity") == identity:
+                if m.get("identity") == identity and (toolchain is None or m.get("toolchain") == toolchain):
                     found.append((m.get("created", ""), path))
             for _, path in sorted(found, reverse=True):
                 e = self._load(layer, path)

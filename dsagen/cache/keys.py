@@ -56,33 +56,20 @@ def sha256_hex(data: bytes | str) -> str:
     return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
 
 
+def _common_material(spec: KernelSpec) -> dict[str, Any]:
+    return {"schema": SCHEMA_VERSION, "op": spec.op, "spec": spec.canonical(), "arch": spec.arch,
+            "compile_options": COMPILE_OPTIONS, "generator": GENERATOR_VERSION}
+
+
 def key_material(spec: KernelSpec, source: str, toolchain: dict[str, str]) -> dict[str, Any]:
     """Everything the key hashes, as a dict (stored in the manifest so a miss can be explained)."""
-    return {
-        "schema": SCHEMA_VERSION,
-        "op": spec.op,
-        "spec": spec.canonical(),
-        "arch": spec.arch,
-        "compile_options": COMPILE_OPTIONS,
-        "source_sha256": sha256_hex(source),
-        "helpers": helper_modules(source),
-        "generator": GENERATOR_VERSION,
-        "toolchain": dict(sorted(toolchain.items())),
-    }
+    return dict(_common_material(spec), source_sha256=sha256_hex(source), helpers=helper_modules(source),
+                toolchain=dict(sorted(toolchain.items())))
 
 
 def identity_material(spec: KernelSpec) -> dict[str, Any]:
     """What the identity hashes (stored in the manifest)."""
-    return {
-        "schema": SCHEMA_VERSION,
-        "op": spec.op,
-        "spec": spec.canonical(),
-        "arch": spec.arch,
-        "compile_options": COMPILE_OPTIONS,
-        "templates": template_sources(spec),
-        "helpers": template_helper_modules(spec),
-        "generator": GENERATOR_VERSION,
-    }
+    return dict(_common_material(spec), templates=template_sources(spec), helpers=template_helper_modules(spec))
 
 
 def identity_of(spec: KernelSpec) -> str:

@@ -1,0 +1,194 @@
+"""Indexer scoring and top-k from seed 001 (cuDNN DSA §3 Indexer Forward, §4 Combined Indexer Forward +
+Top-K, §5 Indexer Top-K): dsagen.indexer_scores, dsagen.indexer_topk, dsagen.indexer_forward_topk.
+
+Layout: BSHD (the seed's primary layout); THD callers use B = 1 views. The default impl is "fused" as
+for every dsagen op: the generated kernel, with no silent fallback to the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference.indexer import IndexerTopK, TopK
+from ._validate import FLOAT_DTYPES, check_bool, check_impl, check_int, check_shape, check_tensor
+
+__all__ = ["indexer_scores", "indexer_topk", "indexer_forward_topk", "TopK", "IndexerTopK"]
+
+
+def check_indexer_inputs(q, k, w, names: tuple[str, str, str] = ("q_indexer", "k_indexer", "weights"),
+                         allow_4d_k: bool = True) -> tuple[int, int, int, int, int]:
+    """Validate the indexer triple; returns (B, S_q, H, D, S_k).
+
+    q [B, S_q, H, D] and k ([B, S_k, D], or [B, S_k, 1, D] when allow_4d_k) share a floating dtype
+    (fp16/bf16/fp32/fp64); weights [B, S_q, H] may have any of those dtypes; all on q's device.
+    """
+    qn, kn, wn = names
+    check_tensor(qn, q, dtypes=FLOAT_DTYPES, ndim=4)
+    check_tensor(kn, k, dtypes=FLOAT_DTYPES, ndim=(3, 4) if allow_4d_k else 3, device=q.device)
+    check_tensor(wn, w, dtypes=FLOAT_DTYPES, ndim=3, device=q.device)
+    if k.dtype != q.dtype:
+        raise TypeError(f"{kn} must have the same dtype as {qn} ({q.dtype}), got {k.dtype}")
+    b, sq, h, d = q.shape
+    if h < 1 or d < 1:
+        raise ValueError(f"{qn} must have H >= 1 heads and head dimension D >= 1, got shape {tuple(q.shape)}")
+    if k.dim() == 4 and k.shape[2] != 1:
+        raise ValueError(f"{kn} must have H_kv = 1 (MQA): shape [B, S_k, 1, D], got {tuple(k.shape)}")
+    if k.shape[0] != b or k.shape[-1] != d:
+        raise ValueError(f"{kn} must have shape [B={b}, S_k, D={d}], got {tuple(k.shape)}")
+    check_shape(wn, w, (b, sq, h), "[B, S_q, H]")
+    return b, sq, h, d, k.shape[1]
+
+
+def check_causal_offsets(q_causal_offsets, batch: int, device: torch.device) -> None:
+    """q_causal_offsets: None or a [B] int32 tensor on `device`."""
+    if q_causal_offsets is None:
+        return
+    check_tensor("q_causal_offsets", q_causal_offsets, dtypes=(torch.int32,), ndim=1, device=device)
+    if q_causal_offsets.numel() != batch:
+        raise ValueError(f"q_causal_offsets must have one entry per batch (B = {batch}), "
+                         f"got shape {tuple(q_causal_offsets.shape)}")
+
+
+def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor, *, ratio: int = 1,
+                   q_causal_offsets: torch.Tensor | None = None, impl: str = "fused") -> torch.Tensor:
+    """Dense indexer scores with the ratio-causal mask (seed 001 §3, Indexer Forward).
+
+    ::
+
+        scores[b, q, k] = sum_h relu(q_indexer[b, q, h, :] . k_indexer[b, k, :]) * weights[b, q, h]
+        valid iff k < clamp((q_causal_offsets[b] + q + 1) // ratio, 0, S_k)     (offsets default to 0)
+
+    q_causal_offsets[b] is the global uncompressed token index of local query row 0 of batch b (not a
+    packed storage offset); the key columns are a compressed prefix starting at global column 0. The
+    mask is always applied (seed 001 has no non-causal indexer forward).
+
+    Args:
+        q_indexer: [B, S_q, H, D], fp16/bf16/fp32/fp64; H >= 1, D >= 1.
+        k_indexer: [B, S_k, D] or [B, S_k, 1, D] (MQA), same dtype as q_indexer.
+        weights: [B, S_q, H], any of those float dtypes.
+        ratio: compression ratio, >= 1.
+        q_causal_offsets: optional [B] int32 on q_indexer's device. Values are not read on the host; a
+            negative offset simply leaves fewer (possibly zero) valid columns.
+        impl: "fused" (default) or "reference".
+
+    Returns:
+        scores [B, S_q, S_k], FP32 (FP64 for FP64 inputs); masked columns are -inf. Differentiable with
+        respect to q_indexer, k_indexer and weights in the reference.
+
+    Raises:
+        TypeError: a tensor of the wrong type or dtype; ratio not an int.
+        ValueError: wrong ranks or shapes, H_kv != 1, mismatched devices, ratio < 1, q_causal_offsets
+            not [B]; bad impl; impl="fused" on CPU.
+        NotImplementedError: impl="fused" where no kernel exists for the device.
+    """
+    check_impl(impl)
+    b, *_ = check_indexer_inputs(q_indexer, k_indexer, weights)
+    check_int("ratio", ratio, minimum=1)
+    check_causal_offsets(q_causal_offsets, b, q_indexer.device)
+    if impl == "reference":
+        from ..reference.indexer import indexer_scores as reference
+
+        return reference(q_indexer, k_indexer, weights, ratio=ratio, q_causal_offsets=q_causal_offsets)
+    from ..fused import fused_impl
+
+    return fused_impl("indexer_scores", q_indexer.device)(q_indexer, k_indexer, weights, ratio=ratio,
+                                                          q_causal_offsets=q_causal_offsets)
+
+
+def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int, *, return_values: bool = True,
+                 impl: str = "fused") -> TopK:
+    """Per-row top-k with per-row effective lengths (seed 001 §5, Indexer Top-K).
+
+    The n_rows rows are split into G = seq_lens.numel() consecutive groups of n_rows // G rows; every row
+    of group g selects among its first clamp(seq_lens[g], 0, num_cols) columns. G = n_rows gives one
+    length per row (the common case); G = B with rows = scores.reshape(-1, S_k) gives one length per
+    batch. (The cuDNN kernel's speculative-decoding stagger, next_n > 1, is not modeled.)
+
+    Args:
+        input_values: [n_rows, num_cols], fp16/bf16/fp32 (fp64 accepted by the reference).
+        seq_lens: [G] int32 on the same device; G >= 1 must divide n_rows (G = 0 only when n_rows = 0).
+        top_k: >= 0. The reference has no upper limit (the seed's kernel limit, 2048, is the fused
+            path's to enforce); top_k > num_cols pads with -1.
+        return_values: also return the selected values.
+        impl: "fused" (default) or "reference".
+
+    Returns:
+        TopK(indices, values): indices int32 [n_rows, top_k]; values [n_rows, top_k] in the input dtype,
+        or None when return_values=False. The reference orders a row by descending value, ties toward
+        the lower column index; slots past the row's valid count hold index -1 and value -inf. NaN
+        ordering is unspecified.
+
+    Raises:
+        TypeError: wrong tensor types or dtypes, top_k not an int, return_values not a bool.
+        ValueError: wrong ranks, devices, top_k < 0, G not dividing n_rows; bad impl; fused on CPU.
+        NotImplementedError: impl="fused" where no kernel exists for the device.
+    """
+    check_impl(impl)
+    check_tensor("input_values", input_values, dtypes=FLOAT_DTYPES, ndim=2)
+    check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1, device=input_values.device)
+    check_int("top_k", top_k, minimum=0)
+    check_bool("return_values", return_values)
+    n_rows = input_values.shape[0]
+    groups = seq_lens.numel()
+    if (groups == 0 and n_rows != 0) or (groups != 0 and n_rows % groups != 0):
+        raise ValueError(f"seq_lens must have a number of entries G that divides n_rows = {n_rows} "
+                         f"(G = n_rows for one length per row), got {groups}")
+    if impl == "reference":
+        from ..reference.indexer import indexer_topk as reference
+
+        return reference(input_values, seq_lens, top_k, return_values=return_values)
+    from ..fused import fused_impl
+
+    return fused_impl("indexer_topk", input_values.device)(input_values, seq_lens, top_k, return_values=return_values)
+
+
+def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor, top_k: int, *,
+                         ratio: int = 1, q_causal_offsets: torch.Tensor | None = None, return_softmax: bool = True,
+                         return_lse: bool = False, topk_indices_global: bool = True,
+                         impl: str = "fused") -> IndexerTopK:
+    """Indexer scores, top-k and top-k softmax in one call (seed 001 §4, Combined Indexer Forward + Top-K).
+
+    Scores and the ratio-causal mask are exactly indexer_scores'; each row then keeps its top_k valid
+    columns. Rows extending beyond the key prefix are clamped to S_k.
+
+    Args:
+        q_indexer, k_indexer, weights, ratio, q_causal_offsets: as for indexer_scores.
+        top_k: >= 0; rows with fewer valid columns are padded.
+        return_softmax: also return the softmax over each row's selected logits (default True).
+        return_lse: also return the logsumexp of each row's selected logits.
+        topk_indices_global: return flat ids b * S_k + local (default, as the seed) instead of
+            per-batch local ids. Padding stays -1 either way.
+        impl: "fused" (default) or "reference".
+
+    Returns:
+        IndexerTopK(indices, logits, softmax, lse):
+          indices int32 [B, S_q, top_k], -1 padding;
+          logits FP32 (FP64 for FP64 inputs) [B, S_q, top_k], the selected scores, -inf padding;
+          softmax same dtype and shape, softmax over the valid slots, 0 on padding and on empty rows
+          (None unless return_softmax);
+          lse [B, S_q], logsumexp of the valid slots, -inf for empty rows (None unless return_lse).
+        The reference's slot order is descending score with ties toward the smallest local KV index
+        (so the selected set is the deterministic one of the seed's deterministic=True, and the slots
+        are additionally sorted). logits/softmax/lse are differentiable with respect to the inputs for
+        the fixed selection; indices are not.
+
+    Raises:
+        as indexer_scores, plus TypeError/ValueError for top_k (int >= 0) and the bool flags.
+    """
+    check_impl(impl)
+    b, *_ = check_indexer_inputs(q_indexer, k_indexer, weights)
+    check_int("top_k", top_k, minimum=0)
+    check_int("ratio", ratio, minimum=1)
+    check_causal_offsets(q_causal_offsets, b, q_indexer.device)
+    check_bool("return_softmax", return_softmax)
+    check_bool("return_lse", return_lse)
+    check_bool("topk_indices_global", topk_indices_global)
+    kwargs = dict(ratio=ratio, q_causal_offsets=q_causal_offsets, return_softmax=return_softmax,
+                  return_lse=return_lse, topk_indices_global=topk_indices_global)
+    if impl == "reference":
+        from ..reference.indexer import indexer_forward_topk as reference
+
+        return reference(q_indexer, k_indexer, weights, top_k, **kwargs)
+    from ..fused import fused_impl
+
+    return fused_impl("indexer_forward_topk", q_indexer.device)(q_indexer, k_indexer, weights, top_k, **kwargs)

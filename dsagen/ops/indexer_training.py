@@ -1,0 +1,262 @@
+"""Indexer training ops from seed 001 (cuDNN DSA §6 Sparse Indexer Score Recompute, §8 Dense Indexer Score
+Recompute, §9 Indexer Backward, §10 Dense Indexer Backward).
+
+The loss these ops serve (DeepSeek-V3.2's indexer KL loss, normalized as cuDNN does), per query row
+(b, t) over its valid slots J (top-k slots for the sparse ops, ratio-causal columns for the dense ops):
+
+    I_j   = sum_h weights[b,t,h] * relu(index_q[b,t,h,:] . index_k[b,j,:])
+    p_j   = softmax_{j in J}(sm_scale * I_j)            predict: the indexer's distribution
+    tgt_j = the main attention's distribution over J    target: head-summed, L1-normalized, detached
+    L     = grad_loss * loss_coeff / (B * S_q) * sum_{b,t} KL(tgt || p)
+          = grad_loss * loss_coeff / (B * S_q) * sum_{b,t} sum_{j in J} tgt_j * (log tgt_j - log p_j)
+
+dL/dI_j = c * sm_scale * (p_j * sum_{J} tgt - tgt_j), c = grad_loss * loss_coeff / (B * S_q); the backward
+ops chain this through the weighted ReLU to index_q, weights and index_k. (The cuDNN kernels also clip
+log-probabilities below -100; the reference does not, which differs only where p < e^-100.)
+
+Layout: BSHD (the seed's primary layout; its sparse backward is BSHD-only and THD inputs use B = 1 views).
+The default impl is "fused", as for every dsagen op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference.indexer_training import DenseIndexerScores, IndexerGrads
+from ._validate import FLOAT_DTYPES, check_bool, check_float, check_impl, check_int, check_shape, check_tensor
+from .indexer import check_causal_offsets, check_indexer_inputs
+
+__all__ = ["sparse_indexer_score_recompute", "dense_indexer_score_recompute", "indexer_backward",
+           "dense_indexer_backward", "DenseIndexerScores", "IndexerGrads"]
+
+_BACKWARD_NAMES = ("index_q", "index_k", "weights")
+
+
+def _check_topk_indices(topk_indices, batch: int, seqlen_q: int, device: torch.device) -> None:
+    check_tensor("topk_indices", topk_indices, dtypes=(torch.int32,), ndim=3, device=device)
+    if tuple(topk_indices.shape[:2]) != (batch, seqlen_q):
+        raise ValueError(f"topk_indices must have shape [B, S_q, topk] with B, S_q = {(batch, seqlen_q)}, "
+                         f"got {tuple(topk_indices.shape)}")
+
+
+def _check_grad_loss(grad_loss, device: torch.device) -> None:
+    if grad_loss is None:
+        return
+    check_tensor("grad_loss", grad_loss, dtypes=FLOAT_DTYPES, device=device)
+    if grad_loss.numel() != 1:
+        raise ValueError(f"grad_loss must be a single-element tensor, got shape {tuple(grad_loss.shape)}")
+
+
+def _check_score(name: str, t, shape: tuple[int, ...], what: str, device: torch.device) -> None:
+    check_tensor(name, t, dtypes=(torch.float32, torch.float64), ndim=len(shape), device=device)
+    check_shape(name, t, shape, what)
+
+
+def sparse_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor,
+                                   topk_indices: torch.Tensor, *, topk_length: torch.Tensor | None = None,
+                                   topk_indices_global: bool = False, sm_scale: float = 1.0,
+                                   impl: str = "fused") -> torch.Tensor:
+    """Indexer softmax over the top-k slots (seed 001 §6, Sparse Indexer Score Recompute).
+
+    ::
+
+        predict[b, q, i] = softmax_i(sm_scale * sum_h relu(q_indexer[b,q,h,:] . k_indexer[b, id_i, :]) * weights[b,q,h])
+
+    over the row's valid slots. Slot i is valid when its local id (topk_indices[b,q,i], minus b * S_k for
+    global ids) lies in [0, S_k), so an id never aliases another batch, and, with topk_length, when
+    i < topk_length[b, q]. Duplicate ids are distinct softmax slots.
+
+    Args:
+        q_indexer: [B, S_q, H, D] fp16/bf16/fp32/fp64; k_indexer: [B, S_k, D], same dtype;
+            weights: [B, S_q, H], any of those float dtypes.
+        topk_indices: [B, S_q, topk] int32, -1 padded.
+        topk_length: optional [B, S_q] int32 valid-prefix lengths (compact layout).
+        topk_indices_global: ids are flat b * S_k + local (default False: per-batch local ids, as the seed).
+        sm_scale: positive scale applied to the head-reduced score before the softmax (default 1; the
+            seed formula has none, cuDNN's kernels take it; it must match indexer_backward's sm_scale).
+        impl: "fused" (default) or "reference".
+
+    Returns:
+        predict [B, S_q, topk], FP32 (FP64 for FP64 inputs); 0 on invalid slots and all-invalid rows.
+        Differentiable with respect to q_indexer, k_indexer and weights in the reference.
+
+    Raises:
+        TypeError / ValueError naming the argument for wrong types, dtypes, ranks, shapes, devices,
+        sm_scale <= 0, bad impl; ValueError for impl="fused" on CPU; NotImplementedError where no fused
+        kernel exists.
+    """
+    check_impl(impl)
+    b, sq, _, _, _ = check_indexer_inputs(q_indexer, k_indexer, weights, allow_4d_k=False)
+    _check_topk_indices(topk_indices, b, sq, q_indexer.device)
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, dtypes=(torch.int32,), ndim=2, device=q_indexer.device)
+        check_shape("topk_length", topk_length, (b, sq), "[B, S_q]")
+    check_bool("topk_indices_global", topk_indices_global)
+    sm_scale = check_float("sm_scale", sm_scale, positive=True)
+    kwargs = dict(topk_length=topk_length, topk_indices_global=topk_indices_global, sm_scale=sm_scale)
+    if impl == "reference":
+        from ..reference.indexer_training import sparse_indexer_score_recompute as reference
+
+        return reference(q_indexer, k_indexer, weights, topk_indices, **kwargs)
+    from ..fused import fused_impl
+
+    return fused_impl("sparse_indexer_score_recompute", q_indexer.device)(q_indexer, k_indexer, weights,
+                                                                          topk_indices, **kwargs)
+
+
+def dense_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor, *,
+                                  ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
+                                  sm_scale: float = 1.0, impl: str = "fused") -> DenseIndexerScores:
+    """Dense indexer logits and their logsumexp (seed 001 §8, Dense Indexer Score Recompute).
+
+    ::
+
+        out[b, q, k] = sm_scale * sum_h relu(q_indexer[b,q,h,:] . k_indexer[b,k,:]) * weights[b,q,h]   (valid k)
+        out[b, q, k] = -inf                                                                          (masked k)
+        denom[b, q]  = logsumexp_k(out[b, q, k])
+
+    with indexer_scores' ratio-causal mask (k < clamp((q_causal_offsets[b] + q + 1) // ratio, 0, S_k)).
+    Pass the same q_causal_offsets and ratio to every dense score tensor of one loss.
+
+    Args:
+        q_indexer: [B, S_q, H, D]; k_indexer: [B, S_k, D] or [B, S_k, 1, D]; weights: [B, S_q, H].
+        ratio: >= 1. q_causal_offsets: optional [B] int32. sm_scale: > 0 (default 1).
+        impl: "fused" (default) or "reference".
+
+    Returns:
+        DenseIndexerScores(out [B, S_q, S_k], denom [B, S_q]), FP32 (FP64 for FP64 inputs); denom is
+        -inf for rows without valid columns. Differentiable in the reference.
+
+    Raises:
+        as indexer_scores, plus ValueError for sm_scale <= 0.
+    """
+    check_impl(impl)
+    b, *_ = check_indexer_inputs(q_indexer, k_indexer, weights)
+    check_int("ratio", ratio, minimum=1)
+    check_causal_offsets(q_causal_offsets, b, q_indexer.device)
+    sm_scale = check_float("sm_scale", sm_scale, positive=True)
+    kwargs = dict(ratio=ratio, q_causal_offsets=q_causal_offsets, sm_scale=sm_scale)
+    if impl == "reference":
+        from ..reference.indexer_training import dense_indexer_score_recompute as reference
+
+        return reference(q_indexer, k_indexer, weights, **kwargs)
+    from ..fused import fused_impl
+
+    return fused_impl("dense_indexer_score_recompute", q_indexer.device)(q_indexer, k_indexer, weights, **kwargs)
+
+
+def _check_backward_common(index_q, weights, index_k, grad_loss, sm_scale, loss_coeff):
+    b, sq, h, d, sk = check_indexer_inputs(index_q, index_k, weights, names=_BACKWARD_NAMES, allow_4d_k=False)
+    _check_grad_loss(grad_loss, index_q.device)
+    check_float("sm_scale", sm_scale, positive=True)
+    check_float("loss_coeff", loss_coeff)
+    return b, sq, h, d, sk
+
+
+def indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, attn_score: torch.Tensor,
+                     index_score: torch.Tensor, topk_indices: torch.Tensor, *, grad_loss: torch.Tensor | None = None,
+                     sm_scale: float = 1.0, loss_coeff: float = 1.0, topk_indices_global: bool = False,
+                     impl: str = "fused") -> IndexerGrads:
+    """Gradients of the sparse indexer KL loss (seed 001 §9, Indexer Backward).
+
+    The loss (module docstring), with J = the row's valid top-k slots:
+
+        L = grad_loss * loss_coeff / (B * S_q) * sum_{b,t} sum_{j in J} tgt_j * (log tgt_j - log p_j)
+        p = softmax_J(sm_scale * sum_h weights * relu(index_q . index_k[id_j]))
+
+    where tgt = attn_score (the target, e.g. sparse attention score recompute, constant) and p is
+    supplied as index_score (predict, e.g. sparse_indexer_score_recompute or indexer_forward_topk's
+    softmax with the same slots and sm_scale). Returns dL/d(index_q, weights, index_k), using
+    dL/dI_j = c * sm_scale * (index_score_j * sum_J attn_score - attn_score_j). A slot is valid when its
+    local id (minus b * S_k for global ids) lies in [0, S_k); invalid slots (e.g. -1 padding) contribute
+    nothing whatever attn_score / index_score hold there. There is no topk_length: all slots are read.
+    Inputs are not modified (the cuDNN kernel overwrites attn_score; this op does not).
+
+    Args:
+        index_q: [B, S_q, H, D] fp16/bf16/fp32/fp64; weights: [B, S_q, H]; index_k: [B, S_k, D] (same
+            dtype as index_q).
+        attn_score, index_score: [B, S_q, topk] FP32 (or FP64), aligned slot-for-slot with topk_indices.
+        topk_indices: [B, S_q, topk] int32.
+        grad_loss: optional single-element float tensor on the device (upstream dL/dloss; default 1),
+            read on the device, never on the host.
+        sm_scale: > 0 (default 1). loss_coeff: finite float (default 1).
+        topk_indices_global: ids are flat b * S_k + local (default False: per-batch local ids).
+        impl: "fused" (default) or "reference".
+
+    Returns:
+        IndexerGrads(d_index_q, d_weights, d_index_k), each in the dtype of its input (accumulated in FP32,
+        FP64 for FP64). d_index_k accumulates with index_add_, whose order is not deterministic on CUDA.
+
+    Raises:
+        TypeError / ValueError naming the argument for wrong types, dtypes, ranks, shapes, devices,
+        grad_loss with more than one element, sm_scale <= 0, non-finite loss_coeff, bad impl; ValueError
+        for impl="fused" on CPU; NotImplementedError where no fused kernel exists.
+    """
+    check_impl(impl)
+    b, sq, _, _, _ = _check_backward_common(index_q, weights, index_k, grad_loss, sm_scale, loss_coeff)
+    device = index_q.device
+    _check_topk_indices(topk_indices, b, sq, device)
+    _check_score("attn_score", attn_score, tuple(topk_indices.shape), "[B, S_q, topk]", device)
+    _check_score("index_score", index_score, tuple(topk_indices.shape), "[B, S_q, topk]", device)
+    check_bool("topk_indices_global", topk_indices_global)
+    kwargs = dict(grad_loss=grad_loss, sm_scale=float(sm_scale), loss_coeff=float(loss_coeff),
+                  topk_indices_global=topk_indices_global)
+    if impl == "reference":
+        from ..reference.indexer_training import indexer_backward as reference
+
+        return reference(index_q, weights, index_k, attn_score, index_score, topk_indices, **kwargs)
+    from ..fused import fused_impl
+
+    return fused_impl("indexer_backward", device)(index_q, weights, index_k, attn_score, index_score,
+                                                  topk_indices, **kwargs)
+
+
+def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
+                           attn_score: torch.Tensor, attn_l1norm: torch.Tensor, index_score: torch.Tensor,
+                           index_lse: torch.Tensor, *, grad_loss: torch.Tensor | None = None, sm_scale: float = 1.0,
+                           loss_coeff: float = 1.0, ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
+                           impl: str = "fused") -> IndexerGrads:
+    """Gradients of the dense (full-KV) indexer KL loss (seed 001 §10, Dense Indexer Backward).
+
+    The loss of indexer_backward with J = the ratio-causal columns k < clamp((q_causal_offsets[b] + q + 1)
+    // ratio, 0, S_k), built from raw dense scores:
+
+        tgt_j = attn_score[b,q,j] / attn_l1norm[b,q]        (dense attention score recompute; 0 if the norm is 0)
+        p_j   = exp(index_score[b,q,j] - index_lse[b,q])    (dense_indexer_score_recompute's out and denom,
+                                                              which already include sm_scale)
+        dL/dI_j = c * sm_scale * (p_j * sum_J tgt - tgt_j),  c = grad_loss * loss_coeff / (B * S_q)
+
+    Masked columns contribute nothing whatever the score tensors hold there. Pass the same ratio and
+    q_causal_offsets as the score recompute calls. Inputs are not modified.
+
+    Args:
+        index_q: [B, S_q, H, D]; weights: [B, S_q, H]; index_k: [B, S_k, D].
+        attn_score, index_score: [B, S_q, S_k] FP32 (or FP64); attn_l1norm, index_lse: [B, S_q].
+        grad_loss, sm_scale, loss_coeff: as for indexer_backward. ratio: >= 1.
+        q_causal_offsets: optional [B] int32. impl: "fused" (default) or "reference".
+
+    Returns:
+        IndexerGrads(d_index_q, d_weights, d_index_k), each in the dtype of its input.
+
+    Raises:
+        as indexer_backward, plus the ratio / q_causal_offsets checks of indexer_scores.
+    """
+    check_impl(impl)
+    b, sq, _, _, sk = _check_backward_common(index_q, weights, index_k, grad_loss, sm_scale, loss_coeff)
+    device = index_q.device
+    _check_score("attn_score", attn_score, (b, sq, sk), "[B, S_q, S_k]", device)
+    _check_score("attn_l1norm", attn_l1norm, (b, sq), "[B, S_q]", device)
+    _check_score("index_score", index_score, (b, sq, sk), "[B, S_q, S_k]", device)
+    _check_score("index_lse", index_lse, (b, sq), "[B, S_q]", device)
+    check_int("ratio", ratio, minimum=1)
+    check_causal_offsets(q_causal_offsets, b, device)
+    kwargs = dict(grad_loss=grad_loss, sm_scale=float(sm_scale), loss_coeff=float(loss_coeff), ratio=ratio,
+                  q_causal_offsets=q_causal_offsets)
+    if impl == "reference":
+        from ..reference.indexer_training import dense_indexer_backward as reference
+
+        return reference(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, **kwargs)
+    from ..fused import fused_impl
+
+    return fused_impl("dense_indexer_backward", device)(index_q, weights, index_k, attn_score, attn_l1norm,
+                                                        index_score, index_lse, **kwargs)

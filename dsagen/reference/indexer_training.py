@@ -1,0 +1,202 @@
+"""Plain-PyTorch indexer training ops (seed 001 §6, §8 indexer half, §9, §10): score recompute and the
+analytic gradients of the indexer KL loss.
+
+The loss (DeepSeek-V3.2 indexer loss, cuDNN normalization), for each query row (b, t) over its set of
+valid slots J (top-k slots for the sparse ops, ratio-causal columns for the dense ones):
+
+    I_j      = sum_h weights[b,t,h] * relu(index_q[b,t,h,:] . index_k[b,j,:])
+    p_j      = softmax_{j in J}(sm_scale * I_j)                  (the indexer's distribution, "predict")
+    tgt_j    = attention distribution over J                     ("target", treated as a constant)
+    L        = grad_loss * loss_coeff / (B * S_q) * sum_{b,t} sum_{j in J} tgt_j * (log tgt_j - log p_j)
+
+Its gradient with respect to I is dI_j = c * sm_scale * (p_j * sum_J(tgt) - tgt_j) with
+c = grad_loss * loss_coeff / (B * S_q); the backward ops chain that through the weighted ReLU.
+Inputs are validated by dsagen.ops.indexer_training.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .indexer import (accumulate_dtype, masked_logsumexp, masked_softmax, ratio_causal_limit, rows_per_chunk,
+                      weighted_relu_scores)
+
+
+class DenseIndexerScores(NamedTuple):
+    """dense_indexer_score_recompute's result: masked scaled scores and their per-row logsumexp."""
+
+    out: torch.Tensor
+    denom: torch.Tensor
+
+
+class IndexerGrads(NamedTuple):
+    """The backward ops' result, each in the dtype of the tensor it is the gradient of."""
+
+    d_index_q: torch.Tensor
+    d_weights: torch.Tensor
+    d_index_k: torch.Tensor
+
+
+def decode_topk_indices(topk_indices: torch.Tensor, seqlen_k: int, topk_indices_global: bool,
+                        topk_length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(local ids clamped into [0, S_k) as int64, valid mask) for [B, S_q, K] ids.
+
+    A slot is valid when its local id (id - b * S_k for global ids) lies in [0, S_k), so an id never
+    aliases another batch, and, with topk_length [B, S_q], when its slot position is < topk_length.
+    """
+    b = topk_indices.shape[0]
+    ids = topk_indices.to(torch.int64)
+    if topk_indices_global:
+        ids = ids - torch.arange(b, device=ids.device, dtype=torch.int64).view(b, 1, 1) * seqlen_k
+    valid = (ids >= 0) & (ids < seqlen_k) & (topk_indices >= 0)
+    if topk_length is not None:
+        slot = torch.arange(topk_indices.shape[-1], device=ids.device)
+        valid &= slot < topk_length.to(torch.int64)[..., None]
+    return ids.clamp(0, max(seqlen_k - 1, 0)), valid
+
+
+def _gather_rows(k: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """k [B, S_k, D], local [B, R, K] -> k[b, local[b, r, j]] as [B, R, K, D]."""
+    b, r, kk = local.shape
+    flat = torch.gather(k, 1, local.reshape(b, r * kk, 1).expand(b, r * kk, k.shape[-1]))
+    return flat.view(b, r, kk, k.shape[-1])
+
+
+def sparse_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor,
+                                   topk_indices: torch.Tensor, *, topk_length: torch.Tensor | None = None,
+                                   topk_indices_global: bool = False, sm_scale: float = 1.0) -> torch.Tensor:
+    """predict [B, S_q, K]: softmax over the valid slots of sm_scale * I. See dsagen.sparse_indexer_score_recompute."""
+    acc = accumulate_dtype(q_indexer, k_indexer, weights)
+    b, sq, h, d = q_indexer.shape
+    sk = k_indexer.shape[1]
+    kk = topk_indices.shape[-1]
+    local, valid = decode_topk_indices(topk_indices, sk, topk_indices_global, topk_length)
+    if b * sq * kk == 0 or sk == 0:
+        return torch.zeros((b, sq, kk), dtype=acc, device=q_indexer.device)
+    k = k_indexer.to(acc)
+    rows = rows_per_chunk(b * kk * (h + d) * torch.finfo(acc).bits // 8)
+    chunks = []
+    for r0 in range(0, sq, rows):
+        r1 = min(sq, r0 + rows)
+        kg = _gather_rows(k, local[:, r0:r1])                                    # [B, R, K, D]
+        dots = torch.einsum("brhd,brkd->brhk", q_indexer[:, r0:r1].to(acc), kg)
+        logits = torch.einsum("brh,brhk->brk", weights[:, r0:r1].to(acc), torch.relu(dots))
+        chunks.append(masked_softmax(sm_scale * logits, valid[:, r0:r1]))
+    return torch.cat(chunks, dim=1)
+
+
+def dense_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor, *,
+                                  ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
+                                  sm_scale: float = 1.0) -> DenseIndexerScores:
+    """(out [B, S_q, S_k], denom [B, S_q]). See dsagen.dense_indexer_score_recompute."""
+    k = k_indexer.squeeze(2) if k_indexer.dim() == 4 else k_indexer
+    acc = accumulate_dtype(q_indexer, k, weights)
+    b, sq, h, _ = q_indexer.shape
+    sk = k.shape[1]
+    device = q_indexer.device
+    limit = ratio_causal_limit(sq, sk, ratio, q_causal_offsets, b, device)
+    valid = torch.arange(sk, device=device) < limit[..., None]
+    if b * sq * sk == 0:
+        out = torch.full((b, sq, sk), float("-inf"), dtype=acc, device=device)
+        return DenseIndexerScores(out, torch.full((b, sq), float("-inf"), dtype=acc, device=device))
+    kf = k.to(acc)
+    rows = rows_per_chunk(b * h * sk * torch.finfo(acc).bits // 8)
+    chunks = []
+    for r0 in range(0, sq, rows):
+        r1 = min(sq, r0 + rows)
+        raw = weighted_relu_scores(q_indexer[:, r0:r1].to(acc), kf, weights[:, r0:r1].to(acc))
+        chunks.append(torch.where(valid[:, r0:r1], sm_scale * raw, float("-inf")))
+    out = torch.cat(chunks, dim=1)
+    return DenseIndexerScores(out, masked_logsumexp(out, valid))
+
+
+def _loss_scale(grad_loss: torch.Tensor | None, loss_coeff: float, rows: int, acc: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """c = grad_loss * loss_coeff / max(B * S_q, 1) as a 0-d tensor (no host read of grad_loss)."""
+    c = torch.tensor(loss_coeff / max(rows, 1), dtype=acc, device=device)
+    return c if grad_loss is None else c * grad_loss.to(acc).reshape(())
+
+
+def _kl_score_grad(target: torch.Tensor, predict: torch.Tensor, valid: torch.Tensor, c: torch.Tensor,
+                   sm_scale: float) -> torch.Tensor:
+    """dL/dI over the last dimension: c * sm_scale * (p * sum(tgt) - tgt) on valid slots, 0 elsewhere."""
+    zero = torch.zeros((), dtype=target.dtype, device=target.device)
+    tgt = torch.where(valid, target, zero)
+    p = torch.where(valid, predict, zero)
+    return (c * sm_scale) * (p * tgt.sum(dim=-1, keepdim=True) - tgt)
+
+
+def indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
+                     attn_score: torch.Tensor, index_score: torch.Tensor, topk_indices: torch.Tensor, *,
+                     grad_loss: torch.Tensor | None = None, sm_scale: float = 1.0, loss_coeff: float = 1.0,
+                     topk_indices_global: bool = False) -> IndexerGrads:
+    """Sparse (top-k) indexer KL-loss gradients. See dsagen.indexer_backward."""
+    acc = accumulate_dtype(index_q, weights, index_k, attn_score, index_score)
+    b, sq, h, d = index_q.shape
+    sk = index_k.shape[1]
+    kk = topk_indices.shape[-1]
+    device = index_q.device
+    local, valid = decode_topk_indices(topk_indices, sk, topk_indices_global)
+    c = _loss_scale(grad_loss, loss_coeff, b * sq, acc, device)
+    d_q = torch.zeros((b, sq, h, d), dtype=acc, device=device)
+    d_w = torch.zeros((b, sq, h), dtype=acc, device=device)
+    d_k = torch.zeros((b, sk, d), dtype=acc, device=device)
+    if b * sq * kk > 0 and sk > 0:
+        k = index_k.to(acc)
+        batch_base = torch.arange(b, device=device, dtype=torch.int64).view(b, 1, 1) * sk
+        rows = rows_per_chunk(b * kk * (2 * h + 2 * d) * torch.finfo(acc).bits // 8)
+        for r0 in range(0, sq, rows):
+            r1 = min(sq, r0 + rows)
+            q_c = index_q[:, r0:r1].to(acc)
+            w_c = weights[:, r0:r1].to(acc)
+            d_i = _kl_score_grad(attn_score[:, r0:r1].to(acc), index_score[:, r0:r1].to(acc),
+                                 valid[:, r0:r1], c, sm_scale)                       # [B, R, K]
+            kg = _gather_rows(k, local[:, r0:r1])                                    # [B, R, K, D]
+            dots = torch.einsum("brhd,brkd->brhk", q_c, kg)
+            d_w[:, r0:r1] = torch.einsum("brk,brhk->brh", d_i, torch.relu(dots))
+            d_dots = d_i[:, :, None, :] * w_c[..., None] * (dots > 0)               # [B, R, H, K]
+            d_q[:, r0:r1] = torch.einsum("brhk,brkd->brhd", d_dots, kg)
+            d_kg = torch.einsum("brhk,brhd->brkd", d_dots, q_c)                     # [B, R, K, D]
+            flat = (local[:, r0:r1] + batch_base).reshape(-1)
+            d_k.view(b * sk, d).index_add_(0, flat, d_kg.reshape(-1, d))
+    return IndexerGrads(d_q.to(index_q.dtype), d_w.to(weights.dtype), d_k.to(index_k.dtype))
+
+
+def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
+                           attn_score: torch.Tensor, attn_l1norm: torch.Tensor, index_score: torch.Tensor,
+                           index_lse: torch.Tensor, *, grad_loss: torch.Tensor | None = None,
+                           sm_scale: float = 1.0, loss_coeff: float = 1.0, ratio: int = 1,
+                           q_causal_offsets: torch.Tensor | None = None) -> IndexerGrads:
+    """Dense (full-KV) indexer KL-loss gradients. See dsagen.dense_indexer_backward."""
+    acc = accumulate_dtype(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse)
+    b, sq, h, d = index_q.shape
+    sk = index_k.shape[1]
+    device = index_q.device
+    limit = ratio_causal_limit(sq, sk, ratio, q_causal_offsets, b, device)
+    valid = torch.arange(sk, device=device) < limit[..., None]                       # [B, S_q, S_k]
+    c = _loss_scale(grad_loss, loss_coeff, b * sq, acc, device)
+    d_q = torch.zeros((b, sq, h, d), dtype=acc, device=device)
+    d_w = torch.zeros((b, sq, h), dtype=acc, device=device)
+    d_k = torch.zeros((b, sk, d), dtype=acc, device=device)
+    if b * sq * sk > 0:
+        k = index_k.to(acc)
+        rows = rows_per_chunk(b * h * sk * 2 * torch.finfo(acc).bits // 8)
+        zero = torch.zeros((), dtype=acc, device=device)
+        for r0 in range(0, sq, rows):
+            r1 = min(sq, r0 + rows)
+            v_c = valid[:, r0:r1]
+            norm = attn_l1norm[:, r0:r1, None].to(acc)
+            target = torch.where(v_c & (norm > 0), attn_score[:, r0:r1].to(acc) / norm, zero)
+            predict = torch.where(v_c, torch.exp(index_score[:, r0:r1].to(acc) - index_lse[:, r0:r1, None].to(acc)),
+                                  zero)
+            d_i = _kl_score_grad(target, predict, v_c, c, sm_scale)                  # [B, R, S_k]
+            q_c = index_q[:, r0:r1].to(acc)
+            w_c = weights[:, r0:r1].to(acc)
+            dots = torch.einsum("brhd,bkd->brhk", q_c, k)
+            d_w[:, r0:r1] = torch.einsum("brk,brhk->brh", d_i, torch.relu(dots))
+            d_dots = d_i[:, :, None, :] * w_c[..., None] * (dots > 0)
+            d_q[:, r0:r1] = torch.einsum("brhk,bkd->brhd", d_dots, k)
+            d_k += torch.einsum("brhk,brhd->bkd", d_dots, q_c)
+    return IndexerGrads(d_q.to(index_q.dtype), d_w.to(weights.dtype), d_k.to(index_k.dtype))

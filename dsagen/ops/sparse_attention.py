@@ -1,0 +1,257 @@
+"""Public DeepSeek sparse-attention ops: `sparse_attention` (seed 001 §1/§2 flat MQA, seed 002 batched
+inference layout) with its autograd backward, and the attention score recomputes (seed 001 §7, §8).
+
+`impl="fused"` (the default, as in seed 000) runs a generated CUDA kernel through
+`dsagen.fused.fused_impl`, which raises ValueError for CPU tensors and NotImplementedError where no
+kernel exists yet (never a silent fallback); `impl="reference"` runs the plain-PyTorch oracle in
+dsagen.reference.sparse_attention on CPU or CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..fused import fused_impl
+from ..reference import sparse_attention as ref
+from ._validate import (FLOAT_DTYPES, check_bool, check_float, check_impl, check_int, check_same_dtype,
+                        check_shape, check_tensor)
+
+_INT32_MAX = 2**31 - 1
+_SINK_DTYPES = (torch.float32, torch.float64)
+
+
+class _SparseAttentionFunction(torch.autograd.Function):
+    """Flat-layout sparse attention: forward by `impl`, backward always by the reference formula
+    (gradients flow through the reference backward until a fused backward exists)."""
+
+    @staticmethod
+    def forward(ctx, q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl):
+        kwargs = dict(attn_sink=attn_sink, topk_length=topk_length, softmax_scale=softmax_scale, d_v=d_v)
+        if impl == "reference":
+            out, lse, max_logits = ref.sparse_attention_forward(q, kv, topk_idxs, **kwargs)
+        else:
+            out, lse, max_logits = fused_impl("sparse_attention", q.device)(q, kv, topk_idxs, **kwargs)
+        ctx.save_for_backward(q, kv, topk_idxs, attn_sink, topk_length, lse, out)
+        ctx.softmax_scale, ctx.d_v = softmax_scale, d_v
+        ctx.mark_non_differentiable(lse, max_logits)
+        return out, lse, max_logits
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _dmax_logits):
+        q, kv, topk_idxs, attn_sink, topk_length, lse, out = ctx.saved_tensors
+        dq, dkv, d_sink = ref.sparse_attention_backward(
+            q, kv, out, dout, lse, attn_sink, topk_idxs, topk_length=topk_length,
+            softmax_scale=ctx.softmax_scale, d_v=ctx.d_v)
+        need = ctx.needs_input_grad
+        return (dq if need[0] else None, dkv if need[1] else None, None,
+                d_sink if attn_sink is not None and need[3] else None, None, None, None, None)
+
+
+def _check_scale(softmax_scale, d_qk: int) -> float:
+    if softmax_scale is None:
+        return ref.default_softmax_scale(d_qk)
+    return check_float("softmax_scale", softmax_scale)
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *,
+                     attn_sink: torch.Tensor | None = None, topk_length: torch.Tensor | None = None,
+                     softmax_scale: float | None = None, d_v: int | None = None, impl: str = "fused"
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek sparse MQA with an optional per-head attention sink: `(out, lse, max_logits)`.
+
+    Two layouts, told apart by `q.dim()`:
+
+    * 3-D, flat (seed 001 §1): q `(total_S_q, H, D_qk)`, kv `(total_S_kv, D_qk)`, topk_idxs int32
+      `(total_S_q, K)` of *global* row ids into kv, topk_length `(total_S_q,)`.
+    * 4-D, batched inference (seed 002): q `[B, T, H, D_qk]`, kv `[B, N, D_qk]`, topk_idxs int32
+      `[B, T, K]` of ids *local* to batch b's N rows, topk_length `[B, T]`. Local ids are range-checked
+      against N and turned into flat ids b * N + i (-1 and out-of-range ids stay invalid, so no id can
+      alias a neighbouring batch); the flat op runs and outputs are reshaped to `[B, T, ...]`.
+
+    For valid slot j of row t and head h: s = softmax_scale * q[t, h] . kv[id_j] (all D_qk columns);
+    out[t, h] = sum_j exp(s_j - L) * kv[id_j, :d_v] with L = logaddexp(lse[t, h], attn_sink[h]):
+    the sink only enlarges the denominator. A slot is valid when 0 <= id < rows of kv and its position
+    is below topk_length[t] (clamped to [0, K]); -1, out-of-range ids and slots past topk_length score
+    -inf and are never read; duplicate ids are distinct softmax slots. K may be 0.
+
+    Args:
+        q: FP16/BF16 (FP32/FP64 accepted by the reference) queries, layout above.
+        kv: the shared latent, K = all D_qk columns, V = the first `d_v` columns; dtype of q.
+        topk_idxs: int32 ids, layout above.
+        attn_sink: optional FP32 (or FP64) `(H,)` learned sink logits; None is a sink of -inf.
+        topk_length: optional int32 valid-prefix lengths, layout above.
+        softmax_scale: finite float; default 1 / sqrt(D_qk).
+        d_v: V/output width, 1 <= d_v <= D_qk; default 512 when D_qk == 576 (the MLA latent: 512 +
+            64 RoPE columns), otherwise D_qk.
+        impl: "fused" (default; generated CUDA kernel) or "reference" (plain PyTorch, CPU or CUDA).
+
+    Returns:
+        out `(..., H, d_v)` in q.dtype; lse `(..., H)` KV-only log-sum-exp of the valid scaled scores
+        (the sink is NOT included); max_logits `(..., H)` the largest valid scaled score. lse and
+        max_logits are FP32 (FP64 for FP64 inputs). A row without a valid slot gives out = 0,
+        lse = +inf, max_logits = -inf.
+
+    Gradients: q, kv and attn_sink are differentiable (lse and max_logits are not). The backward is
+    the explicit reference formula of seed 001 §2 (recomputing P from q, kv and the saved lse), for
+    both impls.
+
+    Raises:
+        TypeError: a non-tensor argument, wrong dtypes (kv not q's dtype, ids/lengths not int32, sink
+            not FP32/FP64), softmax_scale not a number, d_v not an int.
+        ValueError: q not 3-D or 4-D, mismatched shapes or devices, non-finite softmax_scale, d_v out
+            of [1, D_qk], B * N > 2**31 - 1, unknown impl, or impl="fused" on CPU tensors.
+        NotImplementedError: impl="fused" where no generated kernel exists for the device.
+    """
+    check_impl(impl)
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=(3, 4))
+    batched = q.dim() == 4
+    lead = tuple(q.shape[:-2])  # (S_q,) or (B, T)
+    h, d_qk = q.shape[-2], q.shape[-1]
+    kv_what = "[B, N, D_qk]" if batched else "(total_S_kv, D_qk)"
+    check_tensor("kv", kv, ndim=q.dim() - 1, device=q.device)
+    check_same_dtype("kv", kv, "q", q)
+    if kv.shape[-1] != d_qk or (batched and kv.shape[0] != q.shape[0]):
+        want = f"({q.shape[0]}, N, {d_qk})" if batched else f"(total_S_kv, {d_qk})"
+        raise ValueError(f"kv must have shape {kv_what} = {want} to match q {tuple(q.shape)}, "
+                         f"got {tuple(kv.shape)}")
+    check_tensor("topk_idxs", topk_idxs, dtypes=(torch.int32,), ndim=len(lead) + 1, device=q.device)
+    if tuple(topk_idxs.shape[:-1]) != lead:
+        raise ValueError(f"topk_idxs must have shape {lead + ('K',)} (q's leading dims, then K), "
+                         f"got {tuple(topk_idxs.shape)}")
+    if attn_sink is not None:
+        check_tensor("attn_sink", attn_sink, dtypes=_SINK_DTYPES, device=q.device)
+        check_shape("attn_sink", attn_sink, (h,), "(H,)")
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, dtypes=(torch.int32,), device=q.device)
+        check_shape("topk_length", topk_length, lead, "[B, T]" if batched else "(total_S_q,)")
+    scale = _check_scale(softmax_scale, d_qk)
+    if d_v is None:
+        d_v = ref.default_d_v(d_qk)
+    check_int("d_v", d_v, minimum=1, maximum=d_qk)
+
+    if not batched:
+        return _SparseAttentionFunction.apply(q, kv, topk_idxs, attn_sink, topk_length, scale, d_v, impl)
+
+    b, t, n, k = q.shape[0], q.shape[1], kv.shape[1], topk_idxs.shape[-1]
+    if b * n > _INT32_MAX:
+        raise ValueError(f"kv with B={b}, N={n}: flat ids b * N + i must fit in int32 "
+                         f"(B * N <= {_INT32_MAX})")
+    local = topk_idxs.long()
+    offsets = torch.arange(b, device=q.device, dtype=torch.long).view(b, 1, 1) * n
+    flat_ids = torch.where((local >= 0) & (local < n), local + offsets, -1).to(torch.int32)
+    out, lse, max_logits = _SparseAttentionFunction.apply(
+        q.reshape(b * t, h, d_qk), kv.reshape(b * n, d_qk), flat_ids.reshape(b * t, k), attn_sink,
+        None if topk_length is None else topk_length.reshape(b * t), scale, d_v, impl)
+    return out.reshape(b, t, h, d_v), lse.reshape(b, t, h), max_logits.reshape(b, t, h)
+
+
+def sparse_attn_score_recompute(q_attn: torch.Tensor, k_attn: torch.Tensor, lse: torch.Tensor,
+                                topk_indices: torch.Tensor, softmax_scale: float | None = None, *,
+                                topk_length: torch.Tensor | None = None, topk_indices_global: bool = False,
+                                impl: str = "fused") -> torch.Tensor:
+    """Sparse attention score recompute (seed 001 §7): the training target over the top-k slots.
+
+        target[b, t, i] = sum_h exp(softmax_scale * q_attn[b, t, h] . k_attn[id_i] - lse[b, t, h]) / Z
+
+    with Z the sum over the row's valid slots (L1 normalisation), 0 at invalid slots, and an all-zero
+    row when Z = 0 (no valid slot, or lse = +inf). Pass the lse the attention forward returned (the
+    KV-only lse of `sparse_attention`, so each head's probabilities over the selected set sum to 1).
+
+    Args:
+        q_attn: `(B, S_q, H, D)` FP16/BF16 (FP32/FP64 accepted by the reference).
+        k_attn: `(B, S_k, D)` keys (MQA; the attention latent), dtype of q_attn.
+        lse: `(B, S_q, H)` FP32 (or FP64) natural-log lse per head.
+        topk_indices: int32 `(B, S_q, topk)`: ids local to the batch ([0, S_k), range-checked, never
+            aliasing another batch) or, with topk_indices_global, flat ids b' * S_k + local checked
+            against B * S_k. -1 and out-of-range ids are invalid slots.
+        softmax_scale: finite float; default 1 / sqrt(D).
+        topk_length: optional int32 `(B, S_q)`: slots at or after it are invalid (clamped to [0, topk]).
+        topk_indices_global: the id convention above.
+        impl: "fused" (default) or "reference".
+
+    Returns:
+        target `(B, S_q, topk)` FP32 (FP64 for FP64 inputs).
+
+    Raises:
+        TypeError / ValueError naming the argument for wrong dtypes, shapes, devices or values;
+        ValueError for impl="fused" on CPU; NotImplementedError where no fused kernel exists.
+    """
+    check_impl(impl)
+    check_tensor("q_attn", q_attn, dtypes=FLOAT_DTYPES, ndim=4)
+    b, s_q, h, d = q_attn.shape
+    check_tensor("k_attn", k_attn, ndim=3, device=q_attn.device)
+    check_same_dtype("k_attn", k_attn, "q_attn", q_attn)
+    if k_attn.shape[0] != b or k_attn.shape[2] != d:
+        raise ValueError(f"k_attn must have shape (B, S_k, D) = ({b}, S_k, {d}), got {tuple(k_attn.shape)}")
+    check_tensor("lse", lse, dtypes=_SINK_DTYPES, device=q_attn.device)
+    check_shape("lse", lse, (b, s_q, h), "(B, S_q, H)")
+    check_tensor("topk_indices", topk_indices, dtypes=(torch.int32,), ndim=3, device=q_attn.device)
+    if tuple(topk_indices.shape[:2]) != (b, s_q):
+        raise ValueError(f"topk_indices must have shape (B, S_q, topk) = ({b}, {s_q}, topk), "
+                         f"got {tuple(topk_indices.shape)}")
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, dtypes=(torch.int32,), device=q_attn.device)
+        check_shape("topk_length", topk_length, (b, s_q), "(B, S_q)")
+    check_bool("topk_indices_global", topk_indices_global)
+    scale = _check_scale(softmax_scale, d)
+    kwargs = dict(topk_length=topk_length, topk_indices_global=topk_indices_global)
+    if impl == "reference":
+        return ref.sparse_attn_score_recompute(q_attn, k_attn, lse, topk_indices, scale, **kwargs)
+    return fused_impl("sparse_attn_score_recompute", q_attn.device)(q_attn, k_attn, lse, topk_indices,
+                                                                    scale, **kwargs)
+
+
+def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
+                               softmax_scale: float | None = None, *, ratio: int = 1,
+                               q_causal_offsets: torch.Tensor | None = None, impl: str = "fused"
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention score recompute (seed 001 §8): raw head-summed probabilities over the full KV.
+
+        out[b, t, s] = sum_h exp(softmax_scale * q[b, t, h] . k[b, s, h // G] - lse[b, t, h])
+        visible when s < clamp((q_causal_offsets[b] + t + 1) // ratio, 0, S_k); masked entries are -inf
+        denom[b, t]  = sum of the visible out[b, t, :] (the L1 norm the dense indexer backward takes;
+                       0 for a row with nothing visible)
+
+    Args:
+        q: `(B, S_q, H_q, D)` FP16/BF16 (FP32/FP64 accepted by the reference).
+        k: `(B, S_k, H_kv, D)` (BSHD, H_q divisible by H_kv, G = H_q // H_kv) or `(B, S_k, D)` (MQA,
+            H_kv = 1); dtype of q.
+        lse: `(B, S_q, H_q)` FP32 (or FP64) per-head natural-log lse.
+        softmax_scale: finite float; default 1 / sqrt(D).
+        ratio: compression ratio of the causal mask, >= 1 (seed 001 §3).
+        q_causal_offsets: optional int32 `(B,)`: global token index of each batch's q[0] (zeros if None).
+        impl: "fused" (default) or "reference".
+
+    Returns:
+        `(out, denom)`: `(B, S_q, S_k)` and `(B, S_q)`, FP32 (FP64 for FP64 inputs).
+
+    Raises:
+        TypeError / ValueError naming the argument for wrong dtypes, shapes, devices or values;
+        ValueError for impl="fused" on CPU; NotImplementedError where no fused kernel exists.
+    """
+    check_impl(impl)
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=4)
+    b, s_q, h_q, d = q.shape
+    check_tensor("k", k, ndim=(3, 4), device=q.device)
+    check_same_dtype("k", k, "q", q)
+    k4 = k.unsqueeze(2) if k.dim() == 3 else k
+    if k4.shape[0] != b or k4.shape[3] != d:
+        raise ValueError(f"k must have shape (B, S_k, H_kv, D) or (B, S_k, D) with B={b}, D={d}, "
+                         f"got {tuple(k.shape)}")
+    h_kv = k4.shape[2]
+    if h_kv == 0 or h_q % h_kv:
+        raise ValueError(f"k must have H_kv dividing q's H_q={h_q}, got H_kv={h_kv}")
+    check_tensor("lse", lse, dtypes=_SINK_DTYPES, device=q.device)
+    check_shape("lse", lse, (b, s_q, h_q), "(B, S_q, H_q)")
+    check_int("ratio", ratio, minimum=1)
+    if q_causal_offsets is not None:
+        check_tensor("q_causal_offsets", q_causal_offsets, dtypes=(torch.int32,), device=q.device)
+        check_shape("q_causal_offsets", q_causal_offsets, (b,), "(B,)")
+    scale = _check_scale(softmax_scale, d)
+    if impl == "reference":
+        return ref.dense_attn_score_recompute(q, k4, lse, scale, ratio=ratio, q_causal_offsets=q_causal_offsets)
+    return fused_impl("dense_attn_score_recompute", q.device)(q, k4, lse, scale, ratio=ratio,
+                                                             q_causal_offsets=q_causal_offsets)
+
+
+__all__ = ["sparse_attention", "sparse_attn_score_recompute", "dense_attn_score_recompute"]

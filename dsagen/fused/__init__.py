@@ -15,6 +15,8 @@ import torch
 FUSED: dict[str, str] = {
     "compactify": "dsagen.fused.indices:compactify",
     "local_to_global": "dsagen.fused.indices:local_to_global",
+    "lightning_indexer": "dsagen.fused.lightning_indexer:lightning_indexer",
+    "sparse_attention": "dsagen.fused.sparse_attention:sparse_attention",
 }
 
 

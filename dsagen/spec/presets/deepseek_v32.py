@@ -5,13 +5,21 @@ from __future__ import annotations
 
 from ..base import KernelSpec
 from ..families import CompactifySpec, LocalToGlobalSpec
+from ..families.indexer import indexer_specs
+from ..families.sparse_attention import SparseAttnFwdSpec
 
 NAME = "deepseek-v3.2"
 DESCRIPTION = "DeepSeek-V3.2 sparse attention (indexer H64 D128 top-2048; MLA H128 576/512)"
 
 
 def specs(arch: str) -> list[KernelSpec]:
-    return [
+    out: list[KernelSpec] = [
         CompactifySpec(arch=arch),
         LocalToGlobalSpec(arch=arch),
+        # lightning indexer H=64, D=128, bf16: one score + one top-k kernel serve topk 2048 and
+        # compress ratios 1 and 4 (topk, causal and ratio are run-time arguments); sm_90a only so far.
+        *(indexer_specs(arch, 64, 128, "bfloat16") if arch == "sm_90a" else ()),
     ]
+    if arch == "sm_90a":  # the fused sparse MLA forward exists for Hopper only (MLA H128, 576/512)
+        out.append(SparseAttnFwdSpec(arch=arch, num_heads=128, d_qk=576, d_v=512))
+    return out

@@ -1,0 +1,134 @@
+"""Benchmark: fused lightning_indexer (sm_90a wgmma scores + radix top-k) against the plain-PyTorch
+chunked reference, in one process (GPU). Results go to BENCHMARKS.md.
+
+    python bench/indexer.py [--T 8192 32768 131072] [--topk 512 2048] [--ratio 1 4] [--reps 5]
+                            [--ref-max-T 32768] [--json FILE] [--profile]
+
+Causal, H=64, D=128, bf16, fresh random inputs. Each figure is the median of --reps timed calls
+(CUDA events) after one warm-up call. FLOPs count the causal pairs only: 2*H*D*sum_t #candidates(t);
+the tensor-core floor is that at 780 TFLOP/s (dense bf16 measured on the H200). The reference is timed
+only up to --ref-max-T (it takes seconds beyond). --profile also times the score and top-k kernels
+alone (one slab loop with each kernel launched alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+PEAK_TFLOPS = 780.0
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def causal_pairs(t: int, ratio: int) -> int:
+    s = t // ratio
+    return sum(min(s, (tt + 1) // ratio) for tt in range(t))
+
+
+class _Skip:
+    """Stands in for one of the two kernels so that the other is timed alone."""
+
+    @staticmethod
+    def launch(*args, **kwargs):
+        return None
+
+
+def _profile(fused, q, k, w, topk, ratio, reps) -> dict:
+    import dsagen
+
+    call = lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True, compress_ratio=ratio, impl="fused")
+    score_k, topk_k = fused._kernels_for(q.device, q.shape[2], q.shape[3], q.dtype)
+    key = next(key for key, v in fused._kernels.items() if v == (score_k, topk_k))
+    try:
+        fused._kernels[key] = (score_k, _Skip)
+        score_ms = timed(call, reps)
+        fused._kernels[key] = (_Skip, topk_k)
+        topk_ms = timed(call, reps)
+    finally:
+        fused._kernels[key] = (score_k, topk_k)
+    return {"score_ms": round(score_ms, 3), "topk_ms": round(topk_ms, 3)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--topk", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--ratio", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--ref-max-T", type=int, default=32768)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true", help="also time the score and top-k kernels alone")
+    ap.add_argument("--variant", choices=["default", "tuned"], default="default",
+                    help="tuned: two accumulators per warpgroup (overlap) and the smem key cache")
+    args = ap.parse_args(argv)
+
+    import dsagen
+    from dsagen.fused import lightning_indexer as fused
+
+    if args.variant == "tuned":
+        fused.SPEC_OPTIONS = ({"overlap": True}, {"cache_keys": 49152})
+
+    h, d = 64, 128
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  H={h} D={d} bf16 causal")
+    print(f"{'T':>7} {'topk':>5} {'ratio':>5} {'fused ms':>9} {'TFLOP/s':>8} {'floor ms':>9} {'of floor':>8} "
+          f"{'ref ms':>9} {'speedup':>8}")
+    for t in args.T:
+        for ratio in args.ratio:
+            s = t // ratio
+            q = torch.randn((1, t, h, d), device=dev, generator=gen, dtype=torch.bfloat16)
+            k = torch.randn((1, s, d), device=dev, generator=gen, dtype=torch.bfloat16)
+            w = torch.randn((1, t, h), device=dev, generator=gen, dtype=torch.bfloat16)
+            flops = 2 * h * d * causal_pairs(t, ratio)
+            floor_ms = flops / (PEAK_TFLOPS * 1e12) * 1e3
+            for topk in args.topk:
+                fused = timed(lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True, compress_ratio=ratio,
+                                                               impl="fused"), args.reps)
+                ref = None
+                if t <= args.ref_max_T:
+                    ref = timed(lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True,
+                                                                 compress_ratio=ratio, impl="reference"),
+                                max(1, min(args.reps, 3)))
+                tflops = flops / (fused * 1e-3) / 1e12
+                row = {"T": t, "topk": topk, "ratio": ratio, "fused_ms": round(fused, 3),
+                       "tflops": round(tflops, 1), "floor_ms": round(floor_ms, 3),
+                       "fraction_of_floor": round(floor_ms / fused, 3),
+                       "reference_ms": round(ref, 2) if ref else None,
+                       "speedup": round(ref / fused, 1) if ref else None}
+                if args.profile:
+                    row.update(_profile(fused, q, k, w, topk, ratio, args.reps))
+                rows.append(row)
+                print(f"{t:>7} {topk:>5} {ratio:>5} {fused:>9.2f} {tflops:>8.1f} {floor_ms:>9.2f} "
+                      f"{floor_ms / fused:>8.2f} {(f'{ref:.1f}' if ref else '-'):>9} "
+                      f"{(f'{ref / fused:.1f}x' if ref else '-'):>8}"
+                      + (f"   score only {row['score_ms']:.2f} ms, top-k only {row['topk_ms']:.2f} ms"
+                         if args.profile else ""), flush=True)
+            del q, k, w
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

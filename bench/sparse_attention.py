@@ -1,0 +1,108 @@
+"""Sparse MLA forward: the fused sm_90a kernel against the plain-PyTorch reference, in one run (GPU).
+
+    python bench/sparse_attention.py [--quick] [--reps N] [--json FILE]
+
+Shapes (issue 5): prefill T = 4096 and 32768 query rows over a KV pool of 32768 and 131072 rows, H=128,
+D_qk 576, d_v 512, top-k 2048, with sink; H=64 with D_qk 512; decode 64 and 128 sequences x 1 query row,
+H=128. Ids are distinct per row (start + i * odd stride mod pool: scattered, no duplicates), all valid.
+
+FLOPs = 2 * S_q * H * topk * (D_qk + d_v) (both products, valid slots only). "GB/s" counts the bytes a
+kernel must move at least once per CTA: the gathered rows (S_q * topk * D_qk * 2 per 64-head block),
+q, out, ids and the FP32 stats; the gathered rows mostly come from L2, so this can exceed HBM bandwidth.
+Time: CUDA events around `reps` back-to-back calls after a warm-up, median of 5 such rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+import dsagen
+
+
+def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.Tensor:
+    start = torch.randint(0, n_kv, (s_q, 1), generator=gen, dtype=torch.int64)
+    stride = torch.randint(0, n_kv // 2, (s_q, 1), generator=gen, dtype=torch.int64) * 2 + 1  # odd: a cycle
+    return ((start + torch.arange(topk).view(1, -1) * stride) % n_kv).to(torch.int32)
+
+
+def time_ms(fn, reps: int, rounds: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    res = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        res.append(a.elapsed_time(b) / reps)
+    return statistics.median(res)
+
+
+def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn((s_q, h, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
+    kv = torch.randn((n_kv, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
+    ids = distinct_ids(s_q, topk, n_kv, gen).cuda()
+    sink = torch.randn(h, generator=gen).cuda()
+    call = lambda impl: dsagen.sparse_attention(q, kv, ids, attn_sink=sink, d_v=d_v, impl=impl)
+    flops = 2.0 * s_q * h * topk * (d_qk + d_v)
+    blocks = (h + 63) // 64
+    nbytes = (s_q * topk * d_qk * 2 * blocks + q.numel() * 2 + s_q * h * d_v * 2 + ids.numel() * 4
+              + 2 * s_q * h * 4)
+    row = {"case": name, "s_q": s_q, "H": h, "d_qk": d_qk, "d_v": d_v, "kv_rows": n_kv, "topk": topk}
+    ms = time_ms(lambda: call("fused"), reps)
+    row.update(fused_ms=ms, fused_tflops=flops / ms / 1e9, fused_gbps=nbytes / ms / 1e6)
+    if ref_reps:
+        rms = time_ms(lambda: call("reference"), ref_reps, rounds=2)
+        row.update(torch_ms=rms, torch_tflops=flops / rms / 1e9, speedup=rms / ms)
+        out, lse, _ = call("fused")
+        r_out, r_lse, _ = call("reference")
+        row["max_abs_err_out"] = (out.float() - r_out.float()).abs().max().item()
+        row["max_abs_err_lse"] = (lse - r_lse.float()).abs().max().item()
+    del q, kv, ids
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="only T=4096 prefill (H128 576 and H64 512) + decode")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--no-torch", action="store_true", help="skip the plain-PyTorch comparison")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    ref = 0 if args.no_torch else 1
+    cases = [("prefill", 4096, 128, 576, 32768, 2048, ref), ("prefill", 4096, 128, 576, 131072, 2048, ref),
+             ("prefill", 4096, 64, 512, 32768, 2048, ref)]
+    if not args.quick:
+        cases += [("prefill", 32768, 128, 576, 32768, 2048, ref), ("prefill", 32768, 128, 576, 131072, 2048, 0),
+                  ("prefill", 32768, 64, 512, 131072, 2048, 0)]
+    cases += [("decode", 64, 128, 576, 131072, 2048, ref), ("decode", 128, 128, 576, 131072, 2048, ref)]
+    rows = []
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", file=sys.stderr)
+    hdr = f"{'case':8} {'S_q':>6} {'H':>4} {'D':>4} {'kv':>7} {'topk':>5} | {'fused ms':>9} {'TFLOP/s':>8} " \
+          f"{'GB/s':>7} | {'torch ms':>9} {'TFLOP/s':>8} {'x':>6}"
+    print(hdr)
+    for name, s_q, h, d, n_kv, topk, r in cases:
+        row = run_case(name, s_q, h, d, n_kv, topk, reps=args.reps if s_q <= 4096 else max(2, args.reps // 4),
+                       ref_reps=r)
+        rows.append(row)
+        tail = (f"{row['torch_ms']:9.2f} {row['torch_tflops']:8.1f} {row['speedup']:6.1f}" if "torch_ms" in row
+                else f"{'-':>9} {'-':>8} {'-':>6}")
+        print(f"{name:8} {s_q:6d} {h:4d} {d:4d} {n_kv:7d} {topk:5d} | {row['fused_ms']:9.3f} "
+              f"{row['fused_tflops']:8.1f} {row['fused_gbps']:7.0f} | {tail}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Fused lightning_indexer (seed 000) on Hopper: generated wgmma score kernel + radix top-k kernel.
+
+Called by dsagen.ops.lightning_indexer after the generic validation; this module adds what the kernels
+need (backend name, device, dtype, the declared H / D / T ranges, TMA layout) and runs them.
+
+How a call runs (see notes/kernels/indexer.md):
+  * Query rows are grouped into token blocks of QC = 128 // H consecutive tokens of one batch element
+    (the score kernel's wgmma N tile is QC x H = 128 columns). Blocks are processed in slabs: for each
+    slab the score kernel writes every row's valid candidate scores (fp32, document-local ids) into one
+    reused slab of R rows x ld_slab columns, then the top-k kernel turns each row into its output row.
+  * Scratch: the slab only, R * ld_slab * 4 bytes with ld_slab = S rounded up to 4 and
+    R = min(1024, 32 MiB / (4 * ld_slab)) rounded down to a multiple of QC, at least QC. So at most
+    32 MiB, or QC * ld_slab * 4 bytes when a single block does not fit (at most 16 x 2**20 x 4 B =
+    64 MiB for H = 8 at S = 2**20): bounded, and independent of T and B. Causal / document bounds are
+    computed inside the kernels (binary search over cu_seqlens), so no per-row buffer exists either.
+  * Everything a launch needs is a Python int from shapes; no host reads of device values, so the op
+    works under torch.compile (a custom op with a fake impl) and inside CUDA-graph capture once warm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..runtime import LoadedKernel, device_arch, get_kernel
+from ..spec.families.indexer import (INDEXER_DTYPES, INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T,
+                                     SLAB_BYTES, SLAB_MAX_ROWS, indexer_specs, tokens_per_cta)
+
+BACKENDS = ("cute",)
+#: Candidate rows one score CTA covers (grid y splits longer pools, so short slabs still fill the GPU).
+CHUNK_ROWS = 4096
+_TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_kernels: dict[tuple, tuple[LoadedKernel, LoadedKernel]] = {}
+#: Tile-choice overrides of the (score, top-k) specs; for A/B benchmarks (bench/indexer.py --variant).
+SPEC_OPTIONS: tuple[dict, dict] = ({}, {})
+_dummy: dict[int, torch.Tensor] = {}
+
+
+def check_backend(kernel_options) -> str:
+    """kernel_options must be None or {"backend": "cute"}; anything else raises ValueError."""
+    if kernel_options is None:
+        return "cute"
+    if not isinstance(kernel_options, dict):
+        raise TypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}")
+    extra = set(kernel_options) - {"backend"}
+    if extra:
+        raise ValueError(f"kernel_options has unknown keys {sorted(extra)}; the only option is 'backend'")
+    backend = kernel_options.get("backend", "cute")
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel_options backend={backend!r} is not available; dsagen's fused "
+                         f"lightning_indexer has backends {BACKENDS} (use impl='reference' for plain PyTorch)")
+    return backend
+
+
+def check_supported(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int) -> None:
+    """The fused kernels' shape limits (ValueError/TypeError stating the limits). Shape-only checks, so
+    they also run on fake tensors under torch.compile."""
+    _b, t_count, h, d = q.shape
+    s_count = k.shape[1]
+    if q.dtype not in _TORCH_DTYPE_NAMES:
+        raise TypeError(f"the fused lightning_indexer needs bfloat16 or float16 inputs, got q {q.dtype}")
+    if k.dtype != q.dtype or weights.dtype != q.dtype:
+        raise TypeError(f"the fused lightning_indexer needs one dtype for q, k and weights, got "
+                        f"{q.dtype}, {k.dtype}, {weights.dtype}")
+    if h not in INDEXER_HEADS:
+        raise ValueError(f"the fused lightning_indexer supports H (heads) in {INDEXER_HEADS}, got H={h}")
+    if d not in INDEXER_HEAD_DIMS:
+        raise ValueError(f"the fused lightning_indexer supports D (head dim) in {INDEXER_HEAD_DIMS}, got D={d}")
+    if t_count > INDEXER_MAX_T:
+        raise ValueError(f"the fused lightning_indexer supports T <= 2**20 = {INDEXER_MAX_T} query rows, "
+                         f"got T={t_count}")
+    if s_count > INDEXER_MAX_T:
+        raise ValueError(f"the fused lightning_indexer supports S <= 2**20 = {INDEXER_MAX_T} candidates, "
+                         f"got S={s_count}")
+    if topk > INDEXER_MAX_T:
+        raise ValueError(f"the fused lightning_indexer supports topk <= 2**20 = {INDEXER_MAX_T}, got {topk}")
+
+
+def _check_layout(name: str, t: torch.Tensor) -> None:
+    """TMA needs unit inner stride, a 16-byte-aligned base and 16-byte-multiple outer strides."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have stride 1 in its last dimension for the fused lightning_indexer, "
+                         f"got strides {t.stride()}")
+    es = t.element_size()
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must start at a 16-byte-aligned address for the fused lightning_indexer "
+                         f"(TMA), got {t.data_ptr():#x}")
+    for i in range(t.dim() - 1):
+        if t.shape[i] > 1 and (t.stride(i) * es) % 16:
+            raise ValueError(f"{name} must have 16-byte-multiple strides in its outer dimensions for the fused "
+                             f"lightning_indexer (TMA), got strides {t.stride()} ({es}-byte elements)")
+
+
+def _tma_view(t: torch.Tensor) -> torch.Tensor:
+    """The same elements with every size-1 dimension given a 16-byte-multiple stride (TMA checks strides
+    even of singleton dimensions; their value never matters)."""
+    stride = list(t.stride())
+    for i in range(t.dim() - 2, -1, -1):
+        if t.shape[i] == 1:
+            stride[i] = stride[i + 1] * max(1, t.shape[i + 1])
+            stride[i] = -(-stride[i] // 8) * 8 if t.element_size() == 2 else stride[i]
+    if stride == list(t.stride()):
+        return t
+    return t.as_strided(t.shape, stride)
+
+
+def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype) -> tuple[LoadedKernel, LoadedKernel]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, h, d, dtype, repr(SPEC_OPTIONS))
+    ks = _kernels.get(key)
+    if ks is None:
+        arch = device_arch(index)
+        if arch != "sm_90a":
+            raise NotImplementedError(f"the fused lightning_indexer has kernels for sm_90a (Hopper) only; "
+                                      f"cuda:{index} is {arch}. Use impl='reference'.")
+        score_spec, topk_spec = indexer_specs(arch, h, d, _TORCH_DTYPE_NAMES[dtype], score_options=SPEC_OPTIONS[0],
+                                              topk_options=SPEC_OPTIONS[1])
+        ks = _kernels[key] = (get_kernel(score_spec, index), get_kernel(topk_spec, index))
+    return ks
+
+
+def slab_rows(num_heads: int, s_count: int) -> int:
+    """Rows R of the score slab for H heads and S candidates (a multiple of the token block)."""
+    qc = tokens_per_cta(num_heads)
+    ld = -(-max(s_count, 1) // 4) * 4
+    rows = min(SLAB_MAX_ROWS, SLAB_BYTES // (4 * ld)) // qc * qc
+    return max(qc, rows)
+
+
+def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, causal: bool, compress_ratio: int,
+         cu_seqlens: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None) -> torch.Tensor:
+    b, t_count, h, d = q.shape
+    s_count = k.shape[1]
+    device = q.device
+    out = torch.empty((b, t_count, topk), dtype=torch.int32, device=device)
+    if topk == 0 or b == 0 or t_count == 0:
+        return out
+    if s_count == 0:
+        return out.fill_(-1)
+    _check_layout("q", q)
+    _check_layout("k", k)
+    score_k, topk_k = _kernels_for(device, h, d, q.dtype)
+
+    qc = tokens_per_cta(h)
+    n_tblk = -(-t_count // qc)
+    total_blk = b * n_tblk
+    ld = -(-s_count // 4) * 4
+    blk_per_slab = min(slab_rows(h, s_count) // qc, total_blk)
+    slab = torch.empty((blk_per_slab * qc, ld), dtype=torch.float32, device=device)
+    n_chunks = -(-s_count // CHUNK_ROWS)
+    if cu_seqlens is not None:
+        cu_q, cu_k, n_docs = cu_seqlens, cu_seqlens_k, cu_seqlens.numel() - 1
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        cu_q = cu_k = _dummy.get(index)
+        if cu_q is None:
+            cu_q = cu_k = _dummy[index] = torch.zeros(4, dtype=torch.int32, device=device)
+        n_docs = 0
+    qv, kv = _tma_view(q), _tma_view(k)
+    w_sb, w_st, w_sh = weights.stride()
+    scale = 1.0 / math.sqrt(h * d)
+    causal_i = int(bool(causal))
+    for blk0 in range(0, total_blk, blk_per_slab):
+        nblk = min(blk_per_slab, total_blk - blk0)
+        score_k.launch(qv, kv, weights, slab, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
+                       CHUNK_ROWS, n_chunks, causal_i, compress_ratio, w_sb, w_st, w_sh, ld, scale)
+        topk_k.launch(slab, out, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, qc, nblk * qc, topk,
+                      causal_i, compress_ratio, ld)
+    return out
+
+
+@torch.library.custom_op("dsagen::lightning_indexer_fused", mutates_args=())
+def _lightning_indexer_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, causal: bool,
+                          compress_ratio: int, cu_seqlens: torch.Tensor | None,
+                          cu_seqlens_k: torch.Tensor | None) -> torch.Tensor:
+    return _run(q, k, weights, topk, causal, compress_ratio, cu_seqlens, cu_seqlens_k)
+
+
+@_lightning_indexer_op.register_fake
+def _(q, k, weights, topk, causal, compress_ratio, cu_seqlens, cu_seqlens_k):
+    return q.new_empty((q.shape[0], q.shape[1], topk), dtype=torch.int32)
+
+
+def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, *, causal: bool,
+                      compress_ratio: int, cu_seqlens: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+                      kernel_options: dict | None) -> torch.Tensor:
+    """The fused lightning_indexer (inputs already validated by dsagen.ops.lightning_indexer).
+
+    Returns contiguous int32 [B, T, topk]: each row's selected candidate ids in ascending order (ties at
+    the selection threshold go to the lower id), then -1 padding when fewer than topk candidates are
+    valid. Deterministic: repeated calls on identical inputs give identical results.
+
+    Raises ValueError for a backend other than "cute", a shape outside the declared limits (H in
+    INDEXER_HEADS, D in INDEXER_HEAD_DIMS, T, S, topk <= 2**20) or a layout TMA cannot read (q / k need
+    stride 1 in the last dimension, a 16-byte-aligned base and 16-byte-multiple outer strides; weights
+    may have any strides); TypeError for dtypes other than one shared bfloat16 / float16;
+    NotImplementedError on a GPU other than sm_90a.
+    """
+    check_backend(kernel_options)
+    check_supported(q, k, weights, topk)
+    return _lightning_indexer_op(q, k, weights, topk, bool(causal), int(compress_ratio), cu_seqlens, cu_seqlens_k)

@@ -1,0 +1,138 @@
+"""Fused (generated-kernel) sparse MLA attention forward, flat layout (seed 001 §1; the batched seed-002
+layout is flattened by dsagen.ops.sparse_attention before it gets here).
+
+`sparse_attention(q, kv, topk_idxs, *, attn_sink, topk_length, softmax_scale, d_v)` returns
+`(out, lse, max_logits)` and runs the sm_90a kernel of `SparseAttnFwdSpec` (template
+sm90/sparse_attention_fwd.py.j2). It is the `torch.library` custom op `dsagen::sparse_attention_fwd`, with
+a fake implementation, so torch.compile sees one opaque node; the kernel launch itself never allocates
+beyond the outputs, never synchronizes and is CUDA-graph capturable once the kernel is loaded.
+
+What the kernel supports natively and what this module adapts:
+  * heads: 64 and 128 natively; 1..63 are zero-padded to 64 and 65..127 to 128 (outputs sliced back);
+  * top-k width: any K >= 0 (the kernel masks slots past K and past topk_length; nothing is padded);
+  * D_qk 512 or 576 with d_v 512; dtypes bfloat16 and float16;
+  * q needs a unit stride on heads x D_qk (one token = H * D_qk contiguous elements) and kv rows with a
+    unit column stride, 16-byte aligned rows; other layouts are copied to contiguous first.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..runtime import LoadedKernel, device_arch, get_kernel
+from ..spec.families.sparse_attention import SparseAttnFwdSpec
+
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_MAX_GRID_X = 2**31 - 1
+_kernels: dict[tuple, LoadedKernel] = {}
+
+
+def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a") -> SparseAttnFwdSpec:
+    """The kernel spec that serves `num_heads` query heads (after padding to 64 or 128)."""
+    return SparseAttnFwdSpec(arch=arch, num_heads=64 if num_heads <= 64 else 128, d_qk=d_qk, d_v=512,
+                             dtype=_DTYPES[dtype])
+
+
+def supported_reason(q: torch.Tensor, d_v: int) -> str:
+    """Why the fused kernel cannot run these inputs ("" when it can)."""
+    h, d_qk = q.shape[-2], q.shape[-1]
+    if q.dtype not in _DTYPES:
+        return f"q has dtype {q.dtype}; the fused kernel takes bfloat16 or float16 (use impl='reference')"
+    if d_qk not in (512, 576):
+        return f"D_qk={d_qk}; the fused kernel takes 512 or 576 (use impl='reference')"
+    if d_v != 512:
+        return f"d_v={d_v}; the fused kernel takes d_v=512 (use impl='reference')"
+    if not 1 <= h <= 128:
+        return f"H={h} query heads; the fused kernel takes 1..128 (64 and 128 natively, fewer padded)"
+    return ""
+
+
+def _kernel(spec: SparseAttnFwdSpec, device: torch.device) -> LoadedKernel:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    k = _kernels.get((spec, index))
+    if k is None:
+        k = _kernels[(spec, index)] = get_kernel(spec, index)
+    return k
+
+
+def _launch(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sink: torch.Tensor | None,
+            topk_length: torch.Tensor | None, softmax_scale: float, d_v: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    reason = supported_reason(q, d_v)
+    if reason:
+        raise NotImplementedError(f"sparse_attention: {reason}")
+    s_q, h, d_qk = q.shape
+    n_kv, k_width = kv.shape[0], topk_idxs.shape[1]
+    spec = spec_for(h, d_qk, q.dtype, device_arch(q.device))
+    hp = spec.num_heads
+    if s_q * (hp // 64) > _MAX_GRID_X:
+        raise ValueError(f"sparse_attention: total_S_q={s_q} exceeds the fused kernel's grid limit")
+    if n_kv > 2**31 - 1:
+        raise ValueError(f"sparse_attention: kv has {n_kv} rows; ids are int32, at most 2**31 - 1 rows")
+
+    # layouts the kernel reads: q token rows of H*D_qk contiguous elements, kv rows with unit column
+    # stride and 16-byte alignment, ids with a unit slot stride
+    if hp != h:
+        qp = q.new_zeros((s_q, hp, d_qk))
+        qp[:, :h] = q
+        q = qp
+    elif q.stride(2) != 1 or q.stride(1) != d_qk or q.stride(0) % 8 or q.data_ptr() % 16:
+        q = q.contiguous()
+    if kv.stride(1) != 1 or kv.stride(0) % 8 or kv.data_ptr() % 16:
+        kv = kv.contiguous()
+    if topk_idxs.stride(1) != 1 and k_width > 1:
+        topk_idxs = topk_idxs.contiguous()
+    sink = None
+    if attn_sink is not None:
+        sink = attn_sink.to(torch.float32)
+        if hp != h:
+            sink = torch.cat([sink, sink.new_zeros(hp - h)])
+        sink = sink.contiguous()
+    length = None if topk_length is None else topk_length.to(torch.int32).contiguous()
+
+    out = torch.empty((s_q, hp, d_v), dtype=q.dtype, device=q.device)
+    lse = torch.empty((s_q, hp), dtype=torch.float32, device=q.device)
+    max_logits = torch.empty((s_q, hp), dtype=torch.float32, device=q.device)
+    if s_q > 0:
+        kernel = _kernel(spec, q.device)
+        # absent optional inputs: pass a tensor of the right dtype that the kernel never reads
+        kernel.launch(q, kv, topk_idxs, topk_idxs if length is None else length,
+                      lse if sink is None else sink, out, lse, max_logits,
+                      s_q, n_kv, k_width, q.stride(0), kv.stride(0) if n_kv else d_qk,
+                      topk_idxs.stride(0) if k_width else 0, float(softmax_scale),
+                      int(length is not None), int(sink is not None))
+    if hp != h:
+        out, lse, max_logits = out[:, :h].contiguous(), lse[:, :h].contiguous(), max_logits[:, :h].contiguous()
+    return out, lse, max_logits
+
+
+@torch.library.custom_op("dsagen::sparse_attention_fwd", mutates_args=())
+def _sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
+                          attn_sink: Optional[torch.Tensor], topk_length: Optional[torch.Tensor],
+                          softmax_scale: float, d_v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launch(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v)
+
+
+@_sparse_attention_fwd.register_fake
+def _sparse_attention_fwd_fake(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v):
+    s_q, h = q.shape[0], q.shape[1]
+    return (q.new_empty((s_q, h, d_v)), q.new_empty((s_q, h), dtype=torch.float32),
+            q.new_empty((s_q, h), dtype=torch.float32))
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *,
+                     attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None,
+                     softmax_scale: float, d_v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat-layout fused forward (inputs already validated by dsagen.ops.sparse_attention).
+
+    q `(S_q, H, D_qk)` bf16/fp16 CUDA, kv `(S_kv, D_qk)`, topk_idxs int32 `(S_q, K)` global ids,
+    attn_sink `(H,)` FP32/FP64 or None, topk_length int32 `(S_q,)` or None.
+    Returns out `(S_q, H, d_v)` in q.dtype, lse and max_logits `(S_q, H)` FP32.
+    Raises NotImplementedError (with the reason) for inputs the kernel does not cover.
+    """
+    reason = supported_reason(q, d_v)
+    if reason:
+        raise NotImplementedError(f"sparse_attention: {reason}")
+    return _sparse_attention_fwd(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v))

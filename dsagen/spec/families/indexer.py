@@ -1,0 +1,131 @@
+"""Spec families of the fused lightning indexer (seed 000): a tensor-core score kernel that fills a
+bounded fp32 score slab, and a radix top-k kernel that selects from it.
+
+    score[b, t, s] = sum_h w[b, t, h] * relu(q[b, t, h, :] . k[b, s, :]) / sqrt(H * D)
+
+The host (dsagen.fused.lightning_indexer) walks the query rows in slabs of R rows; for each slab the
+score kernel writes the rows' valid candidates (causal / document bounds) into an R x S fp32 slab and
+the top-k kernel turns each row into `topk` ascending candidate ids, -1 padded. The slab is capped
+(SLAB_BYTES), so scratch never grows with T.
+
+Kernels specialize only on what changes the code: heads H, head dim D, the input dtype and tile
+choices. Sequence lengths, batch, topk, causal, compress_ratio and packed offsets are run-time
+arguments: a new length or topk never compiles a new kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..base import KernelSpec, register_spec
+
+#: Heads the score kernel implements. The wgmma N tile is 128 (token, head) columns, i.e. 128 // H
+#: query tokens per CTA, so H must divide 128 and be a multiple of 8 (one 8-column accumulator block).
+INDEXER_HEADS = (8, 16, 32, 64, 128)
+#: Head dims: multiples of 64 (one 128-byte swizzled TMA box per 64 columns) up to 128.
+INDEXER_HEAD_DIMS = (64, 128)
+INDEXER_DTYPES = ("bfloat16", "float16")
+#: Largest sequence length (query rows per batch element, and candidates S) the fused path accepts.
+INDEXER_MAX_T = 2 ** 20
+#: The fp32 score slab is capped at this many bytes (rows * row stride * 4); see the fused module.
+SLAB_BYTES = 32 * 2 ** 20
+#: ... and at this many rows.
+SLAB_MAX_ROWS = 1024
+
+
+def tokens_per_cta(num_heads: int) -> int:
+    """Query tokens one score CTA covers: the wgmma N tile (128 columns) holds tokens x heads."""
+    return 128 // num_heads
+
+
+@register_spec
+@dataclass(frozen=True)
+class IndexerScoreSpec(KernelSpec):
+    """Lightning-indexer scores into an fp32 slab, on sm_90a tensor cores (wgmma).
+
+    One CTA = 128 // num_heads consecutive query tokens of one batch element x one chunk of candidates.
+    Warp-specialized: a TMA producer warp streams 64-row K tiles through `stages` smem buffers; each
+    of the 2 consumer warpgroups multiplies its 64 K rows (wgmma M) by the CTA's Q tile (N = 128
+    (token, head) columns), then applies ReLU, the per-head weights and the head sum in registers and
+    writes the scores of the candidates each token may select.
+
+    num_heads: H, one of INDEXER_HEADS.  head_dim: D, one of INDEXER_HEAD_DIMS.
+    dtype: q / k / weights element type ("bfloat16" or "float16").  stages: K pipeline depth.
+    overlap: two accumulators per warpgroup, so the second tile's wgmma runs during the first tile's
+    epilogue (False, the default: one accumulator, wgmma and epilogue alternate within a warpgroup).
+    overlap=True compiles to pipelined HGMMA (SASS checked) but has not run on a GPU yet, so it is
+    not the default; see notes/kernels/indexer.md.
+    """
+
+    op = "lightning_indexer_score"
+    template = "lightning_indexer_score.py.j2"
+
+    num_heads: int = 64
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    stages: int = 4
+    overlap: bool = False
+
+    def reasons(self) -> list[str]:
+        out = super().reasons()
+        if self.arch != "sm_90a":
+            out.append(f"the lightning-indexer score kernel is implemented for sm_90a only, not {self.arch}")
+        if self.num_heads not in INDEXER_HEADS:
+            out.append(f"num_heads={self.num_heads} is not supported; choose one of {INDEXER_HEADS}")
+        if self.head_dim not in INDEXER_HEAD_DIMS:
+            out.append(f"head_dim={self.head_dim} is not supported; choose one of {INDEXER_HEAD_DIMS}")
+        if self.dtype not in INDEXER_DTYPES:
+            out.append(f"dtype={self.dtype!r} is not supported; choose one of {INDEXER_DTYPES}")
+        if not 2 <= self.stages <= 8:
+            out.append(f"stages={self.stages} must be in 2..8")
+        elif self.head_dim in INDEXER_HEAD_DIMS and self.smem_bytes() > 220 * 1024:
+            out.append(f"stages={self.stages} needs {self.smem_bytes()} bytes of shared memory at "
+                       f"head_dim={self.head_dim}; the limit is 220 KiB, use fewer stages")
+        return out
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of the kernel (Q tile + K stages + barriers/bounds), an estimate
+        kept in step with the template's smem struct (the generator checks the real value)."""
+        return 128 * self.head_dim * 2 + self.stages * 128 * self.head_dim * 2 + 2048
+
+
+@register_spec
+@dataclass(frozen=True)
+class IndexerTopkSpec(KernelSpec):
+    """Radix top-k over the rows of the lightning-indexer score slab (sm_90a).
+
+    One CTA of `threads` threads per slab row: four 8-bit radix passes over the row's order-preserving
+    fp32 keys find the k-th largest key, then one ordered pass writes the selected candidate ids in
+    ascending order (ties at the threshold go to the lowest ids), or 0..n-1 and -1 padding when the
+    row has no more than topk candidates. Deterministic: no result depends on thread timing.
+
+    cache_keys: rows of at most this many candidates are read from global memory once and keep their
+    keys in shared memory for the later passes (0, the default: every pass reads the slab row from L2).
+    Nonzero values (e.g. 49152) compile but have not run on a GPU yet; see notes/kernels/indexer.md.
+    """
+
+    op = "lightning_indexer_topk"
+    template = "lightning_indexer_topk.py.j2"
+
+    threads: int = 1024
+    cache_keys: int = 0
+
+    def reasons(self) -> list[str]:
+        out = super().reasons()
+        if self.arch != "sm_90a":
+            out.append(f"the lightning-indexer top-k kernel is implemented for sm_90a only, not {self.arch}")
+        if self.threads not in (256, 512, 1024):
+            out.append(f"threads={self.threads} must be one of 256, 512, 1024")
+        if not (0 <= self.cache_keys <= 53248 and self.cache_keys % 1024 == 0):
+            out.append(f"cache_keys={self.cache_keys} must be a multiple of 1024 in [0, 53248] "
+                       f"(4 bytes of shared memory each, at most 208 KiB)")
+        return out
+
+
+def indexer_specs(arch: str, num_heads: int, head_dim: int, dtype: str = "bfloat16", *,
+                  score_options: dict | None = None, topk_options: dict | None = None
+                  ) -> tuple[IndexerScoreSpec, IndexerTopkSpec]:
+    """The two kernels one fused lightning_indexer call runs, for these plan-time facts (the options
+    override tile choices, e.g. {"overlap": True}; the defaults are the GPU-verified ones)."""
+    return (IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype, **(score_options or {})),
+            IndexerTopkSpec(arch=arch, **(topk_options or {})))

@@ -1,0 +1,79 @@
+"""Spec family of the fused sparse MLA attention forward (seed 001 section 1, seed 002).
+
+One kernel computes, for every query row t and head h,
+    out[t, h]   = sum_j p_j * kv[idx[t, j], :d_v] / (sum_j p_j + exp(sink[h] - m))
+    p_j         = exp(scale * q[t, h] . kv[idx[t, j]] - m),  m = max_j of the scaled scores
+    lse[t, h]   = m + log(sum_j p_j)          (KV only: the sink is not in it)
+    max_logits  = m
+over the valid slots j of the row (0 <= id < total_S_kv and j < topk_length[t]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..base import KernelSpec, register_spec
+
+# Register budget of the 3-warpgroup kernel: a producer warpgroup that gathers rows with cp.async and two
+# consumer warpgroups (QK^T + softmax + left half of O; right half of O). The CTA launches with
+# floor(65536 / 384 / 8) * 8 = 168 registers per thread (64512 in all) and setmaxnreg only moves registers
+# between warpgroups inside that pool: the three budgets must sum to at most 3 * 168 = 504, or the
+# increasing warpgroups spin in setmaxnreg.inc forever (a hang, not an error).
+_REGS_AT_LAUNCH = 65536 // 384 // 8 * 8
+_REG_TOTAL = 3 * _REGS_AT_LAUNCH
+
+
+@register_spec
+@dataclass(frozen=True)
+class SparseAttnFwdSpec(KernelSpec):
+    """Fused sparse MLA forward for Hopper (template sm90/sparse_attention_fwd.py.j2).
+
+    num_heads: query heads the kernel is built for (64 or 128; one CTA per query row and 64 heads).
+      Other head counts are padded to 64 by dsagen.fused.sparse_attention.
+    d_qk: query/key width (512, or 576 = 512 latent + 64 RoPE); the whole width is scored.
+    d_v: value/output width: the first d_v columns of each gathered row (512).
+    dtype: q, kv and out dtype ("bfloat16" or "float16").
+    block_n: gathered rows per pipeline stage (64).
+    stages: KV stages in shared memory (2; a 64 x 576 stage is 72 KiB).
+    regs_producer / regs_qk / regs_pv: setmaxnreg budgets of the three warpgroups.
+
+    Sequence lengths, top-k width, KV pool size and softmax scale are run-time arguments.
+    """
+
+    op = "sparse_attention_fwd"
+    template = "sparse_attention_fwd.py.j2"
+
+    num_heads: int = 128
+    d_qk: int = 576
+    d_v: int = 512
+    dtype: str = "bfloat16"
+    block_n: int = 64
+    stages: int = 2
+    regs_producer: int = 40
+    regs_qk: int = 248
+    regs_pv: int = 216
+
+    def reasons(self) -> list[str]:
+        out = super().reasons()
+        if self.arch != "sm_90a":
+            out.append(f"arch {self.arch!r}: the fused sparse attention forward exists for sm_90a only "
+                       f"(Hopper wgmma); use impl='reference' elsewhere")
+        if self.num_heads not in (64, 128):
+            out.append(f"num_heads={self.num_heads} must be 64 or 128 (pad 16/32 heads to 64 in the op)")
+        if self.d_qk not in (512, 576):
+            out.append(f"d_qk={self.d_qk} must be 512 or 576")
+        if self.d_v != 512:
+            out.append(f"d_v={self.d_v} must be 512 (two 256-column halves, one per consumer warpgroup)")
+        if self.dtype not in ("bfloat16", "float16"):
+            out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
+        if self.block_n != 64:
+            out.append(f"block_n={self.block_n} must be 64 (the P tile aliases a 64 x 64 RoPE tile)")
+        if self.stages != 2:
+            out.append(f"stages={self.stages} must be 2 (two 64-row stages plus Q fill shared memory)")
+        regs = (self.regs_producer, self.regs_qk, self.regs_pv)
+        if any(r % 8 or not 24 <= r <= 256 for r in regs):
+            out.append(f"regs_producer/regs_qk/regs_pv={regs} must each be a multiple of 8 in [24, 256]")
+        elif sum(regs) > _REG_TOTAL:
+            out.append(f"regs_producer + regs_qk + regs_pv = {sum(regs)} exceeds {_REG_TOTAL} "
+                       f"(3 warpgroups x {_REGS_AT_LAUNCH} registers at launch; setmaxnreg cannot grow the pool)")
+        return out

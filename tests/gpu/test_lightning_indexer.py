@@ -1,0 +1,299 @@
+"""GPU tests of the fused lightning_indexer (sm_90a): generated wgmma score kernel + radix top-k, through
+the whole pipeline (spec -> template -> cubin in the cache -> runtime), against plain-PyTorch scores.
+
+Checked property (seed 000 leaves order and ties open, so no exact-set comparison): for every row the
+selected ids are distinct, valid for the row's causal / document bounds, ascending (this backend's
+order), followed by -1 exactly when fewer than topk candidates exist, and every selected candidate's
+reference score is >= every unselected valid candidate's reference score minus one bf16 ulp of the
+row's largest |score| (the kernel accumulates in fp32 in another order than the reference).
+
+Build first (CPU, with CuTe-DSL):  dsagen build --from-tests tests/gpu/test_lightning_indexer.py
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dsagen
+from dsagen.spec.families.indexer import IndexerScoreSpec, IndexerTopkSpec
+from poison import POISON_INT32, poison_allocator
+
+ARCH = "sm_90a"
+HEAD_SHAPES = [(64, 128), (8, 64), (16, 128), (32, 64), (128, 128), (8, 128), (64, 64)]
+REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH)] + [
+    IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d) for h, d in HEAD_SHAPES] + [
+    IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, dtype="float16")] + [
+    # the speed variants not yet default (two accumulators per warpgroup; smem key cache): checked here,
+    # compared in bench/indexer.py --variant tuned
+    IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, overlap=True), IndexerTopkSpec(arch=ARCH, cache_keys=49152)]
+
+pytestmark = pytest.mark.gpu
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _inputs(b, t, h, d, s, gen, dtype=torch.bfloat16, weights_layout="contiguous"):
+    q = torch.randn((b, t, h, d), generator=gen).to(dtype).cuda()
+    k = torch.randn((b, s, d), generator=gen).to(dtype).cuda()
+    if weights_layout == "transposed":        # [B, H, T] storage viewed as [B, T, H]
+        w = torch.randn((b, h, t), generator=gen).to(dtype).cuda().transpose(1, 2)
+    elif weights_layout == "strided":         # every third element of a wider tensor
+        w = torch.randn((b, t, 3 * h), generator=gen).to(dtype).cuda()[:, :, ::3]
+    elif weights_layout == "broadcast":       # stride 0 over tokens
+        w = torch.randn((b, 1, h), generator=gen).to(dtype).cuda().expand(b, t, h)
+    else:
+        w = torch.randn((b, t, h), generator=gen).to(dtype).cuda()
+    return q, k, w
+
+
+def _bounds(t, s, causal, ratio, cu_q=None, cu_k=None):
+    """Per query row: [lo, hi) candidate range in the pool (pool coordinates) and the id offset."""
+    lo = torch.zeros(t, dtype=torch.int64)
+    hi = torch.full((t,), s, dtype=torch.int64)
+    if cu_q is None:
+        if causal:
+            hi = torch.clamp((torch.arange(t) + 1) // ratio, max=s)
+        return lo, hi
+    cu_q, cu_k = cu_q.cpu().long(), cu_k.cpu().long()
+    hi[:] = 0
+    for d_ in range(cu_q.numel() - 1):
+        a, z = int(cu_q[d_]), int(cu_q[d_ + 1])
+        for tt in range(a, z):
+            n = int(cu_k[d_ + 1] - cu_k[d_])
+            if causal:
+                n = min(n, (tt - a + 1) // ratio)
+            lo[tt] = cu_k[d_]
+            hi[tt] = cu_k[d_] + n
+    return lo, hi
+
+
+def _scores(q, k, w, rows=None):
+    """fp32 reference scores [B, R, S] of the given query rows (all when None), in row chunks."""
+    b, t, h, d = q.shape
+    if rows is not None:
+        q, w = q[:, rows], w[:, rows]
+    kf = k.float()
+    out = []
+    step = max(1, (1 << 28) // max(1, h * k.shape[1] * 4))
+    for r0 in range(0, q.shape[1], step):
+        dots = torch.einsum("bthd,bsd->bths", q[:, r0:r0 + step].float(), kf)
+        out.append(torch.einsum("bth,bths->bts", w[:, r0:r0 + step].float(), dots.relu_()) / math.sqrt(h * d))
+    return torch.cat(out, 1)
+
+
+def _check_rows(out, scores, lo, hi, topk, row_ids=None):
+    """The defining property for out[B, R, topk] against reference scores[B, R, S] and bounds."""
+    out = out.cpu().long()
+    scores = scores.cpu()
+    b_count, r_count, _ = out.shape
+    assert not (out == POISON_INT32).any(), "unwritten output elements"
+    for bb in range(b_count):
+        for r in range(r_count):
+            row = r if row_ids is None else int(row_ids[r])
+            a, z = int(lo[row]), int(hi[row])
+            n = z - a
+            sel = out[bb, r]
+            want = min(n, topk)
+            valid = sel[:want]
+            assert (sel[want:] == -1).all(), f"row {bb},{row}: -1 padding must start at {want}: {sel.tolist()[:64]}"
+            assert ((valid >= 0) & (valid < n)).all(), f"row {bb},{row}: ids outside [0, {n}): {valid.tolist()[:64]}"
+            if want > 1:
+                assert (valid[1:] > valid[:-1]).all(), f"row {bb},{row}: ids not ascending/distinct"
+            if n > topk and topk > 0:
+                sc = scores[bb, r, a:z]
+                mask = torch.zeros(n, dtype=torch.bool)
+                mask[valid] = True
+                tol = 2.0 ** -8 * float(sc.abs().max())
+                worst_in = float(sc[mask].min())
+                best_out = float(sc[~mask].max())
+                assert worst_in >= best_out - tol, (
+                    f"row {bb},{row}: selected score {worst_in} < unselected {best_out} - {tol}")
+
+
+def _run_and_check(q, k, w, topk, causal, ratio=1, cu_q=None, cu_k=None, **kw):
+    poison_allocator()
+    out = dsagen.lightning_indexer(q, k, w, topk, causal=causal, compress_ratio=ratio, cu_seqlens=cu_q,
+                                   cu_seqlens_k=cu_k, impl="fused", **kw)
+    torch.cuda.synchronize()
+    b, t = q.shape[:2]
+    assert out.shape == (b, t, topk) and out.dtype == torch.int32 and out.is_contiguous()
+    lo, hi = _bounds(t, k.shape[1], causal, ratio, cu_q, cu_k)
+    if topk > 0:
+        _check_rows(out, _scores(q, k, w), lo, hi, topk)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ tests
+@pytest.mark.parametrize("causal", [True, False])
+def test_model_shape(causal):
+    gen = torch.Generator().manual_seed(1 + causal)
+    q, k, w = _inputs(2, 333, 64, 128, 333, gen)
+    _run_and_check(q, k, w, 100, causal)
+
+
+@pytest.mark.parametrize("h,d", HEAD_SHAPES)
+@pytest.mark.parametrize("t", [1, 77, 260])
+def test_heads_and_dims(h, d, t):
+    gen = torch.Generator().manual_seed(h * 1000 + d + t)
+    q, k, w = _inputs(2, t, h, d, t, gen)
+    _run_and_check(q, k, w, 33, True)
+
+
+@pytest.mark.parametrize("ratio", [1, 4, 3])
+def test_compress_ratio(ratio):
+    gen = torch.Generator().manual_seed(ratio)
+    t = 1001
+    q, k, w = _inputs(1, t, 64, 128, t // ratio, gen)
+    _run_and_check(q, k, w, 64, True, ratio)
+
+
+@pytest.mark.parametrize("topk", [0, 1, 2048, 5000])
+def test_topk_edges(topk):
+    gen = torch.Generator().manual_seed(topk + 5)
+    q, k, w = _inputs(1, 4200, 64, 128, 4200, gen)
+    _run_and_check(q, k, w, topk, True)
+
+
+@pytest.mark.parametrize("variant", [({"overlap": True}, {}), ({}, {"cache_keys": 49152})])
+def test_speed_variants(variant, monkeypatch):
+    from dsagen.fused import lightning_indexer as fused
+
+    monkeypatch.setattr(fused, "SPEC_OPTIONS", variant)
+    gen = torch.Generator().manual_seed(97)
+    q, k, w = _inputs(2, 1500, 64, 128, 1500, gen)
+    _run_and_check(q, k, w, 200, True)
+
+
+def test_no_candidates():
+    gen = torch.Generator().manual_seed(9)
+    q, k, w = _inputs(2, 3, 64, 128, 0, gen)          # T < ratio: S = 0
+    out = dsagen.lightning_indexer(q, k, w, 8, causal=True, compress_ratio=4, impl="fused")
+    assert out.shape == (2, 3, 8) and (out.cpu() == -1).all()
+
+
+@pytest.mark.parametrize("layout", ["transposed", "strided", "broadcast"])
+def test_weights_any_stride(layout):
+    gen = torch.Generator().manual_seed(17)
+    q, k, w = _inputs(2, 200, 64, 128, 200, gen, weights_layout=layout)
+    assert not w.is_contiguous()
+    _run_and_check(q, k, w, 50, False)
+
+
+def test_float16():
+    gen = torch.Generator().manual_seed(23)
+    q, k, w = _inputs(1, 500, 64, 128, 500, gen, dtype=torch.float16)
+    _run_and_check(q, k, w, 64, True)
+
+
+@pytest.mark.parametrize("causal,ratio", [(True, 1), (False, 1), (True, 4)])
+def test_packed_documents(causal, ratio):
+    gen = torch.Generator().manual_seed(31 + ratio)
+    lens = [1, 0, 300, 0, 1, 513, 9]                  # a 1-token document, empty documents, odd sizes
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + [n // ratio for n in lens]).cumsum(0).to(torch.int32)
+    t = int(cu[-1]) + 20                              # rows past the last offset return -1
+    s = int(cu_k[-1]) + 7                             # inactive capacity at the end of the pool
+    q, k, w = _inputs(1, t, 64, 128, s, gen)
+    out = _run_and_check(q, k, w, 40, causal, ratio, cu.cuda(), cu_k.cuda())
+    assert (out[0, int(cu[-1]):].cpu() == -1).all()
+
+
+def test_packed_long_sequence():
+    """T = 2**20 packed query rows (short documents keep the reference cheap): checked on sampled rows."""
+    gen = torch.Generator().manual_seed(41)
+    t, ratio, doc = 2 ** 20, 4, 4096
+    n_docs = t // doc
+    cu = (torch.arange(n_docs + 1) * doc).to(torch.int32)
+    cu_k = (torch.arange(n_docs + 1) * (doc // ratio)).to(torch.int32)
+    q, k, w = _inputs(1, t, 8, 64, t // ratio, gen)
+    out = dsagen.lightning_indexer(q, k, w, 16, causal=True, compress_ratio=ratio, cu_seqlens=cu.cuda(),
+                                   cu_seqlens_k=cu_k.cuda(), impl="fused")
+    rows = torch.cat([torch.randint(0, t, (48,), generator=gen), torch.tensor([0, 3, 4, doc - 1, t - 1])])
+    lo, hi = _packed_bounds(rows, doc, ratio)
+    _check_rows(out[:, rows.cuda()], _scores(q, k, w, rows.cuda()), lo, hi, 16)
+
+
+def _packed_bounds(rows, doc, ratio):
+    d_ = rows // doc
+    lo = d_ * (doc // ratio)
+    hi = lo + torch.minimum(torch.full_like(rows, doc // ratio), (rows - d_ * doc + 1) // ratio)
+    return lo, hi
+
+
+def test_deterministic_and_ties_to_lower_index():
+    gen = torch.Generator().manual_seed(53)
+    q, k, w = _inputs(1, 700, 64, 128, 700, gen)
+    torch.use_deterministic_algorithms(True)
+    try:
+        a = dsagen.lightning_indexer(q, k, w, 64, causal=True, impl="fused")
+        b = dsagen.lightning_indexer(q, k, w, 64, causal=True, impl="fused")
+        assert torch.equal(a, b)
+        k_same = k[:, :1].expand_as(k).contiguous()   # every candidate scores the same
+        c = dsagen.lightning_indexer(q, k_same, w, 64, causal=True, impl="fused").cpu()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    t = torch.arange(700)
+    n = torch.clamp(t + 1, max=64)
+    want = torch.where(torch.arange(64)[None, :] < n[:, None], torch.arange(64)[None, :], -1)
+    assert torch.equal(c[0].long(), want)
+
+
+def test_backend_option_and_limits():
+    gen = torch.Generator().manual_seed(61)
+    q, k, w = _inputs(1, 16, 64, 128, 16, gen)
+    dsagen.lightning_indexer(q, k, w, 4, causal=True, impl="fused", kernel_options={"backend": "cute"})
+    with pytest.raises(ValueError, match="backend"):
+        dsagen.lightning_indexer(q, k, w, 4, causal=True, impl="fused", kernel_options={"backend": "triton"})
+    q6, k6, w6 = _inputs(1, 16, 6, 128, 16, gen)
+    with pytest.raises(ValueError, match=r"H \(heads\) in"):
+        dsagen.lightning_indexer(q6, k6, w6, 4, causal=True, impl="fused")
+    q96, k96, w96 = _inputs(1, 16, 64, 96, 16, gen)
+    with pytest.raises(ValueError, match=r"D \(head dim\) in"):
+        dsagen.lightning_indexer(q96, k96, w96, 4, causal=True, impl="fused")
+
+
+def test_torch_compile_dynamic_no_recompile():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    fn = torch.compile(dsagen.lightning_indexer, fullgraph=True, dynamic=True)
+    gen = torch.Generator().manual_seed(71)
+    for i, t in enumerate((300, 517, 1024)):
+        q, k, w = _inputs(1, t, 64, 128, t, gen)
+        ctx = torch._dynamo.config.patch(error_on_recompile=True) if i else _nullcontext()
+        with ctx:
+            got = fn(q, k, w, 32, causal=True, impl="fused")
+        want = dsagen.lightning_indexer(q, k, w, 32, causal=True, impl="fused")
+        assert torch.equal(got, want)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def test_cuda_graph_capture():
+    gen = torch.Generator().manual_seed(83)
+    q, k, w = _inputs(1, 600, 64, 128, 600, gen)
+    dsagen.lightning_indexer(q, k, w, 48, causal=True, impl="fused")      # warm up: load the kernels
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g):
+            out = dsagen.lightning_indexer(q, k, w, 48, causal=True, impl="fused")
+    torch.cuda.current_stream().wait_stream(s)
+    q2, k2, w2 = _inputs(1, 600, 64, 128, 600, gen)
+    q.copy_(q2), k.copy_(k2), w.copy_(w2)
+    g.replay()
+    torch.cuda.synchronize()
+    want = dsagen.lightning_indexer(q, k, w, 48, causal=True, impl="fused")
+    assert torch.equal(out, want)
+    lo, hi = _bounds(600, 600, True, 1)
+    _check_rows(out, _scores(q, k, w), lo, hi, 48)

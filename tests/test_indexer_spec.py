@@ -1,0 +1,168 @@
+"""CPU tests of the fused lightning-indexer kernels: spec validation, rendering, the fused module's
+option / range checks, and (marked `compile`) cross-compilation for sm_90a with a SASS check."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from dsagen.gen.render import render
+from dsagen.spec import get_preset
+from dsagen.spec.base import SpecError
+from dsagen.spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, IndexerScoreSpec, IndexerTopkSpec,
+                                          indexer_specs)
+
+
+def test_score_spec_validation_reasons():
+    assert IndexerScoreSpec(arch="sm_90a").can_implement() == (True, "")
+    ok, why = IndexerScoreSpec(arch="sm_90a", num_heads=12, head_dim=96, dtype="float32").can_implement()
+    assert not ok
+    assert "num_heads=12" in why and str(INDEXER_HEADS) in why
+    assert "head_dim=96" in why and str(INDEXER_HEAD_DIMS) in why
+    assert "dtype='float32'" in why
+    ok, why = IndexerScoreSpec(arch="sm_100a").can_implement()
+    assert not ok and "sm_90a only" in why
+    ok, why = IndexerScoreSpec(arch="sm_90a", stages=8).can_implement()
+    assert not ok and "shared memory" in why
+    with pytest.raises(SpecError):
+        IndexerTopkSpec(arch="sm_90a", threads=100).check()
+
+
+def test_specs_are_independent_of_run_time_arguments():
+    """topk, causal, ratio and lengths are run-time arguments: one pair of kernels serves them all."""
+    a = indexer_specs("sm_90a", 64, 128)
+    assert a == indexer_specs("sm_90a", 64, 128, "bfloat16")
+    fields = set(IndexerScoreSpec.__dataclass_fields__) | set(IndexerTopkSpec.__dataclass_fields__)
+    assert not fields & {"topk", "causal", "compress_ratio", "seqlen", "T", "S"}
+    assert a[0].name() == "lightning_indexer_score_sm_90a"
+    assert IndexerScoreSpec(arch="sm_90a", num_heads=8, head_dim=64).name() == "lightning_indexer_score_h8_d64_sm_90a"
+
+
+def test_preset_contains_indexer_kernels():
+    names = {s.name() for s in get_preset("deepseek-v3.2", "sm_90a")}
+    assert {"lightning_indexer_score_sm_90a", "lightning_indexer_topk_sm_90a"} <= names
+
+
+@pytest.mark.parametrize("h", INDEXER_HEADS)
+@pytest.mark.parametrize("d", INDEXER_HEAD_DIMS)
+def test_score_template_renders(h, d):
+    src = render(IndexerScoreSpec(arch="sm_90a", num_heads=h, head_dim=d))
+    assert f"H = {h}\n" in src and f"D = {d}\n" in src and "def row_bounds(" in src
+    assert 'SYMBOL = "dsagen_lightning_indexer_score' in src
+
+
+def test_topk_template_renders():
+    src = render(IndexerTopkSpec(arch="sm_90a", threads=512))
+    assert "THREADS = 512" in src and "def row_bounds(" in src
+
+
+def test_fused_backend_option_and_limits():
+    from dsagen.fused.lightning_indexer import check_backend, check_supported, slab_rows
+
+    assert check_backend(None) == "cute" and check_backend({"backend": "cute"}) == "cute"
+    with pytest.raises(ValueError, match="backend='triton' is not available"):
+        check_backend({"backend": "triton"})
+    with pytest.raises(ValueError, match="unknown keys"):
+        check_backend({"backend": "cute", "tile": 4})
+    q = torch.empty((1, 8, 64, 128), dtype=torch.bfloat16)
+    k = torch.empty((1, 8, 128), dtype=torch.bfloat16)
+    w = torch.empty((1, 8, 64), dtype=torch.bfloat16)
+    check_supported(q, k, w, 2048)
+    with pytest.raises(ValueError, match=r"H \(heads\) in \(8, 16, 32, 64, 128\)"):
+        check_supported(torch.empty((1, 8, 12, 128), dtype=torch.bfloat16), k, torch.empty((1, 8, 12), dtype=torch.bfloat16), 4)
+    with pytest.raises(ValueError, match=r"D \(head dim\) in \(64, 128\)"):
+        check_supported(torch.empty((1, 8, 64, 96), dtype=torch.bfloat16), torch.empty((1, 8, 96), dtype=torch.bfloat16), w, 4)
+    with pytest.raises(ValueError, match=r"T <= 2\*\*20"):
+        big = torch.empty((1, 2 ** 20 + 1, 64, 128), dtype=torch.bfloat16, device="meta")
+        check_supported(big, k, w, 4)
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        check_supported(q.float(), k.float(), w.float(), 4)
+    # the slab stays <= 32 MiB (or one token block) whatever T and S are
+    for h in INDEXER_HEADS:
+        for s in (1, 1000, 32768, 2 ** 20):
+            rows = slab_rows(h, s)
+            assert rows % (128 // h) == 0 and rows <= 1024
+            assert rows * (-(-s // 4) * 4) * 4 <= max(32 << 20, (128 // h) * 4 * 2 ** 20)
+
+
+def _nvdisasm() -> str | None:
+    import site
+
+    for d in site.getsitepackages():
+        hits = sorted(glob.glob(os.path.join(d, "nvidia", "*", "bin", "nvdisasm")))
+        if hits:
+            return hits[0]
+    return None
+
+
+def _sass(cubin: bytes, tmp_path) -> str:
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not found")
+    path = tmp_path / "k.cubin"
+    path.write_bytes(cubin)
+    return subprocess.run([tool, "-c", str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def _sass_ops(cubin: bytes, tmp_path) -> dict[str, int]:
+    sass = _sass(cubin, tmp_path)
+    ops: dict[str, int] = {}
+    for m in re.finditer(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M):
+        ops[m.group(1)] = ops.get(m.group(1), 0) + 1
+    return ops
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("h,d", [(64, 128), (8, 64), (128, 128)])
+def test_score_kernel_compiles_to_hgmma_without_spills(h, d, tmp_path):
+    from dsagen.gen.build import compile_module
+
+    spec = IndexerScoreSpec(arch="sm_90a", num_heads=h, head_dim=d)
+    ck = compile_module(spec, render(spec), tmp_path / "build")
+    ops = _sass_ops(ck.cubin, tmp_path)
+    assert ops.get("HGMMA", 0) >= d // 16, ops          # one 64x128x16 wgmma per 16 of D
+    assert ops.get("UTMALDG", 0) > 0 and ops.get("USETMAXREG", 0) > 0, ops
+    assert not ops.get("LDL") and not ops.get("STL"), f"register spills: {ops}"
+    assert ck.record["launch"]["block"] == [384, 1, 1]
+    assert ck.record["launch"]["smem"] <= 227 * 1024
+
+
+@pytest.mark.compile
+def test_topk_kernel_compiles(tmp_path):
+    from dsagen.gen.build import compile_module
+
+    spec = IndexerTopkSpec(arch="sm_90a")
+    ck = compile_module(spec, render(spec), tmp_path / "build")
+    ops = _sass_ops(ck.cubin, tmp_path)
+    assert ops.get("ATOMS", 0) > 0 and ops.get("VOTE", 0) > 0, ops
+    assert not ops.get("LDL") and not ops.get("STL"), f"register spills: {ops}"
+
+
+@pytest.mark.compile
+def test_overlap_variant_keeps_wgmma_pipelined(tmp_path):
+    """overlap=True must not make ptxas serialize the wgmmas (a DEPBAR after every HGMMA): the two
+    tiles' groups are issued back to back and waited with DEPBAR.LE 1, then 0."""
+    from dsagen.gen.build import compile_module
+
+    spec = IndexerScoreSpec(arch="sm_90a", overlap=True)
+    ck = compile_module(spec, render(spec), tmp_path / "build")
+    sass = _sass(ck.cubin, tmp_path)
+    assert sass.count("HGMMA.64x128x16.F32.BF16") == 2 * 128 // 16
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
+    assert sass.count("WARPGROUP.DEPBAR") == 2, "wgmma serialized by ptxas"
+    assert " LDL" not in sass and " STL" not in sass
+
+
+@pytest.mark.compile
+def test_topk_key_cache_variant_compiles(tmp_path):
+    from dsagen.gen.build import compile_module
+
+    spec = IndexerTopkSpec(arch="sm_90a", cache_keys=49152)
+    ck = compile_module(spec, render(spec), tmp_path / "build")
+    assert 49152 * 4 < ck.record["launch"]["smem"] <= 227 * 1024
+    assert " LDL" not in _sass(ck.cubin, tmp_path)

@@ -1,0 +1,106 @@
+"""CPU tests of the fused sparse attention forward's spec, template and compiled kernel (no GPU):
+validation reasons, the rendered module, and (marked `compile`, needs CuTe-DSL) a real sm_90a
+cross-compilation whose SASS must show the design: HGMMA for both products (SS for QK^T, RS and SS for
+PV), LDGSTS gathers with cp.async mbarrier arrivals, setmaxnreg, and no local-memory spills."""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from dsagen.gen.render import helper_modules, render
+from dsagen.spec import SpecError, get_preset
+from dsagen.spec.families.sparse_attention import SparseAttnFwdSpec
+
+
+def test_default_spec_is_the_v32_shape_and_valid():
+    s = SparseAttnFwdSpec(arch="sm_90a").check()
+    assert (s.num_heads, s.d_qk, s.d_v, s.dtype) == (128, 576, 512, "bfloat16")
+    assert s in get_preset("deepseek-v3.2", "sm_90a")
+    assert not any(isinstance(x, SparseAttnFwdSpec) for x in get_preset("deepseek-v3.2", "sm_100a"))
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(arch="sm_100a"), "sm_90a only"),
+    (dict(num_heads=32), "pad 16/32 heads"),
+    (dict(d_qk=128), "512 or 576"),
+    (dict(d_v=256), "d_v=256"),
+    (dict(dtype="float32"), "'bfloat16' or 'float16'"),
+    (dict(block_n=128), "block_n=128"),
+    (dict(stages=3), "stages=3"),
+    (dict(regs_qk=250), "multiple of 8"),
+    (dict(regs_qk=248, regs_pv=224), "exceeds 504"),
+])
+def test_invalid_specs_say_why(kw, needle):
+    spec = SparseAttnFwdSpec(**{"arch": "sm_90a", **kw})
+    ok, why = spec.can_implement()
+    assert not ok and needle in why
+    with pytest.raises(SpecError, match=re.escape(needle)):
+        spec.check()
+
+
+def test_every_field_changes_the_identity():
+    base = SparseAttnFwdSpec(arch="sm_90a")
+    others = [SparseAttnFwdSpec(arch="sm_90a", num_heads=64), SparseAttnFwdSpec(arch="sm_90a", d_qk=512),
+              SparseAttnFwdSpec(arch="sm_90a", dtype="float16"),
+              SparseAttnFwdSpec(arch="sm_90a", regs_qk=240, regs_pv=224)]
+    keys = {base.canonical_json()} | {o.canonical_json() for o in others}
+    assert len(keys) == 1 + len(others)
+    assert len({base.symbol()} | {o.symbol() for o in others}) == 1 + len(others)
+
+
+@pytest.mark.parametrize("d_qk", [512, 576])
+def test_render(d_qk):
+    src = render(SparseAttnFwdSpec(arch="sm_90a", num_heads=64, d_qk=d_qk))
+    compile(src, "kernel.py", "exec")
+    assert f"D_QK = {d_qk}" in src and "H = 64" in src
+    assert ("sP: cute.struct.Align" in src) == (d_qk == 512)   # P aliases the RoPE tile at 576
+    assert "dsagen.kernels.attn_sm90" in helper_modules(src)
+
+
+def _nvdisasm() -> str | None:
+    base = os.path.dirname(os.path.dirname(os.path.abspath(sys.executable)))
+    found = sorted(glob.glob(os.path.join(base, "lib", "python3*", "site-packages", "nvidia", "*", "bin",
+                                          "nvdisasm")))
+    return found[0] if found else shutil.which("nvdisasm")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", [SparseAttnFwdSpec(arch="sm_90a"),
+                                  SparseAttnFwdSpec(arch="sm_90a", num_heads=64, d_qk=512)],
+                         ids=lambda s: s.name())
+def test_compiles_to_the_designed_sass(spec, tmp_path):
+    from dsagen.gen.build import compile_module
+
+    ck = compile_module(spec, render(spec), tmp_path)
+    rec = ck.record
+    assert rec["launch"]["block"] == [384, 1, 1]
+    assert rec["launch"]["grid"][0] == f"s_q * {spec.num_heads // 64}"
+    assert 200 * 1024 <= rec["launch"]["smem"] + rec["static_smem"] <= 227 * 1024
+    nvd = _nvdisasm()
+    if nvd is None:
+        pytest.skip("nvdisasm not found")
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(ck.cubin)
+    sass = subprocess.run([nvd, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter(m.group(1) for m in re.finditer(
+        r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass))
+    nkb = spec.d_qk // 64
+    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 ", sass)) == spec.d_qk // 16      # SS QK^T
+    assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 4  # RS PV
+    assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 4   # SS PV
+    assert ops["LDGSTS"] == 2 * 4 * nkb               # Q + one KV stage: 4 rows x nkb chunks per thread
+    assert "LDGSTS.E.BYPASS" in sass and ops["ARRIVES"] >= 2
+    assert ops["USETMAXREG"] == 3
+    # setmaxnreg only redistributes the registers the CTA launched with; asking for more spins forever
+    budgets = [int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass)]
+    assert len(budgets) == 3 and sum(budgets) <= 3 * rec["regcount"], (budgets, rec["regcount"])
+    assert ops["MUFU"] > 0
+    assert ops["LDL"] == 0 and ops["STL"] == 0, "register spills"

@@ -101,25 +101,25 @@ def main(argv=None) -> int:
             flops = 2 * h * d * causal_pairs(t, ratio)
             floor_ms = flops / (PEAK_TFLOPS * 1e12) * 1e3
             for topk in args.topk:
-                fused = timed(lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True, compress_ratio=ratio,
+                fused_ms = timed(lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True, compress_ratio=ratio,
                                                                impl="fused"), args.reps)
                 ref = None
                 if t <= args.ref_max_T:
                     ref = timed(lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True,
                                                                  compress_ratio=ratio, impl="reference"),
                                 max(1, min(args.reps, 3)))
-                tflops = flops / (fused * 1e-3) / 1e12
-                row = {"T": t, "topk": topk, "ratio": ratio, "fused_ms": round(fused, 3),
+                tflops = flops / (fused_ms * 1e-3) / 1e12
+                row = {"T": t, "topk": topk, "ratio": ratio, "fused_ms": round(fused_ms, 3),
                        "tflops": round(tflops, 1), "floor_ms": round(floor_ms, 3),
-                       "fraction_of_floor": round(floor_ms / fused, 3),
+                       "fraction_of_floor": round(floor_ms / fused_ms, 3),
                        "reference_ms": round(ref, 2) if ref else None,
-                       "speedup": round(ref / fused, 1) if ref else None}
+                       "speedup": round(ref / fused_ms, 1) if ref else None}
                 if args.profile:
                     row.update(_profile(fused, q, k, w, topk, ratio, args.reps))
                 rows.append(row)
-                print(f"{t:>7} {topk:>5} {ratio:>5} {fused:>9.2f} {tflops:>8.1f} {floor_ms:>9.2f} "
-                      f"{floor_ms / fused:>8.2f} {(f'{ref:.1f}' if ref else '-'):>9} "
-                      f"{(f'{ref / fused:.1f}x' if ref else '-'):>8}"
+                print(f"{t:>7} {topk:>5} {ratio:>5} {fused_ms:>9.2f} {tflops:>8.1f} {floor_ms:>9.2f} "
+                      f"{floor_ms / fused_ms:>8.2f} {(f'{ref:.1f}' if ref else '-'):>9} "
+                      f"{(f'{ref / fused_ms:.1f}x' if ref else '-'):>8}"
                       + (f"   score only {row['score_ms']:.2f} ms, top-k only {row['topk_ms']:.2f} ms"
                          if args.profile else ""), flush=True)
             del q, k, w

@@ -3,7 +3,6 @@ deployments without CuTe-DSL, pack/unpack."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -161,7 +160,8 @@ def test_mode_ro_and_off(tmp_path):
 
 def test_pack_unpack_round_trip_and_tamper_detection(tmp_path):
     src = CacheStore(tmp_path / "a", [])
-    e1, e2 = _commit(src, "ab" * 32), _commit(src, "ef" * 32, b"other")
+    e1 = _commit(src, "ab" * 32)
+    _commit(src, "ef" * 32, b"other")
     f = tmp_path / "kernels.tar"
     assert pack(src, f) == 2 and f.exists()
     dst = CacheStore(tmp_path / "b", [])

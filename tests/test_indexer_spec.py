@@ -3,10 +3,6 @@ option / range checks, and (marked `compile`) cross-compilation for sm_90a with 
 
 from __future__ import annotations
 
-import glob
-import os
-import re
-import subprocess
 
 import pytest
 import torch
@@ -90,31 +86,18 @@ def test_fused_backend_option_and_limits():
             assert rows * (-(-s // 4) * 4) * 4 <= max(32 << 20, (128 // h) * 4 * 2 ** 20)
 
 
-def _nvdisasm() -> str | None:
-    import site
+def _sass(cubin: bytes, tmp_path=None) -> str:
+    from dsagen.gen.sass import disassemble, find_nvdisasm
 
-    for d in site.getsitepackages():
-        hits = sorted(glob.glob(os.path.join(d, "nvidia", "*", "bin", "nvdisasm")))
-        if hits:
-            return hits[0]
-    return None
-
-
-def _sass(cubin: bytes, tmp_path) -> str:
-    tool = _nvdisasm()
-    if tool is None:
+    if find_nvdisasm() is None:
         pytest.skip("nvdisasm not found")
-    path = tmp_path / "k.cubin"
-    path.write_bytes(cubin)
-    return subprocess.run([tool, "-c", str(path)], capture_output=True, text=True, check=True).stdout
+    return disassemble(cubin)
 
 
-def _sass_ops(cubin: bytes, tmp_path) -> dict[str, int]:
-    sass = _sass(cubin, tmp_path)
-    ops: dict[str, int] = {}
-    for m in re.finditer(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M):
-        ops[m.group(1)] = ops.get(m.group(1), 0) + 1
-    return ops
+def _sass_ops(cubin: bytes, tmp_path=None) -> dict[str, int]:
+    from dsagen.gen.sass import opcode_counts
+
+    return dict(opcode_counts(_sass(cubin)))
 
 
 @pytest.mark.compile

@@ -5,13 +5,7 @@ PV), LDGSTS gathers with cp.async mbarrier arrivals, setmaxnreg, and no local-me
 
 from __future__ import annotations
 
-import collections
-import glob
-import os
 import re
-import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -65,13 +59,6 @@ def test_render(d_qk):
     assert "dsagen.kernels.attn_sm90" in helper_modules(src)
 
 
-def _nvdisasm() -> str | None:
-    base = os.path.dirname(os.path.dirname(os.path.abspath(sys.executable)))
-    found = sorted(glob.glob(os.path.join(base, "lib", "python3*", "site-packages", "nvidia", "*", "bin",
-                                          "nvdisasm")))
-    return found[0] if found else shutil.which("nvdisasm")
-
-
 @pytest.mark.compile
 @pytest.mark.parametrize("spec", [SparseAttnFwdSpec(arch="sm_90a"),
                                   SparseAttnFwdSpec(arch="sm_90a", num_heads=64, d_qk=512)],
@@ -84,14 +71,12 @@ def test_compiles_to_the_designed_sass(spec, tmp_path):
     assert rec["launch"]["block"] == [384, 1, 1]
     assert rec["launch"]["grid"][0] == f"s_q * {spec.num_heads // 64}"
     assert 200 * 1024 <= rec["launch"]["smem"] + rec["static_smem"] <= 227 * 1024
-    nvd = _nvdisasm()
-    if nvd is None:
+    from dsagen.gen.sass import disassemble, find_nvdisasm, opcode_counts
+
+    if find_nvdisasm() is None:
         pytest.skip("nvdisasm not found")
-    cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(ck.cubin)
-    sass = subprocess.run([nvd, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    ops = collections.Counter(m.group(1) for m in re.finditer(
-        r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass))
+    sass = disassemble(ck.cubin)
+    ops = opcode_counts(sass)
     nkb = spec.d_qk // 64
     assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 ", sass)) == spec.d_qk // 16      # SS QK^T
     assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 4  # RS PV

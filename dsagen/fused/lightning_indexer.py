@@ -24,7 +24,7 @@ import math
 import torch
 
 from ..runtime import LoadedKernel, device_arch, get_kernel
-from ..spec.families.indexer import (INDEXER_DTYPES, INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T,
+from ..spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T,
                                      SLAB_BYTES, SLAB_MAX_ROWS, indexer_specs, tokens_per_cta)
 
 BACKENDS = ("cute",)

@@ -13,6 +13,10 @@ GENERATOR_VERSION = "1"  # bump when the generator's output for the same inputs 
 def toolchain_versions() -> dict[str, str]:
     """{distribution: version} for every installed `nvidia-cutlass-dsl*` distribution; {} when the DSL
     is not installed (a deployment that only runs a shipped cache)."""
+    try:
+        md.version("nvidia-cutlass-dsl")  # a name lookup: cheap where hundreds of packages are installed
+    except md.PackageNotFoundError:
+        return {}
     out = {}
     for dist in md.distributions():
         name = (dist.metadata["Name"] or "").lower().replace("_", "-")

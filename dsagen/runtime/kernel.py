@@ -132,7 +132,7 @@ class LoadedKernel:
                 "        _grid_too_large(_gx, _gy, _gz)"]
         src += ["    with _lock:"]
         src += ["    " + line for line in lines]
-        src += [f"        try:", f"            _pack(_buf, {self._base}, {', '.join(values)})",
+        src += ["        try:", f"            _pack(_buf, {self._base}, {', '.join(values)})",
                 "        except _struct_error as e:", f"            _bad_scalar(e, ({', '.join(values)},))"]
         src += maps
         src += [f"        _s = _stream({self.device_index}) if stream is None else stream"]

@@ -38,7 +38,8 @@ def __getattr__(name: str):
     mod = _OPS.get(name)
     if mod is None:
         raise AttributeError(f"module 'dsagen' has no attribute {name!r}")
-    return getattr(importlib.import_module(mod), name)
+    value = globals()[name] = getattr(importlib.import_module(mod), name)  # later lookups skip this hook
+    return value
 
 
 def __dir__():

@@ -26,8 +26,8 @@ def compactify(topk_idxs: torch.Tensor, topk_length: torch.Tensor | None) -> tup
     """topk_idxs: int32 (rows, K) CUDA, last dim contiguous; topk_length: (rows,) or None."""
     check_contiguous("topk_idxs", topk_idxs, last_dim_only=True)
     rows, k = topk_idxs.shape
-    out = torch.empty((rows, k), dtype=torch.int32, device=topk_idxs.device)
-    lengths = torch.empty((rows,), dtype=torch.int32, device=topk_idxs.device)
+    out = torch.empty_like(topk_idxs, memory_format=torch.contiguous_format)  # (cheaper than empty(shape))
+    lengths = topk_idxs.new_empty((rows,))
     if rows == 0:
         return out, lengths
     has_length = topk_length is not None

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One GPU session: every GPU test suite, compute-sanitizer on the edge-case tests, and the benchmarks,
+# each step under its own timeout so that a hang costs one step, not the session.
+#
+# Build the kernels first, on a machine with CuTe-DSL (no GPU needed):
+#   DSAGEN_CACHE_DIR=.dsagen-cache-gpu dsagen build --from-tests tests/gpu --preset deepseek-v3.2
+# then on the GPU machine (no CuTe-DSL needed):
+#   scripts/gpu_check.sh .dsagen-cache-gpu OUTDIR [steps...]      steps: tests memcheck bench (default: all)
+set -u
+cache=$(cd "$1" && pwd); out=${2:-gpu-out}; shift 2 || true
+steps=${*:-tests memcheck bench}
+mkdir -p "$out"
+export DSAGEN_CACHE_PATH=$cache DSAGEN_DISABLE_JIT=1 DSAGEN_CACHE_DIR=${TMPDIR:-/tmp}/dsagen-w PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+step() {  # step NAME SECONDS COMMAND...: run, log to $out/NAME.log, print its last lines
+  local name=$1 secs=$2; shift 2
+  timeout "$secs" "$@" > "$out/$name.log" 2>&1; local rc=$?
+  echo "== $name (rc=$rc$([ $rc = 124 ] && echo ', TIMED OUT'))"; tail -n 4 "$out/$name.log"
+}
+for s in $steps; do case $s in
+  tests)
+    step test_foundation 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_foundation.py
+    step test_indexer 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_lightning_indexer.py
+    step test_sparse_attention 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py
+    step test_reference_cuda 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_reference_indexer_cuda.py ;;
+  memcheck)
+    step memcheck 300 compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu \
+      -p no:cacheprovider tests/gpu -k "(foundation or heads_and_dims or packed_documents or no_candidates or topk_edges or adversarial) and not without_cutlass"
+    grep "ERROR SUMMARY" "$out/memcheck.log" ;;
+  bench)
+    step bench_overhead 120 python3 bench/overhead.py --calls 10000 --json "$out/overhead.json"
+    step bench_first_launch 60 bash -c 'for i in 1 2 3; do python3 bench/first_launch.py; done'
+    step bench_indexer 300 python3 bench/indexer.py --reps 3 --json "$out/indexer.json"
+    step bench_sparse_attention 300 python3 bench/sparse_attention.py --json "$out/sparse_attention.json" ;;
+  *) echo "unknown step $s" >&2; exit 2 ;;
+esac; done

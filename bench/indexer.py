@@ -2,13 +2,14 @@
 chunked reference, in one process (GPU). Results go to BENCHMARKS.md.
 
     python bench/indexer.py [--T 8192 32768 131072] [--topk 512 2048] [--ratio 1 4] [--reps 5]
-                            [--ref-max-T 32768] [--json FILE] [--profile]
+                            [--ref-max-T 32768] [--json FILE] [--profile] [--variant NAME]
 
 Causal, H=64, D=128, bf16, fresh random inputs. Each figure is the median of --reps timed calls
 (CUDA events) after one warm-up call. FLOPs count the causal pairs only: 2*H*D*sum_t #candidates(t);
 the tensor-core floor is that at 780 TFLOP/s (dense bf16 measured on the H200). The reference is timed
 only up to --ref-max-T (it takes seconds beyond). --profile also times the score and top-k kernels
-alone (one slab loop with each kernel launched alone).
+alone (one slab loop with each kernel launched alone). --variant selects tile choices that are not the
+default yet (VARIANTS: spec options of the score and top-k kernels).
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ import sys
 import torch
 
 PEAK_TFLOPS = 780.0
+#: --variant -> (IndexerScoreSpec options, IndexerTopkSpec options)
+VARIANTS = {
+    "default": ({}, {}),
+    "tuned": ({"overlap": True}, {"cache_keys": 49152}),      # 2 accumulators per WG + smem key cache
+    "n256": ({"n_tile": 256}, {}),                             # 4 tokens per CTA at H=64: half the K traffic
+    "n256k": ({"n_tile": 256}, {"cache_keys": 49152}),         # n256 + smem key cache
+}
 
 
 def timed(fn, reps: int) -> float:
@@ -55,7 +63,9 @@ def _profile(fused, q, k, w, topk, ratio, reps) -> dict:
 
     call = lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True, compress_ratio=ratio, impl="fused")
     score_k, topk_k = fused._kernels_for(q.device, q.shape[2], q.shape[3], q.dtype)
-    key = next(key for key, v in fused._kernels.items() if v == (score_k, topk_k))
+    # the entry _kernels_for just filled for this variant (its key ends with repr(SPEC_OPTIONS))
+    key = next(key for key, v in fused._kernels.items()
+               if v[0] is score_k and v[1] is topk_k and key[-1] == repr(fused.SPEC_OPTIONS))
     try:
         fused._kernels[key] = (score_k, _Skip)
         score_ms = timed(call, reps)
@@ -75,21 +85,22 @@ def main(argv=None) -> int:
     ap.add_argument("--ref-max-T", type=int, default=32768)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="also time the score and top-k kernels alone")
-    ap.add_argument("--variant", choices=["default", "tuned"], default="default",
-                    help="tuned: two accumulators per warpgroup (overlap) and the smem key cache")
+    ap.add_argument("--variant", choices=list(VARIANTS), default="default",
+                    help="tuned: two accumulators per warpgroup (overlap) and the smem key cache; n256: wgmma "
+                         "N = 256 (4 tokens per CTA at H=64); n256k: n256 and the smem key cache")
     args = ap.parse_args(argv)
 
     import dsagen
     from dsagen.fused import lightning_indexer as fused
 
-    if args.variant == "tuned":
-        fused.SPEC_OPTIONS = ({"overlap": True}, {"cache_keys": 49152})
+    fused.SPEC_OPTIONS = VARIANTS[args.variant]
 
     h, d = 64, 128
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
-    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  H={h} D={d} bf16 causal")
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  H={h} D={d} bf16 causal  "
+          f"variant {args.variant} {fused.SPEC_OPTIONS}")
     print(f"{'T':>7} {'topk':>5} {'ratio':>5} {'fused ms':>9} {'TFLOP/s':>8} {'floor ms':>9} {'of floor':>8} "
           f"{'ref ms':>9} {'speedup':>8}")
     for t in args.T:
@@ -126,7 +137,8 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variant": args.variant,
+                       "spec_options": fused.SPEC_OPTIONS, "rows": rows}, f, indent=1)
     return 0
 
 

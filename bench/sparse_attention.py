@@ -1,6 +1,10 @@
 """Sparse MLA forward: the fused sm_90a kernel against the plain-PyTorch reference, in one run (GPU).
 
-    python bench/sparse_attention.py [--quick] [--reps N] [--json FILE]
+    python bench/sparse_attention.py [--quick] [--reps N] [--json FILE] [--schedule split]
+
+--schedule S also times the fused kernel under SparseAttnFwdSpec.schedule S (dsagen.fused.sparse_attention
+.SCHEDULE) next to the default ("serial") in the same run, on the same inputs: columns `S ms`, `TFLOP/s`,
+`x` (default time / S time) and, in the JSON, the max abs difference of S's out/lse from the default's.
 
 Shapes (issue 5): prefill T = 4096 and 32768 query rows over a KV pool of 32768 and 131072 rows, H=128,
 D_qk 576, d_v 512, top-k 2048, with sink; H=64 with D_qk 512; decode 64 and 128 sequences x 1 query row,
@@ -22,6 +26,7 @@ import sys
 import torch
 
 import dsagen
+import dsagen.fused.sparse_attention as fused_sa
 
 
 def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.Tensor:
@@ -45,7 +50,7 @@ def time_ms(fn, reps: int, rounds: int = 5) -> float:
     return statistics.median(res)
 
 
-def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0):
+def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0, schedule=None):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn((s_q, h, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
     kv = torch.randn((n_kv, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
@@ -57,8 +62,22 @@ def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0)
     nbytes = (s_q * topk * d_qk * 2 * blocks + q.numel() * 2 + s_q * h * d_v * 2 + ids.numel() * 4
               + 2 * s_q * h * 4)
     row = {"case": name, "s_q": s_q, "H": h, "d_qk": d_qk, "d_v": d_v, "kv_rows": n_kv, "topk": topk}
+    default = fused_sa.SCHEDULE
     ms = time_ms(lambda: call("fused"), reps)
     row.update(fused_ms=ms, fused_tflops=flops / ms / 1e9, fused_gbps=nbytes / ms / 1e6)
+    if schedule and schedule != default:
+        base_out, base_lse, _ = call("fused")
+        fused_sa.SCHEDULE = schedule
+        try:
+            sms = time_ms(lambda: call("fused"), reps)
+            v_out, v_lse, _ = call("fused")
+        finally:
+            fused_sa.SCHEDULE = default
+        row.update({f"{schedule}_ms": sms, f"{schedule}_tflops": flops / sms / 1e9,
+                    f"{schedule}_speedup": ms / sms,
+                    f"{schedule}_max_abs_diff_out": (v_out.float() - base_out.float()).abs().max().item(),
+                    f"{schedule}_max_abs_diff_lse": (v_lse - base_lse).abs().max().item()})
+        del base_out, base_lse, v_out, v_lse
     if ref_reps:
         rms = time_ms(lambda: call("reference"), ref_reps, rounds=2)
         row.update(torch_ms=rms, torch_tflops=flops / rms / 1e9, speedup=rms / ms)
@@ -77,7 +96,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-torch", action="store_true", help="skip the plain-PyTorch comparison")
     ap.add_argument("--json")
+    ap.add_argument("--schedule", choices=[s for s in fused_sa.SCHEDULES if s != "serial"],
+                    help="also time this kernel schedule next to the default, in the same run")
     args = ap.parse_args()
+    if args.schedule == fused_sa.SCHEDULE:
+        ap.error(f"--schedule {args.schedule} is already the default schedule of this run")
     ref = 0 if args.no_torch else 1
     cases = [("prefill", 4096, 128, 576, 32768, 2048, ref), ("prefill", 4096, 128, 576, 131072, 2048, ref),
              ("prefill", 4096, 64, 512, 32768, 2048, ref)]
@@ -89,19 +112,24 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", file=sys.stderr)
     hdr = f"{'case':8} {'S_q':>6} {'H':>4} {'D':>4} {'kv':>7} {'topk':>5} | {'fused ms':>9} {'TFLOP/s':>8} " \
           f"{'GB/s':>7} | {'torch ms':>9} {'TFLOP/s':>8} {'x':>6}"
+    if args.schedule:
+        hdr += f" | {args.schedule + ' ms':>9} {'TFLOP/s':>8} {'x':>6}"
     print(hdr)
     for name, s_q, h, d, n_kv, topk, r in cases:
         row = run_case(name, s_q, h, d, n_kv, topk, reps=args.reps if s_q <= 4096 else max(2, args.reps // 4),
-                       ref_reps=r)
+                       ref_reps=r, schedule=args.schedule)
         rows.append(row)
         tail = (f"{row['torch_ms']:9.2f} {row['torch_tflops']:8.1f} {row['speedup']:6.1f}" if "torch_ms" in row
                 else f"{'-':>9} {'-':>8} {'-':>6}")
+        if args.schedule:
+            sch = args.schedule
+            tail += f" | {row[sch + '_ms']:9.3f} {row[sch + '_tflops']:8.1f} {row[sch + '_speedup']:6.2f}"
         print(f"{name:8} {s_q:6d} {h:4d} {d:4d} {n_kv:7d} {topk:5d} | {row['fused_ms']:9.3f} "
               f"{row['fused_tflops']:8.1f} {row['fused_gbps']:7.0f} | {tail}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f,
-                      indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "default_schedule": fused_sa.SCHEDULE, "schedule": args.schedule, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -149,3 +149,63 @@ def test_topk_key_cache_variant_compiles(tmp_path):
     ck = compile_module(spec, render(spec), tmp_path / "build")
     assert 49152 * 4 < ck.record["launch"]["smem"] <= 227 * 1024
     assert " LDL" not in _sass(ck.cubin, tmp_path)
+
+
+def test_n_tile_option_validation_and_slab():
+    """n_tile=256: H in (32, 64, 128), not with overlap; the fused host then uses n_tile // H tokens per block."""
+    from dsagen.fused import lightning_indexer as fused
+    from dsagen.fused.lightning_indexer import slab_rows
+
+    assert IndexerScoreSpec(arch="sm_90a", n_tile=256).can_implement() == (True, "")
+    assert IndexerScoreSpec(arch="sm_90a", n_tile=256).name() == "lightning_indexer_score_n_tile256_sm_90a"
+    ok, why = IndexerScoreSpec(arch="sm_90a", n_tile=192).can_implement()
+    assert not ok and "n_tile=192" in why
+    ok, why = IndexerScoreSpec(arch="sm_90a", num_heads=8, n_tile=256).can_implement()
+    assert not ok and "num_heads in (32, 64, 128)" in why
+    ok, why = IndexerScoreSpec(arch="sm_90a", n_tile=256, overlap=True).can_implement()
+    assert not ok and "overlap" in why
+    assert IndexerScoreSpec(arch="sm_90a", n_tile=256).smem_bytes() <= 220 * 1024
+    for h in (32, 64, 128):
+        for s in (1, 1000, 32768, 2 ** 20):
+            rows = slab_rows(h, s, 256)
+            assert rows % (256 // h) == 0 and rows <= 1024
+            assert rows * (-(-s // 4) * 4) * 4 <= max(32 << 20, (256 // h) * 4 * 2 ** 20)
+    old = fused.SPEC_OPTIONS
+    try:
+        fused.SPEC_OPTIONS = ({"n_tile": 256}, {})
+        assert fused._n_tile(64) == 256 and fused._n_tile(8) == 128     # H=8 falls back to 128
+        assert fused._score_options(8) == {} and fused._score_options(64) == {"n_tile": 256}
+    finally:
+        fused.SPEC_OPTIONS = old
+    assert fused._n_tile(64) == 128
+
+
+def test_default_score_render_unchanged_by_n_tile_option():
+    """The GPU-verified default kernel: BN = 128, QC = BN // H, one 64x128 accumulator."""
+    src = render(IndexerScoreSpec(arch="sm_90a"))
+    assert "BN = 128 " in src and "QC = BN // H " in src and "acc1" not in src
+    assert "BN = 256 " in render(IndexerScoreSpec(arch="sm_90a", n_tile=256))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("h,d", [(64, 128), (32, 64), (128, 128)])
+def test_n256_variant_compiles_pipelined_without_spills(h, d, tmp_path):
+    """n_tile=256: D/16 HGMMA.64x256x16 in one group waited once (not serialized: one DEPBAR), no spills,
+    setmaxnreg budgets 40 + 2 x 232 <= 3 x the cubin's register count (a larger sum deadlocks)."""
+    import re
+
+    from dsagen.gen.build import compile_module
+
+    spec = IndexerScoreSpec(arch="sm_90a", num_heads=h, head_dim=d, n_tile=256)
+    ck = compile_module(spec, render(spec), tmp_path / "build")
+    sass = _sass(ck.cubin, tmp_path)
+    assert sass.count("HGMMA.64x256x16.F32.BF16") == d // 16
+    assert "HGMMA.64x128x16" not in sass
+    assert sass.count("WARPGROUP.DEPBAR") == 1, "wgmma serialized by ptxas"
+    assert " LDL" not in sass and " STL" not in sass, "register spills"
+    regs = ck.record["regcount"]
+    budgets = [int(x, 16) for x in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d, )?(0x[0-9a-f]+)", sass)]
+    assert sorted(budgets) == [0x28, 0xE8], budgets
+    assert 0x28 + 2 * 0xE8 <= 3 * regs, (budgets, regs)
+    assert ck.record["launch"]["block"] == [384, 1, 1]
+    assert ck.record["launch"]["smem"] <= 227 * 1024

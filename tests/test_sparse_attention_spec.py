@@ -11,7 +11,9 @@ import pytest
 
 from dsagen.gen.render import helper_modules, render
 from dsagen.spec import SpecError, get_preset
-from dsagen.spec.families.sparse_attention import SparseAttnFwdSpec
+from dsagen.spec.families.sparse_attention import SPLIT_REGS, SparseAttnFwdSpec
+
+SPLIT = dict(SPLIT_REGS, schedule="split")
 
 
 def test_default_spec_is_the_v32_shape_and_valid():
@@ -31,6 +33,9 @@ def test_default_spec_is_the_v32_shape_and_valid():
     (dict(stages=3), "stages=3"),
     (dict(regs_qk=250), "multiple of 8"),
     (dict(regs_qk=248, regs_pv=224), "exceeds 504"),
+    (dict(schedule="pingpong"), "schedule='pingpong'"),
+    (dict(schedule="split"), "must equal regs_pv"),
+    (dict(schedule="split", regs_qk=240, regs_pv=240), "exceeds 504"),
 ])
 def test_invalid_specs_say_why(kw, needle):
     spec = SparseAttnFwdSpec(**{"arch": "sm_90a", **kw})
@@ -44,7 +49,8 @@ def test_every_field_changes_the_identity():
     base = SparseAttnFwdSpec(arch="sm_90a")
     others = [SparseAttnFwdSpec(arch="sm_90a", num_heads=64), SparseAttnFwdSpec(arch="sm_90a", d_qk=512),
               SparseAttnFwdSpec(arch="sm_90a", dtype="float16"),
-              SparseAttnFwdSpec(arch="sm_90a", regs_qk=240, regs_pv=224)]
+              SparseAttnFwdSpec(arch="sm_90a", regs_qk=240, regs_pv=224),
+              SparseAttnFwdSpec(arch="sm_90a", **SPLIT)]
     keys = {base.canonical_json()} | {o.canonical_json() for o in others}
     assert len(keys) == 1 + len(others)
     assert len({base.symbol()} | {o.symbol() for o in others}) == 1 + len(others)
@@ -88,4 +94,68 @@ def test_compiles_to_the_designed_sass(spec, tmp_path):
     budgets = [int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass)]
     assert len(budgets) == 3 and sum(budgets) <= 3 * rec["regcount"], (budgets, rec["regcount"])
     assert ops["MUFU"] > 0
+    assert ops["LDL"] == 0 and ops["STL"] == 0, "register spills"
+
+
+def test_split_spec_and_selection():
+    import torch
+
+    import dsagen.fused.sparse_attention as fsa
+
+    s = SparseAttnFwdSpec(arch="sm_90a", **SPLIT).check()
+    assert s.schedule == "split" and s.regs_producer + s.regs_qk + s.regs_pv == 504
+    assert SparseAttnFwdSpec(arch="sm_90a").schedule == "serial"
+    assert fsa.SCHEDULE == "serial"                                    # the default stays the verified kernel
+    assert fsa.spec_for(128, 576, torch.bfloat16) == SparseAttnFwdSpec(arch="sm_90a")
+    assert fsa.spec_for(100, 512, torch.bfloat16, schedule="split") == SparseAttnFwdSpec(
+        arch="sm_90a", d_qk=512, **SPLIT)
+    with pytest.raises(ValueError, match="schedule"):
+        fsa.spec_for(64, 576, torch.bfloat16, schedule="nope")
+
+
+@pytest.mark.parametrize("d_qk", [512, 576])
+def test_render_split_keeps_the_serial_source(d_qk):
+    serial = render(SparseAttnFwdSpec(arch="sm_90a", d_qk=d_qk))
+    split = render(SparseAttnFwdSpec(arch="sm_90a", d_qk=d_qk, **SPLIT))
+    compile(split, "kernel.py", "exec")
+    assert "BAR_MAX" not in serial and "npairs" not in serial and "mx: cute.struct" not in serial
+    assert "BAR_MAX = 1" in split and "BAR_P = 2" in split and "BAR_EPI = 3" in split
+    assert "ntiles = 2 * npairs" in split
+    # both consumers issue QK^T; the serial-only hand-off (sCorr / sInv / per-stage P barriers) is gone
+    assert split.count("cute.gemm(mma_qk") == 2 and "BAR_P0 + cs.index" not in split
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", [SparseAttnFwdSpec(arch="sm_90a", **SPLIT),
+                                  SparseAttnFwdSpec(arch="sm_90a", num_heads=64, d_qk=512, **SPLIT),
+                                  SparseAttnFwdSpec(arch="sm_90a", num_heads=64, dtype="float16", **SPLIT)],
+                         ids=lambda s: s.name())
+def test_split_compiles_to_the_designed_sass(spec, tmp_path):
+    from dsagen.gen.build import compile_module
+
+    ck = compile_module(spec, render(spec), tmp_path)
+    rec = ck.record
+    assert rec["launch"]["block"] == [384, 1, 1]
+    assert 200 * 1024 <= rec["launch"]["smem"] + rec["static_smem"] <= 227 * 1024
+    from dsagen.gen.sass import disassemble, find_nvdisasm, opcode_counts
+
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    sass = disassemble(ck.cubin)
+    ops = opcode_counts(sass)
+    t = r"\.BF16" if spec.dtype == "bfloat16" else ""          # nvdisasm prints no suffix for fp16 inputs
+    # both consumers: QK^T of their own tile, then one RS (own P) and one SS (other P) PV group
+    assert len(re.findall(rf"HGMMA\.64x64x16\.F32{t} ", sass)) == 2 * spec.d_qk // 16
+    assert len(re.findall(rf"HGMMA\.64x256x16\.F32{t} R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 8
+    assert len(re.findall(rf"HGMMA\.64x256x16\.F32{t} R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 8
+    # no wgmma serialisation: per consumer one wait<0> after QK^T, wait<1> + wait<0> after PV
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 4 and sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 2
+    # named barriers 1..3 over the 256 consumer threads, twice each (once per consumer code path)
+    for bar in (1, 2, 3):
+        assert len(re.findall(rf"BAR\.SYNC\.DEFER_BLOCKING 0x{bar}, 0x100 ", sass)) == 2
+    assert len(re.findall(r"BAR\.(?:SYNC|ARV|RED)\S* 0x[4-9a-f]\b", sass)) == 0
+    assert ops["LDGSTS"] == 2 * 4 * (spec.d_qk // 64)
+    budgets = [int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass)]
+    assert sorted(budgets) == sorted([spec.regs_producer, spec.regs_qk, spec.regs_pv])
+    assert sum(budgets) <= 3 * rec["regcount"], (budgets, rec["regcount"])
     assert ops["LDL"] == 0 and ops["STL"] == 0, "register spills"

@@ -4,8 +4,9 @@ Called by dsagen.ops.lightning_indexer after the generic validation; this module
 need (backend name, device, dtype, the declared H / D / T ranges, TMA layout) and runs them.
 
 How a call runs (see notes/kernels/indexer.md):
-  * Query rows are grouped into token blocks of QC = 128 // H consecutive tokens of one batch element
-    (the score kernel's wgmma N tile is QC x H = 128 columns). Blocks are processed in slabs: for each
+  * Query rows are grouped into token blocks of QC = n_tile // H consecutive tokens of one batch element
+    (the score kernel's wgmma N tile is QC x H = n_tile columns; n_tile = 128 unless SPEC_OPTIONS
+    selects 256). Blocks are processed in slabs: for each
     slab the score kernel writes every row's valid candidate scores (fp32, document-local ids) into one
     reused slab of R rows x ld_slab columns, then the top-k kernel turns each row into its output row.
   * Scratch: the slab only, R * ld_slab * 4 bytes with ld_slab = S rounded up to 4 and
@@ -24,7 +25,7 @@ import math
 import torch
 
 from ..runtime import LoadedKernel, device_arch, get_kernel
-from ..spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T,
+from ..spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, INDEXER_N256_HEADS,
                                      SLAB_BYTES, SLAB_MAX_ROWS, indexer_specs, tokens_per_cta)
 
 BACKENDS = ("cute",)
@@ -114,15 +115,28 @@ def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype) -> tu
         if arch != "sm_90a":
             raise NotImplementedError(f"the fused lightning_indexer has kernels for sm_90a (Hopper) only; "
                                       f"cuda:{index} is {arch}. Use impl='reference'.")
-        score_spec, topk_spec = indexer_specs(arch, h, d, _TORCH_DTYPE_NAMES[dtype], score_options=SPEC_OPTIONS[0],
+        score_spec, topk_spec = indexer_specs(arch, h, d, _TORCH_DTYPE_NAMES[dtype], score_options=_score_options(h),
                                               topk_options=SPEC_OPTIONS[1])
         ks = _kernels[key] = (get_kernel(score_spec, index), get_kernel(topk_spec, index))
     return ks
 
 
-def slab_rows(num_heads: int, s_count: int) -> int:
+def _score_options(num_heads: int) -> dict:
+    """SPEC_OPTIONS[0] for H heads: an n_tile=256 request falls back to 128 for heads it does not cover."""
+    opts = dict(SPEC_OPTIONS[0])
+    if opts.get("n_tile", 128) != 128 and num_heads not in INDEXER_N256_HEADS:
+        opts.pop("n_tile")
+    return opts
+
+
+def _n_tile(num_heads: int) -> int:
+    """The score kernel's wgmma N (columns per CTA) for H heads under the current SPEC_OPTIONS."""
+    return int(_score_options(num_heads).get("n_tile", 128))
+
+
+def slab_rows(num_heads: int, s_count: int, n_tile: int = 128) -> int:
     """Rows R of the score slab for H heads and S candidates (a multiple of the token block)."""
-    qc = tokens_per_cta(num_heads)
+    qc = tokens_per_cta(num_heads, n_tile)
     ld = -(-max(s_count, 1) // 4) * 4
     rows = min(SLAB_MAX_ROWS, SLAB_BYTES // (4 * ld)) // qc * qc
     return max(qc, rows)
@@ -142,11 +156,12 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     _check_layout("k", k)
     score_k, topk_k = _kernels_for(device, h, d, q.dtype)
 
-    qc = tokens_per_cta(h)
+    n_tile = _n_tile(h)
+    qc = tokens_per_cta(h, n_tile)
     n_tblk = -(-t_count // qc)
     total_blk = b * n_tblk
     ld = -(-s_count // 4) * 4
-    blk_per_slab = min(slab_rows(h, s_count) // qc, total_blk)
+    blk_per_slab = min(slab_rows(h, s_count, n_tile) // qc, total_blk)
     slab = torch.empty((blk_per_slab * qc, ld), dtype=torch.float32, device=device)
     n_chunks = -(-s_count // CHUNK_ROWS)
     if cu_seqlens is not None:

@@ -22,17 +22,28 @@ from typing import Optional
 import torch
 
 from ..runtime import LoadedKernel, device_arch, get_kernel
-from ..spec.families.sparse_attention import SparseAttnFwdSpec
+from ..spec.families.sparse_attention import SCHEDULES, SPLIT_REGS, SparseAttnFwdSpec
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_GRID_X = 2**31 - 1
 _kernels: dict[tuple, LoadedKernel] = {}
 
+# Run-time choice of the kernel schedule (SparseAttnFwdSpec.schedule) without changing the default:
+# "serial" (verified default) or "split" (FlashMLA's even/odd split of the tiles between the two consumer
+# warpgroups). Tests and benches set it (`dsagen.fused.sparse_attention.SCHEDULE = "split"`).
+SCHEDULE: str = "serial"
 
-def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a") -> SparseAttnFwdSpec:
-    """The kernel spec that serves `num_heads` query heads (after padding to 64 or 128)."""
+
+def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a",
+             schedule: str | None = None) -> SparseAttnFwdSpec:
+    """The kernel spec that serves `num_heads` query heads (after padding to 64 or 128) under `schedule`
+    (default: the module's SCHEDULE)."""
+    schedule = SCHEDULE if schedule is None else schedule
+    if schedule not in SCHEDULES:
+        raise ValueError(f"sparse_attention: schedule {schedule!r} is not one of {SCHEDULES}")
+    extra = dict(SPLIT_REGS, schedule="split") if schedule == "split" else {}
     return SparseAttnFwdSpec(arch=arch, num_heads=64 if num_heads <= 64 else 128, d_qk=d_qk, d_v=512,
-                             dtype=_DTYPES[dtype])
+                             dtype=_DTYPES[dtype], **extra)
 
 
 def supported_reason(q: torch.Tensor, d_v: int) -> str:

@@ -23,12 +23,16 @@ from poison import POISON_INT32, poison_allocator
 
 ARCH = "sm_90a"
 HEAD_SHAPES = [(64, 128), (8, 64), (16, 128), (32, 64), (128, 128), (8, 128), (64, 64)]
+N256_SHAPES = [(64, 128), (32, 64), (128, 128)]
 REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH)] + [
     IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d) for h, d in HEAD_SHAPES] + [
     IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, dtype="float16")] + [
     # the speed variants not yet default (two accumulators per warpgroup; smem key cache): checked here,
     # compared in bench/indexer.py --variant tuned
-    IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, overlap=True), IndexerTopkSpec(arch=ARCH, cache_keys=49152)]
+    IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, overlap=True), IndexerTopkSpec(arch=ARCH, cache_keys=49152)] + [
+    # n_tile=256 (4 tokens per CTA at H=64: half the K traffic), not yet default: test_speed_variants_n256,
+    # bench/indexer.py --variant n256 / n256k
+    IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d, n_tile=256) for h, d in N256_SHAPES]
 
 pytestmark = pytest.mark.gpu
 
@@ -164,6 +168,45 @@ def test_speed_variants(variant, monkeypatch):
     gen = torch.Generator().manual_seed(97)
     q, k, w = _inputs(2, 1500, 64, 128, 1500, gen)
     _run_and_check(q, k, w, 200, True)
+
+
+# n_tile=256 variant (IndexerScoreSpec.n_tile), test_speed_variants_n256:
+# id -> (H, D, B, T, S, topk, causal, ratio, packed document lengths or None)
+N256_CASES = {
+    "h64_causal": (64, 128, 2, 1500, 1500, 200, True, 1, None),          # the smoke case (runs first)
+    "h64_odd_t_noncausal": (64, 128, 2, 333, 333, 100, False, 1, None),   # T % 4 != 0: padding tokens
+    "h64_ratio4": (64, 128, 1, 1001, 250, 64, True, 4, None),
+    "h64_packed": (64, 128, 1, None, None, 40, True, 1, [1, 0, 300, 0, 1, 513, 9]),
+    "h64_packed_ratio4": (64, 128, 1, None, None, 40, True, 4, [1, 0, 300, 0, 1, 513, 9]),
+    "h64_long_chunks": (64, 128, 1, 4200, 4200, 2048, True, 1, None),     # 2 candidate chunks, topk 2048
+    "h32_d64": (32, 64, 2, 77, 77, 33, True, 1, None),
+    "h128": (128, 128, 2, 260, 260, 33, True, 1, None),
+}
+
+
+@pytest.mark.parametrize("cache_keys", [0, 49152], ids=["plain", "keycache"])
+@pytest.mark.parametrize("case", list(N256_CASES))
+def test_speed_variants_n256(case, cache_keys, monkeypatch):
+    from dsagen.fused import lightning_indexer as fused
+
+    if cache_keys and case not in ("h64_causal", "h64_long_chunks"):
+        pytest.skip("the key cache is covered by two cases")
+    monkeypatch.setattr(fused, "SPEC_OPTIONS", ({"n_tile": 256}, {"cache_keys": cache_keys} if cache_keys else {}))
+    h, d, b, t, s, topk, causal, ratio, lens = N256_CASES[case]
+    gen = torch.Generator().manual_seed(113 + len(case))
+    if lens is None:
+        q, k, w = _inputs(b, t, h, d, s, gen)
+        _run_and_check(q, k, w, topk, causal, ratio)
+    else:
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        cu_k = torch.tensor([0] + [n // ratio for n in lens]).cumsum(0).to(torch.int32)
+        t, s = int(cu[-1]) + 21, int(cu_k[-1]) + 7
+        q, k, w = _inputs(b, t, h, d, s, gen)
+        out = _run_and_check(q, k, w, topk, causal, ratio, cu.cuda(), cu_k.cuda())
+        assert (out[0, int(cu[-1]):].cpu() == -1).all()
+    # the n_tile=256 kernel really ran (4 tokens per CTA at H=64)
+    assert any(key[-1] == repr(fused.SPEC_OPTIONS) and "n_tile256" in v[0].name
+               for key, v in fused._kernels.items()), "n_tile=256 kernel not used"
 
 
 def test_no_candidates():

@@ -3,6 +3,9 @@ SparseAttnFwdSpec) against the plain-PyTorch reference on fresh random inputs: H
 padded, D_qk 512/576 with d_v 512, top-k widths that are and are not multiples of 64, topk_length, -1,
 negative and out-of-range ids, duplicates, all-invalid rows, with and without sink, total_S_q = 1, the
 batched seed-002 layout, fp16, gradients, CUDA-graph capture and torch.compile.
+The correctness tests that take the `schedule` fixture run under both kernel schedules
+(SparseAttnFwdSpec.schedule "serial", the default, and "split", FlashMLA's even/odd split), selected through
+dsagen.fused.sparse_attention.SCHEDULE; the others use the default.
 
 Build what these need first (CPU, with CuTe-DSL):
     dsagen build --from-tests tests/gpu/test_sparse_attention.py --arch sm_90a
@@ -18,18 +21,28 @@ import pytest
 import torch
 
 import dsagen
-from dsagen.spec.families.sparse_attention import SparseAttnFwdSpec
+import dsagen.fused.sparse_attention as fused_sa
+from dsagen.spec.families.sparse_attention import SCHEDULES, SPLIT_REGS, SparseAttnFwdSpec
 from poison import poison_allocator
 
 ARCH = "sm_90a"
+_SCHED_FIELDS = {"serial": {}, "split": dict(SPLIT_REGS, schedule="split")}
 REQUIRED_SPECS = [
-    SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512)
-    for h in (64, 128) for d in (512, 576)
-] + [SparseAttnFwdSpec(arch=ARCH, num_heads=64, d_qk=576, d_v=512, dtype="float16")]
+    SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, **_SCHED_FIELDS[sch])
+    for sch in SCHEDULES for h in (64, 128) for d in (512, 576)
+] + [SparseAttnFwdSpec(arch=ARCH, num_heads=64, d_qk=576, d_v=512, dtype="float16", **_SCHED_FIELDS[sch])
+     for sch in SCHEDULES]
 
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
+
+
+@pytest.fixture(params=SCHEDULES)
+def schedule(request, monkeypatch):
+    """Run the test under each kernel schedule (the op's module-level SCHEDULE option)."""
+    monkeypatch.setattr(fused_sa, "SCHEDULE", request.param)
+    return request.param
 
 
 def make_ids(s_q: int, k: int, n_kv: int, gen: torch.Generator, *, adversarial: bool) -> torch.Tensor:
@@ -106,7 +119,7 @@ CASES = [  # (s_q, H, D_qk, topk, n_kv, sink, topk_length)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "sq{}_h{}_d{}_k{}_kv{}_sink{}_len{}".format(*c))
-def test_matches_reference(case):
+def test_matches_reference(case, schedule):
     s_q, h, d_qk, k, n_kv, sink, length = case
     check_against_reference(*make_inputs(s_q, h, d_qk, k, n_kv, seed=hash(case) % 2**31, sink=sink,
                                          length=length))
@@ -114,7 +127,7 @@ def test_matches_reference(case):
 
 @pytest.mark.parametrize("h,d_qk,k", [(64, 576, 200), (128, 576, 2048), (128, 512, 300), (32, 576, 64)])
 @pytest.mark.parametrize("length", [False, True])
-def test_adversarial_ids(h, d_qk, k, length):
+def test_adversarial_ids(h, d_qk, k, length, schedule):
     q, kv, ids, sink, tl = make_inputs(5, h, d_qk, k, 777, seed=h + d_qk + k + length, length=length,
                                        adversarial=True)
     out, lse, max_logits = check_against_reference(q, kv, ids, sink, tl)
@@ -123,7 +136,7 @@ def test_adversarial_ids(h, d_qk, k, length):
     assert torch.isposinf(lse[1]).all() and torch.isneginf(max_logits[1]).all()
 
 
-def test_adversarial_empty_rows_and_zero_width():
+def test_adversarial_empty_rows_and_zero_width(schedule):
     q, kv, ids, sink, _ = make_inputs(3, 128, 576, 130, 50, seed=7, adversarial=True)
     ids[:] = -1
     ids[2, 5] = 60                                # out of range only
@@ -134,7 +147,7 @@ def test_adversarial_empty_rows_and_zero_width():
             assert (out == 0).all() and torch.isposinf(lse).all() and torch.isneginf(max_logits).all()
 
 
-def test_topk_length_ignores_later_slots():
+def test_topk_length_ignores_later_slots(schedule):
     q, kv, ids, sink, _ = make_inputs(4, 64, 576, 256, 2000, seed=11)
     tl = torch.tensor([0, 1, 64, 200], dtype=torch.int32, device=DEV)
     out, lse, _ = dsagen.sparse_attention(q, kv, ids, attn_sink=sink, topk_length=tl, impl="fused")
@@ -146,12 +159,12 @@ def test_topk_length_ignores_later_slots():
     check_against_reference(q, kv, ids, sink, tl)
 
 
-def test_softmax_scale_and_fp16():
+def test_softmax_scale_and_fp16(schedule):
     q, kv, ids, sink, tl = make_inputs(3, 64, 576, 192, 1000, seed=5, length=True, dtype=torch.float16)
     check_against_reference(q, kv, ids, sink, tl, softmax_scale=0.02)
 
 
-def test_sink_only_in_denominator():
+def test_sink_only_in_denominator(schedule):
     q, kv, ids, _, _ = make_inputs(2, 64, 512, 128, 500, seed=3, sink=False)
     out0, lse0, m0 = dsagen.sparse_attention(q, kv, ids, impl="fused")
     sink = torch.full((64,), 1.5, device=DEV)
@@ -160,6 +173,26 @@ def test_sink_only_in_denominator():
     torch.testing.assert_close(m0, m1, atol=0, rtol=0)
     factor = torch.exp(lse0) / (torch.exp(lse0) + math.exp(1.5))
     torch.testing.assert_close(out1.float(), (out0.float() * factor[..., None]), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("h,d_qk", [(64, 576), (128, 576), (64, 512), (128, 512)])
+@pytest.mark.parametrize("sink", [True, False])
+def test_split_odd_tile_counts(h, d_qk, sink, monkeypatch):
+    """schedule="split" pairs the tiles (even -> WG1, odd -> WG2) and pads an odd count with an all-masked
+    tile: every tile count 0..5 in one batch (topk_length), adversarial ids, against the reference and
+    against the serial schedule."""
+    q, kv, ids, attn_sink, _ = make_inputs(12, h, d_qk, 320, 900, seed=h + d_qk + sink, sink=sink,
+                                           adversarial=True)
+    tl = torch.tensor([0, 1, 63, 64, 65, 128, 129, 191, 192, 257, 320, 500], dtype=torch.int32, device=DEV)
+    monkeypatch.setattr(fused_sa, "SCHEDULE", "split")
+    out, lse, m = check_against_reference(q, kv, ids, attn_sink, tl)
+    monkeypatch.setattr(fused_sa, "SCHEDULE", "serial")
+    s_out, s_lse, s_m = dsagen.sparse_attention(q, kv, ids, attn_sink=attn_sink, topk_length=tl, impl="fused")
+    torch.testing.assert_close(out.float(), s_out.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, s_lse, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(m, s_m, atol=1e-5, rtol=1e-6)
+    assert (out[0] == 0).all() and torch.isposinf(lse[0]).all()          # topk_length 0
+    assert (out[1] == 0).all()                                           # adversarial row 1: no valid id
 
 
 def test_batched_layout():

@@ -33,9 +33,16 @@ SLAB_BYTES = 32 * 2 ** 20
 SLAB_MAX_ROWS = 1024
 
 
-def tokens_per_cta(num_heads: int) -> int:
-    """Query tokens one score CTA covers: the wgmma N tile (128 columns) holds tokens x heads."""
-    return 128 // num_heads
+#: wgmma N tiles of the score kernel ((token, head) columns per CTA). 256 is an option (n_tile) for
+#: H >= 32: a K tile read from L2 then serves twice as many tokens (half the K traffic).
+INDEXER_N_TILES = (128, 256)
+#: Heads for which n_tile=256 is implemented (below 32 the per-token bounds take too many registers).
+INDEXER_N256_HEADS = (32, 64, 128)
+
+
+def tokens_per_cta(num_heads: int, n_tile: int = 128) -> int:
+    """Query tokens one score CTA covers: the wgmma N tile (n_tile columns) holds tokens x heads."""
+    return n_tile // num_heads
 
 
 @register_spec
@@ -55,6 +62,9 @@ class IndexerScoreSpec(KernelSpec):
     epilogue (False, the default: one accumulator, wgmma and epilogue alternate within a warpgroup).
     overlap=True compiles to pipelined HGMMA (SASS checked) but has not run on a GPU yet, so it is
     not the default; see notes/kernels/indexer.md.
+    n_tile: wgmma N, the (token, head) columns of one CTA: 128 (default) or 256 (H in INDEXER_N256_HEADS;
+    2 x the tokens per CTA, so every K tile read from L2 serves twice the tokens; 128 accumulator
+    registers per thread, so not with overlap). Compile- and SASS-checked, not yet run on a GPU.
     """
 
     op = "lightning_indexer_score"
@@ -65,6 +75,7 @@ class IndexerScoreSpec(KernelSpec):
     dtype: str = "bfloat16"
     stages: int = 4
     overlap: bool = False
+    n_tile: int = 128
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -76,6 +87,14 @@ class IndexerScoreSpec(KernelSpec):
             out.append(f"head_dim={self.head_dim} is not supported; choose one of {INDEXER_HEAD_DIMS}")
         if self.dtype not in INDEXER_DTYPES:
             out.append(f"dtype={self.dtype!r} is not supported; choose one of {INDEXER_DTYPES}")
+        if self.n_tile not in INDEXER_N_TILES:
+            out.append(f"n_tile={self.n_tile} is not supported; choose one of {INDEXER_N_TILES}")
+        elif self.n_tile == 256:
+            if self.num_heads in INDEXER_HEADS and self.num_heads not in INDEXER_N256_HEADS:
+                out.append(f"n_tile=256 needs num_heads in {INDEXER_N256_HEADS}, got {self.num_heads}")
+            if self.overlap:
+                out.append("n_tile=256 cannot be combined with overlap=True (two 128-register accumulators "
+                           "per thread do not fit in the register file)")
         if not 2 <= self.stages <= 8:
             out.append(f"stages={self.stages} must be in 2..8")
         elif self.head_dim in INDEXER_HEAD_DIMS and self.smem_bytes() > 220 * 1024:
@@ -86,7 +105,8 @@ class IndexerScoreSpec(KernelSpec):
     def smem_bytes(self) -> int:
         """Dynamic shared memory of the kernel (Q tile + K stages + barriers/bounds), an estimate
         kept in step with the template's smem struct (the generator checks the real value)."""
-        return 128 * self.head_dim * 2 + self.stages * 128 * self.head_dim * 2 + 2048
+        n = self.n_tile if self.n_tile in INDEXER_N_TILES else 128
+        return n * self.head_dim * 2 + self.stages * 128 * self.head_dim * 2 + 2048
 
 
 @register_spec

@@ -22,6 +22,10 @@ from ..base import KernelSpec, register_spec
 _REGS_AT_LAUNCH = 65536 // 384 // 8 * 8
 _REG_TOTAL = 3 * _REGS_AT_LAUNCH
 
+SCHEDULES = ("serial", "split")
+# setmaxnreg budgets of schedule="split" (producer, WG1, WG2): 40 + 232 + 232 = 504 = 3 x 168.
+SPLIT_REGS = {"regs_producer": 40, "regs_qk": 232, "regs_pv": 232}
+
 
 @register_spec
 @dataclass(frozen=True)
@@ -35,7 +39,15 @@ class SparseAttnFwdSpec(KernelSpec):
     dtype: q, kv and out dtype ("bfloat16" or "float16").
     block_n: gathered rows per pipeline stage (64).
     stages: KV stages in shared memory (2; a 64 x 576 stage is 72 KiB).
-    regs_producer / regs_qk / regs_pv: setmaxnreg budgets of the three warpgroups.
+    regs_producer / regs_qk / regs_pv: setmaxnreg budgets of the three warpgroups (producer, consumer
+      WG1, consumer WG2).
+    schedule: how the two consumer warpgroups share a tile.
+      "serial" (the verified default): WG1 does QK^T + softmax of every tile and O[:, :256]; WG2 only
+        O[:, 256:] from the P tile WG1 leaves in smem.
+      "split" (FlashMLA's even/odd split): tiles go in pairs; WG1 does QK^T + softmax of the even tile,
+        WG2 of the odd one, concurrently; they exchange the row maxima and P through smem and each
+        accumulates its half of O over both tiles. Both consumers run the same code, so regs_qk must
+        equal regs_pv (SPLIT_REGS is the budget the op uses).
 
     Sequence lengths, top-k width, KV pool size and softmax scale are run-time arguments.
     """
@@ -52,6 +64,7 @@ class SparseAttnFwdSpec(KernelSpec):
     regs_producer: int = 40
     regs_qk: int = 248
     regs_pv: int = 216
+    schedule: str = "serial"
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -70,6 +83,11 @@ class SparseAttnFwdSpec(KernelSpec):
             out.append(f"block_n={self.block_n} must be 64 (the P tile aliases a 64 x 64 RoPE tile)")
         if self.stages != 2:
             out.append(f"stages={self.stages} must be 2 (two 64-row stages plus Q fill shared memory)")
+        if self.schedule not in SCHEDULES:
+            out.append(f"schedule={self.schedule!r} must be one of {SCHEDULES}")
+        elif self.schedule == "split" and self.regs_qk != self.regs_pv:
+            out.append(f"schedule='split' runs the same code in both consumer warpgroups: regs_qk={self.regs_qk} "
+                       f"must equal regs_pv={self.regs_pv} (e.g. {SPLIT_REGS})")
         regs = (self.regs_producer, self.regs_qk, self.regs_pv)
         if any(r % 8 or not 24 <= r <= 256 for r in regs):
             out.append(f"regs_producer/regs_qk/regs_pv={regs} must each be a multiple of 8 in [24, 256]")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -47,9 +48,9 @@ def test_build_list_show_verify_prune_pack_unpack(cache_env, tmp_path, capsys, m
     assert "0 bad" in capsys.readouterr().out
     path = next(r["path"] for r in rows if r["key"] == key)
     cubin = f"{path}/kernel.cubin"
-    data = bytearray(open(cubin, "rb").read())
+    data = bytearray(Path(cubin).read_bytes())
     data[100] ^= 0x40
-    open(cubin, "wb").write(bytes(data))
+    Path(cubin).write_bytes(bytes(data))
     assert main(["verify"]) == 1
     assert "MISMATCH" in capsys.readouterr().out
 

@@ -15,6 +15,7 @@ from dsagen.cache import CacheStore, KernelNotCached, identity_of, key_material,
 from dsagen.cache.keys import identity_material
 from dsagen.cache.keys import canonical_json
 from dsagen.cache.pack import PackError, pack, unpack
+from dsagen.gen import toolchain
 from dsagen.gen.render import render
 from dsagen.spec import CompactifySpec, LocalToGlobalSpec
 
@@ -272,3 +273,30 @@ def test_four_racing_processes_compile_once(cache_env, tmp_path):
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     assert len({o[0] for o in outs}) == 1
     assert len(log.read_text().split()) == 1                    # exactly one compile
+
+
+@pytest.mark.compile
+def test_cache_off_compiles_in_memory(cache_env, monkeypatch):
+    monkeypatch.setenv("DSAGEN_CACHE", "off")
+    e = resolve(LocalToGlobalSpec(arch="sm_90a", threads=512))
+    assert e.path is None and e.read("kernel.cubin")[:4] == b"\x7fELF"
+    assert not cache_env.exists()                               # nothing written anywhere
+
+
+@pytest.mark.compile
+def test_lock_timeout_compiles_in_memory_and_warns(cache_env, monkeypatch):
+    import filelock
+
+    spec = LocalToGlobalSpec(arch="sm_90a", threads=64)
+    key = key_of(key_material(spec, render(spec), toolchain.toolchain_versions()))
+    (cache_env / "locks").mkdir(parents=True)
+    held = filelock.FileLock(str(cache_env / "locks" / f"{key}.lock"))
+    held.acquire()
+    try:
+        monkeypatch.setenv("DSAGEN_LOCK_TIMEOUT", "0.2")
+        with pytest.warns(UserWarning, match="timed out waiting for the compile lock"):
+            e = resolve(spec)
+        assert e.path is None and e.key == key
+    finally:
+        held.release()
+    assert resolve(spec).path is not None                       # the lock is free again: committed

@@ -108,3 +108,42 @@ def check_reference_options(name: str, options) -> None:
     if options is not None:
         raise ValueError(f"{name} is only accepted for impl='fused'; impl='reference' takes no {name}, "
                          f"got {options!r}")
+
+
+# --- appended: packed (THD) sequence offsets -------------------------------------------------------
+
+OFFSET_DTYPES = (torch.int32, torch.int64)
+
+
+def check_cu_seqlens(name: str, t, *, total: int, total_name: str, device: torch.device) -> None:
+    """`t` must be 1-D int32/int64 offsets on `device` with B + 1 >= 1 entries: t[0] == 0,
+    non-decreasing, t[-1] <= `total` (the packed tensor's row count, called `total_name`).
+
+    The values are read on the host (one device-to-host copy; not CUDA-graph capturable)."""
+    check_tensor(name, t, dtypes=OFFSET_DTYPES, ndim=1, device=device)
+    if t.numel() == 0:
+        raise ValueError(f"{name} must have B + 1 >= 1 entries (offsets starting at 0), got none")
+    v = t.tolist()
+    if v[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {v[0]}")
+    for i in range(1, len(v)):
+        if v[i] < v[i - 1]:
+            raise ValueError(f"{name} must be non-decreasing, got {name}[{i - 1}] = {v[i - 1]} > "
+                             f"{name}[{i}] = {v[i]}")
+    if v[-1] > total:
+        raise ValueError(f"{name} must end at or before {total_name} = {total}, got {name}[-1] = {v[-1]}")
+
+
+def check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, *, total_q: int, total_k: int,
+                          device: torch.device) -> int:
+    """Packed query / key offsets, passed together, each valid for its packed tensor (check_cu_seqlens)
+    and with the same number of segments. Returns the segment count B."""
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        missing = "cu_seqlens_q" if cu_seqlens_q is None else "cu_seqlens_k"
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must be passed together (THD layout); {missing} is missing")
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=total_q, total_name="total_q", device=device)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total=total_k, total_name="total_k", device=device)
+    if cu_seqlens_k.numel() != cu_seqlens_q.numel():
+        raise ValueError(f"cu_seqlens_k must have as many entries as cu_seqlens_q ({cu_seqlens_q.numel()}: "
+                         f"one segment count B for q and k), got {cu_seqlens_k.numel()}")
+    return cu_seqlens_q.numel() - 1

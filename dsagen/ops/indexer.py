@@ -1,8 +1,10 @@
 """Indexer scoring and top-k from seed 001 (cuDNN DSA §3 Indexer Forward, §4 Combined Indexer Forward +
 Top-K, §5 Indexer Top-K): dsagen.indexer_scores, dsagen.indexer_topk, dsagen.indexer_forward_topk.
 
-Layout: BSHD (the seed's primary layout); THD callers use B = 1 views. The default impl is "fused" as
-for every dsagen op: the generated kernel, with no silent fallback to the reference.
+Layouts: BSHD (the seed's primary layout) and, for indexer_scores and indexer_forward_topk, the packed THD
+layout of seed 001 §3/§4, selected by passing cu_seqlens_q / cu_seqlens_k. indexer_topk works on rows and
+needs no layout. The default impl is "fused" as for every dsagen op: the generated kernel, with no silent
+fallback to the reference (no fused kernel takes THD yet).
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..reference.indexer import IndexerTopK, TopK
-from ._validate import FLOAT_DTYPES, check_bool, check_impl, check_int, check_shape, check_tensor
+from ._validate import (FLOAT_DTYPES, check_bool, check_cu_seqlens_pair, check_impl, check_int, check_shape,
+                        check_tensor)
 
 __all__ = ["indexer_scores", "indexer_topk", "indexer_forward_topk", "TopK", "IndexerTopK"]
 
@@ -39,6 +42,49 @@ def check_indexer_inputs(q, k, w, names: tuple[str, str, str] = ("q_indexer", "k
     return b, sq, h, d, k.shape[1]
 
 
+def check_packed_indexer_inputs(q, k, w, cu_seqlens_q, cu_seqlens_k,
+                                names: tuple[str, str, str] = ("q_indexer", "k_indexer", "weights"),
+                                allow_3d_k: bool = True) -> tuple[int, int, int, int, int]:
+    """Validate the THD indexer triple and its offsets; returns (B, total_q, H, D, total_k).
+
+    q [total_q, H, D] and k ([total_k, D], or [total_k, 1, D] when allow_3d_k) share a floating dtype;
+    weights [total_q, H]; all on q's device. cu_seqlens_q / cu_seqlens_k: see check_cu_seqlens_pair
+    (their values are read on the host).
+    """
+    qn, kn, wn = names
+    check_tensor(qn, q, dtypes=FLOAT_DTYPES, ndim=3)
+    check_tensor(kn, k, dtypes=FLOAT_DTYPES, ndim=(2, 3) if allow_3d_k else 2, device=q.device)
+    check_tensor(wn, w, dtypes=FLOAT_DTYPES, ndim=2, device=q.device)
+    if k.dtype != q.dtype:
+        raise TypeError(f"{kn} must have the same dtype as {qn} ({q.dtype}), got {k.dtype}")
+    total_q, h, d = q.shape
+    if h < 1 or d < 1:
+        raise ValueError(f"{qn} must have H >= 1 heads and head dimension D >= 1, got shape {tuple(q.shape)}")
+    if k.dim() == 3 and k.shape[1] != 1:
+        raise ValueError(f"{kn} must have H_kv = 1 (MQA): shape [total_k, 1, D], got {tuple(k.shape)}")
+    if k.shape[-1] != d:
+        raise ValueError(f"{kn} must have shape [total_k, D={d}], got {tuple(k.shape)}")
+    check_shape(wn, w, (total_q, h), "[total_q, H]")
+    b = check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, total_q=total_q, total_k=k.shape[0], device=q.device)
+    return b, total_q, h, d, k.shape[0]
+
+
+def is_packed(cu_seqlens_q, cu_seqlens_k) -> bool:
+    """THD layout: either offset tensor was passed (check_cu_seqlens_pair then requires both)."""
+    return cu_seqlens_q is not None or cu_seqlens_k is not None
+
+
+def fused_op(op: str, device: torch.device, packed: bool):
+    """fused_impl(op, device), refusing the THD layout, which no generated kernel takes yet."""
+    from ..fused import fused_impl
+
+    fn = fused_impl(op, device)
+    if packed:
+        raise NotImplementedError(f"{op}: no fused kernel takes the THD layout (cu_seqlens_q / cu_seqlens_k) "
+                                  f"yet; use impl='reference'")
+    return fn
+
+
 def check_causal_offsets(q_causal_offsets, batch: int, device: torch.device) -> None:
     """q_causal_offsets: None or a [B] int32 tensor on `device`."""
     if q_causal_offsets is None:
@@ -50,7 +96,8 @@ def check_causal_offsets(q_causal_offsets, batch: int, device: torch.device) -> 
 
 
 def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor, *, ratio: int = 1,
-                   q_causal_offsets: torch.Tensor | None = None, impl: str = "fused") -> torch.Tensor:
+                   q_causal_offsets: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
+                   cu_seqlens_k: torch.Tensor | None = None, impl: str = "fused") -> torch.Tensor:
     """Dense indexer scores with the ratio-causal mask (seed 001 §3, Indexer Forward).
 
     ::
@@ -58,41 +105,59 @@ def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: to
         scores[b, q, k] = sum_h relu(q_indexer[b, q, h, :] . k_indexer[b, k, :]) * weights[b, q, h]
         valid iff k < clamp((q_causal_offsets[b] + q + 1) // ratio, 0, S_k)     (offsets default to 0)
 
-    q_causal_offsets[b] is the global uncompressed token index of local query row 0 of batch b (not a
-    packed storage offset); the key columns are a compressed prefix starting at global column 0. The
-    mask is always applied (seed 001 has no non-causal indexer forward).
+    q_causal_offsets[b] is the global uncompressed token index of local query row 0 of batch (or THD
+    segment) b, not a packed storage offset; the key columns are a compressed prefix starting at global
+    column 0. The mask is always applied (seed 001 has no non-causal indexer forward).
+
+    Packed THD layout (seed 001 §3), selected by passing cu_seqlens_q and cu_seqlens_k: segment b owns
+    query rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) and key rows [cu_seqlens_k[b], cu_seqlens_k[b+1]);
+    q, k and the mask (row q, column k and S_k above) are local to the segment, exactly as BSHD batch b.
+    cu_seqlens_q only locates the rows; q_causal_offsets still places them on the causal timeline.
 
     Args:
-        q_indexer: [B, S_q, H, D], fp16/bf16/fp32/fp64; H >= 1, D >= 1.
-        k_indexer: [B, S_k, D] or [B, S_k, 1, D] (MQA), same dtype as q_indexer.
-        weights: [B, S_q, H], any of those float dtypes.
+        q_indexer: [B, S_q, H, D] (THD: [total_q, H, D]), fp16/bf16/fp32/fp64; H >= 1, D >= 1.
+        k_indexer: [B, S_k, D] or [B, S_k, 1, D] (MQA) (THD: [total_k, D] or [total_k, 1, D]), same
+            dtype as q_indexer.
+        weights: [B, S_q, H] (THD: [total_q, H]), any of those float dtypes.
         ratio: compression ratio, >= 1.
-        q_causal_offsets: optional [B] int32 on q_indexer's device. Values are not read on the host; a
-            negative offset simply leaves fewer (possibly zero) valid columns.
+        q_causal_offsets: optional [B] int32 on q_indexer's device (THD: one entry per segment). Values
+            are not read on the host; a negative offset simply leaves fewer (possibly zero) valid columns.
+        cu_seqlens_q, cu_seqlens_k: THD offsets, both or neither; [B + 1] int32 or int64 on q_indexer's
+            device, starting at 0, non-decreasing, ending at or before total_q / total_k (empty segments
+            allowed). Their values are read on the host (validation and the per-segment split), so a THD
+            call is not CUDA-graph capturable.
         impl: "fused" (default) or "reference".
 
     Returns:
-        scores [B, S_q, S_k], FP32 (FP64 for FP64 inputs); masked columns are -inf. Differentiable with
-        respect to q_indexer, k_indexer and weights in the reference.
+        scores [B, S_q, S_k], FP32 (FP64 for FP64 inputs); masked columns are -inf. THD: [total_q,
+        max_seqlen_k] with max_seqlen_k = max_b (cu_seqlens_k[b+1] - cu_seqlens_k[b]); column j of a row
+        of segment b is key row cu_seqlens_k[b] + j, columns j >= that segment's S_k are -inf, and rows
+        at or after cu_seqlens_q[-1] (in no segment) are all -inf. Differentiable with respect to
+        q_indexer, k_indexer and weights in the reference.
 
     Raises:
-        TypeError: a tensor of the wrong type or dtype; ratio not an int.
+        TypeError: a tensor of the wrong type or dtype (cu_seqlens not int32/int64); ratio not an int.
         ValueError: wrong ranks or shapes, H_kv != 1, mismatched devices, ratio < 1, q_causal_offsets
-            not [B]; bad impl; impl="fused" on CPU.
-        NotImplementedError: impl="fused" where no kernel exists for the device.
+            not [B]; cu_seqlens_q / cu_seqlens_k passed alone, not 1-D, empty, not starting at 0,
+            decreasing, past the packed rows or with different segment counts; bad impl; impl="fused"
+            on CPU.
+        NotImplementedError: impl="fused" where no kernel exists for the device (or with THD).
     """
     check_impl(impl)
-    b, *_ = check_indexer_inputs(q_indexer, k_indexer, weights)
+    packed = is_packed(cu_seqlens_q, cu_seqlens_k)
+    if packed:
+        b, *_ = check_packed_indexer_inputs(q_indexer, k_indexer, weights, cu_seqlens_q, cu_seqlens_k)
+    else:
+        b, *_ = check_indexer_inputs(q_indexer, k_indexer, weights)
     check_int("ratio", ratio, minimum=1)
     check_causal_offsets(q_causal_offsets, b, q_indexer.device)
+    thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
     if impl == "reference":
         from ..reference.indexer import indexer_scores as reference
 
-        return reference(q_indexer, k_indexer, weights, ratio=ratio, q_causal_offsets=q_causal_offsets)
-    from ..fused import fused_impl
-
-    return fused_impl("indexer_scores", q_indexer.device)(q_indexer, k_indexer, weights, ratio=ratio,
-                                                          q_causal_offsets=q_causal_offsets)
+        return reference(q_indexer, k_indexer, weights, ratio=ratio, q_causal_offsets=q_causal_offsets, **thd)
+    return fused_op("indexer_scores", q_indexer.device, packed)(q_indexer, k_indexer, weights, ratio=ratio,
+                                                               q_causal_offsets=q_causal_offsets)
 
 
 def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int, *, return_values: bool = True,
@@ -145,28 +210,38 @@ def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int,
 def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor, top_k: int, *,
                          ratio: int = 1, q_causal_offsets: torch.Tensor | None = None, return_softmax: bool = True,
                          return_lse: bool = False, topk_indices_global: bool = True,
+                         cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                          impl: str = "fused") -> IndexerTopK:
     """Indexer scores, top-k and top-k softmax in one call (seed 001 §4, Combined Indexer Forward + Top-K).
 
     Scores and the ratio-causal mask are exactly indexer_scores'; each row then keeps its top_k valid
     columns. Rows extending beyond the key prefix are clamped to S_k.
 
+    Packed THD layout (seed 001 §4), selected by passing cu_seqlens_q and cu_seqlens_k: each segment is
+    computed exactly as a BSHD batch (indexer_scores describes the segments); outputs are per packed
+    query row, (total_q, top_k) as the seed gives. Local ids are segment-local key columns; global ids
+    are packed key rows cu_seqlens_k[b] + local (the flat kv row ids sparse_attention takes, and the
+    B = 1 view the seed's indexer backward uses for THD). Rows at or after cu_seqlens_q[-1] are empty
+    rows (-1 / -inf / 0 / -inf).
+
     Args:
-        q_indexer, k_indexer, weights, ratio, q_causal_offsets: as for indexer_scores.
+        q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k: as for
+            indexer_scores (the offsets are read on the host in THD).
         top_k: >= 0; rows with fewer valid columns are padded.
         return_softmax: also return the softmax over each row's selected logits (default True).
         return_lse: also return the logsumexp of each row's selected logits.
-        topk_indices_global: return flat ids b * S_k + local (default, as the seed) instead of
-            per-batch local ids. Padding stays -1 either way.
+        topk_indices_global: return flat ids (BSHD: b * S_k + local; THD: cu_seqlens_k[b] + local; the
+            default, as the seed) instead of per-batch / per-segment local ids. Padding stays -1 either way.
         impl: "fused" (default) or "reference".
 
     Returns:
         IndexerTopK(indices, logits, softmax, lse):
-          indices int32 [B, S_q, top_k], -1 padding;
-          logits FP32 (FP64 for FP64 inputs) [B, S_q, top_k], the selected scores, -inf padding;
+          indices int32 [B, S_q, top_k] (THD: [total_q, top_k]), -1 padding;
+          logits FP32 (FP64 for FP64 inputs), same leading shape, the selected scores, -inf padding;
           softmax same dtype and shape, softmax over the valid slots, 0 on padding and on empty rows
           (None unless return_softmax);
-          lse [B, S_q], logsumexp of the valid slots, -inf for empty rows (None unless return_lse).
+          lse [B, S_q] (THD: [total_q]), logsumexp of the valid slots, -inf for empty rows (None unless
+          return_lse).
         The reference's slot order is descending score with ties toward the smallest local KV index
         (so the selected set is the deterministic one of the seed's deterministic=True, and the slots
         are additionally sorted). logits/softmax/lse are differentiable with respect to the inputs for
@@ -176,7 +251,11 @@ def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weigh
         as indexer_scores, plus TypeError/ValueError for top_k (int >= 0) and the bool flags.
     """
     check_impl(impl)
-    b, *_ = check_indexer_inputs(q_indexer, k_indexer, weights)
+    packed = is_packed(cu_seqlens_q, cu_seqlens_k)
+    if packed:
+        b, *_ = check_packed_indexer_inputs(q_indexer, k_indexer, weights, cu_seqlens_q, cu_seqlens_k)
+    else:
+        b, *_ = check_indexer_inputs(q_indexer, k_indexer, weights)
     check_int("top_k", top_k, minimum=0)
     check_int("ratio", ratio, minimum=1)
     check_causal_offsets(q_causal_offsets, b, q_indexer.device)
@@ -188,7 +267,7 @@ def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weigh
     if impl == "reference":
         from ..reference.indexer import indexer_forward_topk as reference
 
-        return reference(q_indexer, k_indexer, weights, top_k, **kwargs)
-    from ..fused import fused_impl
-
-    return fused_impl("indexer_forward_topk", q_indexer.device)(q_indexer, k_indexer, weights, top_k, **kwargs)
+        thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
+        return reference(q_indexer, k_indexer, weights, top_k, **kwargs, **thd)
+    return fused_op("indexer_forward_topk", q_indexer.device, packed)(q_indexer, k_indexer, weights, top_k,
+                                                                     **kwargs)

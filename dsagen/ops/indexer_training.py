@@ -14,8 +14,12 @@ dL/dI_j = c * sm_scale * (p_j * sum_{J} tgt - tgt_j), c = grad_loss * loss_coeff
 ops chain this through the weighted ReLU to index_q, weights and index_k. (The cuDNN kernels also clip
 log-probabilities below -100; the reference does not, which differs only where p < e^-100.)
 
-Layout: BSHD (the seed's primary layout; its sparse backward is BSHD-only and THD inputs use B = 1 views).
-The default impl is "fused", as for every dsagen op.
+Layout: BSHD (the seed's primary layout). The dense ops (dense_indexer_score_recompute, dense_indexer_backward)
+also take the packed THD layout, selected by passing cu_seqlens_q / cu_seqlens_k: §8 applies §3's ratio-causal
+mask, which seed 001 defines per "batch or THD segment", and §10 consumes §8's outputs with the same offsets.
+In THD the loss averages over all total_q packed rows (the analogue of B * S_q). The sparse ops stay BSHD, as
+in the seed (§9: THD callers use B = 1 views with global ids). The default impl is "fused", as for every dsagen
+op (no fused kernel takes THD yet).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 
 from ..reference.indexer_training import DenseIndexerScores, IndexerGrads
 from ._validate import FLOAT_DTYPES, check_bool, check_float, check_impl, check_int, check_shape, check_tensor
-from .indexer import check_causal_offsets, check_indexer_inputs
+from .indexer import check_causal_offsets, check_indexer_inputs, check_packed_indexer_inputs, fused_op, is_packed
 
 __all__ = ["sparse_indexer_score_recompute", "dense_indexer_score_recompute", "indexer_backward",
            "dense_indexer_backward", "DenseIndexerScores", "IndexerGrads"]
@@ -106,7 +110,9 @@ def sparse_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Ten
 
 def dense_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor, *,
                                   ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
-                                  sm_scale: float = 1.0, impl: str = "fused") -> DenseIndexerScores:
+                                  sm_scale: float = 1.0, cu_seqlens_q: torch.Tensor | None = None,
+                                  cu_seqlens_k: torch.Tensor | None = None, impl: str = "fused"
+                                  ) -> DenseIndexerScores:
     """Dense indexer logits and their logsumexp (seed 001 §8, Dense Indexer Score Recompute).
 
     ::
@@ -116,22 +122,34 @@ def dense_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Tens
         denom[b, q]  = logsumexp_k(out[b, q, k])
 
     with indexer_scores' ratio-causal mask (k < clamp((q_causal_offsets[b] + q + 1) // ratio, 0, S_k)).
-    Pass the same q_causal_offsets and ratio to every dense score tensor of one loss.
+    Pass the same q_causal_offsets and ratio (and, in THD, the same cu_seqlens) to every dense score
+    tensor of one loss.
+
+    Packed THD layout, selected by passing cu_seqlens_q and cu_seqlens_k: segments exactly as in
+    indexer_scores (segment-local rows, columns and mask; offsets read on the host).
 
     Args:
-        q_indexer: [B, S_q, H, D]; k_indexer: [B, S_k, D] or [B, S_k, 1, D]; weights: [B, S_q, H].
-        ratio: >= 1. q_causal_offsets: optional [B] int32. sm_scale: > 0 (default 1).
+        q_indexer: [B, S_q, H, D] (THD: [total_q, H, D]); k_indexer: [B, S_k, D] or [B, S_k, 1, D] (THD:
+            [total_k, D] or [total_k, 1, D]); weights: [B, S_q, H] (THD: [total_q, H]).
+        ratio: >= 1. q_causal_offsets: optional [B] int32 (THD: one per segment). sm_scale: > 0 (default 1).
+        cu_seqlens_q, cu_seqlens_k: THD offsets, as for indexer_scores.
         impl: "fused" (default) or "reference".
 
     Returns:
         DenseIndexerScores(out [B, S_q, S_k], denom [B, S_q]), FP32 (FP64 for FP64 inputs); denom is
-        -inf for rows without valid columns. Differentiable in the reference.
+        -inf for rows without valid columns. THD: out [total_q, max_seqlen_k] (column j = key row
+        cu_seqlens_k[b] + j; -inf past the segment's S_k), denom [total_q]; rows at or after
+        cu_seqlens_q[-1] are all -inf with denom -inf. Differentiable in the reference.
 
     Raises:
         as indexer_scores, plus ValueError for sm_scale <= 0.
     """
     check_impl(impl)
-    b, *_ = check_indexer_inputs(q_indexer, k_indexer, weights)
+    packed = is_packed(cu_seqlens_q, cu_seqlens_k)
+    if packed:
+        b, *_ = check_packed_indexer_inputs(q_indexer, k_indexer, weights, cu_seqlens_q, cu_seqlens_k)
+    else:
+        b, *_ = check_indexer_inputs(q_indexer, k_indexer, weights)
     check_int("ratio", ratio, minimum=1)
     check_causal_offsets(q_causal_offsets, b, q_indexer.device)
     sm_scale = check_float("sm_scale", sm_scale, positive=True)
@@ -139,10 +157,10 @@ def dense_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Tens
     if impl == "reference":
         from ..reference.indexer_training import dense_indexer_score_recompute as reference
 
-        return reference(q_indexer, k_indexer, weights, **kwargs)
-    from ..fused import fused_impl
-
-    return fused_impl("dense_indexer_score_recompute", q_indexer.device)(q_indexer, k_indexer, weights, **kwargs)
+        thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
+        return reference(q_indexer, k_indexer, weights, **kwargs, **thd)
+    return fused_op("dense_indexer_score_recompute", q_indexer.device, packed)(q_indexer, k_indexer, weights,
+                                                                              **kwargs)
 
 
 def _check_backward_common(index_q, weights, index_k, grad_loss, sm_scale, loss_coeff):
@@ -215,6 +233,7 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
                            attn_score: torch.Tensor, attn_l1norm: torch.Tensor, index_score: torch.Tensor,
                            index_lse: torch.Tensor, *, grad_loss: torch.Tensor | None = None, sm_scale: float = 1.0,
                            loss_coeff: float = 1.0, ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
+                           cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                            impl: str = "fused") -> IndexerGrads:
     """Gradients of the dense (full-KV) indexer KL loss (seed 001 §10, Dense Indexer Backward).
 
@@ -229,25 +248,53 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
     Masked columns contribute nothing whatever the score tensors hold there. Pass the same ratio and
     q_causal_offsets as the score recompute calls. Inputs are not modified.
 
+    Packed THD layout, selected by passing cu_seqlens_q and cu_seqlens_k (the offsets the dense score
+    recomputes took; values read on the host): each segment's gradients are the BSHD ones of that segment
+    with c = grad_loss * loss_coeff / total_q, i.e. the loss averages over all total_q packed rows (rows
+    at or after cu_seqlens_q[-1] count there but contribute nothing). Score columns are segment-local,
+    as the dense recomputes return them; columns at or past a segment's S_k are ignored. Gradient rows
+    outside every segment are 0.
+
     Args:
-        index_q: [B, S_q, H, D]; weights: [B, S_q, H]; index_k: [B, S_k, D].
-        attn_score, index_score: [B, S_q, S_k] FP32 (or FP64); attn_l1norm, index_lse: [B, S_q].
+        index_q: [B, S_q, H, D] (THD: [total_q, H, D]); weights: [B, S_q, H] (THD: [total_q, H]);
+            index_k: [B, S_k, D] (THD: [total_k, D]).
+        attn_score, index_score: [B, S_q, S_k] FP32 (or FP64) (THD: [total_q, W] with W >= max_seqlen_k,
+            the width the dense recomputes return); attn_l1norm, index_lse: [B, S_q] (THD: [total_q]).
         grad_loss, sm_scale, loss_coeff: as for indexer_backward. ratio: >= 1.
-        q_causal_offsets: optional [B] int32. impl: "fused" (default) or "reference".
+        q_causal_offsets: optional [B] int32 (THD: one per segment).
+        cu_seqlens_q, cu_seqlens_k: THD offsets, as for indexer_scores.
+        impl: "fused" (default) or "reference".
 
     Returns:
-        IndexerGrads(d_index_q, d_weights, d_index_k), each in the dtype of its input.
+        IndexerGrads(d_index_q, d_weights, d_index_k), each in the dtype and shape of its input.
 
     Raises:
-        as indexer_backward, plus the ratio / q_causal_offsets checks of indexer_scores.
+        as indexer_backward, plus the ratio / q_causal_offsets / cu_seqlens checks of indexer_scores;
+        ValueError when a THD score tensor is narrower than max_seqlen_k.
     """
     check_impl(impl)
-    b, sq, _, _, sk = _check_backward_common(index_q, weights, index_k, grad_loss, sm_scale, loss_coeff)
     device = index_q.device
-    _check_score("attn_score", attn_score, (b, sq, sk), "[B, S_q, S_k]", device)
-    _check_score("attn_l1norm", attn_l1norm, (b, sq), "[B, S_q]", device)
-    _check_score("index_score", index_score, (b, sq, sk), "[B, S_q, S_k]", device)
-    _check_score("index_lse", index_lse, (b, sq), "[B, S_q]", device)
+    packed = is_packed(cu_seqlens_q, cu_seqlens_k)
+    if packed:
+        b, sq, _, _, _ = check_packed_indexer_inputs(index_q, index_k, weights, cu_seqlens_q, cu_seqlens_k,
+                                                     names=_BACKWARD_NAMES, allow_3d_k=False)
+        _check_grad_loss(grad_loss, device)
+        check_float("sm_scale", sm_scale, positive=True)
+        check_float("loss_coeff", loss_coeff)
+        max_k = max((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist(), default=0)
+        for name, t in (("attn_score", attn_score), ("index_score", index_score)):
+            check_tensor(name, t, dtypes=(torch.float32, torch.float64), ndim=2, device=device)
+            if t.shape[0] != sq or t.shape[1] < max_k:
+                raise ValueError(f"{name} must have shape [total_q, W] with total_q = {sq} and W >= max_seqlen_k "
+                                 f"= {max_k}, got {tuple(t.shape)}")
+        _check_score("attn_l1norm", attn_l1norm, (sq,), "[total_q]", device)
+        _check_score("index_lse", index_lse, (sq,), "[total_q]", device)
+    else:
+        b, sq, _, _, sk = _check_backward_common(index_q, weights, index_k, grad_loss, sm_scale, loss_coeff)
+        _check_score("attn_score", attn_score, (b, sq, sk), "[B, S_q, S_k]", device)
+        _check_score("attn_l1norm", attn_l1norm, (b, sq), "[B, S_q]", device)
+        _check_score("index_score", index_score, (b, sq, sk), "[B, S_q, S_k]", device)
+        _check_score("index_lse", index_lse, (b, sq), "[B, S_q]", device)
     check_int("ratio", ratio, minimum=1)
     check_causal_offsets(q_causal_offsets, b, device)
     kwargs = dict(grad_loss=grad_loss, sm_scale=float(sm_scale), loss_coeff=float(loss_coeff), ratio=ratio,
@@ -255,8 +302,8 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
     if impl == "reference":
         from ..reference.indexer_training import dense_indexer_backward as reference
 
-        return reference(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, **kwargs)
-    from ..fused import fused_impl
-
-    return fused_impl("dense_indexer_backward", device)(index_q, weights, index_k, attn_score, attn_l1norm,
-                                                        index_score, index_lse, **kwargs)
+        thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
+        return reference(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, **kwargs,
+                         **thd)
+    return fused_op("dense_indexer_backward", device, packed)(index_q, weights, index_k, attn_score, attn_l1norm,
+                                                              index_score, index_lse, **kwargs)

@@ -13,8 +13,9 @@ import torch
 
 from ..fused import fused_impl
 from ..reference import sparse_attention as ref
-from ._validate import (FLOAT_DTYPES, check_bool, check_float, check_impl, check_int, check_same_dtype,
-                        check_shape, check_tensor)
+from ._validate import (FLOAT_DTYPES, check_bool, check_cu_seqlens_pair, check_float, check_impl, check_int,
+                        check_same_dtype, check_shape, check_tensor)
+from .indexer import fused_op, is_packed
 
 _INT32_MAX = 2**31 - 1
 _SINK_DTYPES = (torch.float32, torch.float64)
@@ -203,8 +204,9 @@ def sparse_attn_score_recompute(q_attn: torch.Tensor, k_attn: torch.Tensor, lse:
 
 def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
                                softmax_scale: float | None = None, *, ratio: int = 1,
-                               q_causal_offsets: torch.Tensor | None = None, impl: str = "fused"
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+                               q_causal_offsets: torch.Tensor | None = None,
+                               cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                               impl: str = "fused") -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention score recompute (seed 001 §8): raw head-summed probabilities over the full KV.
 
         out[b, t, s] = sum_h exp(softmax_scale * q[b, t, h] . k[b, s, h // G] - lse[b, t, h])
@@ -212,46 +214,70 @@ def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tens
         denom[b, t]  = sum of the visible out[b, t, :] (the L1 norm the dense indexer backward takes;
                        0 for a row with nothing visible)
 
+    Packed THD layout, selected by passing cu_seqlens_q and cu_seqlens_k (seed 001 §8 applies §3's mask,
+    defined per "batch or THD segment"): segment b owns query rows [cu_seqlens_q[b], cu_seqlens_q[b+1])
+    and key rows [cu_seqlens_k[b], cu_seqlens_k[b+1]) and is computed exactly as BSHD batch b (t, s and
+    S_k above are segment-local; q_causal_offsets[b] is the global token index of the segment's first
+    query row, not its packed storage offset). The offsets are read on the host, so a THD call is not
+    CUDA-graph capturable.
+
     Args:
-        q: `(B, S_q, H_q, D)` FP16/BF16 (FP32/FP64 accepted by the reference).
+        q: `(B, S_q, H_q, D)` (THD: `(total_q, H_q, D)`) FP16/BF16 (FP32/FP64 accepted by the reference).
         k: `(B, S_k, H_kv, D)` (BSHD, H_q divisible by H_kv, G = H_q // H_kv) or `(B, S_k, D)` (MQA,
-            H_kv = 1); dtype of q.
-        lse: `(B, S_q, H_q)` FP32 (or FP64) per-head natural-log lse.
+            H_kv = 1); THD: `(total_k, H_kv, D)` or `(total_k, D)`; dtype of q.
+        lse: `(B, S_q, H_q)` (THD: `(total_q, H_q)`) FP32 (or FP64) per-head natural-log lse.
         softmax_scale: finite float; default 1 / sqrt(D).
         ratio: compression ratio of the causal mask, >= 1 (seed 001 §3).
-        q_causal_offsets: optional int32 `(B,)`: global token index of each batch's q[0] (zeros if None).
+        q_causal_offsets: optional int32 `(B,)`: global token index of each batch's (segment's) q[0]
+            (zeros if None).
+        cu_seqlens_q, cu_seqlens_k: THD offsets, both or neither: `(B + 1,)` int32 or int64 on q's device,
+            starting at 0, non-decreasing, ending at or before total_q / total_k (empty segments allowed).
         impl: "fused" (default) or "reference".
 
     Returns:
-        `(out, denom)`: `(B, S_q, S_k)` and `(B, S_q)`, FP32 (FP64 for FP64 inputs).
+        `(out, denom)`: `(B, S_q, S_k)` and `(B, S_q)`, FP32 (FP64 for FP64 inputs). THD: out
+        `(total_q, max_seqlen_k)` (column j of a row of segment b = key row cu_seqlens_k[b] + j; -inf
+        past the segment's S_k) and denom `(total_q,)`; rows at or after cu_seqlens_q[-1] belong to no
+        segment: out -inf, denom 0.
 
     Raises:
-        TypeError / ValueError naming the argument for wrong dtypes, shapes, devices or values;
-        ValueError for impl="fused" on CPU; NotImplementedError where no fused kernel exists.
+        TypeError / ValueError naming the argument for wrong dtypes, shapes, devices or values (cu_seqlens:
+        not int32/int64, passed alone, not 1-D, empty, not starting at 0, decreasing, past the packed
+        rows, different segment counts); ValueError for impl="fused" on CPU; NotImplementedError where no
+        fused kernel exists (every THD call).
     """
     check_impl(impl)
-    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=4)
-    b, s_q, h_q, d = q.shape
-    check_tensor("k", k, ndim=(3, 4), device=q.device)
+    packed = is_packed(cu_seqlens_q, cu_seqlens_k)
+    lead = "total_q" if packed else "B, S_q"
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3 if packed else 4)
+    h_q, d = q.shape[-2:]
+    rows = tuple(q.shape[:-2])  # (B, S_q) or (total_q,)
+    check_tensor("k", k, ndim=(2, 3) if packed else (3, 4), device=q.device)
     check_same_dtype("k", k, "q", q)
-    k4 = k.unsqueeze(2) if k.dim() == 3 else k
-    if k4.shape[0] != b or k4.shape[3] != d:
-        raise ValueError(f"k must have shape (B, S_k, H_kv, D) or (B, S_k, D) with B={b}, D={d}, "
-                         f"got {tuple(k.shape)}")
-    h_kv = k4.shape[2]
+    k_heads = k.unsqueeze(-2) if k.dim() == q.dim() - 1 else k  # MQA keys get H_kv = 1
+    if k_heads.shape[-1] != d or (not packed and k_heads.shape[0] != rows[0]):
+        want = f"(total_k, H_kv, D) or (total_k, D) with D={d}" if packed else \
+            f"(B, S_k, H_kv, D) or (B, S_k, D) with B={rows[0]}, D={d}"
+        raise ValueError(f"k must have shape {want}, got {tuple(k.shape)}")
+    h_kv = k_heads.shape[-2]
     if h_kv == 0 or h_q % h_kv:
         raise ValueError(f"k must have H_kv dividing q's H_q={h_q}, got H_kv={h_kv}")
     check_tensor("lse", lse, dtypes=_SINK_DTYPES, device=q.device)
-    check_shape("lse", lse, (b, s_q, h_q), "(B, S_q, H_q)")
+    check_shape("lse", lse, (*rows, h_q), f"({lead}, H_q)")
     check_int("ratio", ratio, minimum=1)
+    b = rows[0]
+    if packed:
+        b = check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, total_q=rows[0], total_k=k.shape[0], device=q.device)
     if q_causal_offsets is not None:
         check_tensor("q_causal_offsets", q_causal_offsets, dtypes=(torch.int32,), device=q.device)
         check_shape("q_causal_offsets", q_causal_offsets, (b,), "(B,)")
     scale = _check_scale(softmax_scale, d)
     if impl == "reference":
-        return ref.dense_attn_score_recompute(q, k4, lse, scale, ratio=ratio, q_causal_offsets=q_causal_offsets)
-    return fused_impl("dense_attn_score_recompute", q.device)(q, k4, lse, scale, ratio=ratio,
-                                                             q_causal_offsets=q_causal_offsets)
+        thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
+        return ref.dense_attn_score_recompute(q, k_heads, lse, scale, ratio=ratio, q_causal_offsets=q_causal_offsets,
+                                              **thd)
+    return fused_op("dense_attn_score_recompute", q.device, packed)(q, k_heads, lse, scale, ratio=ratio,
+                                                                   q_causal_offsets=q_causal_offsets)
 
 
 __all__ = ["sparse_attention", "sparse_attn_score_recompute", "dense_attn_score_recompute"]

@@ -3,7 +3,9 @@ and indexer-training references share: the weighted-ReLU score, the ratio-causal
 deterministic top-k.
 
 Inputs are validated by dsagen.ops.indexer; these functions assume well-formed arguments. FP16/BF16/FP32
-inputs accumulate in FP32, FP64 stays FP64. Everything is device-agnostic (no host reads of tensor values).
+inputs accumulate in FP32, FP64 stays FP64. Everything is device-agnostic. The BSHD paths never read tensor
+values on the host; the packed THD paths (cu_seqlens_q / cu_seqlens_k given) read the offsets once to split
+the rows into segments (`thd_segments`) and run the BSHD math per segment.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 # Largest temporary a reference call materializes at once (bytes). Query rows are processed in chunks
 # so that the biggest per-chunk intermediate stays under this.
@@ -106,6 +109,41 @@ def pad_last(idx: torch.Tensor, k: int, value: int = -1) -> torch.Tensor:
     return torch.cat([idx, idx.new_full((*idx.shape[:-1], missing), value)], dim=-1)
 
 
+def thd_segments(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """(q0, q1, k0, k1): the packed query rows [q0, q1) and key rows [k0, k1) of each THD segment.
+
+    Reads both offset tensors on the host (one device-to-host copy each): the reference needs the segment
+    lengths as Python ints to slice, so a THD reference call is not CUDA-graph capturable.
+    """
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]
+
+
+def max_key_len(segments: list[tuple[int, int, int, int]]) -> int:
+    """max_b (k1 - k0): the width of THD dense-score outputs (0 without segments)."""
+    return max((k1 - k0 for _, _, k0, k1 in segments), default=0)
+
+
+def segment_offsets(q_causal_offsets: torch.Tensor | None, i: int) -> torch.Tensor | None:
+    """Segment i's q_causal_offsets as a one-entry tensor view (values stay on the device)."""
+    return None if q_causal_offsets is None else q_causal_offsets[i:i + 1]
+
+
+def pad_width(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    """Pad the last dimension of `t` with `value` up to `width` (differentiable)."""
+    missing = width - t.shape[-1]
+    return t if missing <= 0 else F.pad(t, (0, missing), value=value)
+
+
+def cat_segment_rows(pieces: list[torch.Tensor], total_rows: int, fill: float, row_shape: tuple[int, ...],
+                     dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Concatenate per-segment row blocks (in segment order, so they tile rows [0, cu_seqlens_q[-1])) and
+    fill the rows after the last offset, which belong to no segment, with `fill`."""
+    used = sum(p.shape[0] for p in pieces)
+    tail = torch.full((total_rows - used, *row_shape), fill, dtype=dtype, device=device)
+    return torch.cat([*pieces, tail], dim=0)
+
+
 def _as_mqa_keys(k_indexer: torch.Tensor) -> torch.Tensor:
     """[B, S_k, D] or [B, S_k, 1, D] -> [B, S_k, D]."""
     return k_indexer.squeeze(2) if k_indexer.dim() == 4 else k_indexer
@@ -123,8 +161,13 @@ def _raw_scores(q_indexer, k_indexer, weights, acc):
 
 
 def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor, *, ratio: int = 1,
-                   q_causal_offsets: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense ratio-causal indexer scores [B, S_q, S_k]; masked columns are -inf. See dsagen.indexer_scores."""
+                   q_causal_offsets: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
+                   cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense ratio-causal indexer scores [B, S_q, S_k] (THD: [total_q, max_seqlen_k]); masked columns are
+    -inf. See dsagen.indexer_scores."""
+    if cu_seqlens_q is not None:
+        return _indexer_scores_thd(q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q,
+                                   cu_seqlens_k)
     k = _as_mqa_keys(k_indexer)
     acc = accumulate_dtype(q_indexer, k, weights)
     b, sq = q_indexer.shape[:2]
@@ -138,6 +181,24 @@ def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: to
         valid = cols < limit[:, r0:r1, None]
         chunks.append(torch.where(valid, raw, float("-inf")))
     return torch.cat(chunks, dim=1)
+
+
+def _thd_keys(k_indexer: torch.Tensor) -> torch.Tensor:
+    """THD keys [total_k, D] or [total_k, 1, D] -> [total_k, D]."""
+    return k_indexer.squeeze(1) if k_indexer.dim() == 3 else k_indexer
+
+
+def _indexer_scores_thd(q, k_indexer, w, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k):
+    """THD indexer_scores: the BSHD math per segment (B = 1), columns local to the segment."""
+    k = _thd_keys(k_indexer)
+    segments = thd_segments(cu_seqlens_q, cu_seqlens_k)
+    width = max_key_len(segments)
+    pieces = []
+    for i, (q0, q1, k0, k1) in enumerate(segments):
+        s = indexer_scores(q[None, q0:q1], k[None, k0:k1], w[None, q0:q1], ratio=ratio,
+                           q_causal_offsets=segment_offsets(q_causal_offsets, i))[0]
+        pieces.append(pad_width(s, width, float("-inf")))
+    return cat_segment_rows(pieces, q.shape[0], float("-inf"), (width,), accumulate_dtype(q, k, w), q.device)
 
 
 def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int, *,
@@ -191,8 +252,13 @@ def masked_logsumexp(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor, top_k: int, *,
                          ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
                          return_softmax: bool = True, return_lse: bool = False,
-                         topk_indices_global: bool = True) -> IndexerTopK:
+                         topk_indices_global: bool = True, cu_seqlens_q: torch.Tensor | None = None,
+                         cu_seqlens_k: torch.Tensor | None = None) -> IndexerTopK:
     """Scores + ratio-causal mask + top-k + softmax in one call. See dsagen.indexer_forward_topk."""
+    if cu_seqlens_q is not None:
+        return _indexer_forward_topk_thd(q_indexer, k_indexer, weights, top_k, ratio, q_causal_offsets,
+                                         return_softmax, return_lse, topk_indices_global, cu_seqlens_q,
+                                         cu_seqlens_k)
     k = _as_mqa_keys(k_indexer)
     acc = accumulate_dtype(q_indexer, k, weights)
     b, sq = q_indexer.shape[:2]
@@ -223,3 +289,29 @@ def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weigh
     softmax = masked_softmax(logits, slot_valid) if return_softmax else None
     lse = masked_logsumexp(logits, slot_valid) if return_lse else None
     return IndexerTopK(idx.to(torch.int32).contiguous(), logits, softmax, lse)
+
+
+def _indexer_forward_topk_thd(q, k_indexer, w, top_k, ratio, q_causal_offsets, return_softmax, return_lse,
+                              topk_indices_global, cu_seqlens_q, cu_seqlens_k) -> IndexerTopK:
+    """THD indexer_forward_topk: the BSHD op per segment (B = 1, local ids); global ids are packed key
+    rows cu_seqlens_k[b] + local. Rows after the last offset are empty rows."""
+    k = _thd_keys(k_indexer)
+    acc, device, total_q = accumulate_dtype(q, k, w), q.device, q.shape[0]
+    idx, logits, softmax, lse = [], [], [], []
+    for i, (q0, q1, k0, k1) in enumerate(thd_segments(cu_seqlens_q, cu_seqlens_k)):
+        r = indexer_forward_topk(q[None, q0:q1], k[None, k0:k1], w[None, q0:q1], top_k, ratio=ratio,
+                                 q_causal_offsets=segment_offsets(q_causal_offsets, i),
+                                 return_softmax=return_softmax, return_lse=return_lse, topk_indices_global=False)
+        ids = r.indices[0]
+        idx.append(torch.where(ids >= 0, ids + k0, ids) if topk_indices_global else ids)
+        logits.append(r.logits[0])
+        if return_softmax:
+            softmax.append(r.softmax[0])
+        if return_lse:
+            lse.append(r.lse[0])
+    inf = float("-inf")
+    return IndexerTopK(
+        cat_segment_rows(idx, total_q, -1, (top_k,), torch.int32, device),
+        cat_segment_rows(logits, total_q, inf, (top_k,), acc, device),
+        cat_segment_rows(softmax, total_q, 0.0, (top_k,), acc, device) if return_softmax else None,
+        cat_segment_rows(lse, total_q, inf, (), acc, device) if return_lse else None)

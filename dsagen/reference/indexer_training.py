@@ -11,7 +11,8 @@ valid slots J (top-k slots for the sparse ops, ratio-causal columns for the dens
 
 Its gradient with respect to I is dI_j = c * sm_scale * (p_j * sum_J(tgt) - tgt_j) with
 c = grad_loss * loss_coeff / (B * S_q); the backward ops chain that through the weighted ReLU.
-Inputs are validated by dsagen.ops.indexer_training.
+Inputs are validated by dsagen.ops.indexer_training. The dense ops also take the packed THD layout
+(cu_seqlens_q / cu_seqlens_k): the offsets are read on the host and the BSHD math runs per segment.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from .indexer import (accumulate_dtype, masked_logsumexp, masked_softmax, ratio_causal_limit, rows_per_chunk,
+from .indexer import (accumulate_dtype, cat_segment_rows, masked_logsumexp, masked_softmax, max_key_len,
+                      pad_width, ratio_causal_limit, rows_per_chunk, segment_offsets, thd_segments,
                       weighted_relu_scores)
 
 
@@ -89,8 +91,13 @@ def sparse_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Ten
 
 def dense_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor, *,
                                   ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
-                                  sm_scale: float = 1.0) -> DenseIndexerScores:
-    """(out [B, S_q, S_k], denom [B, S_q]). See dsagen.dense_indexer_score_recompute."""
+                                  sm_scale: float = 1.0, cu_seqlens_q: torch.Tensor | None = None,
+                                  cu_seqlens_k: torch.Tensor | None = None) -> DenseIndexerScores:
+    """(out [B, S_q, S_k], denom [B, S_q]); THD: ([total_q, max_seqlen_k], [total_q]).
+    See dsagen.dense_indexer_score_recompute."""
+    if cu_seqlens_q is not None:
+        return _dense_indexer_score_recompute_thd(q_indexer, k_indexer, weights, ratio, q_causal_offsets,
+                                                  sm_scale, cu_seqlens_q, cu_seqlens_k)
     k = k_indexer.squeeze(2) if k_indexer.dim() == 4 else k_indexer
     acc = accumulate_dtype(q_indexer, k, weights)
     b, sq, h, _ = q_indexer.shape
@@ -110,6 +117,24 @@ def dense_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Tens
         chunks.append(torch.where(valid[:, r0:r1], sm_scale * raw, float("-inf")))
     out = torch.cat(chunks, dim=1)
     return DenseIndexerScores(out, masked_logsumexp(out, valid))
+
+
+def _dense_indexer_score_recompute_thd(q, k_indexer, w, ratio, q_causal_offsets, sm_scale, cu_seqlens_q,
+                                       cu_seqlens_k) -> DenseIndexerScores:
+    """THD dense_indexer_score_recompute: the BSHD op per segment (B = 1), columns local to the segment."""
+    k = k_indexer.squeeze(1) if k_indexer.dim() == 3 else k_indexer
+    acc, device, total_q = accumulate_dtype(q, k, w), q.device, q.shape[0]
+    segments = thd_segments(cu_seqlens_q, cu_seqlens_k)
+    width = max_key_len(segments)
+    outs, denoms = [], []
+    for i, (q0, q1, k0, k1) in enumerate(segments):
+        r = dense_indexer_score_recompute(q[None, q0:q1], k[None, k0:k1], w[None, q0:q1], ratio=ratio,
+                                          q_causal_offsets=segment_offsets(q_causal_offsets, i), sm_scale=sm_scale)
+        outs.append(pad_width(r.out[0], width, float("-inf")))
+        denoms.append(r.denom[0])
+    inf = float("-inf")
+    return DenseIndexerScores(cat_segment_rows(outs, total_q, inf, (width,), acc, device),
+                              cat_segment_rows(denoms, total_q, inf, (), acc, device))
 
 
 def _loss_scale(grad_loss: torch.Tensor | None, loss_coeff: float, rows: int, acc: torch.dtype,
@@ -168,15 +193,23 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
                            attn_score: torch.Tensor, attn_l1norm: torch.Tensor, index_score: torch.Tensor,
                            index_lse: torch.Tensor, *, grad_loss: torch.Tensor | None = None,
                            sm_scale: float = 1.0, loss_coeff: float = 1.0, ratio: int = 1,
-                           q_causal_offsets: torch.Tensor | None = None) -> IndexerGrads:
-    """Dense (full-KV) indexer KL-loss gradients. See dsagen.dense_indexer_backward."""
+                           q_causal_offsets: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
+                           cu_seqlens_k: torch.Tensor | None = None, loss_rows: int | None = None) -> IndexerGrads:
+    """Dense (full-KV) indexer KL-loss gradients. See dsagen.dense_indexer_backward.
+
+    `loss_rows` is the row count the loss is averaged over (default B * S_q; total_q for THD).
+    """
+    if cu_seqlens_q is not None:
+        return _dense_indexer_backward_thd(index_q, weights, index_k, attn_score, attn_l1norm, index_score,
+                                           index_lse, grad_loss, sm_scale, loss_coeff, ratio, q_causal_offsets,
+                                           cu_seqlens_q, cu_seqlens_k)
     acc = accumulate_dtype(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse)
     b, sq, h, d = index_q.shape
     sk = index_k.shape[1]
     device = index_q.device
     limit = ratio_causal_limit(sq, sk, ratio, q_causal_offsets, b, device)
     valid = torch.arange(sk, device=device) < limit[..., None]                       # [B, S_q, S_k]
-    c = _loss_scale(grad_loss, loss_coeff, b * sq, acc, device)
+    c = _loss_scale(grad_loss, loss_coeff, b * sq if loss_rows is None else loss_rows, acc, device)
     d_q = torch.zeros((b, sq, h, d), dtype=acc, device=device)
     d_w = torch.zeros((b, sq, h), dtype=acc, device=device)
     d_k = torch.zeros((b, sk, d), dtype=acc, device=device)
@@ -200,3 +233,21 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
             d_q[:, r0:r1] = torch.einsum("brhk,bkd->brhd", d_dots, k)
             d_k += torch.einsum("brhk,brhd->bkd", d_dots, q_c)
     return IndexerGrads(d_q.to(index_q.dtype), d_w.to(weights.dtype), d_k.to(index_k.dtype))
+
+
+def _dense_indexer_backward_thd(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse,
+                                grad_loss, sm_scale, loss_coeff, ratio, q_causal_offsets, cu_seqlens_q,
+                                cu_seqlens_k) -> IndexerGrads:
+    """THD dense_indexer_backward: the BSHD op per segment (B = 1) with the loss averaged over all total_q
+    rows. Segments own disjoint q and k rows, so each gradient block is written once; rows outside every
+    segment get 0."""
+    total_q = index_q.shape[0]
+    d_q, d_w, d_k = torch.zeros_like(index_q), torch.zeros_like(weights), torch.zeros_like(index_k)
+    for i, (q0, q1, k0, k1) in enumerate(thd_segments(cu_seqlens_q, cu_seqlens_k)):
+        g = dense_indexer_backward(
+            index_q[None, q0:q1], weights[None, q0:q1], index_k[None, k0:k1], attn_score[None, q0:q1, :k1 - k0],
+            attn_l1norm[None, q0:q1], index_score[None, q0:q1, :k1 - k0], index_lse[None, q0:q1],
+            grad_loss=grad_loss, sm_scale=sm_scale, loss_coeff=loss_coeff, ratio=ratio,
+            q_causal_offsets=segment_offsets(q_causal_offsets, i), loss_rows=total_q)
+        d_q[q0:q1], d_w[q0:q1], d_k[k0:k1] = g.d_index_q[0], g.d_weights[0], g.d_index_k[0]
+    return IndexerGrads(d_q, d_w, d_k)

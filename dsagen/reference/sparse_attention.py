@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from .indexer import cat_segment_rows, max_key_len, pad_width, segment_offsets, thd_segments
+
 # Upper bound on the elements of one chunk's gathered KV rows plus its score tile (accumulation
 # dtype): 2**26 FP32 elements = 256 MiB. Tests lower it to exercise the chunking.
 CHUNK_ELEMENTS = 1 << 26
@@ -247,7 +249,8 @@ def ratio_causal_limit(s_q: int, s_k: int, ratio: int, q_causal_offsets: torch.T
 
 
 def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, softmax_scale: float, *,
-                               ratio: int = 1, q_causal_offsets: torch.Tensor | None = None
+                               ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
+                               cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Seed 001 §8: raw head-summed attention probabilities over the full KV, ratio-causal masked.
 
@@ -258,7 +261,15 @@ def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tens
     q `(B, S_q, H_q, D)`, k `(B, S_k, H_kv, D)` with G = H_q // H_kv, lse `(B, S_q, H_q)`,
     q_causal_offsets `(B,)` or None (zeros). Returns out `(B, S_q, S_k)` and denom `(B, S_q)`,
     FP32 (FP64 for FP64 inputs).
+
+    Packed THD (cu_seqlens_q / cu_seqlens_k `(B + 1,)` given): q `(total_q, H_q, D)`, k `(total_k, H_kv, D)`,
+    lse `(total_q, H_q)`; the offsets are read on the host and the BSHD math runs per segment. Returns out
+    `(total_q, max_seqlen_k)` with columns local to the row's segment (-inf past its length) and denom
+    `(total_q,)`; rows after cu_seqlens_q[-1] are fully masked (out -inf, denom 0).
     """
+    if cu_seqlens_q is not None:
+        return _dense_attn_score_recompute_thd(q, k, lse, softmax_scale, ratio, q_causal_offsets, cu_seqlens_q,
+                                               cu_seqlens_k)
     b, s_q, h_q, d = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
     g = h_q // h_kv
@@ -280,3 +291,18 @@ def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tens
             out[bi, r0:r1] = torch.where(visible, p, -_INF)
     denom = torch.where(torch.isfinite(out), out, 0).sum(dim=-1)
     return out, denom
+
+
+def _dense_attn_score_recompute_thd(q, k, lse, softmax_scale, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k):
+    """THD dense_attn_score_recompute: the BSHD function per segment (B = 1)."""
+    acc, total_q = acc_dtype(q.dtype), q.shape[0]
+    segments = thd_segments(cu_seqlens_q, cu_seqlens_k)
+    width = max_key_len(segments)
+    outs, denoms = [], []
+    for i, (q0, q1, k0, k1) in enumerate(segments):
+        out, denom = dense_attn_score_recompute(q[None, q0:q1], k[None, k0:k1], lse[None, q0:q1], softmax_scale,
+                                                ratio=ratio, q_causal_offsets=segment_offsets(q_causal_offsets, i))
+        outs.append(pad_width(out[0], width, -_INF))
+        denoms.append(denom[0])
+    return (cat_segment_rows(outs, total_q, -_INF, (width,), acc, q.device),
+            cat_segment_rows(denoms, total_q, 0.0, (), acc, q.device))

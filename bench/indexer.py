@@ -2,14 +2,17 @@
 chunked reference, in one process (GPU). Results go to BENCHMARKS.md.
 
     python bench/indexer.py [--T 8192 32768 131072] [--topk 512 2048] [--ratio 1 4] [--reps 5]
-                            [--ref-max-T 32768] [--json FILE] [--profile] [--variant NAME]
+                            [--ref-max-T 32768] [--json FILE] [--profile] [--variant NAME [NAME ...]]
 
 Causal, H=64, D=128, bf16, fresh random inputs. Each figure is the median of --reps timed calls
 (CUDA events) after one warm-up call. FLOPs count the causal pairs only: 2*H*D*sum_t #candidates(t);
 the tensor-core floor is that at 780 TFLOP/s (dense bf16 measured on the H200). The reference is timed
 only up to --ref-max-T (it takes seconds beyond). --profile also times the score and top-k kernels
 alone (one slab loop with each kernel launched alone). --variant selects tile choices that are not the
-default yet (VARIANTS: spec options of the score and top-k kernels).
+default yet (VARIANTS: spec options of the score and top-k kernels); several names run one after the
+other on the same inputs. `ablate-score-*` / `ablate-topk-*` are TIMING PROBES, not correct kernels
+(IndexerScoreSpec / IndexerTopkSpec.ablate: one stage left out); use them with --profile and read only
+the ablated kernel's column (score_ms or topk_ms); `--variant ablations` runs default + all of them.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ VARIANTS = {
     "n256": ({"n_tile": 256}, {}),                             # 4 tokens per CTA at H=64: half the K traffic
     "n256k": ({"n_tile": 256}, {"cache_keys": 49152}),         # n256 + smem key cache
 }
+# Timing ablations (not correct kernels; see dsagen.spec.families.indexer INDEXER_*_ABLATIONS).
+SCORE_ABLATIONS = ("no_epilogue", "mma_k16", "skeleton", "no_store", "no_kload", "one_tile")
+TOPK_ABLATIONS = ("hist1", "hist1_spread", "read1", "read1_ilp4", "no_emit")
+VARIANTS.update({f"ablate-score-{a}": ({"ablate": a}, {}) for a in SCORE_ABLATIONS})
+VARIANTS.update({f"ablate-topk-{a}": ({}, {"ablate": a}) for a in TOPK_ABLATIONS})
+#: --variant ablations: the default and every ablation, in one process
+ABLATION_SET = ["default"] + [f"ablate-score-{a}" for a in SCORE_ABLATIONS] + [f"ablate-topk-{a}" for a in TOPK_ABLATIONS]
 
 
 def timed(fn, reps: int) -> float:
@@ -85,22 +95,44 @@ def main(argv=None) -> int:
     ap.add_argument("--ref-max-T", type=int, default=32768)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="also time the score and top-k kernels alone")
-    ap.add_argument("--variant", choices=list(VARIANTS), default="default",
+    ap.add_argument("--variant", choices=list(VARIANTS) + ["ablations"], nargs="+", default=["default"],
                     help="tuned: two accumulators per warpgroup (overlap) and the smem key cache; n256: wgmma "
-                         "N = 256 (4 tokens per CTA at H=64); n256k: n256 and the smem key cache")
+                         "N = 256 (4 tokens per CTA at H=64); n256k: n256 and the smem key cache; "
+                         "ablate-score-* / ablate-topk-*: timing probes (not correct); ablations: default + all probes")
     args = ap.parse_args(argv)
+    names = []
+    for v in args.variant:
+        for n in (ABLATION_SET if v == "ablations" else [v]):
+            if n not in names:
+                names.append(n)
+    if any(n.startswith("ablate-") for n in names) and not args.profile:
+        print("# note: ablate-* variants are timing probes; add --profile to see the ablated kernel alone")
+    results = [_run_variant(n, args) for n in names]
+    if len(results) > 1 and args.profile:
+        print("\n# per-kernel times (ms; ablated kernel's column is the probe, the other is the real kernel)")
+        print(f"{'variant':<26} {'T':>7} {'topk':>5} {'ratio':>5} {'score ms':>9} {'top-k ms':>9} {'total ms':>9}")
+        for res in results:
+            for row in res["rows"]:
+                print(f"{res['variant']:<26} {row['T']:>7} {row['topk']:>5} {row['ratio']:>5} {row['score_ms']:>9.3f} "
+                      f"{row['topk_ms']:>9.3f} {row['fused_ms']:>9.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results[0] if len(results) == 1 else {"variants": results}, f, indent=1)
+    return 0
 
+
+def _run_variant(variant: str, args) -> dict:
     import dsagen
     from dsagen.fused import lightning_indexer as fused
 
-    fused.SPEC_OPTIONS = VARIANTS[args.variant]
+    fused.SPEC_OPTIONS = VARIANTS[variant]
 
     h, d = 64, 128
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  H={h} D={d} bf16 causal  "
-          f"variant {args.variant} {fused.SPEC_OPTIONS}")
+          f"variant {variant} {fused.SPEC_OPTIONS}")
     print(f"{'T':>7} {'topk':>5} {'ratio':>5} {'fused ms':>9} {'TFLOP/s':>8} {'floor ms':>9} {'of floor':>8} "
           f"{'ref ms':>9} {'speedup':>8}")
     for t in args.T:
@@ -135,11 +167,10 @@ def main(argv=None) -> int:
                          if args.profile else ""), flush=True)
             del q, k, w
             torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variant": args.variant,
-                       "spec_options": fused.SPEC_OPTIONS, "rows": rows}, f, indent=1)
-    return 0
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variant": variant,
+           "spec_options": fused.SPEC_OPTIONS, "rows": rows}
+    fused.SPEC_OPTIONS = ({}, {})
+    return out
 
 
 if __name__ == "__main__":

@@ -209,3 +209,98 @@ def test_n256_variant_compiles_pipelined_without_spills(h, d, tmp_path):
     assert 0x28 + 2 * 0xE8 <= 3 * regs, (budgets, regs)
     assert ck.record["launch"]["block"] == [384, 1, 1]
     assert ck.record["launch"]["smem"] <= 227 * 1024
+
+
+# ------------------------------------------------------------------ timing ablations (not correct kernels)
+def test_ablation_option_validation_and_default_render():
+    """ablate=... is a timing-probe option of both kernels; the default ("") renders the real kernel with no
+    trace of the ablation code (the GPU-verified default source is unchanged by the option)."""
+    from dsagen.spec.families.indexer import INDEXER_SCORE_ABLATIONS, INDEXER_TOPK_ABLATIONS
+
+    for a in INDEXER_SCORE_ABLATIONS:
+        assert IndexerScoreSpec(arch="sm_90a", ablate=a).can_implement() == (True, "")
+    for a in INDEXER_TOPK_ABLATIONS:
+        assert IndexerTopkSpec(arch="sm_90a", ablate=a).can_implement() == (True, "")
+    ok, why = IndexerScoreSpec(arch="sm_90a", ablate="nothing").can_implement()
+    assert not ok and "not a score-kernel ablation" in why
+    ok, why = IndexerScoreSpec(arch="sm_90a", ablate="no_store", overlap=True).can_implement()
+    assert not ok and "overlap=False" in why
+    ok, why = IndexerTopkSpec(arch="sm_90a", ablate="hist1", cache_keys=49152).can_implement()
+    assert not ok and "cache_keys=0" in why
+    assert IndexerScoreSpec(arch="sm_90a", ablate="no_store").name() == "lightning_indexer_score_ablateno_store_sm_90a"
+    for spec in (IndexerScoreSpec(arch="sm_90a"), IndexerTopkSpec(arch="sm_90a"),
+                 IndexerScoreSpec(arch="sm_90a", n_tile=256), IndexerTopkSpec(arch="sm_90a", cache_keys=49152)):
+        src = render(spec)
+        assert "ABLAT" not in src.upper() and "sink" not in src, spec.name()
+    assert 'ABLATE = "no_store"' in render(IndexerScoreSpec(arch="sm_90a", ablate="no_store"))
+    assert 'ABLATE = "hist1"' in render(IndexerTopkSpec(arch="sm_90a", ablate="hist1"))
+
+
+#: ablation -> (HGMMA count at D=128, FMNMX in the kernel?, max STG, UTMALDG count)
+_SCORE_ABLATION_SASS = {
+    "": (8, True, 4, 6),
+    "no_epilogue": (8, False, 1, 6),
+    "mma_k16": (1, True, 4, 6),
+    "skeleton": (1, False, 1, 6),
+    "no_store": (8, True, 1, 6),
+    "no_kload": (8, True, 4, 2),          # only the Q tile's 2 boxes
+    "one_tile": (8, True, 4, 6),
+}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("ablate", list(_SCORE_ABLATION_SASS))
+def test_score_ablation_compiles(ablate, tmp_path):
+    """Each score ablation keeps the intended instructions (HGMMA count, epilogue or not, stores, TMA),
+    the wgmma group waited once (not serialized), no spills and the default's resources."""
+    from dsagen.gen.build import compile_module
+
+    spec = IndexerScoreSpec(arch="sm_90a", ablate=ablate)
+    ck = compile_module(spec, render(spec), tmp_path / "build")
+    sass = _sass(ck.cubin, tmp_path)
+    ops = _sass_ops(ck.cubin, tmp_path)
+    hgmma, epilogue, max_stg, tma = _SCORE_ABLATION_SASS[ablate]
+    assert sass.count("HGMMA.64x128x16.F32.BF16") == hgmma, ops
+    assert sass.count("WARPGROUP.DEPBAR") == 1, "wgmma serialized by ptxas"
+    assert (ops.get("FMNMX", 0) >= 64) == epilogue, ops
+    assert ops.get("STG", 0) <= max_stg, ops
+    assert ops.get("UTMALDG", 0) == tma, ops
+    assert not ops.get("LDL") and not ops.get("STL"), f"register spills: {ops}"
+    assert ck.record["launch"]["block"] == [384, 1, 1] and ck.record["launch"]["smem"] == 164864
+
+
+#: ablation -> (ATOMS, VOTE (emit pass), BAR.SYNC at most)
+_TOPK_ABLATION_SASS = {
+    "": (4, 2, 17),
+    "hist1": (1, 0, 4),
+    "hist1_spread": (1, 0, 4),
+    "read1": (0, 0, 4),
+    "read1_ilp4": (0, 0, 4),
+    "no_emit": (4, 0, 16),
+}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("ablate", list(_TOPK_ABLATION_SASS))
+def test_topk_ablation_compiles(ablate, tmp_path):
+    from dsagen.gen.build import compile_module
+
+    spec = IndexerTopkSpec(arch="sm_90a", ablate=ablate)
+    ck = compile_module(spec, render(spec), tmp_path / "build")
+    sass = _sass(ck.cubin, tmp_path)
+    ops = _sass_ops(ck.cubin, tmp_path)
+    atoms, vote, bars = _TOPK_ABLATION_SASS[ablate]
+    assert ops.get("ATOMS", 0) == atoms and ops.get("VOTE", 0) == vote, ops
+    assert sass.count("BAR.SYNC") <= bars, ops
+    assert not ops.get("LDL") and not ops.get("STL"), f"register spills: {ops}"
+    assert ck.record["launch"]["smem"] <= 2048                      # 2 CTAs of 1024 threads per SM, as default
+    lines = sass.splitlines()
+    batched = any(sum("LDG" in line for line in lines[i:i + 8]) >= 4 for i in range(len(lines)))
+    assert batched == (ablate == "read1_ilp4"), "read1_ilp4: 4 loads issued back to back (and only there)"
+    if ablate in ("hist1", "hist1_spread"):                          # the bin's address right before ATOMS
+        lines = sass.splitlines()
+        at = next(n for n, line in enumerate(lines) if "ATOMS" in line)
+        before = "\n".join(lines[at - 3:at])
+        # hist1: (key >> 24) * 4 = (key >> 22) & 0x3fc; hist1_spread: (key & 0xff) * 4 = (key << 2) & 0x3fc
+        assert ("SHF.L.U32" in before) == (ablate == "hist1_spread"), before
+        assert ("SHF.R.U32.HI" in before) == (ablate == "hist1"), before

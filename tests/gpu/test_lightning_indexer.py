@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import dsagen
-from dsagen.spec.families.indexer import IndexerScoreSpec, IndexerTopkSpec
+from dsagen.spec.families.indexer import (INDEXER_SCORE_ABLATIONS, INDEXER_TOPK_ABLATIONS, IndexerScoreSpec,
+                                          IndexerTopkSpec)
 from poison import POISON_INT32, poison_allocator
 
 ARCH = "sm_90a"
@@ -32,7 +33,10 @@ REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH)] + [
     IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, overlap=True), IndexerTopkSpec(arch=ARCH, cache_keys=49152)] + [
     # n_tile=256 (4 tokens per CTA at H=64: half the K traffic), not yet default: test_speed_variants_n256,
     # bench/indexer.py --variant n256 / n256k
-    IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d, n_tile=256) for h, d in N256_SHAPES]
+    IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d, n_tile=256) for h, d in N256_SHAPES] + [
+    # timing ablations (NOT correct kernels): test_ablation_launch_smoke, bench/indexer.py --variant ablations
+    IndexerScoreSpec(arch=ARCH, ablate=a) for a in INDEXER_SCORE_ABLATIONS if a] + [
+    IndexerTopkSpec(arch=ARCH, ablate=a) for a in INDEXER_TOPK_ABLATIONS if a]
 
 pytestmark = pytest.mark.gpu
 
@@ -207,6 +211,31 @@ def test_speed_variants_n256(case, cache_keys, monkeypatch):
     # the n_tile=256 kernel really ran (4 tokens per CTA at H=64)
     assert any(key[-1] == repr(fused.SPEC_OPTIONS) and "n_tile256" in v[0].name
                for key, v in fused._kernels.items()), "n_tile=256 kernel not used"
+
+
+# --------------------------------------------------------------------- timing ablations: LAUNCH SMOKE ONLY
+# The ablate=... kernels leave a stage out on purpose (no epilogue, no stores, no K loads, one pass, ...):
+# their outputs are NOT the indexer's and are NOT checked here. This test only checks that each one is the
+# kernel that ran, that it launches on the fused path's real arguments and that it finishes (no hang, no
+# launch or device error), so that `bench/indexer.py --variant ablations --profile` can time them.
+ABLATION_OPTIONS = ([("score-" + a, ({"ablate": a}, {})) for a in INDEXER_SCORE_ABLATIONS if a]
+                    + [("topk-" + a, ({}, {"ablate": a})) for a in INDEXER_TOPK_ABLATIONS if a])
+
+
+@pytest.mark.parametrize("options", [o for _, o in ABLATION_OPTIONS], ids=[n for n, _ in ABLATION_OPTIONS])
+def test_ablation_launch_smoke(options, monkeypatch):
+    """Smoke only (launches + finishes); claims nothing about the ablated kernel's output."""
+    from dsagen.fused import lightning_indexer as fused
+
+    monkeypatch.setattr(fused, "SPEC_OPTIONS", options)
+    gen = torch.Generator().manual_seed(211)
+    q, k, w = _inputs(1, 4200, 64, 128, 4200, gen)       # 2 candidate chunks; rows above and below topk
+    out = dsagen.lightning_indexer(q, k, w, 256, causal=True, compress_ratio=1, impl="fused")
+    torch.cuda.synchronize()                             # raises on a device fault; a hang is cut by timeout
+    assert out.shape == (1, 4200, 256) and out.dtype == torch.int32
+    which = 0 if options[0] else 1
+    assert any(key[-1] == repr(fused.SPEC_OPTIONS) and "ablate" in v[which].name
+               for key, v in fused._kernels.items()), "the ablated kernel did not run"
 
 
 def test_no_candidates():

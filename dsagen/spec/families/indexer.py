@@ -40,6 +40,26 @@ INDEXER_N_TILES = (128, 256)
 INDEXER_N256_HEADS = (32, 64, 128)
 
 
+#: Timing ablations of the score kernel (IndexerScoreSpec.ablate), NOT correct kernels: each leaves one
+#: stage out so that the time of that stage is the difference to the default (notes/kernels/indexer.md,
+#: "Look back (session 1)"). "" is the real kernel.
+#:   no_epilogue  MMA kept (all D/16 HGMMAs per tile), epilogue replaced by one FADD per tile (MMA + loads time)
+#:   mma_k16      one HGMMA (k = 16) per tile instead of D/16, epilogue and stores kept (loads + epilogue time)
+#:   skeleton     mma_k16 + no_epilogue: TMA ring, barriers and one HGMMA per tile (pipeline skeleton time)
+#:   no_store     epilogue computed, the slab stores replaced by a register sum (store cost)
+#:   no_kload     K tiles not loaded (stage barriers complete on the arrive; MMA reads stale smem): K traffic cost
+#:   one_tile     at most one K tile per CTA: launch + per-CTA fixed cost (prologue, Q load, pipeline fill)
+INDEXER_SCORE_ABLATIONS = ("", "no_epilogue", "mma_k16", "skeleton", "no_store", "no_kload", "one_tile")
+#: Timing ablations of the top-k kernel (IndexerTopkSpec.ablate), NOT correct kernels (rows with more than
+#: topk candidates write no output):
+#:   hist1         the first radix pass only (row read + shared-atomic histogram + bin scan)
+#:   hist1_spread  hist1 with the bin taken from the key's low byte (uniform bins: atomic-conflict cost)
+#:   read1         the first pass's loads only (xor-reduced, no atomics): one latency-bound read of the row
+#:   read1_ilp4    read1 with 4 independent loads in flight per thread (Little's law check)
+#:   no_emit       the 4 radix passes, no ordered emit pass
+INDEXER_TOPK_ABLATIONS = ("", "hist1", "hist1_spread", "read1", "read1_ilp4", "no_emit")
+
+
 def tokens_per_cta(num_heads: int, n_tile: int = 128) -> int:
     """Query tokens one score CTA covers: the wgmma N tile (n_tile columns) holds tokens x heads."""
     return n_tile // num_heads
@@ -65,6 +85,8 @@ class IndexerScoreSpec(KernelSpec):
     n_tile: wgmma N, the (token, head) columns of one CTA: 128 (default) or 256 (H in INDEXER_N256_HEADS;
     2 x the tokens per CTA, so every K tile read from L2 serves twice the tokens; 128 accumulator
     registers per thread, so not with overlap). Compile- and SASS-checked, not yet run on a GPU.
+    ablate: "" (the real kernel) or one of INDEXER_SCORE_ABLATIONS: a timing probe that leaves one stage
+    out. Its output is NOT the indexer's; only bench/indexer.py --variant ablate-* and launch smoke tests use it.
     """
 
     op = "lightning_indexer_score"
@@ -76,6 +98,7 @@ class IndexerScoreSpec(KernelSpec):
     stages: int = 4
     overlap: bool = False
     n_tile: int = 128
+    ablate: str = ""
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -95,6 +118,10 @@ class IndexerScoreSpec(KernelSpec):
             if self.overlap:
                 out.append("n_tile=256 cannot be combined with overlap=True (two 128-register accumulators "
                            "per thread do not fit in the register file)")
+        if self.ablate not in INDEXER_SCORE_ABLATIONS:
+            out.append(f"ablate={self.ablate!r} is not a score-kernel ablation; choose one of {INDEXER_SCORE_ABLATIONS}")
+        elif self.ablate and self.overlap:
+            out.append("ablate applies to the one-accumulator kernel only (overlap=False)")
         if not 2 <= self.stages <= 8:
             out.append(f"stages={self.stages} must be in 2..8")
         elif self.head_dim in INDEXER_HEAD_DIMS and self.smem_bytes() > 220 * 1024:
@@ -122,6 +149,7 @@ class IndexerTopkSpec(KernelSpec):
     cache_keys: rows of at most this many candidates are read from global memory once and keep their
     keys in shared memory for the later passes (0, the default: every pass reads the slab row from L2).
     Nonzero values (e.g. 49152) compile but have not run on a GPU yet; see notes/kernels/indexer.md.
+    ablate: "" (the real kernel) or one of INDEXER_TOPK_ABLATIONS: a timing probe, NOT a correct kernel.
     """
 
     op = "lightning_indexer_topk"
@@ -129,6 +157,7 @@ class IndexerTopkSpec(KernelSpec):
 
     threads: int = 1024
     cache_keys: int = 0
+    ablate: str = ""
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -136,6 +165,10 @@ class IndexerTopkSpec(KernelSpec):
             out.append(f"the lightning-indexer top-k kernel is implemented for sm_90a only, not {self.arch}")
         if self.threads not in (256, 512, 1024):
             out.append(f"threads={self.threads} must be one of 256, 512, 1024")
+        if self.ablate not in INDEXER_TOPK_ABLATIONS:
+            out.append(f"ablate={self.ablate!r} is not a top-k ablation; choose one of {INDEXER_TOPK_ABLATIONS}")
+        elif self.ablate and self.cache_keys:
+            out.append("ablate applies to the kernel without the key cache only (cache_keys=0)")
         if not (0 <= self.cache_keys <= 53248 and self.cache_keys % 1024 == 0):
             out.append(f"cache_keys={self.cache_keys} must be a multiple of 1024 in [0, 53248] "
                        f"(4 bytes of shared memory each, at most 208 KiB)")

@@ -1,6 +1,7 @@
 """Sparse MLA forward: the fused sm_90a kernel against the plain-PyTorch reference, in one run (GPU).
 
-    python bench/sparse_attention.py [--quick] [--reps N] [--json FILE] [--schedule split]
+    python bench/sparse_attention.py [--quick] [--reps N] [--json FILE] [--schedule split] [--cases 0,2]
+                                     [--ablate [no_gather,no_math,...]] [--ncu]
 
 --schedule S also times the fused kernel under SparseAttnFwdSpec.schedule S (dsagen.fused.sparse_attention
 .SCHEDULE) next to the default ("serial") in the same run, on the same inputs: columns `S ms`, `TFLOP/s`,
@@ -9,6 +10,16 @@
 Shapes (issue 5): prefill T = 4096 and 32768 query rows over a KV pool of 32768 and 131072 rows, H=128,
 D_qk 576, d_v 512, top-k 2048, with sink; H=64 with D_qk 512; decode 64 and 128 sequences x 1 query row,
 H=128. Ids are distinct per row (start + i * odd stride mod pool: scattered, no duplicates), all valid.
+
+--ablate [LIST] (default: every SparseAttnFwdSpec ablation) also times the TIMING-ONLY ablated kernels
+(dsagen.fused.sparse_attention.ablated_forward; each leaves one stage out: no_gather, no_math, no_softmax,
+no_pv, no_mask) next to the real kernel on the same inputs, under the default schedule and under --schedule
+when given, for the H=128 / D_qk=576 cases (the shapes built by tests/gpu/test_sparse_attention.py). A second
+table lists each variant's time and its difference to the real kernel; the differences place the time.
+--cases I,J keeps only those rows of the case list (0 = prefill 4096 / H128 / 576 / KV 32768).
+--ncu launches the real kernel and each ablated kernel of --ablate (default all) once on case 0, under the default
+schedule and --schedule, nothing else and no timing: run it under `ncu -k regex:sparse_attention_fwd` (ncu
+flushes the caches before every replay pass, so a warm-up launch would change nothing).
 
 FLOPs = 2 * S_q * H * topk * (D_qk + d_v) (both products, valid slots only). "GB/s" counts the bytes a
 kernel must move at least once per CTA: the gathered rows (S_q * topk * D_qk * 2 per 64-head block),
@@ -50,7 +61,10 @@ def time_ms(fn, reps: int, rounds: int = 5) -> float:
     return statistics.median(res)
 
 
-def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0, schedule=None):
+ABLATE_SHAPES = {(128, 576)}      # (H, D_qk) of the ablated kernels that the GPU tests' REQUIRED_SPECS build
+
+
+def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0, schedule=None, ablate=()):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn((s_q, h, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
     kv = torch.randn((n_kv, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
@@ -78,6 +92,14 @@ def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0,
                     f"{schedule}_max_abs_diff_out": (v_out.float() - base_out.float()).abs().max().item(),
                     f"{schedule}_max_abs_diff_lse": (v_lse - base_lse).abs().max().item()})
         del base_out, base_lse, v_out, v_lse
+    if ablate and (h, d_qk) in ABLATE_SHAPES:
+        for sch in dict.fromkeys([default] + ([schedule] if schedule else [])):
+            full = ms if sch == default else row[f"{sch}_ms"]
+            for a in ablate:
+                f = lambda: fused_sa.ablated_forward(q, kv, ids, ablate=a, attn_sink=sink, d_v=d_v, schedule=sch)
+                ams = time_ms(f, reps)
+                row[f"{sch}/{a}_ms"] = ams
+                row[f"{sch}/{a}_delta_ms"] = full - ams     # time the left-out stage costs on the critical path
     if ref_reps:
         rms = time_ms(lambda: call("reference"), ref_reps, rounds=2)
         row.update(torch_ms=rms, torch_tflops=flops / rms / 1e9, speedup=rms / ms)
@@ -98,7 +120,18 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--schedule", choices=[s for s in fused_sa.SCHEDULES if s != "serial"],
                     help="also time this kernel schedule next to the default, in the same run")
+    ap.add_argument("--ablate", nargs="?", const=",".join(fused_sa.ABLATIONS), default="",
+                    help="comma list of timing-only ablations to time next to the real kernel (default: all)")
+    ap.add_argument("--cases", help="comma list of case indices to run (default: all of the list)")
+    ap.add_argument("--ncu", action="store_true", help="launch each kernel once on case 0, no timing (for ncu)")
     args = ap.parse_args()
+    ablate = [a for a in args.ablate.split(",") if a]
+    bad = [a for a in ablate if a not in fused_sa.ABLATIONS]
+    if bad:
+        ap.error(f"--ablate {bad}: not in {tuple(fused_sa.ABLATIONS)}")
+    if args.ncu:
+        ncu_launches(ablate or list(fused_sa.ABLATIONS), args.schedule)
+        return
     if args.schedule == fused_sa.SCHEDULE:
         ap.error(f"--schedule {args.schedule} is already the default schedule of this run")
     ref = 0 if args.no_torch else 1
@@ -108,6 +141,8 @@ def main() -> None:
         cases += [("prefill", 32768, 128, 576, 32768, 2048, ref), ("prefill", 32768, 128, 576, 131072, 2048, 0),
                   ("prefill", 32768, 64, 512, 131072, 2048, 0)]
     cases += [("decode", 64, 128, 576, 131072, 2048, ref), ("decode", 128, 128, 576, 131072, 2048, ref)]
+    if args.cases:
+        cases = [cases[int(i)] for i in args.cases.split(",")]
     rows = []
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", file=sys.stderr)
     hdr = f"{'case':8} {'S_q':>6} {'H':>4} {'D':>4} {'kv':>7} {'topk':>5} | {'fused ms':>9} {'TFLOP/s':>8} " \
@@ -117,7 +152,7 @@ def main() -> None:
     print(hdr)
     for name, s_q, h, d, n_kv, topk, r in cases:
         row = run_case(name, s_q, h, d, n_kv, topk, reps=args.reps if s_q <= 4096 else max(2, args.reps // 4),
-                       ref_reps=r, schedule=args.schedule)
+                       ref_reps=r, schedule=args.schedule, ablate=ablate)
         rows.append(row)
         tail = (f"{row['torch_ms']:9.2f} {row['torch_tflops']:8.1f} {row['speedup']:6.1f}" if "torch_ms" in row
                 else f"{'-':>9} {'-':>8} {'-':>6}")
@@ -126,10 +161,48 @@ def main() -> None:
             tail += f" | {row[sch + '_ms']:9.3f} {row[sch + '_tflops']:8.1f} {row[sch + '_speedup']:6.2f}"
         print(f"{name:8} {s_q:6d} {h:4d} {d:4d} {n_kv:7d} {topk:5d} | {row['fused_ms']:9.3f} "
               f"{row['fused_tflops']:8.1f} {row['fused_gbps']:7.0f} | {tail}", flush=True)
+    if ablate:
+        print(f"\n# ablations (TIMING ONLY, outputs are not attention); delta = full kernel ms - variant ms, "
+              f"i.e. the critical-path cost of the stage the variant leaves out")
+        print(f"{'case':8} {'S_q':>6} {'H':>4} {'D':>4} {'kv':>7} | {'schedule':8} {'variant':10} {'ms':>8} "
+              f"{'delta ms':>9} {'delta %':>8} {'rows GB/s':>9}")
+        for row in rows:
+            for key in [k for k in row if k.endswith("_delta_ms")]:
+                sch, a = key[:-len("_delta_ms")].split("/")
+                full = row["fused_ms"] if sch == fused_sa.SCHEDULE else row[f"{sch}_ms"]
+                ams = row[f"{sch}/{a}_ms"]
+                rows_gb = row["s_q"] * row["topk"] * row["d_qk"] * 2 * (row["H"] // 64) / ams / 1e6
+                for tag, v in (("full", full), (a, ams)) if a == ablate[0] else ((a, ams),):
+                    d = full - v
+                    print(f"{row['case']:8} {row['s_q']:6d} {row['H']:4d} {row['d_qk']:4d} {row['kv_rows']:7d} | "
+                          f"{sch:8} {tag:10} {v:8.3f} {d:9.3f} {100 * d / full:7.1f}% "
+                          f"{row['s_q'] * row['topk'] * row['d_qk'] * 2 * (row['H'] // 64) / v / 1e6:9.0f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "default_schedule": fused_sa.SCHEDULE, "schedule": args.schedule, "rows": rows}, f, indent=1)
+                       "default_schedule": fused_sa.SCHEDULE, "schedule": args.schedule, "ablate": ablate,
+                       "rows": rows}, f, indent=1)
+
+
+def ncu_launches(ablate, schedule=None) -> None:
+    """Case 0 (prefill 4096, H128, 576, KV 32768): each kernel (real, then each ablation; per schedule) launched
+    once, with a synchronize after each. The launch order is printed on stderr."""
+    gen = torch.Generator().manual_seed(0)
+    s_q, h, d_qk, n_kv, topk = 4096, 128, 576, 32768, 2048
+    q = torch.randn((s_q, h, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
+    kv = torch.randn((n_kv, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
+    ids = distinct_ids(s_q, topk, n_kv, gen).cuda()
+    sink = torch.randn(h, generator=gen).cuda()
+    n = 0
+    for sch in dict.fromkeys([fused_sa.SCHEDULE] + ([schedule] if schedule else [])):
+        for a in [""] + list(ablate):
+            if a:
+                fused_sa.ablated_forward(q, kv, ids, ablate=a, attn_sink=sink, schedule=sch)
+            else:
+                fused_sa._launch(q, kv, ids, sink, None, d_qk ** -0.5, 512, schedule=sch)
+            torch.cuda.synchronize()
+            print(f"launch {n}: schedule={sch} ablate={a or '-'}", file=sys.stderr)
+            n += 1
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 
 from dsagen.gen.render import helper_modules, render
 from dsagen.spec import SpecError, get_preset
-from dsagen.spec.families.sparse_attention import SPLIT_REGS, SparseAttnFwdSpec
+from dsagen.spec.families.sparse_attention import ABLATIONS, SPLIT_REGS, SparseAttnFwdSpec
 
 SPLIT = dict(SPLIT_REGS, schedule="split")
 
@@ -36,6 +36,7 @@ def test_default_spec_is_the_v32_shape_and_valid():
     (dict(schedule="pingpong"), "schedule='pingpong'"),
     (dict(schedule="split"), "must equal regs_pv"),
     (dict(schedule="split", regs_qk=240, regs_pv=240), "exceeds 504"),
+    (dict(ablate="no_everything"), "ablate='no_everything'"),
 ])
 def test_invalid_specs_say_why(kw, needle):
     spec = SparseAttnFwdSpec(**{"arch": "sm_90a", **kw})
@@ -50,7 +51,8 @@ def test_every_field_changes_the_identity():
     others = [SparseAttnFwdSpec(arch="sm_90a", num_heads=64), SparseAttnFwdSpec(arch="sm_90a", d_qk=512),
               SparseAttnFwdSpec(arch="sm_90a", dtype="float16"),
               SparseAttnFwdSpec(arch="sm_90a", regs_qk=240, regs_pv=224),
-              SparseAttnFwdSpec(arch="sm_90a", **SPLIT)]
+              SparseAttnFwdSpec(arch="sm_90a", **SPLIT)] + [
+              SparseAttnFwdSpec(arch="sm_90a", ablate=a) for a in ABLATIONS]
     keys = {base.canonical_json()} | {o.canonical_json() for o in others}
     assert len(keys) == 1 + len(others)
     assert len({base.symbol()} | {o.symbol() for o in others}) == 1 + len(others)
@@ -159,3 +161,83 @@ def test_split_compiles_to_the_designed_sass(spec, tmp_path):
     assert sorted(budgets) == sorted([spec.regs_producer, spec.regs_qk, spec.regs_pv])
     assert sum(budgets) <= 3 * rec["regcount"], (budgets, rec["regcount"])
     assert ops["LDL"] == 0 and ops["STL"] == 0, "register spills"
+
+
+# ---------------------------------------------------------------- timing-only ablations (spec option `ablate`)
+def _default_renders():
+    for h in (64, 128):
+        for d in (512, 576):
+            for dt in ("bfloat16", "float16"):
+                for extra in ({}, SPLIT):
+                    yield SparseAttnFwdSpec(arch="sm_90a", num_heads=h, d_qk=d, dtype=dt, **extra)
+
+
+def test_ablations_leave_the_real_kernels_alone():
+    """The `ablate` blocks render nothing for ablate="": the real kernels' source has no trace of them, and every
+    ablation renders valid Python whose docstring says it is timing only."""
+    import torch
+
+    import dsagen.fused.sparse_attention as fsa
+
+    assert SparseAttnFwdSpec(arch="sm_90a").ablate == ""
+    for spec in _default_renders():
+        src = render(spec)
+        assert "ABLATION" not in src and "ablate" not in src.lower()
+        for a in ABLATIONS:
+            abl = render(SparseAttnFwdSpec(**{**spec.canonical()["fields"], "ablate": a}).check())
+            compile(abl, "kernel.py", "exec")
+            assert f'ABLATION "{a}": a TIMING-ONLY variant' in abl
+    # the op never selects an ablation; spec_for does only when asked
+    assert fsa.spec_for(128, 576, torch.bfloat16).ablate == ""
+    assert fsa.spec_for(128, 576, torch.bfloat16, ablate="no_pv") == SparseAttnFwdSpec(arch="sm_90a", ablate="no_pv")
+    with pytest.raises(ValueError, match="ablate"):
+        fsa.spec_for(128, 576, torch.bfloat16, ablate="no_everything")
+
+
+_ABLATION_SPECS = [SparseAttnFwdSpec(arch="sm_90a", ablate=a, **extra) for extra in ({}, SPLIT) for a in ABLATIONS]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", _ABLATION_SPECS, ids=lambda s: s.name())
+def test_ablations_compile_to_what_they_claim(spec, tmp_path):
+    """Each ablated kernel compiles for sm_90a with no spills and a setmaxnreg budget that cannot deadlock, and
+    its SASS lacks exactly the stage it leaves out (counts against the real kernel of the same schedule)."""
+    from dsagen.gen.build import compile_module
+
+    ck = compile_module(spec, render(spec), tmp_path)
+    rec = ck.record
+    assert rec["launch"]["block"] == [384, 1, 1]
+    from dsagen.gen.sass import disassemble, find_nvdisasm, opcode_counts
+
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    sass = disassemble(ck.cubin)
+    ops = opcode_counts(sass)
+    assert ops["LDL"] == 0 and ops["STL"] == 0, "register spills"
+    budgets = [int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass)]
+    assert sorted(budgets) == sorted([spec.regs_producer, spec.regs_qk, spec.regs_pv])
+    assert sum(budgets) <= 3 * rec["regcount"], (budgets, rec["regcount"])
+    n = 2 if spec.schedule == "split" else 1                  # consumers that issue QK^T
+    qk = len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 ", sass))
+    pv = len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16 ", sass))
+    ex2 = sass.count("MUFU.EX2")
+    ldg = len(re.findall(r"\bLDG\.E\b", sass))
+    full_pv = 8 * n                                           # serial: 4 RS + 4 SS; split: 8 + 8
+    full_ldg = 4 + 3 + 16 * n                                 # producer ids + params / sink / length + masks
+    expect = {
+        "no_gather": dict(qk=36 * n, pv=full_pv, ldgsts=2 * 4 * 9),
+        "no_math": dict(qk=0, pv=0, ldgsts=2 * 4 * 9),
+        "no_softmax": dict(qk=36 * n, pv=full_pv, ldgsts=2 * 4 * 9),
+        "no_pv": dict(qk=36 * n, pv=0, ldgsts=2 * 4 * 9),
+        "no_mask": dict(qk=36 * n, pv=full_pv, ldgsts=2 * 4 * 9),
+    }[spec.ablate]
+    assert (qk, pv, ops["LDGSTS"]) == (expect["qk"], expect["pv"], expect["ldgsts"]), sass.count("HGMMA")
+    if spec.ablate in ("no_math", "no_softmax"):
+        assert ex2 <= 2 * n and ldg < full_ldg - 8 * n         # no exp2 per element, no mask id loads
+    else:
+        assert ex2 >= 34 * n                                  # the softmax is there
+    if spec.ablate == "no_mask":
+        assert ldg < full_ldg - 8 * n
+    if spec.ablate == "no_gather":
+        # the KV gather sits behind a run-time `t < STAGES` branch: the producer loop still has its LDGSTS once
+        assert "ARRIVES.LDGSTSBAR" in sass

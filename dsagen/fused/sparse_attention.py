@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from ..runtime import LoadedKernel, device_arch, get_kernel
-from ..spec.families.sparse_attention import SCHEDULES, SPLIT_REGS, SparseAttnFwdSpec
+from ..spec.families.sparse_attention import ABLATIONS, SCHEDULES, SPLIT_REGS, SparseAttnFwdSpec
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_GRID_X = 2**31 - 1
@@ -35,13 +35,18 @@ SCHEDULE: str = "serial"
 
 
 def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a",
-             schedule: str | None = None) -> SparseAttnFwdSpec:
+             schedule: str | None = None, ablate: str = "") -> SparseAttnFwdSpec:
     """The kernel spec that serves `num_heads` query heads (after padding to 64 or 128) under `schedule`
-    (default: the module's SCHEDULE)."""
+    (default: the module's SCHEDULE). `ablate` (timing only, see `ablated_forward`) selects a variant
+    that leaves one stage out."""
     schedule = SCHEDULE if schedule is None else schedule
     if schedule not in SCHEDULES:
         raise ValueError(f"sparse_attention: schedule {schedule!r} is not one of {SCHEDULES}")
+    if ablate and ablate not in ABLATIONS:
+        raise ValueError(f"sparse_attention: ablate {ablate!r} is not one of {tuple(ABLATIONS)}")
     extra = dict(SPLIT_REGS, schedule="split") if schedule == "split" else {}
+    if ablate:
+        extra["ablate"] = ablate
     return SparseAttnFwdSpec(arch=arch, num_heads=64 if num_heads <= 64 else 128, d_qk=d_qk, d_v=512,
                              dtype=_DTYPES[dtype], **extra)
 
@@ -69,14 +74,14 @@ def _kernel(spec: SparseAttnFwdSpec, device: torch.device) -> LoadedKernel:
 
 
 def _launch(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sink: torch.Tensor | None,
-            topk_length: torch.Tensor | None, softmax_scale: float, d_v: int
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            topk_length: torch.Tensor | None, softmax_scale: float, d_v: int, *, schedule: str | None = None,
+            ablate: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     reason = supported_reason(q, d_v)
     if reason:
         raise NotImplementedError(f"sparse_attention: {reason}")
     s_q, h, d_qk = q.shape
     n_kv, k_width = kv.shape[0], topk_idxs.shape[1]
-    spec = spec_for(h, d_qk, q.dtype, device_arch(q.device))
+    spec = spec_for(h, d_qk, q.dtype, device_arch(q.device), schedule=schedule, ablate=ablate)
     hp = spec.num_heads
     if s_q * (hp // 64) > _MAX_GRID_X:
         raise ValueError(f"sparse_attention: total_S_q={s_q} exceeds the fused kernel's grid limit")
@@ -147,3 +152,20 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
     if reason:
         raise NotImplementedError(f"sparse_attention: {reason}")
     return _sparse_attention_fwd(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v))
+
+
+def ablated_forward(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *, ablate: str,
+                    attn_sink: torch.Tensor | None = None, topk_length: torch.Tensor | None = None,
+                    softmax_scale: float | None = None, d_v: int = 512, schedule: str | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TIMING ONLY: launch the ablated kernel `SparseAttnFwdSpec(ablate=ablate)` (one of ABLATIONS: a stage of
+    the kernel left out) on flat-layout inputs, exactly as the fused op would launch the real kernel.
+    The outputs are NOT attention (they may be zeros, garbage or non-finite); bench/sparse_attention.py
+    --ablate times these next to the real kernel to place where the time goes. Not a custom op, never
+    reached from dsagen.sparse_attention."""
+    if not ablate:
+        raise ValueError("ablated_forward: name an ablation (one of %s)" % (tuple(ABLATIONS),))
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    return _launch(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v),
+                   schedule=schedule, ablate=ablate)

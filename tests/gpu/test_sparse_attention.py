@@ -22,7 +22,7 @@ import torch
 
 import dsagen
 import dsagen.fused.sparse_attention as fused_sa
-from dsagen.spec.families.sparse_attention import SCHEDULES, SPLIT_REGS, SparseAttnFwdSpec
+from dsagen.spec.families.sparse_attention import ABLATIONS, SCHEDULES, SPLIT_REGS, SparseAttnFwdSpec
 from poison import poison_allocator
 
 ARCH = "sm_90a"
@@ -32,6 +32,9 @@ REQUIRED_SPECS = [
     for sch in SCHEDULES for h in (64, 128) for d in (512, 576)
 ] + [SparseAttnFwdSpec(arch=ARCH, num_heads=64, d_qk=576, d_v=512, dtype="float16", **_SCHED_FIELDS[sch])
      for sch in SCHEDULES]
+# timing-only ablated kernels (bench/sparse_attention.py --ablate; smoke-tested below, NOT correctness-tested)
+REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=128, d_qk=576, d_v=512, ablate=a, **_SCHED_FIELDS[sch])
+                   for sch in SCHEDULES for a in ABLATIONS]
 
 pytestmark = pytest.mark.gpu
 
@@ -245,3 +248,21 @@ def test_torch_compile():
     eager = f(q, kv, ids, sink, tl)
     compiled = torch.compile(f, fullgraph=True)(q, kv, ids, sink, tl)
     torch.testing.assert_close(compiled, eager, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("ablate", list(ABLATIONS))
+@pytest.mark.parametrize("sched", SCHEDULES)
+def test_ablated_kernels_launch_and_finish(ablate, sched):
+    """SMOKE TEST ONLY, not a correctness test: the timing-only ablated kernels (a stage left out, outputs are
+    not attention) launch on the bench's shape family, finish (a hang would be a broken barrier protocol),
+    raise no CUDA error and write outputs of the right shapes. Tile counts 0, 1, 2, 3 and 32 (topk_length),
+    so the no_gather variant runs both its gathered and its reuse-only tiles."""
+    q, kv, ids, sink, _ = make_inputs(5, 128, 576, 2048, 4096, seed=31)
+    tl = torch.tensor([0, 64, 65, 190, 2048], dtype=torch.int32, device=DEV)
+    for length in (None, tl):
+        out, lse, m = fused_sa.ablated_forward(q, kv, ids, ablate=ablate, attn_sink=sink, topk_length=length,
+                                               schedule=sched)
+        torch.cuda.synchronize()
+        assert out.shape == (5, 128, 512) and lse.shape == (5, 128) and m.shape == (5, 128)
+    with pytest.raises(ValueError):
+        fused_sa.ablated_forward(q, kv, ids, ablate="", attn_sink=sink)

@@ -26,6 +26,19 @@ SCHEDULES = ("serial", "split")
 # setmaxnreg budgets of schedule="split" (producer, WG1, WG2): 40 + 232 + 232 = 504 = 3 x 168.
 SPLIT_REGS = {"regs_producer": 40, "regs_qk": 232, "regs_pv": 232}
 
+# Timing-only ablations (SparseAttnFwdSpec.ablate): each leaves one stage of the kernel out, so that the time
+# difference to the full kernel on the same inputs places that stage's cost. Their outputs are NOT attention.
+ABLATIONS = {
+    "no_gather": "only the first 2 tiles are gathered; later tiles reuse the rows resident in their stage "
+                 "(no KV traffic from L2/HBM, no producer id loads): the compute chain alone",
+    "no_math": "consumers only wait / hand off / release the stages (no QK^T, softmax, P store, PV, id loads): "
+               "the gather and the barrier protocol alone",
+    "no_softmax": "P = S * scale: no validity mask (nor its id loads), row max, exp2, row sums or O rescale",
+    "no_pv": "no P V wgmma in either consumer (P is still written to smem and handed off)",
+    "no_mask": "no consumer id loads and no -inf masking (the softmax itself stays): what a producer-built "
+               "validity mask could save at most",
+}
+
 
 @register_spec
 @dataclass(frozen=True)
@@ -48,6 +61,8 @@ class SparseAttnFwdSpec(KernelSpec):
         WG2 of the odd one, concurrently; they exchange the row maxima and P through smem and each
         accumulates its half of O over both tiles. Both consumers run the same code, so regs_qk must
         equal regs_pv (SPLIT_REGS is the budget the op uses).
+    ablate: "" (the real kernel) or one of ABLATIONS: a TIMING-ONLY variant that leaves one stage out
+      (bench/sparse_attention.py --ablate); its outputs are not attention and the op never selects it.
 
     Sequence lengths, top-k width, KV pool size and softmax scale are run-time arguments.
     """
@@ -65,6 +80,7 @@ class SparseAttnFwdSpec(KernelSpec):
     regs_qk: int = 248
     regs_pv: int = 216
     schedule: str = "serial"
+    ablate: str = ""
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -88,6 +104,8 @@ class SparseAttnFwdSpec(KernelSpec):
         elif self.schedule == "split" and self.regs_qk != self.regs_pv:
             out.append(f"schedule='split' runs the same code in both consumer warpgroups: regs_qk={self.regs_qk} "
                        f"must equal regs_pv={self.regs_pv} (e.g. {SPLIT_REGS})")
+        if self.ablate and self.ablate not in ABLATIONS:
+            out.append(f"ablate={self.ablate!r} must be '' or one of {tuple(ABLATIONS)}")
         regs = (self.regs_producer, self.regs_qk, self.regs_pv)
         if any(r % 8 or not 24 <= r <= 256 for r in regs):
             out.append(f"regs_producer/regs_qk/regs_pv={regs} must each be a multiple of 8 in [24, 256]")

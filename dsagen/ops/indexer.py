@@ -95,6 +95,21 @@ def check_causal_offsets(q_causal_offsets, batch: int, device: torch.device) -> 
                          f"got shape {tuple(q_causal_offsets.shape)}")
 
 
+def check_dense_inputs(q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k
+                       ) -> tuple[int, bool, dict]:
+    """The checks every dense seed-001 indexer op shares (BSHD or THD inputs, ratio, q_causal_offsets).
+    Returns (batch or segment count, whether the layout is THD, the THD kwargs for the reference)."""
+    packed = is_packed(cu_seqlens_q, cu_seqlens_k)
+    if packed:
+        b, *_ = check_packed_indexer_inputs(q_indexer, k_indexer, weights, cu_seqlens_q, cu_seqlens_k)
+    else:
+        b, *_ = check_indexer_inputs(q_indexer, k_indexer, weights)
+    check_int("ratio", ratio, minimum=1)
+    check_causal_offsets(q_causal_offsets, b, q_indexer.device)
+    thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
+    return b, packed, thd
+
+
 def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor, *, ratio: int = 1,
                    q_causal_offsets: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
                    cu_seqlens_k: torch.Tensor | None = None, impl: str = "fused") -> torch.Tensor:
@@ -144,14 +159,8 @@ def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: to
         NotImplementedError: impl="fused" where no kernel exists for the device (or with THD).
     """
     check_impl(impl)
-    packed = is_packed(cu_seqlens_q, cu_seqlens_k)
-    if packed:
-        b, *_ = check_packed_indexer_inputs(q_indexer, k_indexer, weights, cu_seqlens_q, cu_seqlens_k)
-    else:
-        b, *_ = check_indexer_inputs(q_indexer, k_indexer, weights)
-    check_int("ratio", ratio, minimum=1)
-    check_causal_offsets(q_causal_offsets, b, q_indexer.device)
-    thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
+    b, packed, thd = check_dense_inputs(q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q,
+                                        cu_seqlens_k)
     if impl == "reference":
         from ..reference.indexer import indexer_scores as reference
 
@@ -251,14 +260,9 @@ def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weigh
         as indexer_scores, plus TypeError/ValueError for top_k (int >= 0) and the bool flags.
     """
     check_impl(impl)
-    packed = is_packed(cu_seqlens_q, cu_seqlens_k)
-    if packed:
-        b, *_ = check_packed_indexer_inputs(q_indexer, k_indexer, weights, cu_seqlens_q, cu_seqlens_k)
-    else:
-        b, *_ = check_indexer_inputs(q_indexer, k_indexer, weights)
+    b, packed, thd = check_dense_inputs(q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q,
+                                        cu_seqlens_k)
     check_int("top_k", top_k, minimum=0)
-    check_int("ratio", ratio, minimum=1)
-    check_causal_offsets(q_causal_offsets, b, q_indexer.device)
     check_bool("return_softmax", return_softmax)
     check_bool("return_lse", return_lse)
     check_bool("topk_indices_global", topk_indices_global)
@@ -267,7 +271,6 @@ def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weigh
     if impl == "reference":
         from ..reference.indexer import indexer_forward_topk as reference
 
-        thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
         return reference(q_indexer, k_indexer, weights, top_k, **kwargs, **thd)
     return fused_op("indexer_forward_topk", q_indexer.device, packed)(q_indexer, k_indexer, weights, top_k,
                                                                      **kwargs)

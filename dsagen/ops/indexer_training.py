@@ -28,7 +28,8 @@ import torch
 
 from ..reference.indexer_training import DenseIndexerScores, IndexerGrads
 from ._validate import FLOAT_DTYPES, check_bool, check_float, check_impl, check_int, check_shape, check_tensor
-from .indexer import check_causal_offsets, check_indexer_inputs, check_packed_indexer_inputs, fused_op, is_packed
+from .indexer import (check_causal_offsets, check_dense_inputs, check_indexer_inputs, check_packed_indexer_inputs,
+                      fused_op, is_packed)
 
 __all__ = ["sparse_indexer_score_recompute", "dense_indexer_score_recompute", "indexer_backward",
            "dense_indexer_backward", "DenseIndexerScores", "IndexerGrads"]
@@ -145,19 +146,13 @@ def dense_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Tens
         as indexer_scores, plus ValueError for sm_scale <= 0.
     """
     check_impl(impl)
-    packed = is_packed(cu_seqlens_q, cu_seqlens_k)
-    if packed:
-        b, *_ = check_packed_indexer_inputs(q_indexer, k_indexer, weights, cu_seqlens_q, cu_seqlens_k)
-    else:
-        b, *_ = check_indexer_inputs(q_indexer, k_indexer, weights)
-    check_int("ratio", ratio, minimum=1)
-    check_causal_offsets(q_causal_offsets, b, q_indexer.device)
+    b, packed, thd = check_dense_inputs(q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q,
+                                        cu_seqlens_k)
     sm_scale = check_float("sm_scale", sm_scale, positive=True)
     kwargs = dict(ratio=ratio, q_causal_offsets=q_causal_offsets, sm_scale=sm_scale)
     if impl == "reference":
         from ..reference.indexer_training import dense_indexer_score_recompute as reference
 
-        thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
         return reference(q_indexer, k_indexer, weights, **kwargs, **thd)
     return fused_op("dense_indexer_score_recompute", q_indexer.device, packed)(q_indexer, k_indexer, weights,
                                                                               **kwargs)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference.indexer import IndexerTopK, TopK
+from ..reference.indexer import IndexerTopK, TopK, staggered_row_lengths
 from ._validate import (FLOAT_DTYPES, check_bool, check_cu_seqlens_pair, check_impl, check_int, check_shape,
                         check_tensor)
 
@@ -170,20 +170,38 @@ def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: to
 
 
 def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int, *, return_values: bool = True,
-                 impl: str = "fused") -> TopK:
+                 next_n: int = 1, impl: str = "fused") -> TopK:
     """Per-row top-k with per-row effective lengths (seed 001 §5, Indexer Top-K).
 
-    The n_rows rows are split into G = seq_lens.numel() consecutive groups of n_rows // G rows; every row
-    of group g selects among its first clamp(seq_lens[g], 0, num_cols) columns. G = n_rows gives one
-    length per row (the common case); G = B with rows = scores.reshape(-1, S_k) gives one length per
-    batch. (The cuDNN kernel's speculative-decoding stagger, next_n > 1, is not modeled.)
+    The n_rows rows are split into G = seq_lens.numel() consecutive groups of n_rows // G rows. Row r
+    (of group g = r // (n_rows // G)) selects among its first
+
+        clamp(seq_lens[g] - next_n + (r % next_n) + 1, 0, num_cols)
+
+    columns. With next_n = 1 (the default) that is clamp(seq_lens[g], 0, num_cols) for every row of the
+    group: G = n_rows gives one length per row (the common case); G = B with rows =
+    scores.reshape(-1, S_k) gives one length per batch.
+
+    next_n > 1 is the speculative-decoding stagger of the cuDNN kernel behind seed 001 §5 (the seed
+    text names only seq_lens; the stagger, its formula and the n_rows == G * next_n rule are the cuDNN
+    frontend's IndexerTopK): each sequence g owns next_n consecutive query rows (the draft tokens),
+    seq_lens[g] is the length seen by its last row, and each earlier row sees one column fewer, so row
+    j = 0 .. next_n - 1 of the group sees seq_lens[g] - next_n + 1 + j columns. Choices where cuDNN is
+    silent or leaves output undefined: the staggered length is clamped to [0, num_cols] after the
+    stagger (a row whose length is <= 0 is an empty row: all -1 / -inf, where the cuDNN kernel leaves
+    such rows unwritten), and lengths above num_cols read no further than num_cols. Lengths are never
+    read on the host.
 
     Args:
         input_values: [n_rows, num_cols], fp16/bf16/fp32 (fp64 accepted by the reference).
-        seq_lens: [G] int32 on the same device; G >= 1 must divide n_rows (G = 0 only when n_rows = 0).
+        seq_lens: [G] int32 on the same device. next_n = 1: G >= 1 must divide n_rows (G = 0 only when
+            n_rows = 0). next_n > 1: n_rows must equal G * next_n.
         top_k: >= 0. The reference has no upper limit (the seed's kernel limit, 2048, is the fused
             path's to enforce); top_k > num_cols pads with -1.
         return_values: also return the selected values.
+        next_n: rows per sequence for the speculative-decoding stagger, int >= 1 (default 1: no
+            stagger, today's grouping). The fused path receives the staggered per-row lengths
+            (G = n_rows), computed on the device.
         impl: "fused" (default) or "reference".
 
     Returns:
@@ -193,8 +211,9 @@ def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int,
         ordering is unspecified.
 
     Raises:
-        TypeError: wrong tensor types or dtypes, top_k not an int, return_values not a bool.
-        ValueError: wrong ranks, devices, top_k < 0, G not dividing n_rows; bad impl; fused on CPU.
+        TypeError: wrong tensor types or dtypes, top_k or next_n not an int, return_values not a bool.
+        ValueError: wrong ranks, devices, top_k < 0, next_n < 1, G not dividing n_rows (next_n = 1),
+            n_rows != G * next_n (next_n > 1); bad impl; fused on CPU.
         NotImplementedError: impl="fused" where no kernel exists for the device.
     """
     check_impl(impl)
@@ -202,18 +221,27 @@ def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int,
     check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1, device=input_values.device)
     check_int("top_k", top_k, minimum=0)
     check_bool("return_values", return_values)
+    check_int("next_n", next_n, minimum=1)
     n_rows = input_values.shape[0]
     groups = seq_lens.numel()
-    if (groups == 0 and n_rows != 0) or (groups != 0 and n_rows % groups != 0):
+    if next_n > 1:
+        if n_rows != groups * next_n:
+            raise ValueError(f"next_n = {next_n} needs n_rows == seq_lens.numel() * next_n (one group of "
+                             f"next_n rows per sequence), got n_rows = {n_rows} and {groups} seq_lens entries")
+    elif (groups == 0 and n_rows != 0) or (groups != 0 and n_rows % groups != 0):
         raise ValueError(f"seq_lens must have a number of entries G that divides n_rows = {n_rows} "
                          f"(G = n_rows for one length per row), got {groups}")
     if impl == "reference":
         from ..reference.indexer import indexer_topk as reference
 
-        return reference(input_values, seq_lens, top_k, return_values=return_values)
+        return reference(input_values, seq_lens, top_k, return_values=return_values, next_n=next_n)
     from ..fused import fused_impl
 
-    return fused_impl("indexer_topk", input_values.device)(input_values, seq_lens, top_k, return_values=return_values)
+    fn = fused_impl("indexer_topk", input_values.device)
+    if next_n > 1:
+        # The kernel contract is one length per group; the stagger becomes one length per row.
+        seq_lens = staggered_row_lengths(seq_lens, n_rows, input_values.shape[1], next_n).to(torch.int32)
+    return fn(input_values, seq_lens, top_k, return_values=return_values)
 
 
 def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor, top_k: int, *,

@@ -201,9 +201,22 @@ def _indexer_scores_thd(q, k_indexer, w, ratio, q_causal_offsets, cu_seqlens_q, 
     return cat_segment_rows(pieces, q.shape[0], float("-inf"), (width,), accumulate_dtype(q, k, w), q.device)
 
 
+def staggered_row_lengths(seq_lens: torch.Tensor, n_rows: int, n_cols: int, next_n: int = 1) -> torch.Tensor:
+    """[n_rows] int64 effective lengths of indexer_topk's rows, on seq_lens' device (no host read).
+
+    Row r of group g = r // (n_rows // G) (G = seq_lens.numel() >= 1) gets
+    clamp(seq_lens[g] - next_n + (r % next_n) + 1, 0, n_cols): with next_n = 1 the group's length, with
+    next_n = n_rows // G > 1 the speculative-decoding stagger (the group's last row sees seq_lens[g],
+    each earlier row one column fewer). Computed in int64, so int32 extremes cannot wrap.
+    """
+    base = seq_lens.to(torch.int64).repeat_interleave(n_rows // seq_lens.numel())
+    row = torch.arange(n_rows, device=seq_lens.device, dtype=torch.int64)
+    return (base - next_n + row % next_n + 1).clamp(0, n_cols)
+
+
 def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int, *,
-                 return_values: bool = True) -> TopK:
-    """Per-row top-k over the first seq_lens[group] columns. See dsagen.indexer_topk."""
+                 return_values: bool = True, next_n: int = 1) -> TopK:
+    """Per-row top-k over each row's first `staggered_row_lengths` columns. See dsagen.indexer_topk."""
     n_rows, n_cols = input_values.shape
     device = input_values.device
     indices = torch.full((n_rows, top_k), -1, dtype=torch.int32, device=device)
@@ -211,8 +224,7 @@ def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int,
               if return_values else None)
     if n_rows == 0 or top_k == 0 or n_cols == 0:
         return TopK(indices, values)
-    rows_per_group = n_rows // seq_lens.numel()
-    row_len = seq_lens.to(torch.int64).clamp(0, n_cols).repeat_interleave(rows_per_group)
+    row_len = staggered_row_lengths(seq_lens, n_rows, n_cols, next_n)
     cols = torch.arange(n_cols, device=device)
     # The chunk holds a few [rows, n_cols] temporaries (scores, masks, int32 keys).
     rows = rows_per_chunk(n_cols * 16)

@@ -15,6 +15,9 @@ every sequence of a varlen pack; the last block may be partial).
 * out = o_slc * g_slc + o_cmp * g_cmp (each gate `[B, T, HQ]`, broadcast over Dv; a missing g_slc
   means a gate of 1, a missing g_cmp drops the compressed branch).
 
+block_indices / block_counts arrive here per token; the per-query-block layout `[B, H, NQB, ...]`
+of the seed is expanded by dsagen.ops.nsa with `query_block_of_token` + `blocks_to_tokens`.
+
 A token with nothing to attend gets zeros from that branch. Plain autograd differentiates it (the
 block selection is a constant). Chunked over query rows; FP16/BF16/FP32 accumulate in FP32, FP64
 stays FP64; CPU and CUDA.
@@ -42,6 +45,34 @@ def _masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.
     p = e / torch.where(z > 0, z, torch.ones_like(z))
     lse = torch.where(z > 0, m + torch.log(torch.where(z > 0, z, torch.ones_like(z))), -_INF)
     return p, lse.squeeze(-1)
+
+
+def num_query_blocks(t_len: int, block_size: int, cu_seqlens: list[int] | None = None) -> int:
+    """NQB, the query-block count of the per-query-block layout: ceil(T / block_size), or with packed
+    offsets `cu_seqlens` (host ints) the sum over sequences of ceil(len_i / block_size)."""
+    if cu_seqlens is None:
+        return -(-t_len // block_size)
+    return sum(-(-(end - start) // block_size) for start, end in zip(cu_seqlens, cu_seqlens[1:]))
+
+
+def query_block_of_token(t_len: int, block_size: int, cu_seqlens: list[int] | None,
+                         device: torch.device) -> torch.Tensor:
+    """`[T]` int64: the query block of each token. Blocks hold block_size tokens; with `cu_seqlens`
+    they restart at every sequence and are numbered sequence after sequence (an empty sequence owns
+    none), so sequence i's blocks follow the num_query_blocks of the sequences before it."""
+    if cu_seqlens is None:
+        return torch.div(torch.arange(t_len, device=device), block_size, rounding_mode="floor")
+    pieces, first = [], 0
+    for start, end in zip(cu_seqlens, cu_seqlens[1:]):
+        pieces.append(first + torch.div(torch.arange(end - start, device=device), block_size, rounding_mode="floor"))
+        first += -(-(end - start) // block_size)
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def blocks_to_tokens(x: torch.Tensor, query_block: torch.Tensor) -> torch.Tensor:
+    """Per-query-block `[B, H, NQB, ...]` -> per-token `[B, T, H, ...]`: token t takes the row of its
+    query block query_block[t] (see query_block_of_token). Dtype and device kept."""
+    return x.transpose(1, 2).index_select(1, query_block)
 
 
 def mean_pool_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:

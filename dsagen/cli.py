@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -80,12 +81,11 @@ def _build_one(canonical: dict) -> dict:
 
 
 def _is_cached(spec, store) -> bool:
-    from .cache.keys import key_material, key_of
-    from .cache.resolver import _render_cached
+    """Whether resolve() would find `spec` without compiling (the same identity + toolchain lookup)."""
+    from .cache.keys import identity_of
     from .gen.toolchain import toolchain_versions
 
-    return store.lookup(spec.arch, spec.op, key_of(key_material(spec, _render_cached(spec),
-                                                                  toolchain_versions()))) is not None
+    return store.lookup_identity(spec.arch, spec.op, identity_of(spec), toolchain_versions()) is not None
 
 
 def _table(rows: list[dict], cols: list[str]) -> str:
@@ -120,27 +120,28 @@ def cmd_build(args) -> int:
         else:
             print(line, file=sys.stderr, flush=True)
 
-    if jobs == 1:
-        for i, s in enumerate(specs, 1):
-            try:
-                rows.append(_build_one(s.canonical()))
-            except Exception as e:  # noqa: BLE001 - report every failure, then exit non-zero
-                failed.append((s.name(), e))
-                rows.append({"name": s.name(), "op": s.op, "arch": s.arch, "status": "FAILED", "seconds": 0})
-            progress(i, rows[-1])
-    else:
-        import multiprocessing as mp
+    def outcomes(pool):
+        """(spec, a callable returning its summary row) in completion order."""
+        if pool is None:
+            for spec in specs:
+                yield spec, lambda spec=spec: _build_one(spec.canonical())
+        else:
+            futs = {pool.submit(_build_one, spec.canonical()): spec for spec in specs}
+            for fut in as_completed(futs):
+                yield futs[fut], fut.result
 
-        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
-            futs = {pool.submit(_build_one, s.canonical()): s for s in specs}
-            for i, fut in enumerate(as_completed(futs), 1):
-                s = futs[fut]
-                try:
-                    rows.append(fut.result())
-                except Exception as e:  # noqa: BLE001
-                    failed.append((s.name(), e))
-                    rows.append({"name": s.name(), "op": s.op, "arch": s.arch, "status": "FAILED", "seconds": 0})
-                progress(i, rows[-1])
+    import multiprocessing as mp
+
+    with (ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) if jobs > 1
+          else contextlib.nullcontext()) as pool:
+        for i, (spec, row_of) in enumerate(outcomes(pool), 1):
+            try:
+                rows.append(row_of())
+            except Exception as e:  # noqa: BLE001 - report every failure, then exit non-zero
+                failed.append((spec.name(), e))
+                rows.append({"name": spec.name(), "op": spec.op, "arch": spec.arch, "status": "FAILED",
+                             "seconds": 0})
+            progress(i, rows[-1])
     for r in rows:
         r["key"] = r.get("key", "")[:12]
     print(_table(rows, ["name", "op", "arch", "status", "seconds", "regs", "smem", "key"]))

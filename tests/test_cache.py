@@ -222,6 +222,27 @@ def test_corrupt_entry_is_rebuilt(cache_env):
 
 
 @pytest.mark.compile
+def test_new_identity_with_unchanged_source_is_recorded(cache_env, monkeypatch):
+    """A template edit that changes the identity but not the rendered source keeps the key: the entry
+    must then answer to the new identity too, or a JIT-disabled process would miss it."""
+    import dsagen.cache.resolver as resolver_mod
+
+    spec = CompactifySpec(arch="sm_90a")
+    first = resolve(spec)
+    monkeypatch.setattr(resolver_mod, "identity_of", lambda s: "f" * 64)   # as after a no-op template edit
+    again = resolve(spec)
+    assert again.path == first.path and again.manifest["aliases"] == ["f" * 64]
+    store = CacheStore.from_env()
+    for ident in (first.manifest["identity"], "f" * 64):
+        hit = store.lookup_identity(spec.arch, spec.op, ident, toolchain.toolchain_versions())
+        assert hit is not None and hit.path == first.path
+    assert (first.path / "kernel.cubin").read_bytes() == again.read("kernel.cubin")
+    assert not list(first.path.glob(".manifest*"))                   # no temporary left behind
+    monkeypatch.setenv("DSAGEN_DISABLE_JIT", "1")
+    assert resolve(spec).path == first.path
+
+
+@pytest.mark.compile
 def test_deployment_without_dsl_finds_kernels_by_identity(tmp_path, monkeypatch):
     """Built with one toolchain into a shipped layer; a process without CuTe-DSL finds it."""
     shipped = tmp_path / "shipped"

@@ -24,7 +24,7 @@ from ..gen.render import render
 from ..gen import toolchain
 from ..spec import KernelSpec
 from .keys import identity_material, identity_of, key_material, key_of
-from .store import CacheLockTimeout, CacheStore, Entry
+from .store import CacheLockTimeout, CacheStore, Entry, entry_identities
 
 _memory_entries: dict[str, Entry] = {}
 _memory_lock = threading.Lock()
@@ -103,8 +103,12 @@ def _compile_and_commit(spec, source, material, identity, store: CacheStore) -> 
         try:
             with store.lock(key):
                 hit = store.lookup(spec.arch, spec.op, key)  # another process may have built it
-                if hit is not None:
+                if hit is not None and identity in entry_identities(hit.manifest):
                     return hit
+                if hit is not None and hit.layer is store.writable:
+                    # same rendered source under a new identity (a template edit that changed nothing
+                    # for this spec): the entry answers to both, so identity lookups find it
+                    return store.add_identity(hit, identity)
                 files, manifest = compile_entry_files(spec, source, material, identity)
                 return store.commit(spec.arch, spec.op, key, files, manifest)
         except PermissionError as e:

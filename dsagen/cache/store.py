@@ -88,6 +88,14 @@ class Layer:
                     yield from sorted(p for p in shard.iterdir() if p.is_dir())
 
 
+def entry_identities(manifest: dict) -> set[str]:
+    """Every identity an entry answers to: the one it was built under plus any recorded `aliases`."""
+    ids = set(manifest.get("aliases", []))
+    if manifest.get("identity"):
+        ids.add(manifest["identity"])
+    return ids
+
+
 def check_entry(path: Path, verify_hashes: bool = True) -> dict:
     """The manifest of the entry at `path` after checking it is complete; CacheCorruption otherwise."""
     mpath = path / MANIFEST
@@ -182,7 +190,7 @@ class CacheStore:
                     m = json.loads((path / MANIFEST).read_text())
                 except (OSError, ValueError):
                     continue
-                if m.get("identity") == identity and (toolchain is None or m.get("toolchain") == toolchain):
+                if identity in entry_identities(m) and (toolchain is None or m.get("toolchain") == toolchain):
                     found.append((m.get("created", ""), path))
             for _, path in sorted(found, reverse=True):
                 e = self._load(layer, path)
@@ -249,6 +257,28 @@ class CacheStore:
             shutil.rmtree(stage, ignore_errors=True)
             raise
         return Entry(final, manifest, layer)
+
+    def add_identity(self, entry: Entry, identity: str) -> Entry:
+        """Record one more identity for an existing entry of the writable root (call under `lock(key)`).
+
+        A template edit that leaves a spec's rendered source unchanged keeps the cache key but changes
+        the identity (computed from the template files); the entry then answers to both. The manifest
+        is replaced atomically, so readers see the old or the new one, never a partial file."""
+        layer = self._require_writable()
+        if entry.layer is not layer or entry.path is None:
+            raise ValueError(f"{entry.path}: only entries of the writable root can be given a new identity")
+        if identity in entry_identities(entry.manifest):
+            return entry
+        manifest = dict(entry.manifest, aliases=sorted(set(entry.manifest.get("aliases", [])) | {identity}))
+        tmp = entry.path / f".{MANIFEST}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        try:
+            _write_manifest(tmp, manifest)
+            os.replace(tmp, entry.path / MANIFEST)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(entry.path)
+        return Entry(entry.path, manifest, layer, entry.blobs)
 
     def quarantine(self, path: Path, reason: str) -> Path | None:
         """Move a bad entry of the writable root out of the way (kept for inspection)."""

@@ -26,7 +26,7 @@ import torch
 
 from ..runtime import LoadedKernel, device_arch, get_kernel
 from ..spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, INDEXER_N256_HEADS,
-                                     SLAB_BYTES, SLAB_MAX_ROWS, indexer_specs, tokens_per_cta)
+                                     SLAB_BYTES, SLAB_MAX_ROWS, IndexerScoreSpec, indexer_specs, tokens_per_cta)
 
 BACKENDS = ("cute",)
 #: Candidate rows one score CTA covers (grid y splits longer pools, so short slabs still fill the GPU).
@@ -36,6 +36,7 @@ _kernels: dict[tuple, tuple[LoadedKernel, LoadedKernel]] = {}
 #: Tile-choice overrides of the (score, top-k) specs; for A/B benchmarks (bench/indexer.py --variant).
 SPEC_OPTIONS: tuple[dict, dict] = ({}, {})
 _dummy: dict[int, torch.Tensor] = {}
+_num_sms: dict[int, int] = {}
 
 
 def check_backend(kernel_options) -> str:
@@ -134,6 +135,17 @@ def _n_tile(num_heads: int) -> int:
     return int(_score_options(num_heads).get("n_tile", 128))
 
 
+def _schedule(num_heads: int) -> str:
+    """The score kernel's schedule (IndexerScoreSpec.schedule) under the current SPEC_OPTIONS."""
+    return str(_score_options(num_heads).get("schedule", IndexerScoreSpec.__dataclass_fields__["schedule"].default))
+
+
+def score_ctas(schedule: str, n_items: int, num_sms: int) -> int:
+    """Grid size of a ping-pong / persistent score launch over n_items (token block, chunk) work items:
+    one CTA per item (pingpong), or at most one per SM, each looping over items (persistent)."""
+    return n_items if schedule == "pingpong" else max(1, min(n_items, num_sms))
+
+
 def slab_rows(num_heads: int, s_count: int, n_tile: int = 128) -> int:
     """Rows R of the score slab for H heads and S candidates (a multiple of the token block)."""
     qc = tokens_per_cta(num_heads, n_tile)
@@ -157,6 +169,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     score_k, topk_k = _kernels_for(device, h, d, q.dtype)
 
     n_tile = _n_tile(h)
+    schedule = _schedule(h)
     qc = tokens_per_cta(h, n_tile)
     n_tblk = -(-t_count // qc)
     total_blk = b * n_tblk
@@ -176,10 +189,20 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     w_sb, w_st, w_sh = weights.stride()
     scale = 1.0 / math.sqrt(h * d)
     causal_i = int(bool(causal))
+    if schedule != "lockstep":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        num_sms = _num_sms.get(index)
+        if num_sms is None:
+            num_sms = _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
     for blk0 in range(0, total_blk, blk_per_slab):
         nblk = min(blk_per_slab, total_blk - blk0)
-        score_k.launch(qv, kv, weights, slab, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
-                       CHUNK_ROWS, n_chunks, causal_i, compress_ratio, w_sb, w_st, w_sh, ld, scale)
+        if schedule == "lockstep":
+            score_k.launch(qv, kv, weights, slab, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
+                           CHUNK_ROWS, n_chunks, causal_i, compress_ratio, w_sb, w_st, w_sh, ld, scale)
+        else:
+            score_k.launch(qv, kv, weights, slab, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
+                           CHUNK_ROWS, n_chunks, score_ctas(schedule, nblk * n_chunks, num_sms), causal_i,
+                           compress_ratio, w_sb, w_st, w_sh, ld, scale)
         topk_k.launch(slab, out, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, qc, nblk * qc, topk,
                       causal_i, compress_ratio, ld)
     return out

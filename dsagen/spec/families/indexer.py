@@ -58,6 +58,15 @@ INDEXER_SCORE_ABLATIONS = ("", "no_epilogue", "mma_k16", "skeleton", "no_store",
 #:   read1_ilp4    read1 with 4 independent loads in flight per thread (Little's law check)
 #:   no_emit       the 4 radix passes, no ordered emit pass
 INDEXER_TOPK_ABLATIONS = ("", "hist1", "hist1_spread", "read1", "read1_ilp4", "no_emit")
+#: Schedules of the score kernel (IndexerScoreSpec.schedule):
+#:   lockstep    one CTA per (token block, chunk); both consumer warpgroups take 64 rows of the same 128-row
+#:               stage, so their MMAs and epilogues run at the same time (template lightning_indexer_score)
+#:   pingpong    alternate 64-row tiles per consumer warpgroup, named barriers order their wgmma issues, so
+#:               one warpgroup's epilogue runs under the other's MMA; one CTA per work item
+#:               (template lightning_indexer_score_pingpong)
+#:   persistent  pingpong with about one CTA per SM, each looping over work items; a scheduler warp and
+#:               2 Q buffers prepare the next item while the current one runs
+INDEXER_SCORE_SCHEDULES = ("lockstep", "pingpong", "persistent")
 
 
 def tokens_per_cta(num_heads: int, n_tile: int = 128) -> int:
@@ -87,10 +96,20 @@ class IndexerScoreSpec(KernelSpec):
     registers per thread, so not with overlap). Compile- and SASS-checked, not yet run on a GPU.
     ablate: "" (the real kernel) or one of INDEXER_SCORE_ABLATIONS: a timing probe that leaves one stage
     out. Its output is NOT the indexer's; only bench/indexer.py --variant ablate-* and launch smoke tests use it.
+    schedule: one of INDEXER_SCORE_SCHEDULES ("persistent", the default). "pingpong" / "persistent" use
+    64-row K tiles alternating between the consumer warpgroups (2 * stages 64-row buffers, 2 Q buffers),
+    n_tile 128 only; overlap, n_tile=256 and ablate are options of the "lockstep" kernel. The host passes
+    the grid size (n_ctas) to the ping-pong / persistent kernel.
     """
 
     op = "lightning_indexer_score"
-    template = "lightning_indexer_score.py.j2"
+
+    @property
+    def template(self) -> str:  # type: ignore[override]
+        """The lock-step kernel and the ping-pong / persistent kernel are separate templates."""
+        if self.schedule == "lockstep":
+            return "lightning_indexer_score.py.j2"
+        return "lightning_indexer_score_pingpong.py.j2"
 
     num_heads: int = 64
     head_dim: int = 128
@@ -99,9 +118,16 @@ class IndexerScoreSpec(KernelSpec):
     overlap: bool = False
     n_tile: int = 128
     ablate: str = ""
+    schedule: str = "persistent"
 
     def reasons(self) -> list[str]:
         out = super().reasons()
+        if self.schedule not in INDEXER_SCORE_SCHEDULES:
+            out.append(f"schedule={self.schedule!r} is not supported; choose one of {INDEXER_SCORE_SCHEDULES}")
+        elif self.schedule != "lockstep":
+            if self.n_tile != 128 or self.overlap or self.ablate:
+                out.append(f"schedule={self.schedule!r} is implemented for n_tile=128 without overlap or ablate "
+                           f"only; n_tile=256, overlap and ablate need schedule='lockstep'")
         if self.arch != "sm_90a":
             out.append(f"the lightning-indexer score kernel is implemented for sm_90a only, not {self.arch}")
         if self.num_heads not in INDEXER_HEADS:
@@ -133,6 +159,8 @@ class IndexerScoreSpec(KernelSpec):
         """Dynamic shared memory of the kernel (Q tile + K stages + barriers/bounds), an estimate
         kept in step with the template's smem struct (the generator checks the real value)."""
         n = self.n_tile if self.n_tile in INDEXER_N_TILES else 128
+        if self.schedule != "lockstep":
+            n = 2 * 128                                  # two Q buffers
         return n * self.head_dim * 2 + self.stages * 128 * self.head_dim * 2 + 2048
 
 

@@ -335,28 +335,46 @@ def test_schedule_option_validation_and_render():
     assert "BAR_WG0 = 1" in src and "def row_bounds(" in src and '"n_ctas"' in src
     assert "BAR_WG0 = 1" not in render(IndexerScoreSpec(arch="sm_90a", schedule="lockstep"))
     assert IndexerScoreSpec(arch="sm_90a").smem_bytes() <= 220 * 1024
+    for opts in ({"turn_after_mma": True}, {"share_k": True}, {"share_k": True, "turn_after_mma": True}):
+        for sch in ("pingpong", "persistent"):
+            spec = IndexerScoreSpec(arch="sm_90a", schedule=sch, **opts)
+            assert spec.can_implement() == (True, "") and spec.smem_bytes() <= 220 * 1024
+        ok, why = IndexerScoreSpec(arch="sm_90a", schedule="lockstep", **opts).can_implement()
+        assert not ok and "ping-pong schedules" in why
+    ok, why = IndexerScoreSpec(arch="sm_90a", num_heads=16, share_k=True).can_implement()
+    assert not ok and "share_k needs num_heads in (32, 64, 128)" in why
+    src = render(IndexerScoreSpec(arch="sm_90a", share_k=True))
+    assert "NQ = 2 " in src and "KSLOTS = 4 " in src and "TAIL" not in src
+    assert "TAIL = max(1, NK // 4)" in render(IndexerScoreSpec(arch="sm_90a", turn_after_mma=True))
     assert score_ctas("pingpong", 1024, 132) == 1024
     assert score_ctas("persistent", 1024, 132) == 132 and score_ctas("persistent", 100, 132) == 100
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("h,d,sched", [(64, 128, "persistent"), (8, 64, "persistent"), (128, 128, "pingpong")])
-def test_pingpong_schedule_compiles(h, d, sched, tmp_path):
+@pytest.mark.parametrize("h,d,sched,opts", [(64, 128, "persistent", {}), (8, 64, "persistent", {}),
+                                            (128, 128, "pingpong", {}), (64, 128, "persistent", {"turn_after_mma": True}),
+                                            (32, 64, "persistent", {"share_k": True}),
+                                            (64, 128, "persistent", {"share_k": True, "turn_after_mma": True})])
+def test_pingpong_schedule_compiles(h, d, sched, opts, tmp_path):
     """Ping-pong kernel: D/16 HGMMA.64x128x16 issued back to back and waited once (not serialized), the
-    turn barrier arrive (BAR.ARV, 256 threads) between the last HGMMA and the wait, no spills, setmaxnreg
-    40 / 232, grid = n_ctas."""
+    turn barrier arrive (BAR.ARV, 256 threads) between the last HGMMA and the wait (turn_after_mma: after
+    DEPBAR.LE 1, i.e. once all but the last D/64 wgmmas are done), no spills, setmaxnreg 40 / 232, grid = n_ctas."""
     import re
 
     from dsagen.gen.build import compile_module
 
-    spec = IndexerScoreSpec(arch="sm_90a", num_heads=h, head_dim=d, schedule=sched)
+    spec = IndexerScoreSpec(arch="sm_90a", num_heads=h, head_dim=d, schedule=sched, **opts)
     ck = compile_module(spec, render(spec), tmp_path / "build")
     sass = _sass(ck.cubin, tmp_path)
     assert sass.count("HGMMA.64x128x16") == d // 16
-    assert sass.count("WARPGROUP.DEPBAR") == 1, "wgmma serialized by ptxas"
+    turn = opts.get("turn_after_mma", False)
+    assert sass.count("WARPGROUP.DEPBAR") == 1 + turn, "wgmma serialized by ptxas"
     lines = [line for line in sass.splitlines() if "HGMMA" in line or "BAR.ARV" in line or "WARPGROUP.DEPBAR" in line]
     last = max(i for i, line in enumerate(lines) if "HGMMA" in line)
-    assert "BAR.ARV" in lines[last + 1] and "0x100" in lines[last + 1] and "DEPBAR" in lines[last + 2], lines
+    if turn:
+        assert "DEPBAR.LE gsb0, 0x1" in lines[last + 1], lines
+        last += 1
+    assert "BAR.ARV" in lines[last + 1] and "0x100" in lines[last + 1] and "DEPBAR.LE gsb0, 0x0" in lines[last + 2], lines
     assert " LDL" not in sass and " STL" not in sass, "register spills"
     budgets = sorted(int(x, 16) for x in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d, )?(0x[0-9a-f]+)", sass))
     assert budgets == [0x28, 0xE8], budgets

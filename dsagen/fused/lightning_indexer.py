@@ -123,16 +123,35 @@ def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype) -> tu
 
 
 def _score_options(num_heads: int) -> dict:
-    """SPEC_OPTIONS[0] for H heads: an n_tile=256 request falls back to 128 for heads it does not cover."""
-    opts = dict(SPEC_OPTIONS[0])
-    if opts.get("n_tile", 128) != 128 and num_heads not in INDEXER_N256_HEADS:
-        opts.pop("n_tile")
+    """SPEC_OPTIONS[0] for H heads (see score_options_for)."""
+    return score_options_for(num_heads, SPEC_OPTIONS[0])
+
+
+def score_options_for(num_heads: int, options: dict) -> dict:
+    """IndexerScoreSpec options the fused path uses for H heads when asked for `options`: n_tile=256 and
+    share_k (two Q tiles per block) fall back to 128 columns per block for heads they do not cover (the
+    slab must hold at least one block; 256 // H tokens would break its bound for H < 32)."""
+    opts = dict(options)
+    if num_heads not in INDEXER_N256_HEADS:
+        if opts.get("n_tile", 128) != 128:
+            opts.pop("n_tile")
+        if opts.get("share_k", IndexerScoreSpec.__dataclass_fields__["share_k"].default):
+            opts["share_k"] = False
     return opts
 
 
 def _n_tile(num_heads: int) -> int:
     """The score kernel's wgmma N (columns per CTA) for H heads under the current SPEC_OPTIONS."""
     return int(_score_options(num_heads).get("n_tile", 128))
+
+
+def _block_tokens(num_heads: int) -> int:
+    """Query tokens per token block (score work item, top-k qc) for H heads under the current SPEC_OPTIONS:
+    n_tile // H, or 2 x 128 // H when the ping-pong kernel shares K tiles between two Q tiles (share_k)."""
+    opts = _score_options(num_heads)
+    if opts.get("share_k"):
+        return 2 * tokens_per_cta(num_heads)
+    return tokens_per_cta(num_heads, _n_tile(num_heads))
 
 
 def _schedule(num_heads: int) -> str:
@@ -168,9 +187,9 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     _check_layout("k", k)
     score_k, topk_k = _kernels_for(device, h, d, q.dtype)
 
-    n_tile = _n_tile(h)
     schedule = _schedule(h)
-    qc = tokens_per_cta(h, n_tile)
+    qc = _block_tokens(h)
+    n_tile = qc * h
     n_tblk = -(-t_count // qc)
     total_blk = b * n_tblk
     ld = -(-s_count // 4) * 4

@@ -20,19 +20,24 @@ import torch
 import dsagen
 from dsagen.spec.families.indexer import (INDEXER_SCORE_ABLATIONS, INDEXER_SCORE_SCHEDULES, INDEXER_TOPK_ABLATIONS,
                                           IndexerScoreSpec, IndexerTopkSpec)
+from dsagen.fused.lightning_indexer import score_options_for
 from poison import POISON_INT32, poison_allocator
 
 ARCH = "sm_90a"
 HEAD_SHAPES = [(64, 128), (8, 64), (16, 128), (32, 64), (128, 128), (8, 128), (64, 64)]
 N256_SHAPES = [(64, 128), (32, 64), (128, 128)]
-#: the score-kernel schedules that are not the default (test_score_schedules; bench --variant lockstep / pingpong)
-OTHER_SCHEDULES = [s for s in INDEXER_SCORE_SCHEDULES if s != IndexerScoreSpec(arch=ARCH).schedule]
+#: score-kernel options other than the default (test_score_schedules; bench --variant lockstep / pingpong / turn /
+#: sharek / sharek_turn): the other schedules and the ping-pong kernel's options
+SCORE_VARIANTS = [{"schedule": s} for s in INDEXER_SCORE_SCHEDULES if s != IndexerScoreSpec(arch=ARCH).schedule] + [
+    {"schedule": "persistent", "turn_after_mma": True}, {"schedule": "persistent", "share_k": True},
+    {"schedule": "persistent", "share_k": True, "turn_after_mma": True}]
+SCORE_VARIANTS = [v for v in SCORE_VARIANTS if IndexerScoreSpec(arch=ARCH, **v) != IndexerScoreSpec(arch=ARCH)]
 LOCKSTEP = {"schedule": "lockstep"}
 REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH)] + [
-    IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d, **sch) for h, d in HEAD_SHAPES
-    for sch in [{}] + [{"schedule": s} for s in OTHER_SCHEDULES]] + [
-    IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, dtype="float16", **sch)
-    for sch in [{}] + [{"schedule": s} for s in OTHER_SCHEDULES]] + [
+    IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d, **score_options_for(h, opts)) for h, d in HEAD_SHAPES
+    for opts in [{}] + SCORE_VARIANTS] + [
+    IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, dtype="float16", **opts)
+    for opts in [{}] + SCORE_VARIANTS] + [
     # the speed variants not yet default (two accumulators per warpgroup; smem key cache): checked here,
     # compared in bench/indexer.py --variant tuned
     IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, overlap=True, **LOCKSTEP),
@@ -237,13 +242,13 @@ SCHEDULE_CASES = {
 }
 
 
-@pytest.mark.parametrize("schedule", OTHER_SCHEDULES)
+@pytest.mark.parametrize("options", SCORE_VARIANTS, ids=["-".join(f"{k}={v}" for k, v in o.items()) for o in SCORE_VARIANTS])
 @pytest.mark.parametrize("case", list(SCHEDULE_CASES))
-def test_score_schedules(case, schedule, monkeypatch):
-    """The non-default score schedules (the whole suite runs the default one) on the seed's options."""
+def test_score_schedules(case, options, monkeypatch):
+    """The non-default score-kernel options (the whole suite runs the default kernel) on the seed's options."""
     from dsagen.fused import lightning_indexer as fused
 
-    monkeypatch.setattr(fused, "SPEC_OPTIONS", ({"schedule": schedule}, {}))
+    monkeypatch.setattr(fused, "SPEC_OPTIONS", (options, {}))
     h, d, b, t, s, topk, causal, ratio, lens, layout, dtype = SCHEDULE_CASES[case]
     gen = torch.Generator().manual_seed(131 + len(case))
     if lens is None:
@@ -256,8 +261,12 @@ def test_score_schedules(case, schedule, monkeypatch):
         q, k, w = _inputs(b, t, h, d, s, gen, dtype=dtype, weights_layout=layout)
         out = _run_and_check(q, k, w, topk, causal, ratio, cu.cuda(), cu_k.cuda())
         assert (out[0, int(cu[-1]):].cpu() == -1).all()
-    assert any(key[-1] == repr(fused.SPEC_OPTIONS) and f"schedule{schedule}" in v[0].name
-               for key, v in fused._kernels.items()), f"the {schedule} kernel was not used"
+    want = IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d, dtype=_DTYPE_NAMES[dtype], **score_options_for(h, options))
+    assert any(key[-1] == repr(fused.SPEC_OPTIONS) and v[0].name == want.name()
+               for key, v in fused._kernels.items()), f"{want.name()} was not used"
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 # --------------------------------------------------------------------- timing ablations: LAUNCH SMOKE ONLY

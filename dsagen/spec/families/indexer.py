@@ -100,6 +100,12 @@ class IndexerScoreSpec(KernelSpec):
     64-row K tiles alternating between the consumer warpgroups (2 * stages 64-row buffers, 2 Q buffers),
     n_tile 128 only; overlap, n_tile=256 and ablate are options of the "lockstep" kernel. The host passes
     the grid size (n_ctas) to the ping-pong / persistent kernel.
+    turn_after_mma (ping-pong schedules): a warpgroup passes the wgmma turn to the other once all but the last
+    quarter of its tile's wgmmas have completed (False: right after issuing them), so the two warpgroups' MMAs
+    run one after the other on the tensor cores.
+    share_k (ping-pong schedules): a work item is 2 x 128 // H tokens, one Q tile per consumer warpgroup; both
+    warpgroups multiply every 64-row K tile (in turn), so each K tile read from L2 serves twice the tokens
+    (K ring of `stages` 64-row slots, 4 Q buffers). H in INDEXER_N256_HEADS only (the host turns it off below).
     """
 
     op = "lightning_indexer_score"
@@ -119,6 +125,8 @@ class IndexerScoreSpec(KernelSpec):
     n_tile: int = 128
     ablate: str = ""
     schedule: str = "persistent"
+    turn_after_mma: bool = False
+    share_k: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -128,6 +136,11 @@ class IndexerScoreSpec(KernelSpec):
             if self.n_tile != 128 or self.overlap or self.ablate:
                 out.append(f"schedule={self.schedule!r} is implemented for n_tile=128 without overlap or ablate "
                            f"only; n_tile=256, overlap and ablate need schedule='lockstep'")
+        if self.schedule == "lockstep" and (self.turn_after_mma or self.share_k):
+            out.append("turn_after_mma and share_k are options of the ping-pong schedules (pingpong, persistent)")
+        if self.share_k and self.num_heads in INDEXER_HEADS and self.num_heads not in INDEXER_N256_HEADS:
+            out.append(f"share_k needs num_heads in {INDEXER_N256_HEADS} (2 x 128 // H tokens per block keep the "
+                       f"slab bound), got {self.num_heads}")
         if self.arch != "sm_90a":
             out.append(f"the lightning-indexer score kernel is implemented for sm_90a only, not {self.arch}")
         if self.num_heads not in INDEXER_HEADS:
@@ -159,8 +172,10 @@ class IndexerScoreSpec(KernelSpec):
         """Dynamic shared memory of the kernel (Q tile + K stages + barriers/bounds), an estimate
         kept in step with the template's smem struct (the generator checks the real value)."""
         n = self.n_tile if self.n_tile in INDEXER_N_TILES else 128
-        if self.schedule != "lockstep":
-            n = 2 * 128                                  # two Q buffers
+        if self.schedule != "lockstep":                  # 2 item slots x (1 or 2) Q tiles, 64-row K slots
+            nq = 2 if self.share_k else 1
+            kslots = self.stages if self.share_k else 2 * self.stages
+            return 2 * nq * 128 * self.head_dim * 2 + kslots * 64 * self.head_dim * 2 + 4096
         return n * self.head_dim * 2 + self.stages * 128 * self.head_dim * 2 + 2048
 
 

@@ -44,8 +44,13 @@ SCORE_ABLATIONS = ("no_epilogue", "mma_k16", "skeleton", "no_store", "no_kload",
 TOPK_ABLATIONS = ("hist1", "hist1_spread", "read1", "read1_ilp4", "no_emit")
 VARIANTS.update({f"ablate-score-{a}": ({**LOCKSTEP, "ablate": a}, {}) for a in SCORE_ABLATIONS})
 VARIANTS.update({f"ablate-topk-{a}": ({}, {"ablate": a}) for a in TOPK_ABLATIONS})
-#: --variant ablations: the default, the lock-step kernel the score ablations probe, and every ablation
-ABLATION_SET = ["default", "lockstep"] + [f"ablate-score-{a}" for a in SCORE_ABLATIONS] + [f"ablate-topk-{a}" for a in TOPK_ABLATIONS]
+# the same probes of the persistent (ping-pong) kernel (IndexerScoreSpec ablate with schedule="persistent")
+PINGPONG_ABLATIONS = ("no_epilogue", "mma_k16")
+VARIANTS.update({f"ablate-persistent-{a}": ({"schedule": "persistent", "ablate": a}, {}) for a in PINGPONG_ABLATIONS})
+#: --variant ablations: the default, the lock-step and persistent kernels the score ablations probe, every ablation
+ABLATION_SET = (["default", "lockstep"] + [f"ablate-score-{a}" for a in SCORE_ABLATIONS]
+                + ["persistent"] + [f"ablate-persistent-{a}" for a in PINGPONG_ABLATIONS]
+                + [f"ablate-topk-{a}" for a in TOPK_ABLATIONS])
 
 
 def timed(fn, reps: int) -> float:

@@ -235,7 +235,8 @@ def test_ablation_option_validation_and_default_render():
     assert not ok and "cache_keys=0" in why
     assert (IndexerScoreSpec(arch="sm_90a", ablate="no_store", schedule="lockstep").name()
             == "lightning_indexer_score_ablateno_store_schedulelockstep_sm_90a")
-    for spec in (IndexerScoreSpec(arch="sm_90a"), IndexerTopkSpec(arch="sm_90a"),
+    for spec in (IndexerScoreSpec(arch="sm_90a"), IndexerTopkSpec(arch="sm_90a"), IndexerScoreSpec(arch="sm_90a", share_k=True),
+                 IndexerScoreSpec(arch="sm_90a", turn_after_mma=True),
                  IndexerScoreSpec(arch="sm_90a", schedule="lockstep"), IndexerScoreSpec(arch="sm_90a", schedule="pingpong"),
                  IndexerScoreSpec(arch="sm_90a", n_tile=256, schedule="lockstep"),
                  IndexerTopkSpec(arch="sm_90a", cache_keys=49152)):
@@ -276,6 +277,32 @@ def test_score_ablation_compiles(ablate, tmp_path):
     assert ops.get("UTMALDG", 0) == tma, ops
     assert not ops.get("LDL") and not ops.get("STL"), f"register spills: {ops}"
     assert ck.record["launch"]["block"] == [384, 1, 1] and ck.record["launch"]["smem"] == 164864
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("ablate,hgmma,epilogue", [("no_epilogue", 8, False), ("mma_k16", 1, True)])
+def test_persistent_ablation_compiles(ablate, hgmma, epilogue, tmp_path):
+    """The persistent kernel's probes: no_epilogue keeps the D/16 HGMMAs and drops the FMNMX/stores, mma_k16 keeps
+    one HGMMA and the epilogue; both keep the turn barrier, the resources and no spills. Only with the plain
+    ping-pong options (not turn_after_mma / share_k) and only these two (the others are lock-step probes)."""
+    from dsagen.gen.build import compile_module
+
+    ok, why = IndexerScoreSpec(arch="sm_90a", schedule="persistent", ablate="no_kload").can_implement()
+    assert not ok and "schedule='lockstep'" in why
+    ok, why = IndexerScoreSpec(arch="sm_90a", ablate=ablate, turn_after_mma=True).can_implement()
+    assert not ok and "without turn_after_mma and share_k" in why
+    spec = IndexerScoreSpec(arch="sm_90a", schedule="persistent", ablate=ablate)
+    src = render(spec)
+    assert f'ABLATE = "{ablate}"' in src
+    ck = compile_module(spec, src, tmp_path / "build")
+    sass = _sass(ck.cubin, tmp_path)
+    ops = _sass_ops(ck.cubin, tmp_path)
+    assert sass.count("HGMMA.64x128x16.F32.BF16") == hgmma, ops
+    assert sass.count("WARPGROUP.DEPBAR") == 1 and "BAR.ARV" in sass
+    assert (ops.get("FMNMX", 0) >= 64) == epilogue, ops
+    assert ops.get("STG", 0) <= (4 if epilogue else 1), ops
+    assert not ops.get("LDL") and not ops.get("STL"), f"register spills: {ops}"
+    assert ck.record["launch"]["smem"] == 198656
 
 
 #: ablation -> (ATOMS, VOTE (emit pass), BAR.SYNC at most)

@@ -4,11 +4,13 @@ Called by dsagen.ops.lightning_indexer after the generic validation; this module
 need (backend name, device, dtype, the declared H / D / T ranges, TMA layout) and runs them.
 
 How a call runs (see notes/kernels/indexer.md):
-  * Query rows are grouped into token blocks of QC = n_tile // H consecutive tokens of one batch element
-    (the score kernel's wgmma N tile is QC x H = n_tile columns; n_tile = 128 unless SPEC_OPTIONS
-    selects 256). Blocks are processed in slabs: for each
+  * Query rows are grouped into token blocks of QC = 128 // H consecutive tokens of one batch element
+    (the score kernel's wgmma N tile is QC x H = 128 columns; 256 // H tokens when SPEC_OPTIONS selects
+    n_tile=256 or share_k for H >= 32). Blocks are processed in slabs: for each
     slab the score kernel writes every row's valid candidate scores (fp32, document-local ids) into one
     reused slab of R rows x ld_slab columns, then the top-k kernel turns each row into its output row.
+    The default (persistent) score kernel runs min(#SMs, #work items) CTAs per slab, each looping over
+    (token block, chunk) work items; the lock-step / pingpong schedules run one CTA per work item.
   * Scratch: the slab only, R * ld_slab * 4 bytes with ld_slab = S rounded up to 4 and
     R = min(1024, 32 MiB / (4 * ld_slab)) rounded down to a multiple of QC, at least QC. So at most
     32 MiB, or QC * ld_slab * 4 bytes when a single block does not fit (at most 16 x 2**20 x 4 B =

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import dsagen
-from dsagen.spec.families.indexer import (INDEXER_SCORE_ABLATIONS, INDEXER_SCORE_SCHEDULES, INDEXER_TOPK_ABLATIONS,
-                                          IndexerScoreSpec, IndexerTopkSpec)
+from dsagen.spec.families.indexer import (INDEXER_PINGPONG_ABLATIONS, INDEXER_SCORE_ABLATIONS, INDEXER_SCORE_SCHEDULES,
+                                          INDEXER_TOPK_ABLATIONS, IndexerScoreSpec, IndexerTopkSpec)
 from dsagen.fused.lightning_indexer import score_options_for
 from poison import POISON_INT32, poison_allocator
 
@@ -48,6 +48,7 @@ REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH)] + [
     # timing ablations of the lock-step kernel (NOT correct kernels): test_ablation_launch_smoke,
     # bench/indexer.py --variant ablations
     IndexerScoreSpec(arch=ARCH, ablate=a, **LOCKSTEP) for a in INDEXER_SCORE_ABLATIONS if a] + [
+    IndexerScoreSpec(arch=ARCH, ablate=a, schedule="persistent") for a in INDEXER_PINGPONG_ABLATIONS if a] + [
     IndexerTopkSpec(arch=ARCH, ablate=a) for a in INDEXER_TOPK_ABLATIONS if a]
 
 pytestmark = pytest.mark.gpu
@@ -275,6 +276,8 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # kernel that ran, that it launches on the fused path's real arguments and that it finishes (no hang, no
 # launch or device error), so that `bench/indexer.py --variant ablations --profile` can time them.
 ABLATION_OPTIONS = ([("score-" + a, ({"ablate": a, **LOCKSTEP}, {})) for a in INDEXER_SCORE_ABLATIONS if a]
+                    + [("persistent-" + a, ({"ablate": a, "schedule": "persistent"}, {}))
+                       for a in INDEXER_PINGPONG_ABLATIONS if a]
                     + [("topk-" + a, ({}, {"ablate": a})) for a in INDEXER_TOPK_ABLATIONS if a])
 
 

@@ -35,6 +35,7 @@ VARIANTS = {
     "turn": ({"turn_after_mma": True}, {}),                    # persistent; the wgmma turn passes after 3/4 of the MMA
     "sharek": ({"share_k": True}, {}),                         # persistent; both WGs multiply each K tile (2 Q tiles)
     "sharek_turn": ({"share_k": True, "turn_after_mma": True}, {}),
+    "c3": ({"consumers": 3}, {}),                              # persistent; 3 consumer WGs take turns (512 threads)
     "tuned": ({**LOCKSTEP, "overlap": True}, {"cache_keys": 49152}),   # 2 accumulators per WG + smem key cache
     "n256": ({**LOCKSTEP, "n_tile": 256}, {}),                 # 4 tokens per CTA at H=64: half the K traffic
     "n256k": ({**LOCKSTEP, "n_tile": 256}, {"cache_keys": 49152}),     # n256 + smem key cache
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="also time the score and top-k kernels alone")
     ap.add_argument("--variant", choices=list(VARIANTS) + ["ablations"], nargs="+", default=["default"],
                     help="lockstep / pingpong / persistent: score-kernel schedules (IndexerScoreSpec.schedule); turn / sharek / "
-                         "sharek_turn: IndexerScoreSpec.turn_after_mma / share_k; tuned: two accumulators per warpgroup (overlap) and the smem key cache; n256: wgmma "
+                         "sharek_turn: IndexerScoreSpec.turn_after_mma / share_k; c3: 3 consumer warpgroups; tuned: two accumulators per warpgroup (overlap) and the smem key cache; n256: wgmma "
                          "N = 256 (4 tokens per CTA at H=64); n256k: n256 and the smem key cache; "
                          "ablate-score-* / ablate-topk-*: timing probes (not correct); ablations: default + all probes")
     args = ap.parse_args(argv)

@@ -368,6 +368,13 @@ def test_schedule_option_validation_and_render():
             assert spec.can_implement() == (True, "") and spec.smem_bytes() <= 220 * 1024
         ok, why = IndexerScoreSpec(arch="sm_90a", schedule="lockstep", **opts).can_implement()
         assert not ok and "ping-pong schedules" in why
+    for sch in ("pingpong", "persistent"):
+        assert IndexerScoreSpec(arch="sm_90a", schedule=sch, consumers=3).can_implement() == (True, "")
+    ok, why = IndexerScoreSpec(arch="sm_90a", consumers=4).can_implement()
+    assert not ok and "consumers=4 must be 2 or 3" in why
+    ok, why = IndexerScoreSpec(arch="sm_90a", consumers=3, schedule="lockstep").can_implement()
+    assert not ok and "consumers=3 is an option of the ping-pong schedules" in why
+    assert "THREADS = 512" in render(IndexerScoreSpec(arch="sm_90a", consumers=3))
     ok, why = IndexerScoreSpec(arch="sm_90a", num_heads=16, share_k=True).can_implement()
     assert not ok and "share_k needs num_heads in (32, 64, 128)" in why
     src = render(IndexerScoreSpec(arch="sm_90a", share_k=True))
@@ -381,11 +388,12 @@ def test_schedule_option_validation_and_render():
 @pytest.mark.parametrize("h,d,sched,opts", [(64, 128, "persistent", {}), (8, 64, "persistent", {}),
                                             (128, 128, "pingpong", {}), (64, 128, "persistent", {"turn_after_mma": True}),
                                             (32, 64, "persistent", {"share_k": True}),
-                                            (64, 128, "persistent", {"share_k": True, "turn_after_mma": True})])
+                                            (64, 128, "persistent", {"share_k": True, "turn_after_mma": True}),
+                                            (64, 128, "persistent", {"consumers": 3}), (8, 64, "pingpong", {"consumers": 3})])
 def test_pingpong_schedule_compiles(h, d, sched, opts, tmp_path):
     """Ping-pong kernel: D/16 HGMMA.64x128x16 issued back to back and waited once (not serialized), the
     turn barrier arrive (BAR.ARV, 256 threads) between the last HGMMA and the wait (turn_after_mma: after
-    DEPBAR.LE 1, i.e. once all but the last D/64 wgmmas are done), no spills, setmaxnreg 40 / 232, grid = n_ctas."""
+    DEPBAR.LE 1, i.e. once all but the last D/64 wgmmas are done), no spills, setmaxnreg 40 / 232 (consumers=3: 40 / 152 with 512 threads), grid = n_ctas."""
     import re
 
     from dsagen.gen.build import compile_module
@@ -404,7 +412,9 @@ def test_pingpong_schedule_compiles(h, d, sched, opts, tmp_path):
     assert "BAR.ARV" in lines[last + 1] and "0x100" in lines[last + 1] and "DEPBAR.LE gsb0, 0x0" in lines[last + 2], lines
     assert " LDL" not in sass and " STL" not in sass, "register spills"
     budgets = sorted(int(x, 16) for x in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d, )?(0x[0-9a-f]+)", sass))
-    assert budgets == [0x28, 0xE8], budgets
-    assert 0x28 + 2 * 0xE8 <= 3 * ck.record["regcount"]
-    assert ck.record["launch"]["block"] == [384, 1, 1] and ck.record["launch"]["grid"][0] == "n_ctas"
+    consumers = opts.get("consumers", 2)
+    consumer_regs = 0xE8 if consumers == 2 else 0x98
+    assert budgets == [0x28, consumer_regs], budgets
+    assert 0x28 + consumers * consumer_regs <= (1 + consumers) * ck.record["regcount"]   # a larger sum deadlocks
+    assert ck.record["launch"]["block"] == [128 * (1 + consumers), 1, 1] and ck.record["launch"]["grid"][0] == "n_ctas"
     assert ck.record["launch"]["smem"] <= 227 * 1024

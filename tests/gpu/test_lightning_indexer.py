@@ -30,7 +30,7 @@ N256_SHAPES = [(64, 128), (32, 64), (128, 128)]
 #: sharek / sharek_turn): the other schedules and the ping-pong kernel's options
 SCORE_VARIANTS = [{"schedule": s} for s in INDEXER_SCORE_SCHEDULES if s != IndexerScoreSpec(arch=ARCH).schedule] + [
     {"schedule": "persistent", "turn_after_mma": True}, {"schedule": "persistent", "share_k": True},
-    {"schedule": "persistent", "share_k": True, "turn_after_mma": True}]
+    {"schedule": "persistent", "share_k": True, "turn_after_mma": True}, {"schedule": "persistent", "consumers": 3}]
 SCORE_VARIANTS = [v for v in SCORE_VARIANTS if IndexerScoreSpec(arch=ARCH, **v) != IndexerScoreSpec(arch=ARCH)]
 LOCKSTEP = {"schedule": "lockstep"}
 REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH)] + [

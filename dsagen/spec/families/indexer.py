@@ -111,6 +111,9 @@ class IndexerScoreSpec(KernelSpec):
     2 x 128 // H tokens, one Q tile per consumer warpgroup, both warpgroups multiply every 64-row K tile (in
     turn), so each K tile read from L2 serves twice the tokens (K ring of `stages` 64-row slots, 4 Q
     buffers). GPU-measured 15% slower at T=32768.
+    consumers (ping-pong schedules): consumer warpgroups, 2 or 3 (512 threads; setmaxnreg 40 / 3 x 152); with 3,
+    64-row tiles go round WG0 -> WG1 -> WG2, so each warpgroup has two other tiles' MMA time for its epilogue.
+    Compile- and SASS-checked only (not run on a GPU yet).
     """
 
     op = "lightning_indexer_score"
@@ -132,6 +135,7 @@ class IndexerScoreSpec(KernelSpec):
     schedule: str = "persistent"
     turn_after_mma: bool = False
     share_k: bool = False
+    consumers: int = 2
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -144,6 +148,10 @@ class IndexerScoreSpec(KernelSpec):
                            f"ablations need schedule='lockstep'")
             elif self.ablate and (self.turn_after_mma or self.share_k):
                 out.append("the ping-pong ablations apply without turn_after_mma and share_k only")
+        if self.consumers not in (2, 3):
+            out.append(f"consumers={self.consumers} must be 2 or 3")
+        elif self.consumers == 3 and (self.schedule == "lockstep" or self.share_k or self.turn_after_mma or self.ablate):
+            out.append("consumers=3 is an option of the ping-pong schedules without share_k, turn_after_mma and ablate")
         if self.schedule == "lockstep" and (self.turn_after_mma or self.share_k):
             out.append("turn_after_mma and share_k are options of the ping-pong schedules (pingpong, persistent)")
         if self.share_k and self.num_heads in INDEXER_HEADS and self.num_heads not in INDEXER_N256_HEADS:

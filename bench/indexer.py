@@ -26,19 +26,32 @@ import torch
 
 PEAK_TFLOPS = 780.0
 #: --variant -> (IndexerScoreSpec options, IndexerTopkSpec options)
+LOCKSTEP = {"schedule": "lockstep"}
 VARIANTS = {
     "default": ({}, {}),
-    "tuned": ({"overlap": True}, {"cache_keys": 49152}),      # 2 accumulators per WG + smem key cache
-    "n256": ({"n_tile": 256}, {}),                             # 4 tokens per CTA at H=64: half the K traffic
-    "n256k": ({"n_tile": 256}, {"cache_keys": 49152}),         # n256 + smem key cache
+    "lockstep": (LOCKSTEP, {}),                               # session-1 score kernel (both WGs on one stage)
+    "pingpong": ({"schedule": "pingpong"}, {}),               # ping-pong WGs, one CTA per work item
+    "persistent": ({"schedule": "persistent"}, {}),           # ping-pong WGs, ~1 CTA per SM looping over items
+    "turn": ({"turn_after_mma": True}, {}),                    # persistent; the wgmma turn passes after 3/4 of the MMA
+    "sharek": ({"share_k": True}, {}),                         # persistent; both WGs multiply each K tile (2 Q tiles)
+    "sharek_turn": ({"share_k": True, "turn_after_mma": True}, {}),
+    "c3": ({"consumers": 3}, {}),                              # persistent; 3 consumer WGs take turns (512 threads)
+    "tuned": ({**LOCKSTEP, "overlap": True}, {"cache_keys": 49152}),   # 2 accumulators per WG + smem key cache
+    "n256": ({**LOCKSTEP, "n_tile": 256}, {}),                 # 4 tokens per CTA at H=64: half the K traffic
+    "n256k": ({**LOCKSTEP, "n_tile": 256}, {"cache_keys": 49152}),     # n256 + smem key cache
 }
 # Timing ablations (not correct kernels; see dsagen.spec.families.indexer INDEXER_*_ABLATIONS).
 SCORE_ABLATIONS = ("no_epilogue", "mma_k16", "skeleton", "no_store", "no_kload", "one_tile")
 TOPK_ABLATIONS = ("hist1", "hist1_spread", "read1", "read1_ilp4", "no_emit")
-VARIANTS.update({f"ablate-score-{a}": ({"ablate": a}, {}) for a in SCORE_ABLATIONS})
+VARIANTS.update({f"ablate-score-{a}": ({**LOCKSTEP, "ablate": a}, {}) for a in SCORE_ABLATIONS})
 VARIANTS.update({f"ablate-topk-{a}": ({}, {"ablate": a}) for a in TOPK_ABLATIONS})
-#: --variant ablations: the default and every ablation, in one process
-ABLATION_SET = ["default"] + [f"ablate-score-{a}" for a in SCORE_ABLATIONS] + [f"ablate-topk-{a}" for a in TOPK_ABLATIONS]
+# the same probes of the persistent (ping-pong) kernel (IndexerScoreSpec ablate with schedule="persistent")
+PINGPONG_ABLATIONS = ("no_epilogue", "mma_k16")
+VARIANTS.update({f"ablate-persistent-{a}": ({"schedule": "persistent", "ablate": a}, {}) for a in PINGPONG_ABLATIONS})
+#: --variant ablations: the default, the lock-step and persistent kernels the score ablations probe, every ablation
+ABLATION_SET = (["default", "lockstep"] + [f"ablate-score-{a}" for a in SCORE_ABLATIONS]
+                + ["persistent"] + [f"ablate-persistent-{a}" for a in PINGPONG_ABLATIONS]
+                + [f"ablate-topk-{a}" for a in TOPK_ABLATIONS])
 
 
 def timed(fn, reps: int) -> float:
@@ -96,7 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="also time the score and top-k kernels alone")
     ap.add_argument("--variant", choices=list(VARIANTS) + ["ablations"], nargs="+", default=["default"],
-                    help="tuned: two accumulators per warpgroup (overlap) and the smem key cache; n256: wgmma "
+                    help="lockstep / pingpong / persistent: score-kernel schedules (IndexerScoreSpec.schedule); turn / sharek / "
+                         "sharek_turn: IndexerScoreSpec.turn_after_mma / share_k; c3: 3 consumer warpgroups; tuned: two accumulators per warpgroup (overlap) and the smem key cache; n256: wgmma "
                          "N = 256 (4 tokens per CTA at H=64); n256k: n256 and the smem key cache; "
                          "ablate-score-* / ablate-topk-*: timing probes (not correct); ablations: default + all probes")
     args = ap.parse_args(argv)

@@ -132,7 +132,7 @@ def test_overlap_variant_keeps_wgmma_pipelined(tmp_path):
     tiles' groups are issued back to back and waited with DEPBAR.LE 1, then 0."""
     from dsagen.gen.build import compile_module
 
-    spec = IndexerScoreSpec(arch="sm_90a", overlap=True)
+    spec = IndexerScoreSpec(arch="sm_90a", overlap=True, schedule="lockstep")
     ck = compile_module(spec, render(spec), tmp_path / "build")
     sass = _sass(ck.cubin, tmp_path)
     assert sass.count("HGMMA.64x128x16.F32.BF16") == 2 * 128 // 16
@@ -156,15 +156,19 @@ def test_n_tile_option_validation_and_slab():
     from dsagen.fused import lightning_indexer as fused
     from dsagen.fused.lightning_indexer import slab_rows
 
-    assert IndexerScoreSpec(arch="sm_90a", n_tile=256).can_implement() == (True, "")
-    assert IndexerScoreSpec(arch="sm_90a", n_tile=256).name() == "lightning_indexer_score_n_tile256_sm_90a"
-    ok, why = IndexerScoreSpec(arch="sm_90a", n_tile=192).can_implement()
+    lockstep = {"schedule": "lockstep"}
+    assert IndexerScoreSpec(arch="sm_90a", n_tile=256, **lockstep).can_implement() == (True, "")
+    assert (IndexerScoreSpec(arch="sm_90a", n_tile=256, **lockstep).name()
+            == "lightning_indexer_score_n_tile256_schedulelockstep_sm_90a")
+    ok, why = IndexerScoreSpec(arch="sm_90a", n_tile=192, **lockstep).can_implement()
     assert not ok and "n_tile=192" in why
-    ok, why = IndexerScoreSpec(arch="sm_90a", num_heads=8, n_tile=256).can_implement()
+    ok, why = IndexerScoreSpec(arch="sm_90a", num_heads=8, n_tile=256, **lockstep).can_implement()
     assert not ok and "num_heads in (32, 64, 128)" in why
-    ok, why = IndexerScoreSpec(arch="sm_90a", n_tile=256, overlap=True).can_implement()
+    ok, why = IndexerScoreSpec(arch="sm_90a", n_tile=256, overlap=True, **lockstep).can_implement()
     assert not ok and "overlap" in why
-    assert IndexerScoreSpec(arch="sm_90a", n_tile=256).smem_bytes() <= 220 * 1024
+    ok, why = IndexerScoreSpec(arch="sm_90a", n_tile=256).can_implement()       # default schedule: n_tile 128 only
+    assert not ok and "schedule='lockstep'" in why
+    assert IndexerScoreSpec(arch="sm_90a", n_tile=256, **lockstep).smem_bytes() <= 220 * 1024
     for h in (32, 64, 128):
         for s in (1, 1000, 32768, 2 ** 20):
             rows = slab_rows(h, s, 256)
@@ -182,9 +186,9 @@ def test_n_tile_option_validation_and_slab():
 
 def test_default_score_render_unchanged_by_n_tile_option():
     """The GPU-verified default kernel: BN = 128, QC = BN // H, one 64x128 accumulator."""
-    src = render(IndexerScoreSpec(arch="sm_90a"))
-    assert "BN = 128 " in src and "QC = BN // H " in src and "acc1" not in src
-    assert "BN = 256 " in render(IndexerScoreSpec(arch="sm_90a", n_tile=256))
+    src = render(IndexerScoreSpec(arch="sm_90a", schedule="lockstep"))
+    assert "BN = {{ n_tile }}" not in src and "BN = 128 " in src and "QC = BN // H " in src and "acc1" not in src
+    assert "BN = 256 " in render(IndexerScoreSpec(arch="sm_90a", n_tile=256, schedule="lockstep"))
 
 
 @pytest.mark.compile
@@ -196,7 +200,7 @@ def test_n256_variant_compiles_pipelined_without_spills(h, d, tmp_path):
 
     from dsagen.gen.build import compile_module
 
-    spec = IndexerScoreSpec(arch="sm_90a", num_heads=h, head_dim=d, n_tile=256)
+    spec = IndexerScoreSpec(arch="sm_90a", num_heads=h, head_dim=d, n_tile=256, schedule="lockstep")
     ck = compile_module(spec, render(spec), tmp_path / "build")
     sass = _sass(ck.cubin, tmp_path)
     assert sass.count("HGMMA.64x256x16.F32.BF16") == d // 16
@@ -218,21 +222,27 @@ def test_ablation_option_validation_and_default_render():
     from dsagen.spec.families.indexer import INDEXER_SCORE_ABLATIONS, INDEXER_TOPK_ABLATIONS
 
     for a in INDEXER_SCORE_ABLATIONS:
-        assert IndexerScoreSpec(arch="sm_90a", ablate=a).can_implement() == (True, "")
+        assert IndexerScoreSpec(arch="sm_90a", ablate=a, schedule="lockstep").can_implement() == (True, "")
     for a in INDEXER_TOPK_ABLATIONS:
         assert IndexerTopkSpec(arch="sm_90a", ablate=a).can_implement() == (True, "")
-    ok, why = IndexerScoreSpec(arch="sm_90a", ablate="nothing").can_implement()
+    ok, why = IndexerScoreSpec(arch="sm_90a", ablate="nothing", schedule="lockstep").can_implement()
     assert not ok and "not a score-kernel ablation" in why
-    ok, why = IndexerScoreSpec(arch="sm_90a", ablate="no_store", overlap=True).can_implement()
+    ok, why = IndexerScoreSpec(arch="sm_90a", ablate="no_store", overlap=True, schedule="lockstep").can_implement()
     assert not ok and "overlap=False" in why
+    ok, why = IndexerScoreSpec(arch="sm_90a", ablate="no_store").can_implement()    # ablations probe the lock-step kernel
+    assert not ok and "schedule='lockstep'" in why
     ok, why = IndexerTopkSpec(arch="sm_90a", ablate="hist1", cache_keys=49152).can_implement()
     assert not ok and "cache_keys=0" in why
-    assert IndexerScoreSpec(arch="sm_90a", ablate="no_store").name() == "lightning_indexer_score_ablateno_store_sm_90a"
-    for spec in (IndexerScoreSpec(arch="sm_90a"), IndexerTopkSpec(arch="sm_90a"),
-                 IndexerScoreSpec(arch="sm_90a", n_tile=256), IndexerTopkSpec(arch="sm_90a", cache_keys=49152)):
+    assert (IndexerScoreSpec(arch="sm_90a", ablate="no_store", schedule="lockstep").name()
+            == "lightning_indexer_score_ablateno_store_schedulelockstep_sm_90a")
+    for spec in (IndexerScoreSpec(arch="sm_90a"), IndexerTopkSpec(arch="sm_90a"), IndexerScoreSpec(arch="sm_90a", share_k=True),
+                 IndexerScoreSpec(arch="sm_90a", turn_after_mma=True),
+                 IndexerScoreSpec(arch="sm_90a", schedule="lockstep"), IndexerScoreSpec(arch="sm_90a", schedule="pingpong"),
+                 IndexerScoreSpec(arch="sm_90a", n_tile=256, schedule="lockstep"),
+                 IndexerTopkSpec(arch="sm_90a", cache_keys=49152)):
         src = render(spec)
         assert "ABLAT" not in src.upper() and "sink" not in src, spec.name()
-    assert 'ABLATE = "no_store"' in render(IndexerScoreSpec(arch="sm_90a", ablate="no_store"))
+    assert 'ABLATE = "no_store"' in render(IndexerScoreSpec(arch="sm_90a", ablate="no_store", schedule="lockstep"))
     assert 'ABLATE = "hist1"' in render(IndexerTopkSpec(arch="sm_90a", ablate="hist1"))
 
 
@@ -255,7 +265,7 @@ def test_score_ablation_compiles(ablate, tmp_path):
     the wgmma group waited once (not serialized), no spills and the default's resources."""
     from dsagen.gen.build import compile_module
 
-    spec = IndexerScoreSpec(arch="sm_90a", ablate=ablate)
+    spec = IndexerScoreSpec(arch="sm_90a", ablate=ablate, schedule="lockstep")
     ck = compile_module(spec, render(spec), tmp_path / "build")
     sass = _sass(ck.cubin, tmp_path)
     ops = _sass_ops(ck.cubin, tmp_path)
@@ -267,6 +277,32 @@ def test_score_ablation_compiles(ablate, tmp_path):
     assert ops.get("UTMALDG", 0) == tma, ops
     assert not ops.get("LDL") and not ops.get("STL"), f"register spills: {ops}"
     assert ck.record["launch"]["block"] == [384, 1, 1] and ck.record["launch"]["smem"] == 164864
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("ablate,hgmma,epilogue", [("no_epilogue", 8, False), ("mma_k16", 1, True)])
+def test_persistent_ablation_compiles(ablate, hgmma, epilogue, tmp_path):
+    """The persistent kernel's probes: no_epilogue keeps the D/16 HGMMAs and drops the FMNMX/stores, mma_k16 keeps
+    one HGMMA and the epilogue; both keep the turn barrier, the resources and no spills. Only with the plain
+    ping-pong options (not turn_after_mma / share_k) and only these two (the others are lock-step probes)."""
+    from dsagen.gen.build import compile_module
+
+    ok, why = IndexerScoreSpec(arch="sm_90a", schedule="persistent", ablate="no_kload").can_implement()
+    assert not ok and "schedule='lockstep'" in why
+    ok, why = IndexerScoreSpec(arch="sm_90a", ablate=ablate, turn_after_mma=True).can_implement()
+    assert not ok and "without turn_after_mma and share_k" in why
+    spec = IndexerScoreSpec(arch="sm_90a", schedule="persistent", ablate=ablate)
+    src = render(spec)
+    assert f'ABLATE = "{ablate}"' in src
+    ck = compile_module(spec, src, tmp_path / "build")
+    sass = _sass(ck.cubin, tmp_path)
+    ops = _sass_ops(ck.cubin, tmp_path)
+    assert sass.count("HGMMA.64x128x16.F32.BF16") == hgmma, ops
+    assert sass.count("WARPGROUP.DEPBAR") == 1 and "BAR.ARV" in sass
+    assert (ops.get("FMNMX", 0) >= 64) == epilogue, ops
+    assert ops.get("STG", 0) <= (4 if epilogue else 1), ops
+    assert not ops.get("LDL") and not ops.get("STL"), f"register spills: {ops}"
+    assert ck.record["launch"]["smem"] == 198656
 
 
 #: ablation -> (ATOMS, VOTE (emit pass), BAR.SYNC at most)
@@ -304,3 +340,81 @@ def test_topk_ablation_compiles(ablate, tmp_path):
         # hist1: (key >> 24) * 4 = (key >> 22) & 0x3fc; hist1_spread: (key & 0xff) * 4 = (key << 2) & 0x3fc
         assert ("SHF.L.U32" in before) == (ablate == "hist1_spread"), before
         assert ("SHF.R.U32.HI" in before) == (ablate == "hist1"), before
+
+
+# ------------------------------------------------------------------ ping-pong / persistent schedules
+def test_schedule_option_validation_and_render():
+    """schedule: lockstep (session-1 kernel), pingpong, persistent (the default); the latter two render the
+    ping-pong template, differ only in the grid the host passes, and reject the lock-step-only options."""
+    from dsagen.fused.lightning_indexer import score_ctas
+    from dsagen.spec.families.indexer import INDEXER_SCORE_SCHEDULES
+
+    assert IndexerScoreSpec(arch="sm_90a").schedule == "persistent"
+    for sch in INDEXER_SCORE_SCHEDULES:
+        for h in INDEXER_HEADS:
+            for d in INDEXER_HEAD_DIMS:
+                assert IndexerScoreSpec(arch="sm_90a", num_heads=h, head_dim=d, schedule=sch).can_implement() == (True, "")
+    ok, why = IndexerScoreSpec(arch="sm_90a", schedule="round_robin").can_implement()
+    assert not ok and "schedule='round_robin'" in why
+    ok, why = IndexerScoreSpec(arch="sm_90a", schedule="pingpong", overlap=True).can_implement()
+    assert not ok and "schedule='lockstep'" in why
+    src = render(IndexerScoreSpec(arch="sm_90a", schedule="pingpong"))
+    assert "BAR_WG0 = 1" in src and "def row_bounds(" in src and '"n_ctas"' in src
+    assert "BAR_WG0 = 1" not in render(IndexerScoreSpec(arch="sm_90a", schedule="lockstep"))
+    assert IndexerScoreSpec(arch="sm_90a").smem_bytes() <= 220 * 1024
+    for opts in ({"turn_after_mma": True}, {"share_k": True}, {"share_k": True, "turn_after_mma": True}):
+        for sch in ("pingpong", "persistent"):
+            spec = IndexerScoreSpec(arch="sm_90a", schedule=sch, **opts)
+            assert spec.can_implement() == (True, "") and spec.smem_bytes() <= 220 * 1024
+        ok, why = IndexerScoreSpec(arch="sm_90a", schedule="lockstep", **opts).can_implement()
+        assert not ok and "ping-pong schedules" in why
+    for sch in ("pingpong", "persistent"):
+        assert IndexerScoreSpec(arch="sm_90a", schedule=sch, consumers=3).can_implement() == (True, "")
+    ok, why = IndexerScoreSpec(arch="sm_90a", consumers=4).can_implement()
+    assert not ok and "consumers=4 must be 2 or 3" in why
+    ok, why = IndexerScoreSpec(arch="sm_90a", consumers=3, schedule="lockstep").can_implement()
+    assert not ok and "consumers=3 is an option of the ping-pong schedules" in why
+    assert "THREADS = 512" in render(IndexerScoreSpec(arch="sm_90a", consumers=3))
+    ok, why = IndexerScoreSpec(arch="sm_90a", num_heads=16, share_k=True).can_implement()
+    assert not ok and "share_k needs num_heads in (32, 64, 128)" in why
+    src = render(IndexerScoreSpec(arch="sm_90a", share_k=True))
+    assert "NQ = 2 " in src and "KSLOTS = 4 " in src and "TAIL" not in src
+    assert "TAIL = max(1, NK // 4)" in render(IndexerScoreSpec(arch="sm_90a", turn_after_mma=True))
+    assert score_ctas("pingpong", 1024, 132) == 1024
+    assert score_ctas("persistent", 1024, 132) == 132 and score_ctas("persistent", 100, 132) == 100
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("h,d,sched,opts", [(64, 128, "persistent", {}), (8, 64, "persistent", {}),
+                                            (128, 128, "pingpong", {}), (64, 128, "persistent", {"turn_after_mma": True}),
+                                            (32, 64, "persistent", {"share_k": True}),
+                                            (64, 128, "persistent", {"share_k": True, "turn_after_mma": True}),
+                                            (64, 128, "persistent", {"consumers": 3}), (8, 64, "pingpong", {"consumers": 3})])
+def test_pingpong_schedule_compiles(h, d, sched, opts, tmp_path):
+    """Ping-pong kernel: D/16 HGMMA.64x128x16 issued back to back and waited once (not serialized), the
+    turn barrier arrive (BAR.ARV, 256 threads) between the last HGMMA and the wait (turn_after_mma: after
+    DEPBAR.LE 1, i.e. once all but the last D/64 wgmmas are done), no spills, setmaxnreg 40 / 232 (consumers=3: 40 / 152 with 512 threads), grid = n_ctas."""
+    import re
+
+    from dsagen.gen.build import compile_module
+
+    spec = IndexerScoreSpec(arch="sm_90a", num_heads=h, head_dim=d, schedule=sched, **opts)
+    ck = compile_module(spec, render(spec), tmp_path / "build")
+    sass = _sass(ck.cubin, tmp_path)
+    assert sass.count("HGMMA.64x128x16") == d // 16
+    turn = opts.get("turn_after_mma", False)
+    assert sass.count("WARPGROUP.DEPBAR") == 1 + turn, "wgmma serialized by ptxas"
+    lines = [line for line in sass.splitlines() if "HGMMA" in line or "BAR.ARV" in line or "WARPGROUP.DEPBAR" in line]
+    last = max(i for i, line in enumerate(lines) if "HGMMA" in line)
+    if turn:
+        assert "DEPBAR.LE gsb0, 0x1" in lines[last + 1], lines
+        last += 1
+    assert "BAR.ARV" in lines[last + 1] and "0x100" in lines[last + 1] and "DEPBAR.LE gsb0, 0x0" in lines[last + 2], lines
+    assert " LDL" not in sass and " STL" not in sass, "register spills"
+    budgets = sorted(int(x, 16) for x in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d, )?(0x[0-9a-f]+)", sass))
+    consumers = opts.get("consumers", 2)
+    consumer_regs = 0xE8 if consumers == 2 else 0x98
+    assert budgets == [0x28, consumer_regs], budgets
+    assert 0x28 + consumers * consumer_regs <= (1 + consumers) * ck.record["regcount"]   # a larger sum deadlocks
+    assert ck.record["launch"]["block"] == [128 * (1 + consumers), 1, 1] and ck.record["launch"]["grid"][0] == "n_ctas"
+    assert ck.record["launch"]["smem"] <= 227 * 1024

@@ -4,11 +4,13 @@ Called by dsagen.ops.lightning_indexer after the generic validation; this module
 need (backend name, device, dtype, the declared H / D / T ranges, TMA layout) and runs them.
 
 How a call runs (see notes/kernels/indexer.md):
-  * Query rows are grouped into token blocks of QC = n_tile // H consecutive tokens of one batch element
-    (the score kernel's wgmma N tile is QC x H = n_tile columns; n_tile = 128 unless SPEC_OPTIONS
-    selects 256). Blocks are processed in slabs: for each
+  * Query rows are grouped into token blocks of QC = 128 // H consecutive tokens of one batch element
+    (the score kernel's wgmma N tile is QC x H = 128 columns; 256 // H tokens when SPEC_OPTIONS selects
+    n_tile=256 or share_k for H >= 32). Blocks are processed in slabs: for each
     slab the score kernel writes every row's valid candidate scores (fp32, document-local ids) into one
     reused slab of R rows x ld_slab columns, then the top-k kernel turns each row into its output row.
+    The default (persistent) score kernel runs min(#SMs, #work items) CTAs per slab, each looping over
+    (token block, chunk) work items; the lock-step / pingpong schedules run one CTA per work item.
   * Scratch: the slab only, R * ld_slab * 4 bytes with ld_slab = S rounded up to 4 and
     R = min(1024, 32 MiB / (4 * ld_slab)) rounded down to a multiple of QC, at least QC. So at most
     32 MiB, or QC * ld_slab * 4 bytes when a single block does not fit (at most 16 x 2**20 x 4 B =
@@ -26,7 +28,7 @@ import torch
 
 from ..runtime import LoadedKernel, device_arch, get_kernel
 from ..spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, INDEXER_N256_HEADS,
-                                     SLAB_BYTES, SLAB_MAX_ROWS, indexer_specs, tokens_per_cta)
+                                     SLAB_BYTES, SLAB_MAX_ROWS, IndexerScoreSpec, indexer_specs, tokens_per_cta)
 
 BACKENDS = ("cute",)
 #: Candidate rows one score CTA covers (grid y splits longer pools, so short slabs still fill the GPU).
@@ -36,6 +38,7 @@ _kernels: dict[tuple, tuple[LoadedKernel, LoadedKernel]] = {}
 #: Tile-choice overrides of the (score, top-k) specs; for A/B benchmarks (bench/indexer.py --variant).
 SPEC_OPTIONS: tuple[dict, dict] = ({}, {})
 _dummy: dict[int, torch.Tensor] = {}
+_num_sms: dict[int, int] = {}
 
 
 def check_backend(kernel_options) -> str:
@@ -122,16 +125,46 @@ def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype) -> tu
 
 
 def _score_options(num_heads: int) -> dict:
-    """SPEC_OPTIONS[0] for H heads: an n_tile=256 request falls back to 128 for heads it does not cover."""
-    opts = dict(SPEC_OPTIONS[0])
-    if opts.get("n_tile", 128) != 128 and num_heads not in INDEXER_N256_HEADS:
-        opts.pop("n_tile")
+    """SPEC_OPTIONS[0] for H heads (see score_options_for)."""
+    return score_options_for(num_heads, SPEC_OPTIONS[0])
+
+
+def score_options_for(num_heads: int, options: dict) -> dict:
+    """IndexerScoreSpec options the fused path uses for H heads when asked for `options`: n_tile=256 and
+    share_k (two Q tiles per block) fall back to 128 columns per block for heads they do not cover (the
+    slab must hold at least one block; 256 // H tokens would break its bound for H < 32)."""
+    opts = dict(options)
+    if num_heads not in INDEXER_N256_HEADS:
+        if opts.get("n_tile", 128) != 128:
+            opts.pop("n_tile")
+        if opts.get("share_k", IndexerScoreSpec.__dataclass_fields__["share_k"].default):
+            opts["share_k"] = False
     return opts
 
 
 def _n_tile(num_heads: int) -> int:
     """The score kernel's wgmma N (columns per CTA) for H heads under the current SPEC_OPTIONS."""
     return int(_score_options(num_heads).get("n_tile", 128))
+
+
+def _block_tokens(num_heads: int) -> int:
+    """Query tokens per token block (score work item, top-k qc) for H heads under the current SPEC_OPTIONS:
+    n_tile // H, or 2 x 128 // H when the ping-pong kernel shares K tiles between two Q tiles (share_k)."""
+    opts = _score_options(num_heads)
+    if opts.get("share_k"):
+        return 2 * tokens_per_cta(num_heads)
+    return tokens_per_cta(num_heads, _n_tile(num_heads))
+
+
+def _schedule(num_heads: int) -> str:
+    """The score kernel's schedule (IndexerScoreSpec.schedule) under the current SPEC_OPTIONS."""
+    return str(_score_options(num_heads).get("schedule", IndexerScoreSpec.__dataclass_fields__["schedule"].default))
+
+
+def score_ctas(schedule: str, n_items: int, num_sms: int) -> int:
+    """Grid size of a ping-pong / persistent score launch over n_items (token block, chunk) work items:
+    one CTA per item (pingpong), or at most one per SM, each looping over items (persistent)."""
+    return n_items if schedule == "pingpong" else max(1, min(n_items, num_sms))
 
 
 def slab_rows(num_heads: int, s_count: int, n_tile: int = 128) -> int:
@@ -156,8 +189,9 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     _check_layout("k", k)
     score_k, topk_k = _kernels_for(device, h, d, q.dtype)
 
-    n_tile = _n_tile(h)
-    qc = tokens_per_cta(h, n_tile)
+    schedule = _schedule(h)
+    qc = _block_tokens(h)
+    n_tile = qc * h
     n_tblk = -(-t_count // qc)
     total_blk = b * n_tblk
     ld = -(-s_count // 4) * 4
@@ -176,10 +210,20 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     w_sb, w_st, w_sh = weights.stride()
     scale = 1.0 / math.sqrt(h * d)
     causal_i = int(bool(causal))
+    if schedule != "lockstep":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        num_sms = _num_sms.get(index)
+        if num_sms is None:
+            num_sms = _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
     for blk0 in range(0, total_blk, blk_per_slab):
         nblk = min(blk_per_slab, total_blk - blk0)
-        score_k.launch(qv, kv, weights, slab, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
-                       CHUNK_ROWS, n_chunks, causal_i, compress_ratio, w_sb, w_st, w_sh, ld, scale)
+        if schedule == "lockstep":
+            score_k.launch(qv, kv, weights, slab, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
+                           CHUNK_ROWS, n_chunks, causal_i, compress_ratio, w_sb, w_st, w_sh, ld, scale)
+        else:
+            score_k.launch(qv, kv, weights, slab, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
+                           CHUNK_ROWS, n_chunks, score_ctas(schedule, nblk * n_chunks, num_sms), causal_i,
+                           compress_ratio, w_sb, w_st, w_sh, ld, scale)
         topk_k.launch(slab, out, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, qc, nblk * qc, topk,
                       causal_i, compress_ratio, ld)
     return out

@@ -18,24 +18,37 @@ import pytest
 import torch
 
 import dsagen
-from dsagen.spec.families.indexer import (INDEXER_SCORE_ABLATIONS, INDEXER_TOPK_ABLATIONS, IndexerScoreSpec,
-                                          IndexerTopkSpec)
+from dsagen.spec.families.indexer import (INDEXER_PINGPONG_ABLATIONS, INDEXER_SCORE_ABLATIONS, INDEXER_SCORE_SCHEDULES,
+                                          INDEXER_TOPK_ABLATIONS, IndexerScoreSpec, IndexerTopkSpec)
+from dsagen.fused.lightning_indexer import score_options_for
 from poison import POISON_INT32, poison_allocator
 
 ARCH = "sm_90a"
 HEAD_SHAPES = [(64, 128), (8, 64), (16, 128), (32, 64), (128, 128), (8, 128), (64, 64)]
 N256_SHAPES = [(64, 128), (32, 64), (128, 128)]
+#: score-kernel options other than the default (test_score_schedules; bench --variant lockstep / pingpong / turn /
+#: sharek / sharek_turn): the other schedules and the ping-pong kernel's options
+SCORE_VARIANTS = [{"schedule": s} for s in INDEXER_SCORE_SCHEDULES if s != IndexerScoreSpec(arch=ARCH).schedule] + [
+    {"schedule": "persistent", "turn_after_mma": True}, {"schedule": "persistent", "share_k": True},
+    {"schedule": "persistent", "share_k": True, "turn_after_mma": True}, {"schedule": "persistent", "consumers": 3}]
+SCORE_VARIANTS = [v for v in SCORE_VARIANTS if IndexerScoreSpec(arch=ARCH, **v) != IndexerScoreSpec(arch=ARCH)]
+LOCKSTEP = {"schedule": "lockstep"}
 REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH)] + [
-    IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d) for h, d in HEAD_SHAPES] + [
-    IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, dtype="float16")] + [
+    IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d, **score_options_for(h, opts)) for h, d in HEAD_SHAPES
+    for opts in [{}] + SCORE_VARIANTS] + [
+    IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, dtype="float16", **opts)
+    for opts in [{}] + SCORE_VARIANTS] + [
     # the speed variants not yet default (two accumulators per warpgroup; smem key cache): checked here,
     # compared in bench/indexer.py --variant tuned
-    IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, overlap=True), IndexerTopkSpec(arch=ARCH, cache_keys=49152)] + [
+    IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, overlap=True, **LOCKSTEP),
+    IndexerTopkSpec(arch=ARCH, cache_keys=49152)] + [
     # n_tile=256 (4 tokens per CTA at H=64: half the K traffic), not yet default: test_speed_variants_n256,
     # bench/indexer.py --variant n256 / n256k
-    IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d, n_tile=256) for h, d in N256_SHAPES] + [
-    # timing ablations (NOT correct kernels): test_ablation_launch_smoke, bench/indexer.py --variant ablations
-    IndexerScoreSpec(arch=ARCH, ablate=a) for a in INDEXER_SCORE_ABLATIONS if a] + [
+    IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d, n_tile=256, **LOCKSTEP) for h, d in N256_SHAPES] + [
+    # timing ablations of the lock-step kernel (NOT correct kernels): test_ablation_launch_smoke,
+    # bench/indexer.py --variant ablations
+    IndexerScoreSpec(arch=ARCH, ablate=a, **LOCKSTEP) for a in INDEXER_SCORE_ABLATIONS if a] + [
+    IndexerScoreSpec(arch=ARCH, ablate=a, schedule="persistent") for a in INDEXER_PINGPONG_ABLATIONS if a] + [
     IndexerTopkSpec(arch=ARCH, ablate=a) for a in INDEXER_TOPK_ABLATIONS if a]
 
 pytestmark = pytest.mark.gpu
@@ -164,7 +177,7 @@ def test_topk_edges(topk):
     _run_and_check(q, k, w, topk, True)
 
 
-@pytest.mark.parametrize("variant", [({"overlap": True}, {}), ({}, {"cache_keys": 49152})])
+@pytest.mark.parametrize("variant", [({"overlap": True, "schedule": "lockstep"}, {}), ({}, {"cache_keys": 49152})])
 def test_speed_variants(variant, monkeypatch):
     from dsagen.fused import lightning_indexer as fused
 
@@ -195,7 +208,7 @@ def test_speed_variants_n256(case, cache_keys, monkeypatch):
 
     if cache_keys and case not in ("h64_causal", "h64_long_chunks"):
         pytest.skip("the key cache is covered by two cases")
-    monkeypatch.setattr(fused, "SPEC_OPTIONS", ({"n_tile": 256}, {"cache_keys": cache_keys} if cache_keys else {}))
+    monkeypatch.setattr(fused, "SPEC_OPTIONS", ({"n_tile": 256, **LOCKSTEP}, {"cache_keys": cache_keys} if cache_keys else {}))
     h, d, b, t, s, topk, causal, ratio, lens = N256_CASES[case]
     gen = torch.Generator().manual_seed(113 + len(case))
     if lens is None:
@@ -213,12 +226,58 @@ def test_speed_variants_n256(case, cache_keys, monkeypatch):
                for key, v in fused._kernels.items()), "n_tile=256 kernel not used"
 
 
+# score-kernel schedules other than the default (IndexerScoreSpec.schedule), test_score_schedules:
+# id -> (H, D, B, T, S, topk, causal, ratio, packed document lengths or None, weights layout, dtype)
+SCHEDULE_CASES = {
+    "h64_causal": (64, 128, 2, 1500, 1500, 200, True, 1, None, "contiguous", torch.bfloat16),
+    "h64_odd_t_noncausal": (64, 128, 2, 333, 333, 100, False, 1, None, "transposed", torch.bfloat16),
+    "h64_ratio4": (64, 128, 1, 1001, 250, 64, True, 4, None, "contiguous", torch.bfloat16),
+    "h64_ratio3_fp16": (64, 128, 1, 1001, 333, 64, True, 3, None, "strided", torch.float16),
+    "h64_packed": (64, 128, 1, None, None, 40, True, 1, [1, 0, 300, 0, 1, 513, 9], "contiguous", torch.bfloat16),
+    "h64_packed_ratio4": (64, 128, 1, None, None, 40, True, 4, [1, 0, 300, 0, 1, 513, 9], "contiguous", torch.bfloat16),
+    "h64_long_chunks": (64, 128, 1, 4200, 4200, 2048, True, 1, None, "contiguous", torch.bfloat16),
+    "h8_d64": (8, 64, 2, 260, 260, 33, True, 1, None, "broadcast", torch.bfloat16),
+    "h16_d128_noncausal": (16, 128, 1, 517, 517, 50, False, 1, None, "contiguous", torch.bfloat16),
+    "h32_d64": (32, 64, 2, 77, 77, 33, True, 1, None, "contiguous", torch.bfloat16),
+    "h128": (128, 128, 2, 260, 260, 33, True, 1, None, "contiguous", torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("options", SCORE_VARIANTS, ids=["-".join(f"{k}={v}" for k, v in o.items()) for o in SCORE_VARIANTS])
+@pytest.mark.parametrize("case", list(SCHEDULE_CASES))
+def test_score_schedules(case, options, monkeypatch):
+    """The non-default score-kernel options (the whole suite runs the default kernel) on the seed's options."""
+    from dsagen.fused import lightning_indexer as fused
+
+    monkeypatch.setattr(fused, "SPEC_OPTIONS", (options, {}))
+    h, d, b, t, s, topk, causal, ratio, lens, layout, dtype = SCHEDULE_CASES[case]
+    gen = torch.Generator().manual_seed(131 + len(case))
+    if lens is None:
+        q, k, w = _inputs(b, t, h, d, s, gen, dtype=dtype, weights_layout=layout)
+        _run_and_check(q, k, w, topk, causal, ratio)
+    else:
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        cu_k = torch.tensor([0] + [n // ratio for n in lens]).cumsum(0).to(torch.int32)
+        t, s = int(cu[-1]) + 21, int(cu_k[-1]) + 7
+        q, k, w = _inputs(b, t, h, d, s, gen, dtype=dtype, weights_layout=layout)
+        out = _run_and_check(q, k, w, topk, causal, ratio, cu.cuda(), cu_k.cuda())
+        assert (out[0, int(cu[-1]):].cpu() == -1).all()
+    want = IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d, dtype=_DTYPE_NAMES[dtype], **score_options_for(h, options))
+    assert any(key[-1] == repr(fused.SPEC_OPTIONS) and v[0].name == want.name()
+               for key, v in fused._kernels.items()), f"{want.name()} was not used"
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
 # --------------------------------------------------------------------- timing ablations: LAUNCH SMOKE ONLY
 # The ablate=... kernels leave a stage out on purpose (no epilogue, no stores, no K loads, one pass, ...):
 # their outputs are NOT the indexer's and are NOT checked here. This test only checks that each one is the
 # kernel that ran, that it launches on the fused path's real arguments and that it finishes (no hang, no
 # launch or device error), so that `bench/indexer.py --variant ablations --profile` can time them.
-ABLATION_OPTIONS = ([("score-" + a, ({"ablate": a}, {})) for a in INDEXER_SCORE_ABLATIONS if a]
+ABLATION_OPTIONS = ([("score-" + a, ({"ablate": a, **LOCKSTEP}, {})) for a in INDEXER_SCORE_ABLATIONS if a]
+                    + [("persistent-" + a, ({"ablate": a, "schedule": "persistent"}, {}))
+                       for a in INDEXER_PINGPONG_ABLATIONS if a]
                     + [("topk-" + a, ({}, {"ablate": a})) for a in INDEXER_TOPK_ABLATIONS if a])
 
 

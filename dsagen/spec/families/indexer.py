@@ -33,7 +33,7 @@ SLAB_BYTES = 32 * 2 ** 20
 SLAB_MAX_ROWS = 1024
 
 
-#: wgmma N tiles of the score kernel ((token, head) columns per CTA). 256 is an option (n_tile) for
+#: wgmma N tiles of the lock-step score kernel ((token, head) columns per CTA). 256 is an option (n_tile) for
 #: H >= 32: a K tile read from L2 then serves twice as many tokens (half the K traffic).
 INDEXER_N_TILES = (128, 256)
 #: Heads for which n_tile=256 is implemented (below 32 the per-token bounds take too many registers).
@@ -50,6 +50,8 @@ INDEXER_N256_HEADS = (32, 64, 128)
 #:   no_kload     K tiles not loaded (stage barriers complete on the arrive; MMA reads stale smem): K traffic cost
 #:   one_tile     at most one K tile per CTA: launch + per-CTA fixed cost (prologue, Q load, pipeline fill)
 INDEXER_SCORE_ABLATIONS = ("", "no_epilogue", "mma_k16", "skeleton", "no_store", "no_kload", "one_tile")
+#: The ablations the ping-pong / persistent kernel implements (same meaning; without turn_after_mma / share_k).
+INDEXER_PINGPONG_ABLATIONS = ("", "no_epilogue", "mma_k16")
 #: Timing ablations of the top-k kernel (IndexerTopkSpec.ablate), NOT correct kernels (rows with more than
 #: topk candidates write no output):
 #:   hist1         the first radix pass only (row read + shared-atomic histogram + bin scan)
@@ -58,6 +60,15 @@ INDEXER_SCORE_ABLATIONS = ("", "no_epilogue", "mma_k16", "skeleton", "no_store",
 #:   read1_ilp4    read1 with 4 independent loads in flight per thread (Little's law check)
 #:   no_emit       the 4 radix passes, no ordered emit pass
 INDEXER_TOPK_ABLATIONS = ("", "hist1", "hist1_spread", "read1", "read1_ilp4", "no_emit")
+#: Schedules of the score kernel (IndexerScoreSpec.schedule):
+#:   lockstep    one CTA per (token block, chunk); both consumer warpgroups take 64 rows of the same 128-row
+#:               stage, so their MMAs and epilogues run at the same time (template lightning_indexer_score)
+#:   pingpong    alternate 64-row tiles per consumer warpgroup, named barriers order their wgmma issues, so
+#:               one warpgroup's epilogue runs under the other's MMA; one CTA per work item
+#:               (template lightning_indexer_score_pingpong)
+#:   persistent  pingpong with about one CTA per SM, each looping over work items; a scheduler warp and
+#:               2 Q buffers prepare the next item while the current one runs
+INDEXER_SCORE_SCHEDULES = ("lockstep", "pingpong", "persistent")
 
 
 def tokens_per_cta(num_heads: int, n_tile: int = 128) -> int:
@@ -70,27 +81,49 @@ def tokens_per_cta(num_heads: int, n_tile: int = 128) -> int:
 class IndexerScoreSpec(KernelSpec):
     """Lightning-indexer scores into an fp32 slab, on sm_90a tensor cores (wgmma).
 
-    One CTA = 128 // num_heads consecutive query tokens of one batch element x one chunk of candidates.
-    Warp-specialized: a TMA producer warp streams 64-row K tiles through `stages` smem buffers; each
-    of the 2 consumer warpgroups multiplies its 64 K rows (wgmma M) by the CTA's Q tile (N = 128
-    (token, head) columns), then applies ReLU, the per-head weights and the head sum in registers and
-    writes the scores of the candidates each token may select.
+    Work item = a token block (128 // num_heads consecutive query tokens of one batch element: the wgmma N
+    tile of 128 (token, head) columns) x one chunk of candidates. Warp-specialized: a TMA producer warp
+    streams K tiles through smem; 2 consumer warpgroups multiply 64 K rows each (wgmma M) by the block's Q
+    tile, then apply ReLU, the per-head weights and the head sum in registers and write the scores of the
+    candidates each token may select. How the consumers share the work is the `schedule`:
+
+    schedule: one of INDEXER_SCORE_SCHEDULES. "persistent" (the default; GPU-measured fastest, see
+    notes/kernels/indexer.md): about one CTA per SM loops over work items; a scheduler warp publishes each
+    item's bounds and weights, 2 Q buffers let the next item's Q load during the current one; the consumer
+    warpgroups take alternate 64-row K tiles (ring of 2 * stages 64-row slots) and two named barriers order
+    their wgmma issues (ping-pong), so one warpgroup's epilogue runs under the other's MMA. "pingpong": the
+    same kernel with one CTA per work item. "lockstep" (session 1): one CTA per item, both warpgroups take
+    64 rows of the same 128-row stage (`stages` of them), so their MMAs and epilogues run at the same time.
+    The host passes the grid size (n_ctas) to the ping-pong / persistent kernel.
 
     num_heads: H, one of INDEXER_HEADS.  head_dim: D, one of INDEXER_HEAD_DIMS.
-    dtype: q / k / weights element type ("bfloat16" or "float16").  stages: K pipeline depth.
-    overlap: two accumulators per warpgroup, so the second tile's wgmma runs during the first tile's
-    epilogue (False, the default: one accumulator, wgmma and epilogue alternate within a warpgroup).
-    overlap=True compiles to pipelined HGMMA (SASS checked) but has not run on a GPU yet, so it is
-    not the default; see notes/kernels/indexer.md.
-    n_tile: wgmma N, the (token, head) columns of one CTA: 128 (default) or 256 (H in INDEXER_N256_HEADS;
-    2 x the tokens per CTA, so every K tile read from L2 serves twice the tokens; 128 accumulator
-    registers per thread, so not with overlap). Compile- and SASS-checked, not yet run on a GPU.
-    ablate: "" (the real kernel) or one of INDEXER_SCORE_ABLATIONS: a timing probe that leaves one stage
-    out. Its output is NOT the indexer's; only bench/indexer.py --variant ablate-* and launch smoke tests use it.
+    dtype: q / k / weights element type ("bfloat16" or "float16").  stages: K buffering in 128-row units.
+    overlap (lockstep only): two accumulators per warpgroup, the second tile's wgmma runs during the first
+    tile's epilogue. GPU-measured 4% slower than without.
+    n_tile (lockstep only): wgmma N, the (token, head) columns of one CTA: 128 or 256 (H in INDEXER_N256_HEADS;
+    2 x the tokens per CTA, so every K tile read from L2 serves twice the tokens). GPU-measured 5% slower.
+    ablate: "" (the real kernel) or a timing probe that leaves one stage out: one of INDEXER_SCORE_ABLATIONS
+    (lockstep) or INDEXER_PINGPONG_ABLATIONS (pingpong / persistent). Its output is NOT the indexer's; only
+    bench/indexer.py --variant ablate-* and launch smoke tests use it.
+    turn_after_mma (ping-pong schedules): a warpgroup passes the wgmma turn to the other once all but the last
+    quarter of its tile's wgmmas have completed (False: right after issuing them). GPU-measured: no change.
+    share_k (ping-pong schedules, H in INDEXER_N256_HEADS; the host turns it off for other H): a work item is
+    2 x 128 // H tokens, one Q tile per consumer warpgroup, both warpgroups multiply every 64-row K tile (in
+    turn), so each K tile read from L2 serves twice the tokens (K ring of `stages` 64-row slots, 4 Q
+    buffers). GPU-measured 15% slower at T=32768.
+    consumers (ping-pong schedules): consumer warpgroups, 2 or 3 (512 threads; setmaxnreg 40 / 3 x 152); with 3,
+    64-row tiles go round WG0 -> WG1 -> WG2, so each warpgroup has two other tiles' MMA time for its epilogue.
+    Compile- and SASS-checked only (not run on a GPU yet).
     """
 
     op = "lightning_indexer_score"
-    template = "lightning_indexer_score.py.j2"
+
+    @property
+    def template(self) -> str:  # type: ignore[override]
+        """The lock-step kernel and the ping-pong / persistent kernel are separate templates."""
+        if self.schedule == "lockstep":
+            return "lightning_indexer_score.py.j2"
+        return "lightning_indexer_score_pingpong.py.j2"
 
     num_heads: int = 64
     head_dim: int = 128
@@ -99,9 +132,31 @@ class IndexerScoreSpec(KernelSpec):
     overlap: bool = False
     n_tile: int = 128
     ablate: str = ""
+    schedule: str = "persistent"
+    turn_after_mma: bool = False
+    share_k: bool = False
+    consumers: int = 2
 
     def reasons(self) -> list[str]:
         out = super().reasons()
+        if self.schedule not in INDEXER_SCORE_SCHEDULES:
+            out.append(f"schedule={self.schedule!r} is not supported; choose one of {INDEXER_SCORE_SCHEDULES}")
+        elif self.schedule != "lockstep":
+            if self.n_tile != 128 or self.overlap or self.ablate not in INDEXER_PINGPONG_ABLATIONS:
+                out.append(f"schedule={self.schedule!r} is implemented for n_tile=128 without overlap and with "
+                           f"ablate in {INDEXER_PINGPONG_ABLATIONS} only; n_tile=256, overlap and the other "
+                           f"ablations need schedule='lockstep'")
+            elif self.ablate and (self.turn_after_mma or self.share_k):
+                out.append("the ping-pong ablations apply without turn_after_mma and share_k only")
+        if self.consumers not in (2, 3):
+            out.append(f"consumers={self.consumers} must be 2 or 3")
+        elif self.consumers == 3 and (self.schedule == "lockstep" or self.share_k or self.turn_after_mma or self.ablate):
+            out.append("consumers=3 is an option of the ping-pong schedules without share_k, turn_after_mma and ablate")
+        if self.schedule == "lockstep" and (self.turn_after_mma or self.share_k):
+            out.append("turn_after_mma and share_k are options of the ping-pong schedules (pingpong, persistent)")
+        if self.share_k and self.num_heads in INDEXER_HEADS and self.num_heads not in INDEXER_N256_HEADS:
+            out.append(f"share_k needs num_heads in {INDEXER_N256_HEADS} (2 x 128 // H tokens per block keep the "
+                       f"slab bound), got {self.num_heads}")
         if self.arch != "sm_90a":
             out.append(f"the lightning-indexer score kernel is implemented for sm_90a only, not {self.arch}")
         if self.num_heads not in INDEXER_HEADS:
@@ -133,6 +188,10 @@ class IndexerScoreSpec(KernelSpec):
         """Dynamic shared memory of the kernel (Q tile + K stages + barriers/bounds), an estimate
         kept in step with the template's smem struct (the generator checks the real value)."""
         n = self.n_tile if self.n_tile in INDEXER_N_TILES else 128
+        if self.schedule != "lockstep":                  # 2 item slots x (1 or 2) Q tiles, 64-row K slots
+            nq = 2 if self.share_k else 1
+            kslots = self.stages if self.share_k else 2 * self.stages
+            return 2 * nq * 128 * self.head_dim * 2 + kslots * 64 * self.head_dim * 2 + 4096
         return n * self.head_dim * 2 + self.stages * 128 * self.head_dim * 2 + 2048
 
 

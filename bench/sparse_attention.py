@@ -1,6 +1,6 @@
 """Sparse MLA forward: the fused sm_90a kernel against the plain-PyTorch reference, in one run (GPU).
 
-    python bench/sparse_attention.py [--quick] [--reps N] [--json FILE] [--schedule split] [--cases 0,2]
+    python bench/sparse_attention.py [--quick] [--reps N] [--json FILE] [--schedule split|split_halves] [--cases 0,2]
                                      [--ablate [no_gather,no_math,...]] [--ncu]
 
 --schedule S also times the fused kernel under SparseAttnFwdSpec.schedule S (dsagen.fused.sparse_attention
@@ -14,7 +14,7 @@ H=128. Ids are distinct per row (start + i * odd stride mod pool: scattered, no 
 --ablate [LIST] (default: every SparseAttnFwdSpec ablation) also times the TIMING-ONLY ablated kernels
 (dsagen.fused.sparse_attention.ablated_forward; each leaves one stage out: no_gather, no_math, no_softmax,
 no_pv, no_mask) next to the real kernel on the same inputs, under the default schedule and under --schedule
-when given, for the H=128 / D_qk=576 cases (the shapes built by tests/gpu/test_sparse_attention.py). A second
+when given (schedules "serial" and "split" only: the ablations exist for those), for the H=128 / D_qk=576 cases (the shapes built by tests/gpu/test_sparse_attention.py). A second
 table lists each variant's time and its difference to the real kernel; the differences place the time.
 --cases I,J keeps only those rows of the case list (0 = prefill 4096 / H128 / 576 / KV 32768).
 --ncu launches the real kernel and each ablated kernel of --ablate (default all) once on case 0, under the default
@@ -38,6 +38,7 @@ import torch
 
 import dsagen
 import dsagen.fused.sparse_attention as fused_sa
+from dsagen.spec.families.sparse_attention import ABLATION_SCHEDULES
 
 
 def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.Tensor:
@@ -94,6 +95,8 @@ def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0,
         del base_out, base_lse, v_out, v_lse
     if ablate and (h, d_qk) in ABLATE_SHAPES:
         for sch in dict.fromkeys([default] + ([schedule] if schedule else [])):
+            if sch not in ABLATION_SCHEDULES:
+                continue
             full = ms if sch == default else row[f"{sch}_ms"]
             for a in ablate:
                 f = lambda: fused_sa.ablated_forward(q, kv, ids, ablate=a, attn_sink=sink, d_v=d_v, schedule=sch)
@@ -195,7 +198,7 @@ def ncu_launches(ablate, schedule=None) -> None:
     sink = torch.randn(h, generator=gen).cuda()
     n = 0
     for sch in dict.fromkeys([fused_sa.SCHEDULE] + ([schedule] if schedule else [])):
-        for a in [""] + list(ablate):
+        for a in [""] + (list(ablate) if sch in ABLATION_SCHEDULES else []):
             if a:
                 fused_sa.ablated_forward(q, kv, ids, ablate=a, attn_sink=sink, schedule=sch)
             else:

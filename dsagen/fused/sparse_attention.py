@@ -22,15 +22,16 @@ from typing import Optional
 import torch
 
 from ..runtime import LoadedKernel, device_arch, get_kernel
-from ..spec.families.sparse_attention import ABLATIONS, SCHEDULES, SPLIT_REGS, SparseAttnFwdSpec
+from ..spec.families.sparse_attention import ABLATIONS, SCHEDULE_REGS, SCHEDULES, SparseAttnFwdSpec
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_GRID_X = 2**31 - 1
 _kernels: dict[tuple, LoadedKernel] = {}
 
 # Run-time choice of the kernel schedule (SparseAttnFwdSpec.schedule) without changing the default:
-# "serial" (verified default) or "split" (FlashMLA's even/odd split of the tiles between the two consumer
-# warpgroups). Tests and benches set it (`dsagen.fused.sparse_attention.SCHEDULE = "split"`).
+# "serial" (verified default), "split" (FlashMLA's even/odd split of the tiles between the two consumer
+# warpgroups) or "split_halves" (the split with FlashMLA's half-stage barriers and asymmetric max exchange).
+# Tests and benches set it (`dsagen.fused.sparse_attention.SCHEDULE = "split_halves"`).
 SCHEDULE: str = "serial"
 
 
@@ -44,7 +45,7 @@ def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a"
         raise ValueError(f"sparse_attention: schedule {schedule!r} is not one of {SCHEDULES}")
     if ablate and ablate not in ABLATIONS:
         raise ValueError(f"sparse_attention: ablate {ablate!r} is not one of {tuple(ABLATIONS)}")
-    extra = dict(SPLIT_REGS, schedule="split") if schedule == "split" else {}
+    extra = dict(SCHEDULE_REGS[schedule], schedule=schedule) if schedule != "serial" else {}
     if ablate:
         extra["ablate"] = ablate
     return SparseAttnFwdSpec(arch=arch, num_heads=64 if num_heads <= 64 else 128, d_qk=d_qk, d_v=512,

@@ -4,7 +4,8 @@ padded, D_qk 512/576 with d_v 512, top-k widths that are and are not multiples o
 negative and out-of-range ids, duplicates, all-invalid rows, with and without sink, total_S_q = 1, the
 batched seed-002 layout, fp16, gradients, CUDA-graph capture and torch.compile.
 The correctness tests that take the `schedule` fixture run under both kernel schedules
-(SparseAttnFwdSpec.schedule "serial", the default, and "split", FlashMLA's even/odd split), selected through
+(SparseAttnFwdSpec.schedule "serial", the default, "split", FlashMLA's even/odd split, and "split_halves", the
+split with FlashMLA's half-stage barriers and asymmetric max exchange), selected through
 dsagen.fused.sparse_attention.SCHEDULE; the others use the default.
 
 Build what these need first (CPU, with CuTe-DSL):
@@ -22,11 +23,12 @@ import torch
 
 import dsagen
 import dsagen.fused.sparse_attention as fused_sa
-from dsagen.spec.families.sparse_attention import ABLATIONS, SCHEDULES, SPLIT_REGS, SparseAttnFwdSpec
+from dsagen.spec.families.sparse_attention import (ABLATION_SCHEDULES, ABLATIONS, SCHEDULE_REGS, SCHEDULES,
+                                                   SparseAttnFwdSpec)
 from poison import poison_allocator
 
 ARCH = "sm_90a"
-_SCHED_FIELDS = {"serial": {}, "split": dict(SPLIT_REGS, schedule="split")}
+_SCHED_FIELDS = {sch: dict(SCHEDULE_REGS[sch], schedule=sch) for sch in SCHEDULES}
 REQUIRED_SPECS = [
     SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, **_SCHED_FIELDS[sch])
     for sch in SCHEDULES for h in (64, 128) for d in (512, 576)
@@ -34,7 +36,7 @@ REQUIRED_SPECS = [
      for sch in SCHEDULES]
 # timing-only ablated kernels (bench/sparse_attention.py --ablate; smoke-tested below, NOT correctness-tested)
 REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=128, d_qk=576, d_v=512, ablate=a, **_SCHED_FIELDS[sch])
-                   for sch in SCHEDULES for a in ABLATIONS]
+                   for sch in ABLATION_SCHEDULES for a in ABLATIONS]
 
 pytestmark = pytest.mark.gpu
 
@@ -180,14 +182,15 @@ def test_sink_only_in_denominator(schedule):
 
 @pytest.mark.parametrize("h,d_qk", [(64, 576), (128, 576), (64, 512), (128, 512)])
 @pytest.mark.parametrize("sink", [True, False])
-def test_split_odd_tile_counts(h, d_qk, sink, monkeypatch):
-    """schedule="split" pairs the tiles (even -> WG1, odd -> WG2) and pads an odd count with an all-masked
+@pytest.mark.parametrize("split", ["split", "split_halves"])
+def test_split_odd_tile_counts(h, d_qk, sink, split, monkeypatch):
+    """The split schedules pair the tiles (even -> WG1, odd -> WG2) and pad an odd count with an all-masked
     tile: every tile count 0..5 in one batch (topk_length), adversarial ids, against the reference and
     against the serial schedule."""
     q, kv, ids, attn_sink, _ = make_inputs(12, h, d_qk, 320, 900, seed=h + d_qk + sink, sink=sink,
                                            adversarial=True)
     tl = torch.tensor([0, 1, 63, 64, 65, 128, 129, 191, 192, 257, 320, 500], dtype=torch.int32, device=DEV)
-    monkeypatch.setattr(fused_sa, "SCHEDULE", "split")
+    monkeypatch.setattr(fused_sa, "SCHEDULE", split)
     out, lse, m = check_against_reference(q, kv, ids, attn_sink, tl)
     monkeypatch.setattr(fused_sa, "SCHEDULE", "serial")
     s_out, s_lse, s_m = dsagen.sparse_attention(q, kv, ids, attn_sink=attn_sink, topk_length=tl, impl="fused")
@@ -251,7 +254,7 @@ def test_torch_compile():
 
 
 @pytest.mark.parametrize("ablate", list(ABLATIONS))
-@pytest.mark.parametrize("sched", SCHEDULES)
+@pytest.mark.parametrize("sched", ABLATION_SCHEDULES)
 def test_ablated_kernels_launch_and_finish(ablate, sched):
     """SMOKE TEST ONLY, not a correctness test: the timing-only ablated kernels (a stage left out, outputs are
     not attention) launch on the bench's shape family, finish (a hang would be a broken barrier protocol),

@@ -1,11 +1,12 @@
 """Sparse MLA forward: the fused sm_90a kernel against the plain-PyTorch reference, in one run (GPU).
 
-    python bench/sparse_attention.py [--quick] [--reps N] [--json FILE] [--schedule split|split_halves] [--cases 0,2]
+    python bench/sparse_attention.py [--quick] [--reps N] [--json FILE] [--schedule split|split_halves [--l2-hint]] [--cases 0,2]
                                      [--ablate [no_gather,no_math,...]] [--ncu]
 
 --schedule S also times the fused kernel under SparseAttnFwdSpec.schedule S (dsagen.fused.sparse_attention
 .SCHEDULE) next to the default ("serial") in the same run, on the same inputs: columns `S ms`, `TFLOP/s`,
 `x` (default time / S time) and, in the JSON, the max abs difference of S's out/lse from the default's.
+--l2-hint (with --schedule split_halves) times that schedule with SparseAttnFwdSpec.l2_hint instead.
 
 Shapes (issue 5): prefill T = 4096 and 32768 query rows over a KV pool of 32768 and 131072 rows, H=128,
 D_qk 576, d_v 512, top-k 2048, with sink; H=64 with D_qk 512; decode 64 and 128 sequences x 1 query row,
@@ -65,7 +66,8 @@ def time_ms(fn, reps: int, rounds: int = 5) -> float:
 ABLATE_SHAPES = {(128, 576)}      # (H, D_qk) of the ablated kernels that the GPU tests' REQUIRED_SPECS build
 
 
-def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0, schedule=None, ablate=()):
+def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0, schedule=None, ablate=(),
+             l2_hint=False):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn((s_q, h, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
     kv = torch.randn((n_kv, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
@@ -80,14 +82,14 @@ def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0,
     default = fused_sa.SCHEDULE
     ms = time_ms(lambda: call("fused"), reps)
     row.update(fused_ms=ms, fused_tflops=flops / ms / 1e9, fused_gbps=nbytes / ms / 1e6)
-    if schedule and schedule != default:
+    if schedule and (schedule != default or l2_hint):
         base_out, base_lse, _ = call("fused")
-        fused_sa.SCHEDULE = schedule
+        fused_sa.SCHEDULE, fused_sa.L2_HINT = schedule, l2_hint
         try:
             sms = time_ms(lambda: call("fused"), reps)
             v_out, v_lse, _ = call("fused")
         finally:
-            fused_sa.SCHEDULE = default
+            fused_sa.SCHEDULE, fused_sa.L2_HINT = default, False
         row.update({f"{schedule}_ms": sms, f"{schedule}_tflops": flops / sms / 1e9,
                     f"{schedule}_speedup": ms / sms,
                     f"{schedule}_max_abs_diff_out": (v_out.float() - base_out.float()).abs().max().item(),
@@ -123,6 +125,8 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--schedule", choices=[s for s in fused_sa.SCHEDULES if s != "serial"],
                     help="also time this kernel schedule next to the default, in the same run")
+    ap.add_argument("--l2-hint", action="store_true",
+                    help="--schedule split_halves with SparseAttnFwdSpec.l2_hint (L2::256B prefetch + evict_last)")
     ap.add_argument("--ablate", nargs="?", const=",".join(fused_sa.ABLATIONS), default="",
                     help="comma list of timing-only ablations to time next to the real kernel (default: all)")
     ap.add_argument("--cases", help="comma list of case indices to run (default: all of the list)")
@@ -135,7 +139,9 @@ def main() -> None:
     if args.ncu:
         ncu_launches(ablate or list(fused_sa.ABLATIONS), args.schedule)
         return
-    if args.schedule == fused_sa.SCHEDULE:
+    if args.l2_hint and args.schedule != "split_halves":
+        ap.error("--l2-hint needs --schedule split_halves")
+    if args.schedule == fused_sa.SCHEDULE and not args.l2_hint:
         ap.error(f"--schedule {args.schedule} is already the default schedule of this run")
     ref = 0 if args.no_torch else 1
     cases = [("prefill", 4096, 128, 576, 32768, 2048, ref), ("prefill", 4096, 128, 576, 131072, 2048, ref),
@@ -155,7 +161,7 @@ def main() -> None:
     print(hdr)
     for name, s_q, h, d, n_kv, topk, r in cases:
         row = run_case(name, s_q, h, d, n_kv, topk, reps=args.reps if s_q <= 4096 else max(2, args.reps // 4),
-                       ref_reps=r, schedule=args.schedule, ablate=ablate)
+                       ref_reps=r, schedule=args.schedule, ablate=ablate, l2_hint=args.l2_hint)
         rows.append(row)
         tail = (f"{row['torch_ms']:9.2f} {row['torch_tflops']:8.1f} {row['speedup']:6.1f}" if "torch_ms" in row
                 else f"{'-':>9} {'-':>8} {'-':>6}")
@@ -183,7 +189,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "default_schedule": fused_sa.SCHEDULE, "schedule": args.schedule, "ablate": ablate,
+                       "default_schedule": fused_sa.SCHEDULE, "schedule": args.schedule, "l2_hint": args.l2_hint,
+                       "ablate": ablate,
                        "rows": rows}, f, indent=1)
 
 

@@ -40,6 +40,7 @@ def test_default_spec_is_the_v32_shape_and_valid():
     (dict(ablate="no_everything"), "ablate='no_everything'"),
     (dict(ablate="no_pv", **HALVES), "not 'split_halves'"),
     (dict(schedule="split_halves", regs_producer=56), "exceeds 504"),
+    (dict(l2_hint=True), "l2_hint=True exists for schedule 'split_halves' only"),
 ])
 def test_invalid_specs_say_why(kw, needle):
     spec = SparseAttnFwdSpec(**{"arch": "sm_90a", **kw})
@@ -54,7 +55,8 @@ def test_every_field_changes_the_identity():
     others = [SparseAttnFwdSpec(arch="sm_90a", num_heads=64), SparseAttnFwdSpec(arch="sm_90a", d_qk=512),
               SparseAttnFwdSpec(arch="sm_90a", dtype="float16"),
               SparseAttnFwdSpec(arch="sm_90a", regs_qk=240, regs_pv=224),
-              SparseAttnFwdSpec(arch="sm_90a", **SPLIT), SparseAttnFwdSpec(arch="sm_90a", **HALVES)] + [
+              SparseAttnFwdSpec(arch="sm_90a", **SPLIT), SparseAttnFwdSpec(arch="sm_90a", **HALVES),
+              SparseAttnFwdSpec(arch="sm_90a", l2_hint=True, **HALVES)] + [
               SparseAttnFwdSpec(arch="sm_90a", ablate=a) for a in ABLATIONS]
     keys = {base.canonical_json()} | {o.canonical_json() for o in others}
     assert len(keys) == 1 + len(others)
@@ -176,6 +178,13 @@ def test_split_halves_spec_and_selection():
     assert fsa.spec_for(128, 576, torch.bfloat16, schedule="split_halves") == s
     assert fsa.spec_for(32, 512, torch.bfloat16, schedule="split_halves") == SparseAttnFwdSpec(
         arch="sm_90a", num_heads=64, d_qk=512, **HALVES)
+    assert fsa.L2_HINT is False
+    try:
+        fsa.L2_HINT = True
+        assert fsa.spec_for(128, 576, torch.bfloat16, schedule="split_halves").l2_hint
+        assert not fsa.spec_for(128, 576, torch.bfloat16, schedule="serial").l2_hint
+    finally:
+        fsa.L2_HINT = False
 
 
 @pytest.mark.parametrize("d_qk", [512, 576])
@@ -191,6 +200,26 @@ def test_render_split_halves(d_qk):
     assert waits[:4] == ["4", "7", "5", "6"]                  # producer: free[0][L], free[1][R], free[0][R], free[1][L]
     # the P tiles: P0 in stage 0's RoPE tile at 576 (one extra tile for P1), two tiles at 512
     assert ("MemRange[DT, M * BN]" in src) == (d_qk == 576)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d_qk", [512, 576])
+def test_l2_hint_compiles_to_prefetching_gathers(d_qk, tmp_path):
+    from dsagen.gen.build import compile_module
+    from dsagen.gen.sass import disassemble, find_nvdisasm
+
+    spec = SparseAttnFwdSpec(arch="sm_90a", d_qk=d_qk, l2_hint=True, **HALVES)
+    plain = render(SparseAttnFwdSpec(arch="sm_90a", d_qk=d_qk, **HALVES))
+    src = render(spec)
+    assert "cp_async_16_l2_hint" in src and "cp_async_16_l2_hint" not in plain
+    ck = compile_module(spec, src, tmp_path)
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    sass = disassemble(ck.cubin)
+    nkb = d_qk // 64
+    # the KV gather (4 rows x nkb chunks x 2 tiles per thread) prefetches 256-byte L2 lines; Q's gather does not
+    assert len(re.findall(r"LDGSTS\.E\.BYPASS\.LTC256B\.128 ", sass)) == 2 * 4 * nkb
+    assert len(re.findall(r"LDGSTS\.E\.BYPASS\.128 ", sass)) == 4 * nkb
 
 
 @pytest.mark.compile

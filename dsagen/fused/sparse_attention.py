@@ -33,12 +33,15 @@ _kernels: dict[tuple, LoadedKernel] = {}
 # warpgroups) or "split_halves" (the split with FlashMLA's half-stage barriers and asymmetric max exchange).
 # Tests and benches set it (`dsagen.fused.sparse_attention.SCHEDULE = "split_halves"`).
 SCHEDULE: str = "serial"
+# Run-time choice of SparseAttnFwdSpec.l2_hint (FlashMLA's L2::256B prefetch + evict_last policy on the KV
+# gather) for schedule "split_halves"; ignored by the other schedules.
+L2_HINT: bool = False
 
 
 def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a",
              schedule: str | None = None, ablate: str = "") -> SparseAttnFwdSpec:
     """The kernel spec that serves `num_heads` query heads (after padding to 64 or 128) under `schedule`
-    (default: the module's SCHEDULE). `ablate` (timing only, see `ablated_forward`) selects a variant
+    (default: the module's SCHEDULE; "split_halves" takes the module's L2_HINT). `ablate` (timing only, see `ablated_forward`) selects a variant
     that leaves one stage out."""
     schedule = SCHEDULE if schedule is None else schedule
     if schedule not in SCHEDULES:
@@ -46,6 +49,8 @@ def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a"
     if ablate and ablate not in ABLATIONS:
         raise ValueError(f"sparse_attention: ablate {ablate!r} is not one of {tuple(ABLATIONS)}")
     extra = dict(SCHEDULE_REGS[schedule], schedule=schedule) if schedule != "serial" else {}
+    if schedule == "split_halves" and L2_HINT:
+        extra["l2_hint"] = True
     if ablate:
         extra["ablate"] = ablate
     return SparseAttnFwdSpec(arch=arch, num_heads=64 if num_heads <= 64 else 128, d_qk=d_qk, d_v=512,

@@ -34,6 +34,9 @@ REQUIRED_SPECS = [
     for sch in SCHEDULES for h in (64, 128) for d in (512, 576)
 ] + [SparseAttnFwdSpec(arch=ARCH, num_heads=64, d_qk=576, d_v=512, dtype="float16", **_SCHED_FIELDS[sch])
      for sch in SCHEDULES]
+# schedule "split_halves" with SparseAttnFwdSpec.l2_hint (fused_sa.L2_HINT)
+REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, l2_hint=True,
+                                     **_SCHED_FIELDS["split_halves"]) for h in (64, 128) for d in (512, 576)]
 # timing-only ablated kernels (bench/sparse_attention.py --ablate; smoke-tested below, NOT correctness-tested)
 REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=128, d_qk=576, d_v=512, ablate=a, **_SCHED_FIELDS[sch])
                    for sch in ABLATION_SCHEDULES for a in ABLATIONS]
@@ -199,6 +202,17 @@ def test_split_odd_tile_counts(h, d_qk, sink, split, monkeypatch):
     torch.testing.assert_close(m, s_m, atol=1e-5, rtol=1e-6)
     assert (out[0] == 0).all() and torch.isposinf(lse[0]).all()          # topk_length 0
     assert (out[1] == 0).all()                                           # adversarial row 1: no valid id
+
+
+@pytest.mark.parametrize("h,d_qk,k,length", [(128, 576, 2048, False), (64, 512, 300, True), (128, 512, 333, True),
+                                              (64, 576, 1000, False)])
+def test_l2_hint_adversarial(h, d_qk, k, length, monkeypatch):
+    """schedule "split_halves" with l2_hint (the gather's cp.async with an L2::256B prefetch and an evict_last
+    policy, zero-filling invalid rows like the plain one): adversarial ids, with and without topk_length."""
+    monkeypatch.setattr(fused_sa, "SCHEDULE", "split_halves")
+    monkeypatch.setattr(fused_sa, "L2_HINT", True)
+    assert fused_sa.spec_for(h, d_qk, torch.bfloat16).l2_hint
+    check_against_reference(*make_inputs(5, h, d_qk, k, 3000, seed=k + h, length=length, adversarial=True))
 
 
 def test_batched_layout():

@@ -75,6 +75,8 @@ class SparseAttnFwdSpec(KernelSpec):
         its softmax with its own running max and issues its PV at once, then rescales P and O by the pair
         max from WG2), and the next pair's QK^T issued before the last PV of the pair retires. The two
         consumers run different code (HALVES_REGS is the budget the op uses).
+    l2_hint: the KV gather's cp.async carries FlashMLA's hints, a 256-byte L2 prefetch and an L2 evict_last
+      cache policy (schedule "split_halves" only). Default off.
     ablate: "" (the real kernel) or one of ABLATIONS: a TIMING-ONLY variant that leaves one stage out
       (bench/sparse_attention.py --ablate); its outputs are not attention and the op never selects it.
 
@@ -94,6 +96,7 @@ class SparseAttnFwdSpec(KernelSpec):
     regs_qk: int = 248
     regs_pv: int = 216
     schedule: str = "serial"
+    l2_hint: bool = False
     ablate: str = ""
 
     def reasons(self) -> list[str]:
@@ -118,6 +121,8 @@ class SparseAttnFwdSpec(KernelSpec):
         elif self.schedule == "split" and self.regs_qk != self.regs_pv:
             out.append(f"schedule={self.schedule!r} gives both consumer warpgroups the same work: "
                        f"regs_qk={self.regs_qk} must equal regs_pv={self.regs_pv} (e.g. {SPLIT_REGS})")
+        if self.l2_hint and self.schedule != "split_halves":
+            out.append(f"l2_hint=True exists for schedule 'split_halves' only, not {self.schedule!r}")
         if self.ablate and self.ablate not in ABLATIONS:
             out.append(f"ablate={self.ablate!r} must be '' or one of {tuple(ABLATIONS)}")
         elif self.ablate and self.schedule not in ABLATION_SCHEDULES:

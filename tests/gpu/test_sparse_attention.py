@@ -35,8 +35,11 @@ REQUIRED_SPECS = [
 ] + [SparseAttnFwdSpec(arch=ARCH, num_heads=64, d_qk=576, d_v=512, dtype="float16", **_SCHED_FIELDS[sch])
      for sch in SCHEDULES]
 # schedule "split_halves" with SparseAttnFwdSpec.l2_hint (fused_sa.L2_HINT)
+# (every shape and dtype the default-schedule tests use, so the file also runs with L2_HINT as the module default)
 REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, l2_hint=True,
                                      **_SCHED_FIELDS["split_halves"]) for h in (64, 128) for d in (512, 576)]
+REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=64, d_qk=576, d_v=512, dtype="float16", l2_hint=True,
+                                     **_SCHED_FIELDS["split_halves"])]
 # timing-only ablated kernels (bench/sparse_attention.py --ablate; smoke-tested below, NOT correctness-tested)
 REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=128, d_qk=576, d_v=512, ablate=a, **_SCHED_FIELDS[sch])
                    for sch in ABLATION_SCHEDULES for a in ABLATIONS]

@@ -15,7 +15,8 @@ H=128. Ids are distinct per row (start + i * odd stride mod pool: scattered, no 
 --ablate [LIST] (default: every SparseAttnFwdSpec ablation) also times the TIMING-ONLY ablated kernels
 (dsagen.fused.sparse_attention.ablated_forward; each leaves one stage out: no_gather, no_math, no_softmax,
 no_pv, no_mask) next to the real kernel on the same inputs, under the default schedule and under --schedule
-when given (schedules "serial" and "split" only: the ablations exist for those), for the H=128 / D_qk=576 cases (the shapes built by tests/gpu/test_sparse_attention.py). A second
+when given (each schedule runs the ablations it has: SCHEDULE_ABLATIONS; split_halves has no_gather and
+no_ready_fence), for the H=128 / D_qk=576 cases (the shapes built by tests/gpu/test_sparse_attention.py). A second
 table lists each variant's time and its difference to the real kernel; the differences place the time.
 --cases I,J keeps only those rows of the case list (0 = prefill 4096 / H128 / 576 / KV 32768).
 --ncu launches the real kernel and each ablated kernel of --ablate (default all) once on case 0, under the default
@@ -39,7 +40,7 @@ import torch
 
 import dsagen
 import dsagen.fused.sparse_attention as fused_sa
-from dsagen.spec.families.sparse_attention import ABLATION_SCHEDULES
+from dsagen.spec.families.sparse_attention import SCHEDULE_ABLATIONS
 
 
 def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.Tensor:
@@ -97,10 +98,8 @@ def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0,
         del base_out, base_lse, v_out, v_lse
     if ablate and (h, d_qk) in ABLATE_SHAPES:
         for sch in dict.fromkeys([default] + ([schedule] if schedule else [])):
-            if sch not in ABLATION_SCHEDULES:
-                continue
             full = ms if sch == default else row[f"{sch}_ms"]
-            for a in ablate:
+            for a in [a for a in ablate if a in SCHEDULE_ABLATIONS[sch]]:
                 f = lambda: fused_sa.ablated_forward(q, kv, ids, ablate=a, attn_sink=sink, d_v=d_v, schedule=sch)
                 ams = time_ms(f, reps)
                 row[f"{sch}/{a}_ms"] = ams
@@ -205,7 +204,7 @@ def ncu_launches(ablate, schedule=None) -> None:
     sink = torch.randn(h, generator=gen).cuda()
     n = 0
     for sch in dict.fromkeys([fused_sa.SCHEDULE] + ([schedule] if schedule else [])):
-        for a in [""] + (list(ablate) if sch in ABLATION_SCHEDULES else []):
+        for a in [""] + [a for a in ablate if a in SCHEDULE_ABLATIONS[sch]]:
             if a:
                 fused_sa.ablated_forward(q, kv, ids, ablate=a, attn_sink=sink, schedule=sch)
             else:

@@ -11,7 +11,8 @@ import pytest
 
 from dsagen.gen.render import helper_modules, render
 from dsagen.spec import SpecError, get_preset
-from dsagen.spec.families.sparse_attention import ABLATIONS, HALVES_REGS, SPLIT_REGS, SparseAttnFwdSpec
+from dsagen.spec.families.sparse_attention import (ABLATIONS, HALVES_REGS, SCHEDULE_ABLATIONS, SPLIT_REGS,
+                                                   SparseAttnFwdSpec)
 
 SPLIT = dict(SPLIT_REGS, schedule="split")
 HALVES = dict(HALVES_REGS, schedule="split_halves")
@@ -38,7 +39,8 @@ def test_default_spec_is_the_v32_shape_and_valid():
     (dict(schedule="split"), "must equal regs_pv"),
     (dict(schedule="split", regs_qk=240, regs_pv=240), "exceeds 504"),
     (dict(ablate="no_everything"), "ablate='no_everything'"),
-    (dict(ablate="no_pv", **HALVES), "not 'split_halves'"),
+    (dict(ablate="no_pv", **HALVES), "does not exist for schedule 'split_halves'"),
+    (dict(ablate="no_ready_fence"), "does not exist for schedule 'serial'"),
     (dict(schedule="split_halves", regs_producer=56), "exceeds 504"),
     (dict(l2_hint=True), "l2_hint=True exists for schedule 'split_halves' only"),
 ])
@@ -57,7 +59,7 @@ def test_every_field_changes_the_identity():
               SparseAttnFwdSpec(arch="sm_90a", regs_qk=240, regs_pv=224),
               SparseAttnFwdSpec(arch="sm_90a", **SPLIT), SparseAttnFwdSpec(arch="sm_90a", **HALVES),
               SparseAttnFwdSpec(arch="sm_90a", l2_hint=True, **HALVES)] + [
-              SparseAttnFwdSpec(arch="sm_90a", ablate=a) for a in ABLATIONS]
+              SparseAttnFwdSpec(arch="sm_90a", ablate=a) for a in SCHEDULE_ABLATIONS["serial"]]
     keys = {base.canonical_json()} | {o.canonical_json() for o in others}
     assert len(keys) == 1 + len(others)
     assert len({base.symbol()} | {o.symbol() for o in others}) == 1 + len(others)
@@ -284,7 +286,7 @@ def test_ablations_leave_the_real_kernels_alone():
     for spec in _default_renders():
         src = render(spec)
         assert "ABLATION" not in src and "ablate" not in src.lower()
-        for a in ABLATIONS:
+        for a in SCHEDULE_ABLATIONS[spec.schedule]:
             abl = render(SparseAttnFwdSpec(**{**spec.canonical()["fields"], "ablate": a}).check())
             compile(abl, "kernel.py", "exec")
             assert f'ABLATION "{a}": a TIMING-ONLY variant' in abl
@@ -295,7 +297,8 @@ def test_ablations_leave_the_real_kernels_alone():
         fsa.spec_for(128, 576, torch.bfloat16, ablate="no_everything")
 
 
-_ABLATION_SPECS = [SparseAttnFwdSpec(arch="sm_90a", ablate=a, **extra) for extra in ({}, SPLIT) for a in ABLATIONS]
+_ABLATION_SPECS = [SparseAttnFwdSpec(arch="sm_90a", ablate=a, **extra) for extra in ({}, SPLIT)
+                   for a in SCHEDULE_ABLATIONS[extra.get("schedule", "serial")]]
 
 
 @pytest.mark.compile
@@ -342,3 +345,36 @@ def test_ablations_compile_to_what_they_claim(spec, tmp_path):
     if spec.ablate == "no_gather":
         # the KV gather sits behind a run-time `t < STAGES` branch: the producer loop still has its LDGSTS once
         assert "ARRIVES.LDGSTSBAR" in sass
+
+
+def test_split_halves_ablations_leave_the_real_kernel_alone():
+    real = render(SparseAttnFwdSpec(arch="sm_90a", **HALVES))
+    assert "ABLATION" not in real and "if k < 1" not in real
+    assert set(SCHEDULE_ABLATIONS["split_halves"]) <= set(ABLATIONS)
+    gather = render(SparseAttnFwdSpec(arch="sm_90a", ablate="no_gather", **HALVES))
+    assert gather.count("if k < 1:") == 5                    # the ids of a pair and each of its four halves
+    fence = render(SparseAttnFwdSpec(arch="sm_90a", ablate="no_ready_fence", **HALVES))
+    assert real.count("fence_proxy") - fence.count("fence_proxy") == 6       # one per qk_half use (A 4, B 2)
+    for src in (gather, fence):
+        compile(src, "kernel.py", "exec")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("ablate", SCHEDULE_ABLATIONS["split_halves"])
+def test_split_halves_ablations_compile(ablate, tmp_path):
+    """The split_halves probes compile with a setmaxnreg budget that cannot deadlock; no_ready_fence drops the six
+    ready-path MEMBARs (2 in A's prologue, 2 in its loop, 2 in B), keeping the three P-store fences."""
+    from dsagen.gen.build import compile_module
+    from dsagen.gen.sass import disassemble, find_nvdisasm, opcode_counts
+
+    spec = SparseAttnFwdSpec(arch="sm_90a", ablate=ablate, **HALVES)
+    ck = compile_module(spec, render(spec), tmp_path)
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    sass = disassemble(ck.cubin)
+    ops = opcode_counts(sass)
+    budgets = [int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass)]
+    assert sum(budgets) <= 3 * ck.record["regcount"]
+    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 ", sass)) == 3 * 36
+    assert sass.count("MEMBAR.ALL.CTA") == (3 if ablate == "no_ready_fence" else 9)
+    assert ops["LDL"] + ops["STL"] <= 100, (ops["LDL"], ops["STL"])

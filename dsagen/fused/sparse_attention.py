@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 
 from ..runtime import LoadedKernel, device_arch, get_kernel
-from ..spec.families.sparse_attention import ABLATIONS, SCHEDULE_REGS, SCHEDULES, SparseAttnFwdSpec
+from ..spec.families.sparse_attention import (ABLATIONS, SCHEDULE_ABLATIONS, SCHEDULE_REGS, SCHEDULES,
+                                              SparseAttnFwdSpec)
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_GRID_X = 2**31 - 1
@@ -48,6 +49,9 @@ def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a"
         raise ValueError(f"sparse_attention: schedule {schedule!r} is not one of {SCHEDULES}")
     if ablate and ablate not in ABLATIONS:
         raise ValueError(f"sparse_attention: ablate {ablate!r} is not one of {tuple(ABLATIONS)}")
+    if ablate and ablate not in SCHEDULE_ABLATIONS[schedule]:
+        raise ValueError(f"sparse_attention: schedule {schedule!r} has the ablations "
+                         f"{SCHEDULE_ABLATIONS[schedule]}, not {ablate!r}")
     extra = dict(SCHEDULE_REGS[schedule], schedule=schedule) if schedule != "serial" else {}
     if schedule == "split_halves" and L2_HINT:
         extra["l2_hint"] = True

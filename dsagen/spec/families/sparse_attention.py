@@ -23,8 +23,6 @@ _REGS_AT_LAUNCH = 65536 // 384 // 8 * 8
 _REG_TOTAL = 3 * _REGS_AT_LAUNCH
 
 SCHEDULES = ("serial", "split", "split_halves")
-# Schedules that the timing-only ablations (ABLATIONS) exist for.
-ABLATION_SCHEDULES = ("serial", "split")
 # setmaxnreg budgets of the split schedules (producer, WG1, WG2): 40 + 232 + 232 = 504 = 3 x 168.
 SPLIT_REGS = {"regs_producer": 40, "regs_qk": 232, "regs_pv": 232}
 # setmaxnreg budgets of schedule="split_halves": 48 + 232 + 224 = 504. The producer keeps both tiles' ids over a
@@ -45,6 +43,15 @@ ABLATIONS = {
     "no_pv": "no P V wgmma in either consumer (P is still written to smem and handed off)",
     "no_mask": "no consumer id loads and no -inf masking (the softmax itself stays): what a producer-built "
                "validity mask could save at most",
+    "no_ready_fence": "split_halves: no fence.proxy.async after the consumers' ready-barrier waits (2 per tile per "
+                      "consumer, issued while wgmmas are in flight; FlashMLA has none there): their cost. Nothing "
+                      "then orders the cp.async writes before the wgmma reads",
+}
+# The ablations each schedule has (its template blocks implement exactly these).
+SCHEDULE_ABLATIONS = {
+    "serial": ("no_gather", "no_math", "no_softmax", "no_pv", "no_mask"),
+    "split": ("no_gather", "no_math", "no_softmax", "no_pv", "no_mask"),
+    "split_halves": ("no_gather", "no_ready_fence"),
 }
 
 
@@ -125,9 +132,9 @@ class SparseAttnFwdSpec(KernelSpec):
             out.append(f"l2_hint=True exists for schedule 'split_halves' only, not {self.schedule!r}")
         if self.ablate and self.ablate not in ABLATIONS:
             out.append(f"ablate={self.ablate!r} must be '' or one of {tuple(ABLATIONS)}")
-        elif self.ablate and self.schedule not in ABLATION_SCHEDULES:
-            out.append(f"ablate={self.ablate!r}: the ablations exist for schedules {ABLATION_SCHEDULES} only, "
-                       f"not {self.schedule!r}")
+        elif self.ablate and self.ablate not in SCHEDULE_ABLATIONS.get(self.schedule, ()):
+            out.append(f"ablate={self.ablate!r} does not exist for schedule {self.schedule!r} (it has "
+                       f"{SCHEDULE_ABLATIONS.get(self.schedule, ())})")
         regs = (self.regs_producer, self.regs_qk, self.regs_pv)
         if any(r % 8 or not 24 <= r <= 256 for r in regs):
             out.append(f"regs_producer/regs_qk/regs_pv={regs} must each be a multiple of 8 in [24, 256]")

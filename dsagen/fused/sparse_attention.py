@@ -42,8 +42,8 @@ L2_HINT: bool = False
 def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a",
              schedule: str | None = None, ablate: str = "") -> SparseAttnFwdSpec:
     """The kernel spec that serves `num_heads` query heads (after padding to 64 or 128) under `schedule`
-    (default: the module's SCHEDULE; "split_halves" takes the module's L2_HINT). `ablate` (timing only, see `ablated_forward`) selects a variant
-    that leaves one stage out."""
+    (default: the module's SCHEDULE; "split_halves" takes the module's L2_HINT). `ablate` (timing only, see
+    `ablated_forward`) selects a variant that leaves one stage out (one of SCHEDULE_ABLATIONS[schedule])."""
     schedule = SCHEDULE if schedule is None else schedule
     if schedule not in SCHEDULES:
         raise ValueError(f"sparse_attention: schedule {schedule!r} is not one of {SCHEDULES}")

@@ -23,7 +23,7 @@ _REGS_AT_LAUNCH = 65536 // 384 // 8 * 8
 _REG_TOTAL = 3 * _REGS_AT_LAUNCH
 
 SCHEDULES = ("serial", "split", "split_halves")
-# setmaxnreg budgets of the split schedules (producer, WG1, WG2): 40 + 232 + 232 = 504 = 3 x 168.
+# setmaxnreg budgets of schedule="split" (producer, WG1, WG2): 40 + 232 + 232 = 504 = 3 x 168.
 SPLIT_REGS = {"regs_producer": 40, "regs_qk": 232, "regs_pv": 232}
 # setmaxnreg budgets of schedule="split_halves": 48 + 232 + 224 = 504. The producer keeps both tiles' ids over a
 # pair (40 spills ~23 values in its loop, 48 ~12); consumer A (WG1) holds the most (O, S, P and the next tile's

@@ -1,11 +1,12 @@
 """Sparse MLA forward: the fused sm_90a kernel against the plain-PyTorch reference, in one run (GPU).
 
-    python bench/sparse_attention.py [--quick] [--reps N] [--json FILE] [--schedule split] [--cases 0,2]
+    python bench/sparse_attention.py [--quick] [--reps N] [--json FILE] [--schedule split|split_halves [--l2-hint]] [--cases 0,2]
                                      [--ablate [no_gather,no_math,...]] [--ncu]
 
 --schedule S also times the fused kernel under SparseAttnFwdSpec.schedule S (dsagen.fused.sparse_attention
 .SCHEDULE) next to the default ("serial") in the same run, on the same inputs: columns `S ms`, `TFLOP/s`,
 `x` (default time / S time) and, in the JSON, the max abs difference of S's out/lse from the default's.
+--l2-hint (with --schedule split_halves) times that schedule with SparseAttnFwdSpec.l2_hint instead.
 
 Shapes (issue 5): prefill T = 4096 and 32768 query rows over a KV pool of 32768 and 131072 rows, H=128,
 D_qk 576, d_v 512, top-k 2048, with sink; H=64 with D_qk 512; decode 64 and 128 sequences x 1 query row,
@@ -14,7 +15,8 @@ H=128. Ids are distinct per row (start + i * odd stride mod pool: scattered, no 
 --ablate [LIST] (default: every SparseAttnFwdSpec ablation) also times the TIMING-ONLY ablated kernels
 (dsagen.fused.sparse_attention.ablated_forward; each leaves one stage out: no_gather, no_math, no_softmax,
 no_pv, no_mask) next to the real kernel on the same inputs, under the default schedule and under --schedule
-when given, for the H=128 / D_qk=576 cases (the shapes built by tests/gpu/test_sparse_attention.py). A second
+when given (each schedule runs the ablations it has: SCHEDULE_ABLATIONS; split_halves has no_gather and
+no_ready_fence), for the H=128 / D_qk=576 cases (the shapes built by tests/gpu/test_sparse_attention.py). A second
 table lists each variant's time and its difference to the real kernel; the differences place the time.
 --cases I,J keeps only those rows of the case list (0 = prefill 4096 / H128 / 576 / KV 32768).
 --ncu launches the real kernel and each ablated kernel of --ablate (default all) once on case 0, under the default
@@ -38,6 +40,7 @@ import torch
 
 import dsagen
 import dsagen.fused.sparse_attention as fused_sa
+from dsagen.spec.families.sparse_attention import SCHEDULE_ABLATIONS
 
 
 def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.Tensor:
@@ -64,7 +67,8 @@ def time_ms(fn, reps: int, rounds: int = 5) -> float:
 ABLATE_SHAPES = {(128, 576)}      # (H, D_qk) of the ablated kernels that the GPU tests' REQUIRED_SPECS build
 
 
-def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0, schedule=None, ablate=()):
+def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0, schedule=None, ablate=(),
+             l2_hint=False):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn((s_q, h, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
     kv = torch.randn((n_kv, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
@@ -79,14 +83,14 @@ def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0,
     default = fused_sa.SCHEDULE
     ms = time_ms(lambda: call("fused"), reps)
     row.update(fused_ms=ms, fused_tflops=flops / ms / 1e9, fused_gbps=nbytes / ms / 1e6)
-    if schedule and schedule != default:
+    if schedule and (schedule != default or l2_hint):
         base_out, base_lse, _ = call("fused")
-        fused_sa.SCHEDULE = schedule
+        fused_sa.SCHEDULE, fused_sa.L2_HINT = schedule, l2_hint
         try:
             sms = time_ms(lambda: call("fused"), reps)
             v_out, v_lse, _ = call("fused")
         finally:
-            fused_sa.SCHEDULE = default
+            fused_sa.SCHEDULE, fused_sa.L2_HINT = default, False
         row.update({f"{schedule}_ms": sms, f"{schedule}_tflops": flops / sms / 1e9,
                     f"{schedule}_speedup": ms / sms,
                     f"{schedule}_max_abs_diff_out": (v_out.float() - base_out.float()).abs().max().item(),
@@ -95,7 +99,7 @@ def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0,
     if ablate and (h, d_qk) in ABLATE_SHAPES:
         for sch in dict.fromkeys([default] + ([schedule] if schedule else [])):
             full = ms if sch == default else row[f"{sch}_ms"]
-            for a in ablate:
+            for a in [a for a in ablate if a in SCHEDULE_ABLATIONS[sch]]:
                 f = lambda: fused_sa.ablated_forward(q, kv, ids, ablate=a, attn_sink=sink, d_v=d_v, schedule=sch)
                 ams = time_ms(f, reps)
                 row[f"{sch}/{a}_ms"] = ams
@@ -120,6 +124,8 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--schedule", choices=[s for s in fused_sa.SCHEDULES if s != "serial"],
                     help="also time this kernel schedule next to the default, in the same run")
+    ap.add_argument("--l2-hint", action="store_true",
+                    help="--schedule split_halves with SparseAttnFwdSpec.l2_hint (L2::256B prefetch + evict_last)")
     ap.add_argument("--ablate", nargs="?", const=",".join(fused_sa.ABLATIONS), default="",
                     help="comma list of timing-only ablations to time next to the real kernel (default: all)")
     ap.add_argument("--cases", help="comma list of case indices to run (default: all of the list)")
@@ -132,7 +138,9 @@ def main() -> None:
     if args.ncu:
         ncu_launches(ablate or list(fused_sa.ABLATIONS), args.schedule)
         return
-    if args.schedule == fused_sa.SCHEDULE:
+    if args.l2_hint and args.schedule != "split_halves":
+        ap.error("--l2-hint needs --schedule split_halves")
+    if args.schedule == fused_sa.SCHEDULE and not args.l2_hint:
         ap.error(f"--schedule {args.schedule} is already the default schedule of this run")
     ref = 0 if args.no_torch else 1
     cases = [("prefill", 4096, 128, 576, 32768, 2048, ref), ("prefill", 4096, 128, 576, 131072, 2048, ref),
@@ -152,7 +160,7 @@ def main() -> None:
     print(hdr)
     for name, s_q, h, d, n_kv, topk, r in cases:
         row = run_case(name, s_q, h, d, n_kv, topk, reps=args.reps if s_q <= 4096 else max(2, args.reps // 4),
-                       ref_reps=r, schedule=args.schedule, ablate=ablate)
+                       ref_reps=r, schedule=args.schedule, ablate=ablate, l2_hint=args.l2_hint)
         rows.append(row)
         tail = (f"{row['torch_ms']:9.2f} {row['torch_tflops']:8.1f} {row['speedup']:6.1f}" if "torch_ms" in row
                 else f"{'-':>9} {'-':>8} {'-':>6}")
@@ -180,7 +188,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "default_schedule": fused_sa.SCHEDULE, "schedule": args.schedule, "ablate": ablate,
+                       "default_schedule": fused_sa.SCHEDULE, "schedule": args.schedule, "l2_hint": args.l2_hint,
+                       "ablate": ablate,
                        "rows": rows}, f, indent=1)
 
 
@@ -195,7 +204,7 @@ def ncu_launches(ablate, schedule=None) -> None:
     sink = torch.randn(h, generator=gen).cuda()
     n = 0
     for sch in dict.fromkeys([fused_sa.SCHEDULE] + ([schedule] if schedule else [])):
-        for a in [""] + list(ablate):
+        for a in [""] + [a for a in ablate if a in SCHEDULE_ABLATIONS[sch]]:
             if a:
                 fused_sa.ablated_forward(q, kv, ids, ablate=a, attn_sink=sink, schedule=sch)
             else:

@@ -11,9 +11,11 @@ import pytest
 
 from dsagen.gen.render import helper_modules, render
 from dsagen.spec import SpecError, get_preset
-from dsagen.spec.families.sparse_attention import ABLATIONS, SPLIT_REGS, SparseAttnFwdSpec
+from dsagen.spec.families.sparse_attention import (ABLATIONS, HALVES_REGS, SCHEDULE_ABLATIONS, SPLIT_REGS,
+                                                   SparseAttnFwdSpec)
 
 SPLIT = dict(SPLIT_REGS, schedule="split")
+HALVES = dict(HALVES_REGS, schedule="split_halves")
 
 
 def test_default_spec_is_the_v32_shape_and_valid():
@@ -37,6 +39,10 @@ def test_default_spec_is_the_v32_shape_and_valid():
     (dict(schedule="split"), "must equal regs_pv"),
     (dict(schedule="split", regs_qk=240, regs_pv=240), "exceeds 504"),
     (dict(ablate="no_everything"), "ablate='no_everything'"),
+    (dict(ablate="no_pv", **HALVES), "does not exist for schedule 'split_halves'"),
+    (dict(ablate="no_ready_fence"), "does not exist for schedule 'serial'"),
+    (dict(schedule="split_halves", regs_producer=56), "exceeds 504"),
+    (dict(l2_hint=True), "l2_hint=True exists for schedule 'split_halves' only"),
 ])
 def test_invalid_specs_say_why(kw, needle):
     spec = SparseAttnFwdSpec(**{"arch": "sm_90a", **kw})
@@ -51,8 +57,9 @@ def test_every_field_changes_the_identity():
     others = [SparseAttnFwdSpec(arch="sm_90a", num_heads=64), SparseAttnFwdSpec(arch="sm_90a", d_qk=512),
               SparseAttnFwdSpec(arch="sm_90a", dtype="float16"),
               SparseAttnFwdSpec(arch="sm_90a", regs_qk=240, regs_pv=224),
-              SparseAttnFwdSpec(arch="sm_90a", **SPLIT)] + [
-              SparseAttnFwdSpec(arch="sm_90a", ablate=a) for a in ABLATIONS]
+              SparseAttnFwdSpec(arch="sm_90a", **SPLIT), SparseAttnFwdSpec(arch="sm_90a", **HALVES),
+              SparseAttnFwdSpec(arch="sm_90a", l2_hint=True, **HALVES)] + [
+              SparseAttnFwdSpec(arch="sm_90a", ablate=a) for a in SCHEDULE_ABLATIONS["serial"]]
     keys = {base.canonical_json()} | {o.canonical_json() for o in others}
     assert len(keys) == 1 + len(others)
     assert len({base.symbol()} | {o.symbol() for o in others}) == 1 + len(others)
@@ -163,6 +170,102 @@ def test_split_compiles_to_the_designed_sass(spec, tmp_path):
     assert ops["LDL"] == 0 and ops["STL"] == 0, "register spills"
 
 
+def test_split_halves_spec_and_selection():
+    import torch
+
+    import dsagen.fused.sparse_attention as fsa
+
+    s = SparseAttnFwdSpec(arch="sm_90a", **HALVES).check()
+    assert s.regs_producer + s.regs_qk + s.regs_pv == 504
+    assert fsa.spec_for(128, 576, torch.bfloat16, schedule="split_halves") == s
+    assert fsa.spec_for(32, 512, torch.bfloat16, schedule="split_halves") == SparseAttnFwdSpec(
+        arch="sm_90a", num_heads=64, d_qk=512, **HALVES)
+    assert fsa.L2_HINT is False
+    try:
+        fsa.L2_HINT = True
+        assert fsa.spec_for(128, 576, torch.bfloat16, schedule="split_halves").l2_hint
+        assert not fsa.spec_for(128, 576, torch.bfloat16, schedule="serial").l2_hint
+    finally:
+        fsa.L2_HINT = False
+
+
+@pytest.mark.parametrize("d_qk", [512, 576])
+def test_render_split_halves(d_qk):
+    src = render(SparseAttnFwdSpec(arch="sm_90a", d_qk=d_qk, **HALVES))
+    compile(src, "kernel.py", "exec")
+    for name in ("BAR_MAX_A = 1", "BAR_MAX_B = 2", "BAR_P_A = 3", "BAR_P_B = 4", "BAR_EPI = 5",
+                 "ntiles = 2 * npairs", "half_mbar"):
+        assert name in src
+    # no PipelineCpAsync ring and none of the serial hand-off; the producer fills the halves V0L, V1R, V0R, V1L
+    assert "PipelineCpAsync" not in src and "sCorr" not in src and "BAR_P0" not in src
+    waits = re.findall(r"mbarrier_wait\(hbar \+ (\d)", src)
+    assert waits[:4] == ["4", "7", "5", "6"]                  # producer: free[0][L], free[1][R], free[0][R], free[1][L]
+    # the P tiles: P0 in stage 0's RoPE tile at 576 (one extra tile for P1), two tiles at 512
+    assert ("MemRange[DT, M * BN]" in src) == (d_qk == 576)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d_qk", [512, 576])
+def test_l2_hint_compiles_to_prefetching_gathers(d_qk, tmp_path):
+    from dsagen.gen.build import compile_module
+    from dsagen.gen.sass import disassemble, find_nvdisasm
+
+    spec = SparseAttnFwdSpec(arch="sm_90a", d_qk=d_qk, l2_hint=True, **HALVES)
+    plain = render(SparseAttnFwdSpec(arch="sm_90a", d_qk=d_qk, **HALVES))
+    src = render(spec)
+    assert "cp_async_16_l2_hint" in src and "cp_async_16_l2_hint" not in plain
+    ck = compile_module(spec, src, tmp_path)
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    sass = disassemble(ck.cubin)
+    nkb = d_qk // 64
+    # the KV gather (4 rows x nkb chunks x 2 tiles per thread) prefetches 256-byte L2 lines; Q's gather does not
+    assert len(re.findall(r"LDGSTS\.E\.BYPASS\.LTC256B\.128 ", sass)) == 2 * 4 * nkb
+    assert len(re.findall(r"LDGSTS\.E\.BYPASS\.128 ", sass)) == 4 * nkb
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", [SparseAttnFwdSpec(arch="sm_90a", **HALVES),
+                                  SparseAttnFwdSpec(arch="sm_90a", num_heads=64, d_qk=512, **HALVES),
+                                  SparseAttnFwdSpec(arch="sm_90a", num_heads=64, dtype="float16", **HALVES)],
+                         ids=lambda s: s.name())
+def test_split_halves_compiles_to_the_designed_sass(spec, tmp_path):
+    from dsagen.gen.build import compile_module
+
+    ck = compile_module(spec, render(spec), tmp_path)
+    rec = ck.record
+    assert rec["launch"]["block"] == [384, 1, 1]
+    assert 200 * 1024 <= rec["launch"]["smem"] + rec["static_smem"] <= 227 * 1024
+    from dsagen.gen.sass import disassemble, find_nvdisasm, opcode_counts
+
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    sass = disassemble(ck.cubin)
+    ops = opcode_counts(sass)
+    t = r"\.BF16" if spec.dtype == "bfloat16" else ""
+    ks = spec.d_qk // 16
+    # A issues QK^T in its prologue and in its loop body (the last pair is peeled), B once: 3 x ks
+    assert len(re.findall(rf"HGMMA\.64x64x16\.F32{t} ", sass)) == 3 * ks
+    # A: RS + SS in the loop body and in the peeled last pair; B: RS + SS
+    assert len(re.findall(rf"HGMMA\.64x256x16\.F32{t} R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 12
+    assert len(re.findall(rf"HGMMA\.64x256x16\.F32{t} R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 12
+    # no wgmma serialisation: A waits 0 after QK^T (prologue, loop), after P0 V0L (loop, last), after P1 V1L
+    # (last), and 1 + 0 around the next QK^T; B waits 0 after QK^T, 1 + 0 after its two PV groups
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 7 and sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 2
+    for bar in (1, 2, 3, 4):        # each arrived by one consumer and synced by the other
+        assert len(re.findall(rf"BAR\.SYNC\.DEFER_BLOCKING 0x{bar}, 0x100 ", sass)) >= 1
+        assert len(re.findall(rf"BAR\.ARV 0x{bar}, 0x100 ", sass)) >= 1
+    assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x5, 0x100 ", sass)) == 2
+    assert len(re.findall(r"BAR\.(?:SYNC|ARV|RED)\S* 0x[6-9a-f]\b", sass)) == 0
+    assert ops["LDGSTS"] == 4 * (spec.d_qk // 64) + 2 * 4 * (spec.d_qk // 64)   # Q + the two tiles of a pair
+    budgets = [int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass)]
+    assert sorted(budgets) == sorted([spec.regs_producer, spec.regs_qk, spec.regs_pv])
+    assert sum(budgets) <= 3 * rec["regcount"], (budgets, rec["regcount"])
+    # KNOWN: this schedule spills a few loop-invariant values (addresses) to local memory (L1), reloaded once per
+    # pair; bound them so that a change which spills in the inner loops shows up
+    assert ops["LDL"] + ops["STL"] <= 100, (ops["LDL"], ops["STL"])
+
+
 # ---------------------------------------------------------------- timing-only ablations (spec option `ablate`)
 def _default_renders():
     for h in (64, 128):
@@ -183,7 +286,7 @@ def test_ablations_leave_the_real_kernels_alone():
     for spec in _default_renders():
         src = render(spec)
         assert "ABLATION" not in src and "ablate" not in src.lower()
-        for a in ABLATIONS:
+        for a in SCHEDULE_ABLATIONS[spec.schedule]:
             abl = render(SparseAttnFwdSpec(**{**spec.canonical()["fields"], "ablate": a}).check())
             compile(abl, "kernel.py", "exec")
             assert f'ABLATION "{a}": a TIMING-ONLY variant' in abl
@@ -194,7 +297,8 @@ def test_ablations_leave_the_real_kernels_alone():
         fsa.spec_for(128, 576, torch.bfloat16, ablate="no_everything")
 
 
-_ABLATION_SPECS = [SparseAttnFwdSpec(arch="sm_90a", ablate=a, **extra) for extra in ({}, SPLIT) for a in ABLATIONS]
+_ABLATION_SPECS = [SparseAttnFwdSpec(arch="sm_90a", ablate=a, **extra) for extra in ({}, SPLIT)
+                   for a in SCHEDULE_ABLATIONS[extra.get("schedule", "serial")]]
 
 
 @pytest.mark.compile
@@ -241,3 +345,36 @@ def test_ablations_compile_to_what_they_claim(spec, tmp_path):
     if spec.ablate == "no_gather":
         # the KV gather sits behind a run-time `t < STAGES` branch: the producer loop still has its LDGSTS once
         assert "ARRIVES.LDGSTSBAR" in sass
+
+
+def test_split_halves_ablations_leave_the_real_kernel_alone():
+    real = render(SparseAttnFwdSpec(arch="sm_90a", **HALVES))
+    assert "ABLATION" not in real and "if k < 1" not in real
+    assert set(SCHEDULE_ABLATIONS["split_halves"]) <= set(ABLATIONS)
+    gather = render(SparseAttnFwdSpec(arch="sm_90a", ablate="no_gather", **HALVES))
+    assert gather.count("if k < 1:") == 5                    # the ids of a pair and each of its four halves
+    fence = render(SparseAttnFwdSpec(arch="sm_90a", ablate="no_ready_fence", **HALVES))
+    assert real.count("fence_proxy") - fence.count("fence_proxy") == 6       # one per qk_half use (A 4, B 2)
+    for src in (gather, fence):
+        compile(src, "kernel.py", "exec")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("ablate", SCHEDULE_ABLATIONS["split_halves"])
+def test_split_halves_ablations_compile(ablate, tmp_path):
+    """The split_halves probes compile with a setmaxnreg budget that cannot deadlock; no_ready_fence drops the six
+    ready-path MEMBARs (2 in A's prologue, 2 in its loop, 2 in B), keeping the three P-store fences."""
+    from dsagen.gen.build import compile_module
+    from dsagen.gen.sass import disassemble, find_nvdisasm, opcode_counts
+
+    spec = SparseAttnFwdSpec(arch="sm_90a", ablate=ablate, **HALVES)
+    ck = compile_module(spec, render(spec), tmp_path)
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    sass = disassemble(ck.cubin)
+    ops = opcode_counts(sass)
+    budgets = [int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass)]
+    assert sum(budgets) <= 3 * ck.record["regcount"]
+    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 ", sass)) == 3 * 36
+    assert sass.count("MEMBAR.ALL.CTA") == (3 if ablate == "no_ready_fence" else 9)
+    assert ops["LDL"] + ops["STL"] <= 100, (ops["LDL"], ops["STL"])

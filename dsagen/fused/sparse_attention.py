@@ -22,29 +22,39 @@ from typing import Optional
 import torch
 
 from ..runtime import LoadedKernel, device_arch, get_kernel
-from ..spec.families.sparse_attention import ABLATIONS, SCHEDULES, SPLIT_REGS, SparseAttnFwdSpec
+from ..spec.families.sparse_attention import (ABLATIONS, SCHEDULE_ABLATIONS, SCHEDULE_REGS, SCHEDULES,
+                                              SparseAttnFwdSpec)
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_GRID_X = 2**31 - 1
 _kernels: dict[tuple, LoadedKernel] = {}
 
 # Run-time choice of the kernel schedule (SparseAttnFwdSpec.schedule) without changing the default:
-# "serial" (verified default) or "split" (FlashMLA's even/odd split of the tiles between the two consumer
-# warpgroups). Tests and benches set it (`dsagen.fused.sparse_attention.SCHEDULE = "split"`).
+# "serial" (verified default), "split" (FlashMLA's even/odd split of the tiles between the two consumer
+# warpgroups) or "split_halves" (the split with FlashMLA's half-stage barriers and asymmetric max exchange).
+# Tests and benches set it (`dsagen.fused.sparse_attention.SCHEDULE = "split_halves"`).
 SCHEDULE: str = "serial"
+# Run-time choice of SparseAttnFwdSpec.l2_hint (FlashMLA's L2::256B prefetch + evict_last policy on the KV
+# gather) for schedule "split_halves"; ignored by the other schedules.
+L2_HINT: bool = False
 
 
 def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a",
              schedule: str | None = None, ablate: str = "") -> SparseAttnFwdSpec:
     """The kernel spec that serves `num_heads` query heads (after padding to 64 or 128) under `schedule`
-    (default: the module's SCHEDULE). `ablate` (timing only, see `ablated_forward`) selects a variant
-    that leaves one stage out."""
+    (default: the module's SCHEDULE; "split_halves" takes the module's L2_HINT). `ablate` (timing only, see
+    `ablated_forward`) selects a variant that leaves one stage out (one of SCHEDULE_ABLATIONS[schedule])."""
     schedule = SCHEDULE if schedule is None else schedule
     if schedule not in SCHEDULES:
         raise ValueError(f"sparse_attention: schedule {schedule!r} is not one of {SCHEDULES}")
     if ablate and ablate not in ABLATIONS:
         raise ValueError(f"sparse_attention: ablate {ablate!r} is not one of {tuple(ABLATIONS)}")
-    extra = dict(SPLIT_REGS, schedule="split") if schedule == "split" else {}
+    if ablate and ablate not in SCHEDULE_ABLATIONS[schedule]:
+        raise ValueError(f"sparse_attention: schedule {schedule!r} has the ablations "
+                         f"{SCHEDULE_ABLATIONS[schedule]}, not {ablate!r}")
+    extra = dict(SCHEDULE_REGS[schedule], schedule=schedule) if schedule != "serial" else {}
+    if schedule == "split_halves" and L2_HINT:
+        extra["l2_hint"] = True
     if ablate:
         extra["ablate"] = ablate
     return SparseAttnFwdSpec(arch=arch, num_heads=64 if num_heads <= 64 else 128, d_qk=d_qk, d_v=512,

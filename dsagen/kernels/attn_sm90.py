@@ -1,13 +1,17 @@
 """Device helpers for the Hopper attention kernels: SW128 shared-memory layouts, views of a wgmma
-accumulator fragment and the SW128 swizzle of a byte offset
-(for cp.async gathers into a swizzled tile).
+accumulator fragment, the SW128 swizzle of a byte offset (for cp.async gathers into a swizzled tile) and a
+cp.async with an L2 prefetch size and cache policy (FlashMLA's gather; CuTe-DSL's cp_async_shared_global has
+neither).
 
 Fragment ownership of a wgmma m64nN accumulator (one warpgroup, thread t = 32 w + l): rows 16 w + l / 4
 and 16 w + l / 4 + 8; columns 8 j + 2 (l % 4) + {0, 1}. A row therefore lives in the 4 lanes of a quad.
 """
 
 import cutlass.cute as cute
+from cutlass import Int32, Int64
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 def sw128(dtype, shape):
@@ -41,4 +45,29 @@ def swizzled_byte_offset(b):
     return b ^ ((b >> 3) & 0x70)
 
 
-__all__ = ["sw128", "acc_mn_view", "acc_as_frg_a", "swizzled_byte_offset"]
+@dsl_user_op
+def l2_evict_last_policy(*, loc=None, ip=None) -> Int64:
+    """`createpolicy.fractional.L2::evict_last.b64 1.0`: an L2 cache policy that keeps the lines it touches
+    (for cp_async_16_l2_hint)."""
+    return Int64(llvm.inline_asm(T.i64(), [], "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;", "=l",
+                                 has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def cp_async_16_l2_hint(dst: cute.Pointer, src: cute.Pointer, src_bytes: Int32, policy: Int64, *,
+                        loc=None, ip=None) -> None:
+    """16-byte `cp.async.cg.shared.global.L2::cache_hint.L2::256B [dst], [src], 16, src_bytes, policy`:
+    like prims.cp_async_shared_global(dst, src, 16, "cg", cp_size=src_bytes) (src_bytes 0 zero-fills and reads
+    nothing), plus a 256-byte L2 prefetch and the L2 cache policy `policy` (l2_evict_last_policy())."""
+    llvm.inline_asm(None,
+                    [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+                     src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+                     Int32(src_bytes).ir_value(loc=loc, ip=ip), Int64(policy).ir_value(loc=loc, ip=ip)],
+                    "cp.async.cg.shared.global.L2::cache_hint.L2::256B [$0], [$1], 16, $2, $3;",
+                    "r,l,r,l,~{memory}", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+__all__ = ["sw128", "acc_mn_view", "acc_as_frg_a", "swizzled_byte_offset", "l2_evict_last_policy",
+           "cp_async_16_l2_hint"]

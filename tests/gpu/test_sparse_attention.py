@@ -4,7 +4,8 @@ padded, D_qk 512/576 with d_v 512, top-k widths that are and are not multiples o
 negative and out-of-range ids, duplicates, all-invalid rows, with and without sink, total_S_q = 1, the
 batched seed-002 layout, fp16, gradients, CUDA-graph capture and torch.compile.
 The correctness tests that take the `schedule` fixture run under both kernel schedules
-(SparseAttnFwdSpec.schedule "serial", the default, and "split", FlashMLA's even/odd split), selected through
+(SparseAttnFwdSpec.schedule "serial", the default, "split", FlashMLA's even/odd split, and "split_halves", the
+split with FlashMLA's half-stage barriers and asymmetric max exchange), selected through
 dsagen.fused.sparse_attention.SCHEDULE; the others use the default.
 
 Build what these need first (CPU, with CuTe-DSL):
@@ -22,19 +23,27 @@ import torch
 
 import dsagen
 import dsagen.fused.sparse_attention as fused_sa
-from dsagen.spec.families.sparse_attention import ABLATIONS, SCHEDULES, SPLIT_REGS, SparseAttnFwdSpec
+from dsagen.spec.families.sparse_attention import (SCHEDULE_ABLATIONS, SCHEDULE_REGS, SCHEDULES,
+                                                   SparseAttnFwdSpec)
 from poison import poison_allocator
 
 ARCH = "sm_90a"
-_SCHED_FIELDS = {"serial": {}, "split": dict(SPLIT_REGS, schedule="split")}
+_SCHED_FIELDS = {sch: dict(SCHEDULE_REGS[sch], schedule=sch) for sch in SCHEDULES}
 REQUIRED_SPECS = [
     SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, **_SCHED_FIELDS[sch])
     for sch in SCHEDULES for h in (64, 128) for d in (512, 576)
 ] + [SparseAttnFwdSpec(arch=ARCH, num_heads=64, d_qk=576, d_v=512, dtype="float16", **_SCHED_FIELDS[sch])
      for sch in SCHEDULES]
+# schedule "split_halves" with SparseAttnFwdSpec.l2_hint (fused_sa.L2_HINT)
+# (every shape and dtype the default-schedule tests use, so the file also runs with L2_HINT as the module default)
+REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, l2_hint=True,
+                                     **_SCHED_FIELDS["split_halves"]) for h in (64, 128) for d in (512, 576)]
+REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=64, d_qk=576, d_v=512, dtype="float16", l2_hint=True,
+                                     **_SCHED_FIELDS["split_halves"])]
 # timing-only ablated kernels (bench/sparse_attention.py --ablate; smoke-tested below, NOT correctness-tested)
+_ABLATED = [(sch, a) for sch in SCHEDULES for a in SCHEDULE_ABLATIONS[sch]]
 REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=128, d_qk=576, d_v=512, ablate=a, **_SCHED_FIELDS[sch])
-                   for sch in SCHEDULES for a in ABLATIONS]
+                   for sch, a in _ABLATED]
 
 pytestmark = pytest.mark.gpu
 
@@ -180,14 +189,15 @@ def test_sink_only_in_denominator(schedule):
 
 @pytest.mark.parametrize("h,d_qk", [(64, 576), (128, 576), (64, 512), (128, 512)])
 @pytest.mark.parametrize("sink", [True, False])
-def test_split_odd_tile_counts(h, d_qk, sink, monkeypatch):
-    """schedule="split" pairs the tiles (even -> WG1, odd -> WG2) and pads an odd count with an all-masked
+@pytest.mark.parametrize("split", ["split", "split_halves"])
+def test_split_odd_tile_counts(h, d_qk, sink, split, monkeypatch):
+    """The split schedules pair the tiles (even -> WG1, odd -> WG2) and pad an odd count with an all-masked
     tile: every tile count 0..5 in one batch (topk_length), adversarial ids, against the reference and
     against the serial schedule."""
     q, kv, ids, attn_sink, _ = make_inputs(12, h, d_qk, 320, 900, seed=h + d_qk + sink, sink=sink,
                                            adversarial=True)
     tl = torch.tensor([0, 1, 63, 64, 65, 128, 129, 191, 192, 257, 320, 500], dtype=torch.int32, device=DEV)
-    monkeypatch.setattr(fused_sa, "SCHEDULE", "split")
+    monkeypatch.setattr(fused_sa, "SCHEDULE", split)
     out, lse, m = check_against_reference(q, kv, ids, attn_sink, tl)
     monkeypatch.setattr(fused_sa, "SCHEDULE", "serial")
     s_out, s_lse, s_m = dsagen.sparse_attention(q, kv, ids, attn_sink=attn_sink, topk_length=tl, impl="fused")
@@ -196,6 +206,17 @@ def test_split_odd_tile_counts(h, d_qk, sink, monkeypatch):
     torch.testing.assert_close(m, s_m, atol=1e-5, rtol=1e-6)
     assert (out[0] == 0).all() and torch.isposinf(lse[0]).all()          # topk_length 0
     assert (out[1] == 0).all()                                           # adversarial row 1: no valid id
+
+
+@pytest.mark.parametrize("h,d_qk,k,length", [(128, 576, 2048, False), (64, 512, 300, True), (128, 512, 333, True),
+                                              (64, 576, 1000, False)])
+def test_l2_hint_adversarial(h, d_qk, k, length, monkeypatch):
+    """schedule "split_halves" with l2_hint (the gather's cp.async with an L2::256B prefetch and an evict_last
+    policy, zero-filling invalid rows like the plain one): adversarial ids, with and without topk_length."""
+    monkeypatch.setattr(fused_sa, "SCHEDULE", "split_halves")
+    monkeypatch.setattr(fused_sa, "L2_HINT", True)
+    assert fused_sa.spec_for(h, d_qk, torch.bfloat16).l2_hint
+    check_against_reference(*make_inputs(5, h, d_qk, k, 3000, seed=k + h, length=length, adversarial=True))
 
 
 def test_batched_layout():
@@ -250,9 +271,8 @@ def test_torch_compile():
     torch.testing.assert_close(compiled, eager, atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("ablate", list(ABLATIONS))
-@pytest.mark.parametrize("sched", SCHEDULES)
-def test_ablated_kernels_launch_and_finish(ablate, sched):
+@pytest.mark.parametrize("sched,ablate", _ABLATED)
+def test_ablated_kernels_launch_and_finish(sched, ablate):
     """SMOKE TEST ONLY, not a correctness test: the timing-only ablated kernels (a stage left out, outputs are
     not attention) launch on the bench's shape family, finish (a hang would be a broken barrier protocol),
     raise no CUDA error and write outputs of the right shapes. Tile counts 0, 1, 2, 3 and 32 (topk_length),

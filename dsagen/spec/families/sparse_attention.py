@@ -22,9 +22,15 @@ from ..base import KernelSpec, register_spec
 _REGS_AT_LAUNCH = 65536 // 384 // 8 * 8
 _REG_TOTAL = 3 * _REGS_AT_LAUNCH
 
-SCHEDULES = ("serial", "split")
+SCHEDULES = ("serial", "split", "split_halves")
 # setmaxnreg budgets of schedule="split" (producer, WG1, WG2): 40 + 232 + 232 = 504 = 3 x 168.
 SPLIT_REGS = {"regs_producer": 40, "regs_qk": 232, "regs_pv": 232}
+# setmaxnreg budgets of schedule="split_halves": 48 + 232 + 224 = 504. The producer keeps both tiles' ids over a
+# pair (40 spills ~23 values in its loop, 48 ~12); consumer A (WG1) holds the most (O, S, P and the next tile's
+# ids), B the least.
+HALVES_REGS = {"regs_producer": 48, "regs_qk": 232, "regs_pv": 224}
+# the register budget the op uses per schedule
+SCHEDULE_REGS = {"serial": {}, "split": SPLIT_REGS, "split_halves": HALVES_REGS}
 
 # Timing-only ablations (SparseAttnFwdSpec.ablate): each leaves one stage of the kernel out, so that the time
 # difference to the full kernel on the same inputs places that stage's cost. Their outputs are NOT attention.
@@ -37,6 +43,15 @@ ABLATIONS = {
     "no_pv": "no P V wgmma in either consumer (P is still written to smem and handed off)",
     "no_mask": "no consumer id loads and no -inf masking (the softmax itself stays): what a producer-built "
                "validity mask could save at most",
+    "no_ready_fence": "split_halves: no fence.proxy.async after the consumers' ready-barrier waits (2 per tile per "
+                      "consumer, issued while wgmmas are in flight; FlashMLA has none there): their cost. Nothing "
+                      "then orders the cp.async writes before the wgmma reads",
+}
+# The ablations each schedule has (its template blocks implement exactly these).
+SCHEDULE_ABLATIONS = {
+    "serial": ("no_gather", "no_math", "no_softmax", "no_pv", "no_mask"),
+    "split": ("no_gather", "no_math", "no_softmax", "no_pv", "no_mask"),
+    "split_halves": ("no_gather", "no_ready_fence"),
 }
 
 
@@ -61,6 +76,14 @@ class SparseAttnFwdSpec(KernelSpec):
         WG2 of the odd one, concurrently; they exchange the row maxima and P through smem and each
         accumulates its half of O over both tiles. Both consumers run the same code, so regs_qk must
         equal regs_pv (SPLIT_REGS is the budget the op uses).
+      "split_halves" (FlashMLA's SM90 sparse prefill protocol): the even/odd split with per-half-stage
+        ready/free mbarriers (a stage's left half V[:, :256] and right half are refilled as soon as the
+        consumer that reads them last is done: V0L, V1R, V0R, V1L), an asymmetric max exchange (WG1 runs
+        its softmax with its own running max and issues its PV at once, then rescales P and O by the pair
+        max from WG2), and the next pair's QK^T issued before the last PV of the pair retires. The two
+        consumers run different code (HALVES_REGS is the budget the op uses).
+    l2_hint: the KV gather's cp.async carries FlashMLA's hints, a 256-byte L2 prefetch and an L2 evict_last
+      cache policy (schedule "split_halves" only). Default off.
     ablate: "" (the real kernel) or one of ABLATIONS: a TIMING-ONLY variant that leaves one stage out
       (bench/sparse_attention.py --ablate); its outputs are not attention and the op never selects it.
 
@@ -80,6 +103,7 @@ class SparseAttnFwdSpec(KernelSpec):
     regs_qk: int = 248
     regs_pv: int = 216
     schedule: str = "serial"
+    l2_hint: bool = False
     ablate: str = ""
 
     def reasons(self) -> list[str]:
@@ -102,10 +126,15 @@ class SparseAttnFwdSpec(KernelSpec):
         if self.schedule not in SCHEDULES:
             out.append(f"schedule={self.schedule!r} must be one of {SCHEDULES}")
         elif self.schedule == "split" and self.regs_qk != self.regs_pv:
-            out.append(f"schedule='split' runs the same code in both consumer warpgroups: regs_qk={self.regs_qk} "
-                       f"must equal regs_pv={self.regs_pv} (e.g. {SPLIT_REGS})")
+            out.append(f"schedule={self.schedule!r} gives both consumer warpgroups the same work: "
+                       f"regs_qk={self.regs_qk} must equal regs_pv={self.regs_pv} (e.g. {SPLIT_REGS})")
+        if self.l2_hint and self.schedule != "split_halves":
+            out.append(f"l2_hint=True exists for schedule 'split_halves' only, not {self.schedule!r}")
         if self.ablate and self.ablate not in ABLATIONS:
             out.append(f"ablate={self.ablate!r} must be '' or one of {tuple(ABLATIONS)}")
+        elif self.ablate and self.ablate not in SCHEDULE_ABLATIONS.get(self.schedule, ()):
+            out.append(f"ablate={self.ablate!r} does not exist for schedule {self.schedule!r} (it has "
+                       f"{SCHEDULE_ABLATIONS.get(self.schedule, ())})")
         regs = (self.regs_producer, self.regs_qk, self.regs_pv)
         if any(r % 8 or not 24 <= r <= 256 for r in regs):
             out.append(f"regs_producer/regs_qk/regs_pv={regs} must each be a multiple of 8 in [24, 256]")

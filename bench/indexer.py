@@ -31,12 +31,15 @@ VARIANTS = {
     "tuned": ({"overlap": True}, {"cache_keys": 49152}),      # 2 accumulators per WG + smem key cache
     "n256": ({"n_tile": 256}, {}),                             # 4 tokens per CTA at H=64: half the K traffic
     "n256k": ({"n_tile": 256}, {"cache_keys": 49152}),         # n256 + smem key cache
+    "seg": ({}, {"algo": "segments", "threads": 512}),         # top-k: per-warp segments, barrier-free emit
+    "seg256": ({}, {"algo": "segments", "threads": 256}),
 }
 # Timing ablations (not correct kernels; see dsagen.spec.families.indexer INDEXER_*_ABLATIONS).
 SCORE_ABLATIONS = ("no_epilogue", "mma_k16", "skeleton", "no_store", "no_kload", "one_tile")
 TOPK_ABLATIONS = ("hist1", "hist1_spread", "read1", "read1_ilp4", "no_emit")
 VARIANTS.update({f"ablate-score-{a}": ({"ablate": a}, {}) for a in SCORE_ABLATIONS})
 VARIANTS.update({f"ablate-topk-{a}": ({}, {"ablate": a}) for a in TOPK_ABLATIONS})
+VARIANTS.update({f"ablate-seg-{a}": ({}, {**VARIANTS["seg"][1], "ablate": a}) for a in ("hist1", "read1", "no_emit")})
 #: --variant ablations: the default and every ablation, in one process
 ABLATION_SET = ["default"] + [f"ablate-score-{a}" for a in SCORE_ABLATIONS] + [f"ablate-topk-{a}" for a in TOPK_ABLATIONS]
 

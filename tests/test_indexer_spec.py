@@ -304,3 +304,54 @@ def test_topk_ablation_compiles(ablate, tmp_path):
         # hist1: (key >> 24) * 4 = (key >> 22) & 0x3fc; hist1_spread: (key & 0xff) * 4 = (key << 2) & 0x3fc
         assert ("SHF.L.U32" in before) == (ablate == "hist1_spread"), before
         assert ("SHF.R.U32.HI" in before) == (ablate == "hist1"), before
+
+
+# ------------------------------------------------------------------ top-k algo="segments" (notes/kernels/indexer-topk.md)
+def test_topk_segments_option_validation():
+    from dsagen.spec.families.indexer import INDEXER_TOPK_SEGMENT_ABLATIONS
+
+    for threads in (256, 512):
+        assert IndexerTopkSpec(arch="sm_90a", algo="segments", threads=threads).can_implement() == (True, "")
+    for a in INDEXER_TOPK_SEGMENT_ABLATIONS:
+        assert IndexerTopkSpec(arch="sm_90a", algo="segments", threads=512, ablate=a).can_implement() == (True, "")
+    ok, why = IndexerTopkSpec(arch="sm_90a", algo="segments").can_implement()      # threads=1024
+    assert not ok and "threads in (256, 512)" in why
+    ok, why = IndexerTopkSpec(arch="sm_90a", algo="segments", threads=512, cache_keys=1024).can_implement()
+    assert not ok and "algo='chunks' only" in why
+    ok, why = IndexerTopkSpec(arch="sm_90a", algo="segments", threads=512, ablate="read1_ilp4").can_implement()
+    assert not ok and "not implemented by algo='segments'" in why
+    ok, why = IndexerTopkSpec(arch="sm_90a", algo="radix11").can_implement()
+    assert not ok and "not a top-k kernel" in why
+    assert IndexerTopkSpec(arch="sm_90a").template == "lightning_indexer_topk_chunks.py.j2"
+    spec = IndexerTopkSpec(arch="sm_90a", algo="segments", threads=512)
+    assert spec.template == "lightning_indexer_topk.py.j2"
+    assert spec.name() == "lightning_indexer_topk_t512_algosegments_sm_90a"
+    assert "ABLAT" not in render(spec).upper()
+
+
+#: ablation -> (ATOMS in the kernel?, VOTE (emit) count > 0?, BAR.SYNC at most)
+_SEGMENT_SASS = {"": (True, True, 13), "hist1": (True, False, 4), "read1": (False, False, 4),
+                 "no_emit": (True, False, 12)}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("threads,ablate", [(512, a) for a in _SEGMENT_SASS] + [(256, "")])
+def test_topk_segments_compiles(threads, ablate, tmp_path):
+    """128-bit loads issued back to back (UNROLL in flight), per-warp histogram atomics, ballots only in the
+    emit, 3 barriers per radix pass + 1 before the emit, registers within 2 CTAs per SM, no spills."""
+    from dsagen.gen.build import compile_module
+
+    spec = IndexerTopkSpec(arch="sm_90a", algo="segments", threads=threads, ablate=ablate)
+    ck = compile_module(spec, render(spec), tmp_path / "build")
+    sass = _sass(ck.cubin, tmp_path)
+    ops = _sass_ops(ck.cubin, tmp_path)
+    atoms, vote, bars = _SEGMENT_SASS[ablate]
+    assert (ops.get("ATOMS", 0) > 0) == atoms and (ops.get("VOTE", 0) > 0) == vote, ops
+    assert sass.count("BAR.SYNC") <= bars, ops
+    assert not ops.get("LDL") and not ops.get("STL"), f"register spills: {ops}"
+    assert ck.record["regcount"] <= 65536 // (2 * threads), ck.record["regcount"]
+    assert ck.record["launch"]["block"] == [threads, 1, 1]
+    assert ck.record["launch"]["smem"] <= threads // 32 * 1024 + 256          # the per-warp histograms
+    lines = sass.splitlines()
+    assert any(sum("LDG.E.128" in line for line in lines[i:i + 16]) >= 4 for i in range(len(lines))), \
+        "4 vector loads in flight per thread"

@@ -12,14 +12,16 @@ Build first (CPU, with CuTe-DSL):  dsagen build --from-tests tests/gpu/test_ligh
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import pytest
 import torch
 
 import dsagen
-from dsagen.spec.families.indexer import (INDEXER_SCORE_ABLATIONS, INDEXER_TOPK_ABLATIONS, IndexerScoreSpec,
-                                          IndexerTopkSpec)
+from dsagen.spec.families.indexer import (INDEXER_SCORE_ABLATIONS, INDEXER_TOPK_ABLATIONS,
+                                          INDEXER_TOPK_SEGMENT_ABLATIONS, IndexerScoreSpec, IndexerTopkSpec)
 from poison import POISON_INT32, poison_allocator
 
 ARCH = "sm_90a"
@@ -37,8 +39,26 @@ REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH)] + [
     # timing ablations (NOT correct kernels): test_ablation_launch_smoke, bench/indexer.py --variant ablations
     IndexerScoreSpec(arch=ARCH, ablate=a) for a in INDEXER_SCORE_ABLATIONS if a] + [
     IndexerTopkSpec(arch=ARCH, ablate=a) for a in INDEXER_TOPK_ABLATIONS if a]
+#: top-k kernels checked exactly by test_topk_kernel_exact (the "segments" kernels are not the default yet;
+#: bench/indexer.py --variant seg / seg256, and their ablations ablate-seg-*)
+TOPK_SPECS = [IndexerTopkSpec(arch=ARCH), IndexerTopkSpec(arch=ARCH, algo="segments", threads=512),
+              IndexerTopkSpec(arch=ARCH, algo="segments", threads=256)]
+REQUIRED_SPECS += TOPK_SPECS[1:] + [IndexerTopkSpec(arch=ARCH, algo="segments", threads=512, ablate=a)
+                                    for a in INDEXER_TOPK_SEGMENT_ABLATIONS if a]
+#: DSAGEN_TEST_TOPK_OPTIONS='{"algo": "segments", "threads": 512}' runs this whole module with those top-k spec
+#: options (the GPU check of a top-k kernel before it becomes the default); tests that set
+#: fused.SPEC_OPTIONS themselves keep their own.
+TOPK_OPTIONS = json.loads(os.environ.get("DSAGEN_TEST_TOPK_OPTIONS", "{}"))
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _topk_options(monkeypatch):
+    if TOPK_OPTIONS:
+        from dsagen.fused import lightning_indexer as fused
+
+        monkeypatch.setattr(fused, "SPEC_OPTIONS", ({}, dict(TOPK_OPTIONS)))
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -213,13 +233,78 @@ def test_speed_variants_n256(case, cache_keys, monkeypatch):
                for key, v in fused._kernels.items()), "n_tile=256 kernel not used"
 
 
+# ------------------------------------------------------------- top-k kernel alone, exact, on synthetic slabs
+def _slab_rows(pattern: str, n: int, gen: torch.Generator) -> torch.Tensor:
+    if pattern == "randn":
+        return torch.randn(n, generator=gen)
+    if pattern == "equal":                            # every key ties
+        return torch.full((n,), 0.375)
+    if pattern == "few_values":                       # heavy ties at the threshold, both signs
+        return torch.randint(-3, 4, (n,), generator=gen).float()
+    if pattern == "zeros_pm":                         # +0.0 and -0.0 (different keys: +0 ranks above -0)
+        return torch.where(torch.rand(n, generator=gen) < 0.5, 0.0, -0.0)
+    if pattern == "negative":
+        return -torch.randn(n, generator=gen).abs() - 1e-3
+    if pattern == "quantized":                        # ties plus a few values 1 ulp apart
+        x = torch.round(torch.randn(n, generator=gen) * 4) / 4
+        return torch.nextafter(x, torch.full_like(x, 9.0)).where(torch.rand(n, generator=gen) < 0.02, x)
+    raise ValueError(pattern)
+
+
+def _keys(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' order-preserving uint32 keys of fp32 scores, as int64."""
+    b = x.float().view(torch.int32).long() & 0xFFFFFFFF
+    return torch.where(b >> 31 == 1, b ^ 0xFFFFFFFF, b | 0x80000000)
+
+
+TOPK_EXACT_LENGTHS = [1, 2, 63, 64, 65, 127, 128, 129, 511, 2047, 2048, 2049, 2050, 4097, 9001, 40000, 131073]
+
+
+@pytest.mark.parametrize("topk", [1, 64, 2048])
+@pytest.mark.parametrize("pattern", ["randn", "equal", "few_values", "zeros_pm", "negative", "quantized"])
+@pytest.mark.parametrize("spec", TOPK_SPECS, ids=[s.name() for s in TOPK_SPECS])
+def test_topk_kernel_exact(spec, pattern, topk):
+    """The top-k kernel alone on slab rows of many lengths (one 1-token document per row): exactly the ids of
+    the topk largest keys, ties to the lower id, ascending; 0..n-1 then -1 when n <= topk."""
+    from dsagen.runtime import get_kernel
+
+    kern = get_kernel(spec, 0)
+    gen = torch.Generator().manual_seed(sum(map(ord, pattern)) * 7 + topk)
+    lens = TOPK_EXACT_LENGTHS
+    rows = len(lens)
+    ld = -(-max(lens) // 4) * 4 + 4
+    slab = torch.full((rows, ld), float("nan"))
+    for r, n in enumerate(lens):
+        slab[r, :n] = _slab_rows(pattern, n, gen)
+    cu_q = torch.arange(rows + 1, dtype=torch.int32)
+    cu_k = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    s_total = int(cu_k[-1])
+    poison_allocator()
+    out = torch.empty((1, rows, topk), dtype=torch.int32, device="cuda")
+    # args: slab, out, cu_q, cu_k, n_docs, T, S, n_tblk, blk0, qc, nrows, topk, causal, ratio, ld_slab
+    kern.launch(slab.cuda(), out, cu_q.cuda(), cu_k.cuda(), rows, rows, s_total, rows, 0, 1, rows, topk, 0, 1, ld)
+    torch.cuda.synchronize()
+    got = out[0].cpu().long()
+    for r, n in enumerate(lens):
+        if n <= topk:
+            want = torch.where(torch.arange(topk) < n, torch.arange(topk), -1)
+        else:
+            order = torch.sort(-_keys(slab[r, :n]), stable=True).indices[:topk]
+            want = torch.sort(order).values
+        assert torch.equal(got[r], want), (f"{pattern} topk={topk} n={n}: first mismatch at "
+                                           f"{int((got[r] != want).nonzero()[0])}: {got[r][:16].tolist()} vs "
+                                           f"{want[:16].tolist()}")
+
+
 # --------------------------------------------------------------------- timing ablations: LAUNCH SMOKE ONLY
 # The ablate=... kernels leave a stage out on purpose (no epilogue, no stores, no K loads, one pass, ...):
 # their outputs are NOT the indexer's and are NOT checked here. This test only checks that each one is the
 # kernel that ran, that it launches on the fused path's real arguments and that it finishes (no hang, no
 # launch or device error), so that `bench/indexer.py --variant ablations --profile` can time them.
 ABLATION_OPTIONS = ([("score-" + a, ({"ablate": a}, {})) for a in INDEXER_SCORE_ABLATIONS if a]
-                    + [("topk-" + a, ({}, {"ablate": a})) for a in INDEXER_TOPK_ABLATIONS if a])
+                    + [("topk-" + a, ({}, {"ablate": a})) for a in INDEXER_TOPK_ABLATIONS if a]
+                    + [("seg-" + a, ({}, {"algo": "segments", "threads": 512, "ablate": a}))
+                       for a in INDEXER_TOPK_SEGMENT_ABLATIONS if a])
 
 
 @pytest.mark.parametrize("options", [o for _, o in ABLATION_OPTIONS], ids=[n for n, _ in ABLATION_OPTIONS])

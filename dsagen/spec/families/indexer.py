@@ -58,6 +58,18 @@ INDEXER_SCORE_ABLATIONS = ("", "no_epilogue", "mma_k16", "skeleton", "no_store",
 #:   read1_ilp4    read1 with 4 independent loads in flight per thread (Little's law check)
 #:   no_emit       the 4 radix passes, no ordered emit pass
 INDEXER_TOPK_ABLATIONS = ("", "hist1", "hist1_spread", "read1", "read1_ilp4", "no_emit")
+#: Top-k kernels (IndexerTopkSpec.algo; notes/kernels/indexer-topk.md):
+#:   chunks    session-1 kernel: 4 radix passes with one block histogram, then an ordered emit in
+#:             THREADS-key chunks (a block scan and two barriers per chunk)
+#:   segments  each warp owns a contiguous segment of the row (128-bit loads, several in flight): per-warp
+#:             histograms give every warp its #(> thr) / #(== thr) during the radix passes, so the emit
+#:             runs per warp in id order with ballots and no block barrier; passes stop early when the
+#:             crossing bin is taken whole, and warps without candidates skip a pass
+INDEXER_TOPK_ALGOS = ("chunks", "segments")
+#: Thread counts of the segments kernel (registers are budgeted for 2 CTAs per SM; 1024 would spill).
+INDEXER_TOPK_SEGMENT_THREADS = (256, 512)
+#: Ablations the segments kernel implements (same meaning as above, on its own loops).
+INDEXER_TOPK_SEGMENT_ABLATIONS = ("", "hist1", "read1", "no_emit")
 
 
 def tokens_per_cta(num_heads: int, n_tile: int = 128) -> int:
@@ -146,18 +158,26 @@ class IndexerTopkSpec(KernelSpec):
     ascending order (ties at the threshold go to the lowest ids), or 0..n-1 and -1 padding when the
     row has no more than topk candidates. Deterministic: no result depends on thread timing.
 
-    cache_keys: rows of at most this many candidates are read from global memory once and keep their
-    keys in shared memory for the later passes (0, the default: every pass reads the slab row from L2).
-    Nonzero values (e.g. 49152) compile but have not run on a GPU yet; see notes/kernels/indexer.md.
-    ablate: "" (the real kernel) or one of INDEXER_TOPK_ABLATIONS: a timing probe, NOT a correct kernel.
+    algo: "chunks" (default) or "segments", see INDEXER_TOPK_ALGOS; same output, "segments" needs
+    threads in INDEXER_TOPK_SEGMENT_THREADS and no key cache.
+    cache_keys ("chunks" only): rows of at most this many candidates are read from global memory once and
+    keep their keys in shared memory for the later passes (0, the default: every pass reads the slab row
+    from L2). Measured slower (1 CTA per SM); see notes/kernels/indexer.md.
+    ablate: "" (the real kernel) or one of INDEXER_TOPK_ABLATIONS (INDEXER_TOPK_SEGMENT_ABLATIONS for
+    "segments"): a timing probe, NOT a correct kernel.
     """
 
     op = "lightning_indexer_topk"
-    template = "lightning_indexer_topk.py.j2"
 
     threads: int = 1024
     cache_keys: int = 0
     ablate: str = ""
+    algo: str = "chunks"
+
+    @property
+    def template(self) -> str:  # type: ignore[override]
+        """The template file of the chosen algorithm."""
+        return "lightning_indexer_topk.py.j2" if self.algo == "segments" else "lightning_indexer_topk_chunks.py.j2"
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -165,6 +185,17 @@ class IndexerTopkSpec(KernelSpec):
             out.append(f"the lightning-indexer top-k kernel is implemented for sm_90a only, not {self.arch}")
         if self.threads not in (256, 512, 1024):
             out.append(f"threads={self.threads} must be one of 256, 512, 1024")
+        if self.algo not in INDEXER_TOPK_ALGOS:
+            out.append(f"algo={self.algo!r} is not a top-k kernel; choose one of {INDEXER_TOPK_ALGOS}")
+        elif self.algo == "segments":
+            if self.threads not in INDEXER_TOPK_SEGMENT_THREADS:
+                out.append(f"algo='segments' needs threads in {INDEXER_TOPK_SEGMENT_THREADS} (registers for "
+                           f"2 CTAs per SM), got {self.threads}")
+            if self.cache_keys:
+                out.append("cache_keys applies to algo='chunks' only")
+            if self.ablate not in INDEXER_TOPK_SEGMENT_ABLATIONS:
+                out.append(f"ablate={self.ablate!r} is not implemented by algo='segments'; choose one of "
+                           f"{INDEXER_TOPK_SEGMENT_ABLATIONS}")
         if self.ablate not in INDEXER_TOPK_ABLATIONS:
             out.append(f"ablate={self.ablate!r} is not a top-k ablation; choose one of {INDEXER_TOPK_ABLATIONS}")
         elif self.ablate and self.cache_keys:

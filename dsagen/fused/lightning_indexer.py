@@ -8,7 +8,9 @@ How a call runs (see notes/kernels/indexer.md):
     (the score kernel's wgmma N tile is QC x H = n_tile columns; n_tile = 128 unless SPEC_OPTIONS
     selects 256). Blocks are processed in slabs: for each
     slab the score kernel writes every row's valid candidate scores (fp32, document-local ids) into one
-    reused slab of R rows x ld_slab columns, then the top-k kernel turns each row into its output row.
+    reused slab of R rows x ld_slab columns, then the top-k kernel turns each row into its output row
+    (512 threads per row; 1024 when the slab's rows fit one wave of one CTA per SM, TOPK_WIDE_THREADS). The
+    top-k reads rows with 16-byte loads: ld_slab a multiple of 4 keeps every row 16-byte aligned.
   * Scratch: the slab only, R * ld_slab * 4 bytes with ld_slab = S rounded up to 4 and
     R = min(1024, 32 MiB / (4 * ld_slab)) rounded down to a multiple of QC, at least QC. So at most
     32 MiB, or QC * ld_slab * 4 bytes when a single block does not fit (at most 16 x 2**20 x 4 B =
@@ -26,13 +28,19 @@ import torch
 
 from ..runtime import LoadedKernel, device_arch, get_kernel
 from ..spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, INDEXER_N256_HEADS,
-                                     SLAB_BYTES, SLAB_MAX_ROWS, indexer_specs, tokens_per_cta)
+                                     SLAB_BYTES, SLAB_MAX_ROWS, IndexerTopkSpec, indexer_specs, tokens_per_cta)
 
 BACKENDS = ("cute",)
 #: Candidate rows one score CTA covers (grid y splits longer pools, so short slabs still fill the GPU).
 CHUNK_ROWS = 4096
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_kernels: dict[tuple, tuple[LoadedKernel, LoadedKernel]] = {}
+#: Top-k threads per row when a slab's rows fit one wave of one CTA per SM (long rows: S = 131072 gives
+#: 64 rows per slab): twice the warps per row of the default 512-thread kernel. Not used when
+#: SPEC_OPTIONS[1] sets "threads".
+TOPK_WIDE_THREADS = 1024
+#: (device, H, D, dtype, options) -> (score kernel, top-k kernel, wide top-k kernel or None)
+_kernels: dict[tuple, tuple[LoadedKernel, LoadedKernel, LoadedKernel | None]] = {}
+_sm_count: dict[int, int] = {}
 #: Tile-choice overrides of the (score, top-k) specs; for A/B benchmarks (bench/indexer.py --variant).
 SPEC_OPTIONS: tuple[dict, dict] = ({}, {})
 _dummy: dict[int, torch.Tensor] = {}
@@ -106,7 +114,8 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, stride)
 
 
-def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype) -> tuple[LoadedKernel, LoadedKernel]:
+def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype
+                 ) -> tuple[LoadedKernel, LoadedKernel, LoadedKernel | None]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, h, d, dtype, repr(SPEC_OPTIONS))
     ks = _kernels.get(key)
@@ -117,7 +126,11 @@ def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype) -> tu
                                       f"cuda:{index} is {arch}. Use impl='reference'.")
         score_spec, topk_spec = indexer_specs(arch, h, d, _TORCH_DTYPE_NAMES[dtype], score_options=_score_options(h),
                                               topk_options=SPEC_OPTIONS[1])
-        ks = _kernels[key] = (get_kernel(score_spec, index), get_kernel(topk_spec, index))
+        wide = None
+        if "threads" not in SPEC_OPTIONS[1]:
+            wide = get_kernel(IndexerTopkSpec(arch=arch, **{**SPEC_OPTIONS[1], "threads": TOPK_WIDE_THREADS}), index)
+        ks = _kernels[key] = (get_kernel(score_spec, index), get_kernel(topk_spec, index), wide)
+        _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return ks
 
 
@@ -154,7 +167,8 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
         return out.fill_(-1)
     _check_layout("q", q)
     _check_layout("k", k)
-    score_k, topk_k = _kernels_for(device, h, d, q.dtype)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    score_k, topk_k, topk_wide = _kernels_for(device, h, d, q.dtype)
 
     n_tile = _n_tile(h)
     qc = tokens_per_cta(h, n_tile)
@@ -163,11 +177,12 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     ld = -(-s_count // 4) * 4
     blk_per_slab = min(slab_rows(h, s_count, n_tile) // qc, total_blk)
     slab = torch.empty((blk_per_slab * qc, ld), dtype=torch.float32, device=device)
+    if topk_wide is not None and blk_per_slab * qc <= _sm_count[index]:
+        topk_k = topk_wide                     # one row per SM anyway: give each row 32 warps
     n_chunks = -(-s_count // CHUNK_ROWS)
     if cu_seqlens is not None:
         cu_q, cu_k, n_docs = cu_seqlens, cu_seqlens_k, cu_seqlens.numel() - 1
     else:
-        index = device.index if device.index is not None else torch.cuda.current_device()
         cu_q = cu_k = _dummy.get(index)
         if cu_q is None:
             cu_q = cu_k = _dummy[index] = torch.zeros(4, dtype=torch.int32, device=device)

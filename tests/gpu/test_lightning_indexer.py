@@ -20,34 +20,31 @@ import pytest
 import torch
 
 import dsagen
-from dsagen.spec.families.indexer import (INDEXER_SCORE_ABLATIONS, INDEXER_TOPK_ABLATIONS,
-                                          INDEXER_TOPK_SEGMENT_ABLATIONS, IndexerScoreSpec, IndexerTopkSpec)
+from dsagen.spec.families.indexer import (INDEXER_SCORE_ABLATIONS, INDEXER_TOPK_ABLATIONS, INDEXER_TOPK_THREADS,
+                                          IndexerScoreSpec, IndexerTopkSpec)
 from poison import POISON_INT32, poison_allocator
 
 ARCH = "sm_90a"
 HEAD_SHAPES = [(64, 128), (8, 64), (16, 128), (32, 64), (128, 128), (8, 128), (64, 64)]
 N256_SHAPES = [(64, 128), (32, 64), (128, 128)]
-REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH)] + [
+REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH, threads=t) for t in INDEXER_TOPK_THREADS] + [
     IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d) for h, d in HEAD_SHAPES] + [
     IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, dtype="float16")] + [
-    # the speed variants not yet default (two accumulators per warpgroup; smem key cache): checked here,
+    # the speed variant not yet default (two accumulators per warpgroup): checked here,
     # compared in bench/indexer.py --variant tuned
-    IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, overlap=True), IndexerTopkSpec(arch=ARCH, cache_keys=49152)] + [
+    IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, overlap=True)] + [
     # n_tile=256 (4 tokens per CTA at H=64: half the K traffic), not yet default: test_speed_variants_n256,
-    # bench/indexer.py --variant n256 / n256k
+    # bench/indexer.py --variant n256
     IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d, n_tile=256) for h, d in N256_SHAPES] + [
     # timing ablations (NOT correct kernels): test_ablation_launch_smoke, bench/indexer.py --variant ablations
     IndexerScoreSpec(arch=ARCH, ablate=a) for a in INDEXER_SCORE_ABLATIONS if a] + [
-    IndexerTopkSpec(arch=ARCH, ablate=a) for a in INDEXER_TOPK_ABLATIONS if a]
-#: top-k kernels checked exactly by test_topk_kernel_exact (the "segments" kernels are not the default yet;
-#: bench/indexer.py --variant seg / seg256, and their ablations ablate-seg-*)
-TOPK_SPECS = [IndexerTopkSpec(arch=ARCH), IndexerTopkSpec(arch=ARCH, algo="segments", threads=512),
-              IndexerTopkSpec(arch=ARCH, algo="segments", threads=256)]
-REQUIRED_SPECS += TOPK_SPECS[1:] + [IndexerTopkSpec(arch=ARCH, algo="segments", threads=512, ablate=a)
-                                    for a in INDEXER_TOPK_SEGMENT_ABLATIONS if a]
-#: DSAGEN_TEST_TOPK_OPTIONS='{"algo": "segments", "threads": 512}' runs this whole module with those top-k spec
-#: options (the GPU check of a top-k kernel before it becomes the default); tests that set
-#: fused.SPEC_OPTIONS themselves keep their own.
+    # (the fused host loads the 1024-thread top-k next to the 512-thread one, ablated alike)
+    IndexerTopkSpec(arch=ARCH, threads=t, ablate=a) for a in INDEXER_TOPK_ABLATIONS if a for t in (512, 1024)]
+#: top-k kernels checked exactly by test_topk_kernel_exact
+TOPK_SPECS = [IndexerTopkSpec(arch=ARCH, threads=t) for t in INDEXER_TOPK_THREADS]
+#: DSAGEN_TEST_TOPK_OPTIONS='{"threads": 1024}' runs this whole module with those top-k spec options (the
+#: GPU check of a top-k kernel before it becomes the default); tests that set fused.SPEC_OPTIONS
+#: themselves keep their own.
 TOPK_OPTIONS = json.loads(os.environ.get("DSAGEN_TEST_TOPK_OPTIONS", "{}"))
 
 pytestmark = pytest.mark.gpu
@@ -184,7 +181,7 @@ def test_topk_edges(topk):
     _run_and_check(q, k, w, topk, True)
 
 
-@pytest.mark.parametrize("variant", [({"overlap": True}, {}), ({}, {"cache_keys": 49152})])
+@pytest.mark.parametrize("variant", [({"overlap": True}, {})])
 def test_speed_variants(variant, monkeypatch):
     from dsagen.fused import lightning_indexer as fused
 
@@ -208,14 +205,11 @@ N256_CASES = {
 }
 
 
-@pytest.mark.parametrize("cache_keys", [0, 49152], ids=["plain", "keycache"])
 @pytest.mark.parametrize("case", list(N256_CASES))
-def test_speed_variants_n256(case, cache_keys, monkeypatch):
+def test_speed_variants_n256(case, monkeypatch):
     from dsagen.fused import lightning_indexer as fused
 
-    if cache_keys and case not in ("h64_causal", "h64_long_chunks"):
-        pytest.skip("the key cache is covered by two cases")
-    monkeypatch.setattr(fused, "SPEC_OPTIONS", ({"n_tile": 256}, {"cache_keys": cache_keys} if cache_keys else {}))
+    monkeypatch.setattr(fused, "SPEC_OPTIONS", ({"n_tile": 256}, {}))
     h, d, b, t, s, topk, causal, ratio, lens = N256_CASES[case]
     gen = torch.Generator().manual_seed(113 + len(case))
     if lens is None:
@@ -302,9 +296,7 @@ def test_topk_kernel_exact(spec, pattern, topk):
 # kernel that ran, that it launches on the fused path's real arguments and that it finishes (no hang, no
 # launch or device error), so that `bench/indexer.py --variant ablations --profile` can time them.
 ABLATION_OPTIONS = ([("score-" + a, ({"ablate": a}, {})) for a in INDEXER_SCORE_ABLATIONS if a]
-                    + [("topk-" + a, ({}, {"ablate": a})) for a in INDEXER_TOPK_ABLATIONS if a]
-                    + [("seg-" + a, ({}, {"algo": "segments", "threads": 512, "ablate": a}))
-                       for a in INDEXER_TOPK_SEGMENT_ABLATIONS if a])
+                    + [("topk-" + a, ({}, {"ablate": a})) for a in INDEXER_TOPK_ABLATIONS if a])
 
 
 @pytest.mark.parametrize("options", [o for _, o in ABLATION_OPTIONS], ids=[n for n, _ in ABLATION_OPTIONS])

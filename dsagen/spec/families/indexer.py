@@ -51,25 +51,14 @@ INDEXER_N256_HEADS = (32, 64, 128)
 #:   one_tile     at most one K tile per CTA: launch + per-CTA fixed cost (prologue, Q load, pipeline fill)
 INDEXER_SCORE_ABLATIONS = ("", "no_epilogue", "mma_k16", "skeleton", "no_store", "no_kload", "one_tile")
 #: Timing ablations of the top-k kernel (IndexerTopkSpec.ablate), NOT correct kernels (rows with more than
-#: topk candidates write no output):
-#:   hist1         the first radix pass only (row read + shared-atomic histogram + bin scan)
-#:   hist1_spread  hist1 with the bin taken from the key's low byte (uniform bins: atomic-conflict cost)
-#:   read1         the first pass's loads only (xor-reduced, no atomics): one latency-bound read of the row
-#:   read1_ilp4    read1 with 4 independent loads in flight per thread (Little's law check)
-#:   no_emit       the 4 radix passes, no ordered emit pass
-INDEXER_TOPK_ABLATIONS = ("", "hist1", "hist1_spread", "read1", "read1_ilp4", "no_emit")
-#: Top-k kernels (IndexerTopkSpec.algo; notes/kernels/indexer-topk.md):
-#:   chunks    session-1 kernel: 4 radix passes with one block histogram, then an ordered emit in
-#:             THREADS-key chunks (a block scan and two barriers per chunk)
-#:   segments  each warp owns a contiguous segment of the row (128-bit loads, several in flight): per-warp
-#:             histograms give every warp its #(> thr) / #(== thr) during the radix passes, so the emit
-#:             runs per warp in id order with ballots and no block barrier; passes stop early when the
-#:             crossing bin is taken whole, and warps without candidates skip a pass
-INDEXER_TOPK_ALGOS = ("chunks", "segments")
-#: Thread counts of the segments kernel (registers are budgeted for 2 CTAs per SM; 1024 would spill).
-INDEXER_TOPK_SEGMENT_THREADS = (256, 512)
-#: Ablations the segments kernel implements (same meaning as above, on its own loops).
-INDEXER_TOPK_SEGMENT_ABLATIONS = ("", "hist1", "read1", "no_emit")
+#: topk candidates write no output; notes/kernels/indexer-topk.md):
+#:   hist1    the first radix pass only (vector loads of the row + per-warp histogram atomics + bin scan)
+#:   read1    the first pass's loads only (xor-reduced, no atomics): one vectorized read of every row
+#:   no_emit  the radix passes, no ordered emit
+INDEXER_TOPK_ABLATIONS = ("", "hist1", "read1", "no_emit")
+#: Threads of the top-k kernel. Registers are budgeted for 2 CTAs per SM at 256 / 512 threads (64 at 512)
+#: and for 1 CTA per SM at 1024 (64 registers; the host uses it only when a slab's rows fit one wave).
+INDEXER_TOPK_THREADS = (256, 512, 1024)
 
 
 def tokens_per_cta(num_heads: int, n_tile: int = 128) -> int:
@@ -153,56 +142,32 @@ class IndexerScoreSpec(KernelSpec):
 class IndexerTopkSpec(KernelSpec):
     """Radix top-k over the rows of the lightning-indexer score slab (sm_90a).
 
-    One CTA of `threads` threads per slab row: four 8-bit radix passes over the row's order-preserving
-    fp32 keys find the k-th largest key, then one ordered pass writes the selected candidate ids in
-    ascending order (ties at the threshold go to the lowest ids), or 0..n-1 and -1 padding when the
-    row has no more than topk candidates. Deterministic: no result depends on thread timing.
+    One CTA of `threads` threads per slab row; warp w owns a contiguous segment of the row (128-bit loads,
+    4 in flight per thread). Up to four 8-bit radix passes over the order-preserving fp32 keys, each warp
+    histogramming its own segment, find the k-th largest key and give every warp its number of keys above
+    it and equal to it; one ordered pass then writes the selected ids in ascending order without block
+    barriers (ties at the threshold go to the lowest ids), or 0..n-1 and -1 padding when the row has no
+    more than topk candidates. Deterministic: no result depends on thread timing.
 
-    algo: "chunks" (default) or "segments", see INDEXER_TOPK_ALGOS; same output, "segments" needs
-    threads in INDEXER_TOPK_SEGMENT_THREADS and no key cache.
-    cache_keys ("chunks" only): rows of at most this many candidates are read from global memory once and
-    keep their keys in shared memory for the later passes (0, the default: every pass reads the slab row
-    from L2). Measured slower (1 CTA per SM); see notes/kernels/indexer.md.
-    ablate: "" (the real kernel) or one of INDEXER_TOPK_ABLATIONS (INDEXER_TOPK_SEGMENT_ABLATIONS for
-    "segments"): a timing probe, NOT a correct kernel.
+    threads: one of INDEXER_TOPK_THREADS (512, the default: 2 CTAs per SM; 1024: 1 CTA per SM, for slabs
+    whose rows fit one wave, chosen by the fused host).
+    ablate: "" (the real kernel) or one of INDEXER_TOPK_ABLATIONS: a timing probe, NOT a correct kernel.
     """
 
     op = "lightning_indexer_topk"
+    template = "lightning_indexer_topk.py.j2"
 
-    threads: int = 1024
-    cache_keys: int = 0
+    threads: int = 512
     ablate: str = ""
-    algo: str = "chunks"
-
-    @property
-    def template(self) -> str:  # type: ignore[override]
-        """The template file of the chosen algorithm."""
-        return "lightning_indexer_topk.py.j2" if self.algo == "segments" else "lightning_indexer_topk_chunks.py.j2"
 
     def reasons(self) -> list[str]:
         out = super().reasons()
         if self.arch != "sm_90a":
             out.append(f"the lightning-indexer top-k kernel is implemented for sm_90a only, not {self.arch}")
-        if self.threads not in (256, 512, 1024):
-            out.append(f"threads={self.threads} must be one of 256, 512, 1024")
-        if self.algo not in INDEXER_TOPK_ALGOS:
-            out.append(f"algo={self.algo!r} is not a top-k kernel; choose one of {INDEXER_TOPK_ALGOS}")
-        elif self.algo == "segments":
-            if self.threads not in INDEXER_TOPK_SEGMENT_THREADS:
-                out.append(f"algo='segments' needs threads in {INDEXER_TOPK_SEGMENT_THREADS} (registers for "
-                           f"2 CTAs per SM), got {self.threads}")
-            if self.cache_keys:
-                out.append("cache_keys applies to algo='chunks' only")
-            if self.ablate not in INDEXER_TOPK_SEGMENT_ABLATIONS:
-                out.append(f"ablate={self.ablate!r} is not implemented by algo='segments'; choose one of "
-                           f"{INDEXER_TOPK_SEGMENT_ABLATIONS}")
+        if self.threads not in INDEXER_TOPK_THREADS:
+            out.append(f"threads={self.threads} must be one of {INDEXER_TOPK_THREADS}")
         if self.ablate not in INDEXER_TOPK_ABLATIONS:
             out.append(f"ablate={self.ablate!r} is not a top-k ablation; choose one of {INDEXER_TOPK_ABLATIONS}")
-        elif self.ablate and self.cache_keys:
-            out.append("ablate applies to the kernel without the key cache only (cache_keys=0)")
-        if not (0 <= self.cache_keys <= 53248 and self.cache_keys % 1024 == 0):
-            out.append(f"cache_keys={self.cache_keys} must be a multiple of 1024 in [0, 53248] "
-                       f"(4 bytes of shared memory each, at most 208 KiB)")
         return out
 
 

@@ -97,8 +97,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="also time the score and top-k kernels alone")
     ap.add_argument("--variant", choices=list(VARIANTS) + ["ablations"], nargs="+", default=["default"],
-                    help="tuned: two accumulators per warpgroup (overlap) and the smem key cache; n256: wgmma "
-                         "N = 256 (4 tokens per CTA at H=64); n256k: n256 and the smem key cache; "
+                    help="tuned: two accumulators per warpgroup (overlap); n256: wgmma N = 256 (4 tokens per CTA "
+                         "at H=64); t256 / t512 / t1024: top-k with that many threads per row (default: 512, or "
+                         "1024 when a slab's rows fit one wave); "
                          "ablate-score-* / ablate-topk-*: timing probes (not correct); ablations: default + all probes")
     args = ap.parse_args(argv)
     names = []

@@ -9,7 +9,7 @@ How a call runs (see notes/kernels/indexer.md):
     selects 256). Blocks are processed in slabs: for each
     slab the score kernel writes every row's valid candidate scores (fp32, document-local ids) into one
     reused slab of R rows x ld_slab columns, then the top-k kernel turns each row into its output row
-    (512 threads per row; 1024 when the slab's rows fit one wave of one CTA per SM, TOPK_WIDE_THREADS). The
+    (512 threads per row; 1024 when the slab's rows fit one wave of one CTA per SM: indexer_specs). The
     top-k reads rows with 16-byte loads: ld_slab a multiple of 4 keeps every row 16-byte aligned.
   * Scratch: the slab only, R * ld_slab * 4 bytes with ld_slab = S rounded up to 4 and
     R = min(1024, 32 MiB / (4 * ld_slab)) rounded down to a multiple of QC, at least QC. So at most
@@ -28,17 +28,14 @@ import torch
 
 from ..runtime import LoadedKernel, device_arch, get_kernel
 from ..spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, INDEXER_N256_HEADS,
-                                     SLAB_BYTES, SLAB_MAX_ROWS, IndexerTopkSpec, indexer_specs, tokens_per_cta)
+                                     SLAB_BYTES, SLAB_MAX_ROWS, indexer_specs, tokens_per_cta)
 
 BACKENDS = ("cute",)
 #: Candidate rows one score CTA covers (grid y splits longer pools, so short slabs still fill the GPU).
 CHUNK_ROWS = 4096
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-#: Top-k threads per row when a slab's rows fit one wave of one CTA per SM (long rows: S = 131072 gives
-#: 64 rows per slab): twice the warps per row of the default 512-thread kernel. Not used when
-#: SPEC_OPTIONS[1] sets "threads".
-TOPK_WIDE_THREADS = 1024
-#: (device, H, D, dtype, options) -> (score kernel, top-k kernel, wide top-k kernel or None)
+#: (device, H, D, dtype, options) -> (score kernel, top-k kernel, wide top-k kernel or None: see
+#: indexer_specs; None when SPEC_OPTIONS[1] pins "threads")
 _kernels: dict[tuple, tuple[LoadedKernel, LoadedKernel, LoadedKernel | None]] = {}
 _sm_count: dict[int, int] = {}
 #: Tile-choice overrides of the (score, top-k) specs; for A/B benchmarks (bench/indexer.py --variant).
@@ -124,11 +121,9 @@ def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype
         if arch != "sm_90a":
             raise NotImplementedError(f"the fused lightning_indexer has kernels for sm_90a (Hopper) only; "
                                       f"cuda:{index} is {arch}. Use impl='reference'.")
-        score_spec, topk_spec = indexer_specs(arch, h, d, _TORCH_DTYPE_NAMES[dtype], score_options=_score_options(h),
-                                              topk_options=SPEC_OPTIONS[1])
-        wide = None
-        if "threads" not in SPEC_OPTIONS[1]:
-            wide = get_kernel(IndexerTopkSpec(arch=arch, **{**SPEC_OPTIONS[1], "threads": TOPK_WIDE_THREADS}), index)
+        score_spec, topk_spec, wide_spec = indexer_specs(arch, h, d, _TORCH_DTYPE_NAMES[dtype],
+                                                         score_options=_score_options(h), topk_options=SPEC_OPTIONS[1])
+        wide = None if wide_spec == topk_spec else get_kernel(wide_spec, index)
         ks = _kernels[key] = (get_kernel(score_spec, index), get_kernel(topk_spec, index), wide)
         _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return ks

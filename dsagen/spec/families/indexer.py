@@ -59,6 +59,9 @@ INDEXER_TOPK_ABLATIONS = ("", "hist1", "read1", "no_emit")
 #: Threads of the top-k kernel. Registers are budgeted for 2 CTAs per SM at 256 / 512 threads (64 at 512)
 #: and for 1 CTA per SM at 1024 (64 registers; the host uses it only when a slab's rows fit one wave).
 INDEXER_TOPK_THREADS = (256, 512, 1024)
+#: Top-k threads per row when a slab's rows fit one wave of one CTA per SM (long rows: S = 131072 gives 64
+#: rows per 32 MiB slab): twice the warps per row of the default 512-thread kernel.
+TOPK_WIDE_THREADS = 1024
 
 
 def tokens_per_cta(num_heads: int, n_tile: int = 128) -> int:
@@ -173,8 +176,12 @@ class IndexerTopkSpec(KernelSpec):
 
 def indexer_specs(arch: str, num_heads: int, head_dim: int, dtype: str = "bfloat16", *,
                   score_options: dict | None = None, topk_options: dict | None = None
-                  ) -> tuple[IndexerScoreSpec, IndexerTopkSpec]:
-    """The two kernels one fused lightning_indexer call runs, for these plan-time facts (the options
-    override tile choices, e.g. {"overlap": True}; the defaults are the GPU-verified ones)."""
+                  ) -> tuple[IndexerScoreSpec, IndexerTopkSpec, IndexerTopkSpec]:
+    """The kernels a fused lightning_indexer call may run, for these plan-time facts (the options override
+    tile choices, e.g. {"overlap": True}; the defaults are the GPU-verified ones): the score kernel, the
+    top-k kernel and the wide top-k kernel (TOPK_WIDE_THREADS threads per row, which the host runs when a
+    slab's rows fit one wave). When topk_options pins "threads", the wide kernel is the top-k kernel."""
+    topk = dict(topk_options or {})
     return (IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype, **(score_options or {})),
-            IndexerTopkSpec(arch=arch, **(topk_options or {})))
+            IndexerTopkSpec(arch=arch, **topk),
+            IndexerTopkSpec(arch=arch, **{"threads": TOPK_WIDE_THREADS, **topk}))

@@ -36,13 +36,15 @@ VARIANTS = {
     "sharek": ({"share_k": True}, {}),                         # persistent; both WGs multiply each K tile (2 Q tiles)
     "sharek_turn": ({"share_k": True, "turn_after_mma": True}, {}),
     "c3": ({"consumers": 3}, {}),                              # persistent; 3 consumer WGs take turns (512 threads)
-    "tuned": ({**LOCKSTEP, "overlap": True}, {"cache_keys": 49152}),   # 2 accumulators per WG + smem key cache
+    "tuned": ({**LOCKSTEP, "overlap": True}, {}),              # lock-step with 2 accumulators per WG
     "n256": ({**LOCKSTEP, "n_tile": 256}, {}),                 # 4 tokens per CTA at H=64: half the K traffic
-    "n256k": ({**LOCKSTEP, "n_tile": 256}, {"cache_keys": 49152}),     # n256 + smem key cache
+    "t512": ({}, {"threads": 512}),                            # top-k: always 512 threads (never the wide one)
+    "t1024": ({}, {"threads": 1024}),                          # top-k: always 1024 threads (1 CTA per SM)
+    "t256": ({}, {"threads": 256}),
 }
 # Timing ablations (not correct kernels; see dsagen.spec.families.indexer INDEXER_*_ABLATIONS).
 SCORE_ABLATIONS = ("no_epilogue", "mma_k16", "skeleton", "no_store", "no_kload", "one_tile")
-TOPK_ABLATIONS = ("hist1", "hist1_spread", "read1", "read1_ilp4", "no_emit")
+TOPK_ABLATIONS = ("hist1", "read1", "no_emit")
 VARIANTS.update({f"ablate-score-{a}": ({**LOCKSTEP, "ablate": a}, {}) for a in SCORE_ABLATIONS})
 VARIANTS.update({f"ablate-topk-{a}": ({}, {"ablate": a}) for a in TOPK_ABLATIONS})
 # the same probes of the persistent (ping-pong) kernel (IndexerScoreSpec ablate with schedule="persistent")
@@ -85,17 +87,16 @@ def _profile(fused, q, k, w, topk, ratio, reps) -> dict:
     import dsagen
 
     call = lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True, compress_ratio=ratio, impl="fused")
-    score_k, topk_k = fused._kernels_for(q.device, q.shape[2], q.shape[3], q.dtype)
+    score_k, topk_k, wide_k = kernels = fused._kernels_for(q.device, q.shape[2], q.shape[3], q.dtype)
     # the entry _kernels_for just filled for this variant (its key ends with repr(SPEC_OPTIONS))
-    key = next(key for key, v in fused._kernels.items()
-               if v[0] is score_k and v[1] is topk_k and key[-1] == repr(fused.SPEC_OPTIONS))
+    key = next(key for key, v in fused._kernels.items() if v == kernels and key[-1] == repr(fused.SPEC_OPTIONS))
     try:
-        fused._kernels[key] = (score_k, _Skip)
+        fused._kernels[key] = (score_k, _Skip, None if wide_k is None else _Skip)
         score_ms = timed(call, reps)
-        fused._kernels[key] = (_Skip, topk_k)
+        fused._kernels[key] = (_Skip, topk_k, wide_k)
         topk_ms = timed(call, reps)
     finally:
-        fused._kernels[key] = (score_k, topk_k)
+        fused._kernels[key] = kernels
     return {"score_ms": round(score_ms, 3), "topk_ms": round(topk_ms, 3)}
 
 
@@ -110,8 +111,10 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="also time the score and top-k kernels alone")
     ap.add_argument("--variant", choices=list(VARIANTS) + ["ablations"], nargs="+", default=["default"],
                     help="lockstep / pingpong / persistent: score-kernel schedules (IndexerScoreSpec.schedule); turn / sharek / "
-                         "sharek_turn: IndexerScoreSpec.turn_after_mma / share_k; c3: 3 consumer warpgroups; tuned: two accumulators per warpgroup (overlap) and the smem key cache; n256: wgmma "
-                         "N = 256 (4 tokens per CTA at H=64); n256k: n256 and the smem key cache; "
+                         "sharek_turn: IndexerScoreSpec.turn_after_mma / share_k; c3: 3 consumer warpgroups; tuned: lock-step "
+                         "with two accumulators per warpgroup (overlap); n256: lock-step with wgmma N = 256 (4 tokens per CTA "
+                         "at H=64); t256 / t512 / t1024: top-k with that many threads per row (default: 512, or "
+                         "1024 when a slab's rows fit one wave); "
                          "ablate-score-* / ablate-topk-*: timing probes (not correct); ablations: default + all probes")
     args = ap.parse_args(argv)
     names = []

@@ -8,7 +8,9 @@ How a call runs (see notes/kernels/indexer.md):
     (the score kernel's wgmma N tile is QC x H = 128 columns; 256 // H tokens when SPEC_OPTIONS selects
     n_tile=256 or share_k for H >= 32). Blocks are processed in slabs: for each
     slab the score kernel writes every row's valid candidate scores (fp32, document-local ids) into one
-    reused slab of R rows x ld_slab columns, then the top-k kernel turns each row into its output row.
+    reused slab of R rows x ld_slab columns, then the top-k kernel turns each row into its output row
+    (512 threads per row; 1024 when the slab's rows fit one wave of one CTA per SM: indexer_specs). The
+    top-k reads rows with 16-byte loads: ld_slab a multiple of 4 keeps every row 16-byte aligned.
     The default (persistent) score kernel runs min(#SMs, #work items) CTAs per slab, each looping over
     (token block, chunk) work items; the lock-step / pingpong schedules run one CTA per work item.
   * Scratch: the slab only, R * ld_slab * 4 bytes with ld_slab = S rounded up to 4 and
@@ -34,11 +36,13 @@ BACKENDS = ("cute",)
 #: Candidate rows one score CTA covers (grid y splits longer pools, so short slabs still fill the GPU).
 CHUNK_ROWS = 4096
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_kernels: dict[tuple, tuple[LoadedKernel, LoadedKernel]] = {}
+#: (device, H, D, dtype, options) -> (score kernel, top-k kernel, wide top-k kernel or None: see
+#: indexer_specs; None when SPEC_OPTIONS[1] pins "threads")
+_kernels: dict[tuple, tuple[LoadedKernel, LoadedKernel, LoadedKernel | None]] = {}
+_sm_count: dict[int, int] = {}          # device index -> SMs (persistent grid, wide top-k choice)
 #: Tile-choice overrides of the (score, top-k) specs; for A/B benchmarks (bench/indexer.py --variant).
 SPEC_OPTIONS: tuple[dict, dict] = ({}, {})
 _dummy: dict[int, torch.Tensor] = {}
-_num_sms: dict[int, int] = {}
 
 
 def check_backend(kernel_options) -> str:
@@ -109,7 +113,8 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, stride)
 
 
-def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype) -> tuple[LoadedKernel, LoadedKernel]:
+def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype
+                 ) -> tuple[LoadedKernel, LoadedKernel, LoadedKernel | None]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, h, d, dtype, repr(SPEC_OPTIONS))
     ks = _kernels.get(key)
@@ -118,9 +123,11 @@ def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype) -> tu
         if arch != "sm_90a":
             raise NotImplementedError(f"the fused lightning_indexer has kernels for sm_90a (Hopper) only; "
                                       f"cuda:{index} is {arch}. Use impl='reference'.")
-        score_spec, topk_spec = indexer_specs(arch, h, d, _TORCH_DTYPE_NAMES[dtype], score_options=_score_options(h),
-                                              topk_options=SPEC_OPTIONS[1])
-        ks = _kernels[key] = (get_kernel(score_spec, index), get_kernel(topk_spec, index))
+        score_spec, topk_spec, wide_spec = indexer_specs(arch, h, d, _TORCH_DTYPE_NAMES[dtype],
+                                                         score_options=_score_options(h), topk_options=SPEC_OPTIONS[1])
+        wide = None if wide_spec == topk_spec else get_kernel(wide_spec, index)
+        ks = _kernels[key] = (get_kernel(score_spec, index), get_kernel(topk_spec, index), wide)
+        _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return ks
 
 
@@ -187,7 +194,8 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
         return out.fill_(-1)
     _check_layout("q", q)
     _check_layout("k", k)
-    score_k, topk_k = _kernels_for(device, h, d, q.dtype)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    score_k, topk_k, topk_wide = _kernels_for(device, h, d, q.dtype)
 
     schedule = _schedule(h)
     qc = _block_tokens(h)
@@ -197,11 +205,12 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     ld = -(-s_count // 4) * 4
     blk_per_slab = min(slab_rows(h, s_count, n_tile) // qc, total_blk)
     slab = torch.empty((blk_per_slab * qc, ld), dtype=torch.float32, device=device)
+    if topk_wide is not None and blk_per_slab * qc <= _sm_count[index]:
+        topk_k = topk_wide                     # one row per SM anyway: give each row 32 warps
     n_chunks = -(-s_count // CHUNK_ROWS)
     if cu_seqlens is not None:
         cu_q, cu_k, n_docs = cu_seqlens, cu_seqlens_k, cu_seqlens.numel() - 1
     else:
-        index = device.index if device.index is not None else torch.cuda.current_device()
         cu_q = cu_k = _dummy.get(index)
         if cu_q is None:
             cu_q = cu_k = _dummy[index] = torch.zeros(4, dtype=torch.int32, device=device)
@@ -210,11 +219,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     w_sb, w_st, w_sh = weights.stride()
     scale = 1.0 / math.sqrt(h * d)
     causal_i = int(bool(causal))
-    if schedule != "lockstep":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        num_sms = _num_sms.get(index)
-        if num_sms is None:
-            num_sms = _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    num_sms = _sm_count[index]
     for blk0 in range(0, total_blk, blk_per_slab):
         nblk = min(blk_per_slab, total_blk - blk0)
         if schedule == "lockstep":

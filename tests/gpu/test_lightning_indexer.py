@@ -12,14 +12,17 @@ Build first (CPU, with CuTe-DSL):  dsagen build --from-tests tests/gpu/test_ligh
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import pytest
 import torch
 
 import dsagen
 from dsagen.spec.families.indexer import (INDEXER_PINGPONG_ABLATIONS, INDEXER_SCORE_ABLATIONS, INDEXER_SCORE_SCHEDULES,
-                                          INDEXER_TOPK_ABLATIONS, IndexerScoreSpec, IndexerTopkSpec)
+                                          INDEXER_TOPK_ABLATIONS, INDEXER_TOPK_THREADS, IndexerScoreSpec,
+                                          IndexerTopkSpec)
 from dsagen.fused.lightning_indexer import score_options_for
 from poison import POISON_INT32, poison_allocator
 
@@ -27,31 +30,42 @@ ARCH = "sm_90a"
 HEAD_SHAPES = [(64, 128), (8, 64), (16, 128), (32, 64), (128, 128), (8, 128), (64, 64)]
 N256_SHAPES = [(64, 128), (32, 64), (128, 128)]
 #: score-kernel options other than the default (test_score_schedules; bench --variant lockstep / pingpong / turn /
-#: sharek / sharek_turn): the other schedules and the ping-pong kernel's options
+#: sharek / sharek_turn / c3): the other schedules and the ping-pong kernel's options
 SCORE_VARIANTS = [{"schedule": s} for s in INDEXER_SCORE_SCHEDULES if s != IndexerScoreSpec(arch=ARCH).schedule] + [
     {"schedule": "persistent", "turn_after_mma": True}, {"schedule": "persistent", "share_k": True},
     {"schedule": "persistent", "share_k": True, "turn_after_mma": True}, {"schedule": "persistent", "consumers": 3}]
 SCORE_VARIANTS = [v for v in SCORE_VARIANTS if IndexerScoreSpec(arch=ARCH, **v) != IndexerScoreSpec(arch=ARCH)]
 LOCKSTEP = {"schedule": "lockstep"}
-REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH)] + [
+REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH, threads=t) for t in INDEXER_TOPK_THREADS] + [
     IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d, **score_options_for(h, opts)) for h, d in HEAD_SHAPES
     for opts in [{}] + SCORE_VARIANTS] + [
     IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, dtype="float16", **opts)
     for opts in [{}] + SCORE_VARIANTS] + [
-    # the speed variants not yet default (two accumulators per warpgroup; smem key cache): checked here,
-    # compared in bench/indexer.py --variant tuned
-    IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, overlap=True, **LOCKSTEP),
-    IndexerTopkSpec(arch=ARCH, cache_keys=49152)] + [
-    # n_tile=256 (4 tokens per CTA at H=64: half the K traffic), not yet default: test_speed_variants_n256,
-    # bench/indexer.py --variant n256 / n256k
+    # the lock-step speed variant (two accumulators per warpgroup): checked here, bench --variant tuned
+    IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, overlap=True, **LOCKSTEP)] + [
+    # n_tile=256 (4 tokens per CTA at H=64: half the K traffic): test_speed_variants_n256, bench --variant n256
     IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d, n_tile=256, **LOCKSTEP) for h, d in N256_SHAPES] + [
-    # timing ablations of the lock-step kernel (NOT correct kernels): test_ablation_launch_smoke,
-    # bench/indexer.py --variant ablations
+    # timing ablations (NOT correct kernels): test_ablation_launch_smoke, bench/indexer.py --variant ablations
     IndexerScoreSpec(arch=ARCH, ablate=a, **LOCKSTEP) for a in INDEXER_SCORE_ABLATIONS if a] + [
     IndexerScoreSpec(arch=ARCH, ablate=a, schedule="persistent") for a in INDEXER_PINGPONG_ABLATIONS if a] + [
-    IndexerTopkSpec(arch=ARCH, ablate=a) for a in INDEXER_TOPK_ABLATIONS if a]
+    # (the fused host loads the 1024-thread top-k next to the 512-thread one, ablated alike)
+    IndexerTopkSpec(arch=ARCH, threads=t, ablate=a) for a in INDEXER_TOPK_ABLATIONS if a for t in (512, 1024)]
+#: top-k kernels checked exactly by test_topk_kernel_exact
+TOPK_SPECS = [IndexerTopkSpec(arch=ARCH, threads=t) for t in INDEXER_TOPK_THREADS]
+#: DSAGEN_TEST_TOPK_OPTIONS='{"threads": 1024}' runs this whole module with those top-k spec options (the
+#: GPU check of a top-k kernel before it becomes the default); tests that set fused.SPEC_OPTIONS
+#: themselves keep their own.
+TOPK_OPTIONS = json.loads(os.environ.get("DSAGEN_TEST_TOPK_OPTIONS", "{}"))
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _topk_options(monkeypatch):
+    if TOPK_OPTIONS:
+        from dsagen.fused import lightning_indexer as fused
+
+        monkeypatch.setattr(fused, "SPEC_OPTIONS", ({}, dict(TOPK_OPTIONS)))
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -177,7 +191,7 @@ def test_topk_edges(topk):
     _run_and_check(q, k, w, topk, True)
 
 
-@pytest.mark.parametrize("variant", [({"overlap": True, "schedule": "lockstep"}, {}), ({}, {"cache_keys": 49152})])
+@pytest.mark.parametrize("variant", [({"overlap": True, "schedule": "lockstep"}, {})])
 def test_speed_variants(variant, monkeypatch):
     from dsagen.fused import lightning_indexer as fused
 
@@ -201,14 +215,11 @@ N256_CASES = {
 }
 
 
-@pytest.mark.parametrize("cache_keys", [0, 49152], ids=["plain", "keycache"])
 @pytest.mark.parametrize("case", list(N256_CASES))
-def test_speed_variants_n256(case, cache_keys, monkeypatch):
+def test_speed_variants_n256(case, monkeypatch):
     from dsagen.fused import lightning_indexer as fused
 
-    if cache_keys and case not in ("h64_causal", "h64_long_chunks"):
-        pytest.skip("the key cache is covered by two cases")
-    monkeypatch.setattr(fused, "SPEC_OPTIONS", ({"n_tile": 256, **LOCKSTEP}, {"cache_keys": cache_keys} if cache_keys else {}))
+    monkeypatch.setattr(fused, "SPEC_OPTIONS", ({"n_tile": 256, **LOCKSTEP}, {}))
     h, d, b, t, s, topk, causal, ratio, lens = N256_CASES[case]
     gen = torch.Generator().manual_seed(113 + len(case))
     if lens is None:
@@ -268,6 +279,69 @@ def test_score_schedules(case, options, monkeypatch):
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+# ------------------------------------------------------------- top-k kernel alone, exact, on synthetic slabs
+def _slab_rows(pattern: str, n: int, gen: torch.Generator) -> torch.Tensor:
+    if pattern == "randn":
+        return torch.randn(n, generator=gen)
+    if pattern == "equal":                            # every key ties
+        return torch.full((n,), 0.375)
+    if pattern == "few_values":                       # heavy ties at the threshold, both signs
+        return torch.randint(-3, 4, (n,), generator=gen).float()
+    if pattern == "zeros_pm":                         # +0.0 and -0.0 (different keys: +0 ranks above -0)
+        return torch.where(torch.rand(n, generator=gen) < 0.5, 0.0, -0.0)
+    if pattern == "negative":
+        return -torch.randn(n, generator=gen).abs() - 1e-3
+    if pattern == "quantized":                        # ties plus a few values 1 ulp apart
+        x = torch.round(torch.randn(n, generator=gen) * 4) / 4
+        return torch.nextafter(x, torch.full_like(x, 9.0)).where(torch.rand(n, generator=gen) < 0.02, x)
+    raise ValueError(pattern)
+
+
+def _keys(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' order-preserving uint32 keys of fp32 scores, as int64."""
+    b = x.float().view(torch.int32).long() & 0xFFFFFFFF
+    return torch.where(b >> 31 == 1, b ^ 0xFFFFFFFF, b | 0x80000000)
+
+
+TOPK_EXACT_LENGTHS = [1, 2, 63, 64, 65, 127, 128, 129, 511, 2047, 2048, 2049, 2050, 4097, 9001, 40000, 131073]
+
+
+@pytest.mark.parametrize("topk", [1, 64, 2048])
+@pytest.mark.parametrize("pattern", ["randn", "equal", "few_values", "zeros_pm", "negative", "quantized"])
+@pytest.mark.parametrize("spec", TOPK_SPECS, ids=[s.name() for s in TOPK_SPECS])
+def test_topk_kernel_exact(spec, pattern, topk):
+    """The top-k kernel alone on slab rows of many lengths (one 1-token document per row): exactly the ids of
+    the topk largest keys, ties to the lower id, ascending; 0..n-1 then -1 when n <= topk."""
+    from dsagen.runtime import get_kernel
+
+    kern = get_kernel(spec, 0)
+    gen = torch.Generator().manual_seed(sum(map(ord, pattern)) * 7 + topk)
+    lens = TOPK_EXACT_LENGTHS
+    rows = len(lens)
+    ld = -(-max(lens) // 4) * 4 + 4
+    slab = torch.full((rows, ld), float("nan"))
+    for r, n in enumerate(lens):
+        slab[r, :n] = _slab_rows(pattern, n, gen)
+    cu_q = torch.arange(rows + 1, dtype=torch.int32)
+    cu_k = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    s_total = int(cu_k[-1])
+    poison_allocator()
+    out = torch.empty((1, rows, topk), dtype=torch.int32, device="cuda")
+    # args: slab, out, cu_q, cu_k, n_docs, T, S, n_tblk, blk0, qc, nrows, topk, causal, ratio, ld_slab
+    kern.launch(slab.cuda(), out, cu_q.cuda(), cu_k.cuda(), rows, rows, s_total, rows, 0, 1, rows, topk, 0, 1, ld)
+    torch.cuda.synchronize()
+    got = out[0].cpu().long()
+    for r, n in enumerate(lens):
+        if n <= topk:
+            want = torch.where(torch.arange(topk) < n, torch.arange(topk), -1)
+        else:
+            order = torch.sort(-_keys(slab[r, :n]), stable=True).indices[:topk]
+            want = torch.sort(order).values
+        assert torch.equal(got[r], want), (f"{pattern} topk={topk} n={n}: first mismatch at "
+                                           f"{int((got[r] != want).nonzero()[0])}: {got[r][:16].tolist()} vs "
+                                           f"{want[:16].tolist()}")
 
 
 # --------------------------------------------------------------------- timing ablations: LAUNCH SMOKE ONLY

@@ -53,13 +53,17 @@ INDEXER_SCORE_ABLATIONS = ("", "no_epilogue", "mma_k16", "skeleton", "no_store",
 #: The ablations the ping-pong / persistent kernel implements (same meaning; without turn_after_mma / share_k).
 INDEXER_PINGPONG_ABLATIONS = ("", "no_epilogue", "mma_k16")
 #: Timing ablations of the top-k kernel (IndexerTopkSpec.ablate), NOT correct kernels (rows with more than
-#: topk candidates write no output):
-#:   hist1         the first radix pass only (row read + shared-atomic histogram + bin scan)
-#:   hist1_spread  hist1 with the bin taken from the key's low byte (uniform bins: atomic-conflict cost)
-#:   read1         the first pass's loads only (xor-reduced, no atomics): one latency-bound read of the row
-#:   read1_ilp4    read1 with 4 independent loads in flight per thread (Little's law check)
-#:   no_emit       the 4 radix passes, no ordered emit pass
-INDEXER_TOPK_ABLATIONS = ("", "hist1", "hist1_spread", "read1", "read1_ilp4", "no_emit")
+#: topk candidates write no output; notes/kernels/indexer-topk.md):
+#:   hist1    the first radix pass only (vector loads of the row + per-warp histogram atomics + bin scan)
+#:   read1    the first pass's loads only (xor-reduced, no atomics): one vectorized read of every row
+#:   no_emit  the radix passes, no ordered emit
+INDEXER_TOPK_ABLATIONS = ("", "hist1", "read1", "no_emit")
+#: Threads of the top-k kernel. Registers are budgeted for 2 CTAs per SM at 256 / 512 threads (64 at 512)
+#: and for 1 CTA per SM at 1024 (64 registers; the host uses it only when a slab's rows fit one wave).
+INDEXER_TOPK_THREADS = (256, 512, 1024)
+#: Top-k threads per row when a slab's rows fit one wave of one CTA per SM (long rows: S = 131072 gives 64
+#: rows per 32 MiB slab): twice the warps per row of the default 512-thread kernel.
+TOPK_WIDE_THREADS = 1024
 #: Schedules of the score kernel (IndexerScoreSpec.schedule):
 #:   lockstep    one CTA per (token block, chunk); both consumer warpgroups take 64 rows of the same 128-row
 #:               stage, so their MMAs and epilogues run at the same time (template lightning_indexer_score)
@@ -200,44 +204,43 @@ class IndexerScoreSpec(KernelSpec):
 class IndexerTopkSpec(KernelSpec):
     """Radix top-k over the rows of the lightning-indexer score slab (sm_90a).
 
-    One CTA of `threads` threads per slab row: four 8-bit radix passes over the row's order-preserving
-    fp32 keys find the k-th largest key, then one ordered pass writes the selected candidate ids in
-    ascending order (ties at the threshold go to the lowest ids), or 0..n-1 and -1 padding when the
-    row has no more than topk candidates. Deterministic: no result depends on thread timing.
+    One CTA of `threads` threads per slab row; warp w owns a contiguous segment of the row (128-bit loads,
+    4 in flight per thread). Up to four 8-bit radix passes over the order-preserving fp32 keys, each warp
+    histogramming its own segment, find the k-th largest key and give every warp its number of keys above
+    it and equal to it; one ordered pass then writes the selected ids in ascending order without block
+    barriers (ties at the threshold go to the lowest ids), or 0..n-1 and -1 padding when the row has no
+    more than topk candidates. Deterministic: no result depends on thread timing.
 
-    cache_keys: rows of at most this many candidates are read from global memory once and keep their
-    keys in shared memory for the later passes (0, the default: every pass reads the slab row from L2).
-    Nonzero values (e.g. 49152) compile but have not run on a GPU yet; see notes/kernels/indexer.md.
+    threads: one of INDEXER_TOPK_THREADS (512, the default: 2 CTAs per SM; 1024: 1 CTA per SM, for slabs
+    whose rows fit one wave, chosen by the fused host).
     ablate: "" (the real kernel) or one of INDEXER_TOPK_ABLATIONS: a timing probe, NOT a correct kernel.
     """
 
     op = "lightning_indexer_topk"
     template = "lightning_indexer_topk.py.j2"
 
-    threads: int = 1024
-    cache_keys: int = 0
+    threads: int = 512
     ablate: str = ""
 
     def reasons(self) -> list[str]:
         out = super().reasons()
         if self.arch != "sm_90a":
             out.append(f"the lightning-indexer top-k kernel is implemented for sm_90a only, not {self.arch}")
-        if self.threads not in (256, 512, 1024):
-            out.append(f"threads={self.threads} must be one of 256, 512, 1024")
+        if self.threads not in INDEXER_TOPK_THREADS:
+            out.append(f"threads={self.threads} must be one of {INDEXER_TOPK_THREADS}")
         if self.ablate not in INDEXER_TOPK_ABLATIONS:
             out.append(f"ablate={self.ablate!r} is not a top-k ablation; choose one of {INDEXER_TOPK_ABLATIONS}")
-        elif self.ablate and self.cache_keys:
-            out.append("ablate applies to the kernel without the key cache only (cache_keys=0)")
-        if not (0 <= self.cache_keys <= 53248 and self.cache_keys % 1024 == 0):
-            out.append(f"cache_keys={self.cache_keys} must be a multiple of 1024 in [0, 53248] "
-                       f"(4 bytes of shared memory each, at most 208 KiB)")
         return out
 
 
 def indexer_specs(arch: str, num_heads: int, head_dim: int, dtype: str = "bfloat16", *,
                   score_options: dict | None = None, topk_options: dict | None = None
-                  ) -> tuple[IndexerScoreSpec, IndexerTopkSpec]:
-    """The two kernels one fused lightning_indexer call runs, for these plan-time facts (the options
-    override tile choices, e.g. {"overlap": True}; the defaults are the GPU-verified ones)."""
+                  ) -> tuple[IndexerScoreSpec, IndexerTopkSpec, IndexerTopkSpec]:
+    """The kernels a fused lightning_indexer call may run, for these plan-time facts (the options override
+    tile choices, e.g. {"overlap": True}; the defaults are the GPU-verified ones): the score kernel, the
+    top-k kernel and the wide top-k kernel (TOPK_WIDE_THREADS threads per row, which the host runs when a
+    slab's rows fit one wave). When topk_options pins "threads", the wide kernel is the top-k kernel."""
+    topk = dict(topk_options or {})
     return (IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype, **(score_options or {})),
-            IndexerTopkSpec(arch=arch, **(topk_options or {})))
+            IndexerTopkSpec(arch=arch, **topk),
+            IndexerTopkSpec(arch=arch, **{"threads": TOPK_WIDE_THREADS, **topk}))

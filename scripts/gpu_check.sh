@@ -5,7 +5,10 @@
 # Build the kernels first, on a machine with CuTe-DSL (no GPU needed):
 #   DSAGEN_CACHE_DIR=.dsagen-cache-gpu dsagen build --from-tests tests/gpu --preset deepseek-v3.2
 # then on the GPU machine (no CuTe-DSL needed):
-#   scripts/gpu_check.sh .dsagen-cache-gpu OUTDIR [steps...]      steps: tests memcheck bench (default: all)
+#   scripts/gpu_check.sh .dsagen-cache-gpu OUTDIR [steps...]
+# steps: tests memcheck bench (default: all); bench_kernels = the indexer and sparse-attention benchmarks only.
+# With GPU_CHECK_ARCHIVE=FILE.tgz, OUTDIR is archived into FILE after every step (one file to copy back,
+# complete up to the last finished step even if the whole run is cut off).
 set -u
 cache=$(cd "$1" && pwd); out=${2:-gpu-out}; shift 2 || true
 steps=${*:-tests memcheck bench}
@@ -16,6 +19,7 @@ step() {  # step NAME SECONDS COMMAND...: run, log to $out/NAME.log, print its l
   local name=$1 secs=$2; shift 2
   timeout "$secs" "$@" > "$out/$name.log" 2>&1; local rc=$?
   echo "== $name (rc=$rc$([ $rc = 124 ] && echo ', TIMED OUT'))"; tail -n 4 "$out/$name.log"
+  if [ -n "${GPU_CHECK_ARCHIVE:-}" ]; then tar czf "$GPU_CHECK_ARCHIVE" -C "$out" .; fi
 }
 for s in $steps; do case $s in
   tests)
@@ -30,6 +34,9 @@ for s in $steps; do case $s in
   bench)
     step bench_overhead 120 python3 bench/overhead.py --calls 10000 --json "$out/overhead.json"
     step bench_first_launch 60 bash -c 'for i in 1 2 3; do python3 bench/first_launch.py; done'
+    step bench_indexer 300 python3 bench/indexer.py --reps 3 --json "$out/indexer.json"
+    step bench_sparse_attention 300 python3 bench/sparse_attention.py --json "$out/sparse_attention.json" ;;
+  bench_kernels)
     step bench_indexer 300 python3 bench/indexer.py --reps 3 --json "$out/indexer.json"
     step bench_sparse_attention 300 python3 bench/sparse_attention.py --json "$out/sparse_attention.json" ;;
   *) echo "unknown step $s" >&2; exit 2 ;;

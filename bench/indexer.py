@@ -35,7 +35,7 @@ VARIANTS = {
     "turn": ({"turn_after_mma": True}, {}),                    # persistent; the wgmma turn passes after 3/4 of the MMA
     "sharek": ({"share_k": True}, {}),                         # persistent; both WGs multiply each K tile (2 Q tiles)
     "sharek_turn": ({"share_k": True, "turn_after_mma": True}, {}),
-    "c3": ({"consumers": 3}, {}),                              # persistent; 3 consumer WGs take turns (512 threads)
+    "c2": ({"consumers": 2}, {}),                              # persistent with 2 consumer WGs (default: 3, 512 threads)
     "tuned": ({**LOCKSTEP, "overlap": True}, {}),              # lock-step with 2 accumulators per WG
     "n256": ({**LOCKSTEP, "n_tile": 256}, {}),                 # 4 tokens per CTA at H=64: half the K traffic
     "t512": ({}, {"threads": 512}),                            # top-k: always 512 threads (never the wide one)
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="also time the score and top-k kernels alone")
     ap.add_argument("--variant", choices=list(VARIANTS) + ["ablations"], nargs="+", default=["default"],
                     help="lockstep / pingpong / persistent: score-kernel schedules (IndexerScoreSpec.schedule); turn / sharek / "
-                         "sharek_turn: IndexerScoreSpec.turn_after_mma / share_k; c3: 3 consumer warpgroups; tuned: lock-step "
+                         "sharek_turn: IndexerScoreSpec.turn_after_mma / share_k; c2: 2 consumer warpgroups (default 3); tuned: lock-step "
                          "with two accumulators per warpgroup (overlap); n256: lock-step with wgmma N = 256 (4 tokens per CTA "
                          "at H=64); t256 / t512 / t1024: top-k with that many threads per row (default: 512, or "
                          "1024 when a slab's rows fit one wave); "

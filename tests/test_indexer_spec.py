@@ -35,13 +35,26 @@ def test_specs_are_independent_of_run_time_arguments():
     assert a == indexer_specs("sm_90a", 64, 128, "bfloat16")
     fields = set(IndexerScoreSpec.__dataclass_fields__) | set(IndexerTopkSpec.__dataclass_fields__)
     assert not fields & {"topk", "causal", "compress_ratio", "seqlen", "T", "S"}
-    assert a[0].name() == "lightning_indexer_score_sm_90a"
+    assert a[0].name() == "lightning_indexer_score_consumers3_sm_90a"
     assert IndexerScoreSpec(arch="sm_90a", num_heads=8, head_dim=64).name() == "lightning_indexer_score_h8_d64_sm_90a"
+
+
+def test_default_consumers_follow_the_options():
+    """indexer_specs picks 3 consumer warpgroups for the ping-pong kernels unless the options pin consumers or
+    select something 3 does not support (lock-step, share_k, turn_after_mma, ablations)."""
+    def consumers(**opts):
+        return indexer_specs("sm_90a", 64, 128, score_options=opts)[0].consumers
+
+    assert consumers() == 3 and consumers(schedule="pingpong") == 3 and consumers(consumers=2) == 2
+    for opts in ({"schedule": "lockstep"}, {"share_k": True}, {"turn_after_mma": True},
+                 {"ablate": "no_epilogue"}, {"schedule": "lockstep", "n_tile": 256}):
+        assert consumers(**opts) == 2, opts
+        assert indexer_specs("sm_90a", 64, 128, score_options=opts)[0].can_implement() == (True, "")
 
 
 def test_preset_contains_indexer_kernels():
     names = {s.name() for s in get_preset("deepseek-v3.2", "sm_90a")}
-    assert {"lightning_indexer_score_sm_90a", "lightning_indexer_topk_sm_90a"} <= names
+    assert {"lightning_indexer_score_consumers3_sm_90a", "lightning_indexer_topk_sm_90a"} <= names
 
 
 @pytest.mark.parametrize("h", INDEXER_HEADS)

@@ -22,7 +22,7 @@ import torch
 import dsagen
 from dsagen.spec.families.indexer import (INDEXER_PINGPONG_ABLATIONS, INDEXER_SCORE_ABLATIONS, INDEXER_SCORE_SCHEDULES,
                                           INDEXER_TOPK_ABLATIONS, INDEXER_TOPK_THREADS, IndexerScoreSpec,
-                                          IndexerTopkSpec)
+                                          IndexerTopkSpec, indexer_specs)
 from dsagen.fused.lightning_indexer import score_options_for
 from poison import POISON_INT32, poison_allocator
 
@@ -30,17 +30,16 @@ ARCH = "sm_90a"
 HEAD_SHAPES = [(64, 128), (8, 64), (16, 128), (32, 64), (128, 128), (8, 128), (64, 64)]
 N256_SHAPES = [(64, 128), (32, 64), (128, 128)]
 #: score-kernel options other than the default (test_score_schedules; bench --variant lockstep / pingpong / turn /
-#: sharek / sharek_turn / c3): the other schedules and the ping-pong kernel's options
+#: sharek / sharek_turn / c2): the other schedules and the ping-pong kernel's options
 SCORE_VARIANTS = [{"schedule": s} for s in INDEXER_SCORE_SCHEDULES if s != IndexerScoreSpec(arch=ARCH).schedule] + [
     {"schedule": "persistent", "turn_after_mma": True}, {"schedule": "persistent", "share_k": True},
-    {"schedule": "persistent", "share_k": True, "turn_after_mma": True}, {"schedule": "persistent", "consumers": 3}]
-SCORE_VARIANTS = [v for v in SCORE_VARIANTS if IndexerScoreSpec(arch=ARCH, **v) != IndexerScoreSpec(arch=ARCH)]
+    {"schedule": "persistent", "share_k": True, "turn_after_mma": True}, {"schedule": "persistent", "consumers": 2}]
+SCORE_VARIANTS = [v for v in SCORE_VARIANTS if indexer_specs(ARCH, 64, 128, score_options=v)[0] != indexer_specs(ARCH, 64, 128)[0]]
 LOCKSTEP = {"schedule": "lockstep"}
 REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH, threads=t) for t in INDEXER_TOPK_THREADS] + [
-    IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d, **score_options_for(h, opts)) for h, d in HEAD_SHAPES
+    indexer_specs(ARCH, h, d, score_options=score_options_for(h, opts))[0] for h, d in HEAD_SHAPES
     for opts in [{}] + SCORE_VARIANTS] + [
-    IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, dtype="float16", **opts)
-    for opts in [{}] + SCORE_VARIANTS] + [
+    indexer_specs(ARCH, 64, 128, "float16", score_options=opts)[0] for opts in [{}] + SCORE_VARIANTS] + [
     # the lock-step speed variant (two accumulators per warpgroup): checked here, bench --variant tuned
     IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, overlap=True, **LOCKSTEP)] + [
     # n_tile=256 (4 tokens per CTA at H=64: half the K traffic): test_speed_variants_n256, bench --variant n256
@@ -273,7 +272,7 @@ def test_score_schedules(case, options, monkeypatch):
         q, k, w = _inputs(b, t, h, d, s, gen, dtype=dtype, weights_layout=layout)
         out = _run_and_check(q, k, w, topk, causal, ratio, cu.cuda(), cu_k.cuda())
         assert (out[0, int(cu[-1]):].cpu() == -1).all()
-    want = IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d, dtype=_DTYPE_NAMES[dtype], **score_options_for(h, options))
+    want = indexer_specs(ARCH, h, d, _DTYPE_NAMES[dtype], score_options=score_options_for(h, options))[0]
     assert any(key[-1] == repr(fused.SPEC_OPTIONS) and v[0].name == want.name()
                for key, v in fused._kernels.items()), f"{want.name()} was not used"
 

@@ -117,7 +117,8 @@ class IndexerScoreSpec(KernelSpec):
     buffers). GPU-measured 15% slower at T=32768.
     consumers (ping-pong schedules): consumer warpgroups, 2 or 3 (512 threads; setmaxnreg 40 / 3 x 152); with 3,
     64-row tiles go round WG0 -> WG1 -> WG2, so each warpgroup has two other tiles' MMA time for its epilogue.
-    Compile- and SASS-checked only (not run on a GPU yet).
+    GPU-measured 8% faster than 2 at T=32768 (13.68 vs 14.94 ms); the dataclass default stays 2 and
+    indexer_specs() picks 3 wherever the other options allow it (DEFAULT_PINGPONG_CONSUMERS).
     """
 
     op = "lightning_indexer_score"
@@ -233,14 +234,34 @@ class IndexerTopkSpec(KernelSpec):
         return out
 
 
+#: Consumer warpgroups of the ping-pong score kernel that indexer_specs() picks when the options leave
+#: `consumers` open and allow 3 (GPU-measured fastest: notes/kernels/indexer.md, session 2).
+DEFAULT_PINGPONG_CONSUMERS = 3
+
+
+def with_default_consumers(score_options: dict) -> dict:
+    """score_options plus consumers=DEFAULT_PINGPONG_CONSUMERS when they leave it open and the kernel they
+    select supports it (a ping-pong schedule without share_k, turn_after_mma or ablate); else unchanged."""
+    opts = dict(score_options)
+    defaults = {f: IndexerScoreSpec.__dataclass_fields__[f].default
+                for f in ("schedule", "share_k", "turn_after_mma", "ablate")}
+    o = {**defaults, **opts}
+    if ("consumers" not in opts and o["schedule"] != "lockstep" and not o["share_k"] and not o["turn_after_mma"]
+            and not o["ablate"]):
+        opts["consumers"] = DEFAULT_PINGPONG_CONSUMERS
+    return opts
+
+
 def indexer_specs(arch: str, num_heads: int, head_dim: int, dtype: str = "bfloat16", *,
                   score_options: dict | None = None, topk_options: dict | None = None
                   ) -> tuple[IndexerScoreSpec, IndexerTopkSpec, IndexerTopkSpec]:
     """The kernels a fused lightning_indexer call may run, for these plan-time facts (the options override
-    tile choices, e.g. {"overlap": True}; the defaults are the GPU-verified ones): the score kernel, the
+    tile choices, e.g. {"overlap": True}; the defaults are the GPU-verified ones, including
+    with_default_consumers for the score kernel): the score kernel, the
     top-k kernel and the wide top-k kernel (TOPK_WIDE_THREADS threads per row, which the host runs when a
     slab's rows fit one wave). When topk_options pins "threads", the wide kernel is the top-k kernel."""
     topk = dict(topk_options or {})
-    return (IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype, **(score_options or {})),
+    score = with_default_consumers(score_options or {})
+    return (IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype, **score),
             IndexerTopkSpec(arch=arch, **topk),
             IndexerTopkSpec(arch=arch, **{"threads": TOPK_WIDE_THREADS, **topk}))

@@ -119,6 +119,10 @@ class IndexerScoreSpec(KernelSpec):
     64-row tiles go round WG0 -> WG1 -> WG2, so each warpgroup has two other tiles' MMA time for its epilogue.
     GPU-measured 8% faster than 2 at T=32768 (13.68 vs 14.94 ms); the dataclass default stays 2 and
     indexer_specs() picks 3 wherever the other options allow it (DEFAULT_PINGPONG_CONSUMERS).
+    lean_epilogue (ping-pong schedules, not with ablate): a shorter epilogue per tile: at most 8 FFMAs per dependent
+    chain (independent partial sums), a reduce-scatter over the quad (each lane ends with its own sums: 3 SHFL
+    instead of 8 at H=64) and per kept sum one unsigned bounds compare and a 32-bit slab offset precomputed per
+    work item, one store per lane. Not GPU-measured yet (notes/kernels/indexer.md, session 3).
     """
 
     op = "lightning_indexer_score"
@@ -141,6 +145,7 @@ class IndexerScoreSpec(KernelSpec):
     turn_after_mma: bool = False
     share_k: bool = False
     consumers: int = 2
+    lean_epilogue: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -157,6 +162,8 @@ class IndexerScoreSpec(KernelSpec):
             out.append(f"consumers={self.consumers} must be 2 or 3")
         elif self.consumers == 3 and (self.schedule == "lockstep" or self.share_k or self.turn_after_mma or self.ablate):
             out.append("consumers=3 is an option of the ping-pong schedules without share_k, turn_after_mma and ablate")
+        if self.lean_epilogue and (self.schedule == "lockstep" or self.ablate):
+            out.append("lean_epilogue is an option of the ping-pong schedules (pingpong, persistent) without ablate")
         if self.schedule == "lockstep" and (self.turn_after_mma or self.share_k):
             out.append("turn_after_mma and share_k are options of the ping-pong schedules (pingpong, persistent)")
         if self.share_k and self.num_heads in INDEXER_HEADS and self.num_heads not in INDEXER_N256_HEADS:

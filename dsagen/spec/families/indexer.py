@@ -244,11 +244,15 @@ class IndexerTopkSpec(KernelSpec):
 #: Consumer warpgroups of the ping-pong score kernel that indexer_specs() picks when the options leave
 #: `consumers` open and allow 3 (GPU-measured fastest: notes/kernels/indexer.md, session 2).
 DEFAULT_PINGPONG_CONSUMERS = 3
+#: lean_epilogue that indexer_specs() picks for the ping-pong kernels when the options leave it open (False until a
+#: GPU run shows it faster than the default in the same run: notes/kernels/indexer.md, session 3).
+DEFAULT_LEAN_EPILOGUE = False
 
 
 def with_default_consumers(score_options: dict) -> dict:
     """score_options plus consumers=DEFAULT_PINGPONG_CONSUMERS when they leave it open and the kernel they
-    select supports it (a ping-pong schedule without share_k, turn_after_mma or ablate); else unchanged."""
+    select supports it (a ping-pong schedule without share_k, turn_after_mma or ablate), and likewise
+    lean_epilogue=True when DEFAULT_LEAN_EPILOGUE is set (a ping-pong schedule without ablate); else unchanged."""
     opts = dict(score_options)
     defaults = {f: IndexerScoreSpec.__dataclass_fields__[f].default
                 for f in ("schedule", "share_k", "turn_after_mma", "ablate")}
@@ -256,6 +260,8 @@ def with_default_consumers(score_options: dict) -> dict:
     if ("consumers" not in opts and o["schedule"] != "lockstep" and not o["share_k"] and not o["turn_after_mma"]
             and not o["ablate"]):
         opts["consumers"] = DEFAULT_PINGPONG_CONSUMERS
+    if DEFAULT_LEAN_EPILOGUE and "lean_epilogue" not in opts and o["schedule"] != "lockstep" and not o["ablate"]:
+        opts["lean_epilogue"] = True
     return opts
 
 

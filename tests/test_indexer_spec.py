@@ -442,12 +442,18 @@ def test_lean_epilogue_option_validation():
     src = render(spec)
     assert "def quad_reduce_scatter(" in src and "KEEP = max(1, NV // 4)" in src and "gt & (KSLOTS - 1)" in src
     assert "def quad_reduce_scatter(" not in render(IndexerScoreSpec(arch="sm_90a", consumers=3))
+    assert IndexerScoreSpec(arch="sm_90a", consumers=3, lean_epilogue=True, free_issue=True).can_implement() == (True, "")
+    for opts in ({"schedule": "lockstep"}, {"turn_after_mma": True}):
+        ok, why = IndexerScoreSpec(arch="sm_90a", free_issue=True, **opts).can_implement()
+        assert not ok and "free_issue is an option of the ping-pong schedules" in why
+    assert "barrier_id" not in render(IndexerScoreSpec(arch="sm_90a", consumers=3, free_issue=True))
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("h,d,opts", [(64, 128, {"consumers": 3}), (8, 64, {"consumers": 3}), (16, 128, {"consumers": 3}),
                                       (32, 64, {"consumers": 3}), (128, 128, {"consumers": 3}),
-                                      (64, 128, {"consumers": 2, "schedule": "pingpong"}), (32, 64, {"share_k": True})])
+                                      (64, 128, {"consumers": 2, "schedule": "pingpong"}), (32, 64, {"share_k": True}),
+                                      (64, 128, {"consumers": 3, "free_issue": True}), (8, 64, {"consumers": 3, "free_issue": True})])
 def test_lean_epilogue_compiles(h, d, opts, tmp_path):
     """Lean epilogue SASS per 64-row tile: D/16 HGMMA waited once, the quad reduce-scatter's 3 NV / 4 SHFL (NV = 2 x
     128 // H sums per thread; 2 at H=128), one STG per kept sum (max(1, NV / 4)), no spills."""
@@ -465,4 +471,6 @@ def test_lean_epilogue_compiles(h, d, opts, tmp_path):
     last = next(i for i in range(first, len(lines)) if "BSYNC" in lines[i])      # end of the tile's epilogue
     assert sum("SHFL.BFLY PT," in line for line in lines[first:last]) == (3 * nv // 4 if nv >= 4 else 2)
     assert sass.count("STG.E ") == max(1, nv // 4), sass.count("STG.E ")
+    if opts.get("free_issue"):                           # no turn barriers: only the prologue's CTA barrier
+        assert sass.count("BAR.SYNC") == 1 and "BAR.ARV" not in sass
     assert ck.record["launch"]["block"] == [128 * (1 + opts.get("consumers", 2)), 1, 1]

@@ -36,6 +36,8 @@ VARIANTS = {
     "sharek": ({"share_k": True}, {}),                         # persistent; both WGs multiply each K tile (2 Q tiles)
     "sharek_turn": ({"share_k": True, "turn_after_mma": True}, {}),
     "c2": ({"consumers": 2}, {}),                              # persistent with 2 consumer WGs (default: 3, 512 threads)
+    "lean": ({"lean_epilogue": True}, {}),                     # persistent, 3 consumer WGs, lean epilogue (reduce-scatter)
+    "lean_free": ({"lean_epilogue": True, "free_issue": True}, {}),  # lean + no turn barriers (wgmmas issued when ready)
     "tuned": ({**LOCKSTEP, "overlap": True}, {}),              # lock-step with 2 accumulators per WG
     "n256": ({**LOCKSTEP, "n_tile": 256}, {}),                 # 4 tokens per CTA at H=64: half the K traffic
     "t512": ({}, {"threads": 512}),                            # top-k: always 512 threads (never the wide one)

@@ -425,3 +425,52 @@ def test_pingpong_schedule_compiles(h, d, sched, opts, tmp_path):
     assert 0x28 + consumers * consumer_regs <= (1 + consumers) * ck.record["regcount"]   # a larger sum deadlocks
     assert ck.record["launch"]["block"] == [128 * (1 + consumers), 1, 1] and ck.record["launch"]["grid"][0] == "n_ctas"
     assert ck.record["launch"]["smem"] <= 227 * 1024
+
+
+def test_lean_epilogue_option_validation():
+    """lean_epilogue: an option of the ping-pong schedules (any consumers, share_k, turn_after_mma), not of
+    lockstep or the ablation probes; indexer_specs keeps the 3-consumer default with it."""
+    for sch in ("pingpong", "persistent"):
+        for c in (2, 3):
+            assert IndexerScoreSpec(arch="sm_90a", schedule=sch, consumers=c, lean_epilogue=True).can_implement() == (True, "")
+    assert IndexerScoreSpec(arch="sm_90a", share_k=True, turn_after_mma=True, lean_epilogue=True).can_implement() == (True, "")
+    for opts in ({"schedule": "lockstep"}, {"ablate": "mma_k16"}):
+        ok, why = IndexerScoreSpec(arch="sm_90a", lean_epilogue=True, **opts).can_implement()
+        assert not ok and "lean_epilogue is an option of the ping-pong schedules" in why
+    spec = indexer_specs("sm_90a", 64, 128, score_options={"lean_epilogue": True})[0]
+    assert spec.consumers == 3 and spec.name() == "lightning_indexer_score_consumers3_lean_epilogue1_sm_90a"
+    src = render(spec)
+    assert "def quad_reduce_scatter(" in src and "KEEP = max(1, NV // 4)" in src and "gt & (KSLOTS - 1)" in src
+    assert "def quad_reduce_scatter(" not in render(IndexerScoreSpec(arch="sm_90a", consumers=3))
+    assert IndexerScoreSpec(arch="sm_90a", consumers=3, lean_epilogue=True, free_issue=True).can_implement() == (True, "")
+    for opts in ({"schedule": "lockstep"}, {"turn_after_mma": True}):
+        ok, why = IndexerScoreSpec(arch="sm_90a", free_issue=True, **opts).can_implement()
+        assert not ok and "free_issue is an option of the ping-pong schedules" in why
+    assert "barrier_id" not in render(IndexerScoreSpec(arch="sm_90a", consumers=3, free_issue=True))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("h,d,opts", [(64, 128, {"consumers": 3}), (8, 64, {"consumers": 3}), (16, 128, {"consumers": 3}),
+                                      (32, 64, {"consumers": 3}), (128, 128, {"consumers": 3}),
+                                      (64, 128, {"consumers": 2, "schedule": "pingpong"}), (32, 64, {"share_k": True}),
+                                      (64, 128, {"consumers": 3, "free_issue": True}), (8, 64, {"consumers": 3, "free_issue": True})])
+def test_lean_epilogue_compiles(h, d, opts, tmp_path):
+    """Lean epilogue SASS per 64-row tile: D/16 HGMMA waited once, the quad reduce-scatter's 3 NV / 4 SHFL (NV = 2 x
+    128 // H sums per thread; 2 at H=128), one STG per kept sum (max(1, NV / 4)), no spills."""
+    from dsagen.gen.build import compile_module
+
+    spec = IndexerScoreSpec(arch="sm_90a", num_heads=h, head_dim=d, lean_epilogue=True, **opts)
+    ck = compile_module(spec, render(spec), tmp_path / "build")
+    sass = _sass(ck.cubin, tmp_path)
+    nv = 2 * 128 // h
+    assert sass.count("HGMMA.64x128x16") == d // 16
+    assert sass.count("WARPGROUP.DEPBAR") == 1, "wgmma serialized by ptxas"
+    assert " LDL" not in sass and " STL" not in sass, "register spills"
+    lines = sass.splitlines()
+    first = next(i for i, line in enumerate(lines) if "HGMMA" in line)
+    last = next(i for i in range(first, len(lines)) if "BSYNC" in lines[i])      # end of the tile's epilogue
+    assert sum("SHFL.BFLY PT," in line for line in lines[first:last]) == (3 * nv // 4 if nv >= 4 else 2)
+    assert sass.count("STG.E ") == max(1, nv // 4), sass.count("STG.E ")
+    if opts.get("free_issue"):                           # no turn barriers: only the prologue's CTA barrier
+        assert sass.count("BAR.SYNC") == 1 and "BAR.ARV" not in sass
+    assert ck.record["launch"]["block"] == [128 * (1 + opts.get("consumers", 2)), 1, 1]

@@ -30,10 +30,11 @@ ARCH = "sm_90a"
 HEAD_SHAPES = [(64, 128), (8, 64), (16, 128), (32, 64), (128, 128), (8, 128), (64, 64)]
 N256_SHAPES = [(64, 128), (32, 64), (128, 128)]
 #: score-kernel options other than the default (test_score_schedules; bench --variant lockstep / pingpong / turn /
-#: sharek / sharek_turn / c2): the other schedules and the ping-pong kernel's options
+#: sharek / sharek_turn / c2 / lean / lean_free): the other schedules and the ping-pong kernel's options
 SCORE_VARIANTS = [{"schedule": s} for s in INDEXER_SCORE_SCHEDULES if s != IndexerScoreSpec(arch=ARCH).schedule] + [
     {"schedule": "persistent", "turn_after_mma": True}, {"schedule": "persistent", "share_k": True},
-    {"schedule": "persistent", "share_k": True, "turn_after_mma": True}, {"schedule": "persistent", "consumers": 2}]
+    {"schedule": "persistent", "share_k": True, "turn_after_mma": True}, {"schedule": "persistent", "consumers": 2},
+    {"schedule": "persistent", "lean_epilogue": True}, {"schedule": "persistent", "lean_epilogue": True, "free_issue": True}]
 SCORE_VARIANTS = [v for v in SCORE_VARIANTS if indexer_specs(ARCH, 64, 128, score_options=v)[0] != indexer_specs(ARCH, 64, 128)[0]]
 LOCKSTEP = {"schedule": "lockstep"}
 REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH, threads=t) for t in INDEXER_TOPK_THREADS] + [

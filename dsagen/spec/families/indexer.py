@@ -119,6 +119,14 @@ class IndexerScoreSpec(KernelSpec):
     64-row tiles go round WG0 -> WG1 -> WG2, so each warpgroup has two other tiles' MMA time for its epilogue.
     GPU-measured 8% faster than 2 at T=32768 (13.68 vs 14.94 ms); the dataclass default stays 2 and
     indexer_specs() picks 3 wherever the other options allow it (DEFAULT_PINGPONG_CONSUMERS).
+    lean_epilogue (ping-pong schedules, not with ablate): a shorter epilogue per tile: at most 8 FFMAs per dependent
+    chain (independent partial sums), a reduce-scatter over the quad (each lane ends with its own sums: 3 SHFL
+    instead of 8 at H=64) and per kept sum one unsigned bounds compare and a 32-bit slab offset precomputed per
+    work item, one store per lane. Not GPU-measured yet (notes/kernels/indexer.md, session 3).
+    free_issue (ping-pong schedules, not with turn_after_mma): no turn barriers; each consumer warpgroup issues its
+    tiles' wgmmas as soon as their K tile has landed (work-conserving: the tensor cores idle only while every
+    warpgroup is in its epilogue; the order of issue is no longer WG0, WG1, ...). A probe of the turn hand-off
+    (session-2 ncu: top stall the named barrier). Not GPU-measured yet.
     """
 
     op = "lightning_indexer_score"
@@ -141,6 +149,8 @@ class IndexerScoreSpec(KernelSpec):
     turn_after_mma: bool = False
     share_k: bool = False
     consumers: int = 2
+    lean_epilogue: bool = False
+    free_issue: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -157,6 +167,10 @@ class IndexerScoreSpec(KernelSpec):
             out.append(f"consumers={self.consumers} must be 2 or 3")
         elif self.consumers == 3 and (self.schedule == "lockstep" or self.share_k or self.turn_after_mma or self.ablate):
             out.append("consumers=3 is an option of the ping-pong schedules without share_k, turn_after_mma and ablate")
+        if self.lean_epilogue and (self.schedule == "lockstep" or self.ablate):
+            out.append("lean_epilogue is an option of the ping-pong schedules (pingpong, persistent) without ablate")
+        if self.free_issue and (self.schedule == "lockstep" or self.turn_after_mma):
+            out.append("free_issue is an option of the ping-pong schedules (pingpong, persistent) without turn_after_mma")
         if self.schedule == "lockstep" and (self.turn_after_mma or self.share_k):
             out.append("turn_after_mma and share_k are options of the ping-pong schedules (pingpong, persistent)")
         if self.share_k and self.num_heads in INDEXER_HEADS and self.num_heads not in INDEXER_N256_HEADS:
@@ -237,11 +251,18 @@ class IndexerTopkSpec(KernelSpec):
 #: Consumer warpgroups of the ping-pong score kernel that indexer_specs() picks when the options leave
 #: `consumers` open and allow 3 (GPU-measured fastest: notes/kernels/indexer.md, session 2).
 DEFAULT_PINGPONG_CONSUMERS = 3
+#: lean_epilogue that indexer_specs() picks for the ping-pong kernels when the options leave it open (False until a
+#: GPU run shows it faster than the default in the same run: notes/kernels/indexer.md, session 3).
+DEFAULT_LEAN_EPILOGUE = False
+#: free_issue that indexer_specs() picks likewise (ping-pong schedules without turn_after_mma); False until measured.
+DEFAULT_FREE_ISSUE = False
 
 
 def with_default_consumers(score_options: dict) -> dict:
     """score_options plus consumers=DEFAULT_PINGPONG_CONSUMERS when they leave it open and the kernel they
-    select supports it (a ping-pong schedule without share_k, turn_after_mma or ablate); else unchanged."""
+    select supports it (a ping-pong schedule without share_k, turn_after_mma or ablate), and likewise
+    lean_epilogue=True / free_issue=True when DEFAULT_LEAN_EPILOGUE / DEFAULT_FREE_ISSUE is set (a ping-pong schedule
+    without ablate / without turn_after_mma); else unchanged."""
     opts = dict(score_options)
     defaults = {f: IndexerScoreSpec.__dataclass_fields__[f].default
                 for f in ("schedule", "share_k", "turn_after_mma", "ablate")}
@@ -249,6 +270,10 @@ def with_default_consumers(score_options: dict) -> dict:
     if ("consumers" not in opts and o["schedule"] != "lockstep" and not o["share_k"] and not o["turn_after_mma"]
             and not o["ablate"]):
         opts["consumers"] = DEFAULT_PINGPONG_CONSUMERS
+    if DEFAULT_LEAN_EPILOGUE and "lean_epilogue" not in opts and o["schedule"] != "lockstep" and not o["ablate"]:
+        opts["lean_epilogue"] = True
+    if DEFAULT_FREE_ISSUE and "free_issue" not in opts and o["schedule"] != "lockstep" and not o["turn_after_mma"]:
+        opts["free_issue"] = True
     return opts
 
 

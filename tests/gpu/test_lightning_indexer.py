@@ -299,6 +299,8 @@ def _slab_rows(pattern: str, n: int, gen: torch.Generator) -> torch.Tensor:
     if pattern == "quantized":                        # ties plus a few values 1 ulp apart
         x = torch.round(torch.randn(n, generator=gen) * 4) / 4
         return torch.nextafter(x, torch.full_like(x, 9.0)).where(torch.rand(n, generator=gen) < 0.02, x)
+    if pattern == "narrow":                           # one 16-bit key prefix, distinct keys: the last pass decides
+        return 1 + torch.rand(n, generator=gen) * 2.0 ** -8   # (compact=True: the entries are written in pass 3)
     raise ValueError(pattern)
 
 
@@ -315,7 +317,7 @@ TOPK_EXACT_LENGTHS = [1, 2, 63, 64, 65, 127, 128, 129, 511, 2047, 2048, 2049, 20
 
 
 @pytest.mark.parametrize("topk", [1, 64, 2048])
-@pytest.mark.parametrize("pattern", ["randn", "equal", "few_values", "zeros_pm", "negative", "quantized"])
+@pytest.mark.parametrize("pattern", ["randn", "equal", "few_values", "zeros_pm", "negative", "quantized", "narrow"])
 @pytest.mark.parametrize("spec", TOPK_SPECS, ids=[s.name() for s in TOPK_SPECS])
 def test_topk_kernel_exact(spec, pattern, topk):
     """The top-k kernel alone on slab rows of many lengths (one 1-token document per row): exactly the ids of

@@ -7,7 +7,8 @@
 # .dsagen-cache-topk2 (built here). Every step has its own timeout; logs under $OUT.
 set -u
 O=${OUT:-topk2-out}; mkdir -p $O
-export DSAGEN_CACHE_PATH=.dsagen-cache-topk2 DSAGEN_DISABLE_JIT=1 DSAGEN_CACHE_DIR=/tmp/dsagen-w
+# DSAGEN_CACHE_PATH may be preset (a merged tree: .dsagen-cache-topk2:<the score cache>)
+export DSAGEN_CACHE_PATH=${DSAGEN_CACHE_PATH:-.dsagen-cache-topk2} DSAGEN_DISABLE_JIT=1 DSAGEN_CACHE_DIR=/tmp/dsagen-w
 export PYTHONPATH=.:tests/gpu PYTHONUNBUFFERED=1
 P="python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_lightning_indexer.py"
 echo "== tests"; DSAGEN_TEST_TOPK_OPTIONS='{"compact": true}' timeout 75 $P \

@@ -43,6 +43,7 @@ VARIANTS = {
     "t512": ({}, {"threads": 512}),                            # top-k: always 512 threads (never the wide one)
     "t1024": ({}, {"threads": 1024}),                          # top-k: always 1024 threads (1 CTA per SM)
     "t256": ({}, {"threads": 256}),
+    "compact": ({}, {"compact": True}),                        # top-k: candidates compacted into smem (both widths)
 }
 # Timing ablations (not correct kernels; see dsagen.spec.families.indexer INDEXER_*_ABLATIONS).
 SCORE_ABLATIONS = ("no_epilogue", "mma_k16", "skeleton", "no_store", "no_kload", "one_tile")

@@ -317,6 +317,22 @@ def test_topk_option_validation():
     assert not ok and "not a top-k ablation" in why
     assert IndexerTopkSpec(arch="sm_90a").name() == "lightning_indexer_topk_sm_90a"       # threads=512
     assert IndexerTopkSpec(arch="sm_90a", threads=1024).name() == "lightning_indexer_topk_t1024_sm_90a"
+    assert IndexerTopkSpec(arch="sm_90a").compact is False
+    for threads in INDEXER_TOPK_THREADS:
+        assert IndexerTopkSpec(arch="sm_90a", threads=threads, compact=True).can_implement() == (True, "")
+    ok, why = IndexerTopkSpec(arch="sm_90a", compact=True, ablate="no_emit").can_implement()
+    assert not ok and "compact=True" in why
+
+
+def test_topk_compact_render():
+    """compact=True adds the smem entries and their passes; without it the source has none of them."""
+    from dsagen.spec.families.indexer import TOPK_COMPACT_CAP
+
+    for threads, cap in TOPK_COMPACT_CAP.items():
+        src = render(IndexerTopkSpec(arch="sm_90a", threads=threads, compact=True))
+        assert f"CAP = {cap} " in src and "sKey[e] = key" in src and "cmode" in src
+        plain = render(IndexerTopkSpec(arch="sm_90a", threads=threads))
+        assert "CAP" not in plain and "sKey" not in plain and "cmode" not in plain
 
 
 #: ablation -> (ATOMS in the kernel?, VOTE (emit) in the kernel?, BAR.SYNC at most)
@@ -344,6 +360,29 @@ def test_topk_kernel_sass(threads, ablate, tmp_path):
     assert ck.record["regcount"] <= 65536 // (ctas * threads), ck.record["regcount"]
     assert ck.record["launch"]["block"] == [threads, 1, 1]
     assert ck.record["launch"]["smem"] <= threads // 32 * 1024 + 512
+    lines = sass.splitlines()
+    assert any(sum("LDG.E.128" in line for line in lines[i:i + 16]) >= 4 for i in range(len(lines))), \
+        "4 vector loads in flight per thread"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("threads", [256, 512, 1024])
+def test_topk_compact_sass(threads, tmp_path):
+    """compact=True: the CTAs per SM of the register budget still fit in registers AND shared memory
+    (233,472 B per SM, 1 KiB reserved per CTA), no spills, 4 vector loads in flight, one barrier more per
+    pass that may compact (p = 1..3) than the plain kernel's 13."""
+    from dsagen.gen.build import compile_module
+
+    spec = IndexerTopkSpec(arch="sm_90a", threads=threads, compact=True)
+    ck = compile_module(spec, render(spec), tmp_path / "build")
+    sass = _sass(ck.cubin, tmp_path)
+    ops = _sass_ops(ck.cubin, tmp_path)
+    assert ops.get("ATOMS", 0) > 0 and ops.get("VOTE", 0) > 0, ops
+    assert sass.count("BAR.SYNC") <= 16, ops
+    assert not ops.get("LDL") and not ops.get("STL"), f"register spills: {ops}"
+    ctas = 1 if threads == 1024 else 2
+    assert ck.record["regcount"] <= 65536 // (ctas * threads), ck.record["regcount"]
+    assert ck.record["launch"]["smem"] <= min(233472 // ctas - 1024, 232448), ck.record["launch"]["smem"]
     lines = sass.splitlines()
     assert any(sum("LDG.E.128" in line for line in lines[i:i + 16]) >= 4 for i in range(len(lines))), \
         "4 vector loads in flight per thread"

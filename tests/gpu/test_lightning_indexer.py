@@ -49,9 +49,13 @@ REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH, threads=t) for t in INDEXER_TOPK_TH
     IndexerScoreSpec(arch=ARCH, ablate=a, **LOCKSTEP) for a in INDEXER_SCORE_ABLATIONS if a] + [
     IndexerScoreSpec(arch=ARCH, ablate=a, schedule="persistent") for a in INDEXER_PINGPONG_ABLATIONS if a] + [
     # (the fused host loads the 1024-thread top-k next to the 512-thread one, ablated alike)
-    IndexerTopkSpec(arch=ARCH, threads=t, ablate=a) for a in INDEXER_TOPK_ABLATIONS if a for t in (512, 1024)]
+    IndexerTopkSpec(arch=ARCH, threads=t, ablate=a) for a in INDEXER_TOPK_ABLATIONS if a for t in (512, 1024)] + [
+    # compact=True (candidates in smem): test_topk_kernel_exact, DSAGEN_TEST_TOPK_OPTIONS='{"compact": true}',
+    # bench --variant compact (the host's 512- and wide 1024-thread kernels)
+    IndexerTopkSpec(arch=ARCH, threads=t, compact=True) for t in (512, 1024)]
 #: top-k kernels checked exactly by test_topk_kernel_exact
-TOPK_SPECS = [IndexerTopkSpec(arch=ARCH, threads=t) for t in INDEXER_TOPK_THREADS]
+TOPK_SPECS = [IndexerTopkSpec(arch=ARCH, threads=t) for t in INDEXER_TOPK_THREADS] + [
+    IndexerTopkSpec(arch=ARCH, threads=t, compact=True) for t in (512, 1024)]
 #: DSAGEN_TEST_TOPK_OPTIONS='{"threads": 1024}' runs this whole module with those top-k spec options (the
 #: GPU check of a top-k kernel before it becomes the default); tests that set fused.SPEC_OPTIONS
 #: themselves keep their own.
@@ -296,6 +300,8 @@ def _slab_rows(pattern: str, n: int, gen: torch.Generator) -> torch.Tensor:
     if pattern == "quantized":                        # ties plus a few values 1 ulp apart
         x = torch.round(torch.randn(n, generator=gen) * 4) / 4
         return torch.nextafter(x, torch.full_like(x, 9.0)).where(torch.rand(n, generator=gen) < 0.02, x)
+    if pattern == "narrow":                           # one 16-bit key prefix, distinct keys: the last pass decides
+        return 1 + torch.rand(n, generator=gen) * 2.0 ** -8   # (compact=True: the entries are written in pass 3)
     raise ValueError(pattern)
 
 
@@ -305,11 +311,14 @@ def _keys(x: torch.Tensor) -> torch.Tensor:
     return torch.where(b >> 31 == 1, b ^ 0xFFFFFFFF, b | 0x80000000)
 
 
-TOPK_EXACT_LENGTHS = [1, 2, 63, 64, 65, 127, 128, 129, 511, 2047, 2048, 2049, 2050, 4097, 9001, 40000, 131073]
+#: (12288 / 24576 +- 0: TOPK_COMPACT_CAP of compact=True at 512 / 1024 threads; all-equal rows of those lengths
+#: fill the smem entries exactly or run without them)
+TOPK_EXACT_LENGTHS = [1, 2, 63, 64, 65, 127, 128, 129, 511, 2047, 2048, 2049, 2050, 4097, 9001, 12288, 12289, 24576,
+                      24577, 40000, 131073]
 
 
 @pytest.mark.parametrize("topk", [1, 64, 2048])
-@pytest.mark.parametrize("pattern", ["randn", "equal", "few_values", "zeros_pm", "negative", "quantized"])
+@pytest.mark.parametrize("pattern", ["randn", "equal", "few_values", "zeros_pm", "negative", "quantized", "narrow"])
 @pytest.mark.parametrize("spec", TOPK_SPECS, ids=[s.name() for s in TOPK_SPECS])
 def test_topk_kernel_exact(spec, pattern, topk):
     """The top-k kernel alone on slab rows of many lengths (one 1-token document per row): exactly the ids of

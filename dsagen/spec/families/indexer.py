@@ -16,6 +16,7 @@ arguments: a new length or topk never compiles a new kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..base import KernelSpec, register_spec
 
@@ -64,6 +65,10 @@ INDEXER_TOPK_THREADS = (256, 512, 1024)
 #: Top-k threads per row when a slab's rows fit one wave of one CTA per SM (long rows: S = 131072 gives 64
 #: rows per 32 MiB slab): twice the warps per row of the default 512-thread kernel.
 TOPK_WIDE_THREADS = 1024
+#: IndexerTopkSpec(compact=True): (key, id) entries of shared memory per row, by threads. Sized so that the
+#: CTAs per SM of the register budget still fit (2 x 115,712 B of 233,472 B at 256 / 512 threads, 1 at 1024):
+#: 8 B per entry next to the 1 KiB-per-warp histograms.
+TOPK_COMPACT_CAP = {256: 12288, 512: 12288, 1024: 24576}
 #: Schedules of the score kernel (IndexerScoreSpec.schedule):
 #:   lockstep    one CTA per (token block, chunk); both consumer warpgroups take 64 rows of the same 128-row
 #:               stage, so their MMAs and epilogues run at the same time (template lightning_indexer_score)
@@ -229,6 +234,10 @@ class IndexerTopkSpec(KernelSpec):
     threads: one of INDEXER_TOPK_THREADS (512, the default: 2 CTAs per SM; 1024: 1 CTA per SM, for slabs
     whose rows fit one wave, chosen by the fused host).
     ablate: "" (the real kernel) or one of INDEXER_TOPK_ABLATIONS: a timing probe, NOT a correct kernel.
+    compact: at the first radix pass after the first whose keys that can still be selected (above or in the
+    crossing bin) fit TOPK_COMPACT_CAP[threads] entries, that pass also writes them as (key, id) in id order
+    to shared memory; the later passes and the emit then read shared memory instead of the row (rows that
+    never fit run as without it). Same results.
     """
 
     op = "lightning_indexer_topk"
@@ -236,6 +245,7 @@ class IndexerTopkSpec(KernelSpec):
 
     threads: int = 512
     ablate: str = ""
+    compact: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -245,7 +255,13 @@ class IndexerTopkSpec(KernelSpec):
             out.append(f"threads={self.threads} must be one of {INDEXER_TOPK_THREADS}")
         if self.ablate not in INDEXER_TOPK_ABLATIONS:
             out.append(f"ablate={self.ablate!r} is not a top-k ablation; choose one of {INDEXER_TOPK_ABLATIONS}")
+        if self.compact and self.ablate:
+            out.append("compact=True is an option of the real kernel, not of the ablations")
         return out
+
+    def template_context(self) -> dict[str, Any]:
+        """The fields plus `compact_cap` (TOPK_COMPACT_CAP of this thread count)."""
+        return {**super().template_context(), "compact_cap": TOPK_COMPACT_CAP.get(self.threads, 0)}
 
 
 #: Consumer warpgroups of the ping-pong score kernel that indexer_specs() picks when the options leave

@@ -44,6 +44,8 @@ VARIANTS = {
     "t1024": ({}, {"threads": 1024}),                          # top-k: always 1024 threads (1 CTA per SM)
     "t256": ({}, {"threads": 256}),
     "compact": ({}, {"compact": True}),                        # top-k: candidates compacted into smem (both widths)
+    "lean_compact": ({"lean_epilogue": True}, {"compact": True}),              # lean score + compact top-k
+    "lean_free_compact": ({"lean_epilogue": True, "free_issue": True}, {"compact": True}),
 }
 # Timing ablations (not correct kernels; see dsagen.spec.families.indexer INDEXER_*_ABLATIONS).
 SCORE_ABLATIONS = ("no_epilogue", "mma_k16", "skeleton", "no_store", "no_kload", "one_tile")

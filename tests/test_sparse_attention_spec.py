@@ -441,6 +441,14 @@ def test_serial_lean_compiles_to_the_designed_sass(spec, tmp_path):
     i_qk = [i for i, l in enumerate(lines) if i > i_pv and re.search(rf"HGMMA\.64x64x16\.F32{t} ", l)][0]
     assert not any("DEPBAR" in l for l in lines[i_pv:i_qk]), "a wait between P V_L(t) and QK^T(t+1)"
     assert ops["FMNMX"] >= 2 * 2 * 16 and ops["FSETP"] <= 16      # serial: ~74 FSETP in one softmax alone
+    if not spec.ablate:
+        # producer: a tile's ids are loaded a tile ahead: no id LDG between a stage wait and the gather it guards
+        prod = sass[sass.index("USETMAXREG.DEALLOC"):sass.index("USETMAXREG.TRY_ALLOC")]
+        waits = [m.end() for m in re.finditer(r"SYNCS\.PHASECHK\.TRANS64\.TRYWAIT", prod)]
+        assert waits
+        for w in waits:
+            nxt = prod.find("LDGSTS", w)
+            assert nxt < 0 or "LDG.E" not in prod[w:nxt], "id loads after the stage wait"
     budgets = [int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass)]
     assert sorted(budgets) == sorted([spec.regs_producer, spec.regs_qk, spec.regs_pv])
     assert sum(budgets) <= 3 * rec["regcount"], (budgets, rec["regcount"])

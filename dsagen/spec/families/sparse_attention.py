@@ -85,8 +85,9 @@ class SparseAttnFwdSpec(KernelSpec):
         consumers run different code (HALVES_REGS is the budget the op uses).
       "serial_lean": serial with WG1's next-tile QK^T issued right behind its P V_L (waited with
         wait_group(1), so the tensor cores run P V(t) -> QK^T(t+1) with no drain between them) and a lean
-        softmax (FMNMX tree row maxima, tree row sums, P packed to bf16 once, stmatrix P store). Same
-        registers and shared memory as serial.
+        softmax (FMNMX tree row maxima, tree row sums, P packed to bf16 once, stmatrix P store); the producer
+        loads a tile's ids one tile ahead, before waiting for its stage. Same registers and shared memory as
+        serial.
     l2_hint: the KV gather's cp.async carries FlashMLA's hints, a 256-byte L2 prefetch and an L2 evict_last
       cache policy (schedule "split_halves" only). Default off.
     ablate: "" (the real kernel) or one of ABLATIONS: a TIMING-ONLY variant that leaves one stage out

@@ -378,3 +378,78 @@ def test_split_halves_ablations_compile(ablate, tmp_path):
     assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 ", sass)) == 3 * 36
     assert sass.count("MEMBAR.ALL.CTA") == (3 if ablate == "no_ready_fence" else 9)
     assert ops["LDL"] + ops["STL"] <= 100, (ops["LDL"], ops["STL"])
+
+
+LEAN = dict(schedule="serial_lean")
+
+
+def test_serial_lean_spec_and_render():
+    """schedule "serial_lean" is serial's producer and WG2 with WG1's lean, QK^T-ahead loop; the serial render does
+    not change with it (the lean code sits under its own template branch)."""
+    import torch
+
+    import dsagen.fused.sparse_attention as fsa
+
+    spec = SparseAttnFwdSpec(arch="sm_90a", **LEAN).check()
+    assert (spec.regs_producer, spec.regs_qk, spec.regs_pv) == (40, 248, 216)      # serial's budget
+    assert fsa.spec_for(128, 576, torch.bfloat16, schedule="serial_lean") == spec
+    assert fsa.spec_for(128, 576, torch.bfloat16) == SparseAttnFwdSpec(arch="sm_90a")  # the default stays serial
+    src = render(spec)
+    compile(src, "kernel.py", "exec")
+    assert "ntiles = cutlass.max(ntiles, Int32(1))" in src and "StMatrix8x8x16bOp" in src
+    assert "PipelineCpAsync" in src and "BAR_P0" in src                          # serial's ring and hand-off
+    serial = render(SparseAttnFwdSpec(arch="sm_90a"))
+    assert "serial_lean" not in serial and "tree_reduce" not in serial and "StMatrix" not in serial
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", [SparseAttnFwdSpec(arch="sm_90a", **LEAN),
+                                  SparseAttnFwdSpec(arch="sm_90a", num_heads=64, d_qk=512, **LEAN),
+                                  SparseAttnFwdSpec(arch="sm_90a", num_heads=64, dtype="float16", **LEAN),
+                                  SparseAttnFwdSpec(arch="sm_90a", ablate="no_gather", **LEAN)],
+                         ids=lambda s: s.name())
+def test_serial_lean_compiles_to_the_designed_sass(spec, tmp_path):
+    """WG1 issues QK^T(t+1) right behind P V_L(t) with no wait between them and waits with wait_group(1) (the
+    pipelined loop) or 0 (prologue QK^T, peeled last tile); row maxima by FMNMX, no NaN-propagating FSETP/FSEL
+    max chain; P packed once (the RS operand registers are the stmatrix source) and stored with 4 STSM per tile."""
+    from dsagen.gen.build import compile_module
+
+    ck = compile_module(spec, render(spec), tmp_path)
+    rec = ck.record
+    assert rec["launch"]["block"] == [384, 1, 1]
+    assert 200 * 1024 <= rec["launch"]["smem"] + rec["static_smem"] <= 227 * 1024
+    from dsagen.gen.sass import disassemble, find_nvdisasm, opcode_counts
+
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    sass = disassemble(ck.cubin)
+    ops = opcode_counts(sass)
+    t = r"\.BF16" if spec.dtype == "bfloat16" else ""
+    ks = spec.d_qk // 16
+    assert len(re.findall(rf"HGMMA\.64x64x16\.F32{t} ", sass)) == 2 * ks            # prologue + loop QK^T
+    rs = re.findall(rf"HGMMA\.64x256x16\.F32{t} R\d+, (R\d+), gdesc\[UR\d+\]\.tnspB", sass)
+    assert len(rs) == 8                                                             # loop + last tile P V_L
+    assert len(re.findall(rf"HGMMA\.64x256x16\.F32{t} R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 4   # WG2 P V_R
+    assert ops["STSM"] == 8
+    stsm_src = re.findall(r"STSM\.16\.M88\.4 \[R\d+\], (R\d+)", sass)
+    assert set(stsm_src) == set(rs), (stsm_src, rs)                   # P packed once: same registers
+    # no wgmma serialisation: loop: wait<0> (S ready), wait<1> after QK^T(t+1); tail: wait<0> x2; WG2: wait<0>
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 1
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 4
+    lines = sass.splitlines()
+    i_pv = [i for i, l in enumerate(lines) if re.search(rf"HGMMA\.64x256x16\.F32{t} R\d+, R\d+, gdesc.*gsb0", l)][0]
+    i_qk = [i for i, l in enumerate(lines) if i > i_pv and re.search(rf"HGMMA\.64x64x16\.F32{t} ", l)][0]
+    assert not any("DEPBAR" in l for l in lines[i_pv:i_qk]), "a wait between P V_L(t) and QK^T(t+1)"
+    assert ops["FMNMX"] >= 2 * 2 * 16 and ops["FSETP"] <= 16      # serial: ~74 FSETP in one softmax alone
+    if not spec.ablate:
+        # producer: a tile's ids are loaded a tile ahead: no id LDG between a stage wait and the gather it guards
+        prod = sass[sass.index("USETMAXREG.DEALLOC"):sass.index("USETMAXREG.TRY_ALLOC")]
+        waits = [m.end() for m in re.finditer(r"SYNCS\.PHASECHK\.TRANS64\.TRYWAIT", prod)]
+        assert waits
+        for w in waits:
+            nxt = prod.find("LDGSTS", w)
+            assert nxt < 0 or "LDG.E" not in prod[w:nxt], "id loads after the stage wait"
+    budgets = [int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass)]
+    assert sorted(budgets) == sorted([spec.regs_producer, spec.regs_qk, spec.regs_pv])
+    assert sum(budgets) <= 3 * rec["regcount"], (budgets, rec["regcount"])
+    assert ops["LDL"] == 0 and ops["STL"] == 0, "register spills"

@@ -40,6 +40,15 @@ def acc_as_frg_a(t):
         ((2, 2, 2), s[1], v // 2), stride=((d[0][0], d[0][1], d[0][2]), d[1], 2 * d[0][2])))
 
 
+def tree_reduce(op, vals):
+    """`op` over `vals` (a non-empty list, unrolled at trace time) as a balanced tree: depth ceil(log2(len))
+    instead of a len - 1 long dependency chain (row maxima / sums of a softmax)."""
+    vals = list(vals)
+    while len(vals) > 1:
+        vals = [op(vals[i], vals[i + 1]) if i + 1 < len(vals) else vals[i] for i in range(0, len(vals), 2)]
+    return vals[0]
+
+
 def swizzled_byte_offset(b):
     """The SW128 (S<3,4,3>) image of a byte offset `b` (Int32, >= 0) from a 1024-byte-aligned tile base."""
     return b ^ ((b >> 3) & 0x70)
@@ -69,5 +78,5 @@ def cp_async_16_l2_hint(dst: cute.Pointer, src: cute.Pointer, src_bytes: Int32, 
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
-__all__ = ["sw128", "acc_mn_view", "acc_as_frg_a", "swizzled_byte_offset", "l2_evict_last_policy",
+__all__ = ["sw128", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_last_policy",
            "cp_async_16_l2_hint"]

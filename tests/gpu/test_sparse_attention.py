@@ -5,7 +5,8 @@ negative and out-of-range ids, duplicates, all-invalid rows, with and without si
 batched seed-002 layout, fp16, gradients, CUDA-graph capture and torch.compile.
 The correctness tests that take the `schedule` fixture run under both kernel schedules
 (SparseAttnFwdSpec.schedule "serial", the default, "split", FlashMLA's even/odd split, and "split_halves", the
-split with FlashMLA's half-stage barriers and asymmetric max exchange), selected through
+split with FlashMLA's half-stage barriers and asymmetric max exchange, and "serial_lean", serial with the next
+QK^T issued behind the PV and a lean softmax), selected through
 dsagen.fused.sparse_attention.SCHEDULE; the others use the default.
 
 Build what these need first (CPU, with CuTe-DSL):
@@ -189,11 +190,11 @@ def test_sink_only_in_denominator(schedule):
 
 @pytest.mark.parametrize("h,d_qk", [(64, 576), (128, 576), (64, 512), (128, 512)])
 @pytest.mark.parametrize("sink", [True, False])
-@pytest.mark.parametrize("split", ["split", "split_halves"])
+@pytest.mark.parametrize("split", ["split", "split_halves", "serial_lean"])
 def test_split_odd_tile_counts(h, d_qk, sink, split, monkeypatch):
     """The split schedules pair the tiles (even -> WG1, odd -> WG2) and pad an odd count with an all-masked
-    tile: every tile count 0..5 in one batch (topk_length), adversarial ids, against the reference and
-    against the serial schedule."""
+    tile; serial_lean peels the last tile and pads an empty row to one all-masked tile: every tile count 0..5
+    in one batch (topk_length), adversarial ids, against the reference and against the serial schedule."""
     q, kv, ids, attn_sink, _ = make_inputs(12, h, d_qk, 320, 900, seed=h + d_qk + sink, sink=sink,
                                            adversarial=True)
     tl = torch.tensor([0, 1, 63, 64, 65, 128, 129, 191, 192, 257, 320, 500], dtype=torch.int32, device=DEV)

@@ -22,7 +22,7 @@ from ..base import KernelSpec, register_spec
 _REGS_AT_LAUNCH = 65536 // 384 // 8 * 8
 _REG_TOTAL = 3 * _REGS_AT_LAUNCH
 
-SCHEDULES = ("serial", "split", "split_halves")
+SCHEDULES = ("serial", "split", "split_halves", "serial_lean")
 # setmaxnreg budgets of schedule="split" (producer, WG1, WG2): 40 + 232 + 232 = 504 = 3 x 168.
 SPLIT_REGS = {"regs_producer": 40, "regs_qk": 232, "regs_pv": 232}
 # setmaxnreg budgets of schedule="split_halves": 48 + 232 + 224 = 504. The producer keeps both tiles' ids over a
@@ -30,7 +30,7 @@ SPLIT_REGS = {"regs_producer": 40, "regs_qk": 232, "regs_pv": 232}
 # ids), B the least.
 HALVES_REGS = {"regs_producer": 48, "regs_qk": 232, "regs_pv": 224}
 # the register budget the op uses per schedule
-SCHEDULE_REGS = {"serial": {}, "split": SPLIT_REGS, "split_halves": HALVES_REGS}
+SCHEDULE_REGS = {"serial": {}, "split": SPLIT_REGS, "split_halves": HALVES_REGS, "serial_lean": {}}
 
 # Timing-only ablations (SparseAttnFwdSpec.ablate): each leaves one stage of the kernel out, so that the time
 # difference to the full kernel on the same inputs places that stage's cost. Their outputs are NOT attention.
@@ -52,6 +52,7 @@ SCHEDULE_ABLATIONS = {
     "serial": ("no_gather", "no_math", "no_softmax", "no_pv", "no_mask"),
     "split": ("no_gather", "no_math", "no_softmax", "no_pv", "no_mask"),
     "split_halves": ("no_gather", "no_ready_fence"),
+    "serial_lean": ("no_gather",),
 }
 
 
@@ -82,6 +83,11 @@ class SparseAttnFwdSpec(KernelSpec):
         its softmax with its own running max and issues its PV at once, then rescales P and O by the pair
         max from WG2), and the next pair's QK^T issued before the last PV of the pair retires. The two
         consumers run different code (HALVES_REGS is the budget the op uses).
+      "serial_lean": serial with WG1's next-tile QK^T issued right behind its P V_L (waited with
+        wait_group(1), so the tensor cores run P V(t) -> QK^T(t+1) with no drain between them) and a lean
+        softmax (FMNMX tree row maxima, tree row sums, P packed to bf16 once, stmatrix P store); the producer
+        loads a tile's ids one tile ahead, before waiting for its stage. Same registers and shared memory as
+        serial.
     l2_hint: the KV gather's cp.async carries FlashMLA's hints, a 256-byte L2 prefetch and an L2 evict_last
       cache policy (schedule "split_halves" only). Default off.
     ablate: "" (the real kernel) or one of ABLATIONS: a TIMING-ONLY variant that leaves one stage out

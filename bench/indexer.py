@@ -10,7 +10,7 @@ the tensor-core floor is that at 780 TFLOP/s (dense bf16 measured on the H200). 
 only up to --ref-max-T (it takes seconds beyond). --profile also times the score and top-k kernels
 alone (one slab loop with each kernel launched alone). --variant selects tile choices that are not the
 default yet (VARIANTS: spec options of the score and top-k kernels); several names run one after the
-other on the same inputs. `ablate-score-*` / `ablate-topk-*` are TIMING PROBES, not correct kernels
+other on the same inputs. `ablate-persistent-*` / `ablate-topk-*` are TIMING PROBES, not correct kernels
 (IndexerScoreSpec / IndexerTopkSpec.ablate: one stage left out); use them with --profile and read only
 the ablated kernel's column (score_ms or topk_ms); `--variant ablations` runs default + all of them.
 """
@@ -26,20 +26,13 @@ import torch
 
 PEAK_TFLOPS = 780.0
 #: --variant -> (IndexerScoreSpec options, IndexerTopkSpec options)
-LOCKSTEP = {"schedule": "lockstep"}
 VARIANTS = {
     "default": ({}, {}),
-    "lockstep": (LOCKSTEP, {}),                               # session-1 score kernel (both WGs on one stage)
     "pingpong": ({"schedule": "pingpong"}, {}),               # ping-pong WGs, one CTA per work item
     "persistent": ({"schedule": "persistent"}, {}),           # ping-pong WGs, ~1 CTA per SM looping over items
-    "turn": ({"turn_after_mma": True}, {}),                    # persistent; the wgmma turn passes after 3/4 of the MMA
-    "sharek": ({"share_k": True}, {}),                         # persistent; both WGs multiply each K tile (2 Q tiles)
-    "sharek_turn": ({"share_k": True, "turn_after_mma": True}, {}),
     "c2": ({"consumers": 2}, {}),                              # persistent with 2 consumer WGs (default: 3, 512 threads)
     "lean": ({"lean_epilogue": True}, {}),                     # persistent, 3 consumer WGs, lean epilogue (reduce-scatter)
     "lean_free": ({"lean_epilogue": True, "free_issue": True}, {}),  # lean + no turn barriers (wgmmas issued when ready)
-    "tuned": ({**LOCKSTEP, "overlap": True}, {}),              # lock-step with 2 accumulators per WG
-    "n256": ({**LOCKSTEP, "n_tile": 256}, {}),                 # 4 tokens per CTA at H=64: half the K traffic
     "t512": ({}, {"threads": 512}),                            # top-k: always 512 threads (never the wide one)
     "t1024": ({}, {"threads": 1024}),                          # top-k: always 1024 threads (1 CTA per SM)
     "t256": ({}, {"threads": 256}),
@@ -48,16 +41,13 @@ VARIANTS = {
     "lean_free_compact": ({"lean_epilogue": True, "free_issue": True}, {"compact": True}),
 }
 # Timing ablations (not correct kernels; see dsagen.spec.families.indexer INDEXER_*_ABLATIONS).
-SCORE_ABLATIONS = ("no_epilogue", "mma_k16", "skeleton", "no_store", "no_kload", "one_tile")
+SCORE_ABLATIONS = ("no_epilogue", "mma_k16")
 TOPK_ABLATIONS = ("hist1", "read1", "no_emit")
-VARIANTS.update({f"ablate-score-{a}": ({**LOCKSTEP, "ablate": a}, {}) for a in SCORE_ABLATIONS})
+# score probes of the persistent kernel (IndexerScoreSpec ablate with schedule="persistent")
+VARIANTS.update({f"ablate-persistent-{a}": ({"schedule": "persistent", "ablate": a}, {}) for a in SCORE_ABLATIONS})
 VARIANTS.update({f"ablate-topk-{a}": ({}, {"ablate": a}) for a in TOPK_ABLATIONS})
-# the same probes of the persistent (ping-pong) kernel (IndexerScoreSpec ablate with schedule="persistent")
-PINGPONG_ABLATIONS = ("no_epilogue", "mma_k16")
-VARIANTS.update({f"ablate-persistent-{a}": ({"schedule": "persistent", "ablate": a}, {}) for a in PINGPONG_ABLATIONS})
-#: --variant ablations: the default, the lock-step and persistent kernels the score ablations probe, every ablation
-ABLATION_SET = (["default", "lockstep"] + [f"ablate-score-{a}" for a in SCORE_ABLATIONS]
-                + ["persistent"] + [f"ablate-persistent-{a}" for a in PINGPONG_ABLATIONS]
+#: --variant ablations: the default, the persistent kernel the score ablations probe, every ablation
+ABLATION_SET = (["default", "persistent"] + [f"ablate-persistent-{a}" for a in SCORE_ABLATIONS]
                 + [f"ablate-topk-{a}" for a in TOPK_ABLATIONS])
 
 
@@ -115,12 +105,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="also time the score and top-k kernels alone")
     ap.add_argument("--variant", choices=list(VARIANTS) + ["ablations"], nargs="+", default=["default"],
-                    help="lockstep / pingpong / persistent: score-kernel schedules (IndexerScoreSpec.schedule); turn / sharek / "
-                         "sharek_turn: IndexerScoreSpec.turn_after_mma / share_k; c2: 2 consumer warpgroups (default 3); tuned: lock-step "
-                         "with two accumulators per warpgroup (overlap); n256: lock-step with wgmma N = 256 (4 tokens per CTA "
-                         "at H=64); t256 / t512 / t1024: top-k with that many threads per row (default: 512, or "
-                         "1024 when a slab's rows fit one wave); "
-                         "ablate-score-* / ablate-topk-*: timing probes (not correct); ablations: default + all probes")
+                    help="pingpong / persistent: score-kernel schedules (IndexerScoreSpec.schedule); c2: 2 consumer "
+                         "warpgroups (default 3); lean / lean_free: IndexerScoreSpec.lean_epilogue / free_issue; "
+                         "t256 / t512 / t1024: top-k with that many threads per row (default: 512, or "
+                         "1024 when a slab's rows fit one wave); compact: IndexerTopkSpec.compact; "
+                         "ablate-persistent-* / ablate-topk-*: timing probes (not correct); ablations: default + all probes")
     args = ap.parse_args(argv)
     names = []
     for v in args.variant:

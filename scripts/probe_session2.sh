@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session-2 diagnostic GPU call: the ablation probes + ncu of notes/kernels/{indexer,sparse_attention}.md.
 # Carry .dsagen-cache-idx and .dsagen-cache-abl (built here first). Every step has its own timeout.
+# (As run: at 939643177daf, with `--variant ablations n256`; n256 and the lock-step probes were pruned since.)
 set -u
 O=${OUT:-probe-out}; mkdir -p $O
 export DSAGEN_CACHE_PATH=.dsagen-cache-idx:.dsagen-cache-abl DSAGEN_DISABLE_JIT=1 DSAGEN_CACHE_DIR=/tmp/dsagen-w
@@ -8,7 +9,7 @@ export PYTHONPATH=.:tests/gpu PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader
 echo "== idx smoke"; timeout 45 python3 -m pytest -x -q -m gpu -p no:cacheprovider tests/gpu/test_lightning_indexer.py -k "ablation_launch_smoke or model_shape" 2>&1 | tail -3
 echo "== idx ablations"; timeout 80 python3 bench/indexer.py --T 32768 --topk 2048 --ratio 1 --reps 3 --ref-max-T 0 --profile \
-  --variant ablations n256 --json $O/idx_ablations.json > $O/idx_ablations.txt 2>&1; tail -22 $O/idx_ablations.txt
+  --variant ablations --json $O/idx_ablations.json > $O/idx_ablations.txt 2>&1; tail -22 $O/idx_ablations.txt
 S="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats"
 for K in score topk; do timeout 55 ncu --clock-control none -k regex:lightning_indexer_$K --launch-skip 100 --launch-count 1 $S \
   -o $O/ncu_idx_$K python3 bench/indexer.py --T 32768 --topk 2048 --ratio 1 --reps 1 --ref-max-T 0 > /dev/null 2>&1

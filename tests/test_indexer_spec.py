@@ -40,14 +40,13 @@ def test_specs_are_independent_of_run_time_arguments():
 
 
 def test_default_consumers_follow_the_options():
-    """indexer_specs picks 3 consumer warpgroups for the ping-pong kernels unless the options pin consumers or
-    select something 3 does not support (lock-step, share_k, turn_after_mma, ablations)."""
+    """indexer_specs picks 3 consumer warpgroups unless the options pin consumers or select an ablation probe
+    (which 3 does not support)."""
     def consumers(**opts):
         return indexer_specs("sm_90a", 64, 128, score_options=opts)[0].consumers
 
     assert consumers() == 3 and consumers(schedule="pingpong") == 3 and consumers(consumers=2) == 2
-    for opts in ({"schedule": "lockstep"}, {"share_k": True}, {"turn_after_mma": True},
-                 {"ablate": "no_epilogue"}, {"schedule": "lockstep", "n_tile": 256}):
+    for opts in ({"ablate": "no_epilogue"}, {"ablate": "mma_k16", "schedule": "pingpong"}):
         assert consumers(**opts) == 2, opts
         assert indexer_specs("sm_90a", 64, 128, score_options=opts)[0].can_implement() == (True, "")
 
@@ -139,85 +138,6 @@ def test_topk_kernel_compiles(tmp_path):
     assert not ops.get("LDL") and not ops.get("STL"), f"register spills: {ops}"
 
 
-@pytest.mark.compile
-def test_overlap_variant_keeps_wgmma_pipelined(tmp_path):
-    """overlap=True must not make ptxas serialize the wgmmas (a DEPBAR after every HGMMA): the two
-    tiles' groups are issued back to back and waited with DEPBAR.LE 1, then 0."""
-    from dsagen.gen.build import compile_module
-
-    spec = IndexerScoreSpec(arch="sm_90a", overlap=True, schedule="lockstep")
-    ck = compile_module(spec, render(spec), tmp_path / "build")
-    sass = _sass(ck.cubin, tmp_path)
-    assert sass.count("HGMMA.64x128x16.F32.BF16") == 2 * 128 // 16
-    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
-    assert sass.count("WARPGROUP.DEPBAR") == 2, "wgmma serialized by ptxas"
-    assert " LDL" not in sass and " STL" not in sass
-
-
-def test_n_tile_option_validation_and_slab():
-    """n_tile=256: H in (32, 64, 128), not with overlap; the fused host then uses n_tile // H tokens per block."""
-    from dsagen.fused import lightning_indexer as fused
-    from dsagen.fused.lightning_indexer import slab_rows
-
-    lockstep = {"schedule": "lockstep"}
-    assert IndexerScoreSpec(arch="sm_90a", n_tile=256, **lockstep).can_implement() == (True, "")
-    assert (IndexerScoreSpec(arch="sm_90a", n_tile=256, **lockstep).name()
-            == "lightning_indexer_score_n_tile256_schedulelockstep_sm_90a")
-    ok, why = IndexerScoreSpec(arch="sm_90a", n_tile=192, **lockstep).can_implement()
-    assert not ok and "n_tile=192" in why
-    ok, why = IndexerScoreSpec(arch="sm_90a", num_heads=8, n_tile=256, **lockstep).can_implement()
-    assert not ok and "num_heads in (32, 64, 128)" in why
-    ok, why = IndexerScoreSpec(arch="sm_90a", n_tile=256, overlap=True, **lockstep).can_implement()
-    assert not ok and "overlap" in why
-    ok, why = IndexerScoreSpec(arch="sm_90a", n_tile=256).can_implement()       # default schedule: n_tile 128 only
-    assert not ok and "schedule='lockstep'" in why
-    assert IndexerScoreSpec(arch="sm_90a", n_tile=256, **lockstep).smem_bytes() <= 220 * 1024
-    for h in (32, 64, 128):
-        for s in (1, 1000, 32768, 2 ** 20):
-            rows = slab_rows(h, s, 256)
-            assert rows % (256 // h) == 0 and rows <= 1024
-            assert rows * (-(-s // 4) * 4) * 4 <= max(32 << 20, (256 // h) * 4 * 2 ** 20)
-    old = fused.SPEC_OPTIONS
-    try:
-        fused.SPEC_OPTIONS = ({"n_tile": 256}, {})
-        assert fused._n_tile(64) == 256 and fused._n_tile(8) == 128     # H=8 falls back to 128
-        assert fused._score_options(8) == {} and fused._score_options(64) == {"n_tile": 256}
-    finally:
-        fused.SPEC_OPTIONS = old
-    assert fused._n_tile(64) == 128
-
-
-def test_default_score_render_unchanged_by_n_tile_option():
-    """The GPU-verified default kernel: BN = 128, QC = BN // H, one 64x128 accumulator."""
-    src = render(IndexerScoreSpec(arch="sm_90a", schedule="lockstep"))
-    assert "BN = {{ n_tile }}" not in src and "BN = 128 " in src and "QC = BN // H " in src and "acc1" not in src
-    assert "BN = 256 " in render(IndexerScoreSpec(arch="sm_90a", n_tile=256, schedule="lockstep"))
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("h,d", [(64, 128), (32, 64), (128, 128)])
-def test_n256_variant_compiles_pipelined_without_spills(h, d, tmp_path):
-    """n_tile=256: D/16 HGMMA.64x256x16 in one group waited once (not serialized: one DEPBAR), no spills,
-    setmaxnreg budgets 40 + 2 x 232 <= 3 x the cubin's register count (a larger sum deadlocks)."""
-    import re
-
-    from dsagen.gen.build import compile_module
-
-    spec = IndexerScoreSpec(arch="sm_90a", num_heads=h, head_dim=d, n_tile=256, schedule="lockstep")
-    ck = compile_module(spec, render(spec), tmp_path / "build")
-    sass = _sass(ck.cubin, tmp_path)
-    assert sass.count("HGMMA.64x256x16.F32.BF16") == d // 16
-    assert "HGMMA.64x128x16" not in sass
-    assert sass.count("WARPGROUP.DEPBAR") == 1, "wgmma serialized by ptxas"
-    assert " LDL" not in sass and " STL" not in sass, "register spills"
-    regs = ck.record["regcount"]
-    budgets = [int(x, 16) for x in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d, )?(0x[0-9a-f]+)", sass)]
-    assert sorted(budgets) == [0x28, 0xE8], budgets
-    assert 0x28 + 2 * 0xE8 <= 3 * regs, (budgets, regs)
-    assert ck.record["launch"]["block"] == [384, 1, 1]
-    assert ck.record["launch"]["smem"] <= 227 * 1024
-
-
 # ------------------------------------------------------------------ timing ablations (not correct kernels)
 def test_ablation_option_validation_and_default_render():
     """ablate=... is a timing-probe option of both kernels; the default ("") renders the real kernel with no
@@ -225,73 +145,32 @@ def test_ablation_option_validation_and_default_render():
     from dsagen.spec.families.indexer import INDEXER_SCORE_ABLATIONS, INDEXER_TOPK_ABLATIONS
 
     for a in INDEXER_SCORE_ABLATIONS:
-        assert IndexerScoreSpec(arch="sm_90a", ablate=a, schedule="lockstep").can_implement() == (True, "")
+        for sch in ("pingpong", "persistent"):
+            assert IndexerScoreSpec(arch="sm_90a", ablate=a, schedule=sch).can_implement() == (True, "")
     for a in INDEXER_TOPK_ABLATIONS:
         assert IndexerTopkSpec(arch="sm_90a", ablate=a).can_implement() == (True, "")
-    ok, why = IndexerScoreSpec(arch="sm_90a", ablate="nothing", schedule="lockstep").can_implement()
-    assert not ok and "not a score-kernel ablation" in why
-    ok, why = IndexerScoreSpec(arch="sm_90a", ablate="no_store", overlap=True, schedule="lockstep").can_implement()
-    assert not ok and "overlap=False" in why
-    ok, why = IndexerScoreSpec(arch="sm_90a", ablate="no_store").can_implement()    # ablations probe the lock-step kernel
-    assert not ok and "schedule='lockstep'" in why
-    assert (IndexerScoreSpec(arch="sm_90a", ablate="no_store", schedule="lockstep").name()
-            == "lightning_indexer_score_ablateno_store_schedulelockstep_sm_90a")
-    for spec in (IndexerScoreSpec(arch="sm_90a"), IndexerTopkSpec(arch="sm_90a"), IndexerScoreSpec(arch="sm_90a", share_k=True),
-                 IndexerScoreSpec(arch="sm_90a", turn_after_mma=True),
-                 IndexerScoreSpec(arch="sm_90a", schedule="lockstep"), IndexerScoreSpec(arch="sm_90a", schedule="pingpong"),
-                 IndexerScoreSpec(arch="sm_90a", n_tile=256, schedule="lockstep"),
-                 IndexerTopkSpec(arch="sm_90a", threads=1024)):
+    for a in ("nothing", "no_store"):              # no_store & co. were probes of the pruned lock-step kernel
+        ok, why = IndexerScoreSpec(arch="sm_90a", ablate=a).can_implement()
+        assert not ok and "not a score-kernel ablation" in why
+    assert (IndexerScoreSpec(arch="sm_90a", ablate="mma_k16").name()
+            == "lightning_indexer_score_ablatemma_k16_sm_90a")
+    for spec in (IndexerScoreSpec(arch="sm_90a"), IndexerTopkSpec(arch="sm_90a"), IndexerScoreSpec(arch="sm_90a", consumers=3),
+                 IndexerScoreSpec(arch="sm_90a", schedule="pingpong"), IndexerTopkSpec(arch="sm_90a", threads=1024)):
         src = render(spec)
         assert "ABLAT" not in src.upper() and "sink" not in src, spec.name()
-    assert 'ABLATE = "no_store"' in render(IndexerScoreSpec(arch="sm_90a", ablate="no_store", schedule="lockstep"))
+    assert 'ABLATE = "mma_k16"' in render(IndexerScoreSpec(arch="sm_90a", ablate="mma_k16"))
     assert 'ABLATE = "hist1"' in render(IndexerTopkSpec(arch="sm_90a", ablate="hist1"))
-
-
-#: ablation -> (HGMMA count at D=128, FMNMX in the kernel?, max STG, UTMALDG count)
-_SCORE_ABLATION_SASS = {
-    "": (8, True, 4, 6),
-    "no_epilogue": (8, False, 1, 6),
-    "mma_k16": (1, True, 4, 6),
-    "skeleton": (1, False, 1, 6),
-    "no_store": (8, True, 1, 6),
-    "no_kload": (8, True, 4, 2),          # only the Q tile's 2 boxes
-    "one_tile": (8, True, 4, 6),
-}
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("ablate", list(_SCORE_ABLATION_SASS))
-def test_score_ablation_compiles(ablate, tmp_path):
-    """Each score ablation keeps the intended instructions (HGMMA count, epilogue or not, stores, TMA),
-    the wgmma group waited once (not serialized), no spills and the default's resources."""
-    from dsagen.gen.build import compile_module
-
-    spec = IndexerScoreSpec(arch="sm_90a", ablate=ablate, schedule="lockstep")
-    ck = compile_module(spec, render(spec), tmp_path / "build")
-    sass = _sass(ck.cubin, tmp_path)
-    ops = _sass_ops(ck.cubin, tmp_path)
-    hgmma, epilogue, max_stg, tma = _SCORE_ABLATION_SASS[ablate]
-    assert sass.count("HGMMA.64x128x16.F32.BF16") == hgmma, ops
-    assert sass.count("WARPGROUP.DEPBAR") == 1, "wgmma serialized by ptxas"
-    assert (ops.get("FMNMX", 0) >= 64) == epilogue, ops
-    assert ops.get("STG", 0) <= max_stg, ops
-    assert ops.get("UTMALDG", 0) == tma, ops
-    assert not ops.get("LDL") and not ops.get("STL"), f"register spills: {ops}"
-    assert ck.record["launch"]["block"] == [384, 1, 1] and ck.record["launch"]["smem"] == 164864
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("ablate,hgmma,epilogue", [("no_epilogue", 8, False), ("mma_k16", 1, True)])
 def test_persistent_ablation_compiles(ablate, hgmma, epilogue, tmp_path):
     """The persistent kernel's probes: no_epilogue keeps the D/16 HGMMAs and drops the FMNMX/stores, mma_k16 keeps
-    one HGMMA and the epilogue; both keep the turn barrier, the resources and no spills. Only with the plain
-    ping-pong options (not turn_after_mma / share_k) and only these two (the others are lock-step probes)."""
+    one HGMMA and the epilogue; both keep the turn barrier, the resources and no spills (2 consumers only)."""
     from dsagen.gen.build import compile_module
 
-    ok, why = IndexerScoreSpec(arch="sm_90a", schedule="persistent", ablate="no_kload").can_implement()
-    assert not ok and "schedule='lockstep'" in why
-    ok, why = IndexerScoreSpec(arch="sm_90a", ablate=ablate, turn_after_mma=True).can_implement()
-    assert not ok and "without turn_after_mma and share_k" in why
+    ok, why = IndexerScoreSpec(arch="sm_90a", ablate=ablate, consumers=3).can_implement()
+    assert not ok and "not of the ablations" in why
     spec = IndexerScoreSpec(arch="sm_90a", schedule="persistent", ablate=ablate)
     src = render(spec)
     assert f'ABLATE = "{ablate}"' in src
@@ -390,8 +269,8 @@ def test_topk_compact_sass(threads, tmp_path):
 
 # ------------------------------------------------------------------ ping-pong / persistent schedules
 def test_schedule_option_validation_and_render():
-    """schedule: lockstep (session-1 kernel), pingpong, persistent (the default); the latter two render the
-    ping-pong template, differ only in the grid the host passes, and reject the lock-step-only options."""
+    """schedule: pingpong or persistent (the default); both render the ping-pong template and differ only in the
+    grid the host passes. (The session-1 "lockstep" schedule was pruned: notes/kernels/indexer.md.)"""
     from dsagen.fused.lightning_indexer import score_ctas
     from dsagen.spec.families.indexer import INDEXER_SCORE_SCHEDULES
 
@@ -402,44 +281,27 @@ def test_schedule_option_validation_and_render():
                 assert IndexerScoreSpec(arch="sm_90a", num_heads=h, head_dim=d, schedule=sch).can_implement() == (True, "")
     ok, why = IndexerScoreSpec(arch="sm_90a", schedule="round_robin").can_implement()
     assert not ok and "schedule='round_robin'" in why
-    ok, why = IndexerScoreSpec(arch="sm_90a", schedule="pingpong", overlap=True).can_implement()
+    ok, why = IndexerScoreSpec(arch="sm_90a", schedule="lockstep").can_implement()
     assert not ok and "schedule='lockstep'" in why
     src = render(IndexerScoreSpec(arch="sm_90a", schedule="pingpong"))
     assert "BAR_WG0 = 1" in src and "def row_bounds(" in src and '"n_ctas"' in src
-    assert "BAR_WG0 = 1" not in render(IndexerScoreSpec(arch="sm_90a", schedule="lockstep"))
     assert IndexerScoreSpec(arch="sm_90a").smem_bytes() <= 220 * 1024
-    for opts in ({"turn_after_mma": True}, {"share_k": True}, {"share_k": True, "turn_after_mma": True}):
-        for sch in ("pingpong", "persistent"):
-            spec = IndexerScoreSpec(arch="sm_90a", schedule=sch, **opts)
-            assert spec.can_implement() == (True, "") and spec.smem_bytes() <= 220 * 1024
-        ok, why = IndexerScoreSpec(arch="sm_90a", schedule="lockstep", **opts).can_implement()
-        assert not ok and "ping-pong schedules" in why
     for sch in ("pingpong", "persistent"):
         assert IndexerScoreSpec(arch="sm_90a", schedule=sch, consumers=3).can_implement() == (True, "")
     ok, why = IndexerScoreSpec(arch="sm_90a", consumers=4).can_implement()
     assert not ok and "consumers=4 must be 2 or 3" in why
-    ok, why = IndexerScoreSpec(arch="sm_90a", consumers=3, schedule="lockstep").can_implement()
-    assert not ok and "consumers=3 is an option of the ping-pong schedules" in why
     assert "THREADS = 512" in render(IndexerScoreSpec(arch="sm_90a", consumers=3))
-    ok, why = IndexerScoreSpec(arch="sm_90a", num_heads=16, share_k=True).can_implement()
-    assert not ok and "share_k needs num_heads in (32, 64, 128)" in why
-    src = render(IndexerScoreSpec(arch="sm_90a", share_k=True))
-    assert "NQ = 2 " in src and "KSLOTS = 4 " in src and "TAIL" not in src
-    assert "TAIL = max(1, NK // 4)" in render(IndexerScoreSpec(arch="sm_90a", turn_after_mma=True))
     assert score_ctas("pingpong", 1024, 132) == 1024
     assert score_ctas("persistent", 1024, 132) == 132 and score_ctas("persistent", 100, 132) == 100
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("h,d,sched,opts", [(64, 128, "persistent", {}), (8, 64, "persistent", {}),
-                                            (128, 128, "pingpong", {}), (64, 128, "persistent", {"turn_after_mma": True}),
-                                            (32, 64, "persistent", {"share_k": True}),
-                                            (64, 128, "persistent", {"share_k": True, "turn_after_mma": True}),
+                                            (128, 128, "pingpong", {}),
                                             (64, 128, "persistent", {"consumers": 3}), (8, 64, "pingpong", {"consumers": 3})])
 def test_pingpong_schedule_compiles(h, d, sched, opts, tmp_path):
     """Ping-pong kernel: D/16 HGMMA.64x128x16 issued back to back and waited once (not serialized), the
-    turn barrier arrive (BAR.ARV, 256 threads) between the last HGMMA and the wait (turn_after_mma: after
-    DEPBAR.LE 1, i.e. once all but the last D/64 wgmmas are done), no spills, setmaxnreg 40 / 232 (consumers=3: 40 / 152 with 512 threads), grid = n_ctas."""
+    turn barrier arrive (BAR.ARV, 256 threads) between the last HGMMA and the wait, no spills, setmaxnreg 40 / 232 (consumers=3: 40 / 152 with 512 threads), grid = n_ctas."""
     import re
 
     from dsagen.gen.build import compile_module
@@ -448,13 +310,9 @@ def test_pingpong_schedule_compiles(h, d, sched, opts, tmp_path):
     ck = compile_module(spec, render(spec), tmp_path / "build")
     sass = _sass(ck.cubin, tmp_path)
     assert sass.count("HGMMA.64x128x16") == d // 16
-    turn = opts.get("turn_after_mma", False)
-    assert sass.count("WARPGROUP.DEPBAR") == 1 + turn, "wgmma serialized by ptxas"
+    assert sass.count("WARPGROUP.DEPBAR") == 1, "wgmma serialized by ptxas"
     lines = [line for line in sass.splitlines() if "HGMMA" in line or "BAR.ARV" in line or "WARPGROUP.DEPBAR" in line]
     last = max(i for i, line in enumerate(lines) if "HGMMA" in line)
-    if turn:
-        assert "DEPBAR.LE gsb0, 0x1" in lines[last + 1], lines
-        last += 1
     assert "BAR.ARV" in lines[last + 1] and "0x100" in lines[last + 1] and "DEPBAR.LE gsb0, 0x0" in lines[last + 2], lines
     assert " LDL" not in sass and " STL" not in sass, "register spills"
     budgets = sorted(int(x, 16) for x in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d, )?(0x[0-9a-f]+)", sass))
@@ -467,31 +325,28 @@ def test_pingpong_schedule_compiles(h, d, sched, opts, tmp_path):
 
 
 def test_lean_epilogue_option_validation():
-    """lean_epilogue: an option of the ping-pong schedules (any consumers, share_k, turn_after_mma), not of
-    lockstep or the ablation probes; indexer_specs keeps the 3-consumer default with it."""
+    """lean_epilogue: an option of both schedules (any consumers), not of the ablation probes; indexer_specs keeps
+    the 3-consumer default with it. free_issue: an option of both schedules."""
     for sch in ("pingpong", "persistent"):
         for c in (2, 3):
             assert IndexerScoreSpec(arch="sm_90a", schedule=sch, consumers=c, lean_epilogue=True).can_implement() == (True, "")
-    assert IndexerScoreSpec(arch="sm_90a", share_k=True, turn_after_mma=True, lean_epilogue=True).can_implement() == (True, "")
-    for opts in ({"schedule": "lockstep"}, {"ablate": "mma_k16"}):
-        ok, why = IndexerScoreSpec(arch="sm_90a", lean_epilogue=True, **opts).can_implement()
-        assert not ok and "lean_epilogue is an option of the ping-pong schedules" in why
+    ok, why = IndexerScoreSpec(arch="sm_90a", lean_epilogue=True, ablate="mma_k16").can_implement()
+    assert not ok and "lean_epilogue is an option of the real kernel" in why
     spec = indexer_specs("sm_90a", 64, 128, score_options={"lean_epilogue": True})[0]
     assert spec.consumers == 3 and spec.name() == "lightning_indexer_score_consumers3_lean_epilogue1_sm_90a"
     src = render(spec)
     assert "def quad_reduce_scatter(" in src and "KEEP = max(1, NV // 4)" in src and "gt & (KSLOTS - 1)" in src
     assert "def quad_reduce_scatter(" not in render(IndexerScoreSpec(arch="sm_90a", consumers=3))
     assert IndexerScoreSpec(arch="sm_90a", consumers=3, lean_epilogue=True, free_issue=True).can_implement() == (True, "")
-    for opts in ({"schedule": "lockstep"}, {"turn_after_mma": True}):
-        ok, why = IndexerScoreSpec(arch="sm_90a", free_issue=True, **opts).can_implement()
-        assert not ok and "free_issue is an option of the ping-pong schedules" in why
+    for sch in ("pingpong", "persistent"):
+        assert IndexerScoreSpec(arch="sm_90a", schedule=sch, free_issue=True).can_implement() == (True, "")
     assert "barrier_id" not in render(IndexerScoreSpec(arch="sm_90a", consumers=3, free_issue=True))
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("h,d,opts", [(64, 128, {"consumers": 3}), (8, 64, {"consumers": 3}), (16, 128, {"consumers": 3}),
                                       (32, 64, {"consumers": 3}), (128, 128, {"consumers": 3}),
-                                      (64, 128, {"consumers": 2, "schedule": "pingpong"}), (32, 64, {"share_k": True}),
+                                      (64, 128, {"consumers": 2, "schedule": "pingpong"}),
                                       (64, 128, {"consumers": 3, "free_issue": True}), (8, 64, {"consumers": 3, "free_issue": True})])
 def test_lean_epilogue_compiles(h, d, opts, tmp_path):
     """Lean epilogue SASS per 64-row tile: D/16 HGMMA waited once, the quad reduce-scatter's 3 NV / 4 SHFL (NV = 2 x

@@ -5,14 +5,13 @@ need (backend name, device, dtype, the declared H / D / T ranges, TMA layout) an
 
 How a call runs (see notes/kernels/indexer.md):
   * Query rows are grouped into token blocks of QC = 128 // H consecutive tokens of one batch element
-    (the score kernel's wgmma N tile is QC x H = 128 columns; 256 // H tokens when SPEC_OPTIONS selects
-    n_tile=256 or share_k for H >= 32). Blocks are processed in slabs: for each
+    (the score kernel's wgmma N tile is QC x H = 128 columns). Blocks are processed in slabs: for each
     slab the score kernel writes every row's valid candidate scores (fp32, document-local ids) into one
     reused slab of R rows x ld_slab columns, then the top-k kernel turns each row into its output row
     (512 threads per row; 1024 when the slab's rows fit one wave of one CTA per SM: indexer_specs). The
     top-k reads rows with 16-byte loads: ld_slab a multiple of 4 keeps every row 16-byte aligned.
     The default (persistent) score kernel runs min(#SMs, #work items) CTAs per slab, each looping over
-    (token block, chunk) work items; the lock-step / pingpong schedules run one CTA per work item.
+    (token block, chunk) work items; the pingpong schedule runs one CTA per work item.
   * Scratch: the slab only, R * ld_slab * 4 bytes with ld_slab = S rounded up to 4 and
     R = min(1024, 32 MiB / (4 * ld_slab)) rounded down to a multiple of QC, at least QC. So at most
     32 MiB, or QC * ld_slab * 4 bytes when a single block does not fit (at most 16 x 2**20 x 4 B =
@@ -29,8 +28,8 @@ import math
 import torch
 
 from ..runtime import LoadedKernel, device_arch, get_kernel
-from ..spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, INDEXER_N256_HEADS,
-                                     SLAB_BYTES, SLAB_MAX_ROWS, IndexerScoreSpec, indexer_specs, tokens_per_cta)
+from ..spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, SLAB_BYTES, SLAB_MAX_ROWS,
+                                     IndexerScoreSpec, indexer_specs, tokens_per_cta)
 
 BACKENDS = ("cute",)
 #: Candidate rows one score CTA covers (grid y splits longer pools, so short slabs still fill the GPU).
@@ -124,48 +123,16 @@ def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype
             raise NotImplementedError(f"the fused lightning_indexer has kernels for sm_90a (Hopper) only; "
                                       f"cuda:{index} is {arch}. Use impl='reference'.")
         score_spec, topk_spec, wide_spec = indexer_specs(arch, h, d, _TORCH_DTYPE_NAMES[dtype],
-                                                         score_options=_score_options(h), topk_options=SPEC_OPTIONS[1])
+                                                         score_options=SPEC_OPTIONS[0], topk_options=SPEC_OPTIONS[1])
         wide = None if wide_spec == topk_spec else get_kernel(wide_spec, index)
         ks = _kernels[key] = (get_kernel(score_spec, index), get_kernel(topk_spec, index), wide)
         _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return ks
 
 
-def _score_options(num_heads: int) -> dict:
-    """SPEC_OPTIONS[0] for H heads (see score_options_for)."""
-    return score_options_for(num_heads, SPEC_OPTIONS[0])
-
-
-def score_options_for(num_heads: int, options: dict) -> dict:
-    """IndexerScoreSpec options the fused path uses for H heads when asked for `options`: n_tile=256 and
-    share_k (two Q tiles per block) fall back to 128 columns per block for heads they do not cover (the
-    slab must hold at least one block; 256 // H tokens would break its bound for H < 32)."""
-    opts = dict(options)
-    if num_heads not in INDEXER_N256_HEADS:
-        if opts.get("n_tile", 128) != 128:
-            opts.pop("n_tile")
-        if opts.get("share_k", IndexerScoreSpec.__dataclass_fields__["share_k"].default):
-            opts["share_k"] = False
-    return opts
-
-
-def _n_tile(num_heads: int) -> int:
-    """The score kernel's wgmma N (columns per CTA) for H heads under the current SPEC_OPTIONS."""
-    return int(_score_options(num_heads).get("n_tile", 128))
-
-
-def _block_tokens(num_heads: int) -> int:
-    """Query tokens per token block (score work item, top-k qc) for H heads under the current SPEC_OPTIONS:
-    n_tile // H, or 2 x 128 // H when the ping-pong kernel shares K tiles between two Q tiles (share_k)."""
-    opts = _score_options(num_heads)
-    if opts.get("share_k"):
-        return 2 * tokens_per_cta(num_heads)
-    return tokens_per_cta(num_heads, _n_tile(num_heads))
-
-
-def _schedule(num_heads: int) -> str:
+def _schedule() -> str:
     """The score kernel's schedule (IndexerScoreSpec.schedule) under the current SPEC_OPTIONS."""
-    return str(_score_options(num_heads).get("schedule", IndexerScoreSpec.__dataclass_fields__["schedule"].default))
+    return str(SPEC_OPTIONS[0].get("schedule", IndexerScoreSpec.__dataclass_fields__["schedule"].default))
 
 
 def score_ctas(schedule: str, n_items: int, num_sms: int) -> int:
@@ -174,9 +141,9 @@ def score_ctas(schedule: str, n_items: int, num_sms: int) -> int:
     return n_items if schedule == "pingpong" else max(1, min(n_items, num_sms))
 
 
-def slab_rows(num_heads: int, s_count: int, n_tile: int = 128) -> int:
+def slab_rows(num_heads: int, s_count: int) -> int:
     """Rows R of the score slab for H heads and S candidates (a multiple of the token block)."""
-    qc = tokens_per_cta(num_heads, n_tile)
+    qc = tokens_per_cta(num_heads)
     ld = -(-max(s_count, 1) // 4) * 4
     rows = min(SLAB_MAX_ROWS, SLAB_BYTES // (4 * ld)) // qc * qc
     return max(qc, rows)
@@ -197,13 +164,12 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     index = device.index if device.index is not None else torch.cuda.current_device()
     score_k, topk_k, topk_wide = _kernels_for(device, h, d, q.dtype)
 
-    schedule = _schedule(h)
-    qc = _block_tokens(h)
-    n_tile = qc * h
+    schedule = _schedule()
+    qc = tokens_per_cta(h)
     n_tblk = -(-t_count // qc)
     total_blk = b * n_tblk
     ld = -(-s_count // 4) * 4
-    blk_per_slab = min(slab_rows(h, s_count, n_tile) // qc, total_blk)
+    blk_per_slab = min(slab_rows(h, s_count) // qc, total_blk)
     slab = torch.empty((blk_per_slab * qc, ld), dtype=torch.float32, device=device)
     if topk_wide is not None and blk_per_slab * qc <= _sm_count[index]:
         topk_k = topk_wide                     # one row per SM anyway: give each row 32 warps
@@ -222,13 +188,9 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     num_sms = _sm_count[index]
     for blk0 in range(0, total_blk, blk_per_slab):
         nblk = min(blk_per_slab, total_blk - blk0)
-        if schedule == "lockstep":
-            score_k.launch(qv, kv, weights, slab, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
-                           CHUNK_ROWS, n_chunks, causal_i, compress_ratio, w_sb, w_st, w_sh, ld, scale)
-        else:
-            score_k.launch(qv, kv, weights, slab, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
-                           CHUNK_ROWS, n_chunks, score_ctas(schedule, nblk * n_chunks, num_sms), causal_i,
-                           compress_ratio, w_sb, w_st, w_sh, ld, scale)
+        score_k.launch(qv, kv, weights, slab, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
+                       CHUNK_ROWS, n_chunks, score_ctas(schedule, nblk * n_chunks, num_sms), causal_i,
+                       compress_ratio, w_sb, w_st, w_sh, ld, scale)
         topk_k.launch(slab, out, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, qc, nblk * qc, topk,
                       causal_i, compress_ratio, ld)
     return out

@@ -20,34 +20,23 @@ import pytest
 import torch
 
 import dsagen
-from dsagen.spec.families.indexer import (INDEXER_PINGPONG_ABLATIONS, INDEXER_SCORE_ABLATIONS, INDEXER_SCORE_SCHEDULES,
-                                          INDEXER_TOPK_ABLATIONS, INDEXER_TOPK_THREADS, IndexerScoreSpec,
-                                          IndexerTopkSpec, indexer_specs)
-from dsagen.fused.lightning_indexer import score_options_for
+from dsagen.spec.families.indexer import (INDEXER_SCORE_ABLATIONS, INDEXER_SCORE_SCHEDULES, INDEXER_TOPK_ABLATIONS,
+                                          INDEXER_TOPK_THREADS, IndexerScoreSpec, IndexerTopkSpec, indexer_specs)
 from poison import POISON_INT32, poison_allocator
 
 ARCH = "sm_90a"
 HEAD_SHAPES = [(64, 128), (8, 64), (16, 128), (32, 64), (128, 128), (8, 128), (64, 64)]
-N256_SHAPES = [(64, 128), (32, 64), (128, 128)]
-#: score-kernel options other than the default (test_score_schedules; bench --variant lockstep / pingpong / turn /
-#: sharek / sharek_turn / c2 / lean / lean_free): the other schedules and the ping-pong kernel's options
+#: score-kernel options other than the default (test_score_schedules; bench --variant pingpong / c2 / lean /
+#: lean_free): the other schedule and the score kernel's options
 SCORE_VARIANTS = [{"schedule": s} for s in INDEXER_SCORE_SCHEDULES if s != IndexerScoreSpec(arch=ARCH).schedule] + [
-    {"schedule": "persistent", "turn_after_mma": True}, {"schedule": "persistent", "share_k": True},
-    {"schedule": "persistent", "share_k": True, "turn_after_mma": True}, {"schedule": "persistent", "consumers": 2},
+    {"schedule": "persistent", "consumers": 2},
     {"schedule": "persistent", "lean_epilogue": True}, {"schedule": "persistent", "lean_epilogue": True, "free_issue": True}]
 SCORE_VARIANTS = [v for v in SCORE_VARIANTS if indexer_specs(ARCH, 64, 128, score_options=v)[0] != indexer_specs(ARCH, 64, 128)[0]]
-LOCKSTEP = {"schedule": "lockstep"}
 REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH, threads=t) for t in INDEXER_TOPK_THREADS] + [
-    indexer_specs(ARCH, h, d, score_options=score_options_for(h, opts))[0] for h, d in HEAD_SHAPES
-    for opts in [{}] + SCORE_VARIANTS] + [
+    indexer_specs(ARCH, h, d, score_options=opts)[0] for h, d in HEAD_SHAPES for opts in [{}] + SCORE_VARIANTS] + [
     indexer_specs(ARCH, 64, 128, "float16", score_options=opts)[0] for opts in [{}] + SCORE_VARIANTS] + [
-    # the lock-step speed variant (two accumulators per warpgroup): checked here, bench --variant tuned
-    IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, overlap=True, **LOCKSTEP)] + [
-    # n_tile=256 (4 tokens per CTA at H=64: half the K traffic): test_speed_variants_n256, bench --variant n256
-    IndexerScoreSpec(arch=ARCH, num_heads=h, head_dim=d, n_tile=256, **LOCKSTEP) for h, d in N256_SHAPES] + [
     # timing ablations (NOT correct kernels): test_ablation_launch_smoke, bench/indexer.py --variant ablations
-    IndexerScoreSpec(arch=ARCH, ablate=a, **LOCKSTEP) for a in INDEXER_SCORE_ABLATIONS if a] + [
-    IndexerScoreSpec(arch=ARCH, ablate=a, schedule="persistent") for a in INDEXER_PINGPONG_ABLATIONS if a] + [
+    IndexerScoreSpec(arch=ARCH, ablate=a, schedule="persistent") for a in INDEXER_SCORE_ABLATIONS if a] + [
     # (the fused host loads the 1024-thread top-k next to the 512-thread one, ablated alike)
     IndexerTopkSpec(arch=ARCH, threads=t, ablate=a) for a in INDEXER_TOPK_ABLATIONS if a for t in (512, 1024)] + [
     # compact=True (candidates in smem): test_topk_kernel_exact, DSAGEN_TEST_TOPK_OPTIONS='{"compact": true}',
@@ -195,52 +184,6 @@ def test_topk_edges(topk):
     _run_and_check(q, k, w, topk, True)
 
 
-@pytest.mark.parametrize("variant", [({"overlap": True, "schedule": "lockstep"}, {})])
-def test_speed_variants(variant, monkeypatch):
-    from dsagen.fused import lightning_indexer as fused
-
-    monkeypatch.setattr(fused, "SPEC_OPTIONS", variant)
-    gen = torch.Generator().manual_seed(97)
-    q, k, w = _inputs(2, 1500, 64, 128, 1500, gen)
-    _run_and_check(q, k, w, 200, True)
-
-
-# n_tile=256 variant (IndexerScoreSpec.n_tile), test_speed_variants_n256:
-# id -> (H, D, B, T, S, topk, causal, ratio, packed document lengths or None)
-N256_CASES = {
-    "h64_causal": (64, 128, 2, 1500, 1500, 200, True, 1, None),          # the smoke case (runs first)
-    "h64_odd_t_noncausal": (64, 128, 2, 333, 333, 100, False, 1, None),   # T % 4 != 0: padding tokens
-    "h64_ratio4": (64, 128, 1, 1001, 250, 64, True, 4, None),
-    "h64_packed": (64, 128, 1, None, None, 40, True, 1, [1, 0, 300, 0, 1, 513, 9]),
-    "h64_packed_ratio4": (64, 128, 1, None, None, 40, True, 4, [1, 0, 300, 0, 1, 513, 9]),
-    "h64_long_chunks": (64, 128, 1, 4200, 4200, 2048, True, 1, None),     # 2 candidate chunks, topk 2048
-    "h32_d64": (32, 64, 2, 77, 77, 33, True, 1, None),
-    "h128": (128, 128, 2, 260, 260, 33, True, 1, None),
-}
-
-
-@pytest.mark.parametrize("case", list(N256_CASES))
-def test_speed_variants_n256(case, monkeypatch):
-    from dsagen.fused import lightning_indexer as fused
-
-    monkeypatch.setattr(fused, "SPEC_OPTIONS", ({"n_tile": 256, **LOCKSTEP}, {}))
-    h, d, b, t, s, topk, causal, ratio, lens = N256_CASES[case]
-    gen = torch.Generator().manual_seed(113 + len(case))
-    if lens is None:
-        q, k, w = _inputs(b, t, h, d, s, gen)
-        _run_and_check(q, k, w, topk, causal, ratio)
-    else:
-        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-        cu_k = torch.tensor([0] + [n // ratio for n in lens]).cumsum(0).to(torch.int32)
-        t, s = int(cu[-1]) + 21, int(cu_k[-1]) + 7
-        q, k, w = _inputs(b, t, h, d, s, gen)
-        out = _run_and_check(q, k, w, topk, causal, ratio, cu.cuda(), cu_k.cuda())
-        assert (out[0, int(cu[-1]):].cpu() == -1).all()
-    # the n_tile=256 kernel really ran (4 tokens per CTA at H=64)
-    assert any(key[-1] == repr(fused.SPEC_OPTIONS) and "n_tile256" in v[0].name
-               for key, v in fused._kernels.items()), "n_tile=256 kernel not used"
-
-
 # score-kernel schedules other than the default (IndexerScoreSpec.schedule), test_score_schedules:
 # id -> (H, D, B, T, S, topk, causal, ratio, packed document lengths or None, weights layout, dtype)
 SCHEDULE_CASES = {
@@ -277,7 +220,7 @@ def test_score_schedules(case, options, monkeypatch):
         q, k, w = _inputs(b, t, h, d, s, gen, dtype=dtype, weights_layout=layout)
         out = _run_and_check(q, k, w, topk, causal, ratio, cu.cuda(), cu_k.cuda())
         assert (out[0, int(cu[-1]):].cpu() == -1).all()
-    want = indexer_specs(ARCH, h, d, _DTYPE_NAMES[dtype], score_options=score_options_for(h, options))[0]
+    want = indexer_specs(ARCH, h, d, _DTYPE_NAMES[dtype], score_options=options)[0]
     assert any(key[-1] == repr(fused.SPEC_OPTIONS) and v[0].name == want.name()
                for key, v in fused._kernels.items()), f"{want.name()} was not used"
 
@@ -358,9 +301,8 @@ def test_topk_kernel_exact(spec, pattern, topk):
 # their outputs are NOT the indexer's and are NOT checked here. This test only checks that each one is the
 # kernel that ran, that it launches on the fused path's real arguments and that it finishes (no hang, no
 # launch or device error), so that `bench/indexer.py --variant ablations --profile` can time them.
-ABLATION_OPTIONS = ([("score-" + a, ({"ablate": a, **LOCKSTEP}, {})) for a in INDEXER_SCORE_ABLATIONS if a]
-                    + [("persistent-" + a, ({"ablate": a, "schedule": "persistent"}, {}))
-                       for a in INDEXER_PINGPONG_ABLATIONS if a]
+ABLATION_OPTIONS = ([("persistent-" + a, ({"ablate": a, "schedule": "persistent"}, {}))
+                     for a in INDEXER_SCORE_ABLATIONS if a]
                     + [("topk-" + a, ({}, {"ablate": a})) for a in INDEXER_TOPK_ABLATIONS if a])
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session-2 diagnostic GPU call: the ablation probes + ncu of notes/kernels/{indexer,sparse_attention}.md.
 # Carry .dsagen-cache-idx and .dsagen-cache-abl (built here first). Every step has its own timeout.
+# History: `--schedule split` below was removed later in session 2; run this script from commit 9396431.
 set -u
 O=${OUT:-probe-out}; mkdir -p $O
 export DSAGEN_CACHE_PATH=.dsagen-cache-idx:.dsagen-cache-abl DSAGEN_DISABLE_JIT=1 DSAGEN_CACHE_DIR=/tmp/dsagen-w

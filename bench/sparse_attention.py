@@ -1,6 +1,6 @@
 """Sparse MLA forward: the fused sm_90a kernel against the plain-PyTorch reference, in one run (GPU).
 
-    python bench/sparse_attention.py [--quick] [--reps N] [--json FILE] [--schedule split|split_halves|serial_lean [--l2-hint]] [--cases 0,2]
+    python bench/sparse_attention.py [--quick] [--reps N] [--json FILE] [--schedule split_halves|serial_lean [--l2-hint]] [--cases 0,2]
                                      [--ablate [no_gather,no_math,...]] [--ncu]
 
 --schedule S also times the fused kernel under SparseAttnFwdSpec.schedule S (dsagen.fused.sparse_attention

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session-2 diagnostic GPU call: the ablation probes + ncu of notes/kernels/{indexer,sparse_attention}.md.
 # Carry .dsagen-cache-idx and .dsagen-cache-abl (built here first). Every step has its own timeout.
-# (As run: at 939643177daf, with `--variant ablations n256`; n256 and the lock-step probes were pruned since.)
+# History: ran at commit 9396431 (n256, the lock-step probes and `--schedule split` were pruned later in
+# session 2): check that commit out to run it again.
 set -u
 O=${OUT:-probe-out}; mkdir -p $O
 export DSAGEN_CACHE_PATH=.dsagen-cache-idx:.dsagen-cache-abl DSAGEN_DISABLE_JIT=1 DSAGEN_CACHE_DIR=/tmp/dsagen-w

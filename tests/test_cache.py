@@ -67,6 +67,60 @@ def test_identity_follows_templates_and_helpers_but_not_toolchain(monkeypatch, t
     assert identity_of(spec) != ident
 
 
+def _sparse_attention_specs():
+    from dsagen.spec.families.sparse_attention import SCHEDULE_REGS, SCHEDULES, SparseAttnFwdSpec
+
+    return [SparseAttnFwdSpec(arch="sm_90a", schedule=sch, **SCHEDULE_REGS[sch]) for sch in SCHEDULES]
+
+
+def test_identity_follows_included_and_imported_templates(monkeypatch, tmp_path):
+    """A template split over files ({% include %} / {% import %}: the indexer's common helpers, the sparse attention
+    forward's per-schedule files) has every file in its identity, and editing any of them changes the identity."""
+    import shutil
+
+    import dsagen.gen.render as r
+    from dsagen.spec import get_preset
+
+    templates = tmp_path / "templates"
+    shutil.copytree(r.TEMPLATES, templates)
+    monkeypatch.setattr(r, "TEMPLATES", templates)
+    specs = get_preset("deepseek-v3.2", "sm_90a") + _sparse_attention_specs()
+    parts = {"sm90/lightning_indexer_common.py.j2"} | {
+        f"sm90/sparse_attention_fwd/{f}.py.j2" for f in ("common", "ring", "serial", "serial_lean", "split_halves")}
+    for part in sorted(parts):
+        users = [s for s in specs if part in identity_material(s)["templates"]]
+        assert users, part
+        before = [identity_of(s) for s in users]
+        path = templates / part
+        path.write_text(path.read_text() + "{#- changed #}\n")
+        assert all(identity_of(s) != b for s, b in zip(users, before)), part
+
+
+def test_identity_covers_every_template_a_render_loads(monkeypatch):
+    """template_sources (what the identity hashes, found without jinja2) lists at least every file jinja2 loads to
+    render the spec: no template reference it cannot follow (a name computed at render time would be one)."""
+    import jinja2
+
+    import dsagen.gen.render as r
+    from dsagen.gen.render import template_sources
+    from dsagen.spec import get_preset
+
+    loaded = []
+
+    class Recording(jinja2.FileSystemLoader):
+        def get_source(self, environment, template):
+            loaded.append(template)
+            return super().get_source(environment, template)
+
+    env = jinja2.Environment(loader=Recording(str(r.TEMPLATES)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False, cache_size=0)   # every render loads
+    monkeypatch.setattr(r, "_environment", lambda: env)
+    for spec in get_preset("deepseek-v3.2", "sm_90a") + _sparse_attention_specs():
+        loaded.clear()
+        render(spec)
+        assert loaded and set(loaded) <= set(template_sources(spec)), (spec.name(), loaded)
+
+
 def test_key_is_stable_and_independent_of_run_time_sizes():
     """Two calls with different sequence lengths and batches build the same spec, hence the same key."""
     import torch

@@ -30,8 +30,8 @@ _MAX_GRID_X = 2**31 - 1
 _kernels: dict[tuple, LoadedKernel] = {}
 
 # Run-time choice of the kernel schedule (SparseAttnFwdSpec.schedule) without changing the default:
-# "serial" (verified default), "split" (FlashMLA's even/odd split of the tiles between the two consumer
-# warpgroups), "split_halves" (the split with FlashMLA's half-stage barriers and asymmetric max exchange) or
+# "serial" (verified default), "split_halves" (FlashMLA's even/odd split of the tiles between the two consumer
+# warpgroups with its half-stage barriers and asymmetric max exchange) or
 # "serial_lean" (serial with the next QK^T issued behind the PV and a lean softmax).
 # Tests and benches set it (`dsagen.fused.sparse_attention.SCHEDULE = "split_halves"`).
 SCHEDULE: str = "serial"

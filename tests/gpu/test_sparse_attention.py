@@ -3,10 +3,10 @@ SparseAttnFwdSpec) against the plain-PyTorch reference on fresh random inputs: H
 padded, D_qk 512/576 with d_v 512, top-k widths that are and are not multiples of 64, topk_length, -1,
 negative and out-of-range ids, duplicates, all-invalid rows, with and without sink, total_S_q = 1, the
 batched seed-002 layout, fp16, gradients, CUDA-graph capture and torch.compile.
-The correctness tests that take the `schedule` fixture run under both kernel schedules
-(SparseAttnFwdSpec.schedule "serial", the default, "split", FlashMLA's even/odd split, and "split_halves", the
-split with FlashMLA's half-stage barriers and asymmetric max exchange, and "serial_lean", serial with the next
-QK^T issued behind the PV and a lean softmax), selected through
+The correctness tests that take the `schedule` fixture run under every kernel schedule
+(SparseAttnFwdSpec.schedule "serial", the default; "split_halves", FlashMLA's even/odd split of the tiles with its
+half-stage barriers and asymmetric max exchange; "serial_lean", serial with the next QK^T issued behind the PV
+and a lean softmax), selected through
 dsagen.fused.sparse_attention.SCHEDULE; the others use the default.
 
 Build what these need first (CPU, with CuTe-DSL):
@@ -190,9 +190,9 @@ def test_sink_only_in_denominator(schedule):
 
 @pytest.mark.parametrize("h,d_qk", [(64, 576), (128, 576), (64, 512), (128, 512)])
 @pytest.mark.parametrize("sink", [True, False])
-@pytest.mark.parametrize("split", ["split", "split_halves", "serial_lean"])
+@pytest.mark.parametrize("split", ["split_halves", "serial_lean"])
 def test_split_odd_tile_counts(h, d_qk, sink, split, monkeypatch):
-    """The split schedules pair the tiles (even -> WG1, odd -> WG2) and pad an odd count with an all-masked
+    """split_halves pairs the tiles (even -> WG1, odd -> WG2) and pads an odd count with an all-masked
     tile; serial_lean peels the last tile and pads an empty row to one all-masked tile: every tile count 0..5
     in one batch (topk_length), adversarial ids, against the reference and against the serial schedule."""
     q, kv, ids, attn_sink, _ = make_inputs(12, h, d_qk, 320, 900, seed=h + d_qk + sink, sink=sink,

@@ -22,15 +22,13 @@ from ..base import KernelSpec, register_spec
 _REGS_AT_LAUNCH = 65536 // 384 // 8 * 8
 _REG_TOTAL = 3 * _REGS_AT_LAUNCH
 
-SCHEDULES = ("serial", "split", "split_halves", "serial_lean")
-# setmaxnreg budgets of schedule="split" (producer, WG1, WG2): 40 + 232 + 232 = 504 = 3 x 168.
-SPLIT_REGS = {"regs_producer": 40, "regs_qk": 232, "regs_pv": 232}
+SCHEDULES = ("serial", "split_halves", "serial_lean")
 # setmaxnreg budgets of schedule="split_halves": 48 + 232 + 224 = 504. The producer keeps both tiles' ids over a
 # pair (40 spills ~23 values in its loop, 48 ~12); consumer A (WG1) holds the most (O, S, P and the next tile's
 # ids), B the least.
 HALVES_REGS = {"regs_producer": 48, "regs_qk": 232, "regs_pv": 224}
 # the register budget the op uses per schedule
-SCHEDULE_REGS = {"serial": {}, "split": SPLIT_REGS, "split_halves": HALVES_REGS, "serial_lean": {}}
+SCHEDULE_REGS = {"serial": {}, "split_halves": HALVES_REGS, "serial_lean": {}}
 
 # Timing-only ablations (SparseAttnFwdSpec.ablate): each leaves one stage of the kernel out, so that the time
 # difference to the full kernel on the same inputs places that stage's cost. Their outputs are NOT attention.
@@ -50,7 +48,6 @@ ABLATIONS = {
 # The ablations each schedule has (its template blocks implement exactly these).
 SCHEDULE_ABLATIONS = {
     "serial": ("no_gather", "no_math", "no_softmax", "no_pv", "no_mask"),
-    "split": ("no_gather", "no_math", "no_softmax", "no_pv", "no_mask"),
     "split_halves": ("no_gather", "no_ready_fence"),
     "serial_lean": ("no_gather",),
 }
@@ -73,11 +70,8 @@ class SparseAttnFwdSpec(KernelSpec):
     schedule: how the two consumer warpgroups share a tile.
       "serial" (the verified default): WG1 does QK^T + softmax of every tile and O[:, :256]; WG2 only
         O[:, 256:] from the P tile WG1 leaves in smem.
-      "split" (FlashMLA's even/odd split): tiles go in pairs; WG1 does QK^T + softmax of the even tile,
-        WG2 of the odd one, concurrently; they exchange the row maxima and P through smem and each
-        accumulates its half of O over both tiles. Both consumers run the same code, so regs_qk must
-        equal regs_pv (SPLIT_REGS is the budget the op uses).
-      "split_halves" (FlashMLA's SM90 sparse prefill protocol): the even/odd split with per-half-stage
+      "split_halves" (FlashMLA's SM90 sparse prefill protocol): tiles go in pairs, WG1 does QK^T + softmax
+        of the even tile, WG2 of the odd one, and each accumulates its half of O over both; per-half-stage
         ready/free mbarriers (a stage's left half V[:, :256] and right half are refilled as soon as the
         consumer that reads them last is done: V0L, V1R, V0R, V1L), an asymmetric max exchange (WG1 runs
         its softmax with its own running max and issues its PV at once, then rescales P and O by the pair
@@ -131,9 +125,6 @@ class SparseAttnFwdSpec(KernelSpec):
             out.append(f"stages={self.stages} must be 2 (two 64-row stages plus Q fill shared memory)")
         if self.schedule not in SCHEDULES:
             out.append(f"schedule={self.schedule!r} must be one of {SCHEDULES}")
-        elif self.schedule == "split" and self.regs_qk != self.regs_pv:
-            out.append(f"schedule={self.schedule!r} gives both consumer warpgroups the same work: "
-                       f"regs_qk={self.regs_qk} must equal regs_pv={self.regs_pv} (e.g. {SPLIT_REGS})")
         if self.l2_hint and self.schedule != "split_halves":
             out.append(f"l2_hint=True exists for schedule 'split_halves' only, not {self.schedule!r}")
         if self.ablate and self.ablate not in ABLATIONS:

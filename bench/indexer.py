@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
+from common import cuda_time_ms
 
 PEAK_TFLOPS = 780.0
 #: --variant -> (IndexerScoreSpec options, IndexerTopkSpec options)
@@ -51,20 +51,6 @@ ABLATION_SET = (["default", "persistent"] + [f"ablate-persistent-{a}" for a in S
                 + [f"ablate-topk-{a}" for a in TOPK_ABLATIONS])
 
 
-def timed(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
-
-
 def causal_pairs(t: int, ratio: int) -> int:
     s = t // ratio
     return sum(min(s, (tt + 1) // ratio) for tt in range(t))
@@ -82,14 +68,14 @@ def _profile(fused, q, k, w, topk, ratio, reps) -> dict:
     import dsagen
 
     call = lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True, compress_ratio=ratio, impl="fused")
-    score_k, topk_k, wide_k = kernels = fused._kernels_for(q.device, q.shape[2], q.shape[3], q.dtype)
+    score_k, topk_k, wide_k, schedule = kernels = fused._kernels_for(q.device, q.shape[2], q.shape[3], q.dtype)
     # the entry _kernels_for just filled for this variant (its key ends with repr(SPEC_OPTIONS))
     key = next(key for key, v in fused._kernels.items() if v == kernels and key[-1] == repr(fused.SPEC_OPTIONS))
     try:
-        fused._kernels[key] = (score_k, _Skip, None if wide_k is None else _Skip)
-        score_ms = timed(call, reps)
-        fused._kernels[key] = (_Skip, topk_k, wide_k)
-        topk_ms = timed(call, reps)
+        fused._kernels[key] = (score_k, _Skip, None if wide_k is None else _Skip, schedule)
+        score_ms = cuda_time_ms(call, rounds=reps)
+        fused._kernels[key] = (_Skip, topk_k, wide_k, schedule)
+        topk_ms = cuda_time_ms(call, rounds=reps)
     finally:
         fused._kernels[key] = kernels
     return {"score_ms": round(score_ms, 3), "topk_ms": round(topk_ms, 3)}
@@ -155,13 +141,14 @@ def _run_variant(variant: str, args) -> dict:
             flops = 2 * h * d * causal_pairs(t, ratio)
             floor_ms = flops / (PEAK_TFLOPS * 1e12) * 1e3
             for topk in args.topk:
-                fused_ms = timed(lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True, compress_ratio=ratio,
-                                                               impl="fused"), args.reps)
+                fused_ms = cuda_time_ms(lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True,
+                                                                         compress_ratio=ratio, impl="fused"),
+                                        rounds=args.reps)
                 ref = None
                 if t <= args.ref_max_T:
-                    ref = timed(lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True,
-                                                                 compress_ratio=ratio, impl="reference"),
-                                max(1, min(args.reps, 3)))
+                    ref = cuda_time_ms(lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True,
+                                                                        compress_ratio=ratio, impl="reference"),
+                                       rounds=max(1, min(args.reps, 3)))
                 tflops = flops / (fused_ms * 1e-3) / 1e12
                 row = {"T": t, "topk": topk, "ratio": ratio, "fused_ms": round(fused_ms, 3),
                        "tflops": round(tflops, 1), "floor_ms": round(floor_ms, 3),

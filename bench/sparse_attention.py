@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
+from common import cuda_time_ms
 
 import dsagen
 import dsagen.fused.sparse_attention as fused_sa
@@ -47,21 +47,6 @@ def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.
     start = torch.randint(0, n_kv, (s_q, 1), generator=gen, dtype=torch.int64)
     stride = torch.randint(0, n_kv // 2, (s_q, 1), generator=gen, dtype=torch.int64) * 2 + 1  # odd: a cycle
     return ((start + torch.arange(topk).view(1, -1) * stride) % n_kv).to(torch.int32)
-
-
-def time_ms(fn, reps: int, rounds: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    res = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        res.append(a.elapsed_time(b) / reps)
-    return statistics.median(res)
 
 
 ABLATE_SHAPES = {(128, 576)}      # (H, D_qk) of the ablated kernels that the GPU tests' REQUIRED_SPECS build
@@ -81,13 +66,13 @@ def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0,
               + 2 * s_q * h * 4)
     row = {"case": name, "s_q": s_q, "H": h, "d_qk": d_qk, "d_v": d_v, "kv_rows": n_kv, "topk": topk}
     default = fused_sa.SCHEDULE
-    ms = time_ms(lambda: call("fused"), reps)
+    ms = cuda_time_ms(lambda: call("fused"), calls=reps)
     row.update(fused_ms=ms, fused_tflops=flops / ms / 1e9, fused_gbps=nbytes / ms / 1e6)
     if schedule and (schedule != default or l2_hint):
         base_out, base_lse, _ = call("fused")
         fused_sa.SCHEDULE, fused_sa.L2_HINT = schedule, l2_hint
         try:
-            sms = time_ms(lambda: call("fused"), reps)
+            sms = cuda_time_ms(lambda: call("fused"), calls=reps)
             v_out, v_lse, _ = call("fused")
         finally:
             fused_sa.SCHEDULE, fused_sa.L2_HINT = default, False
@@ -101,11 +86,11 @@ def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0,
             full = ms if sch == default else row[f"{sch}_ms"]
             for a in [a for a in ablate if a in SCHEDULE_ABLATIONS[sch]]:
                 f = lambda: fused_sa.ablated_forward(q, kv, ids, ablate=a, attn_sink=sink, d_v=d_v, schedule=sch)
-                ams = time_ms(f, reps)
+                ams = cuda_time_ms(f, calls=reps)
                 row[f"{sch}/{a}_ms"] = ams
                 row[f"{sch}/{a}_delta_ms"] = full - ams     # time the left-out stage costs on the critical path
     if ref_reps:
-        rms = time_ms(lambda: call("reference"), ref_reps, rounds=2)
+        rms = cuda_time_ms(lambda: call("reference"), calls=ref_reps, rounds=2)
         row.update(torch_ms=rms, torch_tflops=flops / rms / 1e9, speedup=rms / ms)
         out, lse, _ = call("fused")
         r_out, r_lse, _ = call("reference")
@@ -170,8 +155,8 @@ def main() -> None:
         print(f"{name:8} {s_q:6d} {h:4d} {d:4d} {n_kv:7d} {topk:5d} | {row['fused_ms']:9.3f} "
               f"{row['fused_tflops']:8.1f} {row['fused_gbps']:7.0f} | {tail}", flush=True)
     if ablate:
-        print(f"\n# ablations (TIMING ONLY, outputs are not attention); delta = full kernel ms - variant ms, "
-              f"i.e. the critical-path cost of the stage the variant leaves out")
+        print("\n# ablations (TIMING ONLY, outputs are not attention); delta = full kernel ms - variant ms, "
+              "i.e. the critical-path cost of the stage the variant leaves out")
         print(f"{'case':8} {'S_q':>6} {'H':>4} {'D':>4} {'kv':>7} | {'schedule':8} {'variant':10} {'ms':>8} "
               f"{'delta ms':>9} {'delta %':>8} {'rows GB/s':>9}")
         for row in rows:
@@ -179,12 +164,12 @@ def main() -> None:
                 sch, a = key[:-len("_delta_ms")].split("/")
                 full = row["fused_ms"] if sch == fused_sa.SCHEDULE else row[f"{sch}_ms"]
                 ams = row[f"{sch}/{a}_ms"]
-                rows_gb = row["s_q"] * row["topk"] * row["d_qk"] * 2 * (row["H"] // 64) / ams / 1e6
+                gathered_bytes = row["s_q"] * row["topk"] * row["d_qk"] * 2 * (row["H"] // 64)
                 for tag, v in (("full", full), (a, ams)) if a == ablate[0] else ((a, ams),):
                     d = full - v
                     print(f"{row['case']:8} {row['s_q']:6d} {row['H']:4d} {row['d_qk']:4d} {row['kv_rows']:7d} | "
                           f"{sch:8} {tag:10} {v:8.3f} {d:9.3f} {100 * d / full:7.1f}% "
-                          f"{row['s_q'] * row['topk'] * row['d_qk'] * 2 * (row['H'] // 64) / v / 1e6:9.0f}")
+                          f"{gathered_bytes / v / 1e6:9.0f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -275,7 +275,11 @@ def cmd_bench(args) -> int:
         print(f"no benchmark {args.which!r} (looked for {target})", file=sys.stderr)
         return 2
     sys.argv = [str(target), *args.rest]
-    runpy.run_path(str(target), run_name="__main__")
+    sys.path.insert(0, str(target.parent))  # as `python bench/<name>.py` would: the benches import `common`
+    try:
+        runpy.run_path(str(target), run_name="__main__")
+    finally:
+        sys.path.remove(str(target.parent))
     return 0
 
 

@@ -29,15 +29,15 @@ import torch
 
 from ..runtime import LoadedKernel, device_arch, get_kernel
 from ..spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, SLAB_BYTES, SLAB_MAX_ROWS,
-                                     IndexerScoreSpec, indexer_specs, tokens_per_cta)
+                                     indexer_specs, tokens_per_cta)
 
 BACKENDS = ("cute",)
 #: Candidate rows one score CTA covers (grid y splits longer pools, so short slabs still fill the GPU).
 CHUNK_ROWS = 4096
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 #: (device, H, D, dtype, options) -> (score kernel, top-k kernel, wide top-k kernel or None: see
-#: indexer_specs; None when SPEC_OPTIONS[1] pins "threads")
-_kernels: dict[tuple, tuple[LoadedKernel, LoadedKernel, LoadedKernel | None]] = {}
+#: indexer_specs; None when SPEC_OPTIONS[1] pins "threads", the score kernel's schedule: its grid rule)
+_kernels: dict[tuple, tuple[LoadedKernel, LoadedKernel, LoadedKernel | None, str]] = {}
 _sm_count: dict[int, int] = {}          # device index -> SMs (persistent grid, wide top-k choice)
 #: Tile-choice overrides of the (score, top-k) specs; for A/B benchmarks (bench/indexer.py --variant).
 SPEC_OPTIONS: tuple[dict, dict] = ({}, {})
@@ -113,7 +113,7 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype
-                 ) -> tuple[LoadedKernel, LoadedKernel, LoadedKernel | None]:
+                 ) -> tuple[LoadedKernel, LoadedKernel, LoadedKernel | None, str]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, h, d, dtype, repr(SPEC_OPTIONS))
     ks = _kernels.get(key)
@@ -125,14 +125,9 @@ def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype
         score_spec, topk_spec, wide_spec = indexer_specs(arch, h, d, _TORCH_DTYPE_NAMES[dtype],
                                                          score_options=SPEC_OPTIONS[0], topk_options=SPEC_OPTIONS[1])
         wide = None if wide_spec == topk_spec else get_kernel(wide_spec, index)
-        ks = _kernels[key] = (get_kernel(score_spec, index), get_kernel(topk_spec, index), wide)
+        ks = _kernels[key] = (get_kernel(score_spec, index), get_kernel(topk_spec, index), wide, score_spec.schedule)
         _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return ks
-
-
-def _schedule() -> str:
-    """The score kernel's schedule (IndexerScoreSpec.schedule) under the current SPEC_OPTIONS."""
-    return str(SPEC_OPTIONS[0].get("schedule", IndexerScoreSpec.__dataclass_fields__["schedule"].default))
 
 
 def score_ctas(schedule: str, n_items: int, num_sms: int) -> int:
@@ -162,9 +157,8 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     _check_layout("q", q)
     _check_layout("k", k)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    score_k, topk_k, topk_wide = _kernels_for(device, h, d, q.dtype)
+    score_k, topk_k, topk_wide, schedule = _kernels_for(device, h, d, q.dtype)
 
-    schedule = _schedule()
     qc = tokens_per_cta(h)
     n_tblk = -(-t_count // qc)
     total_blk = b * n_tblk

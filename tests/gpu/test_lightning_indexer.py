@@ -371,6 +371,27 @@ def test_packed_long_sequence():
     _check_rows(out[:, rows.cuda()], _scores(q, k, w, rows.cuda()), lo, hi, 16)
 
 
+def test_causal_slab_plan_rows():
+    """Causal, unpacked, long enough for slabs of different row strides (slab_plan), two batch elements so that
+    a slab crosses into the next one: checked on each slab's first and last rows and on random rows."""
+    from dsagen.fused.lightning_indexer import slab_plan
+
+    gen = torch.Generator().manual_seed(43)
+    b, t, h, topk = 2, 9000, 64, 2048
+    q, k, w = _inputs(b, t, h, 128, t, gen)
+    plan = slab_plan(h, b, t, t, True, 1, False)
+    assert len({ld for _, _, ld in plan}) > 2 and any((b0 * 2) // t != ((b0 + n) * 2 - 1) // t for b0, n, _ in plan)
+    poison_allocator()
+    out = dsagen.lightning_indexer(q, k, w, topk, causal=True, impl="fused")
+    edges = sorted({r for b0, n, _ in plan for r in (b0 * 2, (b0 + n) * 2 - 1)})      # flat (batch, token) rows
+    flat = torch.tensor(edges + torch.randint(0, b * t, (24,), generator=gen).tolist())
+    lo, hi = _bounds(t, t, True, 1)
+    for bb in range(b):
+        rows = flat[(flat // t) == bb] % t
+        _check_rows(out[bb:bb + 1, rows.cuda()], _scores(q[bb:bb + 1], k[bb:bb + 1], w[bb:bb + 1], rows.cuda()),
+                    lo, hi, topk, row_ids=rows)
+
+
 def _packed_bounds(rows, doc, ratio):
     d_ = rows // doc
     lo = d_ * (doc // ratio)

@@ -39,12 +39,7 @@ VARIANTS = {
     "compact": ({}, {"compact": True}),                        # top-k: candidates compacted into smem (both widths)
     "lean_compact": ({"lean_epilogue": True}, {"compact": True}),              # lean score + compact top-k
     "lean_free_compact": ({"lean_epilogue": True, "free_issue": True}, {"compact": True}),
-    "balanced": ({"schedule": "balanced"}, {}),                # score: equal contiguous tile shares per CTA
-    "uniform": ({}, {}),                                       # host: every slab with row stride S (no slab_plan sizing)
-    "balanced_uniform": ({"schedule": "balanced"}, {}),
 }
-#: variants that also change the host loop: fused.CAUSAL_SLABS for the run
-UNIFORM_SLABS = ("uniform", "balanced_uniform")
 # Timing ablations (not correct kernels; see dsagen.spec.families.indexer INDEXER_*_ABLATIONS).
 SCORE_ABLATIONS = ("no_epilogue", "mma_k16")
 TOPK_ABLATIONS = ("hist1", "read1", "no_emit")
@@ -96,8 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="also time the score and top-k kernels alone")
     ap.add_argument("--variant", choices=list(VARIANTS) + ["ablations"], nargs="+", default=["default"],
-                    help="pingpong / persistent / balanced: score-kernel schedules (IndexerScoreSpec.schedule); "
-                         "uniform / balanced_uniform: every slab with the full row stride (fused.CAUSAL_SLABS off); c2: 2 consumer "
+                    help="pingpong / persistent: score-kernel schedules (IndexerScoreSpec.schedule); c2: 2 consumer "
                          "warpgroups (default 3); lean / lean_free: IndexerScoreSpec.lean_epilogue / free_issue; "
                          "t256 / t512 / t1024: top-k with that many threads per row (default: 512, or "
                          "1024 when a slab's rows fit one wave); compact: IndexerTopkSpec.compact; "
@@ -129,7 +123,6 @@ def _run_variant(variant: str, args) -> dict:
     from dsagen.fused import lightning_indexer as fused
 
     fused.SPEC_OPTIONS = VARIANTS[variant]
-    fused.CAUSAL_SLABS = variant not in UNIFORM_SLABS
 
     h, d = 64, 128
     dev = torch.device("cuda")
@@ -175,7 +168,6 @@ def _run_variant(variant: str, args) -> dict:
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variant": variant,
            "spec_options": fused.SPEC_OPTIONS, "rows": rows}
     fused.SPEC_OPTIONS = ({}, {})
-    fused.CAUSAL_SLABS = True
     return out
 
 

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Runs at commit 2a76e5e: the balanced schedule and slab_plan were pruned right after it.)
 # Session 3, GPU call 2: the balanced score schedule and the causal slab plan (slab_plan): indexer suite,
 # memcheck of the new paths, then same-process timings (two passes in opposite orders against the noise).
 set -u

@@ -293,47 +293,12 @@ def test_schedule_option_validation_and_render():
     assert "THREADS = 512" in render(IndexerScoreSpec(arch="sm_90a", consumers=3))
     assert score_ctas("pingpong", 1024, 132) == 1024
     assert score_ctas("persistent", 1024, 132) == 132 and score_ctas("persistent", 100, 132) == 100
-    assert score_ctas("balanced", 1024, 132) == 132
-    src = render(IndexerScoreSpec(arch="sm_90a", schedule="balanced"))
-    assert "vote_ballot_sync(incl > a)" in src and "nblk * n_chunks" not in src   # tile shares, no item deal
-    assert "nblk * n_chunks" in render(IndexerScoreSpec(arch="sm_90a", schedule="persistent"))
-
-
-@pytest.mark.parametrize("h", [8, 64, 128])
-@pytest.mark.parametrize("b,t,ratio", [(1, 32768, 1), (2, 5000, 1), (3, 777, 4), (1, 2 ** 20, 4), (2, 1, 1)])
-def test_slab_plan(h, b, t, ratio):
-    """slab_plan covers every token block once, in order; every slab fits the byte / row bounds and its row
-    stride holds the longest row in it (causal rows of token t hold min(S, (t + 1) // ratio) candidates)."""
-    from dsagen.fused.lightning_indexer import SLAB_BYTES, SLAB_MAX_ROWS, slab_plan, slab_rows
-
-    s = t // ratio or 1
-    qc = 128 // h
-    n_tblk = -(-t // qc)
-    for causal, packed in ((True, False), (False, False), (True, True)):
-        plan = slab_plan(h, b, t, s, causal, ratio, packed)
-        nxt = 0
-        for blk0, nblk, ld in plan:
-            assert blk0 == nxt and nblk >= 1 and ld % 4 == 0
-            nxt = blk0 + nblk
-            assert nblk * qc <= SLAB_MAX_ROWS and (nblk * qc * ld * 4 <= SLAB_BYTES or nblk == 1)
-            if causal and not packed:
-                longest = 0
-                for blk in (blk0, blk0 + nblk - 1) + tuple(x for x in range(blk0, blk0 + nblk) if x % n_tblk == n_tblk - 1)[:1]:
-                    t_last = min(t - 1, (blk % n_tblk) * qc + qc - 1)
-                    longest = max(longest, min(s, (t_last + 1) // ratio))
-                assert ld >= longest
-            else:
-                assert ld == -(-s // 4) * 4 and nblk <= max(1, slab_rows(h, s) // qc)
-        assert nxt == b * n_tblk
-    if (h, b, t, ratio) == (64, 1, 32768, 1):              # the early, short causal rows share slabs
-        assert len(slab_plan(h, b, t, s, True, 1, False)) == 69 and len(slab_plan(h, b, t, s, False, 1, False)) == 128
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("h,d,sched,opts", [(64, 128, "persistent", {}), (8, 64, "persistent", {}),
                                             (128, 128, "pingpong", {}),
-                                            (64, 128, "persistent", {"consumers": 3}), (8, 64, "pingpong", {"consumers": 3}),
-                                            (64, 128, "balanced", {"consumers": 3}), (8, 64, "balanced", {})])
+                                            (64, 128, "persistent", {"consumers": 3}), (8, 64, "pingpong", {"consumers": 3})])
 def test_pingpong_schedule_compiles(h, d, sched, opts, tmp_path):
     """Ping-pong kernel: D/16 HGMMA.64x128x16 issued back to back and waited once (not serialized), the
     turn barrier arrive (BAR.ARV, 256 threads) between the last HGMMA and the wait, no spills, setmaxnreg 40 / 232 (consumers=3: 40 / 152 with 512 threads), grid = n_ctas."""

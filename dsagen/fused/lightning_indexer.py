@@ -15,9 +15,7 @@ How a call runs (see notes/kernels/indexer.md):
   * Scratch: the slab only, R * ld_slab * 4 bytes with ld_slab = S rounded up to 4 and
     R = min(1024, 32 MiB / (4 * ld_slab)) rounded down to a multiple of QC, at least QC. So at most
     32 MiB, or QC * ld_slab * 4 bytes when a single block does not fit (at most 16 x 2**20 x 4 B =
-    64 MiB for H = 8 at S = 2**20): bounded, and independent of T and B. Causal calls without packed
-    documents size each slab for its own rows instead (slab_plan: the early, short rows share a slab;
-    same byte bound). Causal / document bounds are
+    64 MiB for H = 8 at S = 2**20): bounded, and independent of T and B. Causal / document bounds are
     computed inside the kernels (binary search over cu_seqlens), so no per-row buffer exists either.
   * Everything a launch needs is a Python int from shapes; no host reads of device values, so the op
     works under torch.compile (a custom op with a fake impl) and inside CUDA-graph capture once warm.
@@ -25,7 +23,6 @@ How a call runs (see notes/kernels/indexer.md):
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -44,9 +41,6 @@ _kernels: dict[tuple, tuple[LoadedKernel, LoadedKernel, LoadedKernel | None, str
 _sm_count: dict[int, int] = {}          # device index -> SMs (persistent grid, wide top-k choice)
 #: Tile-choice overrides of the (score, top-k) specs; for A/B benchmarks (bench/indexer.py --variant).
 SPEC_OPTIONS: tuple[dict, dict] = ({}, {})
-#: Size causal, unpacked slabs for their own rows (slab_plan); False gives every slab the full row stride S
-#: (the session-2 plan; for A/B benchmarks: bench/indexer.py --variant uniform).
-CAUSAL_SLABS = True
 _dummy: dict[int, torch.Tensor] = {}
 
 
@@ -137,8 +131,8 @@ def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype
 
 
 def score_ctas(schedule: str, n_items: int, num_sms: int) -> int:
-    """Grid size of a ping-pong / persistent / balanced score launch over n_items (token block, chunk) work
-    items: one CTA per item (pingpong), or at most one per SM, each looping over items or tile ranges."""
+    """Grid size of a ping-pong / persistent score launch over n_items (token block, chunk) work items:
+    one CTA per item (pingpong), or at most one per SM, each looping over items (persistent)."""
     return n_items if schedule == "pingpong" else max(1, min(n_items, num_sms))
 
 
@@ -148,51 +142,6 @@ def slab_rows(num_heads: int, s_count: int) -> int:
     ld = -(-max(s_count, 1) // 4) * 4
     rows = min(SLAB_MAX_ROWS, SLAB_BYTES // (4 * ld)) // qc * qc
     return max(qc, rows)
-
-
-@functools.lru_cache(maxsize=256)
-def slab_plan(num_heads: int, batch: int, t_count: int, s_count: int, causal: bool, compress_ratio: int,
-              packed: bool) -> tuple[tuple[int, int, int], ...]:
-    """The slabs of one call, as (first token block, token blocks, ld_slab) per launch pair.
-
-    Token block i is tokens (i % n_tblk) * QC .. + QC - 1 of batch element i // n_tblk (QC = 128 // H,
-    n_tblk = ceil(T / QC)). Every slab holds rows * ld_slab <= max(SLAB_BYTES / 4, QC * ld) fp32 values and at most
-    SLAB_MAX_ROWS rows (rows = blocks * QC). Without causal masking, or with packed documents (whose
-    bounds only the device knows), ld_slab = S rounded up to 4 and every slab has slab_rows(H, S) rows.
-    Causal, not packed: a row of token t holds at most min(S, (t + 1) // ratio) candidates, so each slab
-    takes ld_slab = that bound for its last token (rounded up to 4) and as many blocks as fit: the early,
-    short rows share slabs, which halves the launches at T = S (e.g. 69 instead of 128 pairs at T = 32768,
-    H = 64). Pure function of the shapes (cached), so the host loop stays trace- and capture-friendly."""
-    qc = tokens_per_cta(num_heads)
-    n_tblk = -(-t_count // qc)
-    total_blk = batch * n_tblk
-    full_ld = -(-max(s_count, 1) // 4) * 4
-    if not causal or packed:
-        per = max(1, min(slab_rows(num_heads, s_count) // qc, total_blk))
-        return tuple((b0, min(per, total_blk - b0), full_ld) for b0 in range(0, total_blk, per))
-
-    def ld_of(b0: int, nblk: int) -> int:          # row stride for blocks b0 .. b0 + nblk - 1
-        last = b0 + nblk - 1
-        if last // n_tblk != b0 // n_tblk:           # crosses into the next batch element: its last token
-            t_max = t_count - 1
-        else:
-            t_max = min(t_count - 1, (last % n_tblk) * qc + qc - 1)
-        return -(-max(1, min(s_count, (t_max + 1) // compress_ratio)) // 4) * 4
-
-    max_blk = max(1, SLAB_MAX_ROWS // qc)
-    plan = []
-    b0 = 0
-    while b0 < total_blk:
-        lo, hi = 1, min(max_blk, total_blk - b0)     # largest nblk in [1, hi] whose slab fits (ld grows with nblk)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if mid * qc * ld_of(b0, mid) * 4 <= SLAB_BYTES:
-                lo = mid
-            else:
-                hi = mid - 1
-        plan.append((b0, lo, ld_of(b0, lo)))
-        b0 += lo
-    return tuple(plan)
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, causal: bool, compress_ratio: int,
@@ -212,8 +161,12 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
 
     qc = tokens_per_cta(h)
     n_tblk = -(-t_count // qc)
-    plan = slab_plan(h, b, t_count, s_count, bool(causal) and CAUSAL_SLABS, compress_ratio, cu_seqlens is not None)
-    slab = torch.empty(max(nblk * qc * ld for _, nblk, ld in plan), dtype=torch.float32, device=device)
+    total_blk = b * n_tblk
+    ld = -(-s_count // 4) * 4
+    blk_per_slab = min(slab_rows(h, s_count) // qc, total_blk)
+    slab = torch.empty((blk_per_slab * qc, ld), dtype=torch.float32, device=device)
+    if topk_wide is not None and blk_per_slab * qc <= _sm_count[index]:
+        topk_k = topk_wide                     # one row per SM anyway: give each row 32 warps
     n_chunks = -(-s_count // CHUNK_ROWS)
     if cu_seqlens is not None:
         cu_q, cu_k, n_docs = cu_seqlens, cu_seqlens_k, cu_seqlens.numel() - 1
@@ -227,14 +180,12 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     scale = 1.0 / math.sqrt(h * d)
     causal_i = int(bool(causal))
     num_sms = _sm_count[index]
-    # work items per block for the grid rule: (block, chunk) items, or 64-row tiles (balanced shares)
-    items_per_blk = -(-s_count // 64) if schedule == "balanced" else n_chunks
-    for blk0, nblk, ld in plan:
+    for blk0 in range(0, total_blk, blk_per_slab):
+        nblk = min(blk_per_slab, total_blk - blk0)
         score_k.launch(qv, kv, weights, slab, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
-                       CHUNK_ROWS, n_chunks, score_ctas(schedule, nblk * items_per_blk, num_sms), causal_i,
+                       CHUNK_ROWS, n_chunks, score_ctas(schedule, nblk * n_chunks, num_sms), causal_i,
                        compress_ratio, w_sb, w_st, w_sh, ld, scale)
-        rows_k = topk_wide if topk_wide is not None and nblk * qc <= num_sms else topk_k   # one row per SM anyway
-        rows_k.launch(slab, out, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, qc, nblk * qc, topk,
+        topk_k.launch(slab, out, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, qc, nblk * qc, topk,
                       causal_i, compress_ratio, ld)
     return out
 

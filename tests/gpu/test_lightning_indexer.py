@@ -371,19 +371,19 @@ def test_packed_long_sequence():
     _check_rows(out[:, rows.cuda()], _scores(q, k, w, rows.cuda()), lo, hi, 16)
 
 
-def test_causal_slab_plan_rows():
-    """Causal, unpacked, long enough for slabs of different row strides (slab_plan), two batch elements so that
-    a slab crosses into the next one: checked on each slab's first and last rows and on random rows."""
-    from dsagen.fused.lightning_indexer import slab_plan
+def test_long_causal_slabs_cross_batch_elements():
+    """Causal, unpacked, long enough for several slabs (slab_rows), two batch elements so that a slab crosses
+    into the next one: checked on each slab's first and last rows and on random rows."""
+    from dsagen.fused.lightning_indexer import slab_rows
 
     gen = torch.Generator().manual_seed(43)
     b, t, h, topk = 2, 9000, 64, 2048
     q, k, w = _inputs(b, t, h, 128, t, gen)
-    plan = slab_plan(h, b, t, t, True, 1, False)
-    assert len({ld for _, _, ld in plan}) > 2 and any((b0 * 2) // t != ((b0 + n) * 2 - 1) // t for b0, n, _ in plan)
+    per = slab_rows(h, t)
+    assert per < t and t % per != 0                        # several slabs, one of them across the batch boundary
     poison_allocator()
     out = dsagen.lightning_indexer(q, k, w, topk, causal=True, impl="fused")
-    edges = sorted({r for b0, n, _ in plan for r in (b0 * 2, (b0 + n) * 2 - 1)})      # flat (batch, token) rows
+    edges = sorted({r for r0 in range(0, b * t, per) for r in (r0, min(r0 + per, b * t) - 1)})   # flat rows
     flat = torch.tensor(edges + torch.randint(0, b * t, (24,), generator=gen).tolist())
     lo, hi = _bounds(t, t, True, 1)
     for bb in range(b):

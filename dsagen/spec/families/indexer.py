@@ -60,7 +60,7 @@ TOPK_COMPACT_CAP = {256: 12288, 512: 12288, 1024: 24576}
 #:               one warpgroup's epilogue runs under the other's MMA; one CTA per work item
 #:   persistent  pingpong with about one CTA per SM, each looping over work items; a scheduler warp and
 #:               2 Q buffers prepare the next item while the current one runs
-INDEXER_SCORE_SCHEDULES = ("pingpong", "persistent", "balanced")
+INDEXER_SCORE_SCHEDULES = ("pingpong", "persistent")
 
 
 def tokens_per_cta(num_heads: int) -> int:
@@ -84,11 +84,7 @@ class IndexerScoreSpec(KernelSpec):
     item's bounds and weights, 2 Q buffers let the next item's Q load during the current one; the consumer
     warpgroups take alternate 64-row K tiles (ring of 2 * stages 64-row slots) and two named barriers order
     their wgmma issues (ping-pong), so one warpgroup's epilogue runs under the other's MMA. "pingpong": the
-    same kernel with one CTA per work item. "balanced": the persistent kernel whose scheduler warp splits the
-    slab's 64-row K tiles (block-major) into n_ctas contiguous shares equal to within one tile (a prefix
-    pass over the blocks' candidate counts first), instead of dealing (block, 4096-row chunk) items round
-    robin, which leaves ~3-4% of the SMs' time idle at the end of each launch. The host passes the grid
-    size (n_ctas).
+    same kernel with one CTA per work item. The host passes the grid size (n_ctas).
 
     num_heads: H, one of INDEXER_HEADS.  head_dim: D, one of INDEXER_HEAD_DIMS.
     dtype: q / k / weights element type ("bfloat16" or "float16").  stages: K buffering in 128-row units.

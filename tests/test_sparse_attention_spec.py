@@ -5,6 +5,7 @@ PV), LDGSTS gathers with cp.async mbarrier arrivals, setmaxnreg, and no local-me
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -45,7 +46,7 @@ def _smem_fits(rec):
 def test_default_spec_is_the_v32_shape_and_valid():
     s = SparseAttnFwdSpec(arch="sm_90a").check()
     assert (s.num_heads, s.d_qk, s.d_v, s.dtype) == (128, 576, 512, "bfloat16")
-    assert s in get_preset("deepseek-v3.2", "sm_90a")
+    assert dataclasses.replace(s, schedule="serial_lean") in get_preset("deepseek-v3.2", "sm_90a")   # the op's H128 / D576 kernel
     assert not any(isinstance(x, SparseAttnFwdSpec) for x in get_preset("deepseek-v3.2", "sm_100a"))
 
 
@@ -122,8 +123,13 @@ def test_schedule_selection():
     import dsagen.fused.sparse_attention as fsa
 
     assert SparseAttnFwdSpec(arch="sm_90a").schedule == "serial"
-    assert fsa.SCHEDULE == "serial"                                    # the default stays the verified kernel
-    assert fsa.spec_for(128, 576, torch.bfloat16) == SparseAttnFwdSpec(arch="sm_90a")
+    assert fsa.SCHEDULE is None                                        # each shape's measured-fastest schedule
+    assert fsa.spec_for(128, 576, torch.bfloat16) == SparseAttnFwdSpec(arch="sm_90a", schedule="serial_lean")
+    assert fsa.spec_for(100, 576, torch.bfloat16).schedule == "serial_lean"       # padded to 128 heads
+    for h, d in ((64, 576), (64, 512), (128, 512), (16, 576)):
+        assert fsa.spec_for(h, d, torch.bfloat16).schedule == "serial", (h, d)
+    assert fsa.spec_for(128, 576, torch.bfloat16, schedule="serial") == SparseAttnFwdSpec(arch="sm_90a")
+    assert fsa.resolved_schedule(128, 576) == "serial_lean" and fsa.resolved_schedule(64, 576) == "serial"
     with pytest.raises(ValueError, match="schedule"):
         fsa.spec_for(64, 576, torch.bfloat16, schedule="nope")
     with pytest.raises(ValueError, match="schedule"):                  # removed in session 2 (see the notes)
@@ -232,7 +238,8 @@ def test_ablations_leave_the_real_kernels_alone():
             assert f'ABLATION "{a}": a TIMING-ONLY variant' in abl
     # the op never selects an ablation; spec_for does only when asked
     assert fsa.spec_for(128, 576, torch.bfloat16).ablate == ""
-    assert fsa.spec_for(128, 576, torch.bfloat16, ablate="no_pv") == SparseAttnFwdSpec(arch="sm_90a", ablate="no_pv")
+    assert fsa.spec_for(128, 576, torch.bfloat16, schedule="serial", ablate="no_pv") == SparseAttnFwdSpec(
+        arch="sm_90a", ablate="no_pv")
     with pytest.raises(ValueError, match="ablate"):
         fsa.spec_for(128, 576, torch.bfloat16, ablate="no_everything")
 
@@ -306,7 +313,8 @@ def test_serial_lean_spec_and_render():
     spec = SparseAttnFwdSpec(arch="sm_90a", **LEAN).check()
     assert (spec.regs_producer, spec.regs_qk, spec.regs_pv) == (40, 248, 216)      # serial's budget
     assert fsa.spec_for(128, 576, torch.bfloat16, schedule="serial_lean") == spec
-    assert fsa.spec_for(128, 576, torch.bfloat16) == SparseAttnFwdSpec(arch="sm_90a")  # the default stays serial
+    assert fsa.spec_for(128, 576, torch.bfloat16) == spec                  # the op's default at H128 / D576
+    assert fsa.spec_for(64, 512, torch.bfloat16) == SparseAttnFwdSpec(arch="sm_90a", num_heads=64, d_qk=512)
     src = render(spec)
     compile(src, "kernel.py", "exec")
     assert "ntiles = cutlass.max(ntiles, Int32(1))" in src and "StMatrix8x8x16bOp" in src

@@ -23,29 +23,37 @@ import torch
 
 from ..runtime import LoadedKernel, device_arch, get_kernel
 from ..spec.families.sparse_attention import (ABLATIONS, SCHEDULE_ABLATIONS, SCHEDULE_REGS, SCHEDULES,
-                                              SparseAttnFwdSpec)
+                                              SparseAttnFwdSpec, default_schedule)
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_GRID_X = 2**31 - 1
 _kernels: dict[tuple, LoadedKernel] = {}
 
-# Run-time choice of the kernel schedule (SparseAttnFwdSpec.schedule) without changing the default:
-# "serial" (verified default), "split_halves" (FlashMLA's even/odd split of the tiles between the two consumer
-# warpgroups with its half-stage barriers and asymmetric max exchange) or
-# "serial_lean" (serial with the next QK^T issued behind the PV and a lean softmax).
+# Run-time choice of the kernel schedule (SparseAttnFwdSpec.schedule) for every shape: None (the default) runs
+# each kernel shape's measured-fastest schedule (spec family DEFAULT_SCHEDULES: "serial_lean" at H128 / D576,
+# "serial" elsewhere); "serial", "split_halves" (FlashMLA's even/odd split of the tiles between the two consumer
+# warpgroups with its half-stage barriers and asymmetric max exchange) or "serial_lean" (serial with the next
+# QK^T issued behind the PV and a lean softmax) force one.
 # Tests and benches set it (`dsagen.fused.sparse_attention.SCHEDULE = "split_halves"`).
-SCHEDULE: str = "serial"
+SCHEDULE: str | None = None
 # Run-time choice of SparseAttnFwdSpec.l2_hint (FlashMLA's L2::256B prefetch + evict_last policy on the KV
 # gather) for schedule "split_halves"; ignored by the other schedules.
 L2_HINT: bool = False
 
 
+def resolved_schedule(num_heads: int, d_qk: int, schedule: str | None = None) -> str:
+    """The schedule a call with `num_heads` query heads (padded to 64 or 128) and `d_qk` runs: `schedule`, else
+    the module's SCHEDULE, else the shape's default (spec family DEFAULT_SCHEDULES)."""
+    schedule = SCHEDULE if schedule is None else schedule
+    return default_schedule(64 if num_heads <= 64 else 128, d_qk) if schedule is None else schedule
+
+
 def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a",
              schedule: str | None = None, ablate: str = "") -> SparseAttnFwdSpec:
     """The kernel spec that serves `num_heads` query heads (after padding to 64 or 128) under `schedule`
-    (default: the module's SCHEDULE; "split_halves" takes the module's L2_HINT). `ablate` (timing only, see
+    (default: resolved_schedule; "split_halves" takes the module's L2_HINT). `ablate` (timing only, see
     `ablated_forward`) selects a variant that leaves one stage out (one of SCHEDULE_ABLATIONS[schedule])."""
-    schedule = SCHEDULE if schedule is None else schedule
+    schedule = resolved_schedule(num_heads, d_qk, schedule)
     if schedule not in SCHEDULES:
         raise ValueError(f"sparse_attention: schedule {schedule!r} is not one of {SCHEDULES}")
     if ablate and ablate not in ABLATIONS:

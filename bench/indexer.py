@@ -37,6 +37,8 @@ VARIANTS = {
     "t1024": ({}, {"threads": 1024}),                          # top-k: always 1024 threads (1 CTA per SM)
     "t256": ({}, {"threads": 256}),
     "compact": ({}, {"compact": True}),                        # top-k: candidates compacted into smem (both widths)
+    "nomma": ({"mma_head_sum": False}, {}),                    # score: the CUDA-core head sum (session-2 epilogue)
+    "mma": ({"mma_head_sum": True}, {}),                       # score: the head sum on the tensor cores
     "lean_compact": ({"lean_epilogue": True}, {"compact": True}),              # lean score + compact top-k
     "lean_free_compact": ({"lean_epilogue": True, "free_issue": True}, {"compact": True}),
 }

@@ -35,7 +35,7 @@ def test_specs_are_independent_of_run_time_arguments():
     assert a == indexer_specs("sm_90a", 64, 128, "bfloat16")
     fields = set(IndexerScoreSpec.__dataclass_fields__) | set(IndexerTopkSpec.__dataclass_fields__)
     assert not fields & {"topk", "causal", "compress_ratio", "seqlen", "T", "S"}
-    assert a[0].name() == "lightning_indexer_score_consumers3_sm_90a"
+    assert a[0].name() == "lightning_indexer_score_consumers3_mma_head_sum1_sm_90a"
     assert IndexerScoreSpec(arch="sm_90a", num_heads=8, head_dim=64).name() == "lightning_indexer_score_h8_d64_sm_90a"
 
 
@@ -52,8 +52,9 @@ def test_default_consumers_follow_the_options():
 
 
 def test_preset_contains_indexer_kernels():
-    names = {s.name() for s in get_preset("deepseek-v3.2", "sm_90a")}
-    assert {"lightning_indexer_score_consumers3_sm_90a", "lightning_indexer_topk_sm_90a"} <= names
+    specs = get_preset("deepseek-v3.2", "sm_90a")
+    assert set(indexer_specs("sm_90a", 64, 128)) <= set(specs)
+    assert "lightning_indexer_topk_sm_90a" in {s.name() for s in specs}
 
 
 @pytest.mark.parametrize("h", INDEXER_HEADS)
@@ -368,3 +369,39 @@ def test_lean_epilogue_compiles(h, d, opts, tmp_path):
     if opts.get("free_issue"):                           # no turn barriers: only the prologue's CTA barrier
         assert sass.count("BAR.SYNC") == 1 and "BAR.ARV" not in sass
     assert ck.record["launch"]["block"] == [128 * (1 + opts.get("consumers", 2)), 1, 1]
+
+
+def test_mma_head_sum_option():
+    """mma_head_sum: bfloat16 only, not with lean_epilogue / ablate; indexer_specs turns it on for bfloat16
+    (DEFAULT_MMA_HEAD_SUM) and drops it for float16."""
+    from dsagen.spec.families.indexer import DEFAULT_MMA_HEAD_SUM
+
+    assert IndexerScoreSpec(arch="sm_90a", mma_head_sum=True).can_implement() == (True, "")
+    for bad in ({"dtype": "float16"}, {"lean_epilogue": True}, {"ablate": "no_epilogue", "schedule": "persistent"}):
+        ok, why = IndexerScoreSpec(arch="sm_90a", mma_head_sum=True, **bad).can_implement()
+        assert not ok and "mma_head_sum" in why, bad
+    assert indexer_specs("sm_90a", 64, 128)[0].mma_head_sum == DEFAULT_MMA_HEAD_SUM
+    assert not indexer_specs("sm_90a", 64, 128, "float16", score_options={"mma_head_sum": True})[0].mma_head_sum
+    assert not indexer_specs("sm_90a", 64, 128, score_options={"lean_epilogue": True})[0].mma_head_sum
+    assert not indexer_specs("sm_90a", 64, 128, score_options={"mma_head_sum": False})[0].mma_head_sum
+    src = render(IndexerScoreSpec(arch="sm_90a", mma_head_sum=True))
+    assert "acc_as_frg_a" in src and "sWb[nn, col, slot]" in src
+    assert "sWb" not in render(IndexerScoreSpec(arch="sm_90a"))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("h,d", [(64, 128), (8, 64), (128, 128)])
+def test_mma_head_sum_sass(h, d, tmp_path):
+    """The head sum as wgmma: per tile D/16 HGMMA.64x128x16 (scores) + 8 HGMMA.64xNx16 (N = 8, 16 at H=8) with
+    A from registers, ReLU fused into the bf16 packing (F2FP.RELU, 32 per tile), no FMNMX / spills."""
+    from dsagen.gen.build import compile_module
+
+    spec = IndexerScoreSpec(arch="sm_90a", num_heads=h, head_dim=d, consumers=3, mma_head_sum=True)
+    ck = compile_module(spec, render(spec), tmp_path / "build")
+    sass = _sass(ck.cubin, tmp_path)
+    n2 = 16 if h == 8 else 8
+    assert sass.count("HGMMA.64x128x16") == d // 16
+    assert sass.count(f"HGMMA.64x{n2}x16.F32.BF16 R") == 8          # register A operand
+    assert sass.count("F2FP.RELU.BF16.F32.PACK_AB") == 32 and "FMNMX" not in sass
+    assert " LDL" not in sass and " STL" not in sass, "register spills"
+    assert ck.record["launch"]["smem"] <= 227 * 1024

@@ -30,7 +30,8 @@ HEAD_SHAPES = [(64, 128), (8, 64), (16, 128), (32, 64), (128, 128), (8, 128), (6
 #: lean_free): the other schedule and the score kernel's options
 SCORE_VARIANTS = [{"schedule": s} for s in INDEXER_SCORE_SCHEDULES if s != IndexerScoreSpec(arch=ARCH).schedule] + [
     {"schedule": "persistent", "consumers": 2},
-    {"schedule": "persistent", "lean_epilogue": True}, {"schedule": "persistent", "lean_epilogue": True, "free_issue": True}]
+    {"schedule": "persistent", "lean_epilogue": True}, {"schedule": "persistent", "lean_epilogue": True, "free_issue": True},
+    {"mma_head_sum": False}, {"mma_head_sum": True}]
 SCORE_VARIANTS = [v for v in SCORE_VARIANTS if indexer_specs(ARCH, 64, 128, score_options=v)[0] != indexer_specs(ARCH, 64, 128)[0]]
 REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH, threads=t) for t in INDEXER_TOPK_THREADS] + [
     indexer_specs(ARCH, h, d, score_options=opts)[0] for h, d in HEAD_SHAPES for opts in [{}] + SCORE_VARIANTS] + [

@@ -102,6 +102,12 @@ class IndexerScoreSpec(KernelSpec):
     tiles' wgmmas as soon as their K tile has landed (work-conserving: the tensor cores idle only while every
     warpgroup is in its epilogue; the order of issue is no longer WG0, WG1, ...). A probe of the turn hand-off
     (session-2 ncu: top stall the named barrier). GPU-measured: not faster than the default.
+    mma_head_sum (bfloat16 only; not with lean_epilogue or ablate): the weighted head sum runs on the tensor
+    cores: per tile, ReLU(S) is rounded to bf16 in the wgmma A-operand registers and multiplied (wgmma
+    m64nNk16, N = 8 or 16 >= tokens per tile) by a (token, head) x token matrix holding the bf16 weights on
+    its block diagonal (written to smem per work item by the scheduler warp); the fp32 products are scaled by
+    1/sqrt(H*D) and stored. ~1/3 of the epilogue's instructions; scores then carry the bf16 rounding of each
+    ReLU(q.k) term (relative 2**-9 per term, well inside the tests' 2**-8 x row-max tolerance).
     """
 
     op = "lightning_indexer_score"
@@ -116,6 +122,7 @@ class IndexerScoreSpec(KernelSpec):
     consumers: int = 2
     lean_epilogue: bool = False
     free_issue: bool = False
+    mma_head_sum: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -127,6 +134,8 @@ class IndexerScoreSpec(KernelSpec):
             out.append("consumers=3 is an option of the real kernel, not of the ablations")
         if self.lean_epilogue and self.ablate:
             out.append("lean_epilogue is an option of the real kernel, not of the ablations")
+        if self.mma_head_sum and (self.ablate or self.lean_epilogue or self.dtype != "bfloat16"):
+            out.append("mma_head_sum is an option of the real bfloat16 kernel without lean_epilogue")
         if self.arch != "sm_90a":
             out.append(f"the lightning-indexer score kernel is implemented for sm_90a only, not {self.arch}")
         if self.num_heads not in INDEXER_HEADS:
@@ -204,6 +213,9 @@ DEFAULT_CONSUMERS = 3
 DEFAULT_LEAN_EPILOGUE = False
 #: free_issue that indexer_specs() picks likewise (False: not faster in the same run, session 3).
 DEFAULT_FREE_ISSUE = False
+#: mma_head_sum that indexer_specs() picks for bfloat16 when the options leave it open (and allow it: not with
+#: ablate or lean_epilogue); float16 never takes it (notes/kernels/indexer.md, session 3).
+DEFAULT_MMA_HEAD_SUM = True
 
 
 def with_default_consumers(score_options: dict) -> dict:
@@ -226,11 +238,17 @@ def indexer_specs(arch: str, num_heads: int, head_dim: int, dtype: str = "bfloat
                   ) -> tuple[IndexerScoreSpec, IndexerTopkSpec, IndexerTopkSpec]:
     """The kernels a fused lightning_indexer call may run, for these plan-time facts (the options override
     tile choices, e.g. {"schedule": "pingpong"}; the defaults are the GPU-verified ones, including
-    with_default_consumers for the score kernel): the score kernel, the
+    with_default_consumers for the score kernel, and mma_head_sum for bfloat16: DEFAULT_MMA_HEAD_SUM; a
+    float16 call drops mma_head_sum from the options): the score kernel, the
     top-k kernel and the wide top-k kernel (TOPK_WIDE_THREADS threads per row, which the host runs when a
     slab's rows fit one wave). When topk_options pins "threads", the wide kernel is the top-k kernel."""
     topk = dict(topk_options or {})
     score = with_default_consumers(score_options or {})
+    if dtype != "bfloat16":
+        score.pop("mma_head_sum", None)          # a bfloat16-only option: float16 keeps the CUDA-core head sum
+    elif (DEFAULT_MMA_HEAD_SUM and "mma_head_sum" not in score and not score.get("ablate")
+            and not score.get("lean_epilogue")):
+        score["mma_head_sum"] = True
     return (IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype, **score),
             IndexerTopkSpec(arch=arch, **topk),
             IndexerTopkSpec(arch=arch, **{"threads": TOPK_WIDE_THREADS, **topk}))

@@ -393,7 +393,8 @@ def test_mma_head_sum_option():
 @pytest.mark.parametrize("h,d", [(64, 128), (8, 64), (128, 128)])
 def test_mma_head_sum_sass(h, d, tmp_path):
     """The head sum as wgmma: per tile D/16 HGMMA.64x128x16 (scores) + 8 HGMMA.64xNx16 (N = 8, 16 at H=8) with
-    A from registers, ReLU fused into the bf16 packing (F2FP.RELU, 32 per tile), no FMNMX / spills."""
+    A from registers, issued in the next turn ahead of the next tile's scores (so it never waits behind another
+    warpgroup's scores), ReLU fused into the bf16 packing (F2FP.RELU, 32 per tile), no FMNMX / spills."""
     from dsagen.gen.build import compile_module
 
     spec = IndexerScoreSpec(arch="sm_90a", num_heads=h, head_dim=d, consumers=3, mma_head_sum=True)
@@ -401,7 +402,14 @@ def test_mma_head_sum_sass(h, d, tmp_path):
     sass = _sass(ck.cubin, tmp_path)
     n2 = 16 if h == 8 else 8
     assert sass.count("HGMMA.64x128x16") == d // 16
-    assert sass.count(f"HGMMA.64x{n2}x16.F32.BF16 R") == 8          # register A operand
+    assert sass.count(f"HGMMA.64x{n2}x16.F32.BF16 R") == 16        # register A: in the turn + the item's flush
     assert sass.count("F2FP.RELU.BF16.F32.PACK_AB") == 32 and "FMNMX" not in sass
     assert " LDL" not in sass and " STL" not in sass, "register spills"
+    lines = [ln for ln in sass.splitlines() if "HGMMA" in ln or "DEPBAR" in ln or "BAR.ARV" in ln]
+    first = next(i for i, ln in enumerate(lines) if f"64x{n2}x16" in ln)
+    # in the turn: the previous tile's head sum, then the scores, the turn passed, then wait for the head sum only
+    assert all(f"64x{n2}x16" in ln for ln in lines[first:first + 8]), lines[first:first + 20]
+    assert all("64x128x16" in ln for ln in lines[first + 8:first + 8 + d // 16]), lines[first:first + 20]
+    assert "BAR.ARV" in lines[first + 8 + d // 16] and "DEPBAR.LE gsb0, 0x1" in lines[first + 9 + d // 16]
+    assert sum("DEPBAR" in ln for ln in lines) == 3, "wgmma serialized by ptxas"
     assert ck.record["launch"]["smem"] <= 227 * 1024

@@ -42,6 +42,9 @@ VARIANTS = {
     "lean_compact": ({"lean_epilogue": True}, {"compact": True}),              # lean score + compact top-k
     "lean_free_compact": ({"lean_epilogue": True, "free_issue": True}, {"compact": True}),
 }
+#: host variants: the default kernels with another score-slab cap (fused.SLAB_BYTES, MiB; default 32)
+SLAB_VARIANTS = {"slab8": 8, "slab16": 16, "slab64": 64, "slab128": 128}
+VARIANTS.update({name: ({}, {}) for name in SLAB_VARIANTS})
 # Timing ablations (not correct kernels; see dsagen.spec.families.indexer INDEXER_*_ABLATIONS).
 SCORE_ABLATIONS = ("no_epilogue", "mma_k16")
 TOPK_ABLATIONS = ("hist1", "read1", "no_emit")
@@ -125,6 +128,7 @@ def _run_variant(variant: str, args) -> dict:
     from dsagen.fused import lightning_indexer as fused
 
     fused.SPEC_OPTIONS = VARIANTS[variant]
+    fused.SLAB_BYTES = SLAB_VARIANTS.get(variant, 32) << 20
 
     h, d = 64, 128
     dev = torch.device("cuda")
@@ -170,6 +174,7 @@ def _run_variant(variant: str, args) -> dict:
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variant": variant,
            "spec_options": fused.SPEC_OPTIONS, "rows": rows}
     fused.SPEC_OPTIONS = ({}, {})
+    fused.SLAB_BYTES = 32 << 20
     return out
 
 

@@ -215,7 +215,7 @@ DEFAULT_LEAN_EPILOGUE = False
 DEFAULT_FREE_ISSUE = False
 #: mma_head_sum that indexer_specs() picks for bfloat16 when the options leave it open (and allow it: not with
 #: ablate or lean_epilogue); float16 never takes it (notes/kernels/indexer.md, session 3).
-DEFAULT_MMA_HEAD_SUM = True
+DEFAULT_MMA_HEAD_SUM = False
 
 
 def with_default_consumers(score_options: dict) -> dict:

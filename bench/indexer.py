@@ -42,8 +42,8 @@ VARIANTS = {
     "lean_compact": ({"lean_epilogue": True}, {"compact": True}),              # lean score + compact top-k
     "lean_free_compact": ({"lean_epilogue": True, "free_issue": True}, {"compact": True}),
 }
-#: host variants: the default kernels with another score-slab cap (fused.SLAB_BYTES, MiB; default 32)
-SLAB_VARIANTS = {"slab8": 8, "slab16": 16, "slab64": 64, "slab128": 128}
+#: host variants: the default kernels with another score-slab cap (fused.SLAB_BYTES, MiB; default 128)
+SLAB_VARIANTS = {"slab16": 16, "slab32": 32, "slab64": 64}
 VARIANTS.update({name: ({}, {}) for name in SLAB_VARIANTS})
 # Timing ablations (not correct kernels; see dsagen.spec.families.indexer INDEXER_*_ABLATIONS).
 SCORE_ABLATIONS = ("no_epilogue", "mma_k16")
@@ -98,6 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", choices=list(VARIANTS) + ["ablations"], nargs="+", default=["default"],
                     help="pingpong / persistent: score-kernel schedules (IndexerScoreSpec.schedule); c2: 2 consumer "
                          "warpgroups (default 3); lean / lean_free: IndexerScoreSpec.lean_epilogue / free_issue; "
+                         "nomma / mma: IndexerScoreSpec.mma_head_sum off / on (default off); slab16 / slab32 / slab64: "
+                         "the score slab capped at that many MiB (default fused.SLAB_BYTES, 128 MiB); "
                          "t256 / t512 / t1024: top-k with that many threads per row (default: 512, or "
                          "1024 when a slab's rows fit one wave); compact: IndexerTopkSpec.compact; "
                          "ablate-persistent-* / ablate-topk-*: timing probes (not correct); ablations: default + all probes")
@@ -128,7 +130,8 @@ def _run_variant(variant: str, args) -> dict:
     from dsagen.fused import lightning_indexer as fused
 
     fused.SPEC_OPTIONS = VARIANTS[variant]
-    fused.SLAB_BYTES = SLAB_VARIANTS.get(variant, 32) << 20
+    default_slab = fused.SLAB_BYTES
+    fused.SLAB_BYTES = SLAB_VARIANTS.get(variant, default_slab >> 20) << 20
 
     h, d = 64, 128
     dev = torch.device("cuda")
@@ -174,7 +177,7 @@ def _run_variant(variant: str, args) -> dict:
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variant": variant,
            "spec_options": fused.SPEC_OPTIONS, "rows": rows}
     fused.SPEC_OPTIONS = ({}, {})
-    fused.SLAB_BYTES = 32 << 20
+    fused.SLAB_BYTES = default_slab
     return out
 
 

@@ -35,7 +35,7 @@ def test_specs_are_independent_of_run_time_arguments():
     assert a == indexer_specs("sm_90a", 64, 128, "bfloat16")
     fields = set(IndexerScoreSpec.__dataclass_fields__) | set(IndexerTopkSpec.__dataclass_fields__)
     assert not fields & {"topk", "causal", "compress_ratio", "seqlen", "T", "S"}
-    assert a[0].name() == "lightning_indexer_score_consumers3_mma_head_sum1_sm_90a"
+    assert a[0].name() == "lightning_indexer_score_consumers3_sm_90a"
     assert IndexerScoreSpec(arch="sm_90a", num_heads=8, head_dim=64).name() == "lightning_indexer_score_h8_d64_sm_90a"
 
 
@@ -71,7 +71,7 @@ def test_topk_template_renders():
 
 
 def test_fused_backend_option_and_limits():
-    from dsagen.fused.lightning_indexer import check_backend, check_supported, slab_rows
+    from dsagen.fused.lightning_indexer import SLAB_BYTES, check_backend, check_supported, slab_rows
 
     assert check_backend(None) == "cute" and check_backend({"backend": "cute"}) == "cute"
     with pytest.raises(ValueError, match="backend='triton' is not available"):
@@ -91,12 +91,12 @@ def test_fused_backend_option_and_limits():
         check_supported(big, k, w, 4)
     with pytest.raises(TypeError, match="bfloat16 or float16"):
         check_supported(q.float(), k.float(), w.float(), 4)
-    # the slab stays <= 32 MiB (or one token block) whatever T and S are
+    # the slab stays <= SLAB_BYTES (128 MiB) whatever T and S are
     for h in INDEXER_HEADS:
         for s in (1, 1000, 32768, 2 ** 20):
             rows = slab_rows(h, s)
             assert rows % (128 // h) == 0 and rows <= 1024
-            assert rows * (-(-s // 4) * 4) * 4 <= max(32 << 20, (128 // h) * 4 * 2 ** 20)
+            assert rows * (-(-s // 4) * 4) * 4 <= max(SLAB_BYTES, (128 // h) * 4 * 2 ** 20)
 
 
 def _sass(cubin: bytes, tmp_path=None) -> str:

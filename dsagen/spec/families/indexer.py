@@ -28,8 +28,10 @@ INDEXER_HEAD_DIMS = (64, 128)
 INDEXER_DTYPES = ("bfloat16", "float16")
 #: Largest sequence length (query rows per batch element, and candidates S) the fused path accepts.
 INDEXER_MAX_T = 2 ** 20
-#: The fp32 score slab is capped at this many bytes (rows * row stride * 4); see the fused module.
-SLAB_BYTES = 32 * 2 ** 20
+#: The fp32 score slab is capped at this many bytes (rows * row stride * 4); see the fused module. 128 MiB: the
+#: GPU-measured best of 8 / 16 / 32 / 64 / 128 (notes/kernels/indexer.md, session 3: fewer launches and more
+#: top-k rows in flight; T=131072: 312 -> 268 ms against 32 MiB).
+SLAB_BYTES = 128 * 2 ** 20
 #: ... and at this many rows.
 SLAB_MAX_ROWS = 1024
 

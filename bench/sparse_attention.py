@@ -66,7 +66,7 @@ def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0,
     nbytes = (s_q * topk * d_qk * 2 * blocks + q.numel() * 2 + s_q * h * d_v * 2 + ids.numel() * 4
               + 2 * s_q * h * 4)
     row = {"case": name, "s_q": s_q, "H": h, "d_qk": d_qk, "d_v": d_v, "kv_rows": n_kv, "topk": topk}
-    default = fused_sa.resolved_schedule(h, d_qk)
+    default = fused_sa.resolved_schedule(h, d_qk, rows=s_q)
     row["schedule"] = default
     ms = cuda_time_ms(lambda: call("fused"), calls=reps)
     row.update(fused_ms=ms, fused_tflops=flops / ms / 1e9, fused_gbps=nbytes / ms / 1e6)
@@ -192,7 +192,7 @@ def ncu_launches(ablate, schedule=None) -> None:
     ids = distinct_ids(s_q, topk, n_kv, gen).cuda()
     sink = torch.randn(h, generator=gen).cuda()
     n = 0
-    for sch in dict.fromkeys([fused_sa.resolved_schedule(h, d_qk)] + ([schedule] if schedule else [])):
+    for sch in dict.fromkeys([fused_sa.resolved_schedule(h, d_qk, rows=s_q)] + ([schedule] if schedule else [])):
         for a in [""] + [a for a in ablate if a in SCHEDULE_ABLATIONS[sch]]:
             if a:
                 fused_sa.ablated_forward(q, kv, ids, ablate=a, attn_sink=sink, schedule=sch)

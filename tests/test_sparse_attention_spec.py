@@ -130,6 +130,10 @@ def test_schedule_selection():
         assert fsa.spec_for(h, d, torch.bfloat16).schedule == "serial", (h, d)
     assert fsa.spec_for(128, 576, torch.bfloat16, schedule="serial") == SparseAttnFwdSpec(arch="sm_90a")
     assert fsa.resolved_schedule(128, 576) == "serial_lean" and fsa.resolved_schedule(64, 576) == "serial"
+    assert fsa.resolved_schedule(128, 576, rows=4096) == "serial_lean"            # prefill
+    assert fsa.resolved_schedule(128, 576, rows=128) == "serial"                  # decode batch
+    assert fsa.spec_for(128, 576, torch.bfloat16, rows=64) == SparseAttnFwdSpec(arch="sm_90a")
+    assert fsa.resolved_schedule(128, 576, "split_halves", rows=64) == "split_halves"
     with pytest.raises(ValueError, match="schedule"):
         fsa.spec_for(64, 576, torch.bfloat16, schedule="nope")
     with pytest.raises(ValueError, match="schedule"):                  # removed in session 2 (see the notes)

@@ -41,19 +41,20 @@ SCHEDULE: str | None = None
 L2_HINT: bool = False
 
 
-def resolved_schedule(num_heads: int, d_qk: int, schedule: str | None = None) -> str:
-    """The schedule a call with `num_heads` query heads (padded to 64 or 128) and `d_qk` runs: `schedule`, else
-    the module's SCHEDULE, else the shape's default (spec family DEFAULT_SCHEDULES)."""
+def resolved_schedule(num_heads: int, d_qk: int, schedule: str | None = None, rows: int | None = None) -> str:
+    """The schedule a call with `num_heads` query heads (padded to 64 or 128), `d_qk` and `rows` query rows runs:
+    `schedule`, else the module's SCHEDULE, else the shape's default (spec family DEFAULT_SCHEDULES)."""
     schedule = SCHEDULE if schedule is None else schedule
-    return default_schedule(64 if num_heads <= 64 else 128, d_qk) if schedule is None else schedule
+    return default_schedule(64 if num_heads <= 64 else 128, d_qk, rows) if schedule is None else schedule
 
 
 def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a",
-             schedule: str | None = None, ablate: str = "") -> SparseAttnFwdSpec:
+             schedule: str | None = None, ablate: str = "", rows: int | None = None) -> SparseAttnFwdSpec:
     """The kernel spec that serves `num_heads` query heads (after padding to 64 or 128) under `schedule`
     (default: resolved_schedule; "split_halves" takes the module's L2_HINT). `ablate` (timing only, see
-    `ablated_forward`) selects a variant that leaves one stage out (one of SCHEDULE_ABLATIONS[schedule])."""
-    schedule = resolved_schedule(num_heads, d_qk, schedule)
+    `ablated_forward`) selects a variant that leaves one stage out (one of SCHEDULE_ABLATIONS[schedule]). `rows`:
+    the call's query rows (total_S_q), which the default schedule depends on."""
+    schedule = resolved_schedule(num_heads, d_qk, schedule, rows)
     if schedule not in SCHEDULES:
         raise ValueError(f"sparse_attention: schedule {schedule!r} is not one of {SCHEDULES}")
     if ablate and ablate not in ABLATIONS:
@@ -100,7 +101,7 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sin
         raise NotImplementedError(f"sparse_attention: {reason}")
     s_q, h, d_qk = q.shape
     n_kv, k_width = kv.shape[0], topk_idxs.shape[1]
-    spec = spec_for(h, d_qk, q.dtype, device_arch(q.device), schedule=schedule, ablate=ablate)
+    spec = spec_for(h, d_qk, q.dtype, device_arch(q.device), schedule=schedule, ablate=ablate, rows=q.shape[0])
     hp = spec.num_heads
     if s_q * (hp // 64) > _MAX_GRID_X:
         raise ValueError(f"sparse_attention: total_S_q={s_q} exceeds the fused kernel's grid limit")

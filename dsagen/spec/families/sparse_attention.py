@@ -29,15 +29,18 @@ SCHEDULES = ("serial", "split_halves", "serial_lean")
 HALVES_REGS = {"regs_producer": 48, "regs_qk": 232, "regs_pv": 224}
 # the register budget the op uses per schedule
 SCHEDULE_REGS = {"serial": {}, "split_halves": HALVES_REGS, "serial_lean": {}}
-# The schedule the op runs per (num_heads, d_qk) of the kernel; "serial" for every shape not listed. GPU-measured
-# in the same run (H200, notes/kernels/sparse_attention.md, session 3): serial_lean 1.05x serial at H128 / D576
-# (prefill S_q 4096, KV 32768 and 131072; decode 128 x 1) and 0.95x at H64 / D512, so only H128 / D576 takes it.
-DEFAULT_SCHEDULES = {(128, 576): "serial_lean"}
+# The schedule the op runs per (num_heads, d_qk) of the kernel, from a number of query rows on: (schedule, min
+# rows); "serial" for every shape not listed and below the rows. GPU-measured in the same runs (H200,
+# notes/kernels/sparse_attention.md, session 3): serial_lean 1.04-1.05x serial at H128 / D576 prefill (S_q 4096
+# and 32768, KV 32768 and 131072), 0.91-0.94x at decode (64 and 128 rows) and 0.95-1.00x at H64 / D512.
+DEFAULT_SCHEDULES = {(128, 576): ("serial_lean", 1024)}
 
 
-def default_schedule(num_heads: int, d_qk: int) -> str:
-    """The schedule the op runs for a kernel of `num_heads` (64 or 128) and `d_qk` (DEFAULT_SCHEDULES)."""
-    return DEFAULT_SCHEDULES.get((num_heads, d_qk), "serial")
+def default_schedule(num_heads: int, d_qk: int, rows: int | None = None) -> str:
+    """The schedule the op runs for a kernel of `num_heads` (64 or 128) and `d_qk` over `rows` query rows
+    (DEFAULT_SCHEDULES; rows None: a large call, e.g. a preset's kernel list)."""
+    schedule, min_rows = DEFAULT_SCHEDULES.get((num_heads, d_qk), ("serial", 0))
+    return schedule if rows is None or rows >= min_rows else "serial"
 
 # Timing-only ablations (SparseAttnFwdSpec.ablate): each leaves one stage of the kernel out, so that the time
 # difference to the full kernel on the same inputs places that stage's cost. Their outputs are NOT attention.

@@ -22,6 +22,6 @@ def specs(arch: str) -> list[KernelSpec]:
         *(indexer_specs(arch, 64, 128, "bfloat16") if arch == "sm_90a" else ()),
     ]
     if arch == "sm_90a":  # the fused sparse MLA forward exists for Hopper only (MLA H128, 576/512)
-        sch = default_schedule(128, 576)
-        out.append(SparseAttnFwdSpec(arch=arch, num_heads=128, d_qk=576, d_v=512, schedule=sch, **SCHEDULE_REGS[sch]))
+        for sch in dict.fromkeys([default_schedule(128, 576), default_schedule(128, 576, rows=1)]):   # prefill, decode
+            out.append(SparseAttnFwdSpec(arch=arch, num_heads=128, d_qk=576, d_v=512, schedule=sch, **SCHEDULE_REGS[sch]))
     return out

@@ -14,8 +14,9 @@ How a call runs (see notes/kernels/indexer.md):
     (token block, chunk) work items; the pingpong schedule runs one CTA per work item.
   * Scratch: the slab only, R * ld_slab * 4 bytes with ld_slab = S rounded up to 4 and
     R = min(1024, 128 MiB / (4 * ld_slab)) rounded down to a multiple of QC, at least QC. So at most
-    128 MiB (SLAB_BYTES; 128 MiB at S >= 32768, S x 4 KiB below), bounded and independent of T and B. Causal / document bounds are
-    computed inside the kernels (binary search over cu_seqlens), so no per-row buffer exists either.
+    128 MiB (SLAB_BYTES; 128 MiB at S >= 32768, S x 4 KiB below), bounded and independent of T and B.
+    Causal / document bounds are computed inside the kernels (binary search over cu_seqlens), so no
+    per-row buffer exists either.
   * Everything a launch needs is a Python int from shapes; no host reads of device values, so the op
     works under torch.compile (a custom op with a fake impl) and inside CUDA-graph capture once warm.
 """

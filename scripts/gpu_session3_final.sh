@@ -3,10 +3,7 @@
 # every GPU suite, memcheck on the edge-case tests, the issue benchmarks (indexer sweep, sparse attention with
 # serial next to the default), and the slab-cap decision repeated with more reps.
 set -u
-C=$1; O=${OUT:-final-out}/f; mkdir -p $O
-export DSAGEN_CACHE_PATH=$(cd $C && pwd) DSAGEN_DISABLE_JIT=1 DSAGEN_CACHE_DIR=/tmp/dsagen-w PYTHONPATH=.:tests/gpu PYTHONUNBUFFERED=1
-pack() { tar czf ${OUT:-final-out}/final.tgz -C $O .; }
-run() { local name=$1 secs=$2; shift 2; timeout $secs "$@" > $O/$name.log 2>&1; echo "== $name rc=$?"; grep -v Warn $O/$name.log | tail -n ${TAILN:-2}; pack; }
+. "$(dirname "$0")/gpu_lib.sh"; gpu_setup "$1" f
 run tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu tests/test_reference_indexer_cuda.py
 run memcheck 240 compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu \
   -k "(foundation or heads_and_dims or packed_documents or no_candidates or topk_edges or long_causal or adversarial) and not without_cutlass"

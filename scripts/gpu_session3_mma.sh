@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
+# (Ran at commit eedb85f, where mma_head_sum was the bfloat16 default: "default" below meant mma_head_sum=True.)
 # Session 3, GPU call 4: the indexer head sum on the tensor cores (IndexerScoreSpec.mma_head_sum, default for
 # bfloat16) and the per-shape sparse-attention schedule (serial_lean at H128/D576): both GPU suites, memcheck,
 # same-process timings against the CUDA-core head sum (--variant nomma), the full indexer sweep.
 set -u
-C=$1; O=${OUT:-c4-out}/c4; mkdir -p $O
-export DSAGEN_CACHE_PATH=$(cd $C && pwd) DSAGEN_DISABLE_JIT=1 DSAGEN_CACHE_DIR=/tmp/dsagen-w PYTHONPATH=.:tests/gpu PYTHONUNBUFFERED=1
-pack() { tar czf ${OUT:-c4-out}/c4.tgz -C $O .; }
-run() { local name=$1 secs=$2; shift 2; timeout $secs "$@" > $O/$name.log 2>&1; echo "== $name rc=$?"; grep -v Warn $O/$name.log | tail -n ${TAILN:-3}; pack; }
+. "$(dirname "$0")/gpu_lib.sh"; gpu_setup "$1" c4
 TAILN=6 run test_indexer 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/gpu/test_lightning_indexer.py
 run test_attention 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py tests/gpu/test_foundation.py
 B="python3 bench/indexer.py --T 32768 --topk 2048 --ratio 1 --reps 10 --ref-max-T 0 --profile"

@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
+# (Ran at commit b25a73c, where mma_head_sum was the bfloat16 default: "default" below meant mma_head_sum=True.)
 # Session 3, GPU call 5: mma_head_sum with the head-sum wgmma deferred into the next turn (ahead of the next
 # tile's scores): indexer suite, memcheck, same-process timings against the CUDA-core head sum (nomma).
 set -u
-C=$1; O=${OUT:-c5-out}/c5; mkdir -p $O
-export DSAGEN_CACHE_PATH=$(cd $C && pwd) DSAGEN_DISABLE_JIT=1 DSAGEN_CACHE_DIR=/tmp/dsagen-w PYTHONPATH=.:tests/gpu PYTHONUNBUFFERED=1
-pack() { tar czf ${OUT:-c5-out}/c5.tgz -C $O .; }
-run() { local name=$1 secs=$2; shift 2; timeout $secs "$@" > $O/$name.log 2>&1; echo "== $name rc=$?"; grep -v Warn $O/$name.log | tail -n ${TAILN:-3}; pack; }
+. "$(dirname "$0")/gpu_lib.sh"; gpu_setup "$1" c5
 B="python3 bench/indexer.py --T 32768 --topk 2048 --ratio 1 --reps 10 --ref-max-T 0 --profile"
 TAILN=5 run bench_a 120 $B --variant default nomma --json $O/bench_a.json
 TAILN=6 run test_indexer 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/gpu/test_lightning_indexer.py

@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
+# (Ran at bfc4ff4 plus the uncommitted reg_keys top-k described in notes/kernels/indexer-topk.md, session 3: not reproducible as is.)
 # Session 3, GPU call 3: the register-cached top-k kernel (IndexerTopkSpec.reg_keys=64, the host's choice when
 # S <= 32768): indexer suite + memcheck + same-process timings against the session-2 top-k (--variant noregs);
 # sparse attention: memcheck of schedule serial_lean and serial vs serial_lean timings.
 set -u
-C=$1; O=${OUT:-c3-out}/c3; mkdir -p $O
-export DSAGEN_CACHE_PATH=$(cd $C && pwd) DSAGEN_DISABLE_JIT=1 DSAGEN_CACHE_DIR=/tmp/dsagen-w PYTHONPATH=.:tests/gpu PYTHONUNBUFFERED=1
-pack() { tar czf ${OUT:-c3-out}/c3.tgz -C $O .; }
-run() { local name=$1 secs=$2; shift 2; timeout $secs "$@" > $O/$name.log 2>&1; echo "== $name rc=$?"; grep -v Warn $O/$name.log | tail -n ${TAILN:-3}; pack; }
+. "$(dirname "$0")/gpu_lib.sh"; gpu_setup "$1" c3
 run test_indexer 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_lightning_indexer.py
 B="python3 bench/indexer.py --T 32768 --topk 2048 --ratio 1 --reps 10 --ref-max-T 0 --profile"
 TAILN=6 run bench_a 150 $B --variant default noregs --json $O/bench_a.json

@@ -1,0 +1,17 @@
+# Shared setup of the scripts/gpu_session*.sh GPU calls (source it): gpu_setup CACHE NAME exports the shipped-cache
+# environment (DSAGEN_CACHE_PATH=CACHE, JIT off, repo + tests/gpu on PYTHONPATH) and sets O=${OUT:-NAME-out}/NAME;
+# `run NAME SECONDS COMMAND...` runs one step under its timeout into $O/NAME.log, prints its rc and last ${TAILN:-3}
+# lines (warnings filtered) and archives $O into ${OUT:-NAME-out}/NAME.tgz (one file that comes back even when
+# later steps are cut off: the device tool returns at most 8 files).
+gpu_setup() {
+  GPU_CACHE=$(cd "$1" && pwd); GPU_NAME=$2
+  O=${OUT:-$GPU_NAME-out}/$GPU_NAME; mkdir -p "$O"
+  export DSAGEN_CACHE_PATH=$GPU_CACHE DSAGEN_DISABLE_JIT=1 DSAGEN_CACHE_DIR=/tmp/dsagen-w PYTHONPATH=.:tests/gpu \
+    PYTHONUNBUFFERED=1
+}
+pack() { tar czf "${OUT:-$GPU_NAME-out}/$GPU_NAME.tgz" -C "$O" .; }
+run() {
+  local name=$1 secs=$2; shift 2
+  timeout "$secs" "$@" > "$O/$name.log" 2>&1; echo "== $name rc=$?"
+  grep -v Warn "$O/$name.log" | tail -n "${TAILN:-3}"; pack
+}

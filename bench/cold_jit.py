@@ -7,13 +7,14 @@ cache, then for another fresh process to find it (warm hit). CPU only (needs CuT
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from common import report
 
 PROBE = r"""
 import time, sys
@@ -56,13 +57,8 @@ def main() -> None:
             "warm: import dsagen + cache hit (DSAGEN_DISABLE_JIT=1), ms": statistics.median(w[1] for w in warm),
         }
     meta = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "python": sys.version.split()[0]}
-    print(meta)
-    for op, rows in results.items():
-        for name, v in rows.items():
-            print(f"  {op:16s} {name:<60s} {v:8.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+    report(meta, {f"{op:16s} {name}": v for op, rows in results.items() for name, v in rows.items()}, args.json,
+           fmt="8.1f")
 
 
 if __name__ == "__main__":

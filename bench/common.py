@@ -3,6 +3,7 @@ for `python bench/<name>.py` and for `dsagen bench <name>`)."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from typing import Callable
 
@@ -24,3 +25,15 @@ def cuda_time_ms(fn: Callable[[], object], calls: int = 1, rounds: int = 5) -> f
         end.synchronize()
         per_call.append(start.elapsed_time(end) / calls)
     return statistics.median(per_call)
+
+
+def report(meta: dict, rows: dict[str, float], json_path: str | None, fmt: str = "8.2f") -> None:
+    """Print `meta`, then one `name  value` line per entry of `rows` (names padded to the longest); write
+    {"meta": meta, "results": rows} to `json_path` when given."""
+    width = max((len(n) for n in rows), default=0)
+    print(meta)
+    for name, v in rows.items():
+        print(f"  {name:<{width}}  {v:{fmt}}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"meta": meta, "results": rows}, f, indent=1)

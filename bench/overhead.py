@@ -12,7 +12,6 @@ of 5 rounds of N calls. Then spawns fresh processes that import dsagen and make 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -20,6 +19,7 @@ import sys
 import time
 
 import torch
+from common import report
 
 
 def per_call_us(fn, calls: int, rounds: int = 5) -> float:
@@ -115,13 +115,7 @@ def main() -> None:
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cuda_bindings": getattr(cuda.bindings, "__version__", "?"), "python": sys.version.split()[0],
             "calls": args.calls}
-    w = max(len(n) for n in results)
-    print(f"{meta}")
-    for name, v in results.items():
-        print(f"  {name:<{w}}  {v:8.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+    report(meta, results, args.json)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,24 @@ from ._validate import (FLOAT_DTYPES, check_bool, check_cu_seqlens_pair, check_i
 __all__ = ["indexer_scores", "indexer_topk", "indexer_forward_topk", "TopK", "IndexerTopK"]
 
 
+def _check_triple(q, k, w, names: tuple[str, str, str], k_ndims: tuple[int, ...], rows: str
+                  ) -> tuple[int, int]:
+    """The checks both indexer layouts share, after the caller checked q's rank: q's last two dims are (H, D);
+    k has k_ndims dims, q's dtype and, when it has as many dims as q, a 1-sized head dim before D (MQA);
+    weights have one dim less than q. Returns (H, D). `rows`: k's leading dims' names, for the messages."""
+    qn, kn, wn = names
+    check_tensor(kn, k, dtypes=FLOAT_DTYPES, ndim=k_ndims, device=q.device)
+    check_tensor(wn, w, dtypes=FLOAT_DTYPES, ndim=q.dim() - 1, device=q.device)
+    if k.dtype != q.dtype:
+        raise TypeError(f"{kn} must have the same dtype as {qn} ({q.dtype}), got {k.dtype}")
+    h, d = q.shape[-2], q.shape[-1]
+    if h < 1 or d < 1:
+        raise ValueError(f"{qn} must have H >= 1 heads and head dimension D >= 1, got shape {tuple(q.shape)}")
+    if k.dim() == q.dim() and k.shape[-2] != 1:
+        raise ValueError(f"{kn} must have H_kv = 1 (MQA): shape [{rows}, 1, D], got {tuple(k.shape)}")
+    return h, d
+
+
 def check_indexer_inputs(q, k, w, names: tuple[str, str, str] = ("q_indexer", "k_indexer", "weights"),
                          allow_4d_k: bool = True) -> tuple[int, int, int, int, int]:
     """Validate the indexer triple; returns (B, S_q, H, D, S_k).
@@ -25,20 +43,12 @@ def check_indexer_inputs(q, k, w, names: tuple[str, str, str] = ("q_indexer", "k
     q [B, S_q, H, D] and k ([B, S_k, D], or [B, S_k, 1, D] when allow_4d_k) share a floating dtype
     (fp16/bf16/fp32/fp64); weights [B, S_q, H] may have any of those dtypes; all on q's device.
     """
-    qn, kn, wn = names
-    check_tensor(qn, q, dtypes=FLOAT_DTYPES, ndim=4)
-    check_tensor(kn, k, dtypes=FLOAT_DTYPES, ndim=(3, 4) if allow_4d_k else 3, device=q.device)
-    check_tensor(wn, w, dtypes=FLOAT_DTYPES, ndim=3, device=q.device)
-    if k.dtype != q.dtype:
-        raise TypeError(f"{kn} must have the same dtype as {qn} ({q.dtype}), got {k.dtype}")
-    b, sq, h, d = q.shape
-    if h < 1 or d < 1:
-        raise ValueError(f"{qn} must have H >= 1 heads and head dimension D >= 1, got shape {tuple(q.shape)}")
-    if k.dim() == 4 and k.shape[2] != 1:
-        raise ValueError(f"{kn} must have H_kv = 1 (MQA): shape [B, S_k, 1, D], got {tuple(k.shape)}")
+    check_tensor(names[0], q, dtypes=FLOAT_DTYPES, ndim=4)
+    h, d = _check_triple(q, k, w, names, (3, 4) if allow_4d_k else (3,), "B, S_k")
+    b, sq = q.shape[:2]
     if k.shape[0] != b or k.shape[-1] != d:
-        raise ValueError(f"{kn} must have shape [B={b}, S_k, D={d}], got {tuple(k.shape)}")
-    check_shape(wn, w, (b, sq, h), "[B, S_q, H]")
+        raise ValueError(f"{names[1]} must have shape [B={b}, S_k, D={d}], got {tuple(k.shape)}")
+    check_shape(names[2], w, (b, sq, h), "[B, S_q, H]")
     return b, sq, h, d, k.shape[1]
 
 
@@ -51,20 +61,12 @@ def check_packed_indexer_inputs(q, k, w, cu_seqlens_q, cu_seqlens_k,
     weights [total_q, H]; all on q's device. cu_seqlens_q / cu_seqlens_k: see check_cu_seqlens_pair
     (their values are read on the host).
     """
-    qn, kn, wn = names
-    check_tensor(qn, q, dtypes=FLOAT_DTYPES, ndim=3)
-    check_tensor(kn, k, dtypes=FLOAT_DTYPES, ndim=(2, 3) if allow_3d_k else 2, device=q.device)
-    check_tensor(wn, w, dtypes=FLOAT_DTYPES, ndim=2, device=q.device)
-    if k.dtype != q.dtype:
-        raise TypeError(f"{kn} must have the same dtype as {qn} ({q.dtype}), got {k.dtype}")
-    total_q, h, d = q.shape
-    if h < 1 or d < 1:
-        raise ValueError(f"{qn} must have H >= 1 heads and head dimension D >= 1, got shape {tuple(q.shape)}")
-    if k.dim() == 3 and k.shape[1] != 1:
-        raise ValueError(f"{kn} must have H_kv = 1 (MQA): shape [total_k, 1, D], got {tuple(k.shape)}")
+    check_tensor(names[0], q, dtypes=FLOAT_DTYPES, ndim=3)
+    h, d = _check_triple(q, k, w, names, (2, 3) if allow_3d_k else (2,), "total_k")
+    total_q = q.shape[0]
     if k.shape[-1] != d:
-        raise ValueError(f"{kn} must have shape [total_k, D={d}], got {tuple(k.shape)}")
-    check_shape(wn, w, (total_q, h), "[total_q, H]")
+        raise ValueError(f"{names[1]} must have shape [total_k, D={d}], got {tuple(k.shape)}")
+    check_shape(names[2], w, (total_q, h), "[total_q, H]")
     b = check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, total_q=total_q, total_k=k.shape[0], device=q.device)
     return b, total_q, h, d, k.shape[0]
 

@@ -44,7 +44,9 @@ VARIANTS = {
 }
 #: host variants: the default kernels with another score-slab cap (fused.SLAB_BYTES, MiB; default 128)
 SLAB_VARIANTS = {"slab16": 16, "slab32": 32, "slab64": 64}
-VARIANTS.update({name: ({}, {}) for name in SLAB_VARIANTS})
+#: host variants: the default kernels with another slab row cap (fused.SLAB_MAX_ROWS; default 1024)
+ROWS_VARIANTS = {"rows2048": 2048, "rows4096": 4096}
+VARIANTS.update({name: ({}, {}) for name in (*SLAB_VARIANTS, *ROWS_VARIANTS)})
 # Timing ablations (not correct kernels; see dsagen.spec.families.indexer INDEXER_*_ABLATIONS).
 SCORE_ABLATIONS = ("no_epilogue", "mma_k16")
 TOPK_ABLATIONS = ("hist1", "read1", "no_emit")
@@ -99,7 +101,8 @@ def main(argv=None) -> int:
                     help="pingpong / persistent: score-kernel schedules (IndexerScoreSpec.schedule); c2: 2 consumer "
                          "warpgroups (default 3); lean / lean_free: IndexerScoreSpec.lean_epilogue / free_issue; "
                          "nomma / mma: IndexerScoreSpec.mma_head_sum off / on (default off); slab16 / slab32 / slab64: "
-                         "the score slab capped at that many MiB (default fused.SLAB_BYTES, 128 MiB); "
+                         "the score slab capped at that many MiB (default fused.SLAB_BYTES, 128 MiB); rows2048 / rows4096: at that "
+                         "many rows (default fused.SLAB_MAX_ROWS, 1024); "
                          "t256 / t512 / t1024: top-k with that many threads per row (default: 512, or "
                          "1024 when a slab's rows fit one wave); compact: IndexerTopkSpec.compact; "
                          "ablate-persistent-* / ablate-topk-*: timing probes (not correct); ablations: default + all probes")
@@ -130,8 +133,9 @@ def _run_variant(variant: str, args) -> dict:
     from dsagen.fused import lightning_indexer as fused
 
     fused.SPEC_OPTIONS = VARIANTS[variant]
-    default_slab = fused.SLAB_BYTES
+    default_slab, default_rows = fused.SLAB_BYTES, fused.SLAB_MAX_ROWS
     fused.SLAB_BYTES = SLAB_VARIANTS.get(variant, default_slab >> 20) << 20
+    fused.SLAB_MAX_ROWS = ROWS_VARIANTS.get(variant, default_rows)
 
     h, d = 64, 128
     dev = torch.device("cuda")
@@ -177,7 +181,7 @@ def _run_variant(variant: str, args) -> dict:
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variant": variant,
            "spec_options": fused.SPEC_OPTIONS, "rows": rows}
     fused.SPEC_OPTIONS = ({}, {})
-    fused.SLAB_BYTES = default_slab
+    fused.SLAB_BYTES, fused.SLAB_MAX_ROWS = default_slab, default_rows
     return out
 
 

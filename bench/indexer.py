@@ -36,6 +36,8 @@ VARIANTS = {
     "t512": ({}, {"threads": 512}),                            # top-k: always 512 threads (never the wide one)
     "t1024": ({}, {"threads": 1024}),                          # top-k: always 1024 threads (1 CTA per SM)
     "t256": ({}, {"threads": 256}),
+    "t128": ({}, {"threads": 128}),                            # 8 rows in flight per SM
+    "t64": ({}, {"threads": 64}),                              # 16 rows in flight per SM
     "compact": ({}, {"compact": True}),                        # top-k: candidates compacted into smem (both widths)
     "nomma": ({"mma_head_sum": False}, {}),                    # score: the CUDA-core head sum (session-2 epilogue)
     "mma": ({"mma_head_sum": True}, {}),                       # score: the head sum on the tensor cores
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
                          "nomma / mma: IndexerScoreSpec.mma_head_sum off / on (default off); slab16 / slab32 / slab64: "
                          "the score slab capped at that many MiB (default fused.SLAB_BYTES, 128 MiB); rows2048 / rows4096: at that "
                          "many rows (default fused.SLAB_MAX_ROWS, 1024); "
-                         "t256 / t512 / t1024: top-k with that many threads per row (default: 512, or "
+                         "t64 / t128 / t256 / t512 / t1024: top-k with that many threads per row (default: 512, or "
                          "1024 when a slab's rows fit one wave); compact: IndexerTopkSpec.compact; "
                          "ablate-persistent-* / ablate-topk-*: timing probes (not correct); ablations: default + all probes")
     args = ap.parse_args(argv)

@@ -47,9 +47,11 @@ INDEXER_SCORE_ABLATIONS = ("", "no_epilogue", "mma_k16")
 #:   read1    the first pass's loads only (xor-reduced, no atomics): one vectorized read of every row
 #:   no_emit  the radix passes, no ordered emit
 INDEXER_TOPK_ABLATIONS = ("", "hist1", "read1", "no_emit")
-#: Threads of the top-k kernel. Registers are budgeted for 2 CTAs per SM at 256 / 512 threads (64 at 512)
-#: and for 1 CTA per SM at 1024 (64 registers; the host uses it only when a slab's rows fit one wave).
-INDEXER_TOPK_THREADS = (256, 512, 1024)
+#: Threads of the top-k kernel. Registers are budgeted for 2 CTAs per SM at 256 / 512 threads (64 at 512),
+#: for 1 CTA per SM at 1024 (64 registers; the host uses it only when a slab's rows fit one wave) and for
+#: 1024 / threads CTAs per SM at 64 / 128 (64 registers: 16 / 8 rows in flight per SM; each thread then scans
+#: 4 / 2 bins of the block histogram).
+INDEXER_TOPK_THREADS = (64, 128, 256, 512, 1024)
 #: Top-k threads per row when a slab's rows fit one wave of one CTA per SM (long rows: S = 131072 gives 64
 #: rows per 32 MiB slab): twice the warps per row of the default 512-thread kernel.
 TOPK_WIDE_THREADS = 1024
@@ -200,6 +202,8 @@ class IndexerTopkSpec(KernelSpec):
             out.append(f"ablate={self.ablate!r} is not a top-k ablation; choose one of {INDEXER_TOPK_ABLATIONS}")
         if self.compact and self.ablate:
             out.append("compact=True is an option of the real kernel, not of the ablations")
+        if self.compact and self.threads not in TOPK_COMPACT_CAP:
+            out.append(f"compact=True needs threads in {tuple(TOPK_COMPACT_CAP)}")
         return out
 
     def template_context(self) -> dict[str, Any]:

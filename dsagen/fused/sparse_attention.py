@@ -41,11 +41,16 @@ SCHEDULE: str | None = None
 L2_HINT: bool = False
 
 
+def kernel_heads(num_heads: int) -> int:
+    """The heads of the kernel that serves `num_heads` query heads: 64 (fewer are padded to it) or 128."""
+    return 64 if num_heads <= 64 else 128
+
+
 def resolved_schedule(num_heads: int, d_qk: int, schedule: str | None = None, rows: int | None = None) -> str:
     """The schedule a call with `num_heads` query heads (padded to 64 or 128), `d_qk` and `rows` query rows runs:
     `schedule`, else the module's SCHEDULE, else the shape's default (spec family DEFAULT_SCHEDULES)."""
     schedule = SCHEDULE if schedule is None else schedule
-    return default_schedule(64 if num_heads <= 64 else 128, d_qk, rows) if schedule is None else schedule
+    return default_schedule(kernel_heads(num_heads), d_qk, rows) if schedule is None else schedule
 
 
 def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a",
@@ -67,7 +72,7 @@ def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a"
         extra["l2_hint"] = True
     if ablate:
         extra["ablate"] = ablate
-    return SparseAttnFwdSpec(arch=arch, num_heads=64 if num_heads <= 64 else 128, d_qk=d_qk, d_v=512,
+    return SparseAttnFwdSpec(arch=arch, num_heads=kernel_heads(num_heads), d_qk=d_qk, d_v=512,
                              dtype=_DTYPES[dtype], **extra)
 
 
@@ -101,7 +106,7 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sin
         raise NotImplementedError(f"sparse_attention: {reason}")
     s_q, h, d_qk = q.shape
     n_kv, k_width = kv.shape[0], topk_idxs.shape[1]
-    spec = spec_for(h, d_qk, q.dtype, device_arch(q.device), schedule=schedule, ablate=ablate, rows=q.shape[0])
+    spec = spec_for(h, d_qk, q.dtype, device_arch(q.device), schedule=schedule, ablate=ablate, rows=s_q)
     hp = spec.num_heads
     if s_q * (hp // 64) > _MAX_GRID_X:
         raise ValueError(f"sparse_attention: total_S_q={s_q} exceeds the fused kernel's grid limit")

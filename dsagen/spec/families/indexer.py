@@ -224,10 +224,11 @@ DEFAULT_FREE_ISSUE = False
 DEFAULT_MMA_HEAD_SUM = False
 
 
-def with_default_consumers(score_options: dict) -> dict:
+def with_default_consumers(score_options: dict, dtype: str = "bfloat16") -> dict:
     """score_options plus consumers=DEFAULT_CONSUMERS when they leave it open and select no ablation, and
     likewise lean_epilogue=True / free_issue=True when DEFAULT_LEAN_EPILOGUE / DEFAULT_FREE_ISSUE is set
-    (lean_epilogue: without ablate); else unchanged."""
+    (lean_epilogue: without ablate); mma_head_sum is bfloat16-only: dropped for any other `dtype`, else set
+    when DEFAULT_MMA_HEAD_SUM is and the options leave it open and allow it (no ablate, no lean_epilogue)."""
     opts = dict(score_options)
     ablate = opts.get("ablate", IndexerScoreSpec.__dataclass_fields__["ablate"].default)
     if "consumers" not in opts and not ablate:
@@ -236,6 +237,10 @@ def with_default_consumers(score_options: dict) -> dict:
         opts["lean_epilogue"] = True
     if DEFAULT_FREE_ISSUE and "free_issue" not in opts:
         opts["free_issue"] = True
+    if dtype != "bfloat16":
+        opts.pop("mma_head_sum", None)           # float16 keeps the CUDA-core head sum
+    elif DEFAULT_MMA_HEAD_SUM and "mma_head_sum" not in opts and not ablate and not opts.get("lean_epilogue"):
+        opts["mma_head_sum"] = True
     return opts
 
 
@@ -249,12 +254,7 @@ def indexer_specs(arch: str, num_heads: int, head_dim: int, dtype: str = "bfloat
     top-k kernel and the wide top-k kernel (TOPK_WIDE_THREADS threads per row, which the host runs when a
     slab's rows fit one wave). When topk_options pins "threads", the wide kernel is the top-k kernel."""
     topk = dict(topk_options or {})
-    score = with_default_consumers(score_options or {})
-    if dtype != "bfloat16":
-        score.pop("mma_head_sum", None)          # a bfloat16-only option: float16 keeps the CUDA-core head sum
-    elif (DEFAULT_MMA_HEAD_SUM and "mma_head_sum" not in score and not score.get("ablate")
-            and not score.get("lean_epilogue")):
-        score["mma_head_sum"] = True
+    score = with_default_consumers(score_options or {}, dtype)
     return (IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype, **score),
             IndexerTopkSpec(arch=arch, **topk),
             IndexerTopkSpec(arch=arch, **{"threads": TOPK_WIDE_THREADS, **topk}))

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from ..runtime import LoadedKernel, device_arch, get_kernel
+from ..runtime import LoadedKernel, device_arch, device_index, get_kernel
 from ..spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, SLAB_BYTES, SLAB_MAX_ROWS,
                                      indexer_specs, tokens_per_cta)
 
@@ -114,7 +114,7 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 
 def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype
                  ) -> tuple[LoadedKernel, LoadedKernel, LoadedKernel | None, str]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     key = (index, h, d, dtype, repr(SPEC_OPTIONS))
     ks = _kernels.get(key)
     if ks is None:
@@ -156,7 +156,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
         return out.fill_(-1)
     _check_layout("q", q)
     _check_layout("k", k)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     score_k, topk_k, topk_wide, schedule = _kernels_for(device, h, d, q.dtype)
 
     qc = tokens_per_cta(h)

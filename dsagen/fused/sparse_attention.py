@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..runtime import LoadedKernel, device_arch, get_kernel
+from ..runtime import LoadedKernel, device_arch, device_index, get_kernel
 from ..spec.families.sparse_attention import (ABLATIONS, SCHEDULE_ABLATIONS, SCHEDULE_REGS, SCHEDULES,
                                               SparseAttnFwdSpec, default_schedule)
 
@@ -91,7 +91,7 @@ def supported_reason(q: torch.Tensor, d_v: int) -> str:
 
 
 def _kernel(spec: SparseAttnFwdSpec, device: torch.device) -> LoadedKernel:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     k = _kernels.get((spec, index))
     if k is None:
         k = _kernels[(spec, index)] = get_kernel(spec, index)

@@ -18,6 +18,7 @@ the ablated kernel's column (score_ms or topk_ms); `--variant ablations` runs de
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -28,6 +29,7 @@ PEAK_TFLOPS = 780.0
 #: --variant -> (IndexerScoreSpec options, IndexerTopkSpec options)
 VARIANTS = {
     "default": ({}, {}),
+    "topk_s3": ({}, {"compact": False}),                       # top-k: session 3's choice (512; 1024 if one wave)
     "pingpong": ({"schedule": "pingpong"}, {}),               # ping-pong WGs, one CTA per work item
     "persistent": ({"schedule": "persistent"}, {}),           # ping-pong WGs, ~1 CTA per SM looping over items
     "c2": ({"consumers": 2}, {}),                              # persistent with 2 consumer WGs (default: 3, 512 threads)
@@ -48,7 +50,10 @@ VARIANTS = {
 SLAB_VARIANTS = {"slab16": 16, "slab32": 32, "slab64": 64}
 #: host variants: the default kernels with another slab row cap (fused.SLAB_MAX_ROWS; default 1024)
 ROWS_VARIANTS = {"rows2048": 2048, "rows4096": 4096}
-VARIANTS.update({name: ({}, {}) for name in (*SLAB_VARIANTS, *ROWS_VARIANTS)})
+#: host variants: two slabs of that many MiB each, the top-k of one on a side stream while the score kernel fills the
+#: other (fused.SLAB_BUFFERS = 2)
+PIPE_VARIANTS = {"pipe16": 16, "pipe32": 32, "pipe64": 64, "pipe128": 128}
+VARIANTS.update({name: ({}, {}) for name in (*SLAB_VARIANTS, *ROWS_VARIANTS, *PIPE_VARIANTS)})
 # Timing ablations (not correct kernels; see dsagen.spec.families.indexer INDEXER_*_ABLATIONS).
 SCORE_ABLATIONS = ("no_epilogue", "mma_k16")
 TOPK_ABLATIONS = ("hist1", "read1", "no_emit")
@@ -77,17 +82,35 @@ def _profile(fused, q, k, w, topk, ratio, reps) -> dict:
     import dsagen
 
     call = lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True, compress_ratio=ratio, impl="fused")
-    score_k, topk_k, wide_k, schedule = kernels = fused._kernels_for(q.device, q.shape[2], q.shape[3], q.dtype)
+    kernels = fused._kernels_for(q.device, q.shape[2], q.shape[3], q.dtype)
     # the entry _kernels_for just filled for this variant (its key ends with repr(SPEC_OPTIONS))
-    key = next(key for key, v in fused._kernels.items() if v == kernels and key[-1] == repr(fused.SPEC_OPTIONS))
+    key = next(key for key, v in fused._kernels.items() if v is kernels and key[-1] == repr(fused.SPEC_OPTIONS))
     try:
-        fused._kernels[key] = (score_k, _Skip, None if wide_k is None else _Skip, schedule)
+        fused._kernels[key] = dataclasses.replace(kernels, topk=dict.fromkeys(kernels.topk, _Skip))
         score_ms = cuda_time_ms(call, rounds=reps)
-        fused._kernels[key] = (_Skip, topk_k, wide_k, schedule)
+        fused._kernels[key] = dataclasses.replace(kernels, score=_Skip)
         topk_ms = cuda_time_ms(call, rounds=reps)
     finally:
         fused._kernels[key] = kernels
     return {"score_ms": round(score_ms, 3), "topk_ms": round(topk_ms, 3)}
+
+
+def _trace(q, k, w, topk, ratio, reps) -> dict:
+    """Device time per kernel inside the real op (torch.profiler / CUPTI), ms per call: score, top-k, and their
+    sum (above the wall time when the two kernels overlap: SLAB_BUFFERS = 2)."""
+    import dsagen
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            dsagen.lightning_indexer(q, k, w, topk, causal=True, compress_ratio=ratio, impl="fused")
+        torch.cuda.synchronize()
+    us = {"score": 0.0, "topk": 0.0}
+    for ev in prof.key_averages():
+        for part in us:
+            if part in ev.key and "lightning_indexer" in ev.key:
+                us[part] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    return {"trace_score_ms": round(us["score"] / reps / 1e3, 3), "trace_topk_ms": round(us["topk"] / reps / 1e3, 3)}
 
 
 def main(argv=None) -> int:
@@ -99,14 +122,17 @@ def main(argv=None) -> int:
     ap.add_argument("--ref-max-T", type=int, default=32768)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="also time the score and top-k kernels alone")
+    ap.add_argument("--trace", action="store_true",
+                    help="also report each kernel's device time inside the real op (torch.profiler)")
     ap.add_argument("--variant", choices=list(VARIANTS) + ["ablations"], nargs="+", default=["default"],
                     help="pingpong / persistent: score-kernel schedules (IndexerScoreSpec.schedule); c2: 2 consumer "
                          "warpgroups (default 3); lean / lean_free: IndexerScoreSpec.lean_epilogue / free_issue; "
                          "nomma / mma: IndexerScoreSpec.mma_head_sum off / on (default off); slab16 / slab32 / slab64: "
-                         "the score slab capped at that many MiB (default fused.SLAB_BYTES, 128 MiB); rows2048 / rows4096: at that "
+                         "the score slab capped at that many MiB (default fused.SLAB_BYTES, 128 MiB); pipe16 .. pipe128: two slabs of that "
+                         "many MiB, top-k on a side stream (fused.SLAB_BUFFERS = 2); rows2048 / rows4096: at that "
                          "many rows (default fused.SLAB_MAX_ROWS, 1024); "
-                         "t64 / t128 / t256 / t512 / t1024: top-k with that many threads per row (default: 512, or "
-                         "1024 when a slab's rows fit one wave); compact: IndexerTopkSpec.compact; "
+                         "t64 / t128 / t256 / t512 / t1024: top-k with that many threads per row (default: per slab, "
+                         "TOPK_BY_ROW_LENGTH); topk_s3: session 3's top-k (512, 1024 when a slab's rows fit one wave); compact: IndexerTopkSpec.compact; "
                          "ablate-persistent-* / ablate-topk-*: timing probes (not correct); ablations: default + all probes")
     args = ap.parse_args(argv)
     names = []
@@ -135,9 +161,11 @@ def _run_variant(variant: str, args) -> dict:
     from dsagen.fused import lightning_indexer as fused
 
     fused.SPEC_OPTIONS = VARIANTS[variant]
-    default_slab, default_rows = fused.SLAB_BYTES, fused.SLAB_MAX_ROWS
+    default_slab, default_rows, default_buffers = fused.SLAB_BYTES, fused.SLAB_MAX_ROWS, fused.SLAB_BUFFERS
     fused.SLAB_BYTES = SLAB_VARIANTS.get(variant, default_slab >> 20) << 20
     fused.SLAB_MAX_ROWS = ROWS_VARIANTS.get(variant, default_rows)
+    if variant in PIPE_VARIANTS:
+        fused.SLAB_BUFFERS, fused.SLAB_BYTES = 2, 2 * PIPE_VARIANTS[variant] << 20
 
     h, d = 64, 128
     dev = torch.device("cuda")
@@ -172,18 +200,22 @@ def _run_variant(variant: str, args) -> dict:
                        "speedup": round(ref / fused_ms, 1) if ref else None}
                 if args.profile:
                     row.update(_profile(fused, q, k, w, topk, ratio, args.reps))
+                if args.trace:
+                    row.update(_trace(q, k, w, topk, ratio, max(2, min(args.reps, 5))))
                 rows.append(row)
                 print(f"{t:>7} {topk:>5} {ratio:>5} {fused_ms:>9.2f} {tflops:>8.1f} {floor_ms:>9.2f} "
                       f"{floor_ms / fused_ms:>8.2f} {(f'{ref:.1f}' if ref else '-'):>9} "
                       f"{(f'{ref / fused_ms:.1f}x' if ref else '-'):>8}"
                       + (f"   score only {row['score_ms']:.2f} ms, top-k only {row['topk_ms']:.2f} ms"
-                         if args.profile else ""), flush=True)
+                         if args.profile else "")
+                      + (f"   in the op: score {row['trace_score_ms']:.2f} ms, top-k {row['trace_topk_ms']:.2f} ms"
+                         if args.trace else ""), flush=True)
             del q, k, w
             torch.cuda.empty_cache()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variant": variant,
            "spec_options": fused.SPEC_OPTIONS, "rows": rows}
     fused.SPEC_OPTIONS = ({}, {})
-    fused.SLAB_BYTES, fused.SLAB_MAX_ROWS = default_slab, default_rows
+    fused.SLAB_BYTES, fused.SLAB_MAX_ROWS, fused.SLAB_BUFFERS = default_slab, default_rows, default_buffers
     return out
 
 

@@ -54,7 +54,44 @@ def test_default_consumers_follow_the_options():
 def test_preset_contains_indexer_kernels():
     specs = get_preset("deepseek-v3.2", "sm_90a")
     assert set(indexer_specs("sm_90a", 64, 128)) <= set(specs)
-    assert "lightning_indexer_topk_sm_90a" in {s.name() for s in specs}
+    names = {s.name() for s in specs}
+    assert {"lightning_indexer_topk_t128_sm_90a", "lightning_indexer_topk_compact1_sm_90a"} <= names
+
+
+def test_topk_plan_picks_by_row_length_and_wave():
+    """The default plan: 128 threads up to 12288 candidates, else 512 + compact; 1024 threads (compact beyond
+    12288) when the slab's rows fit one wave. Options give one kernel (threads pinned, else 512 / 1024)."""
+    from dsagen.spec.families.indexer import topk_plan
+
+    plan = topk_plan("sm_90a")
+    pick = lambda n, rows: (plan.pick(n, rows, 132).threads, plan.pick(n, rows, 132).compact)
+    assert pick(1, 1024) == pick(12288, 1024) == (128, False)
+    assert pick(12289, 1024) == pick(2 ** 20, 133) == (512, True)
+    assert pick(100, 132) == pick(12288, 1) == (1024, False)
+    assert pick(12289, 132) == (1024, True)
+    assert len(plan.specs()) == 4 and indexer_specs("sm_90a", 64, 128)[1:] == plan.specs()
+    pinned = topk_plan("sm_90a", {"threads": 64})
+    assert pinned.specs() == (IndexerTopkSpec(arch="sm_90a", threads=64),)
+    s3 = topk_plan("sm_90a", {"compact": False})
+    assert [(s.threads, s.compact) for s in s3.specs()] == [(512, False), (1024, False)]
+    assert s3.pick(10, 1024, 132).threads == 512 and s3.pick(10 ** 6, 100, 132).threads == 1024
+
+
+def test_slab_max_candidates():
+    """The longest row a slab can hold: the ratio-causal limit of its last token for causal unpacked input, S
+    otherwise (packed documents, non-causal); T - 1's limit when the slab crosses a batch element."""
+    from dsagen.fused.lightning_indexer import slab_max_candidates
+
+    # H=64: 2 tokens per block; T=1000 -> 500 blocks per batch element; S = 1000
+    assert slab_max_candidates(0, 10, 2, 500, 1000, 1000, True, 1, False) == 20
+    assert slab_max_candidates(0, 10, 2, 500, 1000, 250, True, 4, False) == 5
+    assert slab_max_candidates(490, 10, 2, 500, 1000, 1000, True, 1, False) == 1000
+    assert slab_max_candidates(495, 10, 2, 500, 1000, 1000, True, 1, False) == 1000     # crosses into b=1
+    assert slab_max_candidates(500, 10, 2, 500, 1000, 1000, True, 1, False) == 20       # b=1, tokens 0..19
+    assert slab_max_candidates(0, 10, 2, 500, 999, 999, True, 1, False) == 20
+    assert slab_max_candidates(495, 5, 2, 500, 999, 999, True, 1, False) == 999         # last block: 1 token
+    assert slab_max_candidates(0, 10, 2, 500, 1000, 1000, False, 1, False) == 1000
+    assert slab_max_candidates(0, 10, 2, 500, 1000, 1000, True, 1, True) == 1000
 
 
 @pytest.mark.parametrize("h", INDEXER_HEADS)

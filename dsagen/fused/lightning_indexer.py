@@ -7,14 +7,18 @@ How a call runs (see notes/kernels/indexer.md):
   * Query rows are grouped into token blocks of QC = 128 // H consecutive tokens of one batch element
     (the score kernel's wgmma N tile is QC x H = 128 columns). Blocks are processed in slabs: for each
     slab the score kernel writes every row's valid candidate scores (fp32, document-local ids) into one
-    reused slab of R rows x ld_slab columns, then the top-k kernel turns each row into its output row
-    (512 threads per row; 1024 when the slab's rows fit one wave of one CTA per SM: indexer_specs). The
-    top-k reads rows with 16-byte loads: ld_slab a multiple of 4 keeps every row 16-byte aligned.
+    reused slab of R rows x ld_slab columns, then the top-k kernel turns each row into its output row. The
+    top-k kernel is chosen per slab from the longest row the slab can hold (slab_max_candidates; TopkPlan:
+    128 threads per row up to 12288 candidates, else 512 with the candidates compacted into shared memory;
+    1024 threads when the slab's rows fit one wave of one CTA per SM). The top-k reads rows with 16-byte
+    loads: ld_slab a multiple of 4 keeps every row 16-byte aligned.
     The default (persistent) score kernel runs min(#SMs, #work items) CTAs per slab, each looping over
     (token block, chunk) work items; the pingpong schedule runs one CTA per work item.
   * Scratch: the slab only, R * ld_slab * 4 bytes with ld_slab = S rounded up to 4 and
     R = min(1024, 128 MiB / (4 * ld_slab)) rounded down to a multiple of QC, at least QC. So at most
     128 MiB (SLAB_BYTES; 128 MiB at S >= 32768, S x 4 KiB below), bounded and independent of T and B.
+    (SLAB_BUFFERS = 2, not the default: two slabs of half the rows, the top-k of one on a side stream while
+    the score kernel fills the other; measured no faster, session 4.)
     Causal / document bounds are computed inside the kernels (binary search over cu_seqlens), so no
     per-row buffer exists either.
   * Everything a launch needs is a Python int from shapes; no host reads of device values, so the op
@@ -24,24 +28,54 @@ How a call runs (see notes/kernels/indexer.md):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ..runtime import LoadedKernel, device_arch, device_index, get_kernel
 from ..spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, SLAB_BYTES, SLAB_MAX_ROWS,
-                                     indexer_specs, tokens_per_cta)
+                                     IndexerTopkSpec, TopkPlan, indexer_plan, tokens_per_cta)
 
 BACKENDS = ("cute",)
 #: Candidate rows one score CTA covers (grid y splits longer pools, so short slabs still fill the GPU).
 CHUNK_ROWS = 4096
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-#: (device, H, D, dtype, options) -> (score kernel, top-k kernel, wide top-k kernel or None: see
-#: indexer_specs; None when SPEC_OPTIONS[1] pins "threads", the score kernel's schedule: its grid rule)
-_kernels: dict[tuple, tuple[LoadedKernel, LoadedKernel, LoadedKernel | None, str]] = {}
+
+
+@dataclass
+class IndexerKernels:
+    """The loaded kernels of one (device, H, D, dtype, SPEC_OPTIONS): the score kernel, its schedule (the grid
+    rule: score_ctas), the top-k plan and its kernels by spec."""
+
+    score: LoadedKernel
+    schedule: str
+    plan: TopkPlan
+    topk: dict[IndexerTopkSpec, LoadedKernel]
+
+    def topk_for(self, max_candidates: int, rows: int, num_sms: int) -> LoadedKernel:
+        """The top-k kernel of a slab (TopkPlan.pick)."""
+        return self.topk[self.plan.pick(max_candidates, rows, num_sms)]
+
+
+#: (device, H, D, dtype, repr(SPEC_OPTIONS)) -> the loaded kernels
+_kernels: dict[tuple, IndexerKernels] = {}
 _sm_count: dict[int, int] = {}          # device index -> SMs (persistent grid, wide top-k choice)
 #: Tile-choice overrides of the (score, top-k) specs; for A/B benchmarks (bench/indexer.py --variant).
 SPEC_OPTIONS: tuple[dict, dict] = ({}, {})
 _dummy: dict[int, torch.Tensor] = {}
+#: Score slabs per call: 1 = score and top-k launches alternate on the caller's stream; 2 = two slabs, each slab's
+#: top-k runs on a side stream while the score kernel fills the other (fills each launch's ramp and tail with the
+#: other kernel's CTAs; the slab rows are then capped at SLAB_BYTES // 2 each, so the scratch bound is unchanged).
+SLAB_BUFFERS = 1
+_side: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(index: int) -> torch.cuda.Stream:
+    """The per-device side stream the top-k launches use when SLAB_BUFFERS == 2."""
+    stream = _side.get(index)
+    if stream is None:
+        stream = _side[index] = torch.cuda.Stream(device=index)
+    return stream
 
 
 def check_backend(kernel_options) -> str:
@@ -112,8 +146,7 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, stride)
 
 
-def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype
-                 ) -> tuple[LoadedKernel, LoadedKernel, LoadedKernel | None, str]:
+def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype) -> IndexerKernels:
     index = device_index(device)
     key = (index, h, d, dtype, repr(SPEC_OPTIONS))
     ks = _kernels.get(key)
@@ -122,12 +155,27 @@ def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype
         if arch != "sm_90a":
             raise NotImplementedError(f"the fused lightning_indexer has kernels for sm_90a (Hopper) only; "
                                       f"cuda:{index} is {arch}. Use impl='reference'.")
-        score_spec, topk_spec, wide_spec = indexer_specs(arch, h, d, _TORCH_DTYPE_NAMES[dtype],
-                                                         score_options=SPEC_OPTIONS[0], topk_options=SPEC_OPTIONS[1])
-        wide = None if wide_spec == topk_spec else get_kernel(wide_spec, index)
-        ks = _kernels[key] = (get_kernel(score_spec, index), get_kernel(topk_spec, index), wide, score_spec.schedule)
+        score_spec, plan = indexer_plan(arch, h, d, _TORCH_DTYPE_NAMES[dtype], score_options=SPEC_OPTIONS[0],
+                                        topk_options=SPEC_OPTIONS[1])
+        ks = _kernels[key] = IndexerKernels(get_kernel(score_spec, index), score_spec.schedule, plan,
+                                            {spec: get_kernel(spec, index) for spec in plan.specs()})
         _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return ks
+
+
+def slab_max_candidates(blk0: int, nblk: int, qc: int, n_tblk: int, t_count: int, s_count: int, causal: bool,
+                        compress_ratio: int, packed: bool) -> int:
+    """The most candidates any row of the slab of token blocks [blk0, blk0 + nblk) can have: S, or for causal
+    unpacked input the ratio-causal limit (t + 1) // ratio of the slab's last token (T - 1 when the slab crosses
+    into the next batch element). Only picks the top-k kernel: every kernel is correct for any row length."""
+    if packed or not causal:
+        return s_count
+    last = blk0 + nblk - 1
+    if blk0 // n_tblk != last // n_tblk:
+        t_last = t_count - 1
+    else:
+        t_last = min(t_count, (last % n_tblk + 1) * qc) - 1
+    return min(s_count, (t_last + 1) // compress_ratio)
 
 
 def score_ctas(schedule: str, n_items: int, num_sms: int) -> int:
@@ -137,10 +185,11 @@ def score_ctas(schedule: str, n_items: int, num_sms: int) -> int:
 
 
 def slab_rows(num_heads: int, s_count: int) -> int:
-    """Rows R of the score slab for H heads and S candidates (a multiple of the token block)."""
+    """Rows R of each score slab for H heads and S candidates (a multiple of the token block): at most
+    SLAB_MAX_ROWS, and SLAB_BUFFERS slabs of R rows fit in SLAB_BYTES unless one token block alone is larger."""
     qc = tokens_per_cta(num_heads)
     ld = -(-max(s_count, 1) // 4) * 4
-    rows = min(SLAB_MAX_ROWS, SLAB_BYTES // (4 * ld)) // qc * qc
+    rows = min(SLAB_MAX_ROWS, SLAB_BYTES // SLAB_BUFFERS // (4 * ld)) // qc * qc
     return max(qc, rows)
 
 
@@ -157,7 +206,8 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     _check_layout("q", q)
     _check_layout("k", k)
     index = device_index(device)
-    score_k, topk_k, topk_wide, schedule = _kernels_for(device, h, d, q.dtype)
+    kernels = _kernels_for(device, h, d, q.dtype)
+    score_k, schedule = kernels.score, kernels.schedule
 
     qc = tokens_per_cta(h)
     n_tblk = -(-t_count // qc)
@@ -165,8 +215,6 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     ld = -(-s_count // 4) * 4
     blk_per_slab = min(slab_rows(h, s_count) // qc, total_blk)
     slab = torch.empty((blk_per_slab * qc, ld), dtype=torch.float32, device=device)
-    if topk_wide is not None and blk_per_slab * qc <= _sm_count[index]:
-        topk_k = topk_wide                     # one row per SM anyway: give each row 32 warps
     n_chunks = -(-s_count // CHUNK_ROWS)
     if cu_seqlens is not None:
         cu_q, cu_k, n_docs = cu_seqlens, cu_seqlens_k, cu_seqlens.numel() - 1
@@ -180,13 +228,39 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     scale = 1.0 / math.sqrt(h * d)
     causal_i = int(bool(causal))
     num_sms = _sm_count[index]
-    for blk0 in range(0, total_blk, blk_per_slab):
+    score_args = (qv, kv, weights)
+    score_tail = (cu_q, cu_k, n_docs, t_count, s_count, n_tblk)
+    slabs = [slab]
+    side = None
+    if SLAB_BUFFERS > 1 and total_blk > blk_per_slab:
+        # top-k of slab i on a side stream while the score kernel fills slab i + 1 (see the module docstring)
+        slabs.append(torch.empty_like(slab))
+        main = torch.cuda.current_stream(device)
+        side = _side_stream(index)
+        side.wait_stream(main)                  # q, k, weights, out and the slabs are ready on the side stream
+        released: list = [None, None]           # event: the top-k has finished reading slab j
+    for i, blk0 in enumerate(range(0, total_blk, blk_per_slab)):
         nblk = min(blk_per_slab, total_blk - blk0)
-        score_k.launch(qv, kv, weights, slab, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
-                       CHUNK_ROWS, n_chunks, score_ctas(schedule, nblk * n_chunks, num_sms), causal_i,
-                       compress_ratio, w_sb, w_st, w_sh, ld, scale)
-        topk_k.launch(slab, out, cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, qc, nblk * qc, topk,
-                      causal_i, compress_ratio, ld)
+        buf = slabs[i % len(slabs)]
+        topk_k = kernels.topk_for(slab_max_candidates(blk0, nblk, qc, n_tblk, t_count, s_count, causal, compress_ratio,
+                                                      cu_seqlens is not None), nblk * qc, num_sms)
+        if side is not None and released[i % 2] is not None:
+            main.wait_event(released[i % 2])
+        score_k.launch(*score_args, buf, *score_tail, blk0, nblk, CHUNK_ROWS, n_chunks,
+                       score_ctas(schedule, nblk * n_chunks, num_sms), causal_i, compress_ratio, w_sb, w_st, w_sh, ld,
+                       scale)
+        if side is None:
+            topk_k.launch(buf, out, *score_tail, blk0, qc, nblk * qc, topk, causal_i, compress_ratio, ld)
+            continue
+        scored = torch.cuda.Event()
+        scored.record(main)
+        side.wait_event(scored)
+        topk_k.launch(buf, out, *score_tail, blk0, qc, nblk * qc, topk, causal_i, compress_ratio, ld,
+                      stream=side.cuda_stream)
+        released[i % 2] = torch.cuda.Event()
+        released[i % 2].record(side)
+    if side is not None:
+        main.wait_stream(side)                  # out is complete, and the slabs are free, in the caller's stream
     return out
 
 

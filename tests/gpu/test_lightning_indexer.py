@@ -222,7 +222,7 @@ def test_score_schedules(case, options, monkeypatch):
         out = _run_and_check(q, k, w, topk, causal, ratio, cu.cuda(), cu_k.cuda())
         assert (out[0, int(cu[-1]):].cpu() == -1).all()
     want = indexer_specs(ARCH, h, d, _DTYPE_NAMES[dtype], score_options=options)[0]
-    assert any(key[-1] == repr(fused.SPEC_OPTIONS) and v[0].name == want.name()
+    assert any(key[-1] == repr(fused.SPEC_OPTIONS) and v.score.name == want.name()
                for key, v in fused._kernels.items()), f"{want.name()} was not used"
 
 
@@ -318,8 +318,8 @@ def test_ablation_launch_smoke(options, monkeypatch):
     out = dsagen.lightning_indexer(q, k, w, 256, causal=True, compress_ratio=1, impl="fused")
     torch.cuda.synchronize()                             # raises on a device fault; a hang is cut by timeout
     assert out.shape == (1, 4200, 256) and out.dtype == torch.int32
-    which = 0 if options[0] else 1
-    assert any(key[-1] == repr(fused.SPEC_OPTIONS) and "ablate" in v[which].name
+    names = lambda v: [v.score.name] if options[0] else [k.name for k in v.topk.values()]   # noqa: E731
+    assert any(key[-1] == repr(fused.SPEC_OPTIONS) and all("ablate" in n for n in names(v))
                for key, v in fused._kernels.items()), "the ablated kernel did not run"
 
 
@@ -372,11 +372,15 @@ def test_packed_long_sequence():
     _check_rows(out[:, rows.cuda()], _scores(q, k, w, rows.cuda()), lo, hi, 16)
 
 
-def test_long_causal_slabs_cross_batch_elements():
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_long_causal_slabs_cross_batch_elements(buffers, monkeypatch):
     """Causal, unpacked, long enough for several slabs (slab_rows), two batch elements so that a slab crosses
-    into the next one: checked on each slab's first and last rows and on random rows."""
+    into the next one: checked on each slab's first and last rows and on random rows. buffers=2: two slabs, the
+    top-k on a side stream (fused.SLAB_BUFFERS)."""
+    from dsagen.fused import lightning_indexer as fused
     from dsagen.fused.lightning_indexer import slab_rows
 
+    monkeypatch.setattr(fused, "SLAB_BUFFERS", buffers)
     gen = torch.Generator().manual_seed(43)
     b, t, h, topk = 2, 9000, 64, 2048
     q, k, w = _inputs(b, t, h, 128, t, gen)
@@ -391,6 +395,32 @@ def test_long_causal_slabs_cross_batch_elements():
         rows = flat[(flat // t) == bb] % t
         _check_rows(out[bb:bb + 1, rows.cuda()], _scores(q[bb:bb + 1], k[bb:bb + 1], w[bb:bb + 1], rows.cuda()),
                     lo, hi, topk, row_ids=rows)
+
+
+@pytest.mark.parametrize("slab_mib", [128, 6])
+def test_topk_plan_per_slab(slab_mib, monkeypatch):
+    """The host's per-slab top-k choice (TopkPlan): a causal call long enough that the early slabs run the
+    short-row kernel and the late ones the compact 512-thread kernel (slab_mib=128: 1024-row slabs), or, with
+    112-row slabs (one wave), the two 1024-thread kernels; checked on every slab's first and last rows."""
+    from dsagen.fused import lightning_indexer as fused
+
+    picked = []
+    real = fused.IndexerKernels.topk_for
+    monkeypatch.setattr(fused.IndexerKernels, "topk_for",
+                        lambda self, n, rows, sms: picked.append(self.plan.pick(n, rows, sms)) or real(self, n, rows, sms))
+    gen = torch.Generator().manual_seed(47)
+    t, h, topk = 14000, 64, 2048
+    monkeypatch.setattr(fused, "SLAB_BYTES", slab_mib * 2 ** 20)
+    q, k, w = _inputs(1, t, h, 128, t, gen)
+    per = fused.slab_rows(h, t)
+    poison_allocator()
+    out = dsagen.lightning_indexer(q, k, w, topk, causal=True, impl="fused")
+    kinds = {(spec.threads, spec.compact) for spec in picked}
+    assert kinds == ({(128, False), (512, True)} if slab_mib == 128 else {(1024, False), (1024, True)}), kinds
+    rows = sorted({r for r0 in range(0, t, per) for r in (r0, min(r0 + per, t) - 1)})
+    rows = torch.tensor(rows + torch.randint(0, t, (16,), generator=gen).tolist())
+    lo, hi = _bounds(t, t, True, 1)
+    _check_rows(out[:, rows.cuda()], _scores(q, k, w, rows.cuda()), lo, hi, topk, row_ids=rows)
 
 
 def _packed_bounds(rows, doc, ratio):
@@ -455,7 +485,35 @@ class _nullcontext:
         return False
 
 
-def test_cuda_graph_capture():
+def test_slab_buffers_same_result(monkeypatch):
+    """Two slabs with the top-k on a side stream (SLAB_BUFFERS = 2, 13 slabs of 64 rows here) give exactly the
+    one-slab result, packed documents included, and the caller's stream sees the finished output."""
+    from dsagen.fused import lightning_indexer as fused
+
+    gen = torch.Generator().manual_seed(89)
+    t, h, topk = 800, 64, 40
+    q, k, w = _inputs(1, t, h, 128, t, gen)
+    cu = torch.tensor([0, 1, 300, 300, 800], dtype=torch.int32).cuda()
+    monkeypatch.setattr(fused, "SLAB_BYTES", 2 * 64 * 4 * t)
+    results = {}
+    for buffers in (1, 2):
+        monkeypatch.setattr(fused, "SLAB_BUFFERS", buffers)
+        assert fused.slab_rows(h, t) == 64 * 2 // buffers
+        poison_allocator()
+        causal = dsagen.lightning_indexer(q, k, w, topk, causal=True, impl="fused")
+        packed = dsagen.lightning_indexer(q, k, w, topk, causal=True, impl="fused", cu_seqlens=cu, cu_seqlens_k=cu)
+        results[buffers] = (causal.clone(), packed.clone())     # read on the caller's stream, no synchronize
+    assert torch.equal(results[1][0], results[2][0]) and torch.equal(results[1][1], results[2][1])
+    lo, hi = _bounds(t, t, True, 1)
+    _check_rows(results[2][0], _scores(q, k, w), lo, hi, topk)
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_cuda_graph_capture(buffers, monkeypatch):
+    from dsagen.fused import lightning_indexer as fused
+
+    monkeypatch.setattr(fused, "SLAB_BUFFERS", buffers)
+    monkeypatch.setattr(fused, "SLAB_BYTES", 2 * 64 * 4 * 600)    # several slabs (64 or 128 rows)
     gen = torch.Generator().manual_seed(83)
     q, k, w = _inputs(1, 600, 64, 128, 600, gen)
     dsagen.lightning_indexer(q, k, w, 48, causal=True, impl="fused")      # warm up: load the kernels

@@ -52,8 +52,8 @@ INDEXER_TOPK_ABLATIONS = ("", "hist1", "read1", "no_emit")
 #: 1024 / threads CTAs per SM at 64 / 128 (64 registers: 16 / 8 rows in flight per SM; each thread then scans
 #: 4 / 2 bins of the block histogram).
 INDEXER_TOPK_THREADS = (64, 128, 256, 512, 1024)
-#: Top-k threads per row when a slab's rows fit one wave of one CTA per SM (long rows: S = 131072 gives 64
-#: rows per 32 MiB slab): twice the warps per row of the default 512-thread kernel.
+#: Top-k threads per row when a slab's rows fit one wave of one CTA per SM and the top-k options pin no thread
+#: count (topk_plan): twice the warps per row of the 512-thread kernel.
 TOPK_WIDE_THREADS = 1024
 #: IndexerTopkSpec(compact=True): (key, id) entries of shared memory per row, by threads. Sized so that the
 #: CTAs per SM of the register budget still fit (2 x 115,712 B of 233,472 B at 256 / 512 threads, 1 at 1024):
@@ -244,17 +244,72 @@ def with_default_consumers(score_options: dict, dtype: str = "bfloat16") -> dict
     return opts
 
 
-def indexer_specs(arch: str, num_heads: int, head_dim: int, dtype: str = "bfloat16", *,
-                  score_options: dict | None = None, topk_options: dict | None = None
-                  ) -> tuple[IndexerScoreSpec, IndexerTopkSpec, IndexerTopkSpec]:
-    """The kernels a fused lightning_indexer call may run, for these plan-time facts (the options override
-    tile choices, e.g. {"schedule": "pingpong"}; the defaults are the GPU-verified ones, including
-    with_default_consumers for the score kernel, and mma_head_sum for bfloat16: DEFAULT_MMA_HEAD_SUM; a
-    float16 call drops mma_head_sum from the options): the score kernel, the
-    top-k kernel and the wide top-k kernel (TOPK_WIDE_THREADS threads per row, which the host runs when a
-    slab's rows fit one wave). When topk_options pins "threads", the wide kernel is the top-k kernel."""
-    topk = dict(topk_options or {})
+#: The top-k kernel the host runs per slab, by the longest row the slab can hold (its causal bound): (at most this
+#: many candidates, IndexerTopkSpec options), the first entry that fits wins (None: any length). GPU-measured per
+#: row length (bench/indexer_topk.py, session 4, H200, topk 2048, ns per row): 128 threads (8 rows in flight per SM)
+#: are fastest up to ~12K candidates (n = 4096: 31 vs 54 at 512 threads; 8192: 45 vs 59), 512 threads with the
+#: compacted candidates beyond (16384: 83 vs 90; 32768: 117 vs 143; 131072: 473 vs 659).
+TOPK_BY_ROW_LENGTH: tuple[tuple[int | None, dict], ...] = ((12288, {"threads": 128}),
+                                                            (None, {"threads": 512, "compact": True}))
+#: The same for slabs whose rows fit one wave of one CTA per SM (rows <= SMs): twice the warps per row.
+TOPK_WIDE_BY_ROW_LENGTH: tuple[tuple[int | None, dict], ...] = ((12288, {"threads": 1024}),
+                                                                 (None, {"threads": 1024, "compact": True}))
+
+
+@dataclass(frozen=True)
+class TopkPlan:
+    """The top-k kernels of a fused lightning_indexer call and the host's per-slab choice among them.
+
+    narrow / wide: ((max_candidates or None, spec), ...): the first entry whose max_candidates is None or >= the
+    slab's longest possible row wins; `wide` applies when the slab's rows fit one wave (rows <= SMs)."""
+
+    narrow: tuple[tuple[int | None, IndexerTopkSpec], ...]
+    wide: tuple[tuple[int | None, IndexerTopkSpec], ...]
+
+    def specs(self) -> tuple[IndexerTopkSpec, ...]:
+        """Every distinct top-k spec of the plan, in plan order (what a build must compile)."""
+        return tuple(dict.fromkeys(spec for _, spec in (*self.narrow, *self.wide)))
+
+    def pick(self, max_candidates: int, rows: int, num_sms: int) -> IndexerTopkSpec:
+        """The spec for a slab of `rows` rows of at most `max_candidates` candidates on a GPU of `num_sms` SMs."""
+        for limit, spec in (self.wide if rows <= num_sms else self.narrow):
+            if limit is None or max_candidates <= limit:
+                return spec
+        raise AssertionError("a top-k plan ends with an entry for any length")
+
+
+def topk_plan(arch: str, topk_options: dict | None = None) -> TopkPlan:
+    """The default plan (TOPK_BY_ROW_LENGTH / TOPK_WIDE_BY_ROW_LENGTH), or, when topk_options are given (benchmark
+    variants, tests), one kernel with those options: threads pinned by them, else 512 threads (TOPK_WIDE_THREADS
+    when the rows fit one wave). {"compact": False} is thus the session-3 default (512 / 1024 threads)."""
+    def one(limit, opts):
+        return (limit, IndexerTopkSpec(arch=arch, **opts))
+
+    if not topk_options:
+        return TopkPlan(tuple(one(n, o) for n, o in TOPK_BY_ROW_LENGTH),
+                        tuple(one(n, o) for n, o in TOPK_WIDE_BY_ROW_LENGTH))
+    opts = dict(topk_options)
+    if "threads" in opts:
+        return TopkPlan((one(None, opts),), (one(None, opts),))
+    return TopkPlan((one(None, opts),), (one(None, {"threads": TOPK_WIDE_THREADS, **opts}),))
+
+
+def indexer_plan(arch: str, num_heads: int, head_dim: int, dtype: str = "bfloat16", *,
+                 score_options: dict | None = None, topk_options: dict | None = None
+                 ) -> tuple[IndexerScoreSpec, TopkPlan]:
+    """The score kernel (with_default_consumers applied to score_options, for `dtype`) and the top-k plan
+    (topk_plan) of a fused lightning_indexer call. The options override tile choices, e.g. {"schedule":
+    "pingpong"}; the defaults are the GPU-verified ones."""
     score = with_default_consumers(score_options or {}, dtype)
     return (IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype, **score),
-            IndexerTopkSpec(arch=arch, **topk),
-            IndexerTopkSpec(arch=arch, **{"threads": TOPK_WIDE_THREADS, **topk}))
+            topk_plan(arch, topk_options))
+
+
+def indexer_specs(arch: str, num_heads: int, head_dim: int, dtype: str = "bfloat16", *,
+                  score_options: dict | None = None, topk_options: dict | None = None
+                  ) -> tuple[KernelSpec, ...]:
+    """Every kernel a fused lightning_indexer call may run (what a build compiles): the score kernel first, then
+    the top-k plan's kernels (indexer_plan)."""
+    score, plan = indexer_plan(arch, num_heads, head_dim, dtype, score_options=score_options,
+                               topk_options=topk_options)
+    return (score, *plan.specs())

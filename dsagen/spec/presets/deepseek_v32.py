@@ -16,7 +16,7 @@ def specs(arch: str) -> list[KernelSpec]:
     out: list[KernelSpec] = [
         CompactifySpec(arch=arch),
         LocalToGlobalSpec(arch=arch),
-        # lightning indexer H=64, D=128, bf16: one score + two top-k kernels (512 / 1024 threads per row)
+        # lightning indexer H=64, D=128, bf16: one score kernel + the top-k plan's kernels (TOPK_BY_ROW_LENGTH)
         # serve topk 2048 and compress ratios 1 and 4 (topk, causal and ratio are run-time arguments);
         # sm_90a only so far.
         *(indexer_specs(arch, 64, 128, "bfloat16") if arch == "sm_90a" else ()),

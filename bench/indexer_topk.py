@@ -19,7 +19,9 @@ from common import cuda_time_ms
 
 #: --variant -> IndexerTopkSpec options
 VARIANTS = {f"t{t}": {"threads": t} for t in (64, 128, 256, 512, 1024)}
-VARIANTS.update({"c512": {"threads": 512, "compact": True}, "c1024": {"threads": 1024, "compact": True}})
+VARIANTS.update({"c512": {"threads": 512, "compact": True}, "c1024": {"threads": 1024, "compact": True},
+                 "s512": {"threads": 512, "compact": True, "sample": True},
+                 "s1024": {"threads": 1024, "compact": True, "sample": True}})
 
 
 def realistic_rows(rows: int, n: int, gen: torch.Generator, h: int = 64, d: int = 128) -> torch.Tensor:

@@ -42,10 +42,12 @@ REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH, threads=t) for t in INDEXER_TOPK_TH
     IndexerTopkSpec(arch=ARCH, threads=t, ablate=a) for a in INDEXER_TOPK_ABLATIONS if a for t in (512, 1024)] + [
     # compact=True (candidates in smem): test_topk_kernel_exact, DSAGEN_TEST_TOPK_OPTIONS='{"compact": true}',
     # bench --variant compact (the host's 512- and wide 1024-thread kernels)
-    IndexerTopkSpec(arch=ARCH, threads=t, compact=True) for t in (512, 1024)]
+    IndexerTopkSpec(arch=ARCH, threads=t, compact=True, sample=sm) for t in (512, 1024) for sm in (False, True)] + [
+    # the default plan's kernels (TopkPlan), whatever it holds
+    *indexer_specs(ARCH, 64, 128)[1:]]
 #: top-k kernels checked exactly by test_topk_kernel_exact
 TOPK_SPECS = [IndexerTopkSpec(arch=ARCH, threads=t) for t in INDEXER_TOPK_THREADS] + [
-    IndexerTopkSpec(arch=ARCH, threads=t, compact=True) for t in (512, 1024)]
+    IndexerTopkSpec(arch=ARCH, threads=t, compact=True, sample=sm) for t in (512, 1024) for sm in (False, True)]
 #: DSAGEN_TEST_TOPK_OPTIONS='{"threads": 1024}' runs this whole module with those top-k spec options (the
 #: GPU check of a top-k kernel before it becomes the default); tests that set fused.SPEC_OPTIONS
 #: themselves keep their own.
@@ -246,6 +248,10 @@ def _slab_rows(pattern: str, n: int, gen: torch.Generator) -> torch.Tensor:
         return torch.nextafter(x, torch.full_like(x, 9.0)).where(torch.rand(n, generator=gen) < 0.02, x)
     if pattern == "narrow":                           # one 16-bit key prefix, distinct keys: the last pass decides
         return 1 + torch.rand(n, generator=gen) * 2.0 ** -8   # (compact=True: the entries are written in pass 3)
+    if pattern == "front_heavy":                      # the largest keys all in the row's first eighth (sample=True:
+        x = torch.randn(n, generator=gen)             # the first warps' entries overflow: the row falls back)
+        x[:max(1, n // 8)] += 4.0
+        return x
     raise ValueError(pattern)
 
 
@@ -262,7 +268,8 @@ TOPK_EXACT_LENGTHS = [1, 2, 63, 64, 65, 127, 128, 129, 511, 2047, 2048, 2049, 20
 
 
 @pytest.mark.parametrize("topk", [1, 64, 2048])
-@pytest.mark.parametrize("pattern", ["randn", "equal", "few_values", "zeros_pm", "negative", "quantized", "narrow"])
+@pytest.mark.parametrize("pattern", ["randn", "equal", "few_values", "zeros_pm", "negative", "quantized", "narrow",
+                                     "front_heavy"])
 @pytest.mark.parametrize("spec", TOPK_SPECS, ids=[s.name() for s in TOPK_SPECS])
 def test_topk_kernel_exact(spec, pattern, topk):
     """The top-k kernel alone on slab rows of many lengths (one 1-token document per row): exactly the ids of

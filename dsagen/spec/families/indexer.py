@@ -183,6 +183,12 @@ class IndexerTopkSpec(KernelSpec):
     crossing bin) fit TOPK_COMPACT_CAP[threads] entries, that pass also writes them as (key, id) in id order
     to shared memory; the later passes and the emit then read shared memory instead of the row (rows that
     never fit run as without it). Same results.
+    sample: (with compact) rows of n >= 4 * topk first pick a 16-bit key prefix from THREADS evenly spaced keys
+    (rank ~2 * topk * THREADS / n among them, two radix passes over the sample), then read the row ONCE, storing
+    every key at or above that prefix as (key, id) in its warp's CAP / warps entries; when those hold at least
+    topk keys and no warp overflowed, the top-k lies among them and every radix pass and the emit read shared
+    memory (one global read of the row instead of two). Otherwise (an unlucky sample, skewed rows, all-equal
+    keys) the row runs as without it. Same results.
     """
 
     op = "lightning_indexer_topk"
@@ -191,6 +197,7 @@ class IndexerTopkSpec(KernelSpec):
     threads: int = 512
     ablate: str = ""
     compact: bool = False
+    sample: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -204,6 +211,8 @@ class IndexerTopkSpec(KernelSpec):
             out.append("compact=True is an option of the real kernel, not of the ablations")
         if self.compact and self.threads not in TOPK_COMPACT_CAP:
             out.append(f"compact=True needs threads in {tuple(TOPK_COMPACT_CAP)}")
+        if self.sample and not self.compact:
+            out.append("sample=True needs compact=True (the sampled candidates go to the compact entries)")
         return out
 
     def template_context(self) -> dict[str, Any]:

@@ -53,7 +53,11 @@ ROWS_VARIANTS = {"rows2048": 2048, "rows4096": 4096}
 #: host variants: two slabs of that many MiB each, the top-k of one on a side stream while the score kernel fills the
 #: other (fused.SLAB_BUFFERS = 2)
 PIPE_VARIANTS = {"pipe16": 16, "pipe32": 32, "pipe64": 64, "pipe128": 128}
-VARIANTS.update({name: ({}, {}) for name in (*SLAB_VARIANTS, *ROWS_VARIANTS, *PIPE_VARIANTS)})
+#: host variants: another top-k plan (spec family TOPK_BY_ROW_LENGTH, TOPK_WIDE_BY_ROW_LENGTH); plan_s4a = the
+#: session-4 plan before the sampled threshold (128 threads up to 12288 candidates, else 512 + compact)
+PLAN_VARIANTS = {"plan_s4a": (((12288, {"threads": 128}), (None, {"threads": 512, "compact": True})),
+                              ((12288, {"threads": 1024}), (None, {"threads": 1024, "compact": True})))}
+VARIANTS.update({name: ({}, {}) for name in (*SLAB_VARIANTS, *ROWS_VARIANTS, *PIPE_VARIANTS, *PLAN_VARIANTS)})
 # Timing ablations (not correct kernels; see dsagen.spec.families.indexer INDEXER_*_ABLATIONS).
 SCORE_ABLATIONS = ("no_epilogue", "mma_k16")
 TOPK_ABLATIONS = ("hist1", "read1", "no_emit")
@@ -132,7 +136,8 @@ def main(argv=None) -> int:
                          "many MiB, top-k on a side stream (fused.SLAB_BUFFERS = 2); rows2048 / rows4096: at that "
                          "many rows (default fused.SLAB_MAX_ROWS, 1024); "
                          "t64 / t128 / t256 / t512 / t1024: top-k with that many threads per row (default: per slab, "
-                         "TOPK_BY_ROW_LENGTH); topk_s3: session 3's top-k (512, 1024 when a slab's rows fit one wave); compact: IndexerTopkSpec.compact; "
+                         "TOPK_BY_ROW_LENGTH); topk_s3: session 3's top-k (512, 1024 when a slab's rows fit one wave); plan_s4a: the plan "
+                         "without the sampled threshold; compact: IndexerTopkSpec.compact; "
                          "ablate-persistent-* / ablate-topk-*: timing probes (not correct); ablations: default + all probes")
     args = ap.parse_args(argv)
     names = []
@@ -160,7 +165,13 @@ def _run_variant(variant: str, args) -> dict:
     import dsagen
     from dsagen.fused import lightning_indexer as fused
 
+    from dsagen.spec.families import indexer as family
+
     fused.SPEC_OPTIONS = VARIANTS[variant]
+    default_plan = family.TOPK_BY_ROW_LENGTH, family.TOPK_WIDE_BY_ROW_LENGTH
+    if variant in PLAN_VARIANTS:
+        family.TOPK_BY_ROW_LENGTH, family.TOPK_WIDE_BY_ROW_LENGTH = PLAN_VARIANTS[variant]
+    fused._kernels.clear()                      # the plan is not part of the loaded-kernel key
     default_slab, default_rows, default_buffers = fused.SLAB_BYTES, fused.SLAB_MAX_ROWS, fused.SLAB_BUFFERS
     fused.SLAB_BYTES = SLAB_VARIANTS.get(variant, default_slab >> 20) << 20
     fused.SLAB_MAX_ROWS = ROWS_VARIANTS.get(variant, default_rows)
@@ -216,6 +227,8 @@ def _run_variant(variant: str, args) -> dict:
            "spec_options": fused.SPEC_OPTIONS, "rows": rows}
     fused.SPEC_OPTIONS = ({}, {})
     fused.SLAB_BYTES, fused.SLAB_MAX_ROWS, fused.SLAB_BUFFERS = default_slab, default_rows, default_buffers
+    family.TOPK_BY_ROW_LENGTH, family.TOPK_WIDE_BY_ROW_LENGTH = default_plan
+    fused._kernels.clear()
     return out
 
 

@@ -55,20 +55,23 @@ def test_preset_contains_indexer_kernels():
     specs = get_preset("deepseek-v3.2", "sm_90a")
     assert set(indexer_specs("sm_90a", 64, 128)) <= set(specs)
     names = {s.name() for s in specs}
-    assert {"lightning_indexer_topk_t128_sm_90a", "lightning_indexer_topk_compact1_sm_90a"} <= names
+    assert {"lightning_indexer_topk_t128_sm_90a", "lightning_indexer_topk_compact1_sample1_sm_90a"} <= names
 
 
 def test_topk_plan_picks_by_row_length_and_wave():
-    """The default plan: 128 threads up to 12288 candidates, else 512 + compact; 1024 threads (compact beyond
-    12288) when the slab's rows fit one wave. Options give one kernel (threads pinned, else 512 / 1024)."""
+    """The default plan: 128 threads up to 12288 candidates, 512 + compact + sample up to 65536, else 1024 + compact
+    + sample; when the slab's rows fit one wave 1024 threads (+ compact + sample beyond 12288). Options give one
+    kernel (threads pinned, else 512 / 1024)."""
     from dsagen.spec.families.indexer import topk_plan
 
     plan = topk_plan("sm_90a")
-    pick = lambda n, rows: (plan.pick(n, rows, 132).threads, plan.pick(n, rows, 132).compact)
-    assert pick(1, 1024) == pick(12288, 1024) == (128, False)
-    assert pick(12289, 1024) == pick(2 ** 20, 133) == (512, True)
-    assert pick(100, 132) == pick(12288, 1) == (1024, False)
-    assert pick(12289, 132) == (1024, True)
+    pick = lambda n, rows: (plan.pick(n, rows, 132).threads, plan.pick(n, rows, 132).compact,   # noqa: E731
+                            plan.pick(n, rows, 132).sample)
+    assert pick(1, 1024) == pick(12288, 1024) == (128, False, False)
+    assert pick(12289, 1024) == pick(65536, 133) == (512, True, True)
+    assert pick(65537, 1024) == pick(2 ** 20, 133) == (1024, True, True)
+    assert pick(100, 132) == pick(12288, 1) == (1024, False, False)
+    assert pick(12289, 132) == (1024, True, True)
     assert len(plan.specs()) == 4 and indexer_specs("sm_90a", 64, 128)[1:] == plan.specs()
     pinned = topk_plan("sm_90a", {"threads": 64})
     assert pinned.specs() == (IndexerTopkSpec(arch="sm_90a", threads=64),)

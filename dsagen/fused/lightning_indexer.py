@@ -8,9 +8,10 @@ How a call runs (see notes/kernels/indexer.md):
     (the score kernel's wgmma N tile is QC x H = 128 columns). Blocks are processed in slabs: for each
     slab the score kernel writes every row's valid candidate scores (fp32, document-local ids) into one
     reused slab of R rows x ld_slab columns, then the top-k kernel turns each row into its output row. The
-    top-k kernel is chosen per slab from the longest row the slab can hold (slab_max_candidates; TopkPlan:
-    128 threads per row up to 12288 candidates, else 512 with the candidates compacted into shared memory;
-    1024 threads when the slab's rows fit one wave of one CTA per SM). The top-k reads rows with 16-byte
+    top-k kernel is chosen per slab from the longest row the slab can hold (slab_max_candidates; TopkPlan,
+    TOPK_BY_ROW_LENGTH: 128 threads per row up to 12288 candidates, 512 with a sampled threshold and the
+    candidates compacted into shared memory up to 65536, 1024 beyond; 1024 threads when the slab's rows fit
+    one wave of one CTA per SM). The top-k reads rows with 16-byte
     loads: ld_slab a multiple of 4 keeps every row 16-byte aligned.
     The default (persistent) score kernel runs min(#SMs, #work items) CTAs per slab, each looping over
     (token block, chunk) work items; the pingpong schedule runs one CTA per work item.

@@ -407,7 +407,7 @@ def test_long_causal_slabs_cross_batch_elements(buffers, monkeypatch):
 @pytest.mark.parametrize("slab_mib", [128, 6])
 def test_topk_plan_per_slab(slab_mib, monkeypatch):
     """The host's per-slab top-k choice (TopkPlan): a causal call long enough that the early slabs run the
-    short-row kernel and the late ones the compact 512-thread kernel (slab_mib=128: 1024-row slabs), or, with
+    short-row kernel and the late ones the sampled compact 512-thread kernel (slab_mib=128: 1024-row slabs), or, with
     112-row slabs (one wave), the two 1024-thread kernels; checked on every slab's first and last rows."""
     from dsagen.fused import lightning_indexer as fused
 

@@ -256,13 +256,18 @@ def with_default_consumers(score_options: dict, dtype: str = "bfloat16") -> dict
 #: The top-k kernel the host runs per slab, by the longest row the slab can hold (its causal bound): (at most this
 #: many candidates, IndexerTopkSpec options), the first entry that fits wins (None: any length). GPU-measured per
 #: row length (bench/indexer_topk.py, session 4, H200, topk 2048, ns per row): 128 threads (8 rows in flight per SM)
-#: are fastest up to ~12K candidates (n = 4096: 31 vs 54 at 512 threads; 8192: 45 vs 59), 512 threads with the
-#: compacted candidates beyond (16384: 83 vs 90; 32768: 117 vs 143; 131072: 473 vs 659).
-TOPK_BY_ROW_LENGTH: tuple[tuple[int | None, dict], ...] = ((12288, {"threads": 128}),
-                                                            (None, {"threads": 512, "compact": True}))
+#: are fastest up to ~12K candidates (n = 4096: 31 vs 54 at 512 threads; 8192: 45-49 vs 59-65), then 512 threads with
+#: the sampled threshold and compacted candidates (16384: 87-88 vs 90 plain; 32768: 113 vs 120 compact / 143 plain;
+#: 65536: 155 vs 230 compact), and for the longest rows 1024 (131072 in 256-row slabs: 306 vs 466-473 at 512, whose
+#: entries cannot hold a 512-key sample's margin there).
+TOPK_BY_ROW_LENGTH: tuple[tuple[int | None, dict], ...] = (
+    (12288, {"threads": 128}),
+    (65536, {"threads": 512, "compact": True, "sample": True}),
+    (None, {"threads": 1024, "compact": True, "sample": True}))
 #: The same for slabs whose rows fit one wave of one CTA per SM (rows <= SMs): twice the warps per row.
-TOPK_WIDE_BY_ROW_LENGTH: tuple[tuple[int | None, dict], ...] = ((12288, {"threads": 1024}),
-                                                                 (None, {"threads": 1024, "compact": True}))
+TOPK_WIDE_BY_ROW_LENGTH: tuple[tuple[int | None, dict], ...] = (
+    (12288, {"threads": 1024}),
+    (None, {"threads": 1024, "compact": True, "sample": True}))
 
 
 @dataclass(frozen=True)

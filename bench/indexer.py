@@ -50,14 +50,11 @@ VARIANTS = {
 SLAB_VARIANTS = {"slab16": 16, "slab32": 32, "slab64": 64}
 #: host variants: the default kernels with another slab row cap (fused.SLAB_MAX_ROWS; default 1024)
 ROWS_VARIANTS = {"rows2048": 2048, "rows4096": 4096}
-#: host variants: two slabs of that many MiB each, the top-k of one on a side stream while the score kernel fills the
-#: other (fused.SLAB_BUFFERS = 2)
-PIPE_VARIANTS = {"pipe16": 16, "pipe32": 32, "pipe64": 64, "pipe128": 128}
 #: host variants: another top-k plan (spec family TOPK_BY_ROW_LENGTH, TOPK_WIDE_BY_ROW_LENGTH); plan_s4a = the
 #: session-4 plan before the sampled threshold (128 threads up to 12288 candidates, else 512 + compact)
 PLAN_VARIANTS = {"plan_s4a": (((12288, {"threads": 128}), (None, {"threads": 512, "compact": True})),
                               ((12288, {"threads": 1024}), (None, {"threads": 1024, "compact": True})))}
-VARIANTS.update({name: ({}, {}) for name in (*SLAB_VARIANTS, *ROWS_VARIANTS, *PIPE_VARIANTS, *PLAN_VARIANTS)})
+VARIANTS.update({name: ({}, {}) for name in (*SLAB_VARIANTS, *ROWS_VARIANTS, *PLAN_VARIANTS)})
 # Timing ablations (not correct kernels; see dsagen.spec.families.indexer INDEXER_*_ABLATIONS).
 SCORE_ABLATIONS = ("no_epilogue", "mma_k16")
 TOPK_ABLATIONS = ("hist1", "read1", "no_emit")
@@ -100,8 +97,7 @@ def _profile(fused, q, k, w, topk, ratio, reps) -> dict:
 
 
 def _trace(q, k, w, topk, ratio, reps) -> dict:
-    """Device time per kernel inside the real op (torch.profiler / CUPTI), ms per call: score, top-k, and their
-    sum (above the wall time when the two kernels overlap: SLAB_BUFFERS = 2)."""
+    """Device time per kernel inside the real op (torch.profiler / CUPTI), ms per call: score and top-k."""
     import dsagen
     from torch.profiler import ProfilerActivity, profile
 
@@ -132,8 +128,7 @@ def main(argv=None) -> int:
                     help="pingpong / persistent: score-kernel schedules (IndexerScoreSpec.schedule); c2: 2 consumer "
                          "warpgroups (default 3); lean / lean_free: IndexerScoreSpec.lean_epilogue / free_issue; "
                          "nomma / mma: IndexerScoreSpec.mma_head_sum off / on (default off); slab16 / slab32 / slab64: "
-                         "the score slab capped at that many MiB (default fused.SLAB_BYTES, 128 MiB); pipe16 .. pipe128: two slabs of that "
-                         "many MiB, top-k on a side stream (fused.SLAB_BUFFERS = 2); rows2048 / rows4096: at that "
+                         "the score slab capped at that many MiB (default fused.SLAB_BYTES, 128 MiB); rows2048 / rows4096: at that "
                          "many rows (default fused.SLAB_MAX_ROWS, 1024); "
                          "t64 / t128 / t256 / t512 / t1024: top-k with that many threads per row (default: per slab, "
                          "TOPK_BY_ROW_LENGTH); topk_s3: session 3's top-k (512, 1024 when a slab's rows fit one wave); plan_s4a: the plan "
@@ -172,11 +167,9 @@ def _run_variant(variant: str, args) -> dict:
     if variant in PLAN_VARIANTS:
         family.TOPK_BY_ROW_LENGTH, family.TOPK_WIDE_BY_ROW_LENGTH = PLAN_VARIANTS[variant]
     fused._kernels.clear()                      # the plan is not part of the loaded-kernel key
-    default_slab, default_rows, default_buffers = fused.SLAB_BYTES, fused.SLAB_MAX_ROWS, fused.SLAB_BUFFERS
+    default_slab, default_rows = fused.SLAB_BYTES, fused.SLAB_MAX_ROWS
     fused.SLAB_BYTES = SLAB_VARIANTS.get(variant, default_slab >> 20) << 20
     fused.SLAB_MAX_ROWS = ROWS_VARIANTS.get(variant, default_rows)
-    if variant in PIPE_VARIANTS:
-        fused.SLAB_BUFFERS, fused.SLAB_BYTES = 2, 2 * PIPE_VARIANTS[variant] << 20
 
     h, d = 64, 128
     dev = torch.device("cuda")
@@ -226,7 +219,7 @@ def _run_variant(variant: str, args) -> dict:
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variant": variant,
            "spec_options": fused.SPEC_OPTIONS, "rows": rows}
     fused.SPEC_OPTIONS = ({}, {})
-    fused.SLAB_BYTES, fused.SLAB_MAX_ROWS, fused.SLAB_BUFFERS = default_slab, default_rows, default_buffers
+    fused.SLAB_BYTES, fused.SLAB_MAX_ROWS = default_slab, default_rows
     family.TOPK_BY_ROW_LENGTH, family.TOPK_WIDE_BY_ROW_LENGTH = default_plan
     fused._kernels.clear()
     return out

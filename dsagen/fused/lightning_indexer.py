@@ -18,8 +18,6 @@ How a call runs (see notes/kernels/indexer.md):
   * Scratch: the slab only, R * ld_slab * 4 bytes with ld_slab = S rounded up to 4 and
     R = min(1024, 128 MiB / (4 * ld_slab)) rounded down to a multiple of QC, at least QC. So at most
     128 MiB (SLAB_BYTES; 128 MiB at S >= 32768, S x 4 KiB below), bounded and independent of T and B.
-    (SLAB_BUFFERS = 2, not the default: two slabs of half the rows, the top-k of one on a side stream while
-    the score kernel fills the other; measured no faster, session 4.)
     Causal / document bounds are computed inside the kernels (binary search over cu_seqlens), so no
     per-row buffer exists either.
   * Everything a launch needs is a Python int from shapes; no host reads of device values, so the op
@@ -64,21 +62,6 @@ _sm_count: dict[int, int] = {}          # device index -> SMs (persistent grid, 
 #: Tile-choice overrides of the (score, top-k) specs; for A/B benchmarks (bench/indexer.py --variant).
 SPEC_OPTIONS: tuple[dict, dict] = ({}, {})
 _dummy: dict[int, torch.Tensor] = {}
-#: Score slabs per call: 1 = score and top-k launches alternate on the caller's stream; 2 = two slabs, each slab's
-#: top-k runs on a side stream while the score kernel fills the other (fills each launch's ramp and tail with the
-#: other kernel's CTAs; the slab rows are then capped at SLAB_BYTES // 2 each, so the scratch bound is unchanged).
-SLAB_BUFFERS = 1
-_side: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(index: int) -> torch.cuda.Stream:
-    """The per-device side stream the top-k launches use when SLAB_BUFFERS == 2."""
-    stream = _side.get(index)
-    if stream is None:
-        stream = _side[index] = torch.cuda.Stream(device=index)
-    return stream
-
-
 def check_backend(kernel_options) -> str:
     """kernel_options must be None or {"backend": "cute"}; anything else raises ValueError."""
     if kernel_options is None:
@@ -186,11 +169,11 @@ def score_ctas(schedule: str, n_items: int, num_sms: int) -> int:
 
 
 def slab_rows(num_heads: int, s_count: int) -> int:
-    """Rows R of each score slab for H heads and S candidates (a multiple of the token block): at most
-    SLAB_MAX_ROWS, and SLAB_BUFFERS slabs of R rows fit in SLAB_BYTES unless one token block alone is larger."""
+    """Rows R of the score slab for H heads and S candidates (a multiple of the token block): at most
+    SLAB_MAX_ROWS, and R rows fit in SLAB_BYTES unless one token block alone is larger."""
     qc = tokens_per_cta(num_heads)
     ld = -(-max(s_count, 1) // 4) * 4
-    rows = min(SLAB_MAX_ROWS, SLAB_BYTES // SLAB_BUFFERS // (4 * ld)) // qc * qc
+    rows = min(SLAB_MAX_ROWS, SLAB_BYTES // (4 * ld)) // qc * qc
     return max(qc, rows)
 
 
@@ -229,39 +212,15 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     scale = 1.0 / math.sqrt(h * d)
     causal_i = int(bool(causal))
     num_sms = _sm_count[index]
-    score_args = (qv, kv, weights)
     score_tail = (cu_q, cu_k, n_docs, t_count, s_count, n_tblk)
-    slabs = [slab]
-    side = None
-    if SLAB_BUFFERS > 1 and total_blk > blk_per_slab:
-        # top-k of slab i on a side stream while the score kernel fills slab i + 1 (see the module docstring)
-        slabs.append(torch.empty_like(slab))
-        main = torch.cuda.current_stream(device)
-        side = _side_stream(index)
-        side.wait_stream(main)                  # q, k, weights, out and the slabs are ready on the side stream
-        released: list = [None, None]           # event: the top-k has finished reading slab j
-    for i, blk0 in enumerate(range(0, total_blk, blk_per_slab)):
+    for blk0 in range(0, total_blk, blk_per_slab):
         nblk = min(blk_per_slab, total_blk - blk0)
-        buf = slabs[i % len(slabs)]
         topk_k = kernels.topk_for(slab_max_candidates(blk0, nblk, qc, n_tblk, t_count, s_count, causal, compress_ratio,
                                                       cu_seqlens is not None), nblk * qc, num_sms)
-        if side is not None and released[i % 2] is not None:
-            main.wait_event(released[i % 2])
-        score_k.launch(*score_args, buf, *score_tail, blk0, nblk, CHUNK_ROWS, n_chunks,
+        score_k.launch(qv, kv, weights, slab, *score_tail, blk0, nblk, CHUNK_ROWS, n_chunks,
                        score_ctas(schedule, nblk * n_chunks, num_sms), causal_i, compress_ratio, w_sb, w_st, w_sh, ld,
                        scale)
-        if side is None:
-            topk_k.launch(buf, out, *score_tail, blk0, qc, nblk * qc, topk, causal_i, compress_ratio, ld)
-            continue
-        scored = torch.cuda.Event()
-        scored.record(main)
-        side.wait_event(scored)
-        topk_k.launch(buf, out, *score_tail, blk0, qc, nblk * qc, topk, causal_i, compress_ratio, ld,
-                      stream=side.cuda_stream)
-        released[i % 2] = torch.cuda.Event()
-        released[i % 2].record(side)
-    if side is not None:
-        main.wait_stream(side)                  # out is complete, and the slabs are free, in the caller's stream
+        topk_k.launch(slab, out, *score_tail, blk0, qc, nblk * qc, topk, causal_i, compress_ratio, ld)
     return out
 
 

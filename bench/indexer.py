@@ -54,7 +54,9 @@ ROWS_VARIANTS = {"rows2048": 2048, "rows4096": 4096}
 #: session-4 plan before the sampled threshold (128 threads up to 12288 candidates, else 512 + compact)
 PLAN_VARIANTS = {"plan_s4a": (((12288, {"threads": 128}), (None, {"threads": 512, "compact": True})),
                               ((12288, {"threads": 1024}), (None, {"threads": 1024, "compact": True})))}
-VARIANTS.update({name: ({}, {}) for name in (*SLAB_VARIANTS, *ROWS_VARIANTS, *PLAN_VARIANTS)})
+#: host variants: the score kernel's work items cover that many candidates (fused.CHUNK_ROWS; default 4096)
+CHUNK_VARIANTS = {"chunk2048": 2048, "chunk8192": 8192, "chunk16384": 16384}
+VARIANTS.update({name: ({}, {}) for name in (*SLAB_VARIANTS, *ROWS_VARIANTS, *PLAN_VARIANTS, *CHUNK_VARIANTS)})
 # Timing ablations (not correct kernels; see dsagen.spec.families.indexer INDEXER_*_ABLATIONS).
 SCORE_ABLATIONS = ("no_epilogue", "mma_k16")
 TOPK_ABLATIONS = ("hist1", "read1", "no_emit")
@@ -128,7 +130,8 @@ def main(argv=None) -> int:
                     help="pingpong / persistent: score-kernel schedules (IndexerScoreSpec.schedule); c2: 2 consumer "
                          "warpgroups (default 3); lean / lean_free: IndexerScoreSpec.lean_epilogue / free_issue; "
                          "nomma / mma: IndexerScoreSpec.mma_head_sum off / on (default off); slab16 / slab32 / slab64: "
-                         "the score slab capped at that many MiB (default fused.SLAB_BYTES, 128 MiB); rows2048 / rows4096: at that "
+                         "the score slab capped at that many MiB (default fused.SLAB_BYTES, 128 MiB); chunk2048 / chunk8192 / chunk16384: score work items of that many candidates (default fused.CHUNK_ROWS, "
+                         "4096); rows2048 / rows4096: at that "
                          "many rows (default fused.SLAB_MAX_ROWS, 1024); "
                          "t64 / t128 / t256 / t512 / t1024: top-k with that many threads per row (default: per slab, "
                          "TOPK_BY_ROW_LENGTH); topk_s3: session 3's top-k (512, 1024 when a slab's rows fit one wave); plan_s4a: the plan "
@@ -167,7 +170,8 @@ def _run_variant(variant: str, args) -> dict:
     if variant in PLAN_VARIANTS:
         family.TOPK_BY_ROW_LENGTH, family.TOPK_WIDE_BY_ROW_LENGTH = PLAN_VARIANTS[variant]
     fused._kernels.clear()                      # the plan is not part of the loaded-kernel key
-    default_slab, default_rows = fused.SLAB_BYTES, fused.SLAB_MAX_ROWS
+    default_slab, default_rows, default_chunk = fused.SLAB_BYTES, fused.SLAB_MAX_ROWS, fused.CHUNK_ROWS
+    fused.CHUNK_ROWS = CHUNK_VARIANTS.get(variant, default_chunk)
     fused.SLAB_BYTES = SLAB_VARIANTS.get(variant, default_slab >> 20) << 20
     fused.SLAB_MAX_ROWS = ROWS_VARIANTS.get(variant, default_rows)
 
@@ -219,7 +223,7 @@ def _run_variant(variant: str, args) -> dict:
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variant": variant,
            "spec_options": fused.SPEC_OPTIONS, "rows": rows}
     fused.SPEC_OPTIONS = ({}, {})
-    fused.SLAB_BYTES, fused.SLAB_MAX_ROWS = default_slab, default_rows
+    fused.SLAB_BYTES, fused.SLAB_MAX_ROWS, fused.CHUNK_ROWS = default_slab, default_rows, default_chunk
     family.TOPK_BY_ROW_LENGTH, family.TOPK_WIDE_BY_ROW_LENGTH = default_plan
     fused._kernels.clear()
     return out

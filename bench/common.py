@@ -10,14 +10,21 @@ from typing import Callable
 import torch
 
 
-def cuda_time_ms(fn: Callable[[], object], calls: int = 1, rounds: int = 5) -> float:
+def cuda_time_ms(fn: Callable[[], object], calls: int = 1, rounds: int = 5, queued: bool = False) -> float:
     """Milliseconds per call of `fn` on the current CUDA stream: one warm-up call, then `rounds` rounds of
-    `calls` back-to-back calls between two CUDA events; the median over rounds of each round's mean."""
+    `calls` back-to-back calls between two CUDA events; the median over rounds of each round's mean.
+
+    queued=True puts a ~20 ms spin kernel on the stream ahead of each round's first event, so the round starts on a
+    busy GPU with every launch already queued (the op's GPU time as inside a model step); without it each round
+    starts from an idle GPU right after a synchronize (an isolated call: host launch latency and the GPU's
+    clock ramp-up count)."""
     fn()
     torch.cuda.synchronize()
     per_call = []
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if queued:
+            torch.cuda._sleep(40_000_000)
         start.record()
         for _ in range(calls):
             fn()

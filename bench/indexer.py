@@ -2,10 +2,13 @@
 chunked reference, in one process (GPU). Results go to BENCHMARKS.md.
 
     python bench/indexer.py [--T 8192 32768 131072] [--topk 512 2048] [--ratio 1 4] [--reps 5]
-                            [--ref-max-T 32768] [--json FILE] [--profile] [--variant NAME [NAME ...]]
+                            [--ref-max-T 32768] [--json FILE] [--queued] [--profile] [--trace]
+                            [--variant NAME [NAME ...]]
 
 Causal, H=64, D=128, bf16, fresh random inputs. Each figure is the median of --reps timed calls
-(CUDA events) after one warm-up call. FLOPs count the causal pairs only: 2*H*D*sum_t #candidates(t);
+(CUDA events) after one warm-up call, each call timed alone from an idle GPU (host launch latency and the GPU's
+clock ramp-up included); --queued also times each call behind a spin kernel (busy GPU, every launch queued: the
+op's GPU time as inside a model step, 1-1.5 ms less at T=32768 on some H200s). FLOPs count the causal pairs only: 2*H*D*sum_t #candidates(t);
 the tensor-core floor is that at 780 TFLOP/s (dense bf16 measured on the H200). The reference is timed
 only up to --ref-max-T (it takes seconds beyond). --profile also times the score and top-k kernels
 alone (one slab loop with each kernel launched alone). --variant selects tile choices that are not the
@@ -124,6 +127,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ref-max-T", type=int, default=32768)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="also time the score and top-k kernels alone")
+    ap.add_argument("--queued", action="store_true",
+                    help="also time each call queued behind a spin kernel (busy GPU, launches queued: the op's GPU "
+                         "time as inside a model step; common.cuda_time_ms)")
     ap.add_argument("--trace", action="store_true",
                     help="also report each kernel's device time inside the real op (torch.profiler)")
     ap.add_argument("--variant", choices=list(VARIANTS) + ["ablations"], nargs="+", default=["default"],
@@ -195,6 +201,10 @@ def _run_variant(variant: str, args) -> dict:
                 fused_ms = cuda_time_ms(lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True,
                                                                          compress_ratio=ratio, impl="fused"),
                                         rounds=args.reps)
+                if args.queued:
+                    queued_ms = cuda_time_ms(lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True,
+                                                                               compress_ratio=ratio, impl="fused"),
+                                             rounds=args.reps, queued=True)
                 ref = None
                 if t <= args.ref_max_T:
                     ref = cuda_time_ms(lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True,
@@ -206,6 +216,8 @@ def _run_variant(variant: str, args) -> dict:
                        "fraction_of_floor": round(floor_ms / fused_ms, 3),
                        "reference_ms": round(ref, 2) if ref else None,
                        "speedup": round(ref / fused_ms, 1) if ref else None}
+                if args.queued:
+                    row["queued_ms"] = round(queued_ms, 3)
                 if args.profile:
                     row.update(_profile(fused, q, k, w, topk, ratio, args.reps))
                 if args.trace:
@@ -216,6 +228,7 @@ def _run_variant(variant: str, args) -> dict:
                       f"{(f'{ref / fused_ms:.1f}x' if ref else '-'):>8}"
                       + (f"   score only {row['score_ms']:.2f} ms, top-k only {row['topk_ms']:.2f} ms"
                          if args.profile else "")
+                      + (f"   queued {queued_ms:.2f} ms" if args.queued else "")
                       + (f"   in the op: score {row['trace_score_ms']:.2f} ms, top-k {row['trace_topk_ms']:.2f} ms"
                          if args.trace else ""), flush=True)
             del q, k, w

@@ -248,6 +248,8 @@ def _slab_rows(pattern: str, n: int, gen: torch.Generator) -> torch.Tensor:
         return torch.nextafter(x, torch.full_like(x, 9.0)).where(torch.rand(n, generator=gen) < 0.02, x)
     if pattern == "narrow":                           # one 16-bit key prefix, distinct keys: the last pass decides
         return 1 + torch.rand(n, generator=gen) * 2.0 ** -8   # (compact=True: the entries are written in pass 3)
+    if pattern == "one_octave":                       # every key in [1, 2): one top byte (sample=True: pass 0 is
+        return 1 + torch.rand(n, generator=gen)       # skipped), the 16-bit prefixes spread over 128 values
     if pattern == "front_heavy":                      # the largest keys all in the row's first eighth (sample=True:
         x = torch.randn(n, generator=gen)             # the first warps' entries overflow: the row falls back)
         x[:max(1, n // 8)] += 4.0
@@ -269,7 +271,7 @@ TOPK_EXACT_LENGTHS = [1, 2, 63, 64, 65, 127, 128, 129, 511, 2047, 2048, 2049, 20
 
 @pytest.mark.parametrize("topk", [1, 64, 2048])
 @pytest.mark.parametrize("pattern", ["randn", "equal", "few_values", "zeros_pm", "negative", "quantized", "narrow",
-                                     "front_heavy"])
+                                     "front_heavy", "one_octave"])
 @pytest.mark.parametrize("spec", TOPK_SPECS, ids=[s.name() for s in TOPK_SPECS])
 def test_topk_kernel_exact(spec, pattern, topk):
     """The top-k kernel alone on slab rows of many lengths (one 1-token document per row): exactly the ids of

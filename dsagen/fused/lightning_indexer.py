@@ -11,8 +11,8 @@ How a call runs (see notes/kernels/indexer.md):
     top-k kernel is chosen per slab from the longest row the slab can hold (slab_max_candidates; TopkPlan,
     TOPK_BY_ROW_LENGTH: 128 threads per row up to 12288 candidates, 512 with a sampled threshold and the
     candidates compacted into shared memory up to 65536, 1024 beyond; 1024 threads when the slab's rows fit
-    one wave of one CTA per SM). The top-k reads rows with 16-byte
-    loads: ld_slab a multiple of 4 keeps every row 16-byte aligned.
+    one wave of one CTA per SM). The top-k reads rows with 16-byte loads: ld_slab a multiple of 4 keeps every
+    row 16-byte aligned.
     The default (persistent) score kernel runs min(#SMs, #work items) CTAs per slab, each looping over
     (token block, chunk) work items; the pingpong schedule runs one CTA per work item.
   * Scratch: the slab only, R * ld_slab * 4 bytes with ld_slab = S rounded up to 4 and
@@ -44,7 +44,8 @@ _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 @dataclass
 class IndexerKernels:
     """The loaded kernels of one (device, H, D, dtype, SPEC_OPTIONS): the score kernel, its schedule (the grid
-    rule: score_ctas), the top-k plan and its kernels by spec."""
+    rule: score_ctas), the top-k plan and its kernels by spec. Every kernel of the plan is loaded at the first
+    call, whatever that call's slab lengths, so a warmed-up call can be captured in a CUDA graph at any length."""
 
     score: LoadedKernel
     schedule: str
@@ -62,6 +63,8 @@ _sm_count: dict[int, int] = {}          # device index -> SMs (persistent grid, 
 #: Tile-choice overrides of the (score, top-k) specs; for A/B benchmarks (bench/indexer.py --variant).
 SPEC_OPTIONS: tuple[dict, dict] = ({}, {})
 _dummy: dict[int, torch.Tensor] = {}
+
+
 def check_backend(kernel_options) -> str:
     """kernel_options must be None or {"backend": "cute"}; anything else raises ValueError."""
     if kernel_options is None:

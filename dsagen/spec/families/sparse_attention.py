@@ -68,7 +68,7 @@ SCHEDULE_ABLATIONS = {
     "serial": ("no_gather", "no_math", "no_softmax", "no_pv", "no_mask"),
     "split_halves": ("no_gather", "no_ready_fence"),
     "serial_lean": ("no_gather",),
-    "quad": (),
+    "quad": ("no_gather",),
 }
 
 

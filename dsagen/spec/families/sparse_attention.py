@@ -22,19 +22,13 @@ from ..base import KernelSpec, register_spec
 _REGS_AT_LAUNCH = 65536 // 384 // 8 * 8
 _REG_TOTAL = 3 * _REGS_AT_LAUNCH
 
-SCHEDULES = ("serial", "split_halves", "serial_lean", "quad")
+SCHEDULES = ("serial", "split_halves", "serial_lean")
 # setmaxnreg budgets of schedule="split_halves": 48 + 232 + 224 = 504. The producer keeps both tiles' ids over a
 # pair (40 spills ~23 values in its loop, 48 ~12); consumer A (WG1) holds the most (O, S, P and the next tile's
 # ids), B the least.
 HALVES_REGS = {"regs_producer": 48, "regs_qk": 232, "regs_pv": 224}
-# schedule="quad" launches 4 warpgroups (512 threads, floor(65536 / 512 / 8) * 8 = 128 registers each at launch) and
-# raises the three consumer warpgroups with ONE setmaxnreg.inc to regs_qk (regs_pv must equal it): producer + 3 x
-# regs_qk <= 4 x 128 = 512. (ptxas compiles every instruction of a 512-thread kernel within the launch's 128
-# registers, whatever setmaxnreg grants: the P V halves are two m64n128 wgmmas of 64 accumulators each.)
-QUAD_REG_TOTAL = 4 * (65536 // 512 // 8 * 8)
-QUAD_REGS = {"regs_producer": 32, "regs_qk": 160, "regs_pv": 160}
 # the register budget the op uses per schedule
-SCHEDULE_REGS = {"serial": {}, "split_halves": HALVES_REGS, "serial_lean": {}, "quad": QUAD_REGS}
+SCHEDULE_REGS = {"serial": {}, "split_halves": HALVES_REGS, "serial_lean": {}}
 # The schedule the op runs per (num_heads, d_qk) of the kernel, from a number of query rows on: (schedule, min
 # rows); "serial" for every shape not listed and below the rows. GPU-measured in the same runs (H200,
 # notes/kernels/sparse_attention.md, session 3): serial_lean 1.04-1.05x serial at H128 / D576 prefill (S_q 4096
@@ -68,7 +62,6 @@ SCHEDULE_ABLATIONS = {
     "serial": ("no_gather", "no_math", "no_softmax", "no_pv", "no_mask"),
     "split_halves": ("no_gather", "no_ready_fence"),
     "serial_lean": ("no_gather",),
-    "quad": ("no_gather",),
 }
 
 
@@ -101,11 +94,6 @@ class SparseAttnFwdSpec(KernelSpec):
         softmax (FMNMX tree row maxima, tree row sums, P packed to bf16 once, stmatrix P store); the producer
         loads a tile's ids one tile ahead, before waiting for its stage. Same registers and shared memory as
         serial.
-      "quad": four warpgroups (512 threads): the producer (as serial_lean's), WG1 scores only (QK^T, lean
-        softmax, P and the row rescale to smem, then at once the next tile's QK^T), WG2 and WG3 each accumulate
-        one half of O from that P tile (SS wgmma). WG1's softmax of tile t + 1 then runs while the tensor cores
-        do tile t's P V (two m64n128 wgmmas per k-block each). One register budget for the three consumers
-        (regs_qk == regs_pv; QUAD_REGS: 32 + 3 x 160 = 512).
     l2_hint: the KV gather's cp.async carries FlashMLA's hints, a 256-byte L2 prefetch and an L2 evict_last
       cache policy (schedule "split_halves" only). Default off.
     ablate: "" (the real kernel) or one of ABLATIONS: a TIMING-ONLY variant that leaves one stage out
@@ -159,13 +147,6 @@ class SparseAttnFwdSpec(KernelSpec):
         regs = (self.regs_producer, self.regs_qk, self.regs_pv)
         if any(r % 8 or not 24 <= r <= 256 for r in regs):
             out.append(f"regs_producer/regs_qk/regs_pv={regs} must each be a multiple of 8 in [24, 256]")
-        elif self.schedule == "quad":
-            if self.regs_pv != self.regs_qk:
-                out.append(f"schedule 'quad' raises its three consumer warpgroups together: regs_pv={self.regs_pv} "
-                           f"must equal regs_qk={self.regs_qk}")
-            elif self.regs_producer + 3 * self.regs_qk > QUAD_REG_TOTAL:
-                out.append(f"regs_producer + 3 * regs_qk = {self.regs_producer + 3 * self.regs_qk} exceeds "
-                           f"{QUAD_REG_TOTAL} (schedule 'quad': 4 warpgroups x 128 registers at launch)")
         elif sum(regs) > _REG_TOTAL:
             out.append(f"regs_producer + regs_qk + regs_pv = {sum(regs)} exceeds {_REG_TOTAL} "
                        f"(3 warpgroups x {_REGS_AT_LAUNCH} registers at launch; setmaxnreg cannot grow the pool)")

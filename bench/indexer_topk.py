@@ -25,17 +25,19 @@ VARIANTS.update({"c512": {"threads": 512, "compact": True}, "c1024": {"threads":
 
 
 def realistic_rows(rows: int, n: int, gen: torch.Generator, h: int = 64, d: int = 128) -> torch.Tensor:
-    """fp32 [rows, n]: sum_h w[r, h] * relu(q[r, h] . k[j]) / sqrt(h d), bf16 inputs, as the score kernel writes."""
+    """fp32 [rows, n]: the reference's weighted_relu_scores of random bf16 q [rows, h, d] against n random bf16 keys
+    with fp32 weights, scaled by 1 / sqrt(h d) as the score kernel writes them (in row chunks of ~256 MiB)."""
+    from dsagen.reference.indexer import weighted_relu_scores
+
     dev = torch.device("cuda")
-    k = torch.randn((n, d), device=dev, generator=gen, dtype=torch.bfloat16)
+    k = torch.randn((1, n, d), device=dev, generator=gen, dtype=torch.bfloat16).float()
     out = torch.empty((rows, n), device=dev, dtype=torch.float32)
     step = max(1, 2 ** 28 // (h * n * 4))
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        q = torch.randn((r1 - r0, h, d), device=dev, generator=gen, dtype=torch.bfloat16)
-        w = torch.randn((r1 - r0, h), device=dev, generator=gen, dtype=torch.float32)
-        s = torch.relu((q @ k.T).float())                       # [r, h, n]
-        out[r0:r1] = torch.einsum("rhn,rh->rn", s, w) / (h * d) ** 0.5
+        q = torch.randn((1, r1 - r0, h, d), device=dev, generator=gen, dtype=torch.bfloat16).float()
+        w = torch.randn((1, r1 - r0, h), device=dev, generator=gen, dtype=torch.float32)
+        out[r0:r1] = weighted_relu_scores(q, k, w)[0] / (h * d) ** 0.5
     return out
 
 

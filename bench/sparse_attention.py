@@ -1,6 +1,7 @@
 """Sparse MLA forward: the fused sm_90a kernel against the plain-PyTorch reference, in one run (GPU).
 
     python bench/sparse_attention.py [--quick] [--reps N] [--json FILE] [--schedule serial|split_halves|serial_lean [--l2-hint]] [--cases 0,2]
+                                     [--topk 512,1024,2048,4096]
                                      [--ablate [no_gather,no_math,...]] [--ncu]
 
 --schedule S also times the fused kernel under SparseAttnFwdSpec.schedule S (dsagen.fused.sparse_attention
@@ -121,6 +122,8 @@ def main() -> None:
                     help="comma list of timing-only ablations to time next to the real kernel (default: all)")
     ap.add_argument("--cases", help="comma list of case indices to run (default: all of the list)")
     ap.add_argument("--ncu", action="store_true", help="launch each kernel once on case 0, no timing (for ncu)")
+    ap.add_argument("--topk", help="comma list of top-k widths: each chosen case runs once per width (a sweep's "
+                                   "intercept is the fixed cost per CTA: prologue, epilogue, pipeline fill/drain)")
     args = ap.parse_args()
     ablate = [a for a in args.ablate.split(",") if a]
     bad = [a for a in ablate if a not in fused_sa.ABLATIONS]
@@ -140,6 +143,8 @@ def main() -> None:
     cases += [("decode", 64, 128, 576, 131072, 2048, ref), ("decode", 128, 128, 576, 131072, 2048, ref)]
     if args.cases:
         cases = [cases[int(i)] for i in args.cases.split(",")]
+    if args.topk:
+        cases = [c[:5] + (int(k),) + c[6:] for c in cases for k in args.topk.split(",")]
     rows = []
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", file=sys.stderr)
     hdr = f"{'case':8} {'S_q':>6} {'H':>4} {'D':>4} {'kv':>7} {'topk':>5} | {'fused ms':>9} {'TFLOP/s':>8} " \

@@ -141,6 +141,8 @@ def main() -> None:
         cases += [("prefill", 32768, 128, 576, 32768, 2048, ref), ("prefill", 32768, 128, 576, 131072, 2048, 0),
                   ("prefill", 32768, 64, 512, 131072, 2048, 0)]
     cases += [("decode", 64, 128, 576, 131072, 2048, ref), ("decode", 128, 128, 576, 131072, 2048, ref)]
+    # the other two kernel shapes (not issue targets; they show whether a schedule's default holds there too)
+    cases += [("prefill", 4096, 128, 512, 32768, 2048, 0), ("prefill", 4096, 64, 576, 32768, 2048, 0)]
     if args.cases:
         cases = [cases[int(i)] for i in args.cases.split(",")]
     if args.topk:

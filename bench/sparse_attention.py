@@ -5,7 +5,7 @@
                                      [--ablate [no_gather,no_math,...]] [--ncu]
 
 --schedule S also times the fused kernel under SparseAttnFwdSpec.schedule S (dsagen.fused.sparse_attention
-.SCHEDULE) next to the default (each shape's: DEFAULT_SCHEDULES, "serial_lean" at H128 / D576, "serial" elsewhere;
+.SCHEDULE) next to the default (each shape's: spec family default_schedule, "split_halves" everywhere;
 the row's "schedule" in the JSON) in the same run, on the same inputs: columns `S ms`, `TFLOP/s`,
 `x` (default time / S time) and, in the JSON, the max abs difference of S's out/lse from the default's.
 --l2-hint (with --schedule split_halves) times that schedule with SparseAttnFwdSpec.l2_hint instead.
@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--schedule", choices=fused_sa.SCHEDULES,
                     help="also time this kernel schedule next to the default (each shape's, see "
-                         "DEFAULT_SCHEDULES), in the same run")
+                         "default_schedule), in the same run")
     ap.add_argument("--l2-hint", action="store_true",
                     help="--schedule split_halves with SparseAttnFwdSpec.l2_hint (L2::256B prefetch + evict_last)")
     ap.add_argument("--ablate", nargs="?", const=",".join(fused_sa.ABLATIONS), default="",

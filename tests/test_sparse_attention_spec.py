@@ -46,7 +46,7 @@ def _smem_fits(rec):
 def test_default_spec_is_the_v32_shape_and_valid():
     s = SparseAttnFwdSpec(arch="sm_90a").check()
     assert (s.num_heads, s.d_qk, s.d_v, s.dtype) == (128, 576, 512, "bfloat16")
-    assert dataclasses.replace(s, schedule="serial_lean") in get_preset("deepseek-v3.2", "sm_90a")   # the op's H128 / D576 kernel
+    assert dataclasses.replace(s, **HALVES) in get_preset("deepseek-v3.2", "sm_90a")   # the op's H128 / D576 kernel
     assert not any(isinstance(x, SparseAttnFwdSpec) for x in get_preset("deepseek-v3.2", "sm_100a"))
 
 
@@ -124,16 +124,17 @@ def test_schedule_selection():
 
     assert SparseAttnFwdSpec(arch="sm_90a").schedule == "serial"
     assert fsa.SCHEDULE is None                                        # each shape's measured-fastest schedule
-    assert fsa.spec_for(128, 576, torch.bfloat16) == SparseAttnFwdSpec(arch="sm_90a", schedule="serial_lean")
-    assert fsa.spec_for(100, 576, torch.bfloat16).schedule == "serial_lean"       # padded to 128 heads
+    halves = SparseAttnFwdSpec(arch="sm_90a", **HALVES)
+    assert fsa.spec_for(128, 576, torch.bfloat16) == halves
+    assert fsa.spec_for(100, 576, torch.bfloat16) == halves                        # padded to 128 heads
     for h, d in ((64, 576), (64, 512), (128, 512), (16, 576)):
-        assert fsa.spec_for(h, d, torch.bfloat16).schedule == "serial", (h, d)
+        assert fsa.spec_for(h, d, torch.bfloat16).schedule == "split_halves", (h, d)
     assert fsa.spec_for(128, 576, torch.bfloat16, schedule="serial") == SparseAttnFwdSpec(arch="sm_90a")
-    assert fsa.resolved_schedule(128, 576) == "serial_lean" and fsa.resolved_schedule(64, 576) == "serial"
-    assert fsa.resolved_schedule(128, 576, rows=4096) == "serial_lean"            # prefill
-    assert fsa.resolved_schedule(128, 576, rows=128) == "serial"                  # decode batch
-    assert fsa.spec_for(128, 576, torch.bfloat16, rows=64) == SparseAttnFwdSpec(arch="sm_90a")
-    assert fsa.resolved_schedule(128, 576, "split_halves", rows=64) == "split_halves"
+    for rows in (None, 1, 128, 4096):                                  # decode batches and prefill alike
+        assert fsa.resolved_schedule(128, 576, rows=rows) == "split_halves"
+        assert fsa.resolved_schedule(64, 512, rows=rows) == "split_halves"
+    assert fsa.spec_for(128, 576, torch.bfloat16, rows=64) == halves
+    assert fsa.resolved_schedule(128, 576, "serial_lean", rows=64) == "serial_lean"
     with pytest.raises(ValueError, match="schedule"):
         fsa.spec_for(64, 576, torch.bfloat16, schedule="nope")
     with pytest.raises(ValueError, match="schedule"):                  # removed in session 2 (see the notes)
@@ -317,8 +318,8 @@ def test_serial_lean_spec_and_render():
     spec = SparseAttnFwdSpec(arch="sm_90a", **LEAN).check()
     assert (spec.regs_producer, spec.regs_qk, spec.regs_pv) == (40, 248, 216)      # serial's budget
     assert fsa.spec_for(128, 576, torch.bfloat16, schedule="serial_lean") == spec
-    assert fsa.spec_for(128, 576, torch.bfloat16) == spec                  # the op's default at H128 / D576
-    assert fsa.spec_for(64, 512, torch.bfloat16) == SparseAttnFwdSpec(arch="sm_90a", num_heads=64, d_qk=512)
+    assert fsa.spec_for(64, 512, torch.bfloat16, schedule="serial") == SparseAttnFwdSpec(
+        arch="sm_90a", num_heads=64, d_qk=512)
     src = render(spec)
     compile(src, "kernel.py", "exec")
     assert "ntiles = cutlass.max(ntiles, Int32(1))" in src and "StMatrix8x8x16bOp" in src

@@ -30,11 +30,10 @@ _MAX_GRID_X = 2**31 - 1
 _kernels: dict[tuple, LoadedKernel] = {}
 
 # Run-time choice of the kernel schedule (SparseAttnFwdSpec.schedule) for every shape: None (the default) runs
-# each kernel shape's measured-fastest schedule (spec family DEFAULT_SCHEDULES: "serial_lean" at H128 / D576,
-# "serial" elsewhere); "serial", "split_halves" (FlashMLA's even/odd split of the tiles between the two consumer
-# warpgroups with its half-stage barriers and asymmetric max exchange) or "serial_lean" (serial with the next
-# QK^T issued behind the PV and a lean softmax) force one.
-# Tests and benches set it (`dsagen.fused.sparse_attention.SCHEDULE = "split_halves"`).
+# each kernel shape's measured-fastest schedule (spec family default_schedule: "split_halves", FlashMLA's even/odd
+# split of the tiles between the two consumer warpgroups with its half-stage barriers and asymmetric max exchange,
+# for every shape); "serial" or "serial_lean" (one consumer scores every tile) force another one.
+# Tests and benches set it (`dsagen.fused.sparse_attention.SCHEDULE = "serial"`).
 SCHEDULE: str | None = None
 # Run-time choice of SparseAttnFwdSpec.l2_hint (FlashMLA's L2::256B prefetch + evict_last policy on the KV
 # gather) for schedule "split_halves"; ignored by the other schedules.
@@ -48,7 +47,7 @@ def kernel_heads(num_heads: int) -> int:
 
 def resolved_schedule(num_heads: int, d_qk: int, schedule: str | None = None, rows: int | None = None) -> str:
     """The schedule a call with `num_heads` query heads (padded to 64 or 128), `d_qk` and `rows` query rows runs:
-    `schedule`, else the module's SCHEDULE, else the shape's default (spec family DEFAULT_SCHEDULES)."""
+    `schedule`, else the module's SCHEDULE, else the shape's default (spec family default_schedule)."""
     schedule = SCHEDULE if schedule is None else schedule
     return default_schedule(kernel_heads(num_heads), d_qk, rows) if schedule is None else schedule
 

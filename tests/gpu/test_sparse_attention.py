@@ -4,10 +4,9 @@ padded, D_qk 512/576 with d_v 512, top-k widths that are and are not multiples o
 negative and out-of-range ids, duplicates, all-invalid rows, with and without sink, total_S_q = 1, the
 batched seed-002 layout, fp16, gradients, CUDA-graph capture and torch.compile.
 The correctness tests that take the `schedule` fixture run under every kernel schedule
-(SparseAttnFwdSpec.schedule "serial", the default; "split_halves", FlashMLA's even/odd split of the tiles with its
-half-stage barriers and asymmetric max exchange; "serial_lean", serial with the next QK^T issued behind the PV
-and a lean softmax), selected through
-dsagen.fused.sparse_attention.SCHEDULE; the others use the default.
+(SparseAttnFwdSpec.schedule "split_halves", the op's default: FlashMLA's even/odd split of the tiles with its
+half-stage barriers and asymmetric max exchange; "serial"; "serial_lean", serial with the next QK^T issued behind
+the PV and a lean softmax), selected through dsagen.fused.sparse_attention.SCHEDULE; the others use the default.
 
 Build what these need first (CPU, with CuTe-DSL):
     dsagen build --from-tests tests/gpu/test_sparse_attention.py --arch sm_90a

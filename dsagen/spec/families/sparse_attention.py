@@ -29,18 +29,20 @@ SCHEDULES = ("serial", "split_halves", "serial_lean")
 HALVES_REGS = {"regs_producer": 48, "regs_qk": 232, "regs_pv": 224}
 # the register budget the op uses per schedule
 SCHEDULE_REGS = {"serial": {}, "split_halves": HALVES_REGS, "serial_lean": {}}
-# The schedule the op runs per (num_heads, d_qk) of the kernel, from a number of query rows on: (schedule, min
-# rows); "serial" for every shape not listed and below the rows. GPU-measured in the same runs (H200,
-# notes/kernels/sparse_attention.md, session 3): serial_lean 1.04-1.05x serial at H128 / D576 prefill (S_q 4096
-# and 32768, KV 32768 and 131072), 0.91-0.94x at decode (64 and 128 rows) and 0.95-1.00x at H64 / D512.
-DEFAULT_SCHEDULES = {(128, 576): ("serial_lean", 1024)}
+# The schedule the op runs: DEFAULT_SCHEDULE for every kernel shape and call size, unless DEFAULT_SCHEDULES lists
+# the shape as (schedule, min rows) (then that schedule from `min rows` query rows on). GPU-measured in one run
+# (H200, session 5, notes/kernels/sparse_attention.md): split_halves with its lean softmax and producer-built
+# validity bytes is 1.06-1.08x serial_lean at H128 / D576 prefill (S_q 4096 and 32768, KV 32768 and 131072),
+# 1.02-1.12x serial at decode (64 / 128 rows), 1.11-1.15x serial at H64 / D512, H64 / D576 and H128 / D512.
+DEFAULT_SCHEDULE = "split_halves"
+DEFAULT_SCHEDULES: dict[tuple[int, int], tuple[str, int]] = {}
 
 
 def default_schedule(num_heads: int, d_qk: int, rows: int | None = None) -> str:
     """The schedule the op runs for a kernel of `num_heads` (64 or 128) and `d_qk` over `rows` query rows
-    (DEFAULT_SCHEDULES; rows None: a large call, e.g. a preset's kernel list)."""
-    schedule, min_rows = DEFAULT_SCHEDULES.get((num_heads, d_qk), ("serial", 0))
-    return schedule if rows is None or rows >= min_rows else "serial"
+    (DEFAULT_SCHEDULES, else DEFAULT_SCHEDULE; rows None: a large call, e.g. a preset's kernel list)."""
+    schedule, min_rows = DEFAULT_SCHEDULES.get((num_heads, d_qk), (DEFAULT_SCHEDULE, 0))
+    return schedule if rows is None or rows >= min_rows else DEFAULT_SCHEDULE
 
 # Timing-only ablations (SparseAttnFwdSpec.ablate): each leaves one stage of the kernel out, so that the time
 # difference to the full kernel on the same inputs places that stage's cost. Their outputs are NOT attention.
@@ -80,9 +82,9 @@ class SparseAttnFwdSpec(KernelSpec):
     regs_producer / regs_qk / regs_pv: setmaxnreg budgets of the three warpgroups (producer, consumer
       WG1, consumer WG2).
     schedule: how the two consumer warpgroups share a tile.
-      "serial" (the verified default): WG1 does QK^T + softmax of every tile and O[:, :256]; WG2 only
-        O[:, 256:] from the P tile WG1 leaves in smem.
-      "split_halves" (FlashMLA's SM90 sparse prefill protocol): tiles go in pairs, WG1 does QK^T + softmax
+      "serial" (this dataclass's default; the op runs DEFAULT_SCHEDULE): WG1 does QK^T + softmax of every
+        tile and O[:, :256]; WG2 only O[:, 256:] from the P tile WG1 leaves in smem.
+      "split_halves" (FlashMLA's SM90 sparse prefill protocol; the op's default): tiles go in pairs, WG1 does QK^T + softmax
         of the even tile, WG2 of the odd one, and each accumulates its half of O over both; per-half-stage
         ready/free mbarriers (a stage's left half V[:, :256] and right half are refilled as soon as the
         consumer that reads them last is done: V0L, V1R, V0R, V1L), an asymmetric max exchange (WG1 runs

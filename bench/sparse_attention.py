@@ -9,6 +9,8 @@
 the row's "schedule" in the JSON) in the same run, on the same inputs: columns `S ms`, `TFLOP/s`,
 `x` (default time / S time) and, in the JSON, the max abs difference of S's out/lse from the default's.
 --l2-hint (with --schedule split_halves) times that schedule with SparseAttnFwdSpec.l2_hint instead.
+--grid G runs the --schedule column with dsagen.fused.sparse_attention.GRID = G (split_halves: "items", one CTA per
+(query row, 64 heads); "persistent", one CTA per SM looping over them; or a CTA count).
 
 Shapes (issue 5): prefill T = 4096 and 32768 query rows over a KV pool of 32768 and 131072 rows, H=128,
 D_qk 576, d_v 512, top-k 2048, with sink; H=64 with D_qk 512; decode 64 and 128 sequences x 1 query row,
@@ -55,7 +57,7 @@ ABLATE_SHAPES = {(128, 576)}      # (H, D_qk) of the ablated kernels that the GP
 
 
 def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0, schedule=None, ablate=(),
-             l2_hint=False):
+             l2_hint=False, grid="items"):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn((s_q, h, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
     kv = torch.randn((n_kv, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
@@ -71,17 +73,17 @@ def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0,
     row["schedule"] = default
     ms = cuda_time_ms(lambda: call("fused"), calls=reps)
     row.update(fused_ms=ms, fused_tflops=flops / ms / 1e9, fused_gbps=nbytes / ms / 1e6)
-    if schedule == default and not l2_hint:          # the same kernel as the default column
+    if schedule == default and not l2_hint and grid == fused_sa.GRID:     # the same launch as the default column
         row.update({f"{schedule}_ms": ms, f"{schedule}_tflops": flops / ms / 1e9, f"{schedule}_speedup": 1.0})
     elif schedule:
         base_out, base_lse, _ = call("fused")
-        prev = fused_sa.SCHEDULE, fused_sa.L2_HINT
-        fused_sa.SCHEDULE, fused_sa.L2_HINT = schedule, l2_hint
+        prev = fused_sa.SCHEDULE, fused_sa.L2_HINT, fused_sa.GRID
+        fused_sa.SCHEDULE, fused_sa.L2_HINT, fused_sa.GRID = schedule, l2_hint, grid
         try:
             sms = cuda_time_ms(lambda: call("fused"), calls=reps)
             v_out, v_lse, _ = call("fused")
         finally:
-            fused_sa.SCHEDULE, fused_sa.L2_HINT = prev
+            fused_sa.SCHEDULE, fused_sa.L2_HINT, fused_sa.GRID = prev
         row.update({f"{schedule}_ms": sms, f"{schedule}_tflops": flops / sms / 1e9,
                     f"{schedule}_speedup": ms / sms,
                     f"{schedule}_max_abs_diff_out": (v_out.float() - base_out.float()).abs().max().item(),
@@ -118,6 +120,9 @@ def main() -> None:
                          "default_schedule), in the same run")
     ap.add_argument("--l2-hint", action="store_true",
                     help="--schedule split_halves with SparseAttnFwdSpec.l2_hint (L2::256B prefetch + evict_last)")
+    ap.add_argument("--grid", default="items",
+                    help="the --schedule column's fused_sa.GRID for split_halves: items, persistent or a CTA count "
+                         "(the default column keeps the module's GRID)")
     ap.add_argument("--ablate", nargs="?", const=",".join(fused_sa.ABLATIONS), default="",
                     help="comma list of timing-only ablations to time next to the real kernel (default: all)")
     ap.add_argument("--cases", help="comma list of case indices to run (default: all of the list)")
@@ -156,7 +161,8 @@ def main() -> None:
     print(hdr)
     for name, s_q, h, d, n_kv, topk, r in cases:
         row = run_case(name, s_q, h, d, n_kv, topk, reps=args.reps if s_q <= 4096 else max(2, args.reps // 4),
-                       ref_reps=r, schedule=args.schedule, ablate=ablate, l2_hint=args.l2_hint)
+                       ref_reps=r, schedule=args.schedule, ablate=ablate, l2_hint=args.l2_hint,
+                       grid=int(args.grid) if args.grid.isdigit() else args.grid)
         rows.append(row)
         tail = (f"{row['torch_ms']:9.2f} {row['torch_tflops']:8.1f} {row['speedup']:6.1f}" if "torch_ms" in row
                 else f"{'-':>9} {'-':>8} {'-':>6}")
@@ -184,7 +190,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "default_schedule": "per row", "schedule": args.schedule, "l2_hint": args.l2_hint,
+                       "default_schedule": "per row", "schedule": args.schedule, "l2_hint": args.l2_hint, "grid": args.grid,
                        "ablate": ablate,
                        "rows": rows}, f, indent=1)
 

@@ -165,8 +165,11 @@ def test_render_split_halves(d_qk):
     src = render(SparseAttnFwdSpec(arch="sm_90a", d_qk=d_qk, **HALVES))
     compile(src, "kernel.py", "exec")
     for name in ("BAR_MAX_A = 1", "BAR_MAX_B = 2", "BAR_P_A = 3", "BAR_P_B = 4", "BAR_EPI = 5",
-                 "ntiles = 2 * npairs", "half_mbar"):
+                 "npairs = ((kmax + BN - 1) // BN + 1) // 2", "half_mbar"):
         assert name in src
+    # the CTAs loop over the items: grid min(items, n_ctas), the Q hand-over barrier, phases from the pair count
+    assert src.count("for item in cutlass.range(bidx, n_items, nctas, unroll=1):") == 3     # producer, A, B
+    assert '"grid": ["min(s_q * 2, n_ctas)", 1, 1]' in src and "q_free" in src and "g = gp + k" in src
     # no PipelineCpAsync ring and none of the serial hand-off; the producer fills the halves V0L, V1R, V0R, V1L
     assert "PipelineCpAsync" not in src and "sCorr" not in src and "BAR_P0" not in src
     waits = re.findall(r"mbarrier_wait\(hbar \+ (\d)", src)

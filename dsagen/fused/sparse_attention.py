@@ -38,6 +38,12 @@ SCHEDULE: str | None = None
 # Run-time choice of SparseAttnFwdSpec.l2_hint (FlashMLA's L2::256B prefetch + evict_last policy on the KV
 # gather) for schedule "split_halves"; ignored by the other schedules.
 L2_HINT: bool = False
+# Run-time choice of the grid of schedule "split_halves", whose CTAs loop over the items (query row, 64 heads):
+# "items" launches one CTA per item, "persistent" one per SM (the producer then loads the next item's Q and first
+# rows while the consumers finish the current one), an int n at most n CTAs (tests use small counts to give every
+# CTA several items). The other schedules always launch one CTA per item.
+GRID: str | int = "items"
+_sm_count: dict[int, int] = {}          # device index -> SMs
 
 
 def kernel_heads(num_heads: int) -> int:
@@ -97,6 +103,20 @@ def _kernel(spec: SparseAttnFwdSpec, device: torch.device) -> LoadedKernel:
     return k
 
 
+def _grid_ctas(device: torch.device) -> int:
+    """The n_ctas kernel argument (the most CTAs a split_halves launch uses) under GRID."""
+    if GRID == "items":
+        return 2**31 - 1
+    if GRID == "persistent":
+        index = device_index(device)
+        if index not in _sm_count:
+            _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        return _sm_count[index]
+    if isinstance(GRID, int) and not isinstance(GRID, bool) and GRID >= 1:
+        return GRID
+    raise ValueError(f"sparse_attention: GRID={GRID!r} must be 'items', 'persistent' or a positive int")
+
+
 def _launch(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sink: torch.Tensor | None,
             topk_length: torch.Tensor | None, softmax_scale: float, d_v: int, *, schedule: str | None = None,
             ablate: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -142,7 +162,7 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sin
                       lse if sink is None else sink, out, lse, max_logits,
                       s_q, n_kv, k_width, q.stride(0), kv.stride(0) if n_kv else d_qk,
                       topk_idxs.stride(0) if k_width else 0, float(softmax_scale),
-                      int(length is not None), int(sink is not None))
+                      int(length is not None), int(sink is not None), _grid_ctas(q.device))
     if hp != h:
         out, lse, max_logits = out[:, :h].contiguous(), lse[:, :h].contiguous(), max_logits[:, :h].contiguous()
     return out, lse, max_logits

@@ -208,6 +208,27 @@ def test_split_odd_tile_counts(h, d_qk, sink, split, monkeypatch):
     assert (out[1] == 0).all()                                           # adversarial row 1: no valid id
 
 
+@pytest.mark.parametrize("grid", ["persistent", 7, 1])
+@pytest.mark.parametrize("h,d_qk", [(128, 576), (64, 512), (128, 512), (64, 576)])
+def test_split_halves_grid_adversarial(grid, h, d_qk, monkeypatch):
+    """split_halves' CTAs loop over the items (query row, 64 heads) when the grid is smaller than the item count
+    (fused_sa.GRID): the barriers' phases, the Q hand-over between items and the per-item resets must give every
+    item exactly the result of a one-CTA-per-item launch. Tile counts 0..5 and longer rows in one batch
+    (topk_length), adversarial ids (row 1 all invalid), against the reference and bitwise against GRID="items"."""
+    s_q = 300 if grid == "persistent" else 24          # persistent: 300 rows x H/64 items over 132 SMs
+    q, kv, ids, attn_sink, _ = make_inputs(s_q, h, d_qk, 704, 2000, seed=h + d_qk + 7, adversarial=True)
+    tl = torch.tensor([0, 1, 63, 64, 65, 128, 129, 191, 192, 257, 320, 704], dtype=torch.int32)
+    tl = tl.repeat((s_q + len(tl) - 1) // len(tl))[:s_q].to(DEV)
+    monkeypatch.setattr(fused_sa, "SCHEDULE", "split_halves")
+    monkeypatch.setattr(fused_sa, "GRID", grid)
+    out, lse, m = check_against_reference(q, kv, ids, attn_sink, tl)
+    monkeypatch.setattr(fused_sa, "GRID", "items")
+    i_out, i_lse, i_m = dsagen.sparse_attention(q, kv, ids, attn_sink=attn_sink, topk_length=tl, impl="fused")
+    assert torch.equal(out, i_out) and torch.equal(lse, i_lse) and torch.equal(m, i_m)
+    assert (out[0] == 0).all() and torch.isposinf(lse[0]).all()          # topk_length 0
+    assert (out[1] == 0).all()                                           # adversarial row 1: no valid id
+
+
 @pytest.mark.parametrize("h,d_qk,k,length", [(128, 576, 2048, False), (64, 512, 300, True), (128, 512, 333, True),
                                               (64, 576, 1000, False)])
 def test_l2_hint_adversarial(h, d_qk, k, length, monkeypatch):

@@ -4,6 +4,8 @@
 # GRID=persistent next to GRID=items on the bench shapes, and the topk sweep of the persistent grid.
 set -u
 . "$(dirname "$0")/gpu_lib.sh"; gpu_setup "$1" s5e
+run smoke 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py -k "grid_adversarial and 128-576"
+grep -q " passed" $O/smoke.log && ! grep -q "failed" $O/smoke.log || { grep -E "^FAILED|Error|assert" $O/smoke.log | head -20; exit 1; }
 run pytest 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py
 grep -q " passed" $O/pytest.log && ! grep -q "failed" $O/pytest.log || { grep -E "^FAILED|Error" $O/pytest.log | head; exit 1; }
 TAILN=10 run bench 200 python3 bench/sparse_attention.py --no-torch --reps 10 --schedule split_halves --grid persistent \

@@ -207,8 +207,9 @@ def test_split_halves_compiles_to_the_designed_sass(spec, tmp_path):
     assert len(re.findall(rf"HGMMA\.64x256x16\.F32{t} R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 12
     assert len(re.findall(rf"HGMMA\.64x256x16\.F32{t} R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 12
     # no wgmma serialisation: A waits 0 after QK^T (prologue, loop), after P0 V0L (loop, last), after P1 V1L
-    # (last), and 1 + 0 around the next QK^T; B waits 0 after QK^T, 1 + 0 after its two PV groups
-    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 7 and sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 2
+    # (last), and 1 + 0 around the next QK^T; B waits 0 after QK^T, after P1 V1R (frees V1R before the P0
+    # hand-off) and after P0 V0R
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 8 and sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 1
     for bar in (1, 2, 3, 4):        # each arrived by one consumer and synced by the other
         assert len(re.findall(rf"BAR\.SYNC\.DEFER_BLOCKING 0x{bar}, 0x100 ", sass)) >= 1
         assert len(re.findall(rf"BAR\.ARV 0x{bar}, 0x100 ", sass)) >= 1

@@ -10,7 +10,8 @@ the row's "schedule" in the JSON) in the same run, on the same inputs: columns `
 `x` (default time / S time) and, in the JSON, the max abs difference of S's out/lse from the default's.
 --l2-hint (with --schedule split_halves) times that schedule with SparseAttnFwdSpec.l2_hint instead.
 --grid G runs the --schedule column with dsagen.fused.sparse_attention.GRID = G (split_halves: "items", one CTA per
-(query row, 64 heads); "persistent", one CTA per SM looping over them; or a CTA count).
+(query row, 64 heads); "persistent", one CTA per SM looping over them; or a CTA count; the default column runs
+each kernel shape's DEFAULT_GRID: persistent at H128, items at H64).
 
 Shapes (issue 5): prefill T = 4096 and 32768 query rows over a KV pool of 32768 and 131072 rows, H=128,
 D_qk 576, d_v 512, top-k 2048, with sink; H=64 with D_qk 512; decode 64 and 128 sequences x 1 query row,
@@ -57,7 +58,7 @@ ABLATE_SHAPES = {(128, 576)}      # (H, D_qk) of the ablated kernels that the GP
 
 
 def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0, schedule=None, ablate=(),
-             l2_hint=False, grid="items"):
+             l2_hint=False, grid=None):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn((s_q, h, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
     kv = torch.randn((n_kv, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
@@ -120,9 +121,9 @@ def main() -> None:
                          "default_schedule), in the same run")
     ap.add_argument("--l2-hint", action="store_true",
                     help="--schedule split_halves with SparseAttnFwdSpec.l2_hint (L2::256B prefetch + evict_last)")
-    ap.add_argument("--grid", default="items",
+    ap.add_argument("--grid", default=None,
                     help="the --schedule column's fused_sa.GRID for split_halves: items, persistent or a CTA count "
-                         "(the default column keeps the module's GRID)")
+                         "(default: the kernel shape's DEFAULT_GRID; the default column keeps the module's GRID)")
     ap.add_argument("--ablate", nargs="?", const=",".join(fused_sa.ABLATIONS), default="",
                     help="comma list of timing-only ablations to time next to the real kernel (default: all)")
     ap.add_argument("--cases", help="comma list of case indices to run (default: all of the list)")
@@ -162,7 +163,7 @@ def main() -> None:
     for name, s_q, h, d, n_kv, topk, r in cases:
         row = run_case(name, s_q, h, d, n_kv, topk, reps=args.reps if s_q <= 4096 else max(2, args.reps // 4),
                        ref_reps=r, schedule=args.schedule, ablate=ablate, l2_hint=args.l2_hint,
-                       grid=int(args.grid) if args.grid.isdigit() else args.grid)
+                       grid=int(args.grid) if args.grid and args.grid.isdigit() else args.grid)
         rows.append(row)
         tail = (f"{row['torch_ms']:9.2f} {row['torch_tflops']:8.1f} {row['speedup']:6.1f}" if "torch_ms" in row
                 else f"{'-':>9} {'-':>8} {'-':>6}")

@@ -370,3 +370,24 @@ def test_serial_lean_compiles_to_the_designed_sass(spec, tmp_path):
             nxt = prod.find("LDGSTS", w)
             assert nxt < 0 or "LDG.E" not in prod[w:nxt], "id loads after the stage wait"
     assert ops["LDL"] == 0 and ops["STL"] == 0, "register spills"
+
+
+def test_split_halves_grid_choice(monkeypatch):
+    """fused_sa.GRID picks the most CTAs a split_halves launch uses (the kernel's n_ctas; its grid is
+    min(items, n_ctas)): None -> the kernel heads' DEFAULT_GRID, "items" -> one CTA per item, an int -> that many;
+    anything else is refused. ("persistent" reads the device's SM count: GPU tests.)"""
+    import torch
+
+    import dsagen.fused.sparse_attention as fsa
+
+    cpu = torch.device("cpu")
+    assert fsa.GRID is None and fsa.DEFAULT_GRID == {128: "persistent", 64: "items"}
+    assert fsa._grid_ctas(cpu, 64) == 2**31 - 1
+    monkeypatch.setattr(fsa, "GRID", 7)
+    assert fsa._grid_ctas(cpu, 128) == 7
+    monkeypatch.setattr(fsa, "GRID", "items")
+    assert fsa._grid_ctas(cpu, 128) == 2**31 - 1
+    for bad in (0, -3, True, "all", 2.5):
+        monkeypatch.setattr(fsa, "GRID", bad)
+        with pytest.raises(ValueError, match="GRID"):
+            fsa._grid_ctas(cpu, 64)

@@ -39,10 +39,14 @@ SCHEDULE: str | None = None
 # gather) for schedule "split_halves"; ignored by the other schedules.
 L2_HINT: bool = False
 # Run-time choice of the grid of schedule "split_halves", whose CTAs loop over the items (query row, 64 heads):
-# "items" launches one CTA per item, "persistent" one per SM (the producer then loads the next item's Q and first
-# rows while the consumers finish the current one), an int n at most n CTAs (tests use small counts to give every
-# CTA several items). The other schedules always launch one CTA per item.
-GRID: str | int = "items"
+# None (the default) takes the kernel shape's DEFAULT_GRID; "items" launches one CTA per item, "persistent" one
+# per SM (the producer then loads the next item's Q and first rows while the consumers finish the current one), an
+# int n at most n CTAs (tests use small counts to give every CTA several items). The other schedules always launch
+# one CTA per item.
+GRID: str | int | None = None
+# The grid per kernel heads, GPU-measured in the same runs (H200, session 5): persistent is 1.02-1.05x at H128
+# (D 576 and 512, S_q 4096 and 32768), 0.91x at H64 / D576 and 0.99-1.01x at H64 / D512 (two runs each).
+DEFAULT_GRID = {128: "persistent", 64: "items"}
 _sm_count: dict[int, int] = {}          # device index -> SMs
 
 
@@ -103,17 +107,19 @@ def _kernel(spec: SparseAttnFwdSpec, device: torch.device) -> LoadedKernel:
     return k
 
 
-def _grid_ctas(device: torch.device) -> int:
-    """The n_ctas kernel argument (the most CTAs a split_halves launch uses) under GRID."""
-    if GRID == "items":
+def _grid_ctas(device: torch.device, kernel_heads: int) -> int:
+    """The n_ctas kernel argument (the most CTAs a split_halves launch uses) under GRID (None: DEFAULT_GRID of
+    the kernel's heads)."""
+    grid = DEFAULT_GRID[kernel_heads] if GRID is None else GRID
+    if grid == "items":
         return 2**31 - 1
-    if GRID == "persistent":
+    if grid == "persistent":
         index = device_index(device)
         if index not in _sm_count:
             _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
         return _sm_count[index]
-    if isinstance(GRID, int) and not isinstance(GRID, bool) and GRID >= 1:
-        return GRID
+    if isinstance(grid, int) and not isinstance(grid, bool) and grid >= 1:
+        return grid
     raise ValueError(f"sparse_attention: GRID={GRID!r} must be 'items', 'persistent' or a positive int")
 
 
@@ -162,7 +168,7 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sin
                       lse if sink is None else sink, out, lse, max_logits,
                       s_q, n_kv, k_width, q.stride(0), kv.stride(0) if n_kv else d_qk,
                       topk_idxs.stride(0) if k_width else 0, float(softmax_scale),
-                      int(length is not None), int(sink is not None), _grid_ctas(q.device))
+                      int(length is not None), int(sink is not None), _grid_ctas(q.device, hp))
     if hp != h:
         out, lse, max_logits = out[:, :h].contiguous(), lse[:, :h].contiguous(), max_logits[:, :h].contiguous()
     return out, lse, max_logits

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import dsagen
+from dsagen.reference.indexer import weighted_relu_scores
 from dsagen.spec.families.indexer import (INDEXER_SCORE_ABLATIONS, INDEXER_SCORE_SCHEDULES, INDEXER_TOPK_ABLATIONS,
                                           INDEXER_TOPK_THREADS, IndexerScoreSpec, IndexerTopkSpec, indexer_specs)
 from poison import POISON_INT32, poison_allocator
@@ -109,8 +110,8 @@ def _scores(q, k, w, rows=None):
     out = []
     step = max(1, (1 << 28) // max(1, h * k.shape[1] * 4))
     for r0 in range(0, q.shape[1], step):
-        dots = torch.einsum("bthd,bsd->bths", q[:, r0:r0 + step].float(), kf)
-        out.append(torch.einsum("bth,bths->bts", w[:, r0:r0 + step].float(), dots.relu_()) / math.sqrt(h * d))
+        out.append(weighted_relu_scores(q[:, r0:r0 + step].float(), kf, w[:, r0:r0 + step].float())
+                   / math.sqrt(h * d))
     return torch.cat(out, 1)
 
 

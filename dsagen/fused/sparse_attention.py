@@ -13,6 +13,10 @@ What the kernel supports natively and what this module adapts:
   * D_qk 512 or 576 with d_v 512; dtypes bfloat16 and float16;
   * q needs a unit stride on heads x D_qk (one token = H * D_qk contiguous elements) and kv rows with a
     unit column stride, 16-byte aligned rows; other layouts are copied to contiguous first.
+
+Run-time knobs (module attributes, read at every call; a CUDA graph keeps the launch it captured): SCHEDULE
+(the kernel schedule, default per shape), L2_HINT (split_halves' L2 cache hints) and GRID (split_halves' grid:
+one CTA per (query row, 64 heads) item, or one per SM looping over the items; default per kernel heads).
 """
 
 from __future__ import annotations

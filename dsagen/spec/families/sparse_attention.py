@@ -84,13 +84,16 @@ class SparseAttnFwdSpec(KernelSpec):
     schedule: how the two consumer warpgroups share a tile.
       "serial" (this dataclass's default; the op runs DEFAULT_SCHEDULE): WG1 does QK^T + softmax of every
         tile and O[:, :256]; WG2 only O[:, 256:] from the P tile WG1 leaves in smem.
-      "split_halves" (FlashMLA's SM90 sparse prefill protocol; the op's default): tiles go in pairs, WG1 does QK^T + softmax
-        of the even tile, WG2 of the odd one, and each accumulates its half of O over both; per-half-stage
-        ready/free mbarriers (a stage's left half V[:, :256] and right half are refilled as soon as the
-        consumer that reads them last is done: V0L, V1R, V0R, V1L), an asymmetric max exchange (WG1 runs
-        its softmax with its own running max and issues its PV at once, then rescales P and O by the pair
-        max from WG2), and the next pair's QK^T issued before the last PV of the pair retires. The two
-        consumers run different code (HALVES_REGS is the budget the op uses).
+      "split_halves" (FlashMLA's SM90 sparse prefill protocol; the op's default): tiles go in pairs, WG1
+        does QK^T + softmax of the even tile, WG2 of the odd one, and each accumulates its half of O over
+        both; per-half-stage ready/free mbarriers (a stage's left half V[:, :256] and right half are refilled
+        as soon as the consumer that reads them last is done: V0L, V1R, V0R, V1L), an asymmetric max exchange
+        (WG1 runs its softmax with its own running max and issues its PV at once, then rescales P and O by the
+        pair max from WG2), the next pair's QK^T issued before the last PV of the pair retires, and validity
+        bytes the producer writes per pair. The CTAs loop over the items (query row, 64 heads) of a grid of
+        min(items, n_ctas) CTAs, n_ctas a run-time argument (dsagen.fused.sparse_attention.GRID): one CTA per
+        item, or one per SM with the next item's Q and rows loaded while the consumers finish the current one.
+        The two consumers run different code (HALVES_REGS is the budget the op uses).
       "serial_lean": serial with WG1's next-tile QK^T issued right behind its P V_L (waited with
         wait_group(1), so the tensor cores run P V(t) -> QK^T(t+1) with no drain between them) and a lean
         softmax (FMNMX tree row maxima, tree row sums, P packed to bf16 once, stmatrix P store); the producer

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepared in session 4, not run yet (issue 5): what bounds serial_lean's compute chain. ncu full set with SASS-level
+# Prepared in session 4 for serial_lean, retargeted in session 5 to the default split_halves (not run yet; session 5 ran the same probe on an intermediate split_halves, notes Session 5): what bounds the compute chain. ncu full set with SASS-level
 # stall sampling on the headline case with the gather left out (no_gather) and in, one launch each; the per-warpgroup
 # reading is offline (/work/tmp/sass_stalls.py style: split the source page by the warpgroup's code region: producer
 # from USETMAXREG.DEALLOC, WG1 / WG2 from their USETMAXREG.TRY_ALLOC). Questions: tensor pipe active vs the shared
@@ -11,7 +11,7 @@ NCU="ncu --clock-control none --set full --import-source no"
 for ab in no_gather ""; do
   tag=${ab:-full}
   run ncu_$tag 280 $NCU -k regex:sparse_attention_fwd -o $O/$tag -f python3 bench/sparse_attention.py --ncu --cases 0 \
-    --no-torch --schedule serial_lean ${ab:+--ablate $ab}
+    --no-torch --schedule split_halves ${ab:+--ablate $ab}
   ncu -i $O/$tag.ncu-rep --page details > $O/$tag.details.txt 2>&1
   ncu -i $O/$tag.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip > $O/$tag.sass.csv.gz
   rm -f $O/$tag.ncu-rep; pack

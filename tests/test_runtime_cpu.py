@@ -120,3 +120,25 @@ def test_launcher_checks(monkeypatch):
     k2, _ = _stub_kernel(monkeypatch, tall)
     with pytest.raises(ValueError, match="exceeds"):
         k2.launch(x, 70000, 1, 1.0)
+
+
+def test_device_sm_count_reads_each_device_once(monkeypatch):
+    """dsagen.runtime.device_sm_count (the persistent grids of the indexer and sparse attention) reads a
+    device's SM count from torch once and serves it from a cache after that, per device index."""
+    from types import SimpleNamespace
+
+    from dsagen.runtime import device_sm_count
+
+    calls = []
+
+    def props(index):
+        calls.append(index)
+        return SimpleNamespace(multi_processor_count=100 + index)
+
+    device_sm_count.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    try:
+        assert [device_sm_count(0), device_sm_count(1), device_sm_count(0), device_sm_count(1)] == [100, 101, 100, 101]
+        assert calls == [0, 1]
+    finally:
+        device_sm_count.cache_clear()

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime import LoadedKernel, device_arch, device_index, get_kernel
+from ..runtime import LoadedKernel, device_arch, device_index, device_sm_count, get_kernel
 from ..spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, SLAB_BYTES, SLAB_MAX_ROWS,
                                      IndexerTopkSpec, TopkPlan, indexer_plan, tokens_per_cta)
 
@@ -59,7 +59,6 @@ class IndexerKernels:
 
 #: (device, H, D, dtype, repr(SPEC_OPTIONS)) -> the loaded kernels
 _kernels: dict[tuple, IndexerKernels] = {}
-_sm_count: dict[int, int] = {}          # device index -> SMs (persistent grid, wide top-k choice)
 #: Tile-choice overrides of the (score, top-k) specs; for A/B benchmarks (bench/indexer.py --variant).
 SPEC_OPTIONS: tuple[dict, dict] = ({}, {})
 _dummy: dict[int, torch.Tensor] = {}
@@ -146,7 +145,6 @@ def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype) -> In
                                         topk_options=SPEC_OPTIONS[1])
         ks = _kernels[key] = IndexerKernels(get_kernel(score_spec, index), score_spec.schedule, plan,
                                             {spec: get_kernel(spec, index) for spec in plan.specs()})
-        _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return ks
 
 
@@ -214,7 +212,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     w_sb, w_st, w_sh = weights.stride()
     scale = 1.0 / math.sqrt(h * d)
     causal_i = int(bool(causal))
-    num_sms = _sm_count[index]
+    num_sms = device_sm_count(index)      # persistent grid, wide top-k choice
     score_tail = (cu_q, cu_k, n_docs, t_count, s_count, n_tblk)
     for blk0 in range(0, total_blk, blk_per_slab):
         nblk = min(blk_per_slab, total_blk - blk0)

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ..runtime import LoadedKernel, device_arch, device_index, get_kernel
+from ..runtime import LoadedKernel, device_arch, device_index, device_sm_count, get_kernel
 from ..spec.families.sparse_attention import (ABLATIONS, SCHEDULE_ABLATIONS, SCHEDULE_REGS, SCHEDULES,
                                               SparseAttnFwdSpec, default_schedule)
 
@@ -51,7 +51,6 @@ GRID: str | int | None = None
 # The grid per kernel heads, GPU-measured in the same runs (H200, session 5): persistent is 1.02-1.05x at H128
 # (D 576 and 512, S_q 4096 and 32768), 0.91x at H64 / D576 and 0.99-1.01x at H64 / D512 (two runs each).
 DEFAULT_GRID = {128: "persistent", 64: "items"}
-_sm_count: dict[int, int] = {}          # device index -> SMs
 
 
 def kernel_heads(num_heads: int) -> int:
@@ -118,10 +117,7 @@ def _grid_ctas(device: torch.device, kernel_heads: int) -> int:
     if grid == "items":
         return 2**31 - 1
     if grid == "persistent":
-        index = device_index(device)
-        if index not in _sm_count:
-            _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        return _sm_count[index]
+        return device_sm_count(device_index(device))
     if isinstance(grid, int) and not isinstance(grid, bool) and grid >= 1:
         return grid
     raise ValueError(f"sparse_attention: GRID={GRID!r} must be 'items', 'persistent' or a positive int")

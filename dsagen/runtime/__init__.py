@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from .device import current_stream_handle, device_arch, device_index
+from .device import current_stream_handle, device_arch, device_index, device_sm_count
 from .driver import CudaDriverError
 from .kernel import KernelArchMismatch, LoadedKernel
 
@@ -56,4 +56,4 @@ def loaded_kernels() -> list[LoadedKernel]:
 
 
 __all__ = ["get_kernel", "loaded_kernels", "LoadedKernel", "KernelArchMismatch", "CudaDriverError",
-           "device_arch", "device_index", "current_stream_handle"]
+           "device_arch", "device_index", "device_sm_count", "current_stream_handle"]

@@ -33,6 +33,12 @@ def device_arch(device: torch.device | int | str | None = None) -> str:
     return _arch_of_index(device_index(device))
 
 
+@functools.lru_cache(maxsize=None)
+def device_sm_count(index: int) -> int:
+    """The number of SMs of CUDA device `index` (read once per device; persistent grids size themselves by it)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 

@@ -8,7 +8,8 @@
 .SCHEDULE) next to the default (each shape's: spec family default_schedule, "split_halves" everywhere;
 the row's "schedule" in the JSON) in the same run, on the same inputs: columns `S ms`, `TFLOP/s`,
 `x` (default time / S time) and, in the JSON, the max abs difference of S's out/lse from the default's.
---l2-hint (with --schedule split_halves) times that schedule with SparseAttnFwdSpec.l2_hint instead.
+--l2-hint (with --schedule split_halves) times that schedule with SparseAttnFwdSpec.l2_hint instead; --options A,B
+with its other options (fused_sa.OPTIONS: vec_store, stream_hint, q_prefetch).
 --grid G runs the --schedule column with dsagen.fused.sparse_attention.GRID = G (split_halves: "items", one CTA per
 (query row, 64 heads); "persistent", one CTA per SM looping over them; or a CTA count; the default column runs
 each kernel shape's DEFAULT_GRID: persistent at H128, items at H64).
@@ -45,7 +46,7 @@ from common import cuda_time_ms
 
 import dsagen
 import dsagen.fused.sparse_attention as fused_sa
-from dsagen.spec.families.sparse_attention import SCHEDULE_ABLATIONS
+from dsagen.spec.families.sparse_attention import HALVES_OPTIONS, SCHEDULE_ABLATIONS
 
 
 def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.Tensor:
@@ -58,7 +59,7 @@ ABLATE_SHAPES = {(128, 576)}      # (H, D_qk) of the ablated kernels that the GP
 
 
 def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0, schedule=None, ablate=(),
-             l2_hint=False, grid=None):
+             l2_hint=False, grid=None, options=()):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn((s_q, h, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
     kv = torch.randn((n_kv, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
@@ -74,17 +75,19 @@ def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0,
     row["schedule"] = default
     ms = cuda_time_ms(lambda: call("fused"), calls=reps)
     row.update(fused_ms=ms, fused_tflops=flops / ms / 1e9, fused_gbps=nbytes / ms / 1e6)
-    if schedule == default and not l2_hint and grid == fused_sa.GRID:     # the same launch as the default column
+    same = not l2_hint and grid == fused_sa.GRID and not options
+    if schedule == default and same:                                    # the same launch as the default column
         row.update({f"{schedule}_ms": ms, f"{schedule}_tflops": flops / ms / 1e9, f"{schedule}_speedup": 1.0})
     elif schedule:
         base_out, base_lse, _ = call("fused")
-        prev = fused_sa.SCHEDULE, fused_sa.L2_HINT, fused_sa.GRID
+        prev = fused_sa.SCHEDULE, fused_sa.L2_HINT, fused_sa.GRID, fused_sa.OPTIONS
         fused_sa.SCHEDULE, fused_sa.L2_HINT, fused_sa.GRID = schedule, l2_hint, grid
+        fused_sa.OPTIONS = dict.fromkeys(options, True)
         try:
             sms = cuda_time_ms(lambda: call("fused"), calls=reps)
             v_out, v_lse, _ = call("fused")
         finally:
-            fused_sa.SCHEDULE, fused_sa.L2_HINT, fused_sa.GRID = prev
+            fused_sa.SCHEDULE, fused_sa.L2_HINT, fused_sa.GRID, fused_sa.OPTIONS = prev
         row.update({f"{schedule}_ms": sms, f"{schedule}_tflops": flops / sms / 1e9,
                     f"{schedule}_speedup": ms / sms,
                     f"{schedule}_max_abs_diff_out": (v_out.float() - base_out.float()).abs().max().item(),
@@ -121,6 +124,9 @@ def main() -> None:
                          "default_schedule), in the same run")
     ap.add_argument("--l2-hint", action="store_true",
                     help="--schedule split_halves with SparseAttnFwdSpec.l2_hint (L2::256B prefetch + evict_last)")
+    ap.add_argument("--options", default="",
+                    help="comma list of split_halves options (spec family HALVES_OPTIONS, e.g. vec_store) for the "
+                         "--schedule split_halves column (fused_sa.OPTIONS)")
     ap.add_argument("--grid", default=None,
                     help="the --schedule column's fused_sa.GRID for split_halves: items, persistent or a CTA count "
                          "(default: the kernel shape's DEFAULT_GRID; the default column keeps the module's GRID)")
@@ -140,6 +146,12 @@ def main() -> None:
         return
     if args.l2_hint and args.schedule != "split_halves":
         ap.error("--l2-hint needs --schedule split_halves")
+    options = tuple(o for o in args.options.split(",") if o)
+    if options and args.schedule != "split_halves":
+        ap.error("--options needs --schedule split_halves")
+    bad = [o for o in options if o not in HALVES_OPTIONS or o == "l2_hint"]
+    if bad:
+        ap.error(f"--options {bad}: not in {tuple(o for o in HALVES_OPTIONS if o != 'l2_hint')} (l2_hint: --l2-hint)")
     ref = 0 if args.no_torch else 1
     cases = [("prefill", 4096, 128, 576, 32768, 2048, ref), ("prefill", 4096, 128, 576, 131072, 2048, ref),
              ("prefill", 4096, 64, 512, 32768, 2048, ref)]
@@ -163,7 +175,7 @@ def main() -> None:
     for name, s_q, h, d, n_kv, topk, r in cases:
         row = run_case(name, s_q, h, d, n_kv, topk, reps=args.reps if s_q <= 4096 else max(2, args.reps // 4),
                        ref_reps=r, schedule=args.schedule, ablate=ablate, l2_hint=args.l2_hint,
-                       grid=int(args.grid) if args.grid and args.grid.isdigit() else args.grid)
+                       grid=int(args.grid) if args.grid and args.grid.isdigit() else args.grid, options=options)
         rows.append(row)
         tail = (f"{row['torch_ms']:9.2f} {row['torch_tflops']:8.1f} {row['speedup']:6.1f}" if "torch_ms" in row
                 else f"{'-':>9} {'-':>8} {'-':>6}")
@@ -192,6 +204,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "default_schedule": "per row", "schedule": args.schedule, "l2_hint": args.l2_hint, "grid": args.grid,
+                       "options": options,
                        "ablate": ablate,
                        "rows": rows}, f, indent=1)
 

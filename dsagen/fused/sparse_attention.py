@@ -15,7 +15,8 @@ What the kernel supports natively and what this module adapts:
     unit column stride, 16-byte aligned rows; other layouts are copied to contiguous first.
 
 Run-time knobs (module attributes, read at every call; a CUDA graph keeps the launch it captured): SCHEDULE
-(the kernel schedule, default per shape), L2_HINT (split_halves' L2 cache hints) and GRID (split_halves' grid:
+(the kernel schedule, default per shape), L2_HINT (split_halves' L2 cache hints), OPTIONS (split_halves' other
+options) and GRID (split_halves' grid:
 one CTA per (query row, 64 heads) item, or one per SM looping over the items; default per kernel heads).
 """
 
@@ -26,8 +27,8 @@ from typing import Optional
 import torch
 
 from ..runtime import LoadedKernel, device_arch, device_index, device_sm_count, get_kernel
-from ..spec.families.sparse_attention import (ABLATIONS, SCHEDULE_ABLATIONS, SCHEDULE_REGS, SCHEDULES,
-                                              SparseAttnFwdSpec, default_schedule)
+from ..spec.families.sparse_attention import (ABLATIONS, HALVES_OPTIONS, SCHEDULE_ABLATIONS, SCHEDULE_REGS,
+                                              SCHEDULES, SparseAttnFwdSpec, default_schedule)
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_GRID_X = 2**31 - 1
@@ -42,6 +43,9 @@ SCHEDULE: str | None = None
 # Run-time choice of SparseAttnFwdSpec.l2_hint (FlashMLA's L2::256B prefetch + evict_last policy on the KV
 # gather) for schedule "split_halves"; ignored by the other schedules.
 L2_HINT: bool = False
+# Run-time choice of the other boolean options of schedule "split_halves" (spec family HALVES_OPTIONS, e.g.
+# {"vec_store": True}); ignored by the other schedules.
+OPTIONS: dict[str, bool] = {}
 # Run-time choice of the grid of schedule "split_halves", whose CTAs loop over the items (query row, 64 heads):
 # None (the default) takes the kernel shape's DEFAULT_GRID; "items" launches one CTA per item, "persistent" one
 # per SM (the producer then loads the next item's Q and first rows while the consumers finish the current one), an
@@ -80,8 +84,14 @@ def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a"
         raise ValueError(f"sparse_attention: schedule {schedule!r} has the ablations "
                          f"{SCHEDULE_ABLATIONS[schedule]}, not {ablate!r}")
     extra = dict(SCHEDULE_REGS[schedule], schedule=schedule) if schedule != "serial" else {}
-    if schedule == "split_halves" and L2_HINT:
-        extra["l2_hint"] = True
+    if schedule == "split_halves":
+        unknown = set(OPTIONS) - set(HALVES_OPTIONS)
+        if unknown:
+            raise ValueError(f"sparse_attention: OPTIONS has {sorted(unknown)}, not options of split_halves "
+                             f"{HALVES_OPTIONS}")
+        extra.update({name: True for name, on in OPTIONS.items() if on})
+        if L2_HINT:
+            extra["l2_hint"] = True
     if ablate:
         extra["ablate"] = ablate
     return SparseAttnFwdSpec(arch=arch, num_heads=kernel_heads(num_heads), d_qk=d_qk, d_v=512,

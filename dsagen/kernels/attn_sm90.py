@@ -8,7 +8,7 @@ and 16 w + l / 4 + 8; columns 8 j + 2 (l % 4) + {0, 1}. A row therefore lives in
 """
 
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -78,5 +78,63 @@ def cp_async_16_l2_hint(dst: cute.Pointer, src: cute.Pointer, src_bytes: Int32, 
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def l2_evict_first_policy(*, loc=None, ip=None) -> Int64:
+    """`createpolicy.fractional.L2::evict_first.b64 1.0`: an L2 cache policy for data read or written once (a
+    kernel's streamed Q and O), so that it is evicted before the lines other CTAs will read again."""
+    return Int64(llvm.inline_asm(T.i64(), [], "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l",
+                                 has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def cp_async_16_policy(dst: cute.Pointer, src: cute.Pointer, policy: Int64, *, loc=None, ip=None) -> None:
+    """16-byte `cp.async.cg.shared.global.L2::cache_hint [dst], [src], 16, policy` (always reads 16 bytes)."""
+    llvm.inline_asm(None,
+                    [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+                     src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), Int64(policy).ir_value(loc=loc, ip=ip)],
+                    "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2;",
+                    "r,l,l,~{memory}", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def prefetch_l2_bulk(src: cute.Pointer, nbytes: Int32, *, loc=None, ip=None) -> None:
+    """`cp.async.bulk.prefetch.L2.global [src], nbytes`: an asynchronous prefetch of `nbytes` (a multiple of 16,
+    `src` 16-byte aligned) contiguous global bytes into L2; nothing to wait for."""
+    llvm.inline_asm(None,
+                    [src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
+                    "cp.async.bulk.prefetch.L2.global [$0], $1;",
+                    "l,r,~{memory}", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def pack_f32x2(lo: Float32, hi: Float32, fp16: bool = False, *, loc=None, ip=None) -> Int32:
+    """Two FP32 values rounded to bf16 (fp16=True: fp16) and packed into one 32-bit word, `lo` in the low half
+    (the element at the lower address when stored)."""
+    op = "cvt.rn.f16x2.f32" if fp16 else "cvt.rn.bf16x2.f32"
+    return Int32(llvm.inline_asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+                                 f"{op} $0, $1, $2;", "=r,f,f", has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def st_global_v4_b32(dst: cute.Pointer, w0: Int32, w1: Int32, w2: Int32, w3: Int32, policy: Int64 | None = None, *,
+                     loc=None, ip=None) -> None:
+    """One 16-byte global store `st.global.v4.b32 [dst], {w0, w1, w2, w3}` (`dst` 16-byte aligned); with `policy`
+    (e.g. l2_evict_first_policy()) it carries that L2 cache policy (`.L2::cache_hint`)."""
+    ops = [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip)
+                                                                   for w in (w0, w1, w2, w3)]
+    if policy is None:
+        asm, cons = "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}"
+    else:
+        ops.append(Int64(policy).ir_value(loc=loc, ip=ip))
+        asm, cons = "st.global.L2::cache_hint.v4.b32 [$0], {$1, $2, $3, $4}, $5;", "l,r,r,r,r,l,~{memory}"
+    llvm.inline_asm(None, ops, asm, cons, has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 __all__ = ["sw128", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_last_policy",
-           "cp_async_16_l2_hint"]
+           "cp_async_16_l2_hint", "l2_evict_first_policy", "cp_async_16_policy", "prefetch_l2_bulk", "pack_f32x2",
+           "st_global_v4_b32"]

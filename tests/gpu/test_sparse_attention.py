@@ -40,6 +40,14 @@ REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, l2
                                      **_SCHED_FIELDS["split_halves"]) for h in (64, 128) for d in (512, 576)]
 REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=64, d_qk=576, d_v=512, dtype="float16", l2_hint=True,
                                      **_SCHED_FIELDS["split_halves"])]
+# schedule "split_halves" with its other options (fused_sa.OPTIONS), alone and all together
+OPTION_SETS = [("vec_store",), ("stream_hint",), ("q_prefetch",), ("vec_store", "stream_hint", "q_prefetch")]
+REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, **dict.fromkeys(opts, True),
+                                     **_SCHED_FIELDS["split_halves"])
+                   for opts in OPTION_SETS for h in (64, 128) for d in (512, 576)]
+REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=64, d_qk=576, d_v=512, dtype="float16",
+                                     **dict.fromkeys(opts, True), **_SCHED_FIELDS["split_halves"])
+                   for opts in OPTION_SETS if "vec_store" in opts]
 # timing-only ablated kernels (bench/sparse_attention.py --ablate; smoke-tested below, NOT correctness-tested)
 _ABLATED = [(sch, a) for sch in SCHEDULES for a in SCHEDULE_ABLATIONS[sch]]
 REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=128, d_qk=576, d_v=512, ablate=a, **_SCHED_FIELDS[sch])
@@ -238,6 +246,30 @@ def test_l2_hint_adversarial(h, d_qk, k, length, monkeypatch):
     monkeypatch.setattr(fused_sa, "L2_HINT", True)
     assert fused_sa.spec_for(h, d_qk, torch.bfloat16).l2_hint
     check_against_reference(*make_inputs(5, h, d_qk, k, 3000, seed=k + h, length=length, adversarial=True))
+
+
+@pytest.mark.parametrize("opts", OPTION_SETS, ids="+".join)
+@pytest.mark.parametrize("h,d_qk,k,length,dtype", [(128, 576, 2048, False, torch.bfloat16),
+                                                    (64, 512, 300, True, torch.bfloat16),
+                                                    (128, 512, 333, True, torch.bfloat16),
+                                                    (64, 576, 1000, False, torch.bfloat16),
+                                                    (64, 576, 200, True, torch.float16)])
+def test_halves_options_adversarial(opts, h, d_qk, k, length, dtype, monkeypatch):
+    """schedule "split_halves" with its options (vec_store: 16-byte O stores after a quad transpose; stream_hint:
+    evict_first Q loads / O stores; q_prefetch: the next item's Q prefetched into L2) on adversarial ids, with 3
+    CTAs looping over 7 query rows' items: against the reference, and bitwise against the kernel without them."""
+    if dtype == torch.float16 and "vec_store" not in opts:
+        pytest.skip("fp16 is built for the vec_store sets only")
+    monkeypatch.setattr(fused_sa, "SCHEDULE", "split_halves")
+    monkeypatch.setattr(fused_sa, "GRID", 3)
+    inputs = make_inputs(7, h, d_qk, k, 3000, seed=k + h + len(opts), length=length, adversarial=True,
+                         dtype=dtype)
+    base = dsagen.sparse_attention(*inputs[:3], attn_sink=inputs[3], topk_length=inputs[4], impl="fused")
+    monkeypatch.setattr(fused_sa, "OPTIONS", dict.fromkeys(opts, True))
+    spec = fused_sa.spec_for(h, d_qk, dtype)
+    assert all(getattr(spec, o) for o in opts)
+    out, lse, m = check_against_reference(*inputs)
+    assert torch.equal(out, base[0]) and torch.equal(lse, base[1]) and torch.equal(m, base[2])
 
 
 def test_batched_layout():

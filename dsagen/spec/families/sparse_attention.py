@@ -44,6 +44,10 @@ def default_schedule(num_heads: int, d_qk: int, rows: int | None = None) -> str:
     schedule, min_rows = DEFAULT_SCHEDULES.get((num_heads, d_qk), (DEFAULT_SCHEDULE, 0))
     return schedule if rows is None or rows >= min_rows else DEFAULT_SCHEDULE
 
+# Boolean options of schedule "split_halves" (SparseAttnFwdSpec fields; dsagen.fused.sparse_attention.OPTIONS
+# selects them at run time)
+HALVES_OPTIONS = ("l2_hint", "vec_store", "stream_hint", "q_prefetch")
+
 # Timing-only ablations (SparseAttnFwdSpec.ablate): each leaves one stage of the kernel out, so that the time
 # difference to the full kernel on the same inputs places that stage's cost. Their outputs are NOT attention.
 ABLATIONS = {
@@ -101,6 +105,12 @@ class SparseAttnFwdSpec(KernelSpec):
         serial.
     l2_hint: the KV gather's cp.async carries FlashMLA's hints, a 256-byte L2 prefetch and an L2 evict_last
       cache policy (schedule "split_halves" only). Default off.
+    vec_store: the epilogue writes O as 16-byte stores after a 4 x 4 word transpose over each quad (shuffles)
+      instead of 4-byte stores (schedule "split_halves" only). Default off.
+    stream_hint: Q loads (and, with vec_store, O stores) carry an L2 evict_first policy, so that the streamed
+      data leaves L2 before the gathered rows, which other CTAs read again (schedule "split_halves" only).
+    q_prefetch: the producer prefetches its next item's Q into L2 (cp.async.bulk.prefetch) ~3 pairs before
+      the current item ends (schedule "split_halves" only).
     ablate: "" (the real kernel) or one of ABLATIONS: a TIMING-ONLY variant that leaves one stage out
       (bench/sparse_attention.py --ablate); its outputs are not attention and the op never selects it.
 
@@ -121,6 +131,9 @@ class SparseAttnFwdSpec(KernelSpec):
     regs_pv: int = 216
     schedule: str = "serial"
     l2_hint: bool = False
+    vec_store: bool = False
+    stream_hint: bool = False
+    q_prefetch: bool = False
     ablate: str = ""
 
     def reasons(self) -> list[str]:
@@ -142,8 +155,9 @@ class SparseAttnFwdSpec(KernelSpec):
             out.append(f"stages={self.stages} must be 2 (two 64-row stages plus Q fill shared memory)")
         if self.schedule not in SCHEDULES:
             out.append(f"schedule={self.schedule!r} must be one of {SCHEDULES}")
-        if self.l2_hint and self.schedule != "split_halves":
-            out.append(f"l2_hint=True exists for schedule 'split_halves' only, not {self.schedule!r}")
+        for name in HALVES_OPTIONS:
+            if getattr(self, name) and self.schedule != "split_halves":
+                out.append(f"{name}=True exists for schedule 'split_halves' only, not {self.schedule!r}")
         if self.ablate and self.ablate not in ABLATIONS:
             out.append(f"ablate={self.ablate!r} must be '' or one of {tuple(ABLATIONS)}")
         elif self.ablate and self.ablate not in SCHEDULE_ABLATIONS.get(self.schedule, ()):

@@ -32,7 +32,12 @@ flushes the caches before every replay pass, so a warm-up launch would change no
 FLOPs = 2 * S_q * H * topk * (D_qk + d_v) (both products, valid slots only). "GB/s" counts the bytes a
 kernel must move at least once per CTA: the gathered rows (S_q * topk * D_qk * 2 per 64-head block),
 q, out, ids and the FP32 stats; the gathered rows mostly come from L2, so this can exceed HBM bandwidth.
-Time: CUDA events around `reps` back-to-back calls after a warm-up, median of 5 such rounds.
+--flashmla DIR also times FlashMLA's SM90 sparse prefill (the peer to beat; built from its source by
+DIR/build.sh, not part of dsagen) on the same inputs: columns `FlashMLA ms`, `TFLOP/s`, `x` (FlashMLA time /
+default time: above 1, dsagen is faster).
+Time: CUDA events around `reps` back-to-back calls after a warm-up, median of 7 such rounds; the default, the
+--schedule column and FlashMLA run interleaved round by round (common.paired_time_ms), so GPU clock drift hits
+them alike.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import json
 import sys
 
 import torch
-from common import cuda_time_ms
+from common import cuda_time_ms, paired_time_ms
 
 import dsagen
 import dsagen.fused.sparse_attention as fused_sa
@@ -55,11 +60,33 @@ def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.
     return ((start + torch.arange(topk).view(1, -1) * stride) % n_kv).to(torch.int32)
 
 
+def with_knobs(fn, **knobs):
+    """`fn` run with the given dsagen.fused.sparse_attention module attributes set (restored after each call)."""
+    def run():
+        prev = {k: getattr(fused_sa, k) for k in knobs}
+        for k, v in knobs.items():
+            setattr(fused_sa, k, v)
+        try:
+            return fn()
+        finally:
+            for k, v in prev.items():
+                setattr(fused_sa, k, v)
+    return run
+
+
+def load_flashmla(folder: str):
+    """The FlashMLA peer module (`flashmla_peer.py` + its library in `folder`, built from FlashMLA's source by
+    its build.sh; not part of dsagen)."""
+    sys.path.insert(0, folder)
+    import flashmla_peer
+    return flashmla_peer
+
+
 ABLATE_SHAPES = {(128, 576)}      # (H, D_qk) of the ablated kernels that the GPU tests' REQUIRED_SPECS build
 
 
 def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0, schedule=None, ablate=(),
-             l2_hint=False, grid=None, options=()):
+             l2_hint=False, grid=None, options=(), flashmla=None):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn((s_q, h, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
     kv = torch.randn((n_kv, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
@@ -73,26 +100,37 @@ def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0,
     row = {"case": name, "s_q": s_q, "H": h, "d_qk": d_qk, "d_v": d_v, "kv_rows": n_kv, "topk": topk}
     default = fused_sa.resolved_schedule(h, d_qk, rows=s_q)
     row["schedule"] = default
-    ms = cuda_time_ms(lambda: call("fused"), calls=reps)
-    row.update(fused_ms=ms, fused_tflops=flops / ms / 1e9, fused_gbps=nbytes / ms / 1e6)
+    # the default, the --schedule variant and the FlashMLA peer, timed interleaved on the same inputs
+    fns = {"fused": lambda: call("fused")}
     same = not l2_hint and grid == fused_sa.GRID and not options
-    if schedule == default and same:                                    # the same launch as the default column
-        row.update({f"{schedule}_ms": ms, f"{schedule}_tflops": flops / ms / 1e9, f"{schedule}_speedup": 1.0})
-    elif schedule:
-        base_out, base_lse, _ = call("fused")
-        prev = fused_sa.SCHEDULE, fused_sa.L2_HINT, fused_sa.GRID, fused_sa.OPTIONS
-        fused_sa.SCHEDULE, fused_sa.L2_HINT, fused_sa.GRID = schedule, l2_hint, grid
-        fused_sa.OPTIONS = dict.fromkeys(options, True)
-        try:
-            sms = cuda_time_ms(lambda: call("fused"), calls=reps)
-            v_out, v_lse, _ = call("fused")
-        finally:
-            fused_sa.SCHEDULE, fused_sa.L2_HINT, fused_sa.GRID, fused_sa.OPTIONS = prev
+    if schedule and not (schedule == default and same):
+        fns[schedule] = with_knobs(lambda: call("fused"), SCHEDULE=schedule, L2_HINT=l2_hint, GRID=grid,
+                                   OPTIONS=dict.fromkeys(options, True))
+    scale = d_qk ** -0.5
+    if flashmla is not None and h % 64 == 0 and topk % 128 == 0:
+        fns["flashmla"] = lambda: flashmla.sparse_prefill_fwd(q, kv, ids, scale, attn_sink=sink)
+    times = dict(zip(fns, paired_time_ms(list(fns.values()), calls=reps)))
+    ms = times["fused"]
+    row.update(fused_ms=ms, fused_tflops=flops / ms / 1e9, fused_gbps=nbytes / ms / 1e6)
+    base_out, base_lse, _ = call("fused")
+    if schedule and schedule in times:
+        sms = times[schedule]
+        v_out, v_lse, _ = fns[schedule]()
         row.update({f"{schedule}_ms": sms, f"{schedule}_tflops": flops / sms / 1e9,
                     f"{schedule}_speedup": ms / sms,
                     f"{schedule}_max_abs_diff_out": (v_out.float() - base_out.float()).abs().max().item(),
                     f"{schedule}_max_abs_diff_lse": (v_lse - base_lse).abs().max().item()})
-        del base_out, base_lse, v_out, v_lse
+        del v_out, v_lse
+    elif schedule:                                                      # the same launch as the default column
+        row.update({f"{schedule}_ms": ms, f"{schedule}_tflops": flops / ms / 1e9, f"{schedule}_speedup": 1.0})
+    if "flashmla" in times:
+        fms = times["flashmla"]
+        f_out, _, f_lse = fns["flashmla"]()
+        row.update(flashmla_ms=fms, flashmla_tflops=flops / fms / 1e9, vs_flashmla=fms / ms,
+                   flashmla_max_abs_diff_out=(f_out.float() - base_out.float()).abs().max().item(),
+                   flashmla_max_abs_diff_lse=(f_lse - base_lse).abs().max().item())
+        del f_out, f_lse
+    del base_out, base_lse
     if ablate and (h, d_qk) in ABLATE_SHAPES:
         for sch in dict.fromkeys([default] + ([schedule] if schedule else [])):
             full = ms if sch == default else row[f"{sch}_ms"]
@@ -127,6 +165,9 @@ def main() -> None:
     ap.add_argument("--options", default="",
                     help="comma list of split_halves options (spec family HALVES_OPTIONS, e.g. vec_store) for the "
                          "--schedule split_halves column (fused_sa.OPTIONS)")
+    ap.add_argument("--flashmla", metavar="DIR",
+                    help="also time FlashMLA's SM90 sparse prefill on the same inputs (a folder with flashmla_peer.py "
+                         "and its library, e.g. .peer/flashmla; H 64/128 and topk a multiple of 128 only)")
     ap.add_argument("--grid", default=None,
                     help="the --schedule column's fused_sa.GRID for split_halves: items, persistent or a CTA count "
                          "(default: the kernel shape's DEFAULT_GRID; the default column keeps the module's GRID)")
@@ -165,23 +206,30 @@ def main() -> None:
         cases = [cases[int(i)] for i in args.cases.split(",")]
     if args.topk:
         cases = [c[:5] + (int(k),) + c[6:] for c in cases for k in args.topk.split(",")]
+    flashmla = load_flashmla(args.flashmla) if args.flashmla else None
     rows = []
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", file=sys.stderr)
     hdr = f"{'case':8} {'S_q':>6} {'H':>4} {'D':>4} {'kv':>7} {'topk':>5} | {'fused ms':>9} {'TFLOP/s':>8} " \
           f"{'GB/s':>7} | {'torch ms':>9} {'TFLOP/s':>8} {'x':>6}"
     if args.schedule:
         hdr += f" | {args.schedule + ' ms':>9} {'TFLOP/s':>8} {'x':>6}"
+    if flashmla:
+        hdr += f" | {'FlashMLA ms':>11} {'TFLOP/s':>8} {'x':>6}"
     print(hdr)
     for name, s_q, h, d, n_kv, topk, r in cases:
         row = run_case(name, s_q, h, d, n_kv, topk, reps=args.reps if s_q <= 4096 else max(2, args.reps // 4),
                        ref_reps=r, schedule=args.schedule, ablate=ablate, l2_hint=args.l2_hint,
-                       grid=int(args.grid) if args.grid and args.grid.isdigit() else args.grid, options=options)
+                       grid=int(args.grid) if args.grid and args.grid.isdigit() else args.grid, options=options,
+                       flashmla=flashmla)
         rows.append(row)
         tail = (f"{row['torch_ms']:9.2f} {row['torch_tflops']:8.1f} {row['speedup']:6.1f}" if "torch_ms" in row
                 else f"{'-':>9} {'-':>8} {'-':>6}")
         if args.schedule:
             sch = args.schedule
             tail += f" | {row[sch + '_ms']:9.3f} {row[sch + '_tflops']:8.1f} {row[sch + '_speedup']:6.2f}"
+        if flashmla:
+            tail += (f" | {row['flashmla_ms']:11.3f} {row['flashmla_tflops']:8.1f} {row['vs_flashmla']:6.2f}"
+                     if "flashmla_ms" in row else f" | {'-':>11} {'-':>8} {'-':>6}")
         print(f"{name:8} {s_q:6d} {h:4d} {d:4d} {n_kv:7d} {topk:5d} | {row['fused_ms']:9.3f} "
               f"{row['fused_tflops']:8.1f} {row['fused_gbps']:7.0f} | {tail}", flush=True)
     if ablate:

@@ -41,7 +41,8 @@ REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, l2
 REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=64, d_qk=576, d_v=512, dtype="float16", l2_hint=True,
                                      **_SCHED_FIELDS["split_halves"])]
 # schedule "split_halves" with its other options (fused_sa.OPTIONS), alone and all together
-OPTION_SETS = [("vec_store",), ("stream_hint",), ("q_prefetch",), ("vec_store", "stream_hint", "q_prefetch")]
+OPTION_SETS = [("vec_store",), ("stream_hint",), ("q_prefetch",), ("vec_store", "stream_hint"),
+               ("vec_store", "stream_hint", "q_prefetch")]
 REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, **dict.fromkeys(opts, True),
                                      **_SCHED_FIELDS["split_halves"])
                    for opts in OPTION_SETS for h in (64, 128) for d in (512, 576)]

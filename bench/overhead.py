@@ -4,7 +4,7 @@
 
 Compares, in one process: a near-empty torch op, the raw cuLaunchKernel of a prepacked kernel, the
 generated launcher (LoadedKernel.launch), and the public ops dsagen.local_to_global / compactify
-(validation + output allocation + launch). Each figure: host enqueue microseconds per call, the median
+(validation + output allocation + launch) and dsagen.sparse_attention on a tiny call. Each figure: host enqueue microseconds per call, the median
 of 5 rounds of N calls. Then spawns fresh processes that import dsagen and make the first fused call
 (cache hit) and reports the time to first launch. Writes the numbers as JSON with --json.
 """
@@ -74,6 +74,14 @@ def main() -> None:
     kp_addr = ctypes.addressof(kp)
     dsagen.local_to_global(ids, 100, impl="fused")
     dsagen.compactify(ids2d, impl="fused")
+    # a tiny sparse-attention call (1 query row, H128, D576, top-k 64 of 128 rows): its GPU time is a few us, so the
+    # host path (validation, the torch custom op, 3 output allocations, the launch) is what the loop measures
+    gen = torch.Generator().manual_seed(0)
+    aq = torch.randn((1, 128, 576), generator=gen).bfloat16().to(dev)
+    akv = torch.randn((128, 576), generator=gen).bfloat16().to(dev)
+    aids = torch.randperm(128, generator=gen)[:64].view(1, 64).int().to(dev)
+    asink = torch.randn(128, generator=gen).to(dev)
+    dsagen.sparse_attention(aq, akv, aids, attn_sink=asink, impl="fused")
     cu_stream = cu.CUstream(stream)
     libcuda = ctypes.CDLL("libcuda.so.1")
     raw = libcuda.cuLaunchKernel
@@ -92,6 +100,8 @@ def main() -> None:
             lambda: dsagen.local_to_global(ids, 100, impl="fused"),
         "dsagen.compactify(impl='fused') (validate + 2 allocs + launch)":
             lambda: dsagen.compactify(ids2d, impl="fused"),
+        "dsagen.sparse_attention(impl='fused'), 1 row x H128 x top-k 64 (validate + custom op + 3 allocs + launch)":
+            lambda: dsagen.sparse_attention(aq, akv, aids, attn_sink=asink, impl="fused"),
     }
     results = {name: round(per_call_us(fn, args.calls), 2) for name, fn in rows.items()}
     # CUDA-graph replay: 100 op calls captured once; replay cost per captured call

@@ -9,7 +9,7 @@
 the row's "schedule" in the JSON) in the same run, on the same inputs: columns `S ms`, `TFLOP/s`,
 `x` (default time / S time) and, in the JSON, the max abs difference of S's out/lse from the default's.
 --l2-hint (with --schedule split_halves) times that schedule with SparseAttnFwdSpec.l2_hint instead; --options A,B
-with its other options (fused_sa.OPTIONS: vec_store, stream_hint, q_prefetch).
+with its options set (fused_sa.OPTIONS: vec_store, stream_hint, q_prefetch; NAME=0 turns one off).
 --grid G runs the --schedule column with dsagen.fused.sparse_attention.GRID = G (split_halves: "items", one CTA per
 (query row, 64 heads); "persistent", one CTA per SM looping over them; or a CTA count; the default column runs
 each kernel shape's DEFAULT_GRID: persistent at H128, items at H64).
@@ -86,7 +86,7 @@ ABLATE_SHAPES = {(128, 576)}      # (H, D_qk) of the ablated kernels that the GP
 
 
 def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0, schedule=None, ablate=(),
-             l2_hint=False, grid=None, options=(), flashmla=None):
+             l2_hint=False, grid=None, options=None, flashmla=None):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn((s_q, h, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
     kv = torch.randn((n_kv, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
@@ -105,7 +105,7 @@ def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0,
     same = not l2_hint and grid == fused_sa.GRID and not options
     if schedule and not (schedule == default and same):
         fns[schedule] = with_knobs(lambda: call("fused"), SCHEDULE=schedule, L2_HINT=l2_hint, GRID=grid,
-                                   OPTIONS=dict.fromkeys(options, True))
+                                   OPTIONS=dict(options or {}))
     scale = d_qk ** -0.5
     if flashmla is not None and h % 64 == 0 and topk % 128 == 0:
         fns["flashmla"] = lambda: flashmla.sparse_prefill_fwd(q, kv, ids, scale, attn_sink=sink)
@@ -163,8 +163,9 @@ def main() -> None:
     ap.add_argument("--l2-hint", action="store_true",
                     help="--schedule split_halves with SparseAttnFwdSpec.l2_hint (L2::256B prefetch + evict_last)")
     ap.add_argument("--options", default="",
-                    help="comma list of split_halves options (spec family HALVES_OPTIONS, e.g. vec_store) for the "
-                         "--schedule split_halves column (fused_sa.OPTIONS)")
+                    help="comma list of split_halves options for the --schedule split_halves column (fused_sa.OPTIONS): "
+                         "NAME turns one on, NAME=0 off (spec family HALVES_OPTIONS; the op's own choice is "
+                         "SCHEDULE_OPTIONS)")
     ap.add_argument("--flashmla", metavar="DIR",
                     help="also time FlashMLA's SM90 sparse prefill on the same inputs (a folder with flashmla_peer.py "
                          "and its library, e.g. .peer/flashmla; H 64/128 and topk a multiple of 128 only)")
@@ -187,7 +188,7 @@ def main() -> None:
         return
     if args.l2_hint and args.schedule != "split_halves":
         ap.error("--l2-hint needs --schedule split_halves")
-    options = tuple(o for o in args.options.split(",") if o)
+    options = {o.split("=")[0]: o.split("=")[1] != "0" if "=" in o else True for o in args.options.split(",") if o}
     if options and args.schedule != "split_halves":
         ap.error("--options needs --schedule split_halves")
     bad = [o for o in options if o not in HALVES_OPTIONS or o == "l2_hint"]

@@ -68,9 +68,9 @@ def test_identity_follows_templates_and_helpers_but_not_toolchain(monkeypatch, t
 
 
 def _sparse_attention_specs():
-    from dsagen.spec.families.sparse_attention import SCHEDULE_REGS, SCHEDULES, SparseAttnFwdSpec
+    from dsagen.spec.families.sparse_attention import SCHEDULES, SparseAttnFwdSpec, op_spec_fields
 
-    return [SparseAttnFwdSpec(arch="sm_90a", schedule=sch, **SCHEDULE_REGS[sch]) for sch in SCHEDULES]
+    return [SparseAttnFwdSpec(arch="sm_90a", **op_spec_fields(sch)) for sch in SCHEDULES]
 
 
 def test_identity_follows_included_and_imported_templates(monkeypatch, tmp_path):

@@ -46,7 +46,8 @@ def _smem_fits(rec):
 def test_default_spec_is_the_v32_shape_and_valid():
     s = SparseAttnFwdSpec(arch="sm_90a").check()
     assert (s.num_heads, s.d_qk, s.d_v, s.dtype) == (128, 576, 512, "bfloat16")
-    assert dataclasses.replace(s, **HALVES) in get_preset("deepseek-v3.2", "sm_90a")   # the op's H128 / D576 kernel
+    # the op's H128 / D576 kernel
+    assert dataclasses.replace(s, **HALVES, vec_store=True) in get_preset("deepseek-v3.2", "sm_90a")
     assert not any(isinstance(x, SparseAttnFwdSpec) for x in get_preset("deepseek-v3.2", "sm_100a"))
 
 
@@ -124,7 +125,7 @@ def test_schedule_selection():
 
     assert SparseAttnFwdSpec(arch="sm_90a").schedule == "serial"
     assert fsa.SCHEDULE is None                                        # each shape's measured-fastest schedule
-    halves = SparseAttnFwdSpec(arch="sm_90a", **HALVES)
+    halves = SparseAttnFwdSpec(arch="sm_90a", **HALVES, vec_store=True)              # the op's options: vec_store
     assert fsa.spec_for(128, 576, torch.bfloat16) == halves
     assert fsa.spec_for(100, 576, torch.bfloat16) == halves                        # padded to 128 heads
     for h, d in ((64, 576), (64, 512), (128, 512), (16, 576)):
@@ -146,11 +147,22 @@ def test_split_halves_spec_and_selection():
 
     import dsagen.fused.sparse_attention as fsa
 
-    s = SparseAttnFwdSpec(arch="sm_90a", **HALVES).check()
+    s = SparseAttnFwdSpec(arch="sm_90a", **HALVES, vec_store=True).check()
     assert s.regs_producer + s.regs_qk + s.regs_pv == 504
-    assert fsa.spec_for(128, 576, torch.bfloat16, schedule="split_halves") == s
+    assert fsa.spec_for(128, 576, torch.bfloat16, schedule="split_halves") == s      # the op's options: vec_store
     assert fsa.spec_for(32, 512, torch.bfloat16, schedule="split_halves") == SparseAttnFwdSpec(
-        arch="sm_90a", num_heads=64, d_qk=512, **HALVES)
+        arch="sm_90a", num_heads=64, d_qk=512, **HALVES, vec_store=True)
+    assert fsa.OPTIONS == {}
+    try:
+        fsa.OPTIONS = {"vec_store": False, "stream_hint": True}
+        assert fsa.spec_for(128, 576, torch.bfloat16, schedule="split_halves") == SparseAttnFwdSpec(
+            arch="sm_90a", **HALVES, stream_hint=True)
+        assert fsa.spec_for(128, 576, torch.bfloat16, schedule="serial") == SparseAttnFwdSpec(arch="sm_90a")
+        fsa.OPTIONS = {"vec_stor": True}
+        with pytest.raises(ValueError, match="vec_stor"):
+            fsa.spec_for(128, 576, torch.bfloat16, schedule="split_halves")
+    finally:
+        fsa.OPTIONS = {}
     assert fsa.L2_HINT is False
     try:
         fsa.L2_HINT = True
@@ -381,7 +393,8 @@ def test_split_halves_grid_choice(monkeypatch):
     import dsagen.fused.sparse_attention as fsa
 
     cpu = torch.device("cpu")
-    assert fsa.GRID is None and fsa.DEFAULT_GRID == {128: "persistent", 64: "items"}
+    assert fsa.GRID is None and fsa.DEFAULT_GRID == {128: "persistent", 64: "persistent"}
+    monkeypatch.setattr(fsa, "DEFAULT_GRID", {128: "persistent", 64: "items"})
     assert fsa._grid_ctas(cpu, 64) == 2**31 - 1
     monkeypatch.setattr(fsa, "GRID", 7)
     assert fsa._grid_ctas(cpu, 128) == 7

@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 
 from ..runtime import LoadedKernel, device_arch, device_index, device_sm_count, get_kernel
-from ..spec.families.sparse_attention import (ABLATIONS, HALVES_OPTIONS, SCHEDULE_ABLATIONS, SCHEDULE_REGS,
-                                              SCHEDULES, SparseAttnFwdSpec, default_schedule)
+from ..spec.families.sparse_attention import (ABLATIONS, HALVES_OPTIONS, SCHEDULE_ABLATIONS, SCHEDULES,
+                                              SparseAttnFwdSpec, default_schedule, op_spec_fields)
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_GRID_X = 2**31 - 1
@@ -43,8 +43,9 @@ SCHEDULE: str | None = None
 # Run-time choice of SparseAttnFwdSpec.l2_hint (FlashMLA's L2::256B prefetch + evict_last policy on the KV
 # gather) for schedule "split_halves"; ignored by the other schedules.
 L2_HINT: bool = False
-# Run-time choice of the other boolean options of schedule "split_halves" (spec family HALVES_OPTIONS, e.g.
-# {"vec_store": True}); ignored by the other schedules.
+# Run-time override of the boolean options of schedule "split_halves" (spec family HALVES_OPTIONS; the op's own
+# choice is SCHEDULE_OPTIONS, e.g. vec_store on): {"vec_store": False} turns one off, {"stream_hint": True} one on.
+# Ignored by the other schedules.
 OPTIONS: dict[str, bool] = {}
 # Run-time choice of the grid of schedule "split_halves", whose CTAs loop over the items (query row, 64 heads):
 # None (the default) takes the kernel shape's DEFAULT_GRID; "items" launches one CTA per item, "persistent" one
@@ -52,9 +53,10 @@ OPTIONS: dict[str, bool] = {}
 # int n at most n CTAs (tests use small counts to give every CTA several items). The other schedules always launch
 # one CTA per item.
 GRID: str | int | None = None
-# The grid per kernel heads, GPU-measured in the same runs (H200, session 5): persistent is 1.02-1.05x at H128
-# (D 576 and 512, S_q 4096 and 32768), 0.91x at H64 / D576 and 0.99-1.01x at H64 / D512 (two runs each).
-DEFAULT_GRID = {128: "persistent", 64: "items"}
+# The grid per kernel heads, GPU-measured in the same runs (H200): persistent is 1.02-1.05x at H128 (D 576 and
+# 512, S_q 4096 and 32768; session 5). At H64 it was 0.91x (D576) and 0.99-1.01x (D512) with 4-byte O stores
+# (session 5); with vec_store's 16-byte stores it measured ~1.02-1.03x (session 6, notes/kernels/sparse_attention.md).
+DEFAULT_GRID = {128: "persistent", 64: "persistent"}
 
 
 def kernel_heads(num_heads: int) -> int:
@@ -83,13 +85,13 @@ def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a"
     if ablate and ablate not in SCHEDULE_ABLATIONS[schedule]:
         raise ValueError(f"sparse_attention: schedule {schedule!r} has the ablations "
                          f"{SCHEDULE_ABLATIONS[schedule]}, not {ablate!r}")
-    extra = dict(SCHEDULE_REGS[schedule], schedule=schedule) if schedule != "serial" else {}
+    extra = op_spec_fields(schedule) if schedule != "serial" else {}
     if schedule == "split_halves":
         unknown = set(OPTIONS) - set(HALVES_OPTIONS)
         if unknown:
             raise ValueError(f"sparse_attention: OPTIONS has {sorted(unknown)}, not options of split_halves "
                              f"{HALVES_OPTIONS}")
-        extra.update({name: True for name, on in OPTIONS.items() if on})
+        extra.update({name: bool(on) for name, on in OPTIONS.items()})
         if L2_HINT:
             extra["l2_hint"] = True
     if ablate:

@@ -23,12 +23,12 @@ import torch
 
 import dsagen
 import dsagen.fused.sparse_attention as fused_sa
-from dsagen.spec.families.sparse_attention import (SCHEDULE_ABLATIONS, SCHEDULE_REGS, SCHEDULES,
-                                                   SparseAttnFwdSpec)
+from dsagen.spec.families.sparse_attention import (HALVES_OPTIONS, SCHEDULE_ABLATIONS, SCHEDULES, SparseAttnFwdSpec,
+                                                   op_spec_fields)
 from poison import poison_allocator
 
 ARCH = "sm_90a"
-_SCHED_FIELDS = {sch: dict(SCHEDULE_REGS[sch], schedule=sch) for sch in SCHEDULES}
+_SCHED_FIELDS = {sch: op_spec_fields(sch) for sch in SCHEDULES}   # what the op runs per schedule
 REQUIRED_SPECS = [
     SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, **_SCHED_FIELDS[sch])
     for sch in SCHEDULES for h in (64, 128) for d in (512, 576)
@@ -40,15 +40,22 @@ REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, l2
                                      **_SCHED_FIELDS["split_halves"]) for h in (64, 128) for d in (512, 576)]
 REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=64, d_qk=576, d_v=512, dtype="float16", l2_hint=True,
                                      **_SCHED_FIELDS["split_halves"])]
-# schedule "split_halves" with its other options (fused_sa.OPTIONS), alone and all together
-OPTION_SETS = [("vec_store",), ("stream_hint",), ("q_prefetch",), ("vec_store", "stream_hint"),
+# schedule "split_halves" with its options (fused_sa.OPTIONS) each alone and together, and with none of them (the
+# plain kernel they are compared with bitwise)
+_OPTS = tuple(o for o in HALVES_OPTIONS if o != "l2_hint")
+OPTION_SETS = [(), ("vec_store",), ("stream_hint",), ("q_prefetch",), ("vec_store", "stream_hint"),
                ("vec_store", "stream_hint", "q_prefetch")]
-REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, **dict.fromkeys(opts, True),
-                                     **_SCHED_FIELDS["split_halves"])
+
+
+def option_fields(opts: tuple[str, ...]) -> dict:
+    """split_halves' spec fields with exactly `opts` of its options on."""
+    return {**_SCHED_FIELDS["split_halves"], **{o: o in opts for o in _OPTS}}
+
+
+REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, **option_fields(opts))
                    for opts in OPTION_SETS for h in (64, 128) for d in (512, 576)]
 REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=64, d_qk=576, d_v=512, dtype="float16",
-                                     **dict.fromkeys(opts, True), **_SCHED_FIELDS["split_halves"])
-                   for opts in OPTION_SETS if "vec_store" in opts]
+                                     **option_fields(opts)) for opts in OPTION_SETS if not opts or "vec_store" in opts]
 # timing-only ablated kernels (bench/sparse_attention.py --ablate; smoke-tested below, NOT correctness-tested)
 _ABLATED = [(sch, a) for sch in SCHEDULES for a in SCHEDULE_ABLATIONS[sch]]
 REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=128, d_qk=576, d_v=512, ablate=a, **_SCHED_FIELDS[sch])
@@ -249,7 +256,7 @@ def test_l2_hint_adversarial(h, d_qk, k, length, monkeypatch):
     check_against_reference(*make_inputs(5, h, d_qk, k, 3000, seed=k + h, length=length, adversarial=True))
 
 
-@pytest.mark.parametrize("opts", OPTION_SETS, ids="+".join)
+@pytest.mark.parametrize("opts", OPTION_SETS[1:], ids="+".join)
 @pytest.mark.parametrize("h,d_qk,k,length,dtype", [(128, 576, 2048, False, torch.bfloat16),
                                                     (64, 512, 300, True, torch.bfloat16),
                                                     (128, 512, 333, True, torch.bfloat16),
@@ -258,17 +265,19 @@ def test_l2_hint_adversarial(h, d_qk, k, length, monkeypatch):
 def test_halves_options_adversarial(opts, h, d_qk, k, length, dtype, monkeypatch):
     """schedule "split_halves" with its options (vec_store: 16-byte O stores after a quad transpose; stream_hint:
     evict_first Q loads / O stores; q_prefetch: the next item's Q prefetched into L2) on adversarial ids, with 3
-    CTAs looping over 7 query rows' items: against the reference, and bitwise against the kernel without them."""
+    CTAs looping over 7 query rows' items: against the reference, and bitwise against the kernel with none of them
+    (4-byte O stores)."""
     if dtype == torch.float16 and "vec_store" not in opts:
         pytest.skip("fp16 is built for the vec_store sets only")
     monkeypatch.setattr(fused_sa, "SCHEDULE", "split_halves")
     monkeypatch.setattr(fused_sa, "GRID", 3)
     inputs = make_inputs(7, h, d_qk, k, 3000, seed=k + h + len(opts), length=length, adversarial=True,
                          dtype=dtype)
+    monkeypatch.setattr(fused_sa, "OPTIONS", dict.fromkeys(_OPTS, False))
     base = dsagen.sparse_attention(*inputs[:3], attn_sink=inputs[3], topk_length=inputs[4], impl="fused")
-    monkeypatch.setattr(fused_sa, "OPTIONS", dict.fromkeys(opts, True))
+    monkeypatch.setattr(fused_sa, "OPTIONS", {o: o in opts for o in _OPTS})
     spec = fused_sa.spec_for(h, d_qk, dtype)
-    assert all(getattr(spec, o) for o in opts)
+    assert all(getattr(spec, o) == (o in opts) for o in _OPTS)
     out, lse, m = check_against_reference(*inputs)
     assert torch.equal(out, base[0]) and torch.equal(lse, base[1]) and torch.equal(m, base[2])
 

@@ -29,6 +29,17 @@ SCHEDULES = ("serial", "split_halves", "serial_lean")
 HALVES_REGS = {"regs_producer": 48, "regs_qk": 232, "regs_pv": 224}
 # the register budget the op uses per schedule
 SCHEDULE_REGS = {"serial": {}, "split_halves": HALVES_REGS, "serial_lean": {}}
+# the options the op turns on per schedule (dsagen.fused.sparse_attention.OPTIONS overrides them at run time).
+# GPU-measured (H200, session 6, interleaved with the plain kernel in the same run): split_halves' vec_store is
+# 1.05-1.07x on every prefill shape (H64 / H128, D 512 / 576, S_q 4096 / 32768, KV 32768 / 131072) and 1.06x at
+# decode 128 rows; stream_hint and q_prefetch on top of it measured within the noise (1.05-1.06x), so they stay off.
+SCHEDULE_OPTIONS = {"serial": {}, "split_halves": {"vec_store": True}, "serial_lean": {}}
+
+
+def op_spec_fields(schedule: str) -> dict:
+    """The SparseAttnFwdSpec fields the op runs `schedule` with: the schedule, its register budget
+    (SCHEDULE_REGS) and its options (SCHEDULE_OPTIONS)."""
+    return {"schedule": schedule, **SCHEDULE_REGS[schedule], **SCHEDULE_OPTIONS[schedule]}
 # The schedule the op runs: DEFAULT_SCHEDULE for every kernel shape and call size, unless DEFAULT_SCHEDULES lists
 # the shape as (schedule, min rows) (then that schedule from `min rows` query rows on). GPU-measured in one run
 # (H200, session 5, notes/kernels/sparse_attention.md): split_halves with its lean softmax and producer-built
@@ -106,7 +117,8 @@ class SparseAttnFwdSpec(KernelSpec):
     l2_hint: the KV gather's cp.async carries FlashMLA's hints, a 256-byte L2 prefetch and an L2 evict_last
       cache policy (schedule "split_halves" only). Default off.
     vec_store: the epilogue writes O as 16-byte stores after a 4 x 4 word transpose over each quad (shuffles)
-      instead of 4-byte stores (schedule "split_halves" only). Default off.
+      instead of 4-byte stores (schedule "split_halves" only). Off in this dataclass; the op turns it on
+      (SCHEDULE_OPTIONS).
     stream_hint: Q loads (and, with vec_store, O stores) carry an L2 evict_first policy, so that the streamed
       data leaves L2 before the gathered rows, which other CTAs read again (schedule "split_halves" only).
     q_prefetch: the producer prefetches its next item's Q into L2 (cp.async.bulk.prefetch) ~3 pairs before

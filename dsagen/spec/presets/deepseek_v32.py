@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..base import KernelSpec
 from ..families import CompactifySpec, LocalToGlobalSpec
 from ..families.indexer import indexer_specs
-from ..families.sparse_attention import SCHEDULE_REGS, SparseAttnFwdSpec, default_schedule
+from ..families.sparse_attention import SparseAttnFwdSpec, default_schedule, op_spec_fields
 
 NAME = "deepseek-v3.2"
 DESCRIPTION = "DeepSeek-V3.2 sparse attention (indexer H64 D128 top-2048; MLA H128 576/512)"
@@ -23,5 +23,5 @@ def specs(arch: str) -> list[KernelSpec]:
     ]
     if arch == "sm_90a":  # the fused sparse MLA forward exists for Hopper only (MLA H128, 576/512)
         for sch in dict.fromkeys([default_schedule(128, 576), default_schedule(128, 576, rows=1)]):   # prefill, decode
-            out.append(SparseAttnFwdSpec(arch=arch, num_heads=128, d_qk=576, d_v=512, schedule=sch, **SCHEDULE_REGS[sch]))
+            out.append(SparseAttnFwdSpec(arch=arch, num_heads=128, d_qk=576, d_v=512, **op_spec_fields(sch)))
     return out

@@ -506,3 +506,28 @@ def test_recompute_validation_names_the_argument():
     for fn, exc, name in checks:
         with pytest.raises(exc, match=name):
             fn()
+
+
+@pytest.mark.parametrize("grad_input", ["none", "q", "kv", "sink", "no_grad_mode"])
+def test_autograd_only_when_a_gradient_can_flow(grad_input):
+    """The op runs its autograd Function only when grad mode is on and q, kv or attn_sink requires grad (else the
+    forward alone: no grad_fn, the same outputs); sink-only gradients still flow."""
+    q, kv, idx, sk, ln = random_case(s_q=5, s_kv=9, h=2, d=6, k=4, seed=17)
+    sk = sk.double()
+    want = sa(q, kv, idx, attn_sink=sk, topk_length=ln, d_v=4)
+    args = {"q": q.clone(), "kv": kv.clone(), "sink": sk.clone()}
+    if grad_input in args:
+        args[grad_input].requires_grad_()
+    if grad_input == "no_grad_mode":
+        for t in args.values():
+            t.requires_grad_()
+        with torch.no_grad():
+            got = sa(args["q"], args["kv"], idx, attn_sink=args["sink"], topk_length=ln, d_v=4)
+    else:
+        got = sa(args["q"], args["kv"], idx, attn_sink=args["sink"], topk_length=ln, d_v=4)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert (got[0].grad_fn is not None) == (grad_input in args)
+    if grad_input in args:
+        (grad,) = torch.autograd.grad(got[0].sum(), [args[grad_input]])
+        assert grad.shape == args[grad_input].shape and torch.isfinite(grad).all()

@@ -21,17 +21,30 @@ _INT32_MAX = 2**31 - 1
 _SINK_DTYPES = (torch.float32, torch.float64)
 
 
+def _forward(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl):
+    """The flat-layout forward by `impl`, without autograd: (out, lse, max_logits)."""
+    kwargs = dict(attn_sink=attn_sink, topk_length=topk_length, softmax_scale=softmax_scale, d_v=d_v)
+    if impl == "reference":
+        return ref.sparse_attention_forward(q, kv, topk_idxs, **kwargs)
+    return fused_impl("sparse_attention", q.device)(q, kv, topk_idxs, **kwargs)
+
+
+def _flat(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl):
+    """The flat-layout op: through the autograd Function when a gradient may be needed, else the forward alone
+    (inference and decode calls skip the Function's host cost, ~10 us)."""
+    if torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad
+                                    or (attn_sink is not None and attn_sink.requires_grad)):
+        return _SparseAttentionFunction.apply(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl)
+    return _forward(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl)
+
+
 class _SparseAttentionFunction(torch.autograd.Function):
     """Flat-layout sparse attention: forward by `impl`, backward always by the reference formula
     (gradients flow through the reference backward until a fused backward exists)."""
 
     @staticmethod
     def forward(ctx, q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl):
-        kwargs = dict(attn_sink=attn_sink, topk_length=topk_length, softmax_scale=softmax_scale, d_v=d_v)
-        if impl == "reference":
-            out, lse, max_logits = ref.sparse_attention_forward(q, kv, topk_idxs, **kwargs)
-        else:
-            out, lse, max_logits = fused_impl("sparse_attention", q.device)(q, kv, topk_idxs, **kwargs)
+        out, lse, max_logits = _forward(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl)
         ctx.save_for_backward(q, kv, topk_idxs, attn_sink, topk_length, lse, out)
         ctx.softmax_scale, ctx.d_v = softmax_scale, d_v
         ctx.mark_non_differentiable(lse, max_logits)
@@ -131,7 +144,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
     check_int("d_v", d_v, minimum=1, maximum=d_qk)
 
     if not batched:
-        return _SparseAttentionFunction.apply(q, kv, topk_idxs, attn_sink, topk_length, scale, d_v, impl)
+        return _flat(q, kv, topk_idxs, attn_sink, topk_length, scale, d_v, impl)
 
     b, t, n, k = q.shape[0], q.shape[1], kv.shape[1], topk_idxs.shape[-1]
     if b * n > _INT32_MAX:
@@ -140,7 +153,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
     local = topk_idxs.long()
     offsets = torch.arange(b, device=q.device, dtype=torch.long).view(b, 1, 1) * n
     flat_ids = torch.where((local >= 0) & (local < n), local + offsets, -1).to(torch.int32)
-    out, lse, max_logits = _SparseAttentionFunction.apply(
+    out, lse, max_logits = _flat(
         q.reshape(b * t, h, d_qk), kv.reshape(b * n, d_qk), flat_ids.reshape(b * t, k), attn_sink,
         None if topk_length is None else topk_length.reshape(b * t), scale, d_v, impl)
     return out.reshape(b, t, h, d_v), lse.reshape(b, t, h), max_logits.reshape(b, t, h)

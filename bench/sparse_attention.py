@@ -176,6 +176,9 @@ def main() -> None:
                     help="comma list of timing-only ablations to time next to the real kernel (default: all)")
     ap.add_argument("--cases", help="comma list of case indices to run (default: all of the list)")
     ap.add_argument("--ncu", action="store_true", help="launch each kernel once on case 0, no timing (for ncu)")
+    ap.add_argument("--trace", action="store_true",
+                    help="run the split_halves trace ablation on the chosen cases (default: case 0) and print where "
+                         "an item's time goes (medians of the gaps between its timestamps, ns); no timing table")
     ap.add_argument("--topk", help="comma list of top-k widths: each chosen case runs once per width (a sweep's "
                                    "intercept is the fixed cost per CTA: prologue, epilogue, pipeline fill/drain)")
     args = ap.parse_args()
@@ -207,6 +210,17 @@ def main() -> None:
         cases = [cases[int(i)] for i in args.cases.split(",")]
     if args.topk:
         cases = [c[:5] + (int(k),) + c[6:] for c in cases for k in args.topk.split(",")]
+    if args.trace:
+        for name, s_q, h, d, n_kv, topk, _ in (cases if args.cases else cases[:1]):
+            rep = trace_report(name, s_q, h, d, n_kv, topk)
+            width = max(len(k) for k in rep)
+            for k, v in rep.items():
+                print(f"{k:<{width}}  {v if isinstance(v, str) else round(v, 1)}")
+            print()
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(rep) + "\n")
+        return
     flashmla = load_flashmla(args.flashmla) if args.flashmla else None
     rows = []
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", file=sys.stderr)
@@ -256,6 +270,60 @@ def main() -> None:
                        "options": options,
                        "ablate": ablate,
                        "rows": rows}, f, indent=1)
+
+
+# the trace ablation's timestamp slots (split_halves.py.j2: producer 0-3, consumer A 8-13, consumer B 16-20)
+TRACE_SLOTS = {"P_item": 0, "P_qfree": 1, "P_end": 2, "P_v0l0": 3, "A_q": 8, "A_qk0": 9, "A_mid": 10, "A_last": 11,
+               "A_epi": 12, "A_end": 13, "B_q": 16, "B_qk0": 17, "B_last": 18, "B_epi": 19, "B_end": 20}
+
+
+def trace_report(name, s_q, h, d_qk, n_kv, topk, *, d_v=512, seed=0) -> dict:
+    """Launch the split_halves "trace" ablation (the real kernel plus %globaltimer stamps per item) on a bench case
+    and summarise where an item's time goes, per CTA in item order: the medians over all items but each CTA's first
+    of the gaps between consecutive stamps (ns), the steady per-pair time of consumer A (A_mid - A_qk0 over the
+    item's pairs - 1) and the item time (A_end - the previous item's A_end)."""
+    import statistics
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn((s_q, h, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
+    kv = torch.randn((n_kv, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
+    ids = distinct_ids(s_q, topk, n_kv, gen).cuda()
+    sink = torch.randn(h, generator=gen).cuda()
+    for _ in range(3):
+        _, _, stamps = fused_sa.ablated_forward(q, kv, ids, ablate="trace", attn_sink=sink, d_v=d_v,
+                                                schedule="split_halves")
+    torch.cuda.synchronize()
+    hp = fused_sa.kernel_heads(h)
+    ts = stamps.contiguous().view(torch.int64).view(s_q * (hp // 64), 32).cpu()      # [item, slot]
+    nctas = min(s_q * (hp // 64), fused_sa._grid_ctas(q.device, hp))
+    npairs = ((topk + 63) // 64 + 1) // 2
+    t0 = int(ts[:, 0].min())
+    slot = lambda k, it: int(ts[it, TRACE_SLOTS[k]])
+    gaps: dict[str, list[float]] = {}
+    order = ["A_end(prev)", "A_q", "A_qk0", "A_mid", "A_last", "A_epi", "A_end"]
+    for b in range(nctas):
+        items = list(range(b, ts.shape[0], nctas))
+        for j in range(1, len(items)):
+            it, prev = items[j], items[j - 1]
+            seq = [slot("A_end", prev)] + [slot(k, it) for k in order[1:]]
+            for a, z, v0, v1 in zip(order, order[1:], seq, seq[1:]):
+                gaps.setdefault(f"{a} -> {z}", []).append(v1 - v0)
+            gaps.setdefault("item (A_end - A_end(prev))", []).append(seq[-1] - seq[0])
+            if npairs > 1:
+                gaps.setdefault("A steady pair ((A_mid - A_qk0) / (pairs - 1))", []).append(
+                    (slot("A_mid", it) - slot("A_qk0", it)) / (npairs - 1))
+            gaps.setdefault("B: q -> first QK^T retired", []).append(slot("B_qk0", it) - slot("B_q", it))
+            gaps.setdefault("B: last pair done -> BAR_EPI", []).append(slot("B_epi", it) - slot("B_last", it))
+            gaps.setdefault("B: BAR_EPI -> stores done", []).append(slot("B_end", it) - slot("B_epi", it))
+            gaps.setdefault("B_end(prev) -> B_q", []).append(slot("B_q", it) - slot("B_end", prev))
+            gaps.setdefault("P: item top -> q_free passed", []).append(slot("P_qfree", it) - slot("P_item", it))
+            gaps.setdefault("P: q_free -> pair-0 V0L free", []).append(slot("P_v0l0", it) - slot("P_qfree", it))
+            gaps.setdefault("P: q_free vs A_last(prev) (P_qfree - A_last(prev))", []).append(
+                slot("P_qfree", it) - slot("A_last", prev))
+    ends = [int(ts[i, TRACE_SLOTS["A_end"]]) for i in range(ts.shape[0])]
+    report = {"case": name, "s_q": s_q, "H": h, "d_qk": d_qk, "kv_rows": n_kv, "topk": topk, "ctas": nctas,
+              "pairs_per_item": npairs, "kernel_span_ns (first stamp -> last A_end)": max(ends) - t0}
+    report.update({k: statistics.median(v) for k, v in gaps.items()})
+    return report
 
 
 def ncu_launches(ablate, schedule=None) -> None:

@@ -135,6 +135,21 @@ def st_global_v4_b32(dst: cute.Pointer, w0: Int32, w1: Int32, w2: Int32, w3: Int
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def globaltimer_ns(*, loc=None, ip=None) -> Int64:
+    """The GPU's global nanosecond timer (`%globaltimer`; the same clock on every SM): trace timestamps."""
+    return Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def st_global_u64(dst: cute.Pointer, value: Int64, *, loc=None, ip=None) -> None:
+    """`st.global.u64 [dst], value` (`dst` 8-byte aligned), whatever `dst`'s element type."""
+    llvm.inline_asm(None, [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), Int64(value).ir_value(loc=loc, ip=ip)],
+                    "st.global.u64 [$0], $1;", "l,l,~{memory}", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 __all__ = ["sw128", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_last_policy",
            "cp_async_16_l2_hint", "l2_evict_first_policy", "cp_async_16_policy", "prefetch_l2_bulk", "pack_f32x2",
-           "st_global_v4_b32"]
+           "st_global_v4_b32", "globaltimer_ns", "st_global_u64"]

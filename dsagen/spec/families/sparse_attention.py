@@ -70,6 +70,9 @@ ABLATIONS = {
     "no_pv": "no P V wgmma in either consumer (P is still written to smem and handed off)",
     "no_mask": "no consumer id loads and no -inf masking (the softmax itself stays): what a producer-built "
                "validity mask could save at most",
+    "trace": "split_halves: the real kernel plus %globaltimer timestamps at fixed points of every item (producer, "
+             "consumer A and B; 8-byte slots written over the item's max_logits / lse-free stats region: max_logits "
+             "holds the timestamps, lse is not written): where an item's time goes (bench --trace)",
     "no_ready_fence": "split_halves: no fence.proxy.async after the consumers' ready-barrier waits (2 per tile per "
                       "consumer, issued while wgmmas are in flight; FlashMLA has none there): their cost. Nothing "
                       "then orders the cp.async writes before the wgmma reads",
@@ -77,7 +80,7 @@ ABLATIONS = {
 # The ablations each schedule has (its template blocks implement exactly these).
 SCHEDULE_ABLATIONS = {
     "serial": ("no_gather", "no_math", "no_softmax", "no_pv", "no_mask"),
-    "split_halves": ("no_gather", "no_ready_fence"),
+    "split_halves": ("no_gather", "no_ready_fence", "trace"),
     "serial_lean": ("no_gather",),
 }
 

@@ -211,6 +211,7 @@ def main() -> None:
     if args.topk:
         cases = [c[:5] + (int(k),) + c[6:] for c in cases for k in args.topk.split(",")]
     if args.trace:
+        fused_sa.OPTIONS = dict(options)           # --options: trace that variant
         for name, s_q, h, d, n_kv, topk, _ in (cases if args.cases else cases[:1]):
             rep = trace_report(name, s_q, h, d, n_kv, topk)
             width = max(len(k) for k in rep)

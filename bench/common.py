@@ -38,13 +38,16 @@ def paired_time_ms(fns: list[Callable[[], object]], calls: int = 1, rounds: int 
     """Milliseconds per call of each of `fns` on the current CUDA stream, interleaved: one warm-up call of each,
     then `rounds` rounds in which every fn in turn runs `calls` back-to-back calls between two CUDA events; per fn
     the median over rounds. Interleaving puts slow drifts of the GPU clock on every fn alike, so ratios between
-    them are tighter than from separate cuda_time_ms runs."""
+    them are tighter than from separate cuda_time_ms runs; the order rotates by one fn per round, because under
+    the power cap (an H200 runs these kernels at 1.3-1.9 GHz, SW power cap) the fn that follows a lighter one
+    starts at a higher clock."""
     for fn in fns:
         fn()
     torch.cuda.synchronize()
     per_call: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
+    for rnd in range(rounds):
+        for i in [(rnd + j) % len(fns) for j in range(len(fns))]:
+            fn = fns[i]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(calls):

@@ -9,7 +9,7 @@
 the row's "schedule" in the JSON) in the same run, on the same inputs: columns `S ms`, `TFLOP/s`,
 `x` (default time / S time) and, in the JSON, the max abs difference of S's out/lse from the default's.
 --l2-hint (with --schedule split_halves) times that schedule with SparseAttnFwdSpec.l2_hint instead; --options A,B
-with its options set (fused_sa.OPTIONS: vec_store, stream_hint, q_prefetch; NAME=0 turns one off).
+with its options set (fused_sa.OPTIONS: l2_hint, vec_store, stream_hint, q_prefetch; NAME=0 turns one off).
 --grid G runs the --schedule column with dsagen.fused.sparse_attention.GRID = G (split_halves: "items", one CTA per
 (query row, 64 heads); "persistent", one CTA per SM looping over them; or a CTA count; the default column runs
 each kernel shape's DEFAULT_GRID: persistent at H128, items at H64).
@@ -194,9 +194,9 @@ def main() -> None:
     options = {o.split("=")[0]: o.split("=")[1] != "0" if "=" in o else True for o in args.options.split(",") if o}
     if options and args.schedule != "split_halves":
         ap.error("--options needs --schedule split_halves")
-    bad = [o for o in options if o not in HALVES_OPTIONS or o == "l2_hint"]
+    bad = [o for o in options if o not in HALVES_OPTIONS]
     if bad:
-        ap.error(f"--options {bad}: not in {tuple(o for o in HALVES_OPTIONS if o != 'l2_hint')} (l2_hint: --l2-hint)")
+        ap.error(f"--options {bad}: not in {HALVES_OPTIONS}")
     ref = 0 if args.no_torch else 1
     cases = [("prefill", 4096, 128, 576, 32768, 2048, ref), ("prefill", 4096, 128, 576, 131072, 2048, ref),
              ("prefill", 4096, 64, 512, 32768, 2048, ref)]

@@ -57,7 +57,7 @@ def default_schedule(num_heads: int, d_qk: int, rows: int | None = None) -> str:
 
 # Boolean options of schedule "split_halves" (SparseAttnFwdSpec fields; dsagen.fused.sparse_attention.OPTIONS
 # selects them at run time)
-HALVES_OPTIONS = ("l2_hint", "vec_store", "stream_hint", "q_prefetch", "epi_overlap")
+HALVES_OPTIONS = ("l2_hint", "vec_store", "stream_hint", "q_prefetch")
 
 # Timing-only ablations (SparseAttnFwdSpec.ablate): each leaves one stage of the kernel out, so that the time
 # difference to the full kernel on the same inputs places that stage's cost. Their outputs are NOT attention.
@@ -126,8 +126,6 @@ class SparseAttnFwdSpec(KernelSpec):
       data leaves L2 before the gathered rows, which other CTAs read again (schedule "split_halves" only).
     q_prefetch: the producer prefetches its next item's Q into L2 (cp.async.bulk.prefetch) ~3 pairs before
       the current item ends (schedule "split_halves" only).
-    epi_overlap: each consumer issues the first QK^T half of the CTA's next item before its epilogue (the O
-      stores then run under it; consumer A issues the other half after it) (schedule "split_halves" only).
     ablate: "" (the real kernel) or one of ABLATIONS: a TIMING-ONLY variant that leaves one stage out
       (bench/sparse_attention.py --ablate); its outputs are not attention and the op never selects it.
 
@@ -151,7 +149,6 @@ class SparseAttnFwdSpec(KernelSpec):
     vec_store: bool = False
     stream_hint: bool = False
     q_prefetch: bool = False
-    epi_overlap: bool = False
     ablate: str = ""
 
     def reasons(self) -> list[str]:

@@ -12,7 +12,7 @@ the row's "schedule" in the JSON) in the same run, on the same inputs: columns `
 with its options set (fused_sa.OPTIONS: l2_hint, vec_store, stream_hint, q_prefetch; NAME=0 turns one off).
 --grid G runs the --schedule column with dsagen.fused.sparse_attention.GRID = G (split_halves: "items", one CTA per
 (query row, 64 heads); "persistent", one CTA per SM looping over them; or a CTA count; the default column runs
-each kernel shape's DEFAULT_GRID: persistent at H128, items at H64).
+each kernel shape's DEFAULT_GRID: persistent, one CTA per SM, at H64 and H128).
 
 Shapes (issue 5): prefill T = 4096 and 32768 query rows over a KV pool of 32768 and 131072 rows, H=128,
 D_qk 576, d_v 512, top-k 2048, with sink; H=64 with D_qk 512; decode 64 and 128 sequences x 1 query row,
@@ -163,9 +163,9 @@ def main() -> None:
     ap.add_argument("--l2-hint", action="store_true",
                     help="--schedule split_halves with SparseAttnFwdSpec.l2_hint (L2::256B prefetch + evict_last)")
     ap.add_argument("--options", default="",
-                    help="comma list of split_halves options for the --schedule split_halves column (fused_sa.OPTIONS): "
-                         "NAME turns one on, NAME=0 off (spec family HALVES_OPTIONS; the op's own choice is "
-                         "SCHEDULE_OPTIONS)")
+                    help="comma list of split_halves options for the --schedule split_halves column "
+                         "(fused_sa.OPTIONS): NAME turns one on, NAME=0 off (spec family HALVES_OPTIONS; the op's "
+                         "own choice is SCHEDULE_OPTIONS)")
     ap.add_argument("--flashmla", metavar="DIR",
                     help="also time FlashMLA's SM90 sparse prefill on the same inputs (a folder with flashmla_peer.py "
                          "and its library, e.g. .peer/flashmla; H 64/128 and topk a multiple of 128 only)")
@@ -267,8 +267,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "default_schedule": "per row", "schedule": args.schedule, "l2_hint": args.l2_hint, "grid": args.grid,
-                       "options": options,
+                       "default_schedule": "per row", "schedule": args.schedule, "l2_hint": args.l2_hint,
+                       "grid": args.grid, "options": options,
                        "ablate": ablate,
                        "rows": rows}, f, indent=1)
 

@@ -47,7 +47,7 @@ def test_default_spec_is_the_v32_shape_and_valid():
     s = SparseAttnFwdSpec(arch="sm_90a").check()
     assert (s.num_heads, s.d_qk, s.d_v, s.dtype) == (128, 576, 512, "bfloat16")
     # the op's H128 / D576 kernel
-    assert dataclasses.replace(s, **HALVES, vec_store=True) in get_preset("deepseek-v3.2", "sm_90a")
+    assert dataclasses.replace(s, **HALVES, vec_store=True, stream_hint=True) in get_preset("deepseek-v3.2", "sm_90a")
     assert not any(isinstance(x, SparseAttnFwdSpec) for x in get_preset("deepseek-v3.2", "sm_100a"))
 
 
@@ -125,7 +125,7 @@ def test_schedule_selection():
 
     assert SparseAttnFwdSpec(arch="sm_90a").schedule == "serial"
     assert fsa.SCHEDULE is None                                        # each shape's measured-fastest schedule
-    halves = SparseAttnFwdSpec(arch="sm_90a", **HALVES, vec_store=True)              # the op's options: vec_store
+    halves = SparseAttnFwdSpec(arch="sm_90a", **HALVES, vec_store=True, stream_hint=True)   # the op's options
     assert fsa.spec_for(128, 576, torch.bfloat16) == halves
     assert fsa.spec_for(100, 576, torch.bfloat16) == halves                        # padded to 128 heads
     for h, d in ((64, 576), (64, 512), (128, 512), (16, 576)):
@@ -147,16 +147,16 @@ def test_split_halves_spec_and_selection():
 
     import dsagen.fused.sparse_attention as fsa
 
-    s = SparseAttnFwdSpec(arch="sm_90a", **HALVES, vec_store=True).check()
+    s = SparseAttnFwdSpec(arch="sm_90a", **HALVES, vec_store=True, stream_hint=True).check()
     assert s.regs_producer + s.regs_qk + s.regs_pv == 504
     assert fsa.spec_for(128, 576, torch.bfloat16, schedule="split_halves") == s      # the op's options: vec_store
     assert fsa.spec_for(32, 512, torch.bfloat16, schedule="split_halves") == SparseAttnFwdSpec(
-        arch="sm_90a", num_heads=64, d_qk=512, **HALVES, vec_store=True)
+        arch="sm_90a", num_heads=64, d_qk=512, **HALVES, vec_store=True, stream_hint=True)
     assert fsa.OPTIONS == {}
     try:
-        fsa.OPTIONS = {"vec_store": False, "stream_hint": True}
+        fsa.OPTIONS = {"vec_store": False, "q_prefetch": True}
         assert fsa.spec_for(128, 576, torch.bfloat16, schedule="split_halves") == SparseAttnFwdSpec(
-            arch="sm_90a", **HALVES, stream_hint=True)
+            arch="sm_90a", **HALVES, stream_hint=True, q_prefetch=True)
         assert fsa.spec_for(128, 576, torch.bfloat16, schedule="serial") == SparseAttnFwdSpec(arch="sm_90a")
         fsa.OPTIONS = {"vec_stor": True}
         with pytest.raises(ValueError, match="vec_stor"):

@@ -55,7 +55,8 @@ OPTIONS: dict[str, bool] = {}
 GRID: str | int | None = None
 # The grid per kernel heads, GPU-measured in the same runs (H200): persistent is 1.02-1.05x at H128 (D 576 and
 # 512, S_q 4096 and 32768; session 5). At H64 it was 0.91x (D576) and 0.99-1.01x (D512) with 4-byte O stores
-# (session 5); with vec_store's 16-byte stores it measured ~1.02-1.03x (session 6, notes/kernels/sparse_attention.md).
+# (session 5); with vec_store's 16-byte stores persistent is 1.02-1.03x there too (H64 / D512 S_q 4096 and 32768,
+# H64 / D576; session 6, same run, notes/kernels/sparse_attention.md).
 DEFAULT_GRID = {128: "persistent", 64: "persistent"}
 
 

@@ -30,10 +30,11 @@ HALVES_REGS = {"regs_producer": 48, "regs_qk": 232, "regs_pv": 224}
 # the register budget the op uses per schedule
 SCHEDULE_REGS = {"serial": {}, "split_halves": HALVES_REGS, "serial_lean": {}}
 # the options the op turns on per schedule (dsagen.fused.sparse_attention.OPTIONS overrides them at run time).
-# GPU-measured (H200, session 6, interleaved with the plain kernel in the same run): split_halves' vec_store is
-# 1.05-1.07x on every prefill shape (H64 / H128, D 512 / 576, S_q 4096 / 32768, KV 32768 / 131072) and 1.06x at
-# decode 128 rows; stream_hint and q_prefetch on top of it measured within the noise (1.05-1.06x), so they stay off.
-SCHEDULE_OPTIONS = {"serial": {}, "split_halves": {"vec_store": True}, "serial_lean": {}}
+# GPU-measured (H200, session 6, interleaved with the kernel without them in the same run): split_halves' vec_store
+# is 1.05-1.07x on every prefill shape (H64 / H128, D 512 / 576, S_q 4096 / 32768, KV 32768 / 131072) and 1.06x at
+# decode 128 rows; stream_hint on top of it 1.01-1.02x (rotated rounds; ncu: DRAM reads 2.80 -> 2.21 GB per call, L2
+# hit rate 67 -> 74%, at the headline shape). q_prefetch and l2_hint: no gain, off.
+SCHEDULE_OPTIONS = {"serial": {}, "split_halves": {"vec_store": True, "stream_hint": True}, "serial_lean": {}}
 
 
 def op_spec_fields(schedule: str) -> dict:
@@ -123,7 +124,8 @@ class SparseAttnFwdSpec(KernelSpec):
       instead of 4-byte stores (schedule "split_halves" only). Off in this dataclass; the op turns it on
       (SCHEDULE_OPTIONS).
     stream_hint: Q loads (and, with vec_store, O stores) carry an L2 evict_first policy, so that the streamed
-      data leaves L2 before the gathered rows, which other CTAs read again (schedule "split_halves" only).
+      data leaves L2 before the gathered rows, which other CTAs read again (schedule "split_halves" only). Off in
+      this dataclass; the op turns it on (SCHEDULE_OPTIONS).
     q_prefetch: the producer prefetches its next item's Q into L2 (cp.async.bulk.prefetch) ~3 pairs before
       the current item ends (schedule "split_halves" only).
     ablate: "" (the real kernel) or one of ABLATIONS: a TIMING-ONLY variant that leaves one stage out

@@ -404,3 +404,21 @@ def test_split_halves_grid_choice(monkeypatch):
         monkeypatch.setattr(fsa, "GRID", bad)
         with pytest.raises(ValueError, match="GRID"):
             fsa._grid_ctas(cpu, 64)
+
+
+def test_epi_overlap_spec_and_render():
+    """epi_overlap needs vec_store; its render issues the next item's first QK^T half once per consumer per item
+    (plus once before the loop), after the O words are packed and before they are stored, outside any branch."""
+    with pytest.raises(ValueError, match="epi_overlap=True needs vec_store=True"):
+        SparseAttnFwdSpec(arch="sm_90a", **HALVES, epi_overlap=True).check()
+    spec = SparseAttnFwdSpec(arch="sm_90a", **HALVES, vec_store=True, stream_hint=True, epi_overlap=True).check()
+    src = render(spec)
+    compile(src, "kernel.py", "exec")
+    assert src.count("has_next = Int32(0)") == 4                     # A and B: prologue + end of item
+    for consumer in src.split("# ---- consumer")[1:]:
+        pack, issue, store = (consumer.index(x) for x in ("ow[r * NWR + c2] = pack_f32x2", "has_next = Int32(0)\n"
+                                                           "            if item + nctas < n_items:",
+                                                           "st_global_v4_b32(o_row + 32 * jg"))
+        assert pack < issue < store
+    plain = render(SparseAttnFwdSpec(arch="sm_90a", **HALVES, vec_store=True, stream_hint=True))
+    assert "has_next" not in plain and "NWR" not in plain

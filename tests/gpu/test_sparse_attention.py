@@ -44,7 +44,8 @@ REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=64, d_qk=576, d_v=512,
 # plain kernel they are compared with bitwise)
 _OPTS = HALVES_OPTIONS
 OPTION_SETS = [(), ("vec_store",), ("stream_hint",), ("q_prefetch",), ("vec_store", "stream_hint"),
-               ("vec_store", "stream_hint", "q_prefetch"), ("vec_store", "stream_hint", "l2_hint")]
+               ("vec_store", "stream_hint", "q_prefetch"), ("vec_store", "stream_hint", "l2_hint"),
+               ("vec_store", "stream_hint", "epi_overlap")]
 
 
 def option_fields(opts: tuple[str, ...]) -> dict:
@@ -56,6 +57,9 @@ REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, **
                    for opts in OPTION_SETS for h in (64, 128) for d in (512, 576)]
 REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=64, d_qk=576, d_v=512, dtype="float16",
                                      **option_fields(opts)) for opts in OPTION_SETS if not opts or "vec_store" in opts]
+# the trace ablation with epi_overlap (bench --trace --options epi_overlap)
+REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=128, d_qk=576, d_v=512, ablate="trace",
+                                     **option_fields(("vec_store", "stream_hint", "epi_overlap")))]
 # timing-only ablated kernels (bench/sparse_attention.py --ablate; smoke-tested below, NOT correctness-tested)
 _ABLATED = [(sch, a) for sch in SCHEDULES for a in SCHEDULE_ABLATIONS[sch]]
 REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=128, d_qk=576, d_v=512, ablate=a, **_SCHED_FIELDS[sch])
@@ -264,8 +268,9 @@ def test_l2_hint_adversarial(h, d_qk, k, length, monkeypatch):
                                                     (64, 576, 200, True, torch.float16)])
 def test_halves_options_adversarial(opts, h, d_qk, k, length, dtype, monkeypatch):
     """schedule "split_halves" with its options (vec_store: 16-byte O stores after a quad transpose; stream_hint:
-    evict_first Q loads / O stores; q_prefetch: the next item's Q prefetched into L2) on adversarial ids (rows
-    without valid slots among them), with 3
+    evict_first Q loads / O stores; q_prefetch: the next item's Q prefetched into L2; epi_overlap: the next item's
+    first QK^T half issued before the O stores, as a dummy when there is no next item with pairs) on adversarial ids
+    (rows without valid slots among them), with 3
     CTAs looping over 7 query rows' items: against the reference, and bitwise against the kernel with none of them
     (4-byte O stores)."""
     if dtype == torch.float16 and "vec_store" not in opts:

@@ -58,7 +58,7 @@ def default_schedule(num_heads: int, d_qk: int, rows: int | None = None) -> str:
 
 # Boolean options of schedule "split_halves" (SparseAttnFwdSpec fields; dsagen.fused.sparse_attention.OPTIONS
 # selects them at run time)
-HALVES_OPTIONS = ("l2_hint", "vec_store", "stream_hint", "q_prefetch")
+HALVES_OPTIONS = ("l2_hint", "vec_store", "stream_hint", "q_prefetch", "epi_overlap")
 
 # Timing-only ablations (SparseAttnFwdSpec.ablate): each leaves one stage of the kernel out, so that the time
 # difference to the full kernel on the same inputs places that stage's cost. Their outputs are NOT attention.
@@ -128,6 +128,8 @@ class SparseAttnFwdSpec(KernelSpec):
       this dataclass; the op turns it on (SCHEDULE_OPTIONS).
     q_prefetch: the producer prefetches its next item's Q into L2 (cp.async.bulk.prefetch) ~3 pairs before
       the current item ends (schedule "split_halves" only).
+    epi_overlap: each consumer issues its first QK^T half of the CTA's next item before its epilogue, so that the
+      O stores run under it (schedule "split_halves" only; not yet GPU-tested: prepared in session 6).
     ablate: "" (the real kernel) or one of ABLATIONS: a TIMING-ONLY variant that leaves one stage out
       (bench/sparse_attention.py --ablate); its outputs are not attention and the op never selects it.
 
@@ -151,6 +153,7 @@ class SparseAttnFwdSpec(KernelSpec):
     vec_store: bool = False
     stream_hint: bool = False
     q_prefetch: bool = False
+    epi_overlap: bool = False
     ablate: str = ""
 
     def reasons(self) -> list[str]:
@@ -175,6 +178,8 @@ class SparseAttnFwdSpec(KernelSpec):
         for name in HALVES_OPTIONS:
             if getattr(self, name) and self.schedule != "split_halves":
                 out.append(f"{name}=True exists for schedule 'split_halves' only, not {self.schedule!r}")
+        if self.epi_overlap and not self.vec_store:
+            out.append("epi_overlap=True needs vec_store=True (it stores O from packed words)")
         if self.ablate and self.ablate not in ABLATIONS:
             out.append(f"ablate={self.ablate!r} must be '' or one of {tuple(ABLATIONS)}")
         elif self.ablate and self.ablate not in SCHEDULE_ABLATIONS.get(self.schedule, ()):

@@ -36,8 +36,10 @@ q, out, ids and the FP32 stats; the gathered rows mostly come from L2, so this c
 DIR/build.sh, not part of dsagen) on the same inputs: columns `FlashMLA ms`, `TFLOP/s`, `x` (FlashMLA time /
 default time: above 1, dsagen is faster).
 Time: CUDA events around `reps` back-to-back calls after a warm-up, median of 7 such rounds; the default, the
---schedule column and FlashMLA run interleaved round by round (common.paired_time_ms), so GPU clock drift hits
-them alike.
+--schedule column and FlashMLA run interleaved round by round, the order rotating (common.paired_time_ms), so GPU
+clock drift and the power cap hit them alike.
+--trace runs the split_halves trace ablation (timestamps per item; with --options, of that variant) on the chosen
+cases and prints where an item's time goes.
 """
 
 from __future__ import annotations
@@ -192,8 +194,8 @@ def main() -> None:
     if args.l2_hint and args.schedule != "split_halves":
         ap.error("--l2-hint needs --schedule split_halves")
     options = {o.split("=")[0]: o.split("=")[1] != "0" if "=" in o else True for o in args.options.split(",") if o}
-    if options and args.schedule != "split_halves":
-        ap.error("--options needs --schedule split_halves")
+    if options and args.schedule != "split_halves" and not args.trace:
+        ap.error("--options needs --schedule split_halves (or --trace)")
     bad = [o for o in options if o not in HALVES_OPTIONS]
     if bad:
         ap.error(f"--options {bad}: not in {HALVES_OPTIONS}")

@@ -16,8 +16,10 @@ What the kernel supports natively and what this module adapts:
 
 Run-time knobs (module attributes, read at every call; a CUDA graph keeps the launch it captured): SCHEDULE
 (the kernel schedule, default per shape), L2_HINT (split_halves' L2 cache hints), OPTIONS (split_halves' other
-options) and GRID (split_halves' grid:
-one CTA per (query row, 64 heads) item, or one per SM looping over the items; default per kernel heads).
+options, default SCHEDULE_OPTIONS) and GRID (split_halves' grid: one CTA per (query row, 64 heads) item, or one per
+SM looping over the items; default per kernel heads). Eager calls launch the kernel directly; under torch.compile
+the launch is the custom op's body. The spec, kernel and grid size of a call shape are looked up once per knob
+values (_launch_plan).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ PV), LDGSTS gathers with cp.async mbarrier arrivals, setmaxnreg, and no local-me
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import pytest
@@ -422,3 +423,43 @@ def test_epi_overlap_spec_and_render():
         assert pack < issue < store
     plain = render(SparseAttnFwdSpec(arch="sm_90a", **HALVES, vec_store=True, stream_hint=True))
     assert "has_next" not in plain and "NWR" not in plain
+
+
+def _ptxas_wgmma_serialisation(spec, tmp_path) -> list[str]:
+    """ptxas -v's "wgmma.mma_async instructions are serialized" messages (C7514 / C7515: every wgmma of the kernel
+    then waits for the previous one) for `spec`'s PTX, from the CUDA toolkit's ptxas. The DSL's PTX declares a newer
+    .version than a CUDA 13.0 ptxas reads; its instructions are not newer, so the line is rewritten. Skips without
+    a ptxas that assembles it."""
+    import shutil
+    import subprocess
+
+    from dsagen.gen.build import compile_module
+
+    ptxas = shutil.which("ptxas") or next((p for p in ("/usr/local/cuda/bin/ptxas", "/usr/local/cuda-13.0/bin/ptxas")
+                                           if os.path.exists(p)), None)
+    if ptxas is None:
+        pytest.skip("no ptxas")
+    compile_module(spec, render(spec), tmp_path)
+    ptx = sorted(tmp_path.rglob("*.ptx"))
+    if not ptx:
+        pytest.skip("the build kept no PTX")
+    src = tmp_path / "k.ptx"
+    src.write_text(re.sub(r"^\.version \d+\.\d+", ".version 9.0", ptx[0].read_text(), count=1, flags=re.M))
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"ptxas could not assemble the PTX: {r.stderr.strip()[:200]}")
+    return [line for line in (r.stdout + r.stderr).splitlines() if "C7514" in line or "C7515" in line]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("fields", [dict(), dict(num_heads=64, d_qk=512), dict(epi_overlap=True)],
+                         ids=["h128_d576", "h64_d512", "epi_overlap"])
+def test_split_halves_wgmma_not_serialised(fields, tmp_path):
+    """The op's split_halves kernels (and epi_overlap) keep their wgmmas asynchronous: no non-wgmma instruction
+    touches an accumulator register while a wgmma is in flight, and no wgmma is in flight where a branch merges
+    (session 6: a violation made ptxas serialise every wgmma, 0.73-0.81x)."""
+    from dsagen.spec.families.sparse_attention import op_spec_fields
+
+    spec = SparseAttnFwdSpec(arch="sm_90a", **{**op_spec_fields("split_halves"), **fields})
+    assert _ptxas_wgmma_serialisation(spec, tmp_path) == []

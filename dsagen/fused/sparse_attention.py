@@ -34,7 +34,6 @@ from ..spec.families.sparse_attention import (ABLATIONS, HALVES_OPTIONS, SCHEDUL
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_GRID_X = 2**31 - 1
-_kernels: dict[tuple, LoadedKernel] = {}
 
 # Run-time choice of the kernel schedule (SparseAttnFwdSpec.schedule) for every shape: None (the default) runs
 # each kernel shape's measured-fastest schedule (spec family default_schedule: "split_halves", FlashMLA's even/odd
@@ -117,14 +116,6 @@ def supported_reason(q: torch.Tensor, d_v: int) -> str:
     return ""
 
 
-def _kernel(spec: SparseAttnFwdSpec, device: torch.device) -> LoadedKernel:
-    index = device_index(device)
-    k = _kernels.get((spec, index))
-    if k is None:
-        k = _kernels[(spec, index)] = get_kernel(spec, index)
-    return k
-
-
 # (heads, d_qk, dtype, device, schedule, ablate, rows, SCHEDULE, L2_HINT, OPTIONS, GRID) -> (spec, kernel, n_ctas):
 # the per-call host work of a repeated call shape is one dict lookup (the spec, its kernel and the grid size are
 # pure functions of the key; the run-time knobs are part of it, so changing one takes effect at the next call).
@@ -142,7 +133,7 @@ def _launch_plan(h: int, d_qk: int, dtype: torch.dtype, device: torch.device, sc
     plan = _launch_plans.get(key)
     if plan is None:
         spec = spec_for(h, d_qk, dtype, device_arch(device), schedule=sched, ablate=ablate, rows=rows)
-        kernel = _kernel(spec, device) if want_kernel else None
+        kernel = get_kernel(spec, device_index(device)) if want_kernel else None
         ctas = _grid_ctas(device, spec.num_heads) if spec.schedule == "split_halves" else 2**31 - 1
         plan = _launch_plans[key] = (spec, kernel, ctas)
     return plan
@@ -164,9 +155,7 @@ def _grid_ctas(device: torch.device, kernel_heads: int) -> int:
 def _launch(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sink: torch.Tensor | None,
             topk_length: torch.Tensor | None, softmax_scale: float, d_v: int, *, schedule: str | None = None,
             ablate: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    reason = supported_reason(q, d_v)
-    if reason:
-        raise NotImplementedError(f"sparse_attention: {reason}")
+    """Launch the kernel on flat-layout inputs that supported_reason accepted (its callers check)."""
     s_q, h, d_qk = q.shape
     n_kv, k_width = kv.shape[0], topk_idxs.shape[1]
     spec, kernel, n_ctas = _launch_plan(h, d_qk, q.dtype, q.device, schedule, ablate, s_q, s_q > 0)
@@ -216,6 +205,9 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sin
 def _sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
                           attn_sink: Optional[torch.Tensor], topk_length: Optional[torch.Tensor],
                           softmax_scale: float, d_v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    reason = supported_reason(q, d_v)      # the op is also reachable as torch.ops.dsagen.sparse_attention_fwd
+    if reason:
+        raise NotImplementedError(f"sparse_attention: {reason}")
     return _launch(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v)
 
 
@@ -256,6 +248,9 @@ def ablated_forward(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, 
     reached from dsagen.sparse_attention."""
     if not ablate:
         raise ValueError("ablated_forward: name an ablation (one of %s)" % (tuple(ABLATIONS),))
+    reason = supported_reason(q, d_v)
+    if reason:
+        raise NotImplementedError(f"sparse_attention: {reason}")
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     return _launch(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v),

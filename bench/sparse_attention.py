@@ -62,6 +62,17 @@ def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.
     return ((start + torch.arange(topk).view(1, -1) * stride) % n_kv).to(torch.int32)
 
 
+def case_inputs(s_q: int, h: int, d_qk: int, n_kv: int, topk: int, seed: int = 0):
+    """A bench case's CUDA inputs, fresh and random: q (s_q, h, d_qk) and kv (n_kv, d_qk) bf16, distinct ids
+    (s_q, topk) int32, an FP32 sink (h,)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn((s_q, h, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
+    kv = torch.randn((n_kv, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
+    ids = distinct_ids(s_q, topk, n_kv, gen).cuda()
+    sink = torch.randn(h, generator=gen).cuda()
+    return q, kv, ids, sink
+
+
 def with_knobs(fn, **knobs):
     """`fn` run with the given dsagen.fused.sparse_attention module attributes set (restored after each call)."""
     def run():
@@ -89,11 +100,7 @@ ABLATE_SHAPES = {(128, 576)}      # (H, D_qk) of the ablated kernels that the GP
 
 def run_case(name, s_q, h, d_qk, n_kv, topk, *, reps, ref_reps, d_v=512, seed=0, schedule=None, ablate=(),
              l2_hint=False, grid=None, options=None, flashmla=None):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn((s_q, h, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
-    kv = torch.randn((n_kv, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
-    ids = distinct_ids(s_q, topk, n_kv, gen).cuda()
-    sink = torch.randn(h, generator=gen).cuda()
+    q, kv, ids, sink = case_inputs(s_q, h, d_qk, n_kv, topk, seed)
     call = lambda impl: dsagen.sparse_attention(q, kv, ids, attn_sink=sink, d_v=d_v, impl=impl)
     flops = 2.0 * s_q * h * topk * (d_qk + d_v)
     blocks = (h + 63) // 64
@@ -286,11 +293,7 @@ def trace_report(name, s_q, h, d_qk, n_kv, topk, *, d_v=512, seed=0) -> dict:
     of the gaps between consecutive stamps (ns), the steady per-pair time of consumer A (A_mid - A_qk0 over the
     item's pairs - 1) and the item time (A_end - the previous item's A_end)."""
     import statistics
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn((s_q, h, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
-    kv = torch.randn((n_kv, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
-    ids = distinct_ids(s_q, topk, n_kv, gen).cuda()
-    sink = torch.randn(h, generator=gen).cuda()
+    q, kv, ids, sink = case_inputs(s_q, h, d_qk, n_kv, topk, seed)
     for _ in range(3):
         _, _, stamps = fused_sa.ablated_forward(q, kv, ids, ablate="trace", attn_sink=sink, d_v=d_v,
                                                 schedule="split_halves")
@@ -332,12 +335,8 @@ def trace_report(name, s_q, h, d_qk, n_kv, topk, *, d_v=512, seed=0) -> dict:
 def ncu_launches(ablate, schedule=None) -> None:
     """Case 0 (prefill 4096, H128, 576, KV 32768): each kernel (real, then each ablation; per schedule) launched
     once, with a synchronize after each. The launch order is printed on stderr."""
-    gen = torch.Generator().manual_seed(0)
     s_q, h, d_qk, n_kv, topk = 4096, 128, 576, 32768, 2048
-    q = torch.randn((s_q, h, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
-    kv = torch.randn((n_kv, d_qk), generator=gen, dtype=torch.float32).bfloat16().cuda()
-    ids = distinct_ids(s_q, topk, n_kv, gen).cuda()
-    sink = torch.randn(h, generator=gen).cuda()
+    q, kv, ids, sink = case_inputs(s_q, h, d_qk, n_kv, topk)
     n = 0
     for sch in dict.fromkeys([fused_sa.resolved_schedule(h, d_qk, rows=s_q)] + ([schedule] if schedule else [])):
         for a in [""] + [a for a in ablate if a in SCHEDULE_ABLATIONS[sch]]:

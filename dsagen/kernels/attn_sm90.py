@@ -54,13 +54,18 @@ def swizzled_byte_offset(b):
     return b ^ ((b >> 3) & 0x70)
 
 
+def _l2_policy(priority: str, loc, ip) -> Int64:
+    """`createpolicy.fractional.L2::<priority>.b64 1.0`: an L2 cache policy for every line it touches."""
+    return Int64(llvm.inline_asm(T.i64(), [], f"createpolicy.fractional.L2::{priority}.b64 $0, 1.0;", "=l",
+                                 has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
 @dsl_user_op
 def l2_evict_last_policy(*, loc=None, ip=None) -> Int64:
     """`createpolicy.fractional.L2::evict_last.b64 1.0`: an L2 cache policy that keeps the lines it touches
     (for cp_async_16_l2_hint)."""
-    return Int64(llvm.inline_asm(T.i64(), [], "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;", "=l",
-                                 has_side_effects=True, is_align_stack=False,
-                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return _l2_policy("evict_last", loc, ip)
 
 
 @dsl_user_op
@@ -82,9 +87,7 @@ def cp_async_16_l2_hint(dst: cute.Pointer, src: cute.Pointer, src_bytes: Int32, 
 def l2_evict_first_policy(*, loc=None, ip=None) -> Int64:
     """`createpolicy.fractional.L2::evict_first.b64 1.0`: an L2 cache policy for data read or written once (a
     kernel's streamed Q and O), so that it is evicted before the lines other CTAs will read again."""
-    return Int64(llvm.inline_asm(T.i64(), [], "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l",
-                                 has_side_effects=True, is_align_stack=False,
-                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return _l2_policy("evict_first", loc, ip)
 
 
 @dsl_user_op

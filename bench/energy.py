@@ -15,9 +15,13 @@ call and MHz. An idle segment (sleep) of the same length gives the board's idle 
 
 Variants (the ablations are TIMING ONLY kernels, their outputs are not attention):
   default    the op's kernel (dsagen.sparse_attention, impl="fused")
-  no_gather  split_halves ablation: only the first 2 tiles are gathered (no KV traffic from L2 / HBM after them)
+  no_gather  the default schedule's ablation: only the first 2 tiles are gathered (no KV traffic after them)
   session5   the default schedule with vec_store and stream_hint off (the session-5 epilogue and cache policy)
+  l2_hint    the default plus split_halves' l2_hint option (evict_last + 256-byte L2 prefetch on the gather)
   flashmla   FlashMLA's SM90 sparse prefill (with --flashmla DIR; built from its source, not part of dsagen)
+  SCHED      the op's kernel under schedule SCHED (one of SCHEDULES, e.g. serial)
+  SCHED/ABL  schedule SCHED's ablation ABL (SCHEDULE_ABLATIONS[SCHED], e.g. serial/no_softmax): with SCHED, the
+             energy each left-out stage costs
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ from sparse_attention import case_inputs, load_flashmla, with_knobs
 
 import dsagen
 import dsagen.fused.sparse_attention as fused_sa
+from dsagen.spec.families.sparse_attention import SCHEDULE_ABLATIONS
 
-CASES = [("prefill", 4096, 128, 576, 32768, 2048), ("prefill", 4096, 64, 512, 32768, 2048)]
-VARIANTS = ("default", "no_gather", "session5", "flashmla")
+CASES = [("prefill", 4096, 128, 576, 32768, 2048), ("prefill", 4096, 64, 512, 32768, 2048),
+         ("prefill", 4096, 128, 576, 4096, 2048)]     # 2: a KV pool of 4.7 MB (stays in L2: no KV DRAM traffic)
+VARIANTS = ("default", "no_gather", "session5", "l2_hint", "flashmla")     # and SCHED, SCHED/ABL (see the docstring)
 NVML_CLOCK_SM = 1
 
 
@@ -152,14 +158,22 @@ def variant_fns(variants: list[str], q, kv, ids, sink, schedule: str, flashmla) 
         "no_gather": lambda: lambda: fused_sa.ablated_forward(q, kv, ids, ablate="no_gather", attn_sink=sink,
                                                               schedule=schedule),
         "session5": lambda: with_knobs(fused, OPTIONS={"vec_store": False, "stream_hint": False}),
+        "l2_hint": lambda: with_knobs(fused, OPTIONS={"l2_hint": True}),
         "flashmla": lambda: lambda: flashmla.sparse_prefill_fwd(q, kv, ids, q.shape[-1] ** -0.5, attn_sink=sink),
     }
+    for v in variants:
+        if v not in make:
+            sch, _, abl = v.partition("/")
+            make[v] = (lambda sch=sch, abl=abl: lambda: fused_sa.ablated_forward(
+                q, kv, ids, ablate=abl, attn_sink=sink, schedule=sch)) if abl else (
+                lambda sch=sch: with_knobs(fused, SCHEDULE=sch))
     return {v: make[v]() for v in variants}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="0", help="comma list of indices into CASES (0: H128 / D576, 1: H64 / D512)")
+    ap.add_argument("--cases", default="0", help="comma list of indices into CASES (0: H128 / D576, 1: H64 / D512, 2: case 0 "
+                    "with a 4096-row KV pool)")
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default="default,no_gather,session5")
@@ -167,7 +181,8 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
-    bad = [v for v in variants if v not in VARIANTS]
+    bad = [v for v in variants if v not in VARIANTS and not (
+        v.partition("/")[0] in SCHEDULE_ABLATIONS and v.partition("/")[2] in ("",) + SCHEDULE_ABLATIONS[v.partition("/")[0]])]
     if bad:
         ap.error(f"--variants {bad}: not in {VARIANTS}")
     if args.flashmla and "flashmla" not in variants:

@@ -19,6 +19,7 @@ Variants (the ablations are TIMING ONLY kernels, their outputs are not attention
   session5   the default schedule with vec_store and stream_hint off (the session-5 epilogue and cache policy)
   l2_hint    the default plus split_halves' l2_hint option (evict_last + 256-byte L2 prefetch on the gather)
   flashmla   FlashMLA's SM90 sparse prefill (with --flashmla DIR; built from its source, not part of dsagen)
+  kv_pin_mb=N  the default with split_halves' kv_pin_mb option (the pool's first N MiB gathered evict_last)
   SCHED      the op's kernel under schedule SCHED (one of SCHEDULES, e.g. serial)
   SCHED/ABL  schedule SCHED's ablation ABL (SCHEDULE_ABLATIONS[SCHED], e.g. serial/no_softmax): with SCHED, the
              energy each left-out stage costs
@@ -41,7 +42,8 @@ import dsagen.fused.sparse_attention as fused_sa
 from dsagen.spec.families.sparse_attention import SCHEDULE_ABLATIONS
 
 CASES = [("prefill", 4096, 128, 576, 32768, 2048), ("prefill", 4096, 64, 512, 32768, 2048),
-         ("prefill", 4096, 128, 576, 4096, 2048)]     # 2: a KV pool of 4.7 MB (stays in L2: no KV DRAM traffic)
+         ("prefill", 4096, 128, 576, 4096, 2048),     # 2: a KV pool of 4.7 MB (stays in L2: no KV DRAM traffic)
+         ("prefill", 4096, 128, 576, 131072, 2048)]
 VARIANTS = ("default", "no_gather", "session5", "l2_hint", "flashmla")     # and SCHED, SCHED/ABL (see the docstring)
 NVML_CLOCK_SM = 1
 
@@ -162,7 +164,9 @@ def variant_fns(variants: list[str], q, kv, ids, sink, schedule: str, flashmla) 
         "flashmla": lambda: lambda: flashmla.sparse_prefill_fwd(q, kv, ids, q.shape[-1] ** -0.5, attn_sink=sink),
     }
     for v in variants:
-        if v not in make:
+        if v.startswith("kv_pin_mb="):
+            make[v] = lambda mb=int(v.split("=")[1]): with_knobs(fused, OPTIONS={"kv_pin_mb": mb})
+        elif v not in make:
             sch, _, abl = v.partition("/")
             make[v] = (lambda sch=sch, abl=abl: lambda: fused_sa.ablated_forward(
                 q, kv, ids, ablate=abl, attn_sink=sink, schedule=sch)) if abl else (
@@ -172,8 +176,8 @@ def variant_fns(variants: list[str], q, kv, ids, sink, schedule: str, flashmla) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="0", help="comma list of indices into CASES (0: H128 / D576, 1: H64 / D512, 2: case 0 "
-                    "with a 4096-row KV pool)")
+    ap.add_argument("--cases", default="0", help="comma list of indices into CASES (0: H128 / D576, 1: H64 / D512, 2 / 3: case 0 "
+                    "with a 4096 / 131072-row KV pool)")
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default="default,no_gather,session5")
@@ -181,7 +185,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
-    bad = [v for v in variants if v not in VARIANTS and not (
+    bad = [v for v in variants if v not in VARIANTS and not v.startswith("kv_pin_mb=") and not (
         v.partition("/")[0] in SCHEDULE_ABLATIONS and v.partition("/")[2] in ("",) + SCHEDULE_ABLATIONS[v.partition("/")[0]])]
     if bad:
         ap.error(f"--variants {bad}: not in {VARIANTS}")

@@ -407,22 +407,29 @@ def test_split_halves_grid_choice(monkeypatch):
             fsa._grid_ctas(cpu, 64)
 
 
-def test_epi_overlap_spec_and_render():
-    """epi_overlap needs vec_store; its render issues the next item's first QK^T half once per consumer per item
-    (plus once before the loop), after the O words are packed and before they are stored, outside any branch."""
-    with pytest.raises(ValueError, match="epi_overlap=True needs vec_store=True"):
-        SparseAttnFwdSpec(arch="sm_90a", **HALVES, epi_overlap=True).check()
-    spec = SparseAttnFwdSpec(arch="sm_90a", **HALVES, vec_store=True, stream_hint=True, epi_overlap=True).check()
+def test_kv_pin_spec_and_render(monkeypatch):
+    """kv_pin_mb: split_halves only, 0..48 MiB, not with l2_hint; its render gathers rows below the pinned row count
+    with the evict_last policy and the others with evict_first (no 256-byte prefetch); OPTIONS sets it as an int."""
+    import torch
+
+    import dsagen.fused.sparse_attention as fsa
+
+    for bad, msg in ((dict(schedule="serial", kv_pin_mb=8), "split_halves' only"),
+                     (dict(**HALVES, kv_pin_mb=49), r"must be in \[0, 48\]"),
+                     (dict(**HALVES, kv_pin_mb=8, l2_hint=True), "choose one")):
+        with pytest.raises(ValueError, match=msg):
+            SparseAttnFwdSpec(arch="sm_90a", **bad).check()
+    spec = SparseAttnFwdSpec(arch="sm_90a", **HALVES, vec_store=True, stream_hint=True, kv_pin_mb=24).check()
     src = render(spec)
     compile(src, "kernel.py", "exec")
-    assert src.count("has_next = Int32(0)") == 4                     # A and B: prologue + end of item
-    for consumer in src.split("# ---- consumer")[1:]:
-        pack, issue, store = (consumer.index(x) for x in ("ow[r * NWR + c2] = pack_f32x2", "has_next = Int32(0)\n"
-                                                           "            if item + nctas < n_items:",
-                                                           "st_global_v4_b32(o_row + 32 * jg"))
-        assert pack < issue < store
+    assert f"pin_rows = Int32({24 * 2**20 // (2 * spec.d_qk)})" in src
+    assert src.count("row_policy = pin_policy if kv < pin_rows else rest_policy") == 4     # the four half-stages
+    assert src.count("cp_async_16_l2_hint(dst, src + (kb * 64 + col0), nbytes, row_policy, False)") == 4
     plain = render(SparseAttnFwdSpec(arch="sm_90a", **HALVES, vec_store=True, stream_hint=True))
-    assert "has_next" not in plain and "NWR" not in plain
+    assert "pin_policy" not in plain and "row_policy" not in plain
+    monkeypatch.setattr(fsa, "OPTIONS", {"kv_pin_mb": 16})
+    got = fsa.spec_for(128, 576, torch.bfloat16, schedule="split_halves")
+    assert got.kv_pin_mb == 16 and type(got.kv_pin_mb) is int and got.vec_store
 
 
 def _ptxas_wgmma_serialisation(spec, tmp_path) -> list[str]:
@@ -453,10 +460,10 @@ def _ptxas_wgmma_serialisation(spec, tmp_path) -> list[str]:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("fields", [dict(), dict(num_heads=64, d_qk=512), dict(epi_overlap=True)],
-                         ids=["h128_d576", "h64_d512", "epi_overlap"])
+@pytest.mark.parametrize("fields", [dict(), dict(num_heads=64, d_qk=512), dict(kv_pin_mb=24)],
+                         ids=["h128_d576", "h64_d512", "kv_pin"])
 def test_split_halves_wgmma_not_serialised(fields, tmp_path):
-    """The op's split_halves kernels (and epi_overlap) keep their wgmmas asynchronous: no non-wgmma instruction
+    """The op's split_halves kernels (and kv_pin_mb) keep their wgmmas asynchronous: no non-wgmma instruction
     touches an accumulator register while a wgmma is in flight, and no wgmma is in flight where a branch merges
     (session 6: a violation made ptxas serialise every wgmma, 0.73-0.81x)."""
     from dsagen.spec.families.sparse_attention import op_spec_fields

@@ -43,8 +43,7 @@ REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=64, d_qk=576, d_v=512,
 # schedule "split_halves" with its options (fused_sa.OPTIONS) each alone and together, and with none of them (the
 # plain kernel they are compared with bitwise)
 OPTION_SETS = [(), ("vec_store",), ("stream_hint",), ("q_prefetch",), ("vec_store", "stream_hint"),
-               ("vec_store", "stream_hint", "q_prefetch"), ("vec_store", "stream_hint", "l2_hint"),
-               ("vec_store", "stream_hint", "epi_overlap")]
+               ("vec_store", "stream_hint", "q_prefetch"), ("vec_store", "stream_hint", "l2_hint")]
 
 
 def option_fields(opts: tuple[str, ...]) -> dict:
@@ -56,9 +55,13 @@ REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, **
                    for opts in OPTION_SETS for h in (64, 128) for d in (512, 576)]
 REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=64, d_qk=576, d_v=512, dtype="float16",
                                      **option_fields(opts)) for opts in OPTION_SETS if not opts or "vec_store" in opts]
-# the trace ablation with epi_overlap (bench --trace --options epi_overlap)
-REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=128, d_qk=576, d_v=512, ablate="trace",
-                                     **option_fields(("vec_store", "stream_hint", "epi_overlap")))]
+# kv_pin_mb (the op's options plus L2 pinning of the pool's first MiB): 1 MiB for the tests below, 16 / 24 / 32
+# MiB for bench/energy.py and bench/sparse_attention.py --options kv_pin_mb=N at the headline shape
+KV_PIN_CASES = [(128, 576, 2048, False), (64, 512, 333, True)]
+REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, kv_pin_mb=1,
+                                     **_SCHED_FIELDS["split_halves"]) for h, d, _, _ in KV_PIN_CASES]
+REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=128, d_qk=576, d_v=512, kv_pin_mb=mb,
+                                     **_SCHED_FIELDS["split_halves"]) for mb in (16, 24, 32)]
 # timing-only ablated kernels (bench/sparse_attention.py --ablate; smoke-tested below, NOT correctness-tested)
 _ABLATED = [(sch, a) for sch in SCHEDULES for a in SCHEDULE_ABLATIONS[sch]]
 REQUIRED_SPECS += [SparseAttnFwdSpec(arch=ARCH, num_heads=128, d_qk=576, d_v=512, ablate=a, **_SCHED_FIELDS[sch])
@@ -270,8 +273,7 @@ _OPTION_CASES = [(128, 576, 2048, False, torch.bfloat16), (64, 512, 300, True, t
                          ids=lambda v: "+".join(v) if isinstance(v, tuple) else str(v).replace("torch.", ""))
 def test_halves_options_adversarial(opts, h, d_qk, k, length, dtype, monkeypatch):
     """schedule "split_halves" with its options (vec_store: 16-byte O stores after a quad transpose; stream_hint:
-    evict_first Q loads / O stores; q_prefetch: the next item's Q prefetched into L2; epi_overlap: the next item's
-    first QK^T half issued before the O stores, as a dummy when there is no next item with pairs) on adversarial ids
+    evict_first Q loads / O stores; q_prefetch: the next item's Q prefetched into L2) on adversarial ids
     (rows without valid slots among them), with 3 CTAs looping over 7 query rows' items: against the reference,
     and bitwise against the kernel with none of them (4-byte O stores)."""
     monkeypatch.setattr(fused_sa, "SCHEDULE", "split_halves")
@@ -283,6 +285,20 @@ def test_halves_options_adversarial(opts, h, d_qk, k, length, dtype, monkeypatch
     monkeypatch.setattr(fused_sa, "OPTIONS", {o: o in opts for o in HALVES_OPTIONS})
     spec = fused_sa.spec_for(h, d_qk, dtype)
     assert all(getattr(spec, o) == (o in opts) for o in HALVES_OPTIONS)
+    out, lse, m = check_against_reference(*inputs)
+    assert torch.equal(out, base[0]) and torch.equal(lse, base[1]) and torch.equal(m, base[2])
+
+
+@pytest.mark.parametrize("h,d_qk,k,length", KV_PIN_CASES)
+def test_halves_kv_pin_adversarial(h, d_qk, k, length, monkeypatch):
+    """kv_pin_mb=1 (the first 1 MiB of the pool, 910 / 1024 rows at D_qk 576 / 512, gathered with an evict_last
+    policy, the other rows with evict_first) on adversarial ids over a 3000-row pool, 3 CTAs looping over 7 query
+    rows' items: against the reference, and bitwise against the op's default kernel."""
+    monkeypatch.setattr(fused_sa, "GRID", 3)
+    inputs = make_inputs(7, h, d_qk, k, 3000, seed=k + h + 5, length=length, adversarial=True)
+    base = dsagen.sparse_attention(*inputs[:3], attn_sink=inputs[3], topk_length=inputs[4], impl="fused")
+    monkeypatch.setattr(fused_sa, "OPTIONS", {"kv_pin_mb": 1})
+    assert fused_sa.spec_for(h, d_qk, torch.bfloat16).kv_pin_mb == 1
     out, lse, m = check_against_reference(*inputs)
     assert torch.equal(out, base[0]) and torch.equal(lse, base[1]) and torch.equal(m, base[2])
 

@@ -18,8 +18,8 @@ Variants (the ablations are TIMING ONLY kernels, their outputs are not attention
   no_gather  the default schedule's ablation: only the first 2 tiles are gathered (no KV traffic after them)
   session5   the default schedule with vec_store and stream_hint off (the session-5 epilogue and cache policy)
   l2_hint    the default plus split_halves' l2_hint option (evict_last + 256-byte L2 prefetch on the gather)
+  lazy_rescale  the default plus split_halves' lazy_rescale option (the softmax's reference max moves rarely)
   flashmla   FlashMLA's SM90 sparse prefill (with --flashmla DIR; built from its source, not part of dsagen)
-  kv_pin_mb=N  the default with split_halves' kv_pin_mb option (the pool's first N MiB gathered evict_last)
   SCHED      the op's kernel under schedule SCHED (one of SCHEDULES, e.g. serial)
   SCHED/ABL  schedule SCHED's ablation ABL (SCHEDULE_ABLATIONS[SCHED], e.g. serial/no_softmax): with SCHED, the
              energy each left-out stage costs
@@ -44,7 +44,7 @@ from dsagen.spec.families.sparse_attention import SCHEDULE_ABLATIONS
 CASES = [("prefill", 4096, 128, 576, 32768, 2048), ("prefill", 4096, 64, 512, 32768, 2048),
          ("prefill", 4096, 128, 576, 4096, 2048),     # 2: a KV pool of 4.7 MB (stays in L2: no KV DRAM traffic)
          ("prefill", 4096, 128, 576, 131072, 2048)]
-VARIANTS = ("default", "no_gather", "session5", "l2_hint", "flashmla")     # and SCHED, SCHED/ABL (see the docstring)
+VARIANTS = ("default", "no_gather", "session5", "l2_hint", "lazy_rescale", "flashmla")     # and SCHED, SCHED/ABL (see the docstring)
 NVML_CLOCK_SM = 1
 
 
@@ -161,12 +161,11 @@ def variant_fns(variants: list[str], q, kv, ids, sink, schedule: str, flashmla) 
                                                               schedule=schedule),
         "session5": lambda: with_knobs(fused, OPTIONS={"vec_store": False, "stream_hint": False}),
         "l2_hint": lambda: with_knobs(fused, OPTIONS={"l2_hint": True}),
+        "lazy_rescale": lambda: with_knobs(fused, OPTIONS={"lazy_rescale": True}),
         "flashmla": lambda: lambda: flashmla.sparse_prefill_fwd(q, kv, ids, q.shape[-1] ** -0.5, attn_sink=sink),
     }
     for v in variants:
-        if v.startswith("kv_pin_mb="):
-            make[v] = lambda mb=int(v.split("=")[1]): with_knobs(fused, OPTIONS={"kv_pin_mb": mb})
-        elif v not in make:
+        if v not in make:
             sch, _, abl = v.partition("/")
             make[v] = (lambda sch=sch, abl=abl: lambda: fused_sa.ablated_forward(
                 q, kv, ids, ablate=abl, attn_sink=sink, schedule=sch)) if abl else (
@@ -185,7 +184,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
-    bad = [v for v in variants if v not in VARIANTS and not v.startswith("kv_pin_mb=") and not (
+    bad = [v for v in variants if v not in VARIANTS and not (
         v.partition("/")[0] in SCHEDULE_ABLATIONS and v.partition("/")[2] in ("",) + SCHEDULE_ABLATIONS[v.partition("/")[0]])]
     if bad:
         ap.error(f"--variants {bad}: not in {VARIANTS}")

@@ -53,7 +53,7 @@ from common import cuda_time_ms, paired_time_ms
 
 import dsagen
 import dsagen.fused.sparse_attention as fused_sa
-from dsagen.spec.families.sparse_attention import HALVES_INT_OPTIONS, HALVES_OPTIONS, SCHEDULE_ABLATIONS
+from dsagen.spec.families.sparse_attention import HALVES_OPTIONS, SCHEDULE_ABLATIONS
 
 
 def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.Tensor:
@@ -173,9 +173,8 @@ def main() -> None:
                     help="--schedule split_halves with SparseAttnFwdSpec.l2_hint (L2::256B prefetch + evict_last)")
     ap.add_argument("--options", default="",
                     help="comma list of split_halves options for the --schedule split_halves column "
-                         "(fused_sa.OPTIONS): NAME turns one on, NAME=0 off (spec family HALVES_OPTIONS), "
-                         "NAME=N sets an integer one (HALVES_INT_OPTIONS, e.g. kv_pin_mb=24); the op's own choice is "
-                         "SCHEDULE_OPTIONS")
+                         "(fused_sa.OPTIONS): NAME turns one on, NAME=0 off (spec family HALVES_OPTIONS; the op's "
+                         "own choice is SCHEDULE_OPTIONS)")
     ap.add_argument("--flashmla", metavar="DIR",
                     help="also time FlashMLA's SM90 sparse prefill on the same inputs (a folder with flashmla_peer.py "
                          "and its library, e.g. .peer/flashmla; H 64/128 and topk a multiple of 128 only)")
@@ -201,13 +200,12 @@ def main() -> None:
         return
     if args.l2_hint and args.schedule != "split_halves":
         ap.error("--l2-hint needs --schedule split_halves")
-    options = {o.split("=")[0]: (int(o.split("=")[1]) if o.split("=")[0] in HALVES_INT_OPTIONS else o.split("=")[1] != "0")
-               if "=" in o else True for o in args.options.split(",") if o}
+    options = {o.split("=")[0]: o.split("=")[1] != "0" if "=" in o else True for o in args.options.split(",") if o}
     if options and args.schedule != "split_halves" and not args.trace:
         ap.error("--options needs --schedule split_halves (or --trace)")
-    bad = [o for o in options if o not in HALVES_OPTIONS + HALVES_INT_OPTIONS]
+    bad = [o for o in options if o not in HALVES_OPTIONS]
     if bad:
-        ap.error(f"--options {bad}: not in {HALVES_OPTIONS + HALVES_INT_OPTIONS}")
+        ap.error(f"--options {bad}: not in {HALVES_OPTIONS}")
     ref = 0 if args.no_torch else 1
     cases = [("prefill", 4096, 128, 576, 32768, 2048, ref), ("prefill", 4096, 128, 576, 131072, 2048, ref),
              ("prefill", 4096, 64, 512, 32768, 2048, ref)]

@@ -407,29 +407,23 @@ def test_split_halves_grid_choice(monkeypatch):
             fsa._grid_ctas(cpu, 64)
 
 
-def test_kv_pin_spec_and_render(monkeypatch):
-    """kv_pin_mb: split_halves only, 0..48 MiB, not with l2_hint; its render gathers rows below the pinned row count
-    with the evict_last policy and the others with evict_first (no 256-byte prefetch); OPTIONS sets it as an int."""
-    import torch
-
-    import dsagen.fused.sparse_attention as fsa
-
-    for bad, msg in ((dict(schedule="serial", kv_pin_mb=8), "split_halves' only"),
-                     (dict(**HALVES, kv_pin_mb=49), r"must be in \[0, 48\]"),
-                     (dict(**HALVES, kv_pin_mb=8, l2_hint=True), "choose one")):
-        with pytest.raises(ValueError, match=msg):
-            SparseAttnFwdSpec(arch="sm_90a", **bad).check()
-    spec = SparseAttnFwdSpec(arch="sm_90a", **HALVES, vec_store=True, stream_hint=True, kv_pin_mb=24).check()
+def test_lazy_rescale_spec_and_render():
+    """lazy_rescale exists for split_halves only; its render moves a row's reference max only above LAZY_TH, guards
+    every O / P / row-sum rescale by a moved reference, and takes max_logits from the true maxima of both consumers
+    (B's through smem); the default render has none of it."""
+    with pytest.raises(ValueError, match="lazy_rescale=True exists for schedule 'split_halves' only"):
+        SparseAttnFwdSpec(arch="sm_90a", schedule="serial", lazy_rescale=True).check()
+    spec = SparseAttnFwdSpec(arch="sm_90a", **HALVES, vec_store=True, stream_hint=True, lazy_rescale=True).check()
     src = render(spec)
     compile(src, "kernel.py", "exec")
-    assert f"pin_rows = Int32({24 * 2**20 // (2 * spec.d_qk)})" in src
-    assert src.count("row_policy = pin_policy if kv < pin_rows else rest_policy") == 4     # the four half-stages
-    assert src.count("cp_async_16_l2_hint(dst, src + (kb * 64 + col0), nbytes, row_policy, False)") == 4
+    # A's pair is rendered twice (its last pair has no next QK^T): A's m0 x 2, B's pair reference
+    assert "LAZY_TH = 8.0" in src and src.count("+ LAZY_TH:") == 3
+    assert src.count("!= row_max[r]:") == 5                         # A's tile and exchange x 2, B's tile
+    assert "if fac[r] != Float32(1.0):" in src and "if moved:" in src
+    assert "sTm[cO[r, 0][0], ip] = row_tmax[r]" in src
+    assert "cute.arch.fmax(row_tmax[r], sTm[row, ip]) * LN2" in src
     plain = render(SparseAttnFwdSpec(arch="sm_90a", **HALVES, vec_store=True, stream_hint=True))
-    assert "pin_policy" not in plain and "row_policy" not in plain
-    monkeypatch.setattr(fsa, "OPTIONS", {"kv_pin_mb": 16})
-    got = fsa.spec_for(128, 576, torch.bfloat16, schedule="split_halves")
-    assert got.kv_pin_mb == 16 and type(got.kv_pin_mb) is int and got.vec_store
+    assert "LAZY_TH" not in plain and "row_tmax" not in plain
 
 
 def _ptxas_wgmma_serialisation(spec, tmp_path) -> list[str]:
@@ -460,10 +454,10 @@ def _ptxas_wgmma_serialisation(spec, tmp_path) -> list[str]:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("fields", [dict(), dict(num_heads=64, d_qk=512), dict(kv_pin_mb=24)],
-                         ids=["h128_d576", "h64_d512", "kv_pin"])
+@pytest.mark.parametrize("fields", [dict(), dict(num_heads=64, d_qk=512), dict(lazy_rescale=True)],
+                         ids=["h128_d576", "h64_d512", "lazy_rescale"])
 def test_split_halves_wgmma_not_serialised(fields, tmp_path):
-    """The op's split_halves kernels (and kv_pin_mb) keep their wgmmas asynchronous: no non-wgmma instruction
+    """The op's split_halves kernels (and lazy_rescale) keep their wgmmas asynchronous: no non-wgmma instruction
     touches an accumulator register while a wgmma is in flight, and no wgmma is in flight where a branch merges
     (session 6: a violation made ptxas serialise every wgmma, 0.73-0.81x)."""
     from dsagen.spec.families.sparse_attention import op_spec_fields

@@ -29,8 +29,8 @@ from typing import Optional
 import torch
 
 from ..runtime import LoadedKernel, device_arch, device_index, device_sm_count, get_kernel
-from ..spec.families.sparse_attention import (ABLATIONS, HALVES_INT_OPTIONS, HALVES_OPTIONS, SCHEDULE_ABLATIONS,
-                                              SCHEDULES, SparseAttnFwdSpec, default_schedule, op_spec_fields)
+from ..spec.families.sparse_attention import (ABLATIONS, HALVES_OPTIONS, SCHEDULE_ABLATIONS, SCHEDULES,
+                                              SparseAttnFwdSpec, default_schedule, op_spec_fields)
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_GRID_X = 2**31 - 1
@@ -44,10 +44,10 @@ SCHEDULE: str | None = None
 # Run-time choice of SparseAttnFwdSpec.l2_hint (FlashMLA's L2::256B prefetch + evict_last policy on the KV
 # gather) for schedule "split_halves"; ignored by the other schedules.
 L2_HINT: bool = False
-# Run-time override of the options of schedule "split_halves" (spec family HALVES_OPTIONS, booleans, and
-# HALVES_INT_OPTIONS, integers; the op's own choice is SCHEDULE_OPTIONS, e.g. vec_store on): {"vec_store": False}
-# turns one off, {"stream_hint": True} one on, {"kv_pin_mb": 24} sets an integer one. Ignored by the other schedules.
-OPTIONS: dict[str, bool | int] = {}
+# Run-time override of the boolean options of schedule "split_halves" (spec family HALVES_OPTIONS; the op's own
+# choice is SCHEDULE_OPTIONS, e.g. vec_store on): {"vec_store": False} turns one off, {"stream_hint": True} one on.
+# Ignored by the other schedules.
+OPTIONS: dict[str, bool] = {}
 # Run-time choice of the grid of schedule "split_halves", whose CTAs loop over the items (query row, 64 heads):
 # None (the default) takes the kernel shape's DEFAULT_GRID; "items" launches one CTA per item, "persistent" one
 # per SM (the producer then loads the next item's Q and first rows while the consumers finish the current one), an
@@ -89,11 +89,11 @@ def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a"
                          f"{SCHEDULE_ABLATIONS[schedule]}, not {ablate!r}")
     extra = op_spec_fields(schedule) if schedule != "serial" else {}
     if schedule == "split_halves":
-        unknown = set(OPTIONS) - set(HALVES_OPTIONS) - set(HALVES_INT_OPTIONS)
+        unknown = set(OPTIONS) - set(HALVES_OPTIONS)
         if unknown:
             raise ValueError(f"sparse_attention: OPTIONS has {sorted(unknown)}, not options of split_halves "
-                             f"{HALVES_OPTIONS + HALVES_INT_OPTIONS}")
-        extra.update({name: int(v) if name in HALVES_INT_OPTIONS else bool(v) for name, v in OPTIONS.items()})
+                             f"{HALVES_OPTIONS}")
+        extra.update({name: bool(on) for name, on in OPTIONS.items()})
         if L2_HINT:
             extra["l2_hint"] = True
     if ablate:

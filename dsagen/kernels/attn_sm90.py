@@ -69,18 +69,16 @@ def l2_evict_last_policy(*, loc=None, ip=None) -> Int64:
 
 
 @dsl_user_op
-def cp_async_16_l2_hint(dst: cute.Pointer, src: cute.Pointer, src_bytes: Int32, policy: Int64,
-                        prefetch_256: bool = True, *, loc=None, ip=None) -> None:
+def cp_async_16_l2_hint(dst: cute.Pointer, src: cute.Pointer, src_bytes: Int32, policy: Int64, *,
+                        loc=None, ip=None) -> None:
     """16-byte `cp.async.cg.shared.global.L2::cache_hint.L2::256B [dst], [src], 16, src_bytes, policy`:
     like prims.cp_async_shared_global(dst, src, 16, "cg", cp_size=src_bytes) (src_bytes 0 zero-fills and reads
-    nothing), plus a 256-byte L2 prefetch (prefetch_256=False: none) and the L2 cache policy `policy` (e.g.
-    l2_evict_last_policy())."""
-    prefetch = ".L2::256B" if prefetch_256 else ""
+    nothing), plus a 256-byte L2 prefetch and the L2 cache policy `policy` (l2_evict_last_policy())."""
     llvm.inline_asm(None,
                     [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
                      src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
                      Int32(src_bytes).ir_value(loc=loc, ip=ip), Int64(policy).ir_value(loc=loc, ip=ip)],
-                    f"cp.async.cg.shared.global.L2::cache_hint{prefetch} [$0], [$1], 16, $2, $3;",
+                    "cp.async.cg.shared.global.L2::cache_hint.L2::256B [$0], [$1], 16, $2, $3;",
                     "r,l,r,l,~{memory}", has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 

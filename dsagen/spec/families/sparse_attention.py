@@ -58,9 +58,7 @@ def default_schedule(num_heads: int, d_qk: int, rows: int | None = None) -> str:
 
 # Boolean options of schedule "split_halves" (SparseAttnFwdSpec fields; dsagen.fused.sparse_attention.OPTIONS
 # selects them at run time)
-HALVES_OPTIONS = ("l2_hint", "vec_store", "stream_hint", "q_prefetch")
-# Integer options of schedule "split_halves" (0 = off; OPTIONS sets them too)
-HALVES_INT_OPTIONS = ("kv_pin_mb",)
+HALVES_OPTIONS = ("l2_hint", "vec_store", "stream_hint", "q_prefetch", "lazy_rescale")
 
 # Timing-only ablations (SparseAttnFwdSpec.ablate): each leaves one stage of the kernel out, so that the time
 # difference to the full kernel on the same inputs places that stage's cost. Their outputs are NOT attention.
@@ -130,9 +128,10 @@ class SparseAttnFwdSpec(KernelSpec):
       this dataclass; the op turns it on (SCHEDULE_OPTIONS).
     q_prefetch: the producer prefetches its next item's Q into L2 (cp.async.bulk.prefetch) ~3 pairs before
       the current item ends (schedule "split_halves" only).
-    kv_pin_mb: 0 (off) or the MiB of the KV pool (its first kv_pin_mb * 2**20 / (2 d_qk) rows) that the gather
-      loads with an L2 evict_last policy, the other rows with evict_first: a fixed part of the pool stays in L2
-      instead of the whole pool thrashing it (schedule "split_halves" only; an experiment, off by default).
+    lazy_rescale: the softmax keeps its reference max (the exponent base of P, O and the row sums) until a tile's
+      max exceeds it by more than LAZY_TH = 8 (log2 domain), so P <= 2**8 and O, P and the row sums are rescaled
+      only then (FlashAttention-4's conditional rescaling) instead of at every tile whose max grew; the true
+      running max is tracked apart for max_logits. Exact up to rounding (schedule "split_halves" only).
     ablate: "" (the real kernel) or one of ABLATIONS: a TIMING-ONLY variant that leaves one stage out
       (bench/sparse_attention.py --ablate); its outputs are not attention and the op never selects it.
 
@@ -156,7 +155,7 @@ class SparseAttnFwdSpec(KernelSpec):
     vec_store: bool = False
     stream_hint: bool = False
     q_prefetch: bool = False
-    kv_pin_mb: int = 0
+    lazy_rescale: bool = False
     ablate: str = ""
 
     def reasons(self) -> list[str]:
@@ -181,12 +180,6 @@ class SparseAttnFwdSpec(KernelSpec):
         for name in HALVES_OPTIONS:
             if getattr(self, name) and self.schedule != "split_halves":
                 out.append(f"{name}=True exists for schedule 'split_halves' only, not {self.schedule!r}")
-        if self.kv_pin_mb and self.schedule != "split_halves":
-            out.append(f"kv_pin_mb={self.kv_pin_mb} exists for schedule 'split_halves' only, not {self.schedule!r}")
-        if not 0 <= self.kv_pin_mb <= 48:
-            out.append(f"kv_pin_mb={self.kv_pin_mb} must be in [0, 48] (MiB of the 50 MiB L2)")
-        if self.kv_pin_mb and self.l2_hint:
-            out.append("kv_pin_mb and l2_hint both set the gather's L2 policy: choose one")
         if self.ablate and self.ablate not in ABLATIONS:
             out.append(f"ablate={self.ablate!r} must be '' or one of {tuple(ABLATIONS)}")
         elif self.ablate and self.ablate not in SCHEDULE_ABLATIONS.get(self.schedule, ()):

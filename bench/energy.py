@@ -18,7 +18,6 @@ Variants (the ablations are TIMING ONLY kernels, their outputs are not attention
   no_gather  the default schedule's ablation: only the first 2 tiles are gathered (no KV traffic after them)
   session5   the default schedule with vec_store and stream_hint off (the session-5 epilogue and cache policy)
   l2_hint    the default plus split_halves' l2_hint option (evict_last + 256-byte L2 prefetch on the gather)
-  lazy_rescale  the default plus split_halves' lazy_rescale option (the softmax's reference max moves rarely)
   flashmla   FlashMLA's SM90 sparse prefill (with --flashmla DIR; built from its source, not part of dsagen)
   SCHED      the op's kernel under schedule SCHED (one of SCHEDULES, e.g. serial)
   SCHED/ABL  schedule SCHED's ablation ABL (SCHEDULE_ABLATIONS[SCHED], e.g. serial/no_softmax): with SCHED, the
@@ -44,7 +43,7 @@ from dsagen.spec.families.sparse_attention import SCHEDULE_ABLATIONS
 CASES = [("prefill", 4096, 128, 576, 32768, 2048), ("prefill", 4096, 64, 512, 32768, 2048),
          ("prefill", 4096, 128, 576, 4096, 2048),     # 2: a KV pool of 4.7 MB (stays in L2: no KV DRAM traffic)
          ("prefill", 4096, 128, 576, 131072, 2048)]
-VARIANTS = ("default", "no_gather", "session5", "l2_hint", "lazy_rescale", "flashmla")     # and SCHED, SCHED/ABL (see the docstring)
+VARIANTS = ("default", "no_gather", "session5", "l2_hint", "flashmla")     # and SCHED, SCHED/ABL (see the docstring)
 NVML_CLOCK_SM = 1
 
 
@@ -161,7 +160,6 @@ def variant_fns(variants: list[str], q, kv, ids, sink, schedule: str, flashmla) 
                                                               schedule=schedule),
         "session5": lambda: with_knobs(fused, OPTIONS={"vec_store": False, "stream_hint": False}),
         "l2_hint": lambda: with_knobs(fused, OPTIONS={"l2_hint": True}),
-        "lazy_rescale": lambda: with_knobs(fused, OPTIONS={"lazy_rescale": True}),
         "flashmla": lambda: lambda: flashmla.sparse_prefill_fwd(q, kv, ids, q.shape[-1] ** -0.5, attn_sink=sink),
     }
     for v in variants:

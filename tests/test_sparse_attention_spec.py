@@ -407,25 +407,6 @@ def test_split_halves_grid_choice(monkeypatch):
             fsa._grid_ctas(cpu, 64)
 
 
-def test_lazy_rescale_spec_and_render():
-    """lazy_rescale exists for split_halves only; its render moves a row's reference max only above LAZY_TH, guards
-    every O / P / row-sum rescale by a moved reference, and takes max_logits from the true maxima of both consumers
-    (B's through smem); the default render has none of it."""
-    with pytest.raises(ValueError, match="lazy_rescale=True exists for schedule 'split_halves' only"):
-        SparseAttnFwdSpec(arch="sm_90a", schedule="serial", lazy_rescale=True).check()
-    spec = SparseAttnFwdSpec(arch="sm_90a", **HALVES, vec_store=True, stream_hint=True, lazy_rescale=True).check()
-    src = render(spec)
-    compile(src, "kernel.py", "exec")
-    # A's pair is rendered twice (its last pair has no next QK^T): A's m0 x 2, B's pair reference
-    assert "LAZY_TH = 8.0" in src and src.count("+ LAZY_TH:") == 3
-    assert src.count("!= row_max[r]:") == 5                         # A's tile and exchange x 2, B's tile
-    assert "if fac[r] != Float32(1.0):" in src and "if moved:" in src
-    assert "sTm[cO[r, 0][0], ip] = row_tmax[r]" in src
-    assert "cute.arch.fmax(row_tmax[r], sTm[row, ip]) * LN2" in src
-    plain = render(SparseAttnFwdSpec(arch="sm_90a", **HALVES, vec_store=True, stream_hint=True))
-    assert "LAZY_TH" not in plain and "row_tmax" not in plain
-
-
 def _ptxas_wgmma_serialisation(spec, tmp_path) -> list[str]:
     """ptxas -v's "wgmma.mma_async instructions are serialized" messages (C7514 / C7515: every wgmma of the kernel
     then waits for the previous one) for `spec`'s PTX, from the CUDA toolkit's ptxas. The DSL's PTX declares a newer
@@ -454,10 +435,9 @@ def _ptxas_wgmma_serialisation(spec, tmp_path) -> list[str]:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("fields", [dict(), dict(num_heads=64, d_qk=512), dict(lazy_rescale=True)],
-                         ids=["h128_d576", "h64_d512", "lazy_rescale"])
+@pytest.mark.parametrize("fields", [dict(), dict(num_heads=64, d_qk=512)], ids=["h128_d576", "h64_d512"])
 def test_split_halves_wgmma_not_serialised(fields, tmp_path):
-    """The op's split_halves kernels (and lazy_rescale) keep their wgmmas asynchronous: no non-wgmma instruction
+    """The op's split_halves kernels keep their wgmmas asynchronous: no non-wgmma instruction
     touches an accumulator register while a wgmma is in flight, and no wgmma is in flight where a branch merges
     (session 6: a violation made ptxas serialise every wgmma, 0.73-0.81x)."""
     from dsagen.spec.families.sparse_attention import op_spec_fields

@@ -58,7 +58,7 @@ def default_schedule(num_heads: int, d_qk: int, rows: int | None = None) -> str:
 
 # Boolean options of schedule "split_halves" (SparseAttnFwdSpec fields; dsagen.fused.sparse_attention.OPTIONS
 # selects them at run time)
-HALVES_OPTIONS = ("l2_hint", "vec_store", "stream_hint", "q_prefetch", "lazy_rescale")
+HALVES_OPTIONS = ("l2_hint", "vec_store", "stream_hint", "q_prefetch")
 
 # Timing-only ablations (SparseAttnFwdSpec.ablate): each leaves one stage of the kernel out, so that the time
 # difference to the full kernel on the same inputs places that stage's cost. Their outputs are NOT attention.
@@ -128,10 +128,6 @@ class SparseAttnFwdSpec(KernelSpec):
       this dataclass; the op turns it on (SCHEDULE_OPTIONS).
     q_prefetch: the producer prefetches its next item's Q into L2 (cp.async.bulk.prefetch) ~3 pairs before
       the current item ends (schedule "split_halves" only).
-    lazy_rescale: the softmax keeps its reference max (the exponent base of P, O and the row sums) until a tile's
-      max exceeds it by more than LAZY_TH = 8 (log2 domain), so P <= 2**8 and O, P and the row sums are rescaled
-      only then (FlashAttention-4's conditional rescaling) instead of at every tile whose max grew; the true
-      running max is tracked apart for max_logits. Exact up to rounding (schedule "split_halves" only).
     ablate: "" (the real kernel) or one of ABLATIONS: a TIMING-ONLY variant that leaves one stage out
       (bench/sparse_attention.py --ablate); its outputs are not attention and the op never selects it.
 
@@ -155,7 +151,6 @@ class SparseAttnFwdSpec(KernelSpec):
     vec_store: bool = False
     stream_hint: bool = False
     q_prefetch: bool = False
-    lazy_rescale: bool = False
     ablate: str = ""
 
     def reasons(self) -> list[str]:

@@ -151,6 +151,12 @@ def measure(nvml: Nvml, fns: dict, seconds: float, rounds: int) -> dict:
     return {n: {k: statistics.median(s[k] for s in got[n]) for k in got[n][0]} for n in names}
 
 
+def valid_variant(v: str) -> bool:
+    """Whether `v` names a variant: one of VARIANTS, a schedule (SCHED) or one of its ablations (SCHED/ABL)."""
+    sch, slash, abl = v.partition("/")
+    return v in VARIANTS or (sch in SCHEDULE_ABLATIONS and (not slash or abl in SCHEDULE_ABLATIONS[sch]))
+
+
 def variant_fns(variants: list[str], q, kv, ids, sink, schedule: str, flashmla) -> dict:
     """One call of each variant (VARIANTS) on the given inputs."""
     fused = lambda: dsagen.sparse_attention(q, kv, ids, attn_sink=sink, impl="fused")
@@ -182,10 +188,10 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
-    bad = [v for v in variants if v not in VARIANTS and not (
-        v.partition("/")[0] in SCHEDULE_ABLATIONS and v.partition("/")[2] in ("",) + SCHEDULE_ABLATIONS[v.partition("/")[0]])]
+    bad = [v for v in variants if not valid_variant(v)]
     if bad:
-        ap.error(f"--variants {bad}: not in {VARIANTS}")
+        ap.error(f"--variants {bad}: not in {VARIANTS}, nor a schedule or schedule/ablation of "
+                 f"{SCHEDULE_ABLATIONS}")
     if args.flashmla and "flashmla" not in variants:
         variants.append("flashmla")
     if "flashmla" in variants and not args.flashmla:

@@ -15,3 +15,17 @@ run() {
   timeout "$secs" "$@" > "$O/$name.log" 2>&1; echo "== $name rc=$?"
   grep -v Warn "$O/$name.log" | tail -n "${TAILN:-3}"; pack
 }
+# `suite NAME SECONDS TESTFILE [PYTEST ARGS...]`: one GPU test file under `run`, then its FAILED / E lines.
+suite() {
+  local name=$1 secs=$2; shift 2
+  run "$name" "$secs" python3 -m pytest -q -m gpu -p no:cacheprovider "$@"
+  grep -E "^FAILED|^E  " "$O/$name.log" | head -20
+}
+# `memcheck NAME SECONDS TESTFILE [PYTEST ARGS...]`: the same under compute-sanitizer memcheck (no caching
+# allocator, so every buffer is its own allocation), then the distinct ERROR SUMMARY lines.
+memcheck() {
+  local name=$1 secs=$2; shift 2
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 run "$name" "$secs" compute-sanitizer --tool memcheck --report-api-errors no \
+    python3 -m pytest -q -m gpu -p no:cacheprovider "$@"
+  grep "ERROR SUMMARY" "$O/$name.log" | sort | uniq -c
+}

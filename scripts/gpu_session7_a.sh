@@ -5,11 +5,8 @@
 # rounds); its trace. Prediction (session-6 trace): +1-2% at topk 2048. Carry .dsagen-cache-next and .peer/flashmla.
 set -u
 . "$(dirname "$0")/gpu_lib.sh"; gpu_setup "$1" s7a
-run pytest 220 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py
-grep -E "^FAILED" $O/pytest.log | head -20
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 run memcheck 120 compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest \
-  -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py -k "halves_options and epi_overlap"
-grep "ERROR SUMMARY" $O/memcheck.log | sort | uniq -c
+suite pytest 220 tests/gpu/test_sparse_attention.py
+memcheck memcheck 120 tests/gpu/test_sparse_attention.py -k "halves_options and epi_overlap"
 TAILN=8 run bench 170 python3 bench/sparse_attention.py --no-torch --reps 10 --schedule split_halves \
   --flashmla .peer/flashmla --options epi_overlap --cases 0,1,2,3,9 --json $O/bench.json
 TAILN=26 run trace 50 python3 bench/sparse_attention.py --trace --cases 0 --options epi_overlap --json $O/trace.json

@@ -5,11 +5,8 @@
 # of it?). Prediction: 0-2.5% if the KV DRAM misses halve. Carry .dsagen-cache-s7 and .peer/flashmla.
 set -u
 . "$(dirname "$0")/gpu_lib.sh"; gpu_setup "$1" s7d
-run pytest 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py
-grep -E "^FAILED" $O/pytest.log | head -20
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 run memcheck 120 compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest \
-  -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py -k "kv_pin or halves_options"
-grep "ERROR SUMMARY" $O/memcheck.log | sort | uniq -c
+suite pytest 200 tests/gpu/test_sparse_attention.py
+memcheck memcheck 120 tests/gpu/test_sparse_attention.py -k "kv_pin or halves_options"
 TAILN=9 run energy 110 python3 bench/energy.py --cases 0 --variants default,kv_pin_mb=16,kv_pin_mb=24,kv_pin_mb=32 \
   --json $O/energy0.json
 TAILN=7 run energy3 80 python3 bench/energy.py --cases 3 --variants default,kv_pin_mb=24,kv_pin_mb=32 --json $O/energy3.json

@@ -7,11 +7,8 @@
 # Carry .dsagen-cache-s7b and .peer/flashmla.
 set -u
 . "$(dirname "$0")/gpu_lib.sh"; gpu_setup "$1" s7e
-run pytest 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py
-grep -E "^FAILED|^E  " $O/pytest.log | head -20
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 run memcheck 100 compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest \
-  -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py -k "lazy_rescale"
-grep "ERROR SUMMARY" $O/memcheck.log | sort | uniq -c
+suite pytest 200 tests/gpu/test_sparse_attention.py
+memcheck memcheck 100 tests/gpu/test_sparse_attention.py -k "lazy_rescale"
 TAILN=6 run energy 80 python3 bench/energy.py --cases 0 --variants default,lazy_rescale --json $O/energy0.json
 TAILN=8 run bench 170 python3 bench/sparse_attention.py --no-torch --reps 10 --schedule split_halves \
   --flashmla .peer/flashmla --options lazy_rescale --cases 0,1,2,3,7,9 --json $O/bench.json

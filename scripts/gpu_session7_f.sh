@@ -10,13 +10,10 @@
 set -u
 . "$(dirname "$0")/gpu_lib.sh"; gpu_setup "$1" s7f-$2
 if [ "$2" = tests ]; then
-run pytest 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py
-grep -E "^FAILED" $O/pytest.log | head -20
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 run memcheck 150 compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest \
-  -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py -k "adversarial or odd_tile or empty or grid"
-grep "ERROR SUMMARY" $O/memcheck.log | sort | uniq -c
-run foundation 40 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_foundation.py
-run indexer 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_lightning_indexer.py
+suite pytest 150 tests/gpu/test_sparse_attention.py
+memcheck memcheck 150 tests/gpu/test_sparse_attention.py -k "adversarial or odd_tile or empty or grid"
+suite foundation 40 tests/gpu/test_foundation.py
+suite indexer 90 tests/gpu/test_lightning_indexer.py
 else
 TAILN=13 run bench 200 python3 bench/sparse_attention.py --reps 10 --flashmla .peer/flashmla --json $O/bench.json
 TAILN=7 run energy0 70 python3 bench/energy.py --cases 0 --variants default,no_gather,session5 --flashmla .peer/flashmla \

@@ -1,12 +1,17 @@
 """Host overhead per call on a cache hit, and time to first launch in a fresh process (GPU).
 
-    python bench/overhead.py [--calls N] [--json FILE]
+    python bench/overhead.py [--calls N] [--json FILE] [--sparse-breakdown [--profile FILE]]
 
 Compares, in one process: a near-empty torch op, the raw cuLaunchKernel of a prepacked kernel, the
 generated launcher (LoadedKernel.launch), and the public ops dsagen.local_to_global / compactify
 (validation + output allocation + launch) and dsagen.sparse_attention on a tiny call. Each figure: host enqueue microseconds per call, the median
 of 5 rounds of N calls. Then spawns fresh processes that import dsagen and make the first fused call
 (cache hit) and reports the time to first launch. Writes the numbers as JSON with --json.
+
+--sparse-breakdown instead splits the host time of that tiny dsagen.sparse_attention call into its parts (the public
+op, the flat fused entry without the public validation, the launch helper, the launch-plan lookup, the 3 output
+allocations, the kernel launch alone), each measured alone in the same process; --profile FILE also writes the
+cProfile statistics of N calls of the public op (sorted by own time).
 """
 
 from __future__ import annotations
@@ -51,11 +56,66 @@ print(f"{(t1 - t0) * 1e3:.1f} {(t2 - t1) * 1e3:.1f}")
 """
 
 
+def sparse_breakdown(calls: int, json_path: str | None, profile: str | None) -> None:
+    """The host time of a tiny dsagen.sparse_attention call, part by part (us per call, see the module doc)."""
+    import dsagen
+    import dsagen.fused.sparse_attention as fsa
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn((1, 128, 576), generator=gen).bfloat16().to(dev)
+    kv = torch.randn((128, 576), generator=gen).bfloat16().to(dev)
+    ids = torch.randperm(128, generator=gen)[:64].view(1, 64).int().to(dev)
+    sink = torch.randn(128, generator=gen).to(dev)
+    scale = 576 ** -0.5
+    spec, kernel, n_ctas = fsa._launch_plan(128, 576, q.dtype, q.device, None, "", 1, True)
+    out = torch.empty((1, 128, 512), dtype=q.dtype, device=dev)
+    lse = torch.empty((1, 128), dtype=torch.float32, device=dev)
+    mx = torch.empty((1, 128), dtype=torch.float32, device=dev)
+    rows = {
+        "dsagen.sparse_attention (public op: validation + flat entry)":
+            lambda: dsagen.sparse_attention(q, kv, ids, attn_sink=sink, impl="fused"),
+        "fused_sa.sparse_attention (flat entry: supported_reason + _launch)":
+            lambda: fsa.sparse_attention(q, kv, ids, attn_sink=sink, topk_length=None, softmax_scale=scale, d_v=512),
+        "fused_sa._launch (plan lookup, layout checks, 3 allocations, launch)":
+            lambda: fsa._launch(q, kv, ids, sink, None, scale, 512),
+        "fused_sa._launch_plan (the cached lookup)":
+            lambda: fsa._launch_plan(128, 576, q.dtype, q.device, None, "", 1, True),
+        "3 x torch.empty (out, lse, max_logits)": lambda: (
+            torch.empty((1, 128, 512), dtype=q.dtype, device=dev), torch.empty((1, 128), dtype=torch.float32, device=dev),
+            torch.empty((1, 128), dtype=torch.float32, device=dev)),
+        "kernel.launch (the generated launcher alone)": lambda: kernel.launch(
+            q, kv, ids, ids, sink, out, lse, mx, 1, 128, 64, q.stride(0), kv.stride(0), ids.stride(0), scale, 0, 1,
+            n_ctas),
+    }
+    results = {name: round(per_call_us(fn, calls), 2) for name, fn in rows.items()}
+    if profile:
+        import cProfile
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(calls):
+            dsagen.sparse_attention(q, kv, ids, attn_sink=sink, impl="fused")
+        pr.disable()
+        torch.cuda.synchronize()
+        with open(profile, "w") as f:
+            pstats.Stats(pr, stream=f).sort_stats("tottime").print_stats(40)
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "python": sys.version.split()[0], "calls": calls}
+    report(meta, results, json_path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=20000)
     ap.add_argument("--json")
+    ap.add_argument("--sparse-breakdown", action="store_true",
+                    help="split the tiny sparse_attention call's host time into its parts (and nothing else)")
+    ap.add_argument("--profile", metavar="FILE", help="with --sparse-breakdown: cProfile statistics into FILE")
     args = ap.parse_args()
+    if args.sparse_breakdown:
+        sparse_breakdown(args.calls, args.json, args.profile)
+        return
     import dsagen
     from dsagen.runtime import get_kernel
     from dsagen.spec import LocalToGlobalSpec

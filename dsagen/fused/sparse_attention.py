@@ -166,17 +166,23 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sin
         raise ValueError(f"sparse_attention: kv has {n_kv} rows; ids are int32, at most 2**31 - 1 rows")
 
     # layouts the kernel reads: q token rows of H*D_qk contiguous elements, kv rows with unit column
-    # stride and 16-byte alignment, ids with a unit slot stride
+    # stride and 16-byte alignment, ids with a unit slot stride (each stride tuple read once: a tensor
+    # attribute read costs ~0.3-0.5 us of host time)
+    q_st, kv_st, ids_st = q.stride(), kv.stride(), topk_idxs.stride()
     if hp != h:
         qp = q.new_zeros((s_q, hp, d_qk))
         qp[:, :h] = q
         q = qp
-    elif q.stride(2) != 1 or q.stride(1) != d_qk or q.stride(0) % 8 or q.data_ptr() % 16:
+        q_st = q.stride()
+    elif q_st[2] != 1 or q_st[1] != d_qk or q_st[0] % 8 or q.data_ptr() % 16:
         q = q.contiguous()
-    if kv.stride(1) != 1 or kv.stride(0) % 8 or kv.data_ptr() % 16:
+        q_st = q.stride()
+    if kv_st[1] != 1 or kv_st[0] % 8 or kv.data_ptr() % 16:
         kv = kv.contiguous()
-    if topk_idxs.stride(1) != 1 and k_width > 1:
+        kv_st = kv.stride()
+    if ids_st[1] != 1 and k_width > 1:
         topk_idxs = topk_idxs.contiguous()
+        ids_st = topk_idxs.stride()
     sink = None
     if attn_sink is not None:
         sink = attn_sink if attn_sink.dtype == torch.float32 else attn_sink.to(torch.float32)
@@ -193,8 +199,8 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sin
         # absent optional inputs: pass a tensor of the right dtype that the kernel never reads
         kernel.launch(q, kv, topk_idxs, topk_idxs if length is None else length,
                       lse if sink is None else sink, out, lse, max_logits,
-                      s_q, n_kv, k_width, q.stride(0), kv.stride(0) if n_kv else d_qk,
-                      topk_idxs.stride(0) if k_width else 0, float(softmax_scale),
+                      s_q, n_kv, k_width, q_st[0], kv_st[0] if n_kv else d_qk,
+                      ids_st[0] if k_width else 0, float(softmax_scale),
                       int(length is not None), int(sink is not None), n_ctas)
     if hp != h:
         out, lse, max_logits = out[:, :h].contiguous(), lse[:, :h].contiguous(), max_logits[:, :h].contiguous()

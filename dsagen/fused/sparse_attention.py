@@ -175,10 +175,10 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sin
         q = qp
         q_st = q.stride()
     elif q_st[2] != 1 or q_st[1] != d_qk or q_st[0] % 8 or q.data_ptr() % 16:
-        q = q.contiguous()
-        q_st = q.stride()
+        q = q.clone(memory_format=torch.contiguous_format)      # a fresh, aligned copy (contiguous() would
+        q_st = q.stride()                                       # return a misaligned contiguous q as is)
     if kv_st[1] != 1 or kv_st[0] % 8 or kv.data_ptr() % 16:
-        kv = kv.contiguous()
+        kv = kv.clone(memory_format=torch.contiguous_format)
         kv_st = kv.stride()
     if ids_st[1] != 1 and k_width > 1:
         topk_idxs = topk_idxs.contiguous()

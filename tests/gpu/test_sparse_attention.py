@@ -285,12 +285,13 @@ def test_halves_options_adversarial(opts, h, d_qk, k, length, dtype, monkeypatch
 @pytest.mark.parametrize("h,d_qk", [(128, 576), (64, 512), (16, 576)])
 def test_strided_and_misaligned_inputs(h, d_qk):
     """Inputs the kernel reads in place (q with a padded token stride, kv with a row stride above D_qk, ids with a row
-    stride above K) and inputs the op must copy first (q with a padded head stride, kv starting 8 bytes off 16-byte
-    alignment, ids with a non-unit slot stride), against the reference on the same views."""
+    stride above K) and inputs the op must copy first (q with a padded head stride, q and kv contiguous but starting
+    8 bytes off 16-byte alignment, ids with a non-unit slot stride), against the reference on the same views."""
     gen = torch.Generator().manual_seed(h + d_qk + 7)
     s_q, n_kv, k = 5, 700, 200
     q_tok = torch.randn((s_q, h * d_qk + 64), generator=gen).bfloat16().to(DEV)[:, :h * d_qk].view(s_q, h, d_qk)
     q_head = torch.randn((s_q, h, d_qk + 64), generator=gen).bfloat16().to(DEV)[:, :, :d_qk]
+    q_off = torch.randn(s_q * h * d_qk + 4, generator=gen).bfloat16().to(DEV)[4:].view(s_q, h, d_qk)
     kv_row = torch.randn((n_kv, d_qk + 64), generator=gen).bfloat16().to(DEV)[:, :d_qk]
     kv_off = torch.randn(n_kv * d_qk + 4, generator=gen).bfloat16().to(DEV)[4:].view(n_kv, d_qk)
     ids = make_ids(s_q, k, n_kv, gen, adversarial=True)
@@ -300,9 +301,10 @@ def test_strided_and_misaligned_inputs(h, d_qk):
     ids_col = ids.t().contiguous().to(DEV).t()
     sink = torch.randn(h, generator=gen).to(DEV)
     assert q_tok.stride(0) == h * d_qk + 64 and q_head.stride(1) == d_qk + 64
-    assert kv_row.stride(0) == d_qk + 64 and kv_off.data_ptr() % 16 == 8
+    assert kv_row.stride(0) == d_qk + 64 and kv_off.data_ptr() % 16 == 8 and q_off.data_ptr() % 16 == 8
     assert ids_row.stride(0) == k + 24 and ids_col.stride(1) == s_q
-    for q, kv, i in ((q_tok, kv_row, ids_row), (q_head, kv_off, ids_col), (q_tok, kv_off, ids_row)):
+    for q, kv, i in ((q_tok, kv_row, ids_row), (q_head, kv_off, ids_col), (q_tok, kv_off, ids_row),
+                     (q_off, kv_row, ids_col)):
         check_against_reference(q, kv, i, sink, None)
 
 

@@ -116,6 +116,13 @@ def supported_reason(q: torch.Tensor, d_v: int) -> str:
     return ""
 
 
+def _check_supported(q: torch.Tensor, d_v: int) -> None:
+    """Raise NotImplementedError (with supported_reason's reason) for inputs the fused kernel does not cover."""
+    reason = supported_reason(q, d_v)
+    if reason:
+        raise NotImplementedError(f"sparse_attention: {reason}")
+
+
 # (heads, d_qk, dtype, device, schedule, ablate, rows, SCHEDULE, L2_HINT, OPTIONS, GRID) -> (spec, kernel, n_ctas):
 # the per-call host work of a repeated call shape is one dict lookup (the spec, its kernel and the grid size are
 # pure functions of the key; the run-time knobs are part of it, so changing one takes effect at the next call).
@@ -134,7 +141,7 @@ def _launch_plan(h: int, d_qk: int, dtype: torch.dtype, device: torch.device, sc
     if plan is None:
         spec = spec_for(h, d_qk, dtype, device_arch(device), schedule=sched, ablate=ablate, rows=rows)
         kernel = get_kernel(spec, device_index(device)) if want_kernel else None
-        ctas = _grid_ctas(device, spec.num_heads) if spec.schedule == "split_halves" else 2**31 - 1
+        ctas = _grid_ctas(device, spec.num_heads) if spec.schedule == "split_halves" else _MAX_GRID_X
         plan = _launch_plans[key] = (spec, kernel, ctas)
     return plan
 
@@ -144,7 +151,7 @@ def _grid_ctas(device: torch.device, kernel_heads: int) -> int:
     the kernel's heads)."""
     grid = DEFAULT_GRID[kernel_heads] if GRID is None else GRID
     if grid == "items":
-        return 2**31 - 1
+        return _MAX_GRID_X                   # no cap: one CTA per item
     if grid == "persistent":
         return device_sm_count(device_index(device))
     if isinstance(grid, int) and not isinstance(grid, bool) and grid >= 1:
@@ -211,9 +218,7 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sin
 def _sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
                           attn_sink: Optional[torch.Tensor], topk_length: Optional[torch.Tensor],
                           softmax_scale: float, d_v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    reason = supported_reason(q, d_v)      # the op is also reachable as torch.ops.dsagen.sparse_attention_fwd
-    if reason:
-        raise NotImplementedError(f"sparse_attention: {reason}")
+    _check_supported(q, d_v)      # the op is also reachable as torch.ops.dsagen.sparse_attention_fwd
     return _launch(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v)
 
 
@@ -234,9 +239,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
     Returns out `(S_q, H, d_v)` in q.dtype, lse and max_logits `(S_q, H)` FP32.
     Raises NotImplementedError (with the reason) for inputs the kernel does not cover.
     """
-    reason = supported_reason(q, d_v)
-    if reason:
-        raise NotImplementedError(f"sparse_attention: {reason}")
+    _check_supported(q, d_v)
     if torch.compiler.is_compiling():     # torch.compile sees the custom op as one opaque node
         return _sparse_attention_fwd(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v))
     # eager: the custom op's dispatch would only add host time (~25 us per call) around the same launch
@@ -254,9 +257,7 @@ def ablated_forward(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, 
     reached from dsagen.sparse_attention."""
     if not ablate:
         raise ValueError("ablated_forward: name an ablation (one of %s)" % (tuple(ABLATIONS),))
-    reason = supported_reason(q, d_v)
-    if reason:
-        raise NotImplementedError(f"sparse_attention: {reason}")
+    _check_supported(q, d_v)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     return _launch(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v),

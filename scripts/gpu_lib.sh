@@ -29,3 +29,5 @@ memcheck() {
     python3 -m pytest -q -m gpu -p no:cacheprovider "$@"
   grep "ERROR SUMMARY" "$O/$name.log" | sort | uniq -c
 }
+# `add_cache DIR`: one more read-only kernel cache on DSAGEN_CACHE_PATH (after gpu_setup's).
+add_cache() { export DSAGEN_CACHE_PATH=$DSAGEN_CACHE_PATH:$(cd "$1" && pwd); }

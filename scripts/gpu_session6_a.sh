@@ -8,11 +8,8 @@
 # 3. each new option against the default in the same run (cases 0, 1, 2).
 set -u
 . "$(dirname "$0")/gpu_lib.sh"; gpu_setup "$1" s6a
-run pytest 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py
-grep -E "^FAILED" $O/pytest.log | head -20
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 run memcheck 150 compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest \
-  -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py -k "halves_options"
-grep "ERROR SUMMARY" $O/memcheck.log | sort | uniq -c
+suite pytest 240 tests/gpu/test_sparse_attention.py
+memcheck memcheck 150 tests/gpu/test_sparse_attention.py -k "halves_options"
 TAILN=20 run peer 200 python3 .peer/flashmla/check_and_bench.py --with-dsagen --topk 1024,2048,4096,8192
 B="python3 bench/sparse_attention.py --no-torch --reps 10 --schedule split_halves --cases 0,1,2"
 TAILN=4 run vec 60 $B --options vec_store --json $O/vec.json

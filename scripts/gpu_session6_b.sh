@@ -7,10 +7,9 @@
 #    vec_store alone on cases 0-2; the H64 shapes under the persistent grid with vec_store + stream_hint.
 set -u
 . "$(dirname "$0")/gpu_lib.sh"; gpu_setup "$1" s6b
-export DSAGEN_CACHE_PATH=$DSAGEN_CACHE_PATH:$(cd "$2" && pwd)
-run foundation 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_foundation.py
-run indexer 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_lightning_indexer.py
-grep -E "^FAILED" $O/indexer.log | head
+add_cache "$2"
+suite foundation 120 tests/gpu/test_foundation.py
+suite indexer 300 tests/gpu/test_lightning_indexer.py
 B="python3 bench/sparse_attention.py --no-torch --reps 10 --schedule split_halves --flashmla .peer/flashmla"
 TAILN=11 run vh 200 $B --options vec_store,stream_hint --json $O/vh.json
 TAILN=5 run vhq 100 $B --options vec_store,stream_hint,q_prefetch --cases 0,1,3 --json $O/vhq.json

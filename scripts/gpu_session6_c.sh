@@ -8,15 +8,11 @@
 # 4. host overhead per call (bench/overhead.py, incl. a tiny sparse-attention call).
 set -u
 . "$(dirname "$0")/gpu_lib.sh"; gpu_setup "$1" s6c
-export DSAGEN_CACHE_PATH=$DSAGEN_CACHE_PATH:$(cd "$2" && pwd)
-run pytest 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py
-grep -E "^FAILED" $O/pytest.log | head -20
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 run memcheck 240 compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest \
-  -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py -k "adversarial or odd_tile or empty or grid"
-grep "ERROR SUMMARY" $O/memcheck.log | sort | uniq -c
-run foundation 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_foundation.py
-run indexer 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_lightning_indexer.py
-grep -E "^FAILED" $O/indexer.log | head
+add_cache "$2"
+suite pytest 240 tests/gpu/test_sparse_attention.py
+memcheck memcheck 240 tests/gpu/test_sparse_attention.py -k "adversarial or odd_tile or empty or grid"
+suite foundation 100 tests/gpu/test_foundation.py
+suite indexer 200 tests/gpu/test_lightning_indexer.py
 B="python3 bench/sparse_attention.py --reps 10 --schedule split_halves --flashmla .peer/flashmla"
 TAILN=12 run bench 330 $B --options vec_store=0 --json $O/bench.json
 TAILN=4 run h64 90 $B --no-torch --grid items --cases 2,5,9 --json $O/h64.json

@@ -6,9 +6,8 @@
 # 3. host overhead per call; the decode cases against FlashMLA.
 set -u
 . "$(dirname "$0")/gpu_lib.sh"; gpu_setup "$1" s6d
-export DSAGEN_CACHE_PATH=$DSAGEN_CACHE_PATH:$(cd "$2" && pwd)
-run pytest 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py
-grep -E "^FAILED" $O/pytest.log | head -20
+add_cache "$2"
+suite pytest 240 tests/gpu/test_sparse_attention.py
 TAILN=30 run trace 120 python3 bench/sparse_attention.py --trace --cases 0 --json $O/trace.json
 TAILN=30 run trace_k 120 python3 bench/sparse_attention.py --trace --cases 0 --topk 1024,8192 --json $O/trace_k.json
 TAILN=14 run overhead 120 python3 bench/overhead.py --calls 5000 --json $O/overhead.json

@@ -7,11 +7,8 @@
 # 3. the trace of the default and of epi_overlap on the headline case.
 set -u
 . "$(dirname "$0")/gpu_lib.sh"; gpu_setup "$1" s6e
-run pytest 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py
-grep -E "^FAILED" $O/pytest.log | head -20
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 run memcheck 150 compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest \
-  -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py -k "halves_options or grid"
-grep "ERROR SUMMARY" $O/memcheck.log | sort | uniq -c
+suite pytest 240 tests/gpu/test_sparse_attention.py
+memcheck memcheck 150 tests/gpu/test_sparse_attention.py -k "halves_options or grid"
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active \
   --format=csv -lms 250 > $O/smi.csv 2>&1 &
 SMI=$!

@@ -8,10 +8,8 @@
 # 3. the same variants timed against the default (rounds rotate), with FlashMLA.
 set -u
 . "$(dirname "$0")/gpu_lib.sh"; gpu_setup "$1" s6f
-run pytest 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py -k "halves_options or l2_hint"
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 run memcheck 120 compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest \
-  -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py -k "halves_options"
-grep "ERROR SUMMARY" $O/memcheck.log | sort | uniq -c
+suite pytest 120 tests/gpu/test_sparse_attention.py -k "halves_options or l2_hint"
+memcheck memcheck 120 tests/gpu/test_sparse_attention.py -k "halves_options"
 M=dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second
 TAILN=2 run ncu 150 ncu --clock-control none --metrics $M -k regex:sparse_attention_fwd --csv python3 -c "
 import sys; sys.path.insert(0, 'bench')

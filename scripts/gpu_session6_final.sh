@@ -9,15 +9,11 @@
 # 3. the trace of the default at the headline shape; host overhead per call.
 set -u
 . "$(dirname "$0")/gpu_lib.sh"; gpu_setup "$1" s6g
-export DSAGEN_CACHE_PATH=$DSAGEN_CACHE_PATH:$(cd "$2" && pwd)
-run pytest 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py
-grep -E "^FAILED" $O/pytest.log | head -20
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 run memcheck 200 compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest \
-  -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py -k "adversarial or odd_tile or empty or grid"
-grep "ERROR SUMMARY" $O/memcheck.log | sort | uniq -c
-run foundation 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_foundation.py
-run indexer 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_lightning_indexer.py
-grep -E "^FAILED" $O/indexer.log | head
+add_cache "$2"
+suite pytest 200 tests/gpu/test_sparse_attention.py
+memcheck memcheck 200 tests/gpu/test_sparse_attention.py -k "adversarial or odd_tile or empty or grid"
+suite foundation 60 tests/gpu/test_foundation.py
+suite indexer 120 tests/gpu/test_lightning_indexer.py
 B="python3 bench/sparse_attention.py --reps 10 --schedule split_halves --flashmla .peer/flashmla"
 TAILN=12 run bench 300 $B --options vec_store=0,stream_hint=0 --json $O/bench.json
 TAILN=6 run sweep 120 $B --no-torch --cases 0 --topk 1024,2048,4096,8192 --options vec_store=0,stream_hint=0 --json $O/sweep.json

@@ -19,6 +19,8 @@ from dsagen.gen import toolchain
 from dsagen.gen.render import render
 from dsagen.spec import CompactifySpec, LocalToGlobalSpec
 
+from cache_util import commit_fake, fake_entry
+
 ROOT = Path(__file__).resolve().parent.parent
 TC = {"nvidia-cutlass-dsl": "4.8.1"}
 
@@ -147,17 +149,15 @@ def test_key_material_fails_closed_on_unknown_types():
 
 
 # ---- store protocol (no compiler needed) ------------------------------------------------------------
-def _commit(store, key="ab" * 32, payload=b"cubin-bytes"):
-    with store.lock(key):
-        return store.commit("sm_90a", "compactify", key, {"kernel.cubin": payload, "kernel.py": b"src"},
-                            {"identity": "id-" + key[:8], "created": "2026-01-01"})
+def _commit(store, source="src", payload=b"cubin-bytes"):
+    return commit_fake(store, source=source, cubin=payload)
 
 
 def test_commit_then_lookup(tmp_path):
     store = CacheStore(tmp_path, [])
     e = _commit(store)
     assert store.lookup("sm_90a", "compactify", e.key).read("kernel.cubin") == b"cubin-bytes"
-    assert store.lookup_identity("sm_90a", "compactify", "id-" + e.key[:8]).key == e.key
+    assert store.lookup_identity("sm_90a", "compactify", identity_of(CompactifySpec(arch="sm_90a"))).key == e.key
     assert not list((tmp_path / "tmp").iterdir())
 
 
@@ -175,23 +175,24 @@ def test_flipped_byte_is_quarantined(tmp_path):
 
 
 def test_crash_between_files_and_manifest_leaves_no_entry(tmp_path):
+    key = fake_entry(source="crash")[0]
     code = textwrap.dedent(f"""
         import os
         from dsagen.cache import store as st
+        from cache_util import commit_fake
         st._write_manifest = lambda path, manifest: os._exit(17)   # die after the artifacts, before the manifest
-        s = st.CacheStore({str(tmp_path)!r}, [])
-        with s.lock("cd" * 32):
-            s.commit("sm_90a", "compactify", "cd" * 32, {{"kernel.cubin": b"x" * 100}}, {{}})
+        commit_fake(st.CacheStore({str(tmp_path)!r}, []), source="crash")
     """)
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}"))
     assert r.returncode == 17
     store = CacheStore(tmp_path, [])
-    assert store.lookup("sm_90a", "compactify", "cd" * 32) is None
-    assert not (tmp_path / "v1" / "sm_90a" / "compactify" / "cd").exists()
+    assert store.lookup("sm_90a", "compactify", key) is None
+    assert not (tmp_path / "v1" / "sm_90a" / "compactify" / key[:2]).exists()
     assert list((tmp_path / "tmp").iterdir())            # the half-written stage stays invisible in tmp/
     store.prune()
     assert not list((tmp_path / "tmp").iterdir())
-    assert _commit(store, "cd" * 32).path.exists()       # a later writer commits normally
+    assert _commit(store, "crash").path.exists()       # a later writer commits normally
 
 
 def test_readonly_layer_is_searched_first_and_never_written(tmp_path):
@@ -215,8 +216,8 @@ def test_mode_ro_and_off(tmp_path):
 
 def test_pack_unpack_round_trip_and_tamper_detection(tmp_path):
     src = CacheStore(tmp_path / "a", [])
-    e1 = _commit(src, "ab" * 32)
-    _commit(src, "ef" * 32, b"other")
+    e1 = _commit(src, "source one")
+    _commit(src, "source two", b"other")
     f = tmp_path / "kernels.tar"
     assert pack(src, f) == 2 and f.exists()
     dst = CacheStore(tmp_path / "b", [])

@@ -13,6 +13,7 @@ of any toolchain is accepted and a miss raises KernelNotCached naming the spec a
 from __future__ import annotations
 
 import functools
+import os
 import shlex
 import tempfile
 import threading
@@ -20,17 +21,18 @@ import warnings
 from datetime import datetime, timezone
 
 from .. import env
+from ..errors import CacheNotStored, CacheRootError, DsagenError
 from ..gen.render import render
 from ..gen import toolchain
 from ..spec import KernelSpec
 from .keys import identity_material, identity_of, key_material, key_of
-from .store import CacheLockTimeout, CacheStore, Entry, entry_identities
+from .store import BUILD_TMP_PREFIX, CacheCorruption, CacheLockTimeout, CacheStore, Entry, entry_identities, load_entry
 
 _memory_entries: dict[str, Entry] = {}
 _memory_lock = threading.Lock()
 
 
-class KernelNotCached(LookupError):
+class KernelNotCached(DsagenError, LookupError):
     """A kernel is not in any cache layer and may not be compiled here."""
 
 
@@ -64,14 +66,21 @@ def compile_entry_files(spec: KernelSpec, source: str, material: dict, identity:
     """Compile `spec` in a temporary folder: (files, manifest) ready to commit."""
     from ..gen.build import compile_module
 
-    with tempfile.TemporaryDirectory(prefix="dsagen-build-") as work:
+    # named after this process, so that `dsagen prune` can tell a killed build's leftovers from a live one
+    with tempfile.TemporaryDirectory(prefix=f"{BUILD_TMP_PREFIX}{os.getpid()}-") as work:
         compiled = compile_module(spec, source, work)
     files = {"kernel.py": source.encode(), "kernel.cubin": compiled.cubin, "kernel.ptx": compiled.ptx.encode()}
     return files, _manifest(spec, material, identity, compiled)
 
 
-def resolve(spec: KernelSpec, store: CacheStore | None = None, *, jit: bool | None = None) -> Entry:
-    """The cache entry of `spec`, compiling it on a miss when JIT is allowed (see module docstring)."""
+def resolve(spec: KernelSpec, store: CacheStore | None = None, *, jit: bool | None = None,
+            must_store: bool = False) -> Entry:
+    """The cache entry of `spec`, compiling it on a miss when JIT is allowed (see module docstring).
+
+    A kernel that is compiled but cannot be stored (lock timeout, read-only or full disk, a root that
+    is not a dsagen cache, DSAGEN_CACHE=ro|off) is compiled in memory with a warning, or, with
+    `must_store=True` (`dsagen build`), raises CacheNotStored. Only entries whose manifest names this
+    very spec, op and arch are ever returned."""
     spec.check()
     store = store or CacheStore.from_env()
     identity = identity_of(spec)
@@ -79,7 +88,7 @@ def resolve(spec: KernelSpec, store: CacheStore | None = None, *, jit: bool | No
     # identity + toolchain determine the key, so a hit needs no rendering; a process that cannot
     # compile accepts an entry of any toolchain (a shipped cache)
     wanted_toolchain = toolchain.toolchain_versions() if can_compile else None
-    hit = store.lookup_identity(spec.arch, spec.op, identity, wanted_toolchain)
+    hit = store.lookup_identity(spec.arch, spec.op, identity, wanted_toolchain, spec=spec.canonical())
     if hit is not None:
         return hit
     if not can_compile:
@@ -93,31 +102,50 @@ def resolve(spec: KernelSpec, store: CacheStore | None = None, *, jit: bool | No
             f"then ship that cache folder and point DSAGEN_CACHE_PATH at it.")
     source = _render_cached(spec)
     material = key_material(spec, source, toolchain.toolchain_versions())
-    return _compile_and_commit(spec, source, material, identity, store)
+    return _compile_and_commit(spec, source, material, identity, store, must_store)
 
 
-def _compile_and_commit(spec, source, material, identity, store: CacheStore) -> Entry:
+def _not_stored(spec: KernelSpec, why: str, must_store: bool) -> None:
+    """Raise CacheNotStored (must_store) or warn that `spec` is compiled in memory."""
+    if must_store:
+        raise CacheNotStored(f"{spec.name()}: compiled but not stored: {why}")
+    warnings.warn(f"dsagen: {why}; compiling {spec.name()} in memory", stacklevel=4)
+
+
+def _compile_and_commit(spec, source, material, identity, store: CacheStore, must_store: bool = False) -> Entry:
     key = key_of(material)
+    expect = {"spec": spec.canonical()}
     writable = store.writable is not None and store.writable.writable
-    if writable:
+    if not writable:  # DSAGEN_CACHE=ro|off: in memory by request, so no warning
+        if must_store:
+            raise CacheNotStored(f"{spec.name()}: compiled but not stored: the cache is not writable "
+                                 f"(DSAGEN_CACHE={store.mode})")
+    else:
         try:
             with store.lock(key):
-                hit = store.lookup(spec.arch, spec.op, key)  # another process may have built it
+                hit = store.lookup(spec.arch, spec.op, key, expect)  # another process may have built it
                 if hit is not None and identity in entry_identities(hit.manifest):
-                    return hit
-                if hit is not None and hit.layer is store.writable:
+                    entry = hit
+                elif hit is not None and hit.layer is store.writable:
                     # same rendered source under a new identity (a template edit that changed nothing
                     # for this spec): the entry answers to both, so identity lookups find it
-                    return store.add_identity(hit, identity)
-                files, manifest = compile_entry_files(spec, source, material, identity)
-                return store.commit(spec.arch, spec.op, key, files, manifest)
-        except PermissionError as e:
-            warnings.warn(f"dsagen: cache not writable ({e}); compiling {spec.name()} in memory", stacklevel=3)
+                    entry = store.add_identity(hit, identity)
+                else:
+                    files, manifest = compile_entry_files(spec, source, material, identity)
+                    entry = store.commit(spec.arch, spec.op, key, files, manifest)
+                if must_store and entry.path is not None:
+                    load_entry(entry.path, verify_hashes=True, expect=expect, read=())  # still there, whole
+                return entry
         except CacheLockTimeout as e:
-            warnings.warn(f"dsagen: timed out waiting for the compile lock of {spec.name()} ({e}); "
-                          f"compiling in memory", stacklevel=3)
+            _not_stored(spec, f"timed out waiting for the compile lock ({e})", must_store)
+        except CacheRootError as e:
+            _not_stored(spec, f"cannot use the cache root ({e})", must_store)
+        except PermissionError as e:
+            _not_stored(spec, f"cache not writable ({e})", must_store)
         except OSError as e:  # read-only or full disk
-            warnings.warn(f"dsagen: cannot write the cache ({e}); compiling {spec.name()} in memory", stacklevel=3)
+            _not_stored(spec, f"cannot write the cache ({e})", must_store)
+        except CacheCorruption as e:  # the entry vanished or changed right after the commit (a prune)
+            _not_stored(spec, f"the stored entry did not survive ({e})", must_store)
     with _memory_lock:
         hit = _memory_entries.get(key)
         if hit is None:

@@ -3,11 +3,17 @@
 The public ops are imported lazily: `import dsagen` imports neither CuTe-DSL nor the CUDA driver
 bindings. Every op takes `impl="reference"` (plain PyTorch, CPU or CUDA) or `impl="fused"` (generated
 kernels on CUDA). See README.md for the table of ops and the seed each follows.
+
+Every error dsagen raises on purpose (bad input to the command line, a cache, pack, spec or
+environment problem) derives from `dsagen.DsagenError` (defined in dsagen.errors, which imports
+nothing) as well as from the builtin a caller would expect (ValueError, LookupError, ...).
 """
 
 from __future__ import annotations
 
 import importlib
+
+from .errors import DsagenError
 
 __version__ = "0.1.0"
 
@@ -31,7 +37,7 @@ _OPS = {
     "native_sparse_attention": "dsagen.ops.nsa",
 }
 
-__all__ = sorted(_OPS)
+__all__ = ["DsagenError", *sorted(_OPS)]
 
 
 def __getattr__(name: str):

@@ -14,12 +14,14 @@ import re
 import struct
 from dataclasses import dataclass
 
+from ..errors import DsagenError
+
 PARAM_SIZES = {"ptr": 8, "i32": 4, "i64": 8, "f32": 4, "tensormap": 128}
 PARAM_ALIGN = {"ptr": 8, "i32": 4, "i64": 8, "f32": 4, "tensormap": 64}
 PTR_DTYPES = ("int32", "int64", "float32", "float16", "bfloat16", "uint8", "int8", "uint32")
 
 
-class AbiError(ValueError):
+class AbiError(DsagenError, ValueError):
     """A kernel's declared params do not match what the compiler produced."""
 
 

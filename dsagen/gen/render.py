@@ -9,13 +9,14 @@ import re
 from pathlib import Path
 
 
+from ..errors import DsagenError
 from ..spec import KernelSpec, get_arch
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 KERNEL_LIB = Path(__file__).resolve().parent.parent / "kernels"
 
 
-class TemplateNotFound(LookupError):
+class TemplateNotFound(DsagenError, LookupError):
     """No template implements a spec's op for its arch."""
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 
+from ..errors import DsagenError
 
-class CudaDriverError(RuntimeError):
+
+class CudaDriverError(DsagenError, RuntimeError):
     """A CUDA driver call failed; the message names the call and the driver's error name."""
 
 

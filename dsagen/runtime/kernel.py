@@ -18,6 +18,7 @@ import threading
 
 import torch
 
+from ..errors import DsagenError
 from .device import current_stream_handle
 from .driver import CudaDriverError, check, cu
 from .launch_expr import compile_expr
@@ -27,7 +28,7 @@ _FORMATS = {"ptr": "Q", "i32": "i", "i64": "q", "f32": "f"}
 _MAX_GRID = (2**31 - 1, 65535, 65535)
 
 
-class KernelArchMismatch(RuntimeError):
+class KernelArchMismatch(DsagenError, RuntimeError):
     """A cubin built for one arch was asked to run on a device of another."""
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import ast
 
+from ..errors import DsagenError
+
 _BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod)
 FUNCTIONS = ("ceil_div", "min", "max")
 
 
-class LaunchExprError(ValueError):
+class LaunchExprError(DsagenError, ValueError):
     """A manifest launch expression outside the language."""
 
 

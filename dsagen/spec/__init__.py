@@ -9,9 +9,10 @@
 from .arch import ARCHES, Arch, arch_for_capability, get_arch
 from .base import KernelSpec, SpecError, register_spec, spec_types
 from .families import CompactifySpec, LocalToGlobalSpec, RuntimeProbeSpec
-from .presets import get_preset, preset_names
+from .presets import get_preset, missing_ops, preset_names
 
 __all__ = [
     "ARCHES", "Arch", "arch_for_capability", "get_arch", "KernelSpec", "SpecError", "register_spec",
-    "spec_types", "CompactifySpec", "LocalToGlobalSpec", "RuntimeProbeSpec", "get_preset", "preset_names",
+    "spec_types", "CompactifySpec", "LocalToGlobalSpec", "RuntimeProbeSpec", "get_preset", "missing_ops",
+    "preset_names",
 ]

@@ -29,11 +29,13 @@ ARCHES: dict[str, Arch] = {
 
 
 def get_arch(name: str) -> Arch:
-    """The Arch called `name`; ValueError listing the known ones otherwise."""
+    """The Arch called `name`; SpecError (a ValueError) listing the known ones otherwise."""
     try:
         return ARCHES[name]
     except KeyError:
-        raise ValueError(f"unknown arch {name!r}; known: {', '.join(sorted(ARCHES))}") from None
+        from .base import SpecError  # base imports this module
+
+        raise SpecError(f"unknown arch {name!r}; known: {', '.join(sorted(ARCHES))}") from None
 
 
 def arch_for_capability(capability: tuple[int, int]) -> Arch:

@@ -12,6 +12,7 @@ import json
 import re
 from typing import Any, ClassVar, TypeVar
 
+from ..errors import DsagenError
 from .arch import ARCHES
 
 S = TypeVar("S", bound="KernelSpec")
@@ -36,7 +37,7 @@ def spec_types() -> dict[str, type["KernelSpec"]]:
     return dict(_SPEC_TYPES)
 
 
-class SpecError(ValueError):
+class SpecError(DsagenError, ValueError):
     """A spec that cannot be implemented; the message lists every reason."""
 
 

@@ -10,7 +10,8 @@ import importlib
 import pkgutil
 from types import ModuleType
 
-from ..base import KernelSpec
+from ..arch import get_arch
+from ..base import KernelSpec, SpecError
 
 
 def _modules() -> dict[str, ModuleType]:
@@ -27,12 +28,32 @@ def preset_names() -> list[str]:
     return sorted(_modules())
 
 
-def get_preset(name: str, arch: str) -> list[KernelSpec]:
-    """The validated specs of preset `name` for `arch`; ValueError naming the known presets otherwise."""
+def _module(name: str) -> ModuleType:
     mods = _modules()
     if name not in mods:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(mods))}")
-    return [s.check() for s in mods[name].specs(arch)]
+        raise SpecError(f"unknown preset {name!r}; known: {', '.join(sorted(mods))}")
+    return mods[name]
+
+
+def get_preset(name: str, arch: str) -> list[KernelSpec]:
+    """The validated specs of preset `name` for `arch`.
+
+    Raises SpecError (a ValueError) for an unknown preset (naming the known ones) or arch. The list
+    may lack ops that have no kernel for `arch` yet; `missing_ops` names them.
+    """
+    mod = _module(name)
+    get_arch(arch)
+    return [s.check() for s in mod.specs(arch)]
+
+
+def missing_ops(name: str, arch: str) -> list[str]:
+    """The ops preset `name` has kernels for on some arch but not on `arch`, sorted ([] when none)."""
+    from ..arch import ARCHES
+
+    mod = _module(name)
+    get_arch(arch)
+    everywhere = {s.op for a in ARCHES for s in mod.specs(a)}
+    return sorted(everywhere - {s.op for s in mod.specs(arch)})
 
 
 def preset_description(name: str) -> str:

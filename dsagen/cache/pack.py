@@ -1,56 +1,90 @@
-"""Ship a cache: `pack` writes every complete entry of the layers into one tar with a checksum list;
-`unpack` verifies that list and every entry before adding the entries to the writable root.
+"""Ship a cache: `pack` writes every valid entry of the layers into one tar with a checksum list;
+`unpack` verifies the whole pack before it adds anything to the writable root.
 
-Both are atomic: pack writes `FILE.tmp-*` and renames it; unpack extracts into the cache's tmp/ and
-moves each verified entry into place with a rename (entries already present are kept)."""
+A pack is a plain tar of regular files `v1/<arch>/<op>/<key[:2]>/<key>/<file>` (exactly an entry's
+manifest.json and the artifacts it lists) plus `PACK-CHECKSUMS.json` (sha256 of every member), so it
+also extracts with `tar` into a tree that DSAGEN_CACHE_PATH can point at.
+
+`pack` is atomic: it writes `FILE.tmp-<pid>` and renames it. `unpack` is all-or-nothing for the
+checks and atomic per entry for the writes: a first streaming pass checks every member (names, types,
+sizes against the caps, checksums, every entry's manifest, key and artifacts) without writing
+anything; a second pass streams the members into one staging folder under the cache's tmp/, checking
+each against the first pass; then each entry is moved into place with one rename under its per-key
+lock. An unpack interrupted during the renames leaves a subset of complete entries (rerun it to add
+the rest); a failed one leaves no staging behind (a killed one leaves it to `dsagen prune`). Entries
+already present and valid are kept. Members are never read whole into memory, except manifests and
+the checksum list (each at most 1 MiB).
+
+What a pack is trusted with: unpacking runs nothing, and a bad pack (not a tar, a bad checksum list,
+traversal, links, devices, oversized or extra members, an invalid entry) is one PackError that leaves
+the cache as it was. But the kernels inside a well-formed pack are run as they are: unpack packs only
+from sources you would take code from (notes/design.md, threat model).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
-import shutil
+import re
 import tarfile
-import tempfile
-from pathlib import Path
+import warnings
+from pathlib import Path, PurePosixPath
 
-from .keys import sha256_hex
-from .store import LAYOUT, CacheCorruption, CacheStore, check_entry
+from ..errors import DsagenError
+from .store import (LAYOUT, MANIFEST, MAX_MANIFEST_BYTES, CacheCorruption, CacheLockTimeout, CacheStore,
+                    load_entry, remove_path, staging_name, validate_entry_manifest)
 
 CHECKSUMS = "PACK-CHECKSUMS.json"
+MAX_MEMBER_BYTES = 256 << 20      # one artifact (the largest PTX of today's kernels is a few MiB)
+MAX_TOTAL_BYTES = 4 << 30         # a whole pack, unpacked
+MAX_MEMBERS = 100_000
+_CHUNK = 1 << 20
+_MEMBER = re.compile(LAYOUT + r"/sm_[0-9]+[a-z]?/[a-z][a-z0-9_]*/[0-9a-f]{2}/[0-9a-f]{64}/"
+                     r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
-class PackError(ValueError):
-    """A pack file that is malformed or does not match its checksums."""
+class PackError(DsagenError, ValueError):
+    """A pack file that is malformed, unsafe, over the size caps, or does not match its checksums."""
+
+
+def _tar_info(name: str, size: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime, info.uid, info.gid, info.uname, info.gname = size, 0o644, 0, 0, 0, "", ""
+    return info
 
 
 def pack(store: CacheStore, out: Path) -> int:
-    """Write every complete entry (first layer wins per key) into the tar `out`; returns the count."""
+    """Write every valid entry of the layers (the first layer wins per key) into the tar `out`; returns
+    the count. Invalid entries (see `load_entry`: links, sub-folders, bad manifests, bad hashes) are
+    skipped with a warning, and nothing is read through a link."""
     out = Path(out)
     sums: dict[str, str] = {}
     seen: set[str] = set()
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     try:
-        with tarfile.open(tmp, "w") as tar:
+        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
             for layer, path in store.entries():
                 if path.name in seen:
                     continue
                 try:
-                    check_entry(path, verify_hashes=True)
-                except CacheCorruption:
+                    if not store._chain_is_real(layer, path):
+                        raise CacheCorruption(f"{path}: reached through a link")
+                    m, blobs = load_entry(path, verify_hashes=True)
+                except CacheCorruption as e:
+                    warnings.warn(f"dsagen pack: skipping an invalid entry: {e}", stacklevel=2)
                     continue  # never ship a bad entry
                 seen.add(path.name)
-                for f in sorted(path.iterdir()):
-                    rel = f.relative_to(layer.root).as_posix()
-                    data = f.read_bytes()
-                    sums[rel] = sha256_hex(data)
-                    info = tarfile.TarInfo(rel)
-                    info.size, info.mode, info.mtime = len(data), 0o644, 0
-                    tar.addfile(info, io.BytesIO(data))
+                rel = path.relative_to(layer.root).as_posix()
+                files = dict(blobs)
+                files[MANIFEST] = (json.dumps(m, indent=1, sort_keys=True) + "\n").encode()
+                for name in sorted(files):
+                    data = files[name]
+                    sums[f"{rel}/{name}"] = hashlib.sha256(data).hexdigest()
+                    tar.addfile(_tar_info(f"{rel}/{name}", len(data)), io.BytesIO(data))
             blob = json.dumps(sums, indent=1, sort_keys=True).encode()
-            info = tarfile.TarInfo(CHECKSUMS)
-            info.size, info.mode = len(blob), 0o644
-            tar.addfile(info, io.BytesIO(blob))
+            tar.addfile(_tar_info(CHECKSUMS, len(blob)), io.BytesIO(blob))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, out)
@@ -60,48 +94,168 @@ def pack(store: CacheStore, out: Path) -> int:
     return len(seen)
 
 
-def unpack(store: CacheStore, file: Path) -> int:
-    """Verify the pack `file` and add its entries to the writable root; returns how many were added."""
-    layer = store._require_writable()
-    (layer.root / "tmp").mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=layer.root / "tmp", prefix="unpack-") as work:
-        work = Path(work)
-        with tarfile.open(file, "r") as tar:
-            members = tar.getmembers()
-            for m in members:
-                parts = Path(m.name).parts
-                if not m.isfile() or m.name.startswith("/") or ".." in parts:
-                    raise PackError(f"{file}: unexpected member {m.name!r}")
-                if m.name != CHECKSUMS and parts[0] != LAYOUT:
-                    raise PackError(f"{file}: member {m.name!r} is outside {LAYOUT}/")
-            names = {m.name for m in members}
-            if CHECKSUMS not in names:
-                raise PackError(f"{file}: no {CHECKSUMS}; not a dsagen pack")
-            sums = json.loads(tar.extractfile(CHECKSUMS).read())
-            if set(sums) != names - {CHECKSUMS}:
-                raise PackError(f"{file}: the checksum list does not match the members")
-            for m in members:
+def _open_stream(file: Path) -> tarfile.TarFile:
+    """The pack as a forward-only tar stream (plain or compressed); PackError when it is not a tar."""
+    try:
+        return tarfile.open(file, "r|*")
+    except (tarfile.ReadError, tarfile.CompressionError, EOFError) as e:
+        raise PackError(f"{file}: not a tar file ({e})") from None
+
+
+def _members(file: Path, tar: tarfile.TarFile, max_member: int, max_total: int):
+    """Every member of the stream after the per-member checks: a regular file with a safe name in the
+    pack's shape, not repeated, within the caps. Yields (member, readable stream of its data)."""
+    seen: set[str] = set()
+    total = 0
+    try:
+        for n, m in enumerate(tar, 1):
+            if n > MAX_MEMBERS:
+                raise PackError(f"{file}: more than {MAX_MEMBERS} members")
+            name = m.name
+            if not (name == CHECKSUMS or _MEMBER.fullmatch(name)) or PurePosixPath(name).as_posix() != name:
+                raise PackError(f"{file}: unexpected member {name!r} (a dsagen pack holds only "
+                                f"{LAYOUT}/<arch>/<op>/<key[:2]>/<key>/<file> and {CHECKSUMS})")
+            if not m.isreg():
+                raise PackError(f"{file}: member {name!r} is not a regular file (links, folders and devices "
+                                f"are refused)")
+            if name in seen:
+                raise PackError(f"{file}: member {name!r} appears twice")
+            seen.add(name)
+            cap = MAX_MANIFEST_BYTES if name.endswith("/" + MANIFEST) or name == CHECKSUMS else max_member
+            if m.size > cap:
+                raise PackError(f"{file}: member {name!r} has {m.size} bytes, over the cap of {cap}")
+            total += m.size
+            if total > max_total:
+                raise PackError(f"{file}: the members add up to more than the cap of {max_total} bytes")
+            yield m, tar.extractfile(m)
+    except (tarfile.TarError, EOFError, OSError) as e:
+        if isinstance(e, PackError):
+            raise
+        raise PackError(f"{file}: unreadable tar data ({e})") from None
+
+
+def _stream(src, size: int, sink=None) -> str:
+    """sha256 of `size` bytes read from `src` in chunks, each also written to `sink` when given."""
+    h = hashlib.sha256()
+    left = size
+    while left:
+        chunk = src.read(min(_CHUNK, left))
+        if not chunk:
+            raise PackError("truncated member data")
+        h.update(chunk)
+        if sink is not None:
+            sink.write(chunk)
+        left -= len(chunk)
+    return h.hexdigest()
+
+
+def _scan(file: Path, max_member: int, max_total: int) -> dict[str, dict]:
+    """First pass, writing nothing: {entry folder: {"manifest": dict, "files": {name: (size, sha256)}}}
+    after checking every member, the checksum list and every entry."""
+    found: dict[str, tuple[int, str]] = {}
+    small: dict[str, bytes] = {}
+    with _open_stream(file) as tar:
+        for m, data in _members(file, tar, max_member, max_total):
+            if m.name == CHECKSUMS or m.name.endswith("/" + MANIFEST):
+                small[m.name] = data.read(m.size + 1)
+                if len(small[m.name]) != m.size:
+                    raise PackError(f"{file}: member {m.name!r} is truncated")
+                sha = hashlib.sha256(small[m.name]).hexdigest()
+            else:
+                sha = _stream(data, m.size)
+            found[m.name] = (m.size, sha)
+    if CHECKSUMS not in found:
+        raise PackError(f"{file}: no {CHECKSUMS}; not a dsagen pack")
+    try:
+        sums = json.loads(small[CHECKSUMS])
+    except ValueError as e:
+        raise PackError(f"{file}: {CHECKSUMS} is not JSON ({e})") from None
+    if not (isinstance(sums, dict) and all(isinstance(v, str) for v in sums.values())):
+        raise PackError(f"{file}: {CHECKSUMS} is not an object of sha256 strings")
+    if set(sums) != set(found) - {CHECKSUMS}:
+        raise PackError(f"{file}: the checksum list does not match the members")
+    for name, want in sums.items():
+        if found[name][1] != want:
+            raise PackError(f"{file}: {name} does not match its checksum")
+    entries: dict[str, dict] = {}
+    for name, (size, sha) in found.items():
+        if name != CHECKSUMS:
+            folder, base = name.rsplit("/", 1)
+            entries.setdefault(folder, {"files": {}})["files"][base] = (size, sha)
+    for folder, e in entries.items():
+        path = Path(folder)
+        if MANIFEST not in e["files"]:
+            raise PackError(f"{file}: {folder} has no {MANIFEST}")
+        try:
+            m = json.loads(small[f"{folder}/{MANIFEST}"])
+            validate_entry_manifest(m, path)
+        except ValueError as err:  # JSON errors, CacheCorruption is not a ValueError
+            raise PackError(f"{file}: {folder}/{MANIFEST} is not JSON ({err})") from None
+        except CacheCorruption as err:
+            raise PackError(f"{file}: {err}") from None
+        arts = m["artifacts"]
+        if set(e["files"]) != set(arts) | {MANIFEST}:
+            raise PackError(f"{file}: {folder} holds {sorted(e['files'])}, its manifest lists "
+                            f"{sorted(set(arts) | {MANIFEST})}")
+        for base, art in arts.items():
+            if e["files"][base] != (art["size"], art["sha256"]):
+                raise PackError(f"{file}: {folder}/{base} does not match its manifest (size or sha256)")
+        e["manifest"] = m
+    return entries
+
+
+def unpack(store: CacheStore, file: Path, *, max_member_bytes: int = MAX_MEMBER_BYTES,
+           max_total_bytes: int = MAX_TOTAL_BYTES) -> int:
+    """Verify the pack `file` and add its entries to the writable root; returns how many were added
+    (see the module docstring for the checks, the caps and what is atomic)."""
+    file = Path(file)
+    layer = store.ensure_root()
+    if not file.is_file():
+        raise PackError(f"{file}: no such pack file") if not file.exists() else PackError(f"{file}: not a file")
+    entries = _scan(file, max_member_bytes, max_total_bytes)
+    expected = {f"{folder}/{b}": sha for folder, e in entries.items() for b, (_, sha) in e["files"].items()}
+    tmp = layer.root / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    stage = tmp / staging_name("unpack")
+    stage.mkdir()
+    added = 0
+    try:
+        with _open_stream(file) as tar:
+            for m, data in _members(file, tar, max_member_bytes, max_total_bytes):
                 if m.name == CHECKSUMS:
                     continue
-                data = tar.extractfile(m).read()
-                if sha256_hex(data) != sums[m.name]:
-                    raise PackError(f"{file}: {m.name} does not match its checksum")
-                dest = work / m.name
+                dest = stage / m.name
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                dest.write_bytes(data)
-        entries = sorted({p.parent for p in work.rglob("manifest.json")})
-        for e in entries:
+                fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                with os.fdopen(fd, "wb") as out:
+                    sha = _stream(data, m.size, out)
+                    out.flush()
+                    os.fsync(out.fileno())
+                if expected.get(m.name) != sha:
+                    raise PackError(f"{file}: {m.name} changed between the check and the copy")
+                del expected[m.name]
+        if expected:
+            raise PackError(f"{file}: members vanished between the check and the copy: {sorted(expected)[:3]}")
+        for folder in sorted(entries):
+            staged, final = stage / folder, layer.root / folder
+            key = final.name
             try:
-                check_entry(e, verify_hashes=True)
-            except CacheCorruption as err:
-                raise PackError(f"{file}: {err}") from None
-        added = 0
-        for e in entries:
-            final = layer.root / e.relative_to(work)
-            if final.exists():
-                continue
-            final.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(e, final)
-            added += 1
-        shutil.rmtree(work, ignore_errors=True)
+                with store.lock(key):
+                    try:
+                        load_entry(final, verify_hashes=True, read=())
+                        continue  # already present and valid: kept
+                    except CacheCorruption:
+                        if os.path.lexists(final) and store.quarantine(final, "replaced by an unpacked entry") is None:
+                            remove_path(final)
+                    final.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(staged, final)
+                    added += 1
+            except CacheLockTimeout as e:
+                raise PackError(f"{file}: {key} is locked by another process ({e}); {added} entries added, "
+                                f"rerun to add the rest") from None
+    finally:
+        remove_path(stage)
     return added
+
+
+__all__ = ["pack", "unpack", "PackError", "CHECKSUMS", "MAX_MEMBER_BYTES", "MAX_TOTAL_BYTES", "MAX_MEMBERS"]

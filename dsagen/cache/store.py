@@ -263,6 +263,20 @@ def _check_consistency(m: dict, path: Path) -> None:
           "kernel.py's sha256 != the key material's source_sha256")
 
 
+def validate_entry_manifest(m: Any, path: Path) -> dict:
+    """Check a parsed manifest against the entry folder `path` (`v1/<arch>/<op>/<key[:2]>/<key>`, which
+    need not exist: a pack member's folder): schema, folder agreement, key and identity re-derivation."""
+    parts = entry_parts(path)
+    _need(parts is not None, path, "not an entry folder (v1/<arch>/<op>/<key[:2]>/<key>)")
+    validate_manifest(m, path)
+    arch, op, key = parts
+    _need(m["key"] == key, path, f"manifest key {m['key'][:12]}... does not match the folder")
+    _need(m["arch"] == arch, path, f"manifest arch {m['arch']!r} does not match the folder")
+    _need(m["op"] == op, path, f"manifest op {m['op']!r} does not match the folder")
+    _check_consistency(m, path)
+    return m
+
+
 def entry_parts(path: Path) -> tuple[str, str, str] | None:
     """(arch, op, key) of an entry folder `.../v1/<arch>/<op>/<key[:2]>/<key>`, or None when the names
     do not have that shape."""
@@ -315,12 +329,7 @@ def load_entry(path: Path, verify_hashes: bool = True, expect: dict | None = Non
         m = json.loads(raw)
     except ValueError as e:
         raise CacheCorruption(f"{path}: {MANIFEST} is not JSON: {e}") from None
-    validate_manifest(m, path)
-    arch, op, key = parts
-    _need(m["key"] == key, path, f"manifest key {m['key'][:12]}... does not match the folder")
-    _need(m["arch"] == arch, path, f"manifest arch {m['arch']!r} does not match the folder")
-    _need(m["op"] == op, path, f"manifest op {m['op']!r} does not match the folder")
-    _check_consistency(m, path)
+    validate_entry_manifest(m, path)
     for f, want in (expect or {}).items():
         _need(m.get(f) == want, path, f"manifest {f} {m.get(f)!r} is not the requested {want!r}")
     wanted = set(m["artifacts"]) if read is None and verify_hashes else set(read or REQUIRED_ARTIFACTS)

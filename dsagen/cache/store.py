@@ -662,7 +662,7 @@ class CacheStore:
         if identity in entry_identities(entry.manifest):
             return entry
         manifest = dict(entry.manifest, aliases=sorted(set(entry.manifest.get("aliases", [])) | {identity}))
-        tmp = entry.path.parent / f".{entry.path.name}.{MANIFEST}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        tmp = entry.path / f".{MANIFEST}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         try:
             _write_manifest(tmp, manifest)
             os.replace(tmp, entry.path / MANIFEST)

@@ -4,39 +4,117 @@
     dsagen list [--json]                                   # what the cache layers hold
     dsagen verify                                          # recompute every hash; non-zero exit on mismatch
     dsagen pack --out kernels.tar / dsagen unpack kernels.tar
+
+Errors: a user's mistake or an environment, cache, pack or spec problem (dsagen.DsagenError, OSError)
+prints one line `dsagen: error: ...` on stderr and exits 2; `--debug` or DSAGEN_DEBUG=1 prints the
+traceback instead of the one line. `dsagen build` exits 1 when any kernel failed to build or could
+not be stored in the writable cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import importlib.util
 import json
 import os
+import signal
 import sys
+import threading
 import time
+import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from . import env
+from .errors import CacheNotStored, ConfigError, DsagenError
+
+_EPILOG_BUILD = """\
+--arch: comma-separated targets (default $DSAGEN_ARCH, else sm_90a) for --preset. With --spec and
+--spec-file, each spec is re-targeted to every --arch given (its "arch" field is replaced); without
+--arch a spec keeps its own "arch". With --from-tests only the REQUIRED_SPECS whose arch is one of
+--arch are built (all of them without --arch); an --arch none of them has is an error. A preset that
+has no kernels yet for some of its ops on an arch names them on stderr and builds the rest.
+
+The exit status is 0 only when every kernel is on disk in the cache afterwards ("built" into the
+writable root, or "cached" in any layer); a kernel compiled but not stored (lock timeout, full or
+read-only disk, an entry removed under the build) is FAILED and the exit status is 1.
+DSAGEN_CACHE=ro or off is refused up front (exit 2).
+"""
+
+
+def _arches_of(option: str | None) -> list[str] | None:
+    """The --arch option as a list of known arch names (None when not given)."""
+    from .spec import get_arch
+
+    if option is None:
+        return None
+    arches = list(dict.fromkeys(a.strip() for a in option.split(",") if a.strip()))
+    if not arches:
+        raise ConfigError(f"--arch {option!r}: give one or more arch names, e.g. sm_90a")
+    for a in arches:
+        get_arch(a)
+    return arches
+
+
+def _spec_of(d, where: str, arch: str | None = None):
+    """The checked spec of canonical dict `d` (from `where`), re-targeted to `arch` when given."""
+    from .spec import KernelSpec, SpecError
+
+    if not isinstance(d, dict) or not isinstance(d.get("fields"), dict):
+        raise SpecError(f"{where}: a spec is a JSON object {{\"op\": ..., \"fields\": {{...}}}}, "
+                        f"got {json.dumps(d)[:80]}")
+    if arch is not None:
+        d = copy.deepcopy(d)
+        d["fields"]["arch"] = arch
+    try:
+        return KernelSpec.from_canonical(d).check()
+    except TypeError as e:  # missing fields: the dataclass constructor's message names them
+        raise SpecError(f"{where}: {e}") from None
+
+
+def _json_of(text: str, where: str):
+    from .spec import SpecError
+
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise SpecError(f"{where}: not valid JSON ({e})") from None
 
 
 def _specs_from_args(args) -> list:
-    from .spec import KernelSpec, get_preset
+    """Every spec the build options name, in order, without duplicates (see the build help for --arch)."""
+    from .spec import get_preset, missing_ops
 
+    arches = _arches_of(args.arch)
+    preset_arches = arches or _arches_of(env.ARCH.get() or "sm_90a")
     specs = []
-    arches = [a.strip() for a in (args.arch or env.ARCH.get() or "sm_90a").split(",") if a.strip()]
-    for arch in arches:
+    for arch in preset_arches:
         for name in args.preset or ():
             specs.extend(get_preset(name, arch))
+            missing = missing_ops(name, arch)
+            if missing:
+                print(f"dsagen: preset {name!r} has no {arch} kernels yet for: {', '.join(missing)} "
+                      f"(impl='fused' ops needing them raise NotImplementedError there); building the rest",
+                      file=sys.stderr)
     for text in args.spec or ():
-        specs.append(KernelSpec.from_canonical(json.loads(text)).check())
+        d = _json_of(text, f"--spec {text!r}")
+        specs.extend(_spec_of(d, f"--spec {text!r}", a) for a in arches or [None])
     for path in args.spec_file or ():
-        data = json.loads(Path(path).read_text())
-        for d in data if isinstance(data, list) else [data]:
-            specs.append(KernelSpec.from_canonical(d).check())
+        data = _json_of(Path(path).read_text(), f"--spec-file {path}")
+        for i, d in enumerate(data if isinstance(data, list) else [data]):
+            specs.extend(_spec_of(d, f"--spec-file {path} (spec {i})", a) for a in arches or [None])
     for path in args.from_tests or ():
-        specs.extend(required_specs_of_tests(Path(path)))
+        required = required_specs_of_tests(Path(path))
+        if arches is not None:
+            have = sorted({s.arch for s in required})
+            absent = [a for a in arches if a not in have]
+            if absent:
+                raise ConfigError(f"--from-tests {path}: no REQUIRED_SPECS for --arch {','.join(absent)} "
+                                  f"(they target {', '.join(have) or 'nothing'})")
+            required = [s for s in required if s.arch in arches]
+        specs.extend(required)
     seen, out = set(), []
     for s in specs:
         if s not in seen:
@@ -46,25 +124,51 @@ def _specs_from_args(args) -> list:
 
 
 def required_specs_of_tests(path: Path) -> list:
-    """The REQUIRED_SPECS of every test module at `path` (a file, or a folder searched for test_*.py)."""
+    """The REQUIRED_SPECS of every test module at `path` (a file, or a folder searched for test_*.py).
+
+    Raises ConfigError when `path` does not exist, a folder holds no test_*.py, a module fails to
+    import (the message names it and the error) or its REQUIRED_SPECS holds something not a spec.
+    """
+    from .spec import KernelSpec
+
+    if not path.exists():
+        raise ConfigError(f"--from-tests {path}: no such file or folder")
     files = sorted(path.rglob("test_*.py")) if path.is_dir() else [path]
+    if not files:
+        raise ConfigError(f"--from-tests {path}: the folder holds no test_*.py files")
     out = []
     for f in files:
+        if f.suffix != ".py":
+            raise ConfigError(f"--from-tests {f}: not a Python file")
         mod_name = f"_dsagen_required_specs_{f.stem}"
         spec = importlib.util.spec_from_file_location(mod_name, f)
         mod = importlib.util.module_from_spec(spec)
         sys.path.insert(0, str(f.parent))  # test modules import their sibling helpers, as under pytest
         try:
             spec.loader.exec_module(mod)
+            req = getattr(mod, "REQUIRED_SPECS", [])
+            req = list(req() if callable(req) else req)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - any failure of a test module (pytest.skip is a BaseException)
+            raise ConfigError(f"--from-tests {f}: importing it failed: {type(e).__name__}: {e}") from e
         finally:
             sys.path.remove(str(f.parent))
-        req = getattr(mod, "REQUIRED_SPECS", [])
-        out.extend(req() if callable(req) else req)
+        bad = [r for r in req if not isinstance(r, KernelSpec)]
+        if bad:
+            raise ConfigError(f"--from-tests {f}: REQUIRED_SPECS holds {type(bad[0]).__name__} "
+                              f"{bad[0]!r:.60}, not a KernelSpec")
+        out.extend(req)
     return [s.check() for s in out]
 
 
 def _build_one(canonical: dict) -> dict:
-    """Worker: resolve (compile if needed) one spec; returns a summary row."""
+    """Worker: resolve (compile if needed) one spec into the cache; returns a summary row.
+
+    Raises CacheNotStored when the kernel is not on disk in a cache layer afterwards (the resolver
+    could not commit it, or the entry was removed right after), so a row says "built" or "cached" only
+    for a kernel the cache holds.
+    """
     from .cache import resolve
     from .cache.store import CacheStore
     from .spec import KernelSpec
@@ -73,7 +177,10 @@ def _build_one(canonical: dict) -> dict:
     store = CacheStore.from_env()
     t0 = time.perf_counter()
     cached = _is_cached(spec, store)
-    entry = resolve(spec, store, jit=True)
+    entry = resolve(spec, store, jit=True, must_store=True)
+    if entry.path is None or not (entry.path / "manifest.json").is_file():
+        raise CacheNotStored(f"{spec.name()} was compiled but is not in the cache "
+                             f"({entry.where()} is gone); run dsagen build again")
     k = entry.manifest["kernel"]
     return {"name": spec.name(), "op": spec.op, "arch": spec.arch, "key": entry.key,
             "status": "cached" if cached else "built", "seconds": round(time.perf_counter() - t0, 2),
@@ -88,6 +195,42 @@ def _is_cached(spec, store) -> bool:
     return store.lookup_identity(spec.arch, spec.op, identity_of(spec), toolchain_versions()) is not None
 
 
+def _worker_init(parent_pid: int) -> None:
+    """Build worker setup: leave Ctrl-C to the parent (which terminates the workers), and exit when
+    the parent is gone (killed with SIGKILL, say): a daemon thread watches the parent pid."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="dsagen-parent-watch", daemon=True).start()
+
+
+class _Terminated(SystemExit):
+    """SIGTERM during `dsagen build`: unwinds like Ctrl-C, so that the workers are terminated."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated(128 + signum)
+
+
+def _terminate_workers(pool: ProcessPoolExecutor) -> None:
+    """Stop every worker process of `pool` now (a compile in flight is abandoned; the cache's commit
+    is atomic, so it leaves at most a staging folder that `dsagen prune` removes)."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())  # no public API before Python 3.14
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.terminate()
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
 def _table(rows: list[dict], cols: list[str]) -> str:
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
@@ -96,15 +239,23 @@ def _table(rows: list[dict], cols: list[str]) -> str:
 
 
 def cmd_build(args) -> int:
+    """`dsagen build`: render, compile and store the kernels the options name; 1 when any failed."""
+    from .cache.store import CacheStore
     from .gen.toolchain import dsl_available
 
-    if not dsl_available():
-        print("dsagen build needs CuTe-DSL: pip install 'dsagen[gen]'", file=sys.stderr)
-        return 2
+    for var in env.ALL:  # a bad value fails here, naming the variable, not in every worker
+        var.get()
+    mode = env.CACHE_MODE.get()
+    if mode != "rw":
+        raise ConfigError(f"dsagen build stores kernels in the writable cache, but DSAGEN_CACHE={mode} "
+                          f"({'never writes' if mode == 'ro' else 'uses no disk cache'}); "
+                          f"unset it or set DSAGEN_CACHE=rw")
     specs = _specs_from_args(args)
     if not specs:
-        print("nothing to build: give --preset, --spec, --spec-file or --from-tests", file=sys.stderr)
-        return 2
+        raise ConfigError("nothing to build: give --preset, --spec, --spec-file or --from-tests")
+    if not dsl_available():
+        raise ConfigError("dsagen build needs CuTe-DSL: pip install 'dsagen[gen]'")
+    CacheStore.from_env()  # refuses an unusable cache root here, once, not in every worker
     jobs = max(1, min(args.jobs or os.cpu_count() or 1, len(specs)))
     print(f"building {len(specs)} kernel(s) for {', '.join(sorted({s.arch for s in specs}))} into "
           f"{env.CACHE_DIR.get()} with {jobs} job(s)", file=sys.stderr)
@@ -132,8 +283,11 @@ def cmd_build(args) -> int:
 
     import multiprocessing as mp
 
-    with (ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) if jobs > 1
-          else contextlib.nullcontext()) as pool:
+    pool = (ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                                initargs=(os.getpid(),)) if jobs > 1 else None)
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, _raise_terminated) if pool is not None and main_thread else None
+    try:
         for i, (spec, row_of) in enumerate(outcomes(pool), 1):
             try:
                 rows.append(row_of())
@@ -142,6 +296,15 @@ def cmd_build(args) -> int:
                 rows.append({"name": spec.name(), "op": spec.op, "arch": spec.arch, "status": "FAILED",
                              "seconds": 0})
             progress(i, rows[-1])
+    except BaseException:  # Ctrl-C, SIGTERM: stop the workers before unwinding
+        if pool is not None:
+            _terminate_workers(pool)
+        raise
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+    if pool is not None:
+        pool.shutdown(wait=True)
     for r in rows:
         r["key"] = r.get("key", "")[:12]
     print(_table(rows, ["name", "op", "arch", "status", "seconds", "regs", "smem", "key"]))
@@ -171,6 +334,7 @@ def _entry_rows(store) -> list[dict]:
 
 
 def cmd_list(args) -> int:
+    """`dsagen list [--json]`: every entry of every cache layer."""
     from .cache.store import CacheStore
 
     rows = _entry_rows(CacheStore.from_env())
@@ -184,6 +348,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_show(args) -> int:
+    """`dsagen show KEY|NAME`: the manifests of the matching entries; 1 when none matches."""
     from .cache.store import CacheStore
 
     store = CacheStore.from_env()
@@ -197,6 +362,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    """`dsagen verify`: recompute every artifact hash; 1 on any mismatch."""
     from .cache.store import CacheCorruption, CacheStore, check_entry
 
     store = CacheStore.from_env()
@@ -213,6 +379,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_prune(args) -> int:
+    """`dsagen prune [--all]`: remove leftovers, quarantine, stale and corrupt entries."""
     from .cache.store import CacheStore
     from .gen.toolchain import GENERATOR_VERSION, dsl_available, toolchain_versions
 
@@ -227,6 +394,7 @@ def cmd_prune(args) -> int:
 
 
 def cmd_pack(args) -> int:
+    """`dsagen pack --out F`: every complete entry into one checksummed tar."""
     from .cache.pack import pack
     from .cache.store import CacheStore
 
@@ -236,15 +404,22 @@ def cmd_pack(args) -> int:
 
 
 def cmd_unpack(args) -> int:
+    """`dsagen unpack F`: verify a pack and add its entries to the writable cache."""
     from .cache.pack import unpack
     from .cache.store import CacheStore
 
-    n = unpack(CacheStore.from_env(), Path(args.file))
+    import tarfile
+
+    try:
+        n = unpack(CacheStore.from_env(), Path(args.file))
+    except tarfile.TarError as e:
+        raise DsagenError(f"{args.file}: not a dsagen pack (not a readable tar file)") from e
     print(f"unpacked {n} entr{'y' if n == 1 else 'ies'} into {env.CACHE_DIR.get()}")
     return 0
 
 
 def cmd_env(args) -> int:
+    """`dsagen env`: every environment variable (raw and effective value) and the toolchain."""
     from .gen.toolchain import toolchain_versions
 
     rows = []
@@ -268,12 +443,12 @@ def cmd_env(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    """`dsagen bench NAME [ARGS]`: run bench/NAME.py with ARGS."""
     import runpy
 
     target = Path(__file__).resolve().parent.parent / "bench" / f"{args.which}.py"
     if not target.is_file():
-        print(f"no benchmark {args.which!r} (looked for {target})", file=sys.stderr)
-        return 2
+        raise ConfigError(f"no benchmark {args.which!r} (looked for {target})")
     sys.argv = [str(target), *args.rest]
     sys.path.insert(0, str(target.parent))  # as `python bench/<name>.py` would: the benches import `common`
     try:
@@ -284,43 +459,89 @@ def cmd_bench(args) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand; `--debug` goes before or after the subcommand."""
+    debug_help = "print the traceback of an error instead of one line (also DSAGEN_DEBUG=1)"
     p = argparse.ArgumentParser(prog="dsagen", description=__doc__.split("\n\n")[0])
+    p.add_argument("--debug", action="store_true", help=debug_help)
+    common = argparse.ArgumentParser(add_help=False)  # SUPPRESS: a subcommand does not reset the flag
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="generate and compile kernels into the writable cache")
+
+    def add(name: str, **kw) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], **kw)
+
+    b = add("build", help="generate and compile kernels into the writable cache",
+            epilog=_EPILOG_BUILD, formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--preset", action="append", help="a model preset (repeatable)")
     b.add_argument("--spec", action="append", help="one spec as canonical JSON (repeatable)")
     b.add_argument("--spec-file", action="append", help="a JSON file with one spec or a list of specs")
     b.add_argument("--from-tests", action="append", help="test file or folder: build their REQUIRED_SPECS")
-    b.add_argument("--arch", help="comma-separated targets (default $DSAGEN_ARCH or sm_90a)")
+    b.add_argument("--arch", help="comma-separated targets (default $DSAGEN_ARCH or sm_90a); re-targets "
+                                  "--spec / --spec-file specs, selects --from-tests specs (see below)")
     b.add_argument("--jobs", "-j", type=int, help="parallel compile processes (default: CPU count)")
     b.set_defaults(fn=cmd_build)
-    l_ = sub.add_parser("list", help="list cache entries")
+    l_ = add("list", help="list cache entries")
     l_.add_argument("--json", action="store_true")
     l_.set_defaults(fn=cmd_list)
-    s = sub.add_parser("show", help="print the manifest of an entry (key prefix or name)")
+    s = add("show", help="print the manifest of an entry (key prefix or name)")
     s.add_argument("what")
     s.set_defaults(fn=cmd_show)
-    sub.add_parser("verify", help="recompute every artifact hash; exit 1 on any mismatch").set_defaults(fn=cmd_verify)
-    pr = sub.add_parser("prune", help="remove leftovers, quarantine, and stale or corrupt entries")
+    add("verify", help="recompute every artifact hash; exit 1 on any mismatch").set_defaults(fn=cmd_verify)
+    pr = add("prune", help="remove leftovers, quarantine, and stale or corrupt entries")
     pr.add_argument("--all", action="store_true", help="remove every entry of the writable cache")
     pr.set_defaults(fn=cmd_prune)
-    pk = sub.add_parser("pack", help="write every cache entry into a checksummed tar file")
+    pk = add("pack", help="write every cache entry into a checksummed tar file")
     pk.add_argument("--out", required=True)
     pk.set_defaults(fn=cmd_pack)
-    up = sub.add_parser("unpack", help="verify a pack and add its entries to the writable cache")
+    up = add("unpack", help="verify a pack and add its entries to the writable cache")
     up.add_argument("file")
     up.set_defaults(fn=cmd_unpack)
-    sub.add_parser("env", help="show configuration and toolchain").set_defaults(fn=cmd_env)
-    be = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. overhead, indexer)")
+    add("env", help="show configuration and toolchain").set_defaults(fn=cmd_env)
+    be = add("bench", help="run a benchmark from bench/ (e.g. overhead, indexer)")
     be.add_argument("which")
     be.add_argument("rest", nargs=argparse.REMAINDER)
     be.set_defaults(fn=cmd_bench)
     return p
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe: point stdout at /dev/null so that the interpreter's final flush cannot
+    fail again (the recipe of Python's signal module documentation)."""
+    with contextlib.suppress(Exception):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the `dsagen` command line on `argv` (default sys.argv[1:]); returns the exit status.
+
+    0 success; 1 a command's own failure (a kernel not built, a hash mismatch, no such entry); 2 a
+    usage, configuration, cache, pack or spec error (dsagen.DsagenError, OSError), printed as one line
+    `dsagen: error: ...` (with --debug or DSAGEN_DEBUG=1: the traceback); 130 / 143 after Ctrl-C /
+    SIGTERM. A closed stdout (`dsagen list | head -1`) ends the command quietly with status 1.
+    """
     args = make_parser().parse_args(argv)
-    return args.fn(args)
+    debug = args.debug
+    try:
+        debug = debug or env.DEBUG.get()
+        code = args.fn(args)
+        sys.stdout.flush()  # a closed pipe shows up here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 1
+    except KeyboardInterrupt:
+        print("dsagen: interrupted", file=sys.stderr)
+        return 130
+    except (DsagenError, OSError) as e:
+        if debug:
+            traceback.print_exc()
+        print(f"dsagen: error: {_one_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -61,8 +61,7 @@ def _error_classes():
             (LaunchExprError, ValueError), (KernelArchMismatch, RuntimeError), (CudaDriverError, RuntimeError),
             (ConfigError, ValueError), (CacheRootError, ValueError), (CacheNotStored, RuntimeError),
             (CacheCorruption, RuntimeError), (CacheLockTimeout, TimeoutError), (KernelNotCached, LookupError),
-            pytest.param(PackError, ValueError, marks=pytest.mark.xfail(
-                strict=True, reason="PackError gets its DsagenError base with the dsagen.cache.pack change"))]
+            (PackError, ValueError)]
 
 
 @pytest.mark.parametrize("cls,builtin", _error_classes(), ids=lambda c: c.__name__)

@@ -3,6 +3,8 @@ ValueError (wrong shape, device, layout or value) with a message that names the 
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Iterable, Sequence
 
 import torch
@@ -147,3 +149,65 @@ def check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, *, total_q: int, total_k: 
         raise ValueError(f"cu_seqlens_k must have as many entries as cu_seqlens_q ({cu_seqlens_q.numel()}: "
                          f"one segment count B for q and k), got {cu_seqlens_k.numel()}")
     return cu_seqlens_q.numel() - 1
+
+
+# --- appended: top-k widths whose outputs must be allocatable ---------------------------------------
+
+MAX_TOPK = 2**31 - 1
+"""The widest top-k row: ids and widths are int32 in every output and kernel argument."""
+
+_device_memory: dict[tuple[str, int | None], int | None] = {}
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """The total memory of `device` in bytes (CPU: the machine's physical memory; CUDA: the device's),
+    or None where it is not known (other device types). Cached per device; no synchronization."""
+    device = torch.device(device)
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    key = (device.type, index)
+    if key not in _device_memory:
+        total = None
+        if device.type == "cpu":
+            try:
+                total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            except (AttributeError, OSError, ValueError):  # no sysconf (Windows) or no such name
+                total = None
+        elif device.type == "cuda":
+            total = torch.cuda.get_device_properties(index).total_memory
+        _device_memory[key] = total
+    return _device_memory[key]
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if n < 1024 or unit == "EiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def check_topk(name: str, v, rows: Sequence[int], slot_bytes: int, device: torch.device, *,
+               what: str = "") -> int:
+    """`v`, a top-k width, must be an int in [0, MAX_TOPK] whose outputs can be allocated on `device`.
+
+    rows: the outputs' leading shape (each output is `[*rows, v]`); slot_bytes: the bytes one slot takes
+    over every output (4 for one int32 id; 4 + 4 with fp32 values, ...); what: the outputs, for the
+    message. ValueError naming `name`, the width and the size when v > MAX_TOPK or the outputs need
+    more bytes than the device has in all (checked before anything is allocated, so the caller gets
+    this message, not an allocator's). Symbolic sizes (torch.compile) skip the byte check.
+    """
+    check_int(name, v, minimum=0)
+    if v > MAX_TOPK:
+        raise ValueError(f"{name} must be <= 2**31 - 1 = {MAX_TOPK} (ids and widths are int32), got {v}")
+    if v == 0 or not all(type(r) is int for r in rows):
+        return v
+    need = math.prod(rows) * v * slot_bytes
+    have = device_memory_bytes(device)
+    if have is not None and need > have:
+        shape = "[" + ", ".join(map(str, (*rows, v))) + "]"
+        outputs = f" ({what})" if what else ""
+        raise ValueError(f"{name}={v} needs outputs of shape {shape}{outputs} taking {_bytes(need)} "
+                         f"({need} bytes), more than the {_bytes(have)} of memory on {torch.device(device)}")
+    return v

@@ -13,7 +13,7 @@ import torch
 
 from ..reference.indexer import IndexerTopK, TopK, staggered_row_lengths
 from ._validate import (FLOAT_DTYPES, check_bool, check_cu_seqlens_pair, check_impl, check_int, check_shape,
-                        check_tensor)
+                        check_tensor, check_topk)
 
 __all__ = ["indexer_scores", "indexer_topk", "indexer_forward_topk", "TopK", "IndexerTopK"]
 
@@ -198,7 +198,7 @@ def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int,
         input_values: [n_rows, num_cols], fp16/bf16/fp32 (fp64 accepted by the reference).
         seq_lens: [G] int32 on the same device. next_n = 1: G >= 1 must divide n_rows (G = 0 only when
             n_rows = 0). next_n > 1: n_rows must equal G * next_n.
-        top_k: >= 0. The reference has no upper limit (the seed's kernel limit, 2048, is the fused
+        top_k: >= 0 and <= 2**31 - 1. The reference has no other limit (the seed's kernel limit, 2048, is the fused
             path's to enforce); top_k > num_cols pads with -1.
         return_values: also return the selected values.
         next_n: rows per sequence for the speculative-decoding stagger, int >= 1 (default 1: no
@@ -214,17 +214,19 @@ def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int,
 
     Raises:
         TypeError: wrong tensor types or dtypes, top_k or next_n not an int, return_values not a bool.
-        ValueError: wrong ranks, devices, top_k < 0, next_n < 1, G not dividing n_rows (next_n = 1),
+        ValueError: wrong ranks, devices, top_k < 0 or > 2**31 - 1, outputs [n_rows, top_k] larger than
+            the device's memory (the message names top_k and the size), next_n < 1, G not dividing n_rows (next_n = 1),
             n_rows != G * next_n (next_n > 1); bad impl; fused on CPU.
         NotImplementedError: impl="fused" where no kernel exists for the device.
     """
     check_impl(impl)
     check_tensor("input_values", input_values, dtypes=FLOAT_DTYPES, ndim=2)
     check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1, device=input_values.device)
-    check_int("top_k", top_k, minimum=0)
     check_bool("return_values", return_values)
-    check_int("next_n", next_n, minimum=1)
     n_rows = input_values.shape[0]
+    check_topk("top_k", top_k, (n_rows,), 4 + (input_values.element_size() if return_values else 0),
+               input_values.device, what="int32 indices" + (f" and {input_values.dtype} values" if return_values else ""))
+    check_int("next_n", next_n, minimum=1)
     groups = seq_lens.numel()
     if next_n > 1:
         if n_rows != groups * next_n:
@@ -266,7 +268,7 @@ def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weigh
     Args:
         q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k: as for
             indexer_scores (the offsets are read on the host in THD).
-        top_k: >= 0; rows with fewer valid columns are padded.
+        top_k: in [0, 2**31 - 1]; rows with fewer valid columns are padded.
         return_softmax: also return the softmax over each row's selected logits (default True).
         return_lse: also return the logsumexp of each row's selected logits.
         topk_indices_global: return flat ids (BSHD: b * S_k + local; THD: cu_seqlens_k[b] + local; the
@@ -287,13 +289,16 @@ def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weigh
         the fixed selection; indices are not.
 
     Raises:
-        as indexer_scores, plus TypeError/ValueError for top_k (int >= 0) and the bool flags.
+        as indexer_scores, plus TypeError/ValueError for top_k (an int in [0, 2**31 - 1] whose outputs fit
+        in the device's memory; the message names top_k and the size) and the bool flags.
     """
     check_impl(impl)
     b, packed, thd = check_dense_inputs(q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q,
                                         cu_seqlens_k)
-    check_int("top_k", top_k, minimum=0)
     check_bool("return_softmax", return_softmax)
+    value_dtype = torch.float64 if q_indexer.dtype == torch.float64 else torch.float32
+    check_topk("top_k", top_k, tuple(q_indexer.shape[:-2]), 4 + (2 if return_softmax else 1) * value_dtype.itemsize,
+               q_indexer.device, what=f"int32 indices, {value_dtype} logits" + (" and softmax" if return_softmax else ""))
     check_bool("return_lse", return_lse)
     check_bool("topk_indices_global", topk_indices_global)
     kwargs = dict(ratio=ratio, q_causal_offsets=q_causal_offsets, return_softmax=return_softmax,

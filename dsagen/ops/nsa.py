@@ -14,7 +14,8 @@ import torch
 
 from ..fused import fused_impl
 from ..reference import nsa as ref
-from ._validate import FLOAT_DTYPES, check_float, check_impl, check_int, check_same_dtype, check_shape, check_tensor
+from ._validate import (FLOAT_DTYPES, check_float, check_impl, check_int, check_same_dtype, check_shape, check_tensor,
+                        check_topk)
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -76,7 +77,9 @@ def native_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         ValueError: wrong ranks/shapes/devices (block_indices / block_counts in neither layout), HQ not a
             multiple of H, neither g_cmp nor block_indices,
             cu_seqlens with B != 1 or bad values, block_size < 1, negative block_counts, unknown impl,
-            impl="fused" on CPU tensors.
+            impl="fused" on CPU tensors; with g_cmp, an int block_counts above 2**31 - 1 or whose
+            selection [B, T, H, block_counts] would not fit in the device's memory (the message names
+            block_counts and the size).
         NotImplementedError: impl="fused" where no generated kernel exists.
     """
     check_impl(impl)
@@ -140,6 +143,8 @@ def native_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                                             slots=False)
         if impl == "reference" and block_counts.numel() and int(block_counts.min()) < 0:
             raise ValueError("block_counts must be >= 0 everywhere")
+    elif g_cmp is not None:  # the int is the selection width: [B, T, H, block_counts] block ids (int64)
+        check_topk("block_counts", block_counts, (b, t, h), 8, query.device, what="int64 selected block ids")
     else:
         check_int("block_counts", block_counts, minimum=0)
     if g_cmp is not None and block_indices is not None:

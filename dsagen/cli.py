@@ -255,7 +255,7 @@ def cmd_build(args) -> int:
         raise ConfigError("nothing to build: give --preset, --spec, --spec-file or --from-tests")
     if not dsl_available():
         raise ConfigError("dsagen build needs CuTe-DSL: pip install 'dsagen[gen]'")
-    CacheStore.from_env()  # refuses an unusable cache root here, once, not in every worker
+    CacheStore.from_env().ensure_root()  # refuses an unusable cache root here, once, not in every worker
     jobs = max(1, min(args.jobs or os.cpu_count() or 1, len(specs)))
     print(f"building {len(specs)} kernel(s) for {', '.join(sorted({s.arch for s in specs}))} into "
           f"{env.CACHE_DIR.get()} with {jobs} job(s)", file=sys.stderr)

@@ -636,3 +636,15 @@ def test_every_cache_error_is_a_dsagen_error():
 
     for cls in (CacheCorruption, CacheLockTimeout, KernelNotCached, PackError, CacheRootError, CacheNotStored):
         assert issubclass(cls, DsagenError), cls
+
+
+def test_build_and_prune_commands_refuse_a_folder_that_is_not_a_cache(tmp_path, monkeypatch, capsys):
+    user = _user_files(tmp_path)
+    monkeypatch.setenv("DSAGEN_CACHE_DIR", str(user))
+    monkeypatch.delenv("DSAGEN_CACHE_PATH", raising=False)
+    monkeypatch.setenv("DSAGEN_CACHE", "rw")
+    for argv in (["build", "--spec", SPEC.canonical_json(), "-j", "1"], ["prune", "--all"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "not a dsagen cache" in err and "Traceback" not in err
+    assert _intact(user) and sorted(p.name for p in user.iterdir()) == ["deep", "precious.txt"]

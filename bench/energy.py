@@ -16,7 +16,7 @@ call and MHz. An idle segment (sleep) of the same length gives the board's idle 
 Variants (the ablations are TIMING ONLY kernels, their outputs are not attention):
   default    the op's kernel (dsagen.sparse_attention, impl="fused")
   no_gather  the default schedule's ablation: only the first 2 tiles are gathered (no KV traffic after them)
-  session5   the default schedule with vec_store and stream_hint off (the session-5 epilogue and cache policy)
+  store_opts_off  the default schedule with vec_store and stream_hint off (4-byte O stores, no L2 eviction hint)
   l2_hint    the default plus split_halves' l2_hint option (evict_last + 256-byte L2 prefetch on the gather)
   flashmla   FlashMLA's SM90 sparse prefill (with --flashmla DIR; built from its source, not part of dsagen)
   SCHED      the op's kernel under schedule SCHED (one of SCHEDULES, e.g. serial)
@@ -43,7 +43,7 @@ from dsagen.spec.families.sparse_attention import SCHEDULE_ABLATIONS
 CASES = [("prefill", 4096, 128, 576, 32768, 2048), ("prefill", 4096, 64, 512, 32768, 2048),
          ("prefill", 4096, 128, 576, 4096, 2048),     # 2: a KV pool of 4.7 MB (stays in L2: no KV DRAM traffic)
          ("prefill", 4096, 128, 576, 131072, 2048)]
-VARIANTS = ("default", "no_gather", "session5", "l2_hint", "flashmla")     # and SCHED, SCHED/ABL (see the docstring)
+VARIANTS = ("default", "no_gather", "store_opts_off", "l2_hint", "flashmla")     # and SCHED, SCHED/ABL (see the docstring)
 NVML_CLOCK_SM = 1
 
 
@@ -164,7 +164,7 @@ def variant_fns(variants: list[str], q, kv, ids, sink, schedule: str, flashmla) 
         "default": lambda: fused,
         "no_gather": lambda: lambda: fused_sa.ablated_forward(q, kv, ids, ablate="no_gather", attn_sink=sink,
                                                               schedule=schedule),
-        "session5": lambda: with_knobs(fused, OPTIONS={"vec_store": False, "stream_hint": False}),
+        "store_opts_off": lambda: with_knobs(fused, OPTIONS={"vec_store": False, "stream_hint": False}),
         "l2_hint": lambda: with_knobs(fused, OPTIONS={"l2_hint": True}),
         "flashmla": lambda: lambda: flashmla.sparse_prefill_fwd(q, kv, ids, q.shape[-1] ** -0.5, attn_sink=sink),
     }
@@ -183,7 +183,7 @@ def main() -> None:
                     "with a 4096 / 131072-row KV pool)")
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", default="default,no_gather,session5")
+    ap.add_argument("--variants", default="default,no_gather,store_opts_off")
     ap.add_argument("--flashmla", metavar="DIR", help="also the FlashMLA peer built in DIR")
     ap.add_argument("--json")
     args = ap.parse_args()

@@ -32,7 +32,7 @@ PEAK_TFLOPS = 780.0
 #: --variant -> (IndexerScoreSpec options, IndexerTopkSpec options)
 VARIANTS = {
     "default": ({}, {}),
-    "topk_s3": ({}, {"compact": False}),                       # top-k: session 3's choice (512; 1024 if one wave)
+    "topk_s3": ({}, {"compact": False}),                       # top-k: 512 threads (1024 if one wave), no plan
     "pingpong": ({"schedule": "pingpong"}, {}),               # ping-pong WGs, one CTA per work item
     "persistent": ({"schedule": "persistent"}, {}),           # ping-pong WGs, ~1 CTA per SM looping over items
     "c2": ({"consumers": 2}, {}),                              # persistent with 2 consumer WGs (default: 3, 512 threads)
@@ -44,7 +44,7 @@ VARIANTS = {
     "t128": ({}, {"threads": 128}),                            # 8 rows in flight per SM
     "t64": ({}, {"threads": 64}),                              # 16 rows in flight per SM
     "compact": ({}, {"compact": True}),                        # top-k: candidates compacted into smem (both widths)
-    "nomma": ({"mma_head_sum": False}, {}),                    # score: the CUDA-core head sum (session-2 epilogue)
+    "nomma": ({"mma_head_sum": False}, {}),                    # score: the CUDA-core head sum epilogue
     "mma": ({"mma_head_sum": True}, {}),                       # score: the head sum on the tensor cores
     "lean_compact": ({"lean_epilogue": True}, {"compact": True}),              # lean score + compact top-k
     "lean_free_compact": ({"lean_epilogue": True, "free_issue": True}, {"compact": True}),
@@ -54,7 +54,7 @@ SLAB_VARIANTS = {"slab16": 16, "slab32": 32, "slab64": 64}
 #: host variants: the default kernels with another slab row cap (fused.SLAB_MAX_ROWS; default 1024)
 ROWS_VARIANTS = {"rows2048": 2048, "rows4096": 4096}
 #: host variants: another top-k plan (spec family TOPK_BY_ROW_LENGTH, TOPK_WIDE_BY_ROW_LENGTH); plan_s4a = the
-#: session-4 plan before the sampled threshold (128 threads up to 12288 candidates, else 512 + compact)
+#: the plan without the sampled threshold (128 threads up to 12288 candidates, else 512 + compact)
 PLAN_VARIANTS = {"plan_s4a": (((12288, {"threads": 128}), (None, {"threads": 512, "compact": True})),
                               ((12288, {"threads": 1024}), (None, {"threads": 1024, "compact": True})))}
 #: host variants: the score kernel's work items cover that many candidates (fused.CHUNK_ROWS; default 4096)
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
                          "4096); rows2048 / rows4096: at that "
                          "many rows (default fused.SLAB_MAX_ROWS, 1024); "
                          "t64 / t128 / t256 / t512 / t1024: top-k with that many threads per row (default: per slab, "
-                         "TOPK_BY_ROW_LENGTH); topk_s3: session 3's top-k (512, 1024 when a slab's rows fit one wave); plan_s4a: the plan "
+                         "TOPK_BY_ROW_LENGTH); topk_s3: the unplanned top-k (512, 1024 when a slab's rows fit one wave); plan_s4a: the plan "
                          "without the sampled threshold; compact: IndexerTopkSpec.compact; "
                          "ablate-persistent-* / ablate-topk-*: timing probes (not correct); ablations: default + all probes")
     args = ap.parse_args(argv)

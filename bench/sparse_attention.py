@@ -14,7 +14,7 @@ with its options set (fused_sa.OPTIONS: l2_hint, vec_store, stream_hint, q_prefe
 (query row, 64 heads); "persistent", one CTA per SM looping over them; or a CTA count; the default column runs
 each kernel shape's DEFAULT_GRID: persistent, one CTA per SM, at H64 and H128).
 
-Shapes (issue 5): prefill T = 4096 and 32768 query rows over a KV pool of 32768 and 131072 rows, H=128,
+Shapes: prefill T = 4096 and 32768 query rows over a KV pool of 32768 and 131072 rows, H=128,
 D_qk 576, d_v 512, top-k 2048, with sink; H=64 with D_qk 512; decode 64 and 128 sequences x 1 query row,
 H=128. Ids are distinct per row (start + i * odd stride mod pool: scattered, no duplicates), all valid.
 
@@ -213,7 +213,7 @@ def main() -> None:
         cases += [("prefill", 32768, 128, 576, 32768, 2048, ref), ("prefill", 32768, 128, 576, 131072, 2048, 0),
                   ("prefill", 32768, 64, 512, 131072, 2048, 0)]
     cases += [("decode", 64, 128, 576, 131072, 2048, ref), ("decode", 128, 128, 576, 131072, 2048, ref)]
-    # the other two kernel shapes (not issue targets; they show whether a schedule's default holds there too)
+    # the other two kernel shapes (not target shapes; they show whether a schedule's default holds there too)
     cases += [("prefill", 4096, 128, 512, 32768, 2048, 0), ("prefill", 4096, 64, 576, 32768, 2048, 0)]
     if args.cases:
         cases = [cases[int(i)] for i in args.cases.split(",")]

@@ -2,7 +2,7 @@
 
 The public ops are imported lazily: `import dsagen` imports neither CuTe-DSL nor the CUDA driver
 bindings. Every op takes `impl="reference"` (plain PyTorch, CPU or CUDA) or `impl="fused"` (generated
-kernels on CUDA). See README.md for the table of ops and the seed each follows.
+kernels on CUDA). See README.md for the table of ops and the source each follows.
 
 Every error dsagen raises on purpose (bad input to the command line, a cache, pack, spec or
 environment problem) derives from `dsagen.DsagenError` (defined in dsagen.errors, which imports

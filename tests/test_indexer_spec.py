@@ -320,7 +320,7 @@ def test_topk_compact_sass(threads, sample, tmp_path):
 # ------------------------------------------------------------------ ping-pong / persistent schedules
 def test_schedule_option_validation_and_render():
     """schedule: pingpong or persistent (the default); both render the ping-pong template and differ only in the
-    grid the host passes. (The session-1 "lockstep" schedule was pruned: notes/kernels/indexer.md.)"""
+    grid the host passes. (The former "lockstep" schedule was pruned: notes/kernels/indexer.md.)"""
     from dsagen.fused.lightning_indexer import score_ctas
     from dsagen.spec.families.indexer import INDEXER_SCORE_SCHEDULES
 

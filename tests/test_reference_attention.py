@@ -1,4 +1,4 @@
-"""Reference sparse attention (seed 001 §1/§2/§7/§8, seed 002): values against hand-computed cases and
+"""Reference sparse attention (cuDNN frontend DSA §1/§2/§7/§8, DeepSeek-V4 inference kernel): values against hand-computed cases and
 brute-force per-row loops, edge cases, the explicit backward against autograd and gradcheck, and
 every validation error."""
 
@@ -207,7 +207,7 @@ def test_chunking_gives_the_same_result(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------
-# seed 002 batched layout
+# DeepSeek-V4 inference kernel's batched layout
 
 
 def test_batched_layout_matches_flat_per_batch():

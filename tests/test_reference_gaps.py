@@ -1,6 +1,6 @@
-"""Two documented gaps, closed: indexer_topk's speculative-decoding stagger (next_n, seed 001 §5 / the
+"""Two documented gaps, closed: indexer_topk's speculative-decoding stagger (next_n, cuDNN frontend DSA §5 / the
 cuDNN IndexerTopK) and native_sparse_attention's per-query-block block_indices / block_counts layout
-(seed 004). Hand-computed cases, brute-force loops, layout equivalence (values and FP64 gradients) and
+(ejkernel NSA). Hand-computed cases, brute-force loops, layout equivalence (values and FP64 gradients) and
 the validation messages."""
 
 from __future__ import annotations

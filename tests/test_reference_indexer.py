@@ -1,4 +1,4 @@
-"""dsagen.lightning_indexer (seed 000), impl="reference": hand-computed cases, brute-force comparisons on
+"""dsagen.lightning_indexer (attention-gym lightning_indexer), impl="reference": hand-computed cases, brute-force comparisons on
 random shapes (causal, compress_ratio, packed documents, padding), chunking, and every validation error."""
 
 from __future__ import annotations

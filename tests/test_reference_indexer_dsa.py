@@ -1,4 +1,4 @@
-"""Seed-001 indexer ops, impl="reference": indexer_scores, indexer_topk, indexer_forward_topk,
+"""cuDNN frontend DSA indexer ops, impl="reference": indexer_scores, indexer_topk, indexer_forward_topk,
 sparse/dense indexer score recompute, and the two backward ops checked against autograd (and finite
 differences) of the indexer KL loss written out independently here."""
 

@@ -1,4 +1,4 @@
-"""Reference NSA (seed 004): selected and compressed branches against brute-force loops and dense
+"""Reference NSA (ejkernel NSA): selected and compressed branches against brute-force loops and dense
 causal attention, block selection, gates, GQA, varlen, gradcheck and validation errors."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Reference QSA (seed 003): indexed and bitmap forwards against brute-force loops, dense causal
-attention, each other, the seed's head/dim configurations, edge cases and validation errors."""
+"""Reference QSA (FlashInfer QSA): indexed and bitmap forwards against brute-force loops, dense causal
+attention, each other, FlashInfer QSA's head/dim configurations, edge cases and validation errors."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def sdpa_causal(q, k, v, scale):
 
 
 def test_seed_example_is_dense_causal_attention():
-    """The seed's example: every token up to the query, in four-slot groups -> causal attention."""
+    """FlashInfer QSA's example: every token up to the query, in four-slot groups -> causal attention."""
     q, k, v = qkv(t=8, hq=12, hkv=1, d=256, dtype=torch.bfloat16)
     out, out_fp32, lse = dsagen.qsa_indexed_forward(q, k, v, causal_indices(8), impl="reference")
     assert out.dtype == torch.bfloat16 and out.shape == (8, 12, 256)

@@ -1,4 +1,4 @@
-"""Packed THD layout (cu_seqlens_q / cu_seqlens_k, seed 001 §3/§4/§8/§10) of the seed-001 ops, impl="reference".
+"""Packed THD layout (cu_seqlens_q / cu_seqlens_k, cuDNN frontend DSA §3/§4/§8/§10) of the cuDNN frontend DSA ops, impl="reference".
 
 Oracle: every THD result equals the BSHD op run on each segment on its own (B = 1 tensors cut from the packed
 ones), or on all segments zero-padded and stacked into one BSHD batch; gradients (autograd, and the analytic

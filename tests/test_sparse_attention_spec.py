@@ -139,7 +139,7 @@ def test_schedule_selection():
     assert fsa.resolved_schedule(128, 576, "serial_lean", rows=64) == "serial_lean"
     with pytest.raises(ValueError, match="schedule"):
         fsa.spec_for(64, 576, torch.bfloat16, schedule="nope")
-    with pytest.raises(ValueError, match="schedule"):                  # removed in session 2 (see the notes)
+    with pytest.raises(ValueError, match="schedule"):                  # removed (see the notes)
         fsa.spec_for(64, 576, torch.bfloat16, schedule="split")
 
 
@@ -439,7 +439,7 @@ def _ptxas_wgmma_serialisation(spec, tmp_path) -> list[str]:
 def test_split_halves_wgmma_not_serialised(fields, tmp_path):
     """The op's split_halves kernels keep their wgmmas asynchronous: no non-wgmma instruction
     touches an accumulator register while a wgmma is in flight, and no wgmma is in flight where a branch merges
-    (session 6: a violation made ptxas serialise every wgmma, 0.73-0.81x)."""
+    (measured 2026-11-29: a violation made ptxas serialise every wgmma, 0.73-0.81x)."""
     from dsagen.spec.families.sparse_attention import op_spec_fields
 
     spec = SparseAttnFwdSpec(arch="sm_90a", **{**op_spec_fields("split_halves"), **fields})

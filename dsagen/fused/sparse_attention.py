@@ -1,4 +1,4 @@
-"""Fused (generated-kernel) sparse MLA attention forward, flat layout (seed 001 §1; the batched seed-002
+"""Fused (generated-kernel) sparse MLA attention forward, flat layout (cuDNN frontend DSA §1 Sparse Attention Forward; the batched DeepSeek-V4 inference kernel
 layout is flattened by dsagen.ops.sparse_attention before it gets here).
 
 `sparse_attention(q, kv, topk_idxs, *, attn_sink, topk_length, softmax_scale, d_v)` returns
@@ -55,9 +55,9 @@ OPTIONS: dict[str, bool] = {}
 # one CTA per item.
 GRID: str | int | None = None
 # The grid per kernel heads, GPU-measured in the same runs (H200): persistent is 1.02-1.05x at H128 (D 576 and
-# 512, S_q 4096 and 32768; session 5). At H64 it was 0.91x (D576) and 0.99-1.01x (D512) with 4-byte O stores
-# (session 5); with vec_store's 16-byte stores persistent is 1.02-1.03x there too (H64 / D512 S_q 4096 and 32768,
-# H64 / D576; session 6, same run, notes/kernels/sparse_attention.md).
+# 512, S_q 4096 and 32768; measured 2026-11-29). At H64 it was 0.91x (D576) and 0.99-1.01x (D512) with 4-byte O stores
+# (measured 2026-11-29); with vec_store's 16-byte stores persistent is 1.02-1.03x there too (H64 / D512 S_q 4096 and 32768,
+# H64 / D576; measured 2026-11-29, same run, notes/kernels/sparse_attention.md).
 DEFAULT_GRID = {128: "persistent", 64: "persistent"}
 
 

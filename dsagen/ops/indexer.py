@@ -1,8 +1,8 @@
-"""Indexer scoring and top-k from seed 001 (cuDNN DSA §3 Indexer Forward, §4 Combined Indexer Forward +
+"""Indexer scoring and top-k from cuDNN frontend DSA (§3 Indexer Forward, §4 Combined Indexer Forward +
 Top-K, §5 Indexer Top-K): dsagen.indexer_scores, dsagen.indexer_topk, dsagen.indexer_forward_topk.
 
-Layouts: BSHD (the seed's primary layout) and, for indexer_scores and indexer_forward_topk, the packed THD
-layout of seed 001 §3/§4, selected by passing cu_seqlens_q / cu_seqlens_k. indexer_topk works on rows and
+Layouts: BSHD (cuDNN frontend DSA's primary layout) and, for indexer_scores and indexer_forward_topk, the packed THD
+layout of cuDNN frontend DSA §3/§4, selected by passing cu_seqlens_q / cu_seqlens_k. indexer_topk works on rows and
 needs no layout. The default impl is "fused" as for every dsagen op: the generated kernel, with no silent
 fallback to the reference (no fused kernel takes THD yet).
 """
@@ -99,7 +99,7 @@ def check_causal_offsets(q_causal_offsets, batch: int, device: torch.device) -> 
 
 def check_dense_inputs(q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k
                        ) -> tuple[int, bool, dict]:
-    """The checks every dense seed-001 indexer op shares (BSHD or THD inputs, ratio, q_causal_offsets).
+    """The checks every dense cuDNN-frontend-DSA indexer op shares (BSHD or THD inputs, ratio, q_causal_offsets).
     Returns (batch or segment count, whether the layout is THD, the THD kwargs for the reference)."""
     packed = is_packed(cu_seqlens_q, cu_seqlens_k)
     if packed:
@@ -115,7 +115,7 @@ def check_dense_inputs(q_indexer, k_indexer, weights, ratio, q_causal_offsets, c
 def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor, *, ratio: int = 1,
                    q_causal_offsets: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
                    cu_seqlens_k: torch.Tensor | None = None, impl: str = "fused") -> torch.Tensor:
-    """Dense indexer scores with the ratio-causal mask (seed 001 §3, Indexer Forward).
+    """Dense indexer scores with the ratio-causal mask (cuDNN frontend DSA §3, Indexer Forward).
 
     ::
 
@@ -124,9 +124,9 @@ def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: to
 
     q_causal_offsets[b] is the global uncompressed token index of local query row 0 of batch (or THD
     segment) b, not a packed storage offset; the key columns are a compressed prefix starting at global
-    column 0. The mask is always applied (seed 001 has no non-causal indexer forward).
+    column 0. The mask is always applied (cuDNN frontend DSA has no non-causal indexer forward).
 
-    Packed THD layout (seed 001 §3), selected by passing cu_seqlens_q and cu_seqlens_k: segment b owns
+    Packed THD layout (cuDNN frontend DSA §3), selected by passing cu_seqlens_q and cu_seqlens_k: segment b owns
     query rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) and key rows [cu_seqlens_k[b], cu_seqlens_k[b+1]);
     q, k and the mask (row q, column k and S_k above) are local to the segment, exactly as BSHD batch b.
     cu_seqlens_q only locates the rows; q_causal_offsets still places them on the causal timeline.
@@ -173,7 +173,7 @@ def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: to
 
 def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int, *, return_values: bool = True,
                  next_n: int = 1, impl: str = "fused") -> TopK:
-    """Per-row top-k with per-row effective lengths (seed 001 §5, Indexer Top-K).
+    """Per-row top-k with per-row effective lengths (cuDNN frontend DSA §5, Indexer Top-K).
 
     The n_rows rows are split into G = seq_lens.numel() consecutive groups of n_rows // G rows. Row r
     (of group g = r // (n_rows // G)) selects among its first
@@ -184,7 +184,7 @@ def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int,
     group: G = n_rows gives one length per row (the common case); G = B with rows =
     scores.reshape(-1, S_k) gives one length per batch.
 
-    next_n > 1 is the speculative-decoding stagger of the cuDNN kernel behind seed 001 §5 (the seed
+    next_n > 1 is the speculative-decoding stagger of the cuDNN kernel behind cuDNN frontend DSA §5 (the document
     text names only seq_lens; the stagger, its formula and the n_rows == G * next_n rule are the cuDNN
     frontend's IndexerTopK): each sequence g owns next_n consecutive query rows (the draft tokens),
     seq_lens[g] is the length seen by its last row, and each earlier row sees one column fewer, so row
@@ -198,7 +198,7 @@ def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int,
         input_values: [n_rows, num_cols], fp16/bf16/fp32 (fp64 accepted by the reference).
         seq_lens: [G] int32 on the same device. next_n = 1: G >= 1 must divide n_rows (G = 0 only when
             n_rows = 0). next_n > 1: n_rows must equal G * next_n.
-        top_k: >= 0 and <= 2**31 - 1. The reference has no other limit (the seed's kernel limit, 2048, is the fused
+        top_k: >= 0 and <= 2**31 - 1. The reference has no other limit (cuDNN's kernel limit, 2048, is the fused
             path's to enforce); top_k > num_cols pads with -1.
         return_values: also return the selected values.
         next_n: rows per sequence for the speculative-decoding stagger, int >= 1 (default 1: no
@@ -253,16 +253,16 @@ def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weigh
                          return_lse: bool = False, topk_indices_global: bool = True,
                          cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                          impl: str = "fused") -> IndexerTopK:
-    """Indexer scores, top-k and top-k softmax in one call (seed 001 §4, Combined Indexer Forward + Top-K).
+    """Indexer scores, top-k and top-k softmax in one call (cuDNN frontend DSA §4, Combined Indexer Forward + Top-K).
 
     Scores and the ratio-causal mask are exactly indexer_scores'; each row then keeps its top_k valid
     columns. Rows extending beyond the key prefix are clamped to S_k.
 
-    Packed THD layout (seed 001 §4), selected by passing cu_seqlens_q and cu_seqlens_k: each segment is
+    Packed THD layout (cuDNN frontend DSA §4), selected by passing cu_seqlens_q and cu_seqlens_k: each segment is
     computed exactly as a BSHD batch (indexer_scores describes the segments); outputs are per packed
-    query row, (total_q, top_k) as the seed gives. Local ids are segment-local key columns; global ids
+    query row, (total_q, top_k) as cuDNN frontend DSA gives. Local ids are segment-local key columns; global ids
     are packed key rows cu_seqlens_k[b] + local (the flat kv row ids sparse_attention takes, and the
-    B = 1 view the seed's indexer backward uses for THD). Rows at or after cu_seqlens_q[-1] are empty
+    B = 1 view cuDNN frontend DSA's indexer backward uses for THD). Rows at or after cu_seqlens_q[-1] are empty
     rows (-1 / -inf / 0 / -inf).
 
     Args:
@@ -272,7 +272,7 @@ def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weigh
         return_softmax: also return the softmax over each row's selected logits (default True).
         return_lse: also return the logsumexp of each row's selected logits.
         topk_indices_global: return flat ids (BSHD: b * S_k + local; THD: cu_seqlens_k[b] + local; the
-            default, as the seed) instead of per-batch / per-segment local ids. Padding stays -1 either way.
+            default, as cuDNN frontend DSA) instead of per-batch / per-segment local ids. Padding stays -1 either way.
         impl: "fused" (default) or "reference".
 
     Returns:
@@ -284,7 +284,7 @@ def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weigh
           lse [B, S_q] (THD: [total_q]), logsumexp of the valid slots, -inf for empty rows (None unless
           return_lse).
         The reference's slot order is descending score with ties toward the smallest local KV index
-        (so the selected set is the deterministic one of the seed's deterministic=True, and the slots
+        (so the selected set is the deterministic one of cuDNN frontend DSA's deterministic=True, and the slots
         are additionally sorted). logits/softmax/lse are differentiable with respect to the inputs for
         the fixed selection; indices are not.
 

@@ -1,4 +1,4 @@
-"""Indexer training ops from seed 001 (cuDNN DSA §6 Sparse Indexer Score Recompute, §8 Dense Indexer Score
+"""Indexer training ops from cuDNN frontend DSA (§6 Sparse Indexer Score Recompute, §8 Dense Indexer Score
 Recompute, §9 Indexer Backward, §10 Dense Indexer Backward).
 
 The loss these ops serve (DeepSeek-V3.2's indexer KL loss, normalized as cuDNN does), per query row
@@ -14,11 +14,11 @@ dL/dI_j = c * sm_scale * (p_j * sum_{J} tgt - tgt_j), c = grad_loss * loss_coeff
 ops chain this through the weighted ReLU to index_q, weights and index_k. (The cuDNN kernels also clip
 log-probabilities below -100; the reference does not, which differs only where p < e^-100.)
 
-Layout: BSHD (the seed's primary layout). The dense ops (dense_indexer_score_recompute, dense_indexer_backward)
+Layout: BSHD (cuDNN frontend DSA's primary layout). The dense ops (dense_indexer_score_recompute, dense_indexer_backward)
 also take the packed THD layout, selected by passing cu_seqlens_q / cu_seqlens_k: §8 applies §3's ratio-causal
-mask, which seed 001 defines per "batch or THD segment", and §10 consumes §8's outputs with the same offsets.
+mask, which cuDNN frontend DSA defines per "batch or THD segment", and §10 consumes §8's outputs with the same offsets.
 In THD the loss averages over all total_q packed rows (the analogue of B * S_q). The sparse ops stay BSHD, as
-in the seed (§9: THD callers use B = 1 views with global ids). The default impl is "fused", as for every dsagen
+in cuDNN frontend DSA (§9: THD callers use B = 1 views with global ids). The default impl is "fused", as for every dsagen
 op (no fused kernel takes THD yet).
 """
 
@@ -61,7 +61,7 @@ def sparse_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Ten
                                    topk_indices: torch.Tensor, *, topk_length: torch.Tensor | None = None,
                                    topk_indices_global: bool = False, sm_scale: float = 1.0,
                                    impl: str = "fused") -> torch.Tensor:
-    """Indexer softmax over the top-k slots (seed 001 §6, Sparse Indexer Score Recompute).
+    """Indexer softmax over the top-k slots (cuDNN frontend DSA §6, Sparse Indexer Score Recompute).
 
     ::
 
@@ -76,9 +76,9 @@ def sparse_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Ten
             weights: [B, S_q, H], any of those float dtypes.
         topk_indices: [B, S_q, topk] int32, -1 padded.
         topk_length: optional [B, S_q] int32 valid-prefix lengths (compact layout).
-        topk_indices_global: ids are flat b * S_k + local (default False: per-batch local ids, as the seed).
+        topk_indices_global: ids are flat b * S_k + local (default False: per-batch local ids, as cuDNN frontend DSA).
         sm_scale: positive scale applied to the head-reduced score before the softmax (default 1; the
-            seed formula has none, cuDNN's kernels take it; it must match indexer_backward's sm_scale).
+            document's formula has none, cuDNN's kernels take it; it must match indexer_backward's sm_scale).
         impl: "fused" (default) or "reference".
 
     Returns:
@@ -114,7 +114,7 @@ def dense_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Tens
                                   sm_scale: float = 1.0, cu_seqlens_q: torch.Tensor | None = None,
                                   cu_seqlens_k: torch.Tensor | None = None, impl: str = "fused"
                                   ) -> DenseIndexerScores:
-    """Dense indexer logits and their logsumexp (seed 001 §8, Dense Indexer Score Recompute).
+    """Dense indexer logits and their logsumexp (cuDNN frontend DSA §8, Dense Indexer Score Recompute).
 
     ::
 
@@ -170,7 +170,7 @@ def indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: torc
                      index_score: torch.Tensor, topk_indices: torch.Tensor, *, grad_loss: torch.Tensor | None = None,
                      sm_scale: float = 1.0, loss_coeff: float = 1.0, topk_indices_global: bool = False,
                      impl: str = "fused") -> IndexerGrads:
-    """Gradients of the sparse indexer KL loss (seed 001 §9, Indexer Backward).
+    """Gradients of the sparse indexer KL loss (cuDNN frontend DSA §9, Indexer Backward).
 
     The loss (module docstring), with J = the row's valid top-k slots:
 
@@ -230,7 +230,7 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
                            loss_coeff: float = 1.0, ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
                            cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                            impl: str = "fused") -> IndexerGrads:
-    """Gradients of the dense (full-KV) indexer KL loss (seed 001 §10, Dense Indexer Backward).
+    """Gradients of the dense (full-KV) indexer KL loss (cuDNN frontend DSA §10, Dense Indexer Backward).
 
     The loss of indexer_backward with J = the ratio-causal columns k < clamp((q_causal_offsets[b] + q + 1)
     // ratio, 0, S_k), built from raw dense scores:

@@ -1,4 +1,4 @@
-"""Public ops over top-k index tensors (seed 001: compactify_wrapper, local_to_global_wrapper)."""
+"""Public ops over top-k index tensors (cuDNN frontend DSA: compactify_wrapper, local_to_global_wrapper)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def compactify(topk_idxs: torch.Tensor, topk_length: torch.Tensor | None = None,
     Returns:
         `(compact_idxs, lengths)`: int32 `(rows, K)` with the valid ids first and -1 after them, and
         int32 `(rows,)` with the number of valid ids per row. A 3-D input is flattened to
-        `rows = B * S_q`, as seed 001 specifies (reshape for BSHD consumers).
+        `rows = B * S_q`, as cuDNN frontend DSA specifies (reshape for BSHD consumers).
 
     Raises:
         TypeError: topk_idxs is not int32, or topk_length not an integer tensor.

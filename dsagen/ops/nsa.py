@@ -1,4 +1,4 @@
-"""Public native sparse attention (NSA) op of seed 004 (ejkernel `native_sparse_attention`).
+"""Public native sparse attention (NSA) op of ejkernel NSA (`native_sparse_attention`).
 
 `impl="fused"` (the default) runs a generated CUDA kernel through `dsagen.fused.fused_impl`
 (ValueError on CPU tensors, NotImplementedError where no kernel exists); `impl="reference"` runs
@@ -37,7 +37,7 @@ def native_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch
       of the complete blocks c < (t + 1) // block_size. Its probabilities, summed over the KV head's
       query heads with t's own block forced to 1 and future blocks excluded, choose the top
       block_counts blocks per (t, h) (ties to the larger block id, unused slots -1); these replace
-      block_indices, which is then ignored with a warning (the seed implementation's behaviour).
+      block_indices, which is then ignored with a warning (ejkernel's behaviour).
     * out = o_slc * g_slc + o_cmp * g_cmp; g_slc=None means o_slc unscaled.
 
     A token with nothing to attend in a branch gets zeros from it (ejkernel's XLA path would spread
@@ -49,7 +49,7 @@ def native_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         value: `[B, T, H, Dv]`; dtype of query.
         g_cmp, g_slc: optional float gates `[B, T, HQ]`.
         block_indices: int32/int64 block ids (sequence-local with cu_seqlens), in either layout of the
-            seed: per token `[B, T, H, S]`, or per query block `[B, H, NQB, S]` (row [b, h, j] holds the
+            ejkernel: per token `[B, T, H, S]`, or per query block `[B, H, NQB, S]` (row [b, h, j] holds the
             blocks of every token of query block j; query blocks are the key blocks' block_size-token
             tiles, NQB = ceil(T / block_size); with cu_seqlens they restart at every sequence and are
             numbered sequence after sequence, NQB = sum_i ceil(len_i / block_size)). The per-query-block

@@ -1,9 +1,9 @@
-"""Public packed query sparse attention (QSA) ops of seed 003: `qsa_indexed_forward` (int32 token
-indices) and `qsa_bitmap_forward` (uint8 four-token block bitmap). Forward only, as in the seed.
+"""Public packed query sparse attention (QSA) ops of FlashInfer QSA: `qsa_indexed_forward` (int32 token
+indices) and `qsa_bitmap_forward` (uint8 four-token block bitmap). Forward only, as in FlashInfer QSA.
 
 `impl="fused"` (the default) runs a generated CUDA kernel through `dsagen.fused.fused_impl`
 (ValueError on CPU tensors, NotImplementedError where no kernel exists); `impl="reference"` runs
-dsagen.reference.qsa on CPU or CUDA. The seed's kernels support BF16, head dim 256 and 12/1 or 24/2
+dsagen.reference.qsa on CPU or CUDA. FlashInfer QSA's kernels support BF16, head dim 256 and 12/1 or 24/2
 query/KV heads; the reference accepts any GQA ratio, head dim and FP16/BF16/FP32/FP64.
 """
 
@@ -15,7 +15,7 @@ from ..fused import fused_impl
 from ..reference import qsa as ref
 from ._validate import FLOAT_DTYPES, check_float, check_impl, check_same_dtype, check_tensor
 
-MAX_INDEX_WIDTH = 2052  # seed 003: "Width must be divisible by four and at most 2052"
+MAX_INDEX_WIDTH = 2052  # FlashInfer QSA: "Width must be divisible by four and at most 2052"
 
 
 def _check_qkv(q, k, v) -> None:
@@ -40,14 +40,14 @@ def _scale(scale) -> float | None:
 def qsa_indexed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
                         scale: float | None = None, *, impl: str = "fused"
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Packed query sparse attention over selected token indices (seed 003, `qsa_indexed_forward`).
+    """Packed query sparse attention over selected token indices (FlashInfer QSA, `qsa_indexed_forward`).
 
     For query t and head h (KV head h // (Hq // Hkv)), attend the tokens listed in indices[t]:
     s_u = scale * q[t, h] . k[u], out = softmax(s) @ v[u], lse = logsumexp(s) (natural log).
 
     Args:
         q: `[T, Hq, D]` packed queries, BF16 for the fused kernel (FP16/FP32/FP64 also by the reference).
-        k: `[T, Hkv, D]` keys, dtype of q; Hq must be a multiple of Hkv (seed: 12/1).
+        k: `[T, Hkv, D]` keys, dtype of q; Hq must be a multiple of Hkv (FlashInfer QSA: 12/1).
         v: `[T, Hkv, Dv]` values, dtype of q.
         indices: int32 `[T, W]`, W a positive multiple of four and at most 2052: absolute packed token
             ids. Seed contract (a caller promise, not checked): each four-slot group is a distinct
@@ -88,7 +88,7 @@ def qsa_indexed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indic
 def qsa_bitmap_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_bitmap: torch.Tensor,
                        scale: float | None = None, *, cu_seqlens: torch.Tensor | None = None,
                        impl: str = "fused") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Packed query sparse attention from a four-token block bitmap (seed 003, bitmap API).
+    """Packed query sparse attention from a four-token block bitmap (FlashInfer QSA, bitmap API).
 
     Blocks are four consecutive tokens of one sequence; they restart at each sequence boundary (a
     sequence's last block may be partial) and are numbered sequence after sequence, so without
@@ -98,7 +98,7 @@ def qsa_bitmap_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
     lo/hi tensors to lo = the sequence's first token, hi = t.
 
     Args:
-        q, k, v: as in qsa_indexed_forward (seed: 12/1 or 24/2 heads, D = 256, BF16).
+        q, k, v: as in qsa_indexed_forward (FlashInfer QSA: 12/1 or 24/2 heads, D = 256, BF16).
         block_bitmap: uint8 (or bool) `[T, NB]`, NB = the number of blocks (ceil(T / 4) without
             cu_seqlens, sum over sequences of ceil(len / 4) with it). Nonzero selects the block.
         cu_seqlens: optional int32 `[N + 1]` packed sequence offsets: starts at 0, non-decreasing,

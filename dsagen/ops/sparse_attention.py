@@ -1,7 +1,7 @@
-"""Public DeepSeek sparse-attention ops: `sparse_attention` (seed 001 §1/§2 flat MQA, seed 002 batched
-inference layout) with its autograd backward, and the attention score recomputes (seed 001 §7, §8).
+"""Public DeepSeek sparse-attention ops: `sparse_attention` (cuDNN frontend DSA §1/§2 flat MQA, DeepSeek-V4 inference kernel's batched
+inference layout) with its autograd backward, and the attention score recomputes (cuDNN frontend DSA §7, §8).
 
-`impl="fused"` (the default, as in seed 000) runs a generated CUDA kernel through
+`impl="fused"` (the default, as in attention-gym lightning_indexer) runs a generated CUDA kernel through
 `dsagen.fused.fused_impl`, which raises ValueError for CPU tensors and NotImplementedError where no
 kernel exists yet (never a silent fallback); `impl="reference"` runs the plain-PyTorch oracle in
 dsagen.reference.sparse_attention on CPU or CUDA.
@@ -75,9 +75,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
 
     Two layouts, told apart by `q.dim()`:
 
-    * 3-D, flat (seed 001 §1): q `(total_S_q, H, D_qk)`, kv `(total_S_kv, D_qk)`, topk_idxs int32
+    * 3-D, flat (cuDNN frontend DSA §1): q `(total_S_q, H, D_qk)`, kv `(total_S_kv, D_qk)`, topk_idxs int32
       `(total_S_q, K)` of *global* row ids into kv, topk_length `(total_S_q,)`.
-    * 4-D, batched inference (seed 002): q `[B, T, H, D_qk]`, kv `[B, N, D_qk]`, topk_idxs int32
+    * 4-D, batched inference (DeepSeek-V4 inference kernel): q `[B, T, H, D_qk]`, kv `[B, N, D_qk]`, topk_idxs int32
       `[B, T, K]` of ids *local* to batch b's N rows, topk_length `[B, T]`. Local ids are range-checked
       against N and turned into flat ids b * N + i (-1 and out-of-range ids stay invalid, so no id can
       alias a neighbouring batch); the flat op runs and outputs are reshaped to `[B, T, ...]`.
@@ -106,7 +106,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
         lse = +inf, max_logits = -inf.
 
     Gradients: q, kv and attn_sink are differentiable (lse and max_logits are not). The backward is
-    the explicit reference formula of seed 001 §2 (recomputing P from q, kv and the saved lse), for
+    the explicit reference formula of cuDNN frontend DSA §2 (recomputing P from q, kv and the saved lse), for
     both impls.
 
     Raises:
@@ -163,7 +163,7 @@ def sparse_attn_score_recompute(q_attn: torch.Tensor, k_attn: torch.Tensor, lse:
                                 topk_indices: torch.Tensor, softmax_scale: float | None = None, *,
                                 topk_length: torch.Tensor | None = None, topk_indices_global: bool = False,
                                 impl: str = "fused") -> torch.Tensor:
-    """Sparse attention score recompute (seed 001 §7): the training target over the top-k slots.
+    """Sparse attention score recompute (cuDNN frontend DSA §7): the training target over the top-k slots.
 
         target[b, t, i] = sum_h exp(softmax_scale * q_attn[b, t, h] . k_attn[id_i] - lse[b, t, h]) / Z
 
@@ -220,14 +220,14 @@ def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tens
                                q_causal_offsets: torch.Tensor | None = None,
                                cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                                impl: str = "fused") -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense attention score recompute (seed 001 §8): raw head-summed probabilities over the full KV.
+    """Dense attention score recompute (cuDNN frontend DSA §8): raw head-summed probabilities over the full KV.
 
         out[b, t, s] = sum_h exp(softmax_scale * q[b, t, h] . k[b, s, h // G] - lse[b, t, h])
         visible when s < clamp((q_causal_offsets[b] + t + 1) // ratio, 0, S_k); masked entries are -inf
         denom[b, t]  = sum of the visible out[b, t, :] (the L1 norm the dense indexer backward takes;
                        0 for a row with nothing visible)
 
-    Packed THD layout, selected by passing cu_seqlens_q and cu_seqlens_k (seed 001 §8 applies §3's mask,
+    Packed THD layout, selected by passing cu_seqlens_q and cu_seqlens_k (cuDNN frontend DSA §8 applies §3's mask,
     defined per "batch or THD segment"): segment b owns query rows [cu_seqlens_q[b], cu_seqlens_q[b+1])
     and key rows [cu_seqlens_k[b], cu_seqlens_k[b+1]) and is computed exactly as BSHD batch b (t, s and
     S_k above are segment-local; q_causal_offsets[b] is the global token index of the segment's first
@@ -240,7 +240,7 @@ def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tens
             H_kv = 1); THD: `(total_k, H_kv, D)` or `(total_k, D)`; dtype of q.
         lse: `(B, S_q, H_q)` (THD: `(total_q, H_q)`) FP32 (or FP64) per-head natural-log lse.
         softmax_scale: finite float; default 1 / sqrt(D).
-        ratio: compression ratio of the causal mask, >= 1 (seed 001 §3).
+        ratio: compression ratio of the causal mask, >= 1 (cuDNN frontend DSA §3).
         q_causal_offsets: optional int32 `(B,)`: global token index of each batch's (segment's) q[0]
             (zeros if None).
         cu_seqlens_q, cu_seqlens_k: THD offsets, both or neither: `(B + 1,)` int32 or int64 on q's device,

@@ -1,4 +1,4 @@
-"""Plain-PyTorch indexer scoring and top-k (seed 001 §3-§5), plus the primitives the lightning_indexer
+"""Plain-PyTorch indexer scoring and top-k (cuDNN frontend DSA §3-§5), plus the primitives the lightning_indexer
 and indexer-training references share: the weighted-ReLU score, the ratio-causal column limit and a
 deterministic top-k.
 

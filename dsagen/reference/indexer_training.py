@@ -1,4 +1,4 @@
-"""Plain-PyTorch indexer training ops (seed 001 §6, §8 indexer half, §9, §10): score recompute and the
+"""Plain-PyTorch indexer training ops (cuDNN frontend DSA §6, §8 indexer half, §9, §10): score recompute and the
 analytic gradients of the indexer KL loss.
 
 The loss (DeepSeek-V3.2 indexer loss, cuDNN normalization), for each query row (b, t) over its set of

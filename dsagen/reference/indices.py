@@ -1,4 +1,4 @@
-"""Reference implementations of the top-k index utilities of seed 001 (cuDNN DSA):
+"""Reference implementations of the top-k index utilities of cuDNN frontend DSA:
 compactify_wrapper and local_to_global_wrapper."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Plain-PyTorch reference of native sparse attention, NSA (seed 004, ejkernel / fla-org).
+"""Plain-PyTorch reference of native sparse attention, NSA (ejkernel NSA / fla-org).
 
 Shapes: query `[B, T, HQ, D]`, key `[B, T, H, D]`, value `[B, T, H, Dv]`, GQA with query head hq
 reading KV head hq // (HQ // H). Keys are cut into blocks of `block_size` tokens (restarting at
@@ -16,7 +16,7 @@ every sequence of a varlen pack; the last block may be partial).
   means a gate of 1, a missing g_cmp drops the compressed branch).
 
 block_indices / block_counts arrive here per token; the per-query-block layout `[B, H, NQB, ...]`
-of the seed is expanded by dsagen.ops.nsa with `query_block_of_token` + `blocks_to_tokens`.
+of ejkernel is expanded by dsagen.ops.nsa with `query_block_of_token` + `blocks_to_tokens`.
 
 A token with nothing to attend gets zeros from that branch. Plain autograd differentiates it (the
 block selection is a constant). Chunked over query rows; FP16/BF16/FP32 accumulate in FP32, FP64

@@ -1,4 +1,4 @@
-"""Plain-PyTorch reference of packed query sparse attention, QSA (seed 003, FlashInfer / cuDNN).
+"""Plain-PyTorch reference of packed query sparse attention, QSA (FlashInfer QSA / cuDNN).
 
 Packed tokens: q `[T, Hq, D]`, k `[T, Hkv, D]`, v `[T, Hkv, Dv]` with query head h reading KV head
 h // (Hq // Hkv). Query t attends a caller-selected set of key tokens u:
@@ -56,7 +56,7 @@ def indexed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: 
 
     indices `[T, W]` absolute packed token ids; an id in [0, T) is attended, anything else (the -1
     padding, out-of-range ids) is skipped. The reference attends exactly the listed tokens: the
-    seed's grouping/causality contract is not checked, and a repeated id counts once per slot.
+    FlashInfer QSA's grouping/causality contract is not checked, and a repeated id counts once per slot.
     Returns `(out [T, Hq, Dv] in q.dtype, out_fp32 [T, Hq, Dv], lse [Hq, T])`; out_fp32 and lse are
     FP32 (FP64 for FP64 inputs).
     """

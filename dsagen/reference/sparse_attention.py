@@ -1,6 +1,6 @@
-"""Plain-PyTorch reference of DeepSeek sparse attention (seed 001 §1, §2, §7, §8; seed 002).
+"""Plain-PyTorch reference of DeepSeek sparse attention (cuDNN frontend DSA §1, §2, §7, §8; DeepSeek-V4 inference kernel).
 
-Flat MQA layout (seed 001): queries `q (S_q, H, D_qk)`, one shared latent `kv (S_kv, D_qk)` that is both
+Flat MQA layout (cuDNN frontend DSA): queries `q (S_q, H, D_qk)`, one shared latent `kv (S_kv, D_qk)` that is both
 K (all D_qk columns) and V (its first `d_v` columns), and per-query global top-k ids
 `topk_idxs (S_q, K)`. For query row t, head h and valid slot j:
 
@@ -42,12 +42,12 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def default_d_v(d_qk: int) -> int:
     """V width when the caller gives none: 512 for the MLA latent (D_qk = 576 = 512 + 64 RoPE
-    columns, seed 001 §1), otherwise D_qk (K = V, seed 002)."""
+    columns, cuDNN frontend DSA §1), otherwise D_qk (K = V, DeepSeek-V4 inference kernel)."""
     return 512 if d_qk == 576 else d_qk
 
 
 def default_softmax_scale(d_qk: int) -> float:
-    """1 / sqrt(D_qk), the default of seeds 001 and 002 (over all D_qk columns, RoPE included)."""
+    """1 / sqrt(D_qk), the default of cuDNN frontend DSA and the DeepSeek-V4 inference kernel (over all D_qk columns, RoPE included)."""
     return 1.0 / math.sqrt(d_qk)
 
 
@@ -137,7 +137,7 @@ def sparse_attention_backward(q: torch.Tensor, kv: torch.Tensor, out: torch.Tens
                               topk_length: torch.Tensor | None = None, softmax_scale: float | None = None,
                               d_v: int | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Sparse MQA backward (seed 001 §2): `(dq, dkv, d_sink)` from the forward's out and KV-only lse.
+    """Sparse MQA backward (cuDNN frontend DSA §2): `(dq, dkv, d_sink)` from the forward's out and KV-only lse.
 
     With L = logaddexp(lse, sink) (the sink-aware normalizer, recomputed here because the forward's
     lse excludes the sink), P = exp(s - L), p_sink = exp(sink - L) and delta = sum_d out * dout:
@@ -195,7 +195,7 @@ def sparse_attn_score_recompute(q_attn: torch.Tensor, k_attn: torch.Tensor, lse:
                                 topk_indices: torch.Tensor, softmax_scale: float, *,
                                 topk_length: torch.Tensor | None = None,
                                 topk_indices_global: bool = False) -> torch.Tensor:
-    """Seed 001 §7: L1-normalised, head-summed attention probabilities over the top-k slots.
+    """cuDNN frontend DSA §7: L1-normalised, head-summed attention probabilities over the top-k slots.
 
         P[b, t, h, i]  = exp(softmax_scale * q_attn[b, t, h] . k[id(b, t, i)] - lse[b, t, h])
         S[b, t, i]     = sum_h P[b, t, h, i]         (0 at invalid slots)
@@ -241,7 +241,7 @@ def sparse_attn_score_recompute(q_attn: torch.Tensor, k_attn: torch.Tensor, lse:
 
 def ratio_causal_limit(s_q: int, s_k: int, ratio: int, q_causal_offsets: torch.Tensor | None,
                        batch: int, device: torch.device) -> torch.Tensor:
-    """`(B, S_q)` count of visible KV columns: clamp((offset[b] + t + 1) // ratio, 0, S_k) (seed 001 §3)."""
+    """`(B, S_q)` count of visible KV columns: clamp((offset[b] + t + 1) // ratio, 0, S_k) (cuDNN frontend DSA §3)."""
     t = torch.arange(s_q, device=device, dtype=torch.long).unsqueeze(0).expand(batch, s_q)
     if q_causal_offsets is not None:
         t = t + q_causal_offsets.long().to(device).unsqueeze(-1)
@@ -252,7 +252,7 @@ def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tens
                                ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
                                cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seed 001 §8: raw head-summed attention probabilities over the full KV, ratio-causal masked.
+    """cuDNN frontend DSA §8: raw head-summed attention probabilities over the full KV, ratio-causal masked.
 
         out[b, t, s] = sum_h exp(softmax_scale * q[b, t, h] . k[b, s, h // G] - lse[b, t, h])
                        for s < clamp((q_causal_offsets[b] + t + 1) // ratio, 0, S_k), else -inf

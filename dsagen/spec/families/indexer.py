@@ -1,4 +1,4 @@
-"""Spec families of the fused lightning indexer (seed 000): a tensor-core score kernel that fills a
+"""Spec families of the fused lightning indexer (attention-gym lightning_indexer): a tensor-core score kernel that fills a
 bounded fp32 score slab, and a radix top-k kernel that selects from it.
 
     score[b, t, s] = sum_h w[b, t, h] * relu(q[b, t, h, :] . k[b, s, :]) / sqrt(H * D)
@@ -29,7 +29,7 @@ INDEXER_DTYPES = ("bfloat16", "float16")
 #: Largest sequence length (query rows per batch element, and candidates S) the fused path accepts.
 INDEXER_MAX_T = 2 ** 20
 #: The fp32 score slab is capped at this many bytes (rows * row stride * 4); see the fused module. 128 MiB: the
-#: GPU-measured best of 8 / 16 / 32 / 64 / 128 (notes/kernels/indexer.md, session 3: fewer launches and more
+#: GPU-measured best of 8 / 16 / 32 / 64 / 128 (notes/kernels/indexer.md, measured 2026-11-29: fewer launches and more
 #: top-k rows in flight; T=131072: 312 -> 268 ms against 32 MiB).
 SLAB_BYTES = 128 * 2 ** 20
 #: ... and at this many rows.
@@ -37,7 +37,7 @@ SLAB_MAX_ROWS = 1024
 
 #: Timing ablations of the score kernel (IndexerScoreSpec.ablate), NOT correct kernels: each leaves one
 #: stage out so that the time of that stage is the difference to the default (notes/kernels/indexer.md,
-#: session 2). "" is the real kernel. (The session-1 lock-step kernel's other probes were pruned with it.)
+#: measured 2026-11-29). "" is the real kernel. (The removed lock-step kernel's other probes were pruned with it.)
 #:   no_epilogue  MMA kept (all D/16 HGMMAs per tile), epilogue replaced by one FADD per tile (MMA + loads time)
 #:   mma_k16      one HGMMA (k = 16) per tile instead of D/16, epilogue and stores kept (loads + epilogue time)
 INDEXER_SCORE_ABLATIONS = ("", "no_epilogue", "mma_k16")
@@ -101,11 +101,11 @@ class IndexerScoreSpec(KernelSpec):
     lean_epilogue (not with ablate): a shorter epilogue per tile: at most 8 FFMAs per dependent
     chain (independent partial sums), a reduce-scatter over the quad (each lane ends with its own sums: 3 SHFL
     instead of 8 at H=64) and per kept sum one unsigned bounds compare and a 32-bit slab offset precomputed per
-    work item, one store per lane. GPU-measured: not faster than the default (notes/kernels/indexer.md, session 3).
+    work item, one store per lane. GPU-measured: not faster than the default (notes/kernels/indexer.md, measured 2026-11-29).
     free_issue: no turn barriers; each consumer warpgroup issues its
     tiles' wgmmas as soon as their K tile has landed (work-conserving: the tensor cores idle only while every
     warpgroup is in its epilogue; the order of issue is no longer WG0, WG1, ...). A probe of the turn hand-off
-    (session-2 ncu: top stall the named barrier). GPU-measured: not faster than the default.
+    (ncu, 2026-11-29: top stall the named barrier). GPU-measured: not faster than the default.
     mma_head_sum (bfloat16 only; not with lean_epilogue or ablate): the weighted head sum runs on the tensor
     cores: per tile, ReLU(S) is rounded to bf16 in the wgmma A-operand registers and multiplied (wgmma
     m64nNk16, N = 8 or 16 >= tokens per tile) by a (token, head) x token matrix holding the bf16 weights on
@@ -221,15 +221,15 @@ class IndexerTopkSpec(KernelSpec):
 
 
 #: Consumer warpgroups of the score kernel that indexer_specs() picks when the options leave `consumers` open
-#: and allow 3 (GPU-measured fastest: notes/kernels/indexer.md, session 2).
+#: and allow 3 (GPU-measured fastest: notes/kernels/indexer.md, measured 2026-11-29).
 DEFAULT_CONSUMERS = 3
 #: lean_epilogue that indexer_specs() picks when the options leave it open (False until a GPU run shows it faster
-#: than the default in the same run: notes/kernels/indexer.md, session 3).
+#: than the default in the same run: notes/kernels/indexer.md, measured 2026-11-29).
 DEFAULT_LEAN_EPILOGUE = False
-#: free_issue that indexer_specs() picks likewise (False: not faster in the same run, session 3).
+#: free_issue that indexer_specs() picks likewise (False: not faster in the same run, measured 2026-11-29).
 DEFAULT_FREE_ISSUE = False
 #: mma_head_sum that indexer_specs() picks for bfloat16 when the options leave it open (and allow it: not with
-#: ablate or lean_epilogue); float16 never takes it (notes/kernels/indexer.md, session 3).
+#: ablate or lean_epilogue); float16 never takes it (notes/kernels/indexer.md, measured 2026-11-29).
 DEFAULT_MMA_HEAD_SUM = False
 
 
@@ -255,7 +255,7 @@ def with_default_consumers(score_options: dict, dtype: str = "bfloat16") -> dict
 
 #: The top-k kernel the host runs per slab, by the longest row the slab can hold (its causal bound): (at most this
 #: many candidates, IndexerTopkSpec options), the first entry that fits wins (None: any length). GPU-measured per
-#: row length (bench/indexer_topk.py, session 4, H200, topk 2048, ns per row): 128 threads (8 rows in flight per SM)
+#: row length (bench/indexer_topk.py, 2026-11-29, H200, topk 2048, ns per row): 128 threads (8 rows in flight per SM)
 #: are fastest up to ~12K candidates (n = 4096: 31 vs 54 at 512 threads; 8192: 45-49 vs 59-65), then 512 threads with
 #: the sampled threshold and compacted candidates (16384: 87-88 vs 90 plain; 32768: 113 vs 120 compact / 143 plain;
 #: 65536: 155 vs 230 compact), and for the longest rows 1024 (131072 in 256-row slabs: 306 vs 466-473 at 512, whose
@@ -295,7 +295,7 @@ class TopkPlan:
 def topk_plan(arch: str, topk_options: dict | None = None) -> TopkPlan:
     """The default plan (TOPK_BY_ROW_LENGTH / TOPK_WIDE_BY_ROW_LENGTH), or, when topk_options are given (benchmark
     variants, tests), one kernel with those options: threads pinned by them, else 512 threads (TOPK_WIDE_THREADS
-    when the rows fit one wave). {"compact": False} is thus the session-3 default (512 / 1024 threads)."""
+    when the rows fit one wave). {"compact": False} is thus the unplanned top-k (512 / 1024 threads)."""
     def one(limit, opts):
         return (limit, IndexerTopkSpec(arch=arch, **opts))
 

@@ -12,7 +12,7 @@ _POW2_WARPS = (1, 2, 4, 8, 16, 32)
 @register_spec
 @dataclass(frozen=True)
 class CompactifySpec(KernelSpec):
-    """Stable compaction of -1-padded top-k rows (seed 001, "Compact vs. non-compact sparse indices").
+    """Stable compaction of -1-padded top-k rows (cuDNN frontend DSA, "Compact vs. non-compact sparse indices").
 
     One warp per row. Specialized on nothing but the arch and the warps per CTA: the row width K and
     the number of rows are run-time arguments.
@@ -33,7 +33,7 @@ class CompactifySpec(KernelSpec):
 @register_spec
 @dataclass(frozen=True)
 class LocalToGlobalSpec(KernelSpec):
-    """Per-batch local top-k ids -> flat global ids `b * S_k + local` (seed 001, local_to_global_wrapper).
+    """Per-batch local top-k ids -> flat global ids `b * S_k + local` (cuDNN frontend DSA, local_to_global_wrapper).
 
     Element-wise; `items_per_thread` consecutive ids per thread. Shapes are run-time arguments.
     """

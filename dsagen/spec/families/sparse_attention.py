@@ -1,4 +1,4 @@
-"""Spec family of the fused sparse MLA attention forward (seed 001 section 1, seed 002).
+"""Spec family of the fused sparse MLA attention forward (cuDNN frontend DSA §1 Sparse Attention Forward, DeepSeek-V4 inference kernel).
 
 One kernel computes, for every query row t and head h,
     out[t, h]   = sum_j p_j * kv[idx[t, j], :d_v] / (sum_j p_j + exp(sink[h] - m))
@@ -30,7 +30,7 @@ HALVES_REGS = {"regs_producer": 48, "regs_qk": 232, "regs_pv": 224}
 # the register budget the op uses per schedule
 SCHEDULE_REGS = {"serial": {}, "split_halves": HALVES_REGS, "serial_lean": {}}
 # the options the op turns on per schedule (dsagen.fused.sparse_attention.OPTIONS overrides them at run time).
-# GPU-measured (H200, session 6, interleaved with the kernel without them in the same run): split_halves' vec_store
+# GPU-measured (H200, 2026-11-29, interleaved with the kernel without them in the same run): split_halves' vec_store
 # is 1.05-1.07x on every prefill shape (H64 / H128, D 512 / 576, S_q 4096 / 32768, KV 32768 / 131072) and 1.06x at
 # decode 128 rows; stream_hint on top of it 1.01-1.02x (rotated rounds; ncu: DRAM reads 2.80 -> 2.21 GB per call, L2
 # hit rate 67 -> 74%, at the headline shape). q_prefetch and l2_hint: no gain, off.
@@ -43,7 +43,7 @@ def op_spec_fields(schedule: str) -> dict:
     return {"schedule": schedule, **SCHEDULE_REGS[schedule], **SCHEDULE_OPTIONS[schedule]}
 # The schedule the op runs: DEFAULT_SCHEDULE for every kernel shape and call size, unless DEFAULT_SCHEDULES lists
 # the shape as (schedule, min rows) (then that schedule from `min rows` query rows on). GPU-measured in one run
-# (H200, session 5, notes/kernels/sparse_attention.md): split_halves with its lean softmax and producer-built
+# (H200, 2026-11-29, notes/kernels/sparse_attention.md): split_halves with its lean softmax and producer-built
 # validity bytes is 1.06-1.08x serial_lean at H128 / D576 prefill (S_q 4096 and 32768, KV 32768 and 131072),
 # 1.02-1.12x serial at decode (64 / 128 rows), 1.11-1.15x serial at H64 / D512, H64 / D576 and H128 / D512.
 DEFAULT_SCHEDULE = "split_halves"

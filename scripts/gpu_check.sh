@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# One GPU session: every GPU test suite, compute-sanitizer on the edge-case tests, and the benchmarks,
+# One GPU session: every GPU test suite, compute-sanitizer memcheck on the edge-case tests, the four sanitizer tools on
+# small shapes of every fused kernel (scripts/sanitize.sh), and the benchmarks,
 # each step under its own timeout so that a hang costs one step, not the session.
 #
 # Build the kernels first, on a machine with CuTe-DSL (no GPU needed):
 #   DSAGEN_CACHE_DIR=.dsagen-cache-gpu dsagen build --from-tests tests/gpu --preset deepseek-v3.2
+#   python tests/gpu/sanitizer_probes.py .dsagen-cache-gpu/probes
 # then on the GPU machine (no CuTe-DSL needed):
 #   scripts/gpu_check.sh .dsagen-cache-gpu OUTDIR [steps...]
-# steps: tests memcheck bench (default: all); bench_kernels = the indexer and sparse-attention benchmarks only.
+# steps: tests memcheck sanitize bench (default: all); bench_kernels = the indexer and sparse-attention benchmarks only;
+# sanitize = scripts/sanitize.sh (memcheck, racecheck, synccheck, initcheck; logs in OUTDIR/sanitize).
 # With GPU_CHECK_ARCHIVE=FILE.tgz, OUTDIR is archived into FILE after every step (one file to copy back,
 # complete up to the last finished step even if the whole run is cut off).
 set -u
 cache=$(cd "$1" && pwd); out=${2:-gpu-out}; shift 2 || true
-steps=${*:-tests memcheck bench}
+steps=${*:-tests memcheck sanitize bench}
 mkdir -p "$out"
 export DSAGEN_CACHE_PATH=$cache DSAGEN_DISABLE_JIT=1 DSAGEN_CACHE_DIR=${TMPDIR:-/tmp}/dsagen-w PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -31,6 +34,8 @@ for s in $steps; do case $s in
     step memcheck 300 compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/gpu -k "(foundation or heads_and_dims or packed_documents or no_candidates or topk_edges or adversarial) and not without_cutlass"
     grep "ERROR SUMMARY" "$out/memcheck.log" ;;
+  sanitize)
+    step sanitize 900 env OUT="$out" bash scripts/sanitize.sh "$cache" ;;
   bench)
     step bench_overhead 120 python3 bench/overhead.py --calls 10000 --json "$out/overhead.json"
     step bench_first_launch 60 bash -c 'for i in 1 2 3; do python3 bench/first_launch.py; done'

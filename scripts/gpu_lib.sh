@@ -31,3 +31,21 @@ memcheck() {
 }
 # `add_cache DIR`: one more read-only kernel cache on DSAGEN_CACHE_PATH (after gpu_setup's).
 add_cache() { export DSAGEN_CACHE_PATH=$DSAGEN_CACHE_PATH:$(cd "$1" && pwd); }
+# `sanitize TOOL SECONDS TESTFILE [PYTEST ARGS...]`: the GPU tests under compute-sanitizer TOOL (memcheck, racecheck,
+# synccheck or initcheck; no caching allocator, so every buffer is its own allocation and initcheck sees torch's
+# fresh allocations as unwritten) into $O/TOOL.log (rc 99: the tool reported errors), then its summary lines.
+# Racecheck lists every hazard (all severities, no backtraces) and tests/gpu/sanitizer_probes.py check-racecheck
+# classifies them into $O/racecheck_verdict.log: rc 0 only when each one is the explained split_halves pair-max
+# pattern (or its probe); ${SANITIZE_PRINT_LIMIT:-100000} errors are printed.
+sanitize() {
+  local tool=$1 secs=$2; shift 2
+  local opts=(--tool "$tool" --print-limit "${SANITIZE_PRINT_LIMIT:-100000}" --report-api-errors no --error-exitcode 99)
+  [ "$tool" = racecheck ] && opts+=(--racecheck-report hazard --racecheck-detect-level info --show-backtrace no)
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 run "$tool" "$secs" compute-sanitizer "${opts[@]}" \
+    python3 -m pytest -q -m gpu -p no:cacheprovider "$@"
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$O/$tool.log" | sort | uniq -c
+  if [ "$tool" = racecheck ]; then
+    python3 tests/gpu/sanitizer_probes.py check-racecheck "$O/racecheck.log" > "$O/racecheck_verdict.log" 2>&1
+    echo "== racecheck verdict rc=$?"; cat "$O/racecheck_verdict.log"; pack
+  fi
+}

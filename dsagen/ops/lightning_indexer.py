@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import (FLOAT_DTYPES, check_bool, check_contiguous, check_impl, check_int, check_reference_options,
-                        check_same_dtype, check_shape, check_tensor)
+from ._validate import (FLOAT_DTYPES, check_bool, check_contiguous, check_cu_seqlens, check_impl, check_int,
+                        check_reference_options, check_same_dtype, check_shape, check_tensor)
 
 
 def _check_offsets(name: str, t, device: torch.device) -> torch.Tensor:
@@ -16,10 +16,29 @@ def _check_offsets(name: str, t, device: torch.device) -> torch.Tensor:
     return t
 
 
+def check_offset_values(cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor, t_count: int, s_count: int,
+                        compress_ratio: int) -> None:
+    """The packed offsets' values (read on the host: one device-to-host copy each, not CUDA-graph capturable):
+    each starts at 0, never decreases and ends at or before its packed length (T for cu_seqlens, S for
+    cu_seqlens_k; the check indexer_scores runs), and every document's candidate span equals its token count
+    // compress_ratio. ValueError naming the first offending entry."""
+    check_cu_seqlens("cu_seqlens", cu_seqlens, total=t_count, total_name="T", device=cu_seqlens.device)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total=s_count, total_name="S", device=cu_seqlens.device)
+    cu_q, cu_k = cu_seqlens.tolist(), cu_seqlens_k.tolist()
+    for d in range(len(cu_q) - 1):
+        tokens, span = cu_q[d + 1] - cu_q[d], cu_k[d + 1] - cu_k[d]
+        if span != tokens // compress_ratio:
+            raise ValueError(f"document {d} has {tokens} tokens (cu_seqlens[{d}:{d + 2}] = {cu_q[d:d + 2]}) and "
+                             f"{span} candidates (cu_seqlens_k[{d}:{d + 2}] = {cu_k[d:d + 2]}); with "
+                             f"compress_ratio={compress_ratio} it must have {tokens} // {compress_ratio} = "
+                             f"{tokens // compress_ratio}")
+
+
 def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, *, causal: bool = False,
                       compress_ratio: int = 1, cu_seqlens: torch.Tensor | None = None,
                       cu_seqlens_k: torch.Tensor | None = None, impl: str = "fused",
-                      kernel_options: dict[str, str] | None = None) -> torch.Tensor:
+                      kernel_options: dict[str, str] | None = None, check_offsets: bool | None = None
+                      ) -> torch.Tensor:
     """Return the top-k candidate indices for every (batch, query) row (seed 000).
 
     ::
@@ -45,6 +64,12 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, t
         cu_seqlens_k: packed candidate offsets [N + 1], contiguous int32 on q.device, ending at or before S;
             document d owns candidates [cu_seqlens_k[d], cu_seqlens_k[d + 1]), whose span must equal
             (cu_seqlens[d + 1] - cu_seqlens[d]) // compress_ratio. Returned ids are document-local.
+        check_offsets: read the offsets on the host and raise ValueError unless they keep the invariants above
+            (check_offset_values; the check indexer_scores runs, plus the spans). None (default): on for
+            impl="reference", off for impl="fused", whose offsets then stay on the device (CUDA graphs,
+            torch.compile without a graph break). Unchecked invalid offsets (decreasing, negative, past the end,
+            spans that disagree with compress_ratio) give unspecified ids in [-1, S) but never make a kernel
+            access memory out of bounds.
         impl: "fused" (default; generated CUDA kernels) or "reference" (plain PyTorch, CPU or CUDA).
         kernel_options: fused-backend override, passed to the fused implementation (which validates it);
             must be None for impl="reference".
@@ -64,12 +89,13 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, t
     Raises:
         TypeError: q, k or weights is not a floating tensor (fp16/bf16/fp32/fp64), k or weights has a
             dtype other than q's, topk / compress_ratio is not an int, causal is not a bool, an offset
-            tensor is not int32, kernel_options is not a dict.
+            tensor is not int32, kernel_options is not a dict, check_offsets is not a bool or None.
         ValueError: bad impl; wrong rank or shape (k [B, S, D], weights [B, T, H], S != T // compress_ratio
             when unpacked, H or D zero); inputs on different devices; topk < 0; compress_ratio < 1;
             compress_ratio != 1 without causal; only one of cu_seqlens / cu_seqlens_k; offsets that are not
-            1-D contiguous with N + 1 >= 1 entries, differ in length, or packed input with B != 1;
-            kernel_options given with impl="reference"; impl="fused" on CPU tensors.
+            1-D contiguous with N + 1 >= 1 entries, differ in length, or packed input with B != 1; with
+            check_offsets, offset values that break the invariants above; kernel_options given with
+            impl="reference"; impl="fused" on CPU tensors.
         NotImplementedError: impl="fused" where no kernel exists for the device.
     """
     check_impl(impl)
@@ -106,6 +132,10 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, t
                          f"{t_count // compress_ratio} candidates without packed offsets, got shape {tuple(k.shape)}")
     if kernel_options is not None and not isinstance(kernel_options, dict):
         raise TypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}")
+    if check_offsets is not None:
+        check_bool("check_offsets", check_offsets)
+    if cu_seqlens is not None and (impl == "reference" if check_offsets is None else check_offsets):
+        check_offset_values(cu_seqlens, cu_seqlens_k, t_count, k.shape[1], compress_ratio)
 
     if impl == "reference":
         check_reference_options("kernel_options", kernel_options)

@@ -1,0 +1,249 @@
+"""Small shapes of every fused kernel, for compute-sanitizer: each test launches one kernel family on the op's
+default kernels (plus every kernel of the indexer's top-k plan) and checks its result against the reference, so
+that a run under `compute-sanitizer --tool {memcheck,racecheck,synccheck,initcheck}` covers every fused kernel
+(scripts/sanitize.sh runs the four tools on this file; notes/kernels/*.md record what each reported).
+
+Shapes are small because racecheck instruments every shared-memory access: the sparse forward at H128 / D576 and
+H64 / D512 with a sink (3 CTAs looping over the items, tile counts 0..5, adversarial ids), the lightning indexer at
+T = 300 / topk 64 (unpacked causal and packed documents), each top-k kernel of the plan on slab rows whose tail
+past the row's candidates is left unwritten (as the score kernel leaves it), invalid packed offsets (memcheck: no
+access out of bounds whatever the offsets), compactify and local_to_global.
+
+Build first (CPU, with CuTe-DSL):  dsagen build --from-tests tests/gpu/test_sanitize.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsagen
+import dsagen.fused.sparse_attention as fused_sa
+from dsagen.reference.indexer import weighted_relu_scores
+from dsagen.spec import CompactifySpec, LocalToGlobalSpec
+from dsagen.spec.families.indexer import indexer_specs, topk_plan
+from dsagen.spec.families.sparse_attention import SparseAttnFwdSpec, op_spec_fields
+
+ARCH = "sm_90a"
+SPARSE_SHAPES = [(128, 576), (64, 512)]          # (H, D_qk) of the sparse forward, d_v 512
+INDEXER_SHAPE = (64, 128)                        # (H, D) of the lightning indexer (DeepSeek-V3.2)
+TOPK_SPECS = topk_plan(ARCH).specs()             # every top-k kernel the fused indexer may pick
+REQUIRED_SPECS = [SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, **op_spec_fields("split_halves"))
+                  for h, d in SPARSE_SHAPES] + [
+    *indexer_specs(ARCH, *INDEXER_SHAPE), CompactifySpec(arch=ARCH), LocalToGlobalSpec(arch=ARCH)]
+
+gpu = pytest.mark.gpu            # every test but the CPU layout check below
+DEV = "cuda"
+
+
+# ---------------------------------------------------------------------------------------- sparse forward
+def _sparse_inputs(s_q, h, d_qk, k, n_kv, seed):
+    """Adversarial ids (-1, other negatives, >= n_kv, duplicates; row 1 all invalid), a sink, topk_length with
+    tile counts 0..5 over the rows."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn((s_q, h, d_qk), generator=gen).bfloat16()
+    kv = torch.randn((n_kv, d_qk), generator=gen).bfloat16()
+    ids = torch.randint(0, n_kv, (s_q, k), generator=gen, dtype=torch.int32)
+    u = torch.rand((s_q, k), generator=gen)
+    ids = torch.where(u < 0.1, torch.full_like(ids, -1), ids)
+    ids = torch.where((u >= 0.1) & (u < 0.15), torch.full_like(ids, n_kv + 3), ids)
+    ids = torch.where((u >= 0.15) & (u < 0.2), torch.full_like(ids, -1000), ids)
+    ids = torch.where((u >= 0.2) & (u < 0.3), ids[:, :1].expand_as(ids), ids)     # duplicates
+    ids[1] = -1
+    sink = torch.randn(h, generator=gen) * 2
+    tl = torch.tensor([0, 1, 65, 129, 257, k], dtype=torch.int32)[:s_q]
+    return [t.to(DEV) for t in (q, kv, ids, sink, tl)]
+
+
+@gpu
+@pytest.mark.parametrize("h,d_qk", SPARSE_SHAPES, ids=[f"h{h}_d{d}" for h, d in SPARSE_SHAPES])
+def test_sparse_forward(h, d_qk, monkeypatch):
+    """The op's default split_halves kernel, 3 CTAs looping over 6 query rows' items (the barriers' phases and the
+    hand-over between items), against the reference."""
+    monkeypatch.setattr(fused_sa, "GRID", 3)
+    q, kv, ids, sink, tl = _sparse_inputs(6, h, d_qk, 320, 900, seed=h + d_qk)
+    out, lse, m = dsagen.sparse_attention(q, kv, ids, attn_sink=sink, topk_length=tl, impl="fused")
+    r_out, r_lse, r_m = dsagen.sparse_attention(q, kv, ids, attn_sink=sink, topk_length=tl, impl="reference")
+    torch.testing.assert_close(out.float(), r_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, r_lse.float(), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(m, r_m.float(), atol=1e-4, rtol=1e-5)
+    assert (out[:2] == 0).all() and torch.isposinf(lse[:2]).all()      # topk_length 0; row 1 without a valid id
+
+
+# ---------------------------------------------------------------------------------------- lightning indexer
+def _indexer_inputs(t, s, gen):
+    h, d = INDEXER_SHAPE
+    q = torch.randn((1, t, h, d), generator=gen).bfloat16().to(DEV)
+    k = torch.randn((1, s, d), generator=gen).bfloat16().to(DEV)
+    w = torch.randn((1, t, h), generator=gen).bfloat16().to(DEV)
+    return q, k, w
+
+
+def _check_selection(out, q, k, w, lo, hi, topk):
+    """Every row: ascending distinct ids in [0, hi - lo), -1 padding exactly past min(n, topk), and no unselected
+    candidate scoring above a selected one (within one bf16 ulp of the row's largest |score|)."""
+    h, d = INDEXER_SHAPE
+    scores = (weighted_relu_scores(q.float(), k.float(), w.float()) / (h * d) ** 0.5)[0].cpu()
+    out = out[0].cpu().long()
+    for r in range(out.shape[0]):
+        a, z = int(lo[r]), int(hi[r])
+        n = z - a
+        want = min(n, topk)
+        sel = out[r, :want]
+        assert (out[r, want:] == -1).all(), f"row {r}: -1 padding must start at {want}"
+        assert ((sel >= 0) & (sel < n)).all() and (sel[1:] > sel[:-1]).all(), f"row {r}: bad ids {sel.tolist()}"
+        if n > topk:
+            sc = scores[r, a:z]
+            mask = torch.zeros(n, dtype=torch.bool)
+            mask[sel] = True
+            assert float(sc[mask].min()) >= float(sc[~mask].max()) - 2.0 ** -8 * float(sc.abs().max()), f"row {r}"
+
+
+@gpu
+@pytest.mark.parametrize("t", [300, 1100])
+def test_lightning_indexer_causal(t):
+    """topk 64, causal: the score kernel and the 128-thread top-k (rows of 1..T candidates); T = 1100 gives the
+    persistent score CTAs 4-5 work items each (the header ring's slots reused)."""
+    gen = torch.Generator().manual_seed(t)
+    topk = 64
+    q, k, w = _indexer_inputs(t, t, gen)
+    out = dsagen.lightning_indexer(q, k, w, topk, causal=True, impl="fused")
+    torch.cuda.synchronize()
+    _check_selection(out, q, k, w, torch.zeros(t), torch.arange(1, t + 1), topk)
+
+
+@gpu
+def test_lightning_indexer_packed():
+    """Packed documents (empty ones, a 1-token one, rows past the last offset, inactive pool capacity)."""
+    gen = torch.Generator().manual_seed(301)
+    lens = [1, 0, 150, 0, 97, 9]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    t, s, topk = int(cu[-1]) + 11, int(cu[-1]) + 5, 64
+    q, k, w = _indexer_inputs(t, s, gen)
+    out = dsagen.lightning_indexer(q, k, w, topk, causal=True, cu_seqlens=cu.to(DEV), cu_seqlens_k=cu.to(DEV),
+                                   impl="fused")
+    torch.cuda.synchronize()
+    lo = torch.zeros(t, dtype=torch.int64)
+    hi = torch.zeros(t, dtype=torch.int64)
+    for d_ in range(len(lens)):
+        for tt in range(int(cu[d_]), int(cu[d_ + 1])):
+            lo[tt], hi[tt] = int(cu[d_]), tt + 1
+    _check_selection(out, q, k, w, lo, hi, topk)
+
+
+#: packed offsets that break the documented invariants: (cu_seqlens, cu_seqlens_k) for T = 64 rows, S = 48
+INVALID_OFFSETS = {
+    "decreasing": ([0, 40, 20, 64], [0, 30, 10, 48]),
+    "negative": ([0, -5, 30, 64], [0, -100, 20, 48]),
+    "past_end": ([0, 30, 5000, 2**31 - 1], [0, 40, 900, 2**31 - 1]),
+    "huge_negative": ([0, 20, 40, 64], [-2**31, 2**31 - 1, -2**31, 2**31 - 1]),
+    "span_mismatch": ([0, 10, 40, 64], [0, 30, 31, 48]),
+    "nonzero_start": ([7, 20, 40, 64], [5, 10, 30, 48]),
+}
+
+
+@gpu
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", list(INVALID_OFFSETS))
+def test_indexer_invalid_offsets_stay_in_bounds(case, causal):
+    """Offsets the fused path never reads on the host (check_offsets off): the kernels must still only touch their
+    buffers (memcheck) and write every output element, each an id in [-1, S) (the result is otherwise
+    unspecified)."""
+    cu, cu_k = (torch.tensor(v, dtype=torch.int32, device=DEV) for v in INVALID_OFFSETS[case])
+    gen = torch.Generator().manual_seed(302)
+    q, k, w = _indexer_inputs(64, 48, gen)
+    out = torch.full((1, 64, 16), -7, dtype=torch.int32, device=DEV)
+    out = dsagen.lightning_indexer(q, k, w, 16, causal=causal, cu_seqlens=cu, cu_seqlens_k=cu_k, impl="fused",
+                                   check_offsets=False)
+    torch.cuda.synchronize()
+    assert out.shape == (1, 64, 16)
+    assert ((out >= -1) & (out < 48)).all()
+    with pytest.raises(ValueError):
+        dsagen.lightning_indexer(q, k, w, 16, causal=causal, cu_seqlens=cu, cu_seqlens_k=cu_k, impl="fused",
+                                 check_offsets=True)
+
+
+@gpu
+@pytest.mark.parametrize("spec", TOPK_SPECS, ids=[s.name() for s in TOPK_SPECS])
+def test_topk_kernel(spec):
+    """Each top-k kernel of the plan alone, on slab rows written only over their candidates (the score kernel
+    leaves a row's tail up to the next 16-byte boundary unwritten): rows with n <= topk, short rows, rows long
+    enough for the sampled threshold and the compacted entries; exact against a sort of the keys."""
+    from dsagen.runtime import get_kernel
+
+    kern = get_kernel(spec, 0)
+    gen = torch.Generator().manual_seed(303)
+    lens, topk = [5, 64, 65, 301, 1027, 4099, 13001], 64
+    rows = len(lens)
+    ld = -(-max(lens) // 4) * 4
+    slab = torch.empty((rows, ld), dtype=torch.float32, device=DEV)
+    vals = [torch.randn(n, generator=gen) for n in lens]
+    for r, n in enumerate(lens):
+        slab[r, :n].copy_(vals[r])
+    cu_q = torch.arange(rows + 1, dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0] + lens).cumsum(0).to(torch.int32).to(DEV)
+    out = torch.empty((1, rows, topk), dtype=torch.int32, device=DEV)
+    # args: slab, out, cu_q, cu_k, n_docs, T, S, n_tblk, blk0, qc, nrows, topk, causal, ratio, ld_slab
+    kern.launch(slab, out, cu_q, cu_k, rows, rows, int(cu_k[-1]), rows, 0, 1, rows, topk, 0, 1, ld)
+    torch.cuda.synchronize()
+    got = out[0].cpu().long()
+    for r, n in enumerate(lens):
+        if n <= topk:
+            want = torch.where(torch.arange(topk) < n, torch.arange(topk), -1)
+        else:
+            want = torch.sort(torch.sort(vals[r], descending=True, stable=True).indices[:topk]).values
+        assert torch.equal(got[r], want), f"n={n}: {got[r][:16].tolist()} vs {want[:16].tolist()}"
+
+
+# ---------------------------------------------------------------------------------------- sanitizer probes
+def test_split_halves_smem_prefix():
+    """CPU: sanitizer_probes.SPLIT_HALVES_PAIR_MAX (the smem window of sMax[:, 1] whose racecheck hazards are explained)
+    assumes these leading Smem fields at every default split_halves shape: 8 + 3 mbarriers, valid[2 * 64], mx[2 * 64]."""
+    from dsagen.gen.render import render
+    from sanitizer_probes import SPLIT_HALVES_PAIR_MAX
+
+    want = ["half_mbar: cute.struct.MemRange[Int64, 8]", "q_mbar: cute.struct.MemRange[Int64, 1]",
+            "q_free_mbar: cute.struct.MemRange[Int64, 1]", "mask_mbar: cute.struct.MemRange[Int64, 1]",
+            "valid: cute.struct.MemRange[Int8, 2 * BN]", "mx: cute.struct.MemRange[Float32, 2 * M]"]
+    for spec in REQUIRED_SPECS[:len(SPARSE_SHAPES)]:
+        src = render(spec)
+        fields = src.split("class Smem:")[1].strip().splitlines()
+        assert [f.split("#")[0].strip() for f in fields[:len(want)]] == want
+        assert "\nBN = 64 " in src and "\nM = 64 " in src
+    assert SPLIT_HALVES_PAIR_MAX == (0x400 + 8 * 8 + 3 * 8 + 2 * 64 + 64 * 4, 0x400 + 8 * 8 + 3 * 8 + 2 * 64 + 128 * 4)
+
+@gpu
+def test_probe_handoff():
+    """tests/gpu/sanitizer_probes.py "handoff" (split_halves' max exchange over named barriers, correct by
+    construction): the exact sums (racecheck's report on it is the point; see the module)."""
+    from sanitizer_probes import handoff_expected, load
+
+    kern = load("handoff")
+    if kern is None:
+        pytest.skip("SANITIZER_PROBES is not a built probe folder (python tests/gpu/sanitizer_probes.py DIR)")
+    out = torch.zeros(128, dtype=torch.float32, device=DEV)
+    kern.launch(out)
+    torch.cuda.synchronize()
+    assert out.cpu().tolist() == handoff_expected()
+
+
+# ---------------------------------------------------------------------------------------- index helpers
+@gpu
+def test_compactify():
+    gen = torch.Generator().manual_seed(304)
+    ids = torch.randint(0, 1 << 20, (37, 300), generator=gen, dtype=torch.int32)
+    ids = torch.where(torch.rand((37, 300), generator=gen) < 0.3, -1, ids)
+    ids[1] = -1
+    length = torch.randint(-3, 305, (37,), generator=gen, dtype=torch.int32)
+    for ln in (None, length):
+        out, lengths = dsagen.compactify(ids.to(DEV), None if ln is None else ln.to(DEV), impl="fused")
+        ref_out, ref_len = dsagen.compactify(ids, ln, impl="reference")
+        assert torch.equal(out.cpu(), ref_out) and torch.equal(lengths.cpu(), ref_len)
+
+
+@gpu
+def test_local_to_global():
+    gen = torch.Generator().manual_seed(305)
+    ids = torch.randint(-3, 103, (3, 17, 33), generator=gen, dtype=torch.int32)
+    out = dsagen.local_to_global(ids.to(DEV), 100, impl="fused")
+    assert torch.equal(out.cpu(), dsagen.local_to_global(ids, 100, impl="reference"))

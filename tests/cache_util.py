@@ -4,6 +4,7 @@ materials of a spec, so that every store check (schema, key re-derivation, folde
 from __future__ import annotations
 
 from dsagen.cache.keys import identity_material, identity_of, key_material, key_of
+from dsagen.kernel_record import kernel_record_sha256
 from dsagen.spec import CompactifySpec
 
 TC = {"nvidia-cutlass-dsl": "4.8.1"}
@@ -23,7 +24,8 @@ def fake_entry(spec=None, source: str = "src", cubin: bytes = b"cubin-bytes", to
     manifest = {"schema": material["schema"], "identity": identity_of(spec),
                 "identity_material": identity_material(spec), "key_material": material, "op": spec.op,
                 "name": spec.name(), "spec": spec.canonical(), "toolchain": material["toolchain"],
-                "created": created, "compile_seconds": 0.0, "kernel": dict(KERNEL_RECORD)}
+                "created": created, "compile_seconds": 0.0, "kernel": dict(KERNEL_RECORD),
+                "kernel_sha256": kernel_record_sha256(KERNEL_RECORD)}
     return key, files, manifest
 
 

@@ -648,3 +648,34 @@ def test_build_and_prune_commands_refuse_a_folder_that_is_not_a_cache(tmp_path, 
         err = capsys.readouterr().err
         assert "not a dsagen cache" in err and "Traceback" not in err
     assert _intact(user) and sorted(p.name for p in user.iterdir()) == ["deep", "precious.txt"]
+
+
+def test_processes_marking_one_new_root_at_once_all_take_it(tmp_path):
+    """Builders starting together on a new root each see the others' temporary marker or their marker:
+    none may take that for a foreign file and refuse the root."""
+    code = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from dsagen.cache import CacheStore
+        start = float(sys.argv[1])
+        while time.time() < start:
+            pass
+        for i in range(40):
+            CacheStore(Path({str(tmp_path)!r}) / f"root{{i}}", []).ensure_root()
+    """)
+    start = time.time() + 3
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(start)], stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT))) for _ in range(6)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-1500:] for e in errs if e]
+
+
+def test_another_tools_cachedir_tag_is_not_dsagens(tmp_path):
+    other = tmp_path / "target"            # e.g. a cargo target folder: a CACHEDIR.TAG with the bare signature
+    other.mkdir()
+    (other / MARKER).write_text("Signature: 8a477f597d28d172789f06886806bc55\n")
+    (other / "tmp").mkdir()
+    (other / "tmp" / "theirs.txt").write_text("keep")
+    with pytest.raises(CacheRootError, match="not dsagen's"):
+        CacheStore(other, []).prune()
+    assert (other / "tmp" / "theirs.txt").read_text() == "keep"

@@ -54,7 +54,7 @@ def _error_classes():
     from dsagen.gen.render import TemplateNotFound
     from dsagen.runtime.driver import CudaDriverError
     from dsagen.runtime.kernel import KernelArchMismatch
-    from dsagen.runtime.launch_expr import LaunchExprError
+    from dsagen.kernel_record import LaunchExprError
     from dsagen.spec import SpecError
 
     return [(SpecError, ValueError), (TemplateNotFound, LookupError), (AbiError, ValueError),

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsagen.runtime.launch_expr import LaunchExprError, compile_expr
+from dsagen.kernel_record import LaunchExprError, compile_expr
 
 ROOT = Path(__file__).resolve().parent.parent
 

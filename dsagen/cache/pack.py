@@ -34,7 +34,7 @@ from pathlib import Path, PurePosixPath
 
 from ..errors import DsagenError
 from .store import (LAYOUT, MANIFEST, MAX_MANIFEST_BYTES, CacheCorruption, CacheLockTimeout, CacheStore,
-                    load_entry, remove_path, staging_name, validate_entry_manifest)
+                    entry_parts, load_entry, remove_path, staging_name, validate_entry_manifest)
 
 CHECKSUMS = "PACK-CHECKSUMS.json"
 MAX_MEMBER_BYTES = 256 << 20      # one artifact (the largest PTX of today's kernels is a few MiB)
@@ -214,9 +214,7 @@ def unpack(store: CacheStore, file: Path, *, max_member_bytes: int = MAX_MEMBER_
         raise PackError(f"{file}: no such pack file") if not file.exists() else PackError(f"{file}: not a file")
     entries = _scan(file, max_member_bytes, max_total_bytes)
     expected = {f"{folder}/{b}": sha for folder, e in entries.items() for b, (_, sha) in e["files"].items()}
-    tmp = layer.root / "tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    stage = tmp / staging_name("unpack")
+    stage = store.own_dir("tmp") / staging_name("unpack")
     stage.mkdir()
     added = 0
     try:
@@ -238,17 +236,16 @@ def unpack(store: CacheStore, file: Path, *, max_member_bytes: int = MAX_MEMBER_
             raise PackError(f"{file}: members vanished between the check and the copy: {sorted(expected)[:3]}")
         for folder in sorted(entries):
             staged, final = stage / folder, layer.root / folder
-            key = final.name
+            arch, op, key = entry_parts(final)
             try:
                 with store.lock(key):
-                    try:
-                        load_entry(final, verify_hashes=True, read=())
-                        continue  # already present and valid: kept
-                    except CacheCorruption:
-                        if os.path.lexists(final) and store.quarantine(final, "replaced by an unpacked entry") is None:
-                            remove_path(final)
-                    final.parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(staged, final)
+                    if store._chain_is_real(layer, final):
+                        try:
+                            load_entry(final, verify_hashes=True, read=())
+                            continue  # already present and valid: kept
+                        except CacheCorruption:
+                            pass
+                    store.place(staged, arch, op, key, "replaced by an unpacked entry")
                     added += 1
             except CacheLockTimeout as e:
                 raise PackError(f"{file}: {key} is locked by another process ({e}); {added} entries added, "

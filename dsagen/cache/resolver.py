@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from .. import env
 from ..errors import CacheNotStored, CacheRootError, DsagenError
 from ..gen.render import render
+from ..kernel_record import kernel_record_sha256
 from ..gen import toolchain
 from ..spec import KernelSpec
 from .keys import identity_material, identity_of, key_material, key_of
@@ -59,6 +60,7 @@ def _manifest(spec: KernelSpec, material: dict, identity: str, compiled) -> dict
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "compile_seconds": round(compiled.compile_seconds, 3),
         "kernel": compiled.record,
+        "kernel_sha256": kernel_record_sha256(compiled.record),
     }
 
 

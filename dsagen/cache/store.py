@@ -39,6 +39,7 @@ from typing import Any, Iterator
 
 from .. import env
 from ..errors import CacheRootError, DsagenError
+from ..kernel_record import kernel_record_problem, kernel_record_sha256
 from .keys import canonical_json, key_of, sha256_hex
 
 LAYOUT = "v1"
@@ -48,9 +49,12 @@ MARKER = "CACHEDIR.TAG"
 MARKER_TEXT = ("Signature: 8a477f597d28d172789f06886806bc55\n"
                "# This file is a dsagen kernel cache marker (dsagen writes, prunes and deletes only in\n"
                "# folders that carry it). See https://bford.info/cachedir/ for the tag itself.\n")
+_MARKER_SIGNATURE = MARKER_TEXT.split("\n")[0].encode()
+_MARKER_DSAGEN = b"dsagen kernel cache marker"
 OWN_NAMES = frozenset({LAYOUT, "locks", "tmp", "quarantine", MARKER})
 BUILD_TMP_PREFIX = "dsagen-build-"      # compile folders in the system temp dir: dsagen-build-<pid>-<random>
 MAX_MANIFEST_BYTES = 1 << 20
+MAX_ARTIFACTS = 16
 REQUIRED_ARTIFACTS = ("kernel.cubin",)  # what the runtime reads
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -102,7 +106,7 @@ class Entry:
 def _lstat(path: Path) -> os.stat_result | None:
     try:
         return os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
 
 
@@ -141,7 +145,8 @@ def remove_path(path: Path) -> bool:
 
 def _read_nofollow(path: Path, limit: int | None = None) -> bytes:
     """A regular file's bytes, refusing links (O_NOFOLLOW) and anything longer than `limit`."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    # O_NONBLOCK: a FIFO planted where a file belongs opens at once (then fails the regular-file check)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -180,12 +185,20 @@ def staging_name(prefix: str) -> str:
     return f"{prefix}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
 
 
+def _parse_pid(text: str) -> int | None:
+    """A process id written by dsagen (ASCII digits, 1 .. 2**22), or None for anything else."""
+    if not re.fullmatch(r"[0-9]{1,7}", text):
+        return None
+    pid = int(text)
+    return pid if 0 < pid <= 1 << 22 else None
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OverflowError, ValueError):
         return True
     return True
 
@@ -199,8 +212,9 @@ def _staging_owner_gone(path: Path, max_age: float) -> bool:
     if st is None:
         return False
     age = time.time() - st.st_mtime
-    if len(parts) == 4 and parts[1] == _HOST and parts[2].isdigit():
-        return not _pid_alive(int(parts[2]))
+    pid = _parse_pid(parts[2]) if len(parts) == 4 else None
+    if pid is not None and parts[1] == _HOST:
+        return not _pid_alive(pid)
     return age > max_age
 
 
@@ -232,14 +246,13 @@ def validate_manifest(m: Any, path: Path) -> dict:
         _need(_is_str_dict(art) and isinstance(art.get("size"), int) and not isinstance(art["size"], bool)
               and art["size"] >= 0 and isinstance(art.get("sha256"), str) and bool(_HEX64.fullmatch(art["sha256"])),
               path, f"artifact {name!r} has no valid size and sha256")
+    _need(len(m["artifacts"]) <= MAX_ARTIFACTS, path, f"more than {MAX_ARTIFACTS} artifacts")
     for name in REQUIRED_ARTIFACTS:
         _need(name in m["artifacts"], path, f"the manifest does not list {name}")
-    k = m["kernel"]
-    launch = k.get("launch")
-    _need(isinstance(k.get("symbol"), str) and isinstance(k.get("params"), list)
-          and all(_is_str_dict(p) for p in k["params"]) and _is_str_dict(launch)
-          and isinstance(launch.get("grid"), list) and isinstance(launch.get("block"), list)
-          and isinstance(launch.get("smem", 0), int), path, "the manifest's kernel record is malformed")
+    _need(isinstance(m.get("kernel_sha256"), str) and m["kernel_sha256"] == kernel_record_sha256(m["kernel"]),
+          path, "the kernel record does not match its kernel_sha256")
+    problem = kernel_record_problem(m["kernel"])
+    _need(problem is None, path, f"the manifest's kernel record is malformed: {problem}")
     return m
 
 
@@ -249,8 +262,8 @@ def _check_consistency(m: dict, path: Path) -> None:
     try:
         key = key_of(km)
         identity = sha256_hex(canonical_json(im))
-    except (TypeError, ValueError) as e:
-        raise CacheCorruption(f"{path}: key or identity material cannot be hashed: {e}") from None
+    except (TypeError, ValueError, RecursionError) as e:
+        raise CacheCorruption(f"{path}: key or identity material cannot be hashed: {str(e)[:200]}") from None
     _need(key == m["key"], path, "the key does not re-derive from its key material")
     _need(identity == m["identity"], path, "the identity does not re-derive from its identity material")
     for mat, what in ((km, "key"), (im, "identity")):
@@ -327,8 +340,8 @@ def load_entry(path: Path, verify_hashes: bool = True, expect: dict | None = Non
         raise CacheCorruption(f"{path}: unreadable {MANIFEST}: {e}") from None
     try:
         m = json.loads(raw)
-    except ValueError as e:
-        raise CacheCorruption(f"{path}: {MANIFEST} is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise CacheCorruption(f"{path}: {MANIFEST} is not JSON (or nested too deeply): {str(e)[:200]}") from None
     validate_entry_manifest(m, path)
     for f, want in (expect or {}).items():
         _need(m.get(f) == want, path, f"manifest {f} {m.get(f)!r} is not the requested {want!r}")
@@ -486,6 +499,9 @@ class CacheStore:
                                  f"({env.CACHE_DIR.default()}) or give a folder")
         root = _absolute(env.CACHE_DIR.get(), env.CACHE_DIR.name, warn=False)
         ro = [_absolute(p, env.CACHE_PATH.name, warn=True) for p in env.CACHE_PATH.get()]
+        for p in ro:
+            if os.path.lexists(p) and not p.is_dir():
+                _warn_once(p, f"dsagen: {env.CACHE_PATH.name} entry {p} is not a folder; it holds no kernels")
         store = cls(root, ro, env.CACHE_MODE.get(), env.VERIFY.get())
         for layer in store.layers:
             _check_permissions(layer.root)
@@ -500,23 +516,32 @@ class CacheStore:
         layer = self._require_writable()
         root = layer.root
         marker = root / MARKER
-        try:
-            if _read_nofollow(marker, 4096).startswith(MARKER_TEXT.split("\n")[0].encode()):
-                return layer
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            if e.errno not in (errno.ENOTDIR,):
+
+        def marked() -> bool:
+            """Whether the root carries dsagen's marker (the CACHEDIR.TAG signature and dsagen's line)."""
+            try:
+                text = _read_nofollow(marker, 4096)
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            except OSError as e:
                 raise CacheRootError(f"{root}: unreadable cache marker {MARKER}: {e}") from None
+            return text.startswith(_MARKER_SIGNATURE) and _MARKER_DSAGEN in text
+
+        if marked():
+            return layer
         if root.exists() and not root.is_dir():
             raise CacheRootError(f"the cache root {root} ({env.CACHE_DIR.name}) is not a folder")
         if not root.exists():
             if not create:
                 return layer
             root.mkdir(parents=True, exist_ok=True)
-        foreign = sorted(set(os.listdir(root)) - OWN_NAMES)
-        if foreign or (marker.exists() or marker.is_symlink()):
-            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "") or MARKER
+        # another process may be marking the same new root right now: its temporary marker is ours too
+        foreign = sorted(n for n in set(os.listdir(root)) - OWN_NAMES if not n.startswith(f".{MARKER}."))
+        if not foreign and os.path.lexists(marker) and marked():
+            return layer  # written by another process since the first look
+        if foreign or os.path.lexists(marker):
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "") if foreign else \
+                f"a {MARKER} that is not dsagen's"
             raise CacheRootError(
                 f"{root} ({env.CACHE_DIR.name}) is not a dsagen cache: it holds {shown} and no dsagen "
                 f"{MARKER}; dsagen refuses to write or prune there. Point {env.CACHE_DIR.name} at a new "
@@ -524,11 +549,33 @@ class CacheStore:
         tmp = root / f".{MARKER}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         try:
             _write_file(tmp, MARKER_TEXT.encode())
-            os.replace(tmp, marker)
+            with contextlib.suppress(FileExistsError):  # create-if-absent: a marker is never replaced
+                os.link(tmp, marker)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+        if not marked():
+            raise CacheRootError(f"{root}: {MARKER} appeared but is not dsagen's; refusing the folder")
         return layer
+
+    def own_dir(self, *parts: str) -> Path:
+        """The folder `<writable root>/<parts...>` as a real folder, created where missing. A link or file
+        found at any level below the root is removed (as a link: its target is never touched) and
+        replaced by a real folder, so nothing is ever written, renamed or deleted through a link."""
+        layer = self.ensure_root()
+        p = layer.root
+        for part in parts:
+            p = p / part
+            st = _lstat(p)
+            if st is not None and not stat.S_ISDIR(st.st_mode):
+                remove_path(p)
+                st = None
+            if st is None:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(p)
+                if not _is_real_dir(p):
+                    raise CacheRootError(f"{p}: cannot make a real folder there (another process races it)")
+        return p
 
     # ---- reading ----------------------------------------------------------------------------------
     def _chain_is_real(self, layer: Layer, path: Path) -> bool:
@@ -574,7 +621,7 @@ class CacheStore:
             for path in layer.entry_dirs(arch, op):
                 try:
                     m = json.loads(_read_nofollow(path / MANIFEST, MAX_MANIFEST_BYTES))
-                except (OSError, ValueError):
+                except (OSError, ValueError, RecursionError):
                     continue
                 if not isinstance(m, dict) or identity not in entry_identities(m):
                     continue
@@ -606,10 +653,11 @@ class CacheStore:
         """A per-key inter-process lock in the writable root (filelock). timeout=0: try once."""
         import filelock  # imported here: only writers need it, and it is slow to import
 
-        layer = self.ensure_root()
-        locks = layer.root / "locks"
-        locks.mkdir(parents=True, exist_ok=True)
-        lock = filelock.FileLock(str(locks / f"{key}.lock"),
+        locks = self.own_dir("locks")
+        path = locks / f"{key}.lock"
+        if os.path.islink(path):
+            remove_path(path)  # a planted link: filelock would refuse it (or open its target)
+        lock = filelock.FileLock(str(path),
                                  timeout=env.LOCK_TIMEOUT.get() if timeout is None else timeout)
         try:
             lock.acquire()
@@ -629,26 +677,34 @@ class CacheStore:
         layer = self.ensure_root()
         manifest = dict(manifest, key=key, arch=arch,
                         artifacts={n: {"size": len(b), "sha256": sha256_hex(b)} for n, b in sorted(files.items())})
-        tmp = layer.root / "tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
-        stage = tmp / staging_name(key)
+        stage = self.own_dir("tmp") / staging_name(key)
         stage.mkdir()
         try:
             for name, data in files.items():
                 _write_file(stage / name, data)
             _write_manifest(stage / MANIFEST, manifest)
             _fsync_dir(stage)
-            final = layer.entry_dir(arch, op, key)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            if _lstat(final) is not None:  # invalid leftovers; a valid one was found by the re-check
-                if self.quarantine(final, "replaced by a fresh build") is None:
-                    remove_path(final)
-            os.replace(stage, final)
-            _fsync_dir(final.parent)
+            final = self.place(stage, arch, op, key, "replaced by a fresh build")
         except BaseException:
             remove_path(stage)
             raise
         return Entry(final, manifest, layer, dict(files))
+
+    def place(self, staged: Path, arch: str, op: str, key: str, why: str) -> Path:
+        """Rename the complete folder `staged` into the entry path of (arch, op, key) in the writable root
+        (call under `lock(key)`). Whatever sits there is invalid (the caller checked): a real folder is
+        quarantined, a link or file removed as such. Every folder on the way is a real one (`own_dir`)."""
+        layer = self._require_writable()
+        parent = self.own_dir(LAYOUT, arch, op, key[:2])
+        final = parent / key
+        st = _lstat(final)
+        if st is not None:
+            if not stat.S_ISDIR(st.st_mode) or self.quarantine(final, why) is None:
+                remove_path(final)
+        os.replace(staged, final)
+        _fsync_dir(parent)
+        assert final == layer.entry_dir(arch, op, key)
+        return final
 
     def add_identity(self, entry: Entry, identity: str) -> Entry:
         """Record one more identity for an existing entry of the writable root (call under `lock(key)`).
@@ -679,11 +735,12 @@ class CacheStore:
         layer = self.writable
         if layer is None or not layer.writable:
             return None
-        q = layer.root / "quarantine"
-        dest = q / f"{path.name}.{int(time.time())}.{uuid.uuid4().hex[:6]}"
+        if not _is_real_dir(path) or not self._chain_is_real(layer, path.parent):
+            warnings.warn(f"dsagen: not quarantining {path}: it is, or is reached through, a link ({reason})",
+                          stacklevel=3)
+            return None
         try:
-            self.ensure_root()
-            q.mkdir(parents=True, exist_ok=True)
+            dest = self.own_dir("quarantine") / f"{path.name}.{int(time.time())}.{uuid.uuid4().hex[:6]}"
             os.replace(path, dest)
         except FileNotFoundError:
             return None  # someone else moved it first
@@ -729,6 +786,11 @@ class CacheStore:
         for p in list(layer.strays()):
             if remove_path(p):
                 removed.append(str(p))
+        for n in sorted(os.listdir(layer.root)):  # marker temporaries of processes killed while marking
+            parts = n.split(".")
+            if (n.startswith(f".{MARKER}.") and len(parts) == 5 and (pid := _parse_pid(parts[3])) is not None
+                    and not _pid_alive(pid) and remove_path(layer.root / n)):
+                removed.append(str(layer.root / n))
         for path in list(layer.entry_dirs()):
             if self._prune_entry(layer, path, everything, keep_toolchain, keep_generator):
                 removed.append(str(path))
@@ -753,13 +815,17 @@ class CacheStore:
             with self.lock(path.name, timeout=0):
                 if _lstat(path) is None or not stale():
                     return False
-                trash = layer.root / "tmp" / staging_name(f"prune-{path.name}")
-                (layer.root / "tmp").mkdir(exist_ok=True)
+                if not self._chain_is_real(layer, path):
+                    return False  # reached through a link: the link goes with the strays, never its target
+                trash = self.own_dir("tmp") / staging_name(f"prune-{path.name}")
                 os.replace(path, trash)  # the entry disappears at once; then its files go
                 remove_path(trash)
                 return True
         except CacheLockTimeout:
             return False  # being built right now: not stale for long
+        except OSError as e:
+            warnings.warn(f"dsagen prune: skipping {path}: {e}", stacklevel=3)
+            return False
 
     @staticmethod
     def _prune_system_temp() -> list[str]:
@@ -771,10 +837,11 @@ class CacheStore:
             return removed
         for n in sorted(names):
             p = base / n
-            m = re.match(re.escape(BUILD_TMP_PREFIX) + r"(\d+)-", n)
+            m = re.match(re.escape(BUILD_TMP_PREFIX) + r"([0-9]+)-", n)
+            pid = _parse_pid(m.group(1)) if m else None
             st = _lstat(p)
-            if (m is None or st is None or not stat.S_ISDIR(st.st_mode)
-                    or (hasattr(os, "getuid") and st.st_uid != os.getuid()) or _pid_alive(int(m.group(1)))):
+            if (pid is None or st is None or not stat.S_ISDIR(st.st_mode)
+                    or (hasattr(os, "getuid") and st.st_uid != os.getuid()) or _pid_alive(pid)):
                 continue
             if remove_path(p):
                 removed.append(str(p))

@@ -21,7 +21,7 @@ import torch
 from ..errors import DsagenError
 from .device import current_stream_handle
 from .driver import CudaDriverError, check, cu
-from .launch_expr import compile_expr
+from ..kernel_record import compile_expr
 from .tensormap import TensorMapEncoder
 
 _FORMATS = {"ptr": "Q", "i32": "i", "i64": "q", "f32": "f"}

@@ -32,7 +32,7 @@ REQUIRED_SPECS = [SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, **o
                   for h, d in SPARSE_SHAPES] + [
     *indexer_specs(ARCH, *INDEXER_SHAPE), CompactifySpec(arch=ARCH), LocalToGlobalSpec(arch=ARCH)]
 
-gpu = pytest.mark.gpu            # every test but the CPU layout check below
+gpu = pytest.mark.gpu
 DEV = "cuda"
 
 
@@ -196,8 +196,9 @@ def test_topk_kernel(spec):
 
 
 # ---------------------------------------------------------------------------------------- sanitizer probes
+@gpu
 def test_split_halves_smem_prefix():
-    """CPU: sanitizer_probes.SPLIT_HALVES_PAIR_MAX (the smem window of sMax[:, 1] whose racecheck hazards are explained)
+    """(jinja2 only: runs in scripts/sanitize.sh's steps) sanitizer_probes.SPLIT_HALVES_PAIR_MAX (the smem window of sMax[:, 1] whose racecheck hazards are explained)
     assumes these leading Smem fields at every default split_halves shape: 8 + 3 mbarriers, valid[2 * 64], mx[2 * 64]."""
     from dsagen.gen.render import render
     from sanitizer_probes import SPLIT_HALVES_PAIR_MAX

@@ -79,8 +79,8 @@ def _json_of(text: str, where: str):
 
     try:
         return json.loads(text)
-    except ValueError as e:
-        raise SpecError(f"{where}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:
+        raise SpecError(f"{where}: not valid JSON ({str(e)[:200]})") from None
 
 
 def _specs_from_args(args) -> list:
@@ -102,7 +102,11 @@ def _specs_from_args(args) -> list:
         d = _json_of(text, f"--spec {text!r}")
         specs.extend(_spec_of(d, f"--spec {text!r}", a) for a in arches or [None])
     for path in args.spec_file or ():
-        data = _json_of(Path(path).read_text(), f"--spec-file {path}")
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--spec-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        data = _json_of(text, f"--spec-file {path}")
         for i, d in enumerate(data if isinstance(data, list) else [data]):
             specs.extend(_spec_of(d, f"--spec-file {path} (spec {i})", a) for a in arches or [None])
     for path in args.from_tests or ():
@@ -148,7 +152,7 @@ def required_specs_of_tests(path: Path) -> list:
             spec.loader.exec_module(mod)
             req = getattr(mod, "REQUIRED_SPECS", [])
             req = list(req() if callable(req) else req)
-        except (KeyboardInterrupt, SystemExit):
+        except KeyboardInterrupt:
             raise
         except BaseException as e:  # noqa: BLE001 - any failure of a test module (pytest.skip is a BaseException)
             raise ConfigError(f"--from-tests {f}: importing it failed: {type(e).__name__}: {e}") from e
@@ -356,9 +360,16 @@ def cmd_show(args) -> int:
     if not hits:
         print(f"no cache entry whose key starts with or whose name is {args.what!r}", file=sys.stderr)
         return 1
+    from .cache.store import CacheCorruption, load_entry
+
+    bad = 0
     for r in hits:
-        print(json.dumps(json.loads((Path(r["path"]) / "manifest.json").read_text()), indent=1))
-    return 0
+        try:  # the checked manifest, read without following links
+            print(json.dumps(load_entry(Path(r["path"]), verify_hashes=False, read=())[0], indent=1))
+        except CacheCorruption as e:
+            bad += 1
+            print(f"dsagen: invalid entry: {e}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def cmd_verify(args) -> int:
@@ -398,7 +409,10 @@ def cmd_pack(args) -> int:
     from .cache.pack import pack
     from .cache.store import CacheStore
 
-    n = pack(CacheStore.from_env(), Path(args.out))
+    out = Path(args.out)
+    if not out.name or out.name in (".", "..") or out.is_dir():
+        raise ConfigError(f"--out {args.out!r}: give a file name for the pack")
+    n = pack(CacheStore.from_env(), out)
     print(f"packed {n} entr{'y' if n == 1 else 'ies'} into {args.out}")
     return 0
 
@@ -526,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = make_parser().parse_args(argv)
     debug = args.debug
+    if sys.stdout is None:  # started with stdout closed (`dsagen list >&-`): nowhere to print results
+        print("dsagen: error: standard output is closed", file=sys.stderr)
+        return 2
     try:
         debug = debug or env.DEBUG.get()
         code = args.fn(args)

@@ -679,3 +679,193 @@ def test_another_tools_cachedir_tag_is_not_dsagens(tmp_path):
     with pytest.raises(CacheRootError, match="not dsagen's"):
         CacheStore(other, []).prune()
     assert (other / "tmp" / "theirs.txt").read_text() == "keep"
+
+
+# ==== writers and readers meeting links, FIFOs and odd names ==========================================
+@pytest.mark.parametrize("where", ["v1/sm_90a", "tmp", "quarantine", "locks", "v1"])
+def test_writers_never_write_through_a_link(tmp_path, where):
+    root = tmp_path / "cache"
+    store = CacheStore(root, [])
+    store.ensure_root()
+    user = _user_files(tmp_path)
+    link = root / where
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(user, target_is_directory=True)
+    e = commit_fake(store)                                    # lock, stage, place
+    e.path.joinpath("kernel.cubin").write_bytes(b"x" * len(b"cubin-bytes"))
+    with pytest.warns(UserWarning, match="quarantined"):
+        assert store.lookup("sm_90a", "compactify", e.key) is None
+    commit_fake(store)
+    store.prune(everything=True)
+    assert _intact(user) and sorted(p.name for p in user.iterdir()) == ["deep", "precious.txt"]
+    assert sorted(p.name for p in (user / "deep").iterdir()) == ["also.txt"]
+
+
+def test_a_linked_entry_path_is_not_quarantined_through_the_link(tmp_path):
+    root = tmp_path / "cache"
+    store = CacheStore(root, [])
+    e = commit_fake(store)
+    user = _user_files(tmp_path)
+    (user / "thesis").mkdir()
+    (user / "thesis" / "manifest.json").write_text("{}")   # looks like a broken entry through the link
+    shutil.rmtree(root / "v1" / "sm_90a")
+    (root / "v1" / "sm_90a").symlink_to(user, target_is_directory=True)
+    (user / "compactify" / e.key[:2]).mkdir(parents=True)
+    (user / "compactify" / e.key[:2] / e.key).symlink_to(user / "thesis", target_is_directory=True)
+    with pytest.warns(UserWarning):
+        assert store.lookup("sm_90a", "compactify", e.key) is None
+    commit_fake(store)
+    store.prune(everything=True)
+    assert _intact(user) and (user / "thesis" / "manifest.json").read_text() == "{}"
+
+
+def test_fifos_where_files_belong_never_block(tmp_path):
+    code = textwrap.dedent(f"""
+        import os, warnings
+        from pathlib import Path
+        warnings.simplefilter("ignore")
+        from dsagen.cache import CacheStore
+        from dsagen.errors import CacheRootError
+        from cache_util import commit_fake
+        from dsagen.cache.keys import identity_of
+        from dsagen.spec import CompactifySpec
+        root = Path({str(tmp_path)!r}) / "cache"
+        s = CacheStore(root, [])
+        e = commit_fake(s)
+        (e.path / "kernel.cubin").unlink(); os.mkfifo(e.path / "kernel.cubin")
+        assert s.lookup("sm_90a", "compactify", e.key) is None
+        e = commit_fake(s)
+        (e.path / "manifest.json").unlink(); os.mkfifo(e.path / "manifest.json")
+        assert s.lookup_identity("sm_90a", "compactify", identity_of(CompactifySpec(arch="sm_90a"))) is None
+        (root / "CACHEDIR.TAG").unlink(); os.mkfifo(root / "CACHEDIR.TAG")
+        try:
+            s.prune()
+        except CacheRootError as err:
+            print("refused:", err)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}"))
+    assert r.returncode == 0 and "refused:" in r.stdout, r.stderr[-2000:]
+
+
+def test_odd_owner_names_never_crash_prune(tmp_path, monkeypatch):
+    import tempfile
+
+    root = tmp_path / "cache"
+    store = CacheStore(root, [])
+    commit_fake(store)
+    host = store_mod._HOST
+    odd = [f"unpack.{host}.99999999999999999999.a", f"unpack.{host}.\u00b2.a", f"unpack.{host}.0.a", "x.h.-1.a"]
+    for n in odd:
+        (root / "tmp" / n).mkdir()
+    sys_tmp = tmp_path / "systmp"
+    (sys_tmp / "dsagen-build-99999999999999999999-x").mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(sys_tmp))
+    store.prune()                               # young folders of unknown owners stay (age rule)
+    assert all((root / "tmp" / n).exists() for n in odd)
+    old = time.time() - 7200
+    for n in odd:
+        os.utime(root / "tmp" / n, (old, old))
+    store.prune()
+    assert not any((root / "tmp" / n).exists() for n in odd)
+
+
+def test_a_lock_link_does_not_stop_prune(tmp_path):
+    root = tmp_path / "cache"
+    store = CacheStore(root, [])
+    e = commit_fake(store)
+    user = _user_files(tmp_path)
+    (root / "locks" / f"{e.key}.lock").unlink(missing_ok=True)
+    (root / "locks" / f"{e.key}.lock").symlink_to(user / "precious.txt")
+    assert str(e.path) in store.prune(everything=True)
+    assert _intact(user)
+
+
+def test_deeply_nested_or_edited_kernel_records_are_corruption(tmp_path):
+    store = CacheStore(tmp_path / "cache", [])
+    e = commit_fake(store)
+    (e.path / "manifest.json").write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(CacheCorruption, match="nested too deeply|not JSON"):
+        check_entry(e.path)
+    edits = {
+        "block edited, hash kept": lambda m: dict(m, kernel=dict(m["kernel"], launch=dict(m["kernel"]["launch"],
+                                                                                          block=[255, 1, 1]))),
+        "param name is code": lambda m: _rehash(dict(m, kernel=dict(m["kernel"], params=[
+            {"name": "__import__('os').system('x')", "kind": "i32", "offset": 0, "size": 4}]))),
+        "smem negative": lambda m: _rehash(dict(m, kernel=dict(m["kernel"], launch=dict(m["kernel"]["launch"], smem=-5)))),
+        "smem a bool": lambda m: _rehash(dict(m, kernel=dict(m["kernel"], launch=dict(m["kernel"]["launch"], smem=True)))),
+        "grid outside the language": lambda m: _rehash(dict(m, kernel=dict(m["kernel"], launch=dict(
+            m["kernel"]["launch"], grid=["__import__('os')", "1", "1"])))),
+    }
+    for what, edit in edits.items():
+        e = commit_fake(store, source=what)
+        _rewrite_manifest(e.path, edit)
+        with pytest.raises(CacheCorruption, match="kernel"):
+            check_entry(e.path)
+
+
+def _rehash(m: dict) -> dict:
+    from dsagen.kernel_record import kernel_record_sha256
+
+    return dict(m, kernel_sha256=kernel_record_sha256(m["kernel"]))
+
+
+def test_a_killed_marker_write_does_not_block_the_root(tmp_path):
+    root = tmp_path / "cache"
+    root.mkdir()
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    stale = root / f".{MARKER}.{dead}.deadbeef"
+    stale.write_text("half a marker")
+    commit_fake(CacheStore(root, []))
+    assert str(stale) in CacheStore(root, []).prune() and not stale.exists()
+
+
+def test_a_read_only_root_that_is_a_file_is_a_warning(tmp_path, monkeypatch, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    monkeypatch.setenv("DSAGEN_CACHE_PATH", str(f))
+    monkeypatch.setenv("DSAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(store_mod, "_warned_roots", set())
+    with pytest.warns(UserWarning, match="is not a folder"):
+        store = CacheStore.from_env()
+    assert store.lookup_identity("sm_90a", "compactify", IDENT) is None
+    assert main(["list"]) == 0 and main(["verify"]) == 0
+
+
+def test_show_never_reads_through_a_link_and_reports_a_corrupt_manifest_in_one_line(tmp_path, monkeypatch, capsys):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("DSAGEN_CACHE_DIR", str(root))
+    monkeypatch.delenv("DSAGEN_CACHE_PATH", raising=False)
+    e = commit_fake(CacheStore(root, []))
+    user = _user_files(tmp_path)
+    (user / "secret.json").write_text('{"secret": "do not print"}')
+    (e.path / "manifest.json").unlink()
+    (e.path / "manifest.json").symlink_to(user / "secret.json")
+    assert main(["show", e.key[:8]]) == 1
+    out, err = capsys.readouterr()
+    assert "do not print" not in out + err and "Traceback" not in err
+    (e.path / "manifest.json").unlink()
+    (e.path / "manifest.json").write_text("not json")
+    assert main(["show", e.key[:8]]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not JSON" in err
+
+
+def test_more_user_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DSAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("DSAGEN_CACHE_PATH", raising=False)
+    raw = tmp_path / "spec.json"
+    raw.write_bytes(b"\xff\xfe{")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000)
+    for argv in (["build", "--spec-file", str(raw)], ["build", "--spec-file", str(deep)],
+                 ["build", "--spec", "[" * 100000], ["pack", "--out", ""], ["pack", "--out", "."],
+                 ["pack", "--out", str(tmp_path)]):
+        assert main(argv) == 2, argv[:2]
+        err = capsys.readouterr().err
+        assert err.startswith("dsagen: error: ") and err.count("\n") == 1 and "Traceback" not in err, err[:300]
+    r = subprocess.run([sys.executable, "-m", "dsagen.cli", "list"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), close_fds=True,
+                       preexec_fn=lambda: os.close(1))
+    assert r.returncode == 2 and "standard output is closed" in r.stderr and "Traceback" not in r.stderr

@@ -23,13 +23,16 @@ from sources you would take code from (notes/design.md, threat model).
 
 from __future__ import annotations
 
+import bz2
 import hashlib
 import io
 import json
+import lzma
 import os
 import re
 import tarfile
 import warnings
+import zlib
 from pathlib import Path, PurePosixPath
 
 from ..errors import DsagenError
@@ -115,7 +118,7 @@ def _members(file: Path, tar: tarfile.TarFile, max_member: int, max_total: int):
             if not (name == CHECKSUMS or _MEMBER.fullmatch(name)) or PurePosixPath(name).as_posix() != name:
                 raise PackError(f"{file}: unexpected member {name!r} (a dsagen pack holds only "
                                 f"{LAYOUT}/<arch>/<op>/<key[:2]>/<key>/<file> and {CHECKSUMS})")
-            if not m.isreg():
+            if m.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
                 raise PackError(f"{file}: member {name!r} is not a regular file (links, folders and devices "
                                 f"are refused)")
             if name in seen:
@@ -149,27 +152,157 @@ def _stream(src, size: int, sink=None) -> str:
     return h.hexdigest()
 
 
+def _decompressed(file: Path):
+    """The pack's bytes as a tar stream sees them (gzip, bzip2 and xz undone), in chunks of at most
+    1 MiB however much a compressed chunk inflates."""
+    with open(file, "rb") as f:
+        head = f.read(6)
+        f.seek(0)
+        if head[:2] == b"\x1f\x8b":
+            d, kind = zlib.decompressobj(31), "zlib"
+        elif head[:3] == b"BZh":
+            d, kind = bz2.BZ2Decompressor(), "stream"
+        elif head[:6] == b"\xfd7zXZ\x00":
+            d, kind = lzma.LZMADecompressor(), "stream"
+        else:
+            d, kind = None, "plain"
+        try:
+            while raw := f.read(1 << 16):
+                if kind == "plain":
+                    yield raw
+                elif kind == "zlib":
+                    while raw and not d.eof:
+                        yield d.decompress(raw, _CHUNK)
+                        raw = d.unconsumed_tail
+                else:
+                    out = d.decompress(raw, max_length=_CHUNK)
+                    yield out
+                    while not d.eof and not d.needs_input:
+                        yield d.decompress(b"", max_length=_CHUNK)
+                if kind != "plain" and d.eof:
+                    return
+        except (zlib.error, OSError, EOFError, lzma.LZMAError) as e:
+            raise PackError(f"{file}: not a readable compressed tar ({e})") from None
+
+
+def _octal_or_base256(field: bytes) -> int:
+    if field[:1] in (b"\x80", b"\xff"):
+        n = int.from_bytes(field[1:], "big")
+        return n if field[:1] == b"\x80" else n - 256 ** (len(field) - 1)
+    text = field.replace(b"\0", b" ").strip()
+    return int(text, 8) if text else 0
+
+
+def _checksum_ok(block: bytes) -> bool:
+    """Whether a 512-byte tar header carries its own checksum (unsigned or signed sum, as tarfile accepts)."""
+    try:
+        want = int(block[148:156].replace(b"\0", b" ").strip() or b"-1", 8)
+    except ValueError:
+        return False
+    rest = block[:148] + b" " * 8 + block[156:]
+    return want in (sum(rest), sum(x - 256 if x > 127 else x for x in rest))
+
+
+def _prescan(file: Path, max_member: int, max_total: int) -> None:
+    """Walk the tar headers of the (decompressed) stream in bounded memory before `tarfile` sees it:
+    `tarfile` reads an extended header (PAX, GNU long name) whole into memory, so every such header
+    must be at most 1 MiB, every member within its cap, the members at most MAX_MEMBERS and their sum
+    within `max_total`. Global PAX headers are refused (a dsagen pack never has one)."""
+    buf = bytearray()
+    skip = members = total = 0
+    pax_size = None
+    ext: tuple[bytes, int] | None = None   # (type, bytes left) of an extended header being collected
+    ext_data = bytearray()
+    for chunk in _decompressed(file):
+        buf += chunk
+        while True:
+            if skip:
+                n = min(skip, len(buf))
+                if ext is not None:
+                    ext_data += buf[:n]
+                del buf[:n]
+                skip -= n
+                if skip:
+                    break
+                if ext is not None:
+                    if ext[0] == b"x":
+                        for rec in bytes(ext_data[:ext[1]]).split(b"\n"):
+                            if b" size=" in rec:
+                                try:
+                                    pax_size = int(rec.split(b"=", 1)[1])
+                                except ValueError:
+                                    raise PackError(f"{file}: a PAX header with a bad size record") from None
+                    ext, ext_data = None, bytearray()
+            if len(buf) < 512:
+                break
+            block = bytes(buf[:512])
+            del buf[:512]
+            if block == bytes(512):
+                return  # end of archive, as tarfile reads it
+            if not _checksum_ok(block):
+                raise PackError(f"{file}: not a tar file (a header at byte {members * 512} or later fails its "
+                                f"checksum)" if members else f"{file}: not a tar file")
+            try:
+                size = _octal_or_base256(block[124:136])
+            except ValueError:
+                raise PackError(f"{file}: not a tar file (a header with a bad size field)") from None
+            kind = block[156:157]
+            members += 1
+            if members > 2 * MAX_MEMBERS + 2:
+                raise PackError(f"{file}: more than {MAX_MEMBERS} members")
+            if kind == b"g":
+                raise PackError(f"{file}: a global PAX header (a dsagen pack never has one)")
+            if kind in (b"x", b"L", b"K"):
+                if not 0 <= size <= MAX_MANIFEST_BYTES:
+                    raise PackError(f"{file}: an extended tar header of {size} bytes, over the cap of "
+                                    f"{MAX_MANIFEST_BYTES}")
+                ext = (kind, size)
+            else:
+                if pax_size is not None:
+                    size, pax_size = pax_size, None
+                if not 0 <= size <= max_member:
+                    raise PackError(f"{file}: a member of {size} bytes, over the cap of {max_member}")
+                total += size
+                if total > max_total:
+                    raise PackError(f"{file}: the members add up to more than the cap of {max_total} bytes")
+            skip = -(-size // 512) * 512
+
+
 def _scan(file: Path, max_member: int, max_total: int) -> dict[str, dict]:
-    """First pass, writing nothing: {entry folder: {"manifest": dict, "files": {name: (size, sha256)}}}
-    after checking every member, the checksum list and every entry."""
+    """First pass, writing nothing: {entry folder: {"files": {name: (size, sha256)}}} after checking
+    every member, the checksum list and every entry's manifest (each manifest is checked as it is read
+    and only its artifact list is kept, so memory does not grow with the number of entries)."""
+    _prescan(file, max_member, max_total)
     found: dict[str, tuple[int, str]] = {}
-    small: dict[str, bytes] = {}
+    listed: dict[str, dict[str, tuple[int, str]]] = {}   # entry folder -> its manifest's artifacts
+    sums_raw = b""
     with _open_stream(file) as tar:
         for m, data in _members(file, tar, max_member, max_total):
             if m.name == CHECKSUMS or m.name.endswith("/" + MANIFEST):
-                small[m.name] = data.read(m.size + 1)
-                if len(small[m.name]) != m.size:
+                raw = data.read(m.size + 1)
+                if len(raw) != m.size:
                     raise PackError(f"{file}: member {m.name!r} is truncated")
-                sha = hashlib.sha256(small[m.name]).hexdigest()
+                sha = hashlib.sha256(raw).hexdigest()
+                if m.name == CHECKSUMS:
+                    sums_raw = raw
+                else:
+                    folder = m.name.rsplit("/", 1)[0]
+                    try:
+                        manifest = validate_entry_manifest(json.loads(raw), Path(folder))
+                    except (ValueError, RecursionError) as err:  # CacheCorruption is not a ValueError
+                        raise PackError(f"{file}: {m.name} is not JSON ({str(err)[:200]})") from None
+                    except CacheCorruption as err:
+                        raise PackError(f"{file}: {err}") from None
+                    listed[folder] = {n: (a["size"], a["sha256"]) for n, a in manifest["artifacts"].items()}
             else:
                 sha = _stream(data, m.size)
             found[m.name] = (m.size, sha)
     if CHECKSUMS not in found:
         raise PackError(f"{file}: no {CHECKSUMS}; not a dsagen pack")
     try:
-        sums = json.loads(small[CHECKSUMS])
-    except ValueError as e:
-        raise PackError(f"{file}: {CHECKSUMS} is not JSON ({e})") from None
+        sums = json.loads(sums_raw)
+    except (ValueError, RecursionError) as e:
+        raise PackError(f"{file}: {CHECKSUMS} is not JSON ({str(e)[:200]})") from None
     if not (isinstance(sums, dict) and all(isinstance(v, str) for v in sums.values())):
         raise PackError(f"{file}: {CHECKSUMS} is not an object of sha256 strings")
     if set(sums) != set(found) - {CHECKSUMS}:
@@ -183,24 +316,15 @@ def _scan(file: Path, max_member: int, max_total: int) -> dict[str, dict]:
             folder, base = name.rsplit("/", 1)
             entries.setdefault(folder, {"files": {}})["files"][base] = (size, sha)
     for folder, e in entries.items():
-        path = Path(folder)
-        if MANIFEST not in e["files"]:
+        if folder not in listed:
             raise PackError(f"{file}: {folder} has no {MANIFEST}")
-        try:
-            m = json.loads(small[f"{folder}/{MANIFEST}"])
-            validate_entry_manifest(m, path)
-        except ValueError as err:  # JSON errors, CacheCorruption is not a ValueError
-            raise PackError(f"{file}: {folder}/{MANIFEST} is not JSON ({err})") from None
-        except CacheCorruption as err:
-            raise PackError(f"{file}: {err}") from None
-        arts = m["artifacts"]
+        arts = listed[folder]
         if set(e["files"]) != set(arts) | {MANIFEST}:
             raise PackError(f"{file}: {folder} holds {sorted(e['files'])}, its manifest lists "
                             f"{sorted(set(arts) | {MANIFEST})}")
-        for base, art in arts.items():
-            if e["files"][base] != (art["size"], art["sha256"]):
+        for base, want in arts.items():
+            if e["files"][base] != want:
                 raise PackError(f"{file}: {folder}/{base} does not match its manifest (size or sha256)")
-        e["manifest"] = m
     return entries
 
 

@@ -537,11 +537,8 @@ class CacheStore:
             root.mkdir(parents=True, exist_ok=True)
         # another process may be marking the same new root right now: its temporary marker is ours too
         foreign = sorted(n for n in set(os.listdir(root)) - OWN_NAMES if not n.startswith(f".{MARKER}."))
-        if not foreign and os.path.lexists(marker) and marked():
-            return layer  # written by another process since the first look
-        if foreign or os.path.lexists(marker):
-            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "") if foreign else \
-                f"a {MARKER} that is not dsagen's"
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
             raise CacheRootError(
                 f"{root} ({env.CACHE_DIR.name}) is not a dsagen cache: it holds {shown} and no dsagen "
                 f"{MARKER}; dsagen refuses to write or prune there. Point {env.CACHE_DIR.name} at a new "
@@ -554,8 +551,9 @@ class CacheStore:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        if not marked():
-            raise CacheRootError(f"{root}: {MARKER} appeared but is not dsagen's; refusing the folder")
+        if not marked():  # there was one already (ours, written by another process since, or not ours)
+            raise CacheRootError(f"{root} ({env.CACHE_DIR.name}) is not a dsagen cache: it holds a {MARKER} "
+                                 f"that is not dsagen's; dsagen refuses to write or prune there")
         return layer
 
     def own_dir(self, *parts: str) -> Path:

@@ -12,8 +12,6 @@ from dsagen.ops._validate import MAX_TOPK, check_topk, device_memory_bytes
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 IMPLS = ["reference", "fused"]
-WIRED_LATER = pytest.mark.xfail(strict=True, reason="lightning_indexer's argument checks call check_topk "
-                                                    "once its owner wires it in")
 
 
 def _rows_beyond_memory(device: str, slot_bytes: int) -> int:
@@ -56,14 +54,12 @@ _CASES = [
     ("lightning_indexer", "topk", _lightning_indexer, 4, lambda rows: (1, rows)),
 ]
 CASES = [pytest.param(*c, id=c[0]) for c in _CASES]
-CASES_OF_THE_WIDTH_CHECK = [pytest.param(*c, id=c[0], marks=WIRED_LATER if c[0] == "lightning_indexer" else ())
-                            for c in _CASES]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("width", [MAX_TOPK + 1, 2**40, 2**62, 2**63, 2**64])
-@pytest.mark.parametrize("op,arg,call,slot_bytes,lead", CASES_OF_THE_WIDTH_CHECK)
+@pytest.mark.parametrize("op,arg,call,slot_bytes,lead", CASES)
 def test_width_beyond_int32_is_a_value_error(op, arg, call, slot_bytes, lead, width, impl, device):
     with pytest.raises(ValueError, match=rf"^{arg} must be <= 2\*\*31 - 1 = 2147483647 \(ids and widths are "
                                          rf"int32\), got {width}$"):
@@ -72,7 +68,7 @@ def test_width_beyond_int32_is_a_value_error(op, arg, call, slot_bytes, lead, wi
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("op,arg,call,slot_bytes,lead", CASES_OF_THE_WIDTH_CHECK)
+@pytest.mark.parametrize("op,arg,call,slot_bytes,lead", CASES)
 def test_outputs_beyond_device_memory_are_a_value_error(op, arg, call, slot_bytes, lead, impl, device):
     rows = _rows_beyond_memory(device, slot_bytes)
     need = rows * MAX_TOPK * slot_bytes

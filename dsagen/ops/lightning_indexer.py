@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._validate import (FLOAT_DTYPES, check_bool, check_contiguous, check_cu_seqlens, check_impl, check_int,
-                        check_reference_options, check_same_dtype, check_shape, check_tensor)
+                        check_reference_options, check_same_dtype, check_shape, check_tensor, check_topk)
 
 
 def _check_offsets(name: str, t, device: torch.device) -> torch.Tensor:
@@ -108,7 +108,7 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, t
     b, t_count, h, d = q.shape
     if h < 1 or d < 1:
         raise ValueError(f"q must have H >= 1 heads and head dimension D >= 1, got shape {tuple(q.shape)}")
-    check_int("topk", topk, minimum=0)
+    check_topk("topk", topk, (b, t_count), 4, device, what="int32 indices")
     check_bool("causal", causal)
     check_int("compress_ratio", compress_ratio, minimum=1)
     if compress_ratio != 1 and not causal:

@@ -1,4 +1,4 @@
-# Shared setup of the scripts/gpu_session*.sh GPU calls (source it): gpu_setup CACHE NAME exports the shipped-cache
+# Shared setup of a GPU script such as scripts/sanitize.sh (source it): gpu_setup CACHE NAME exports the shipped-cache
 # environment (DSAGEN_CACHE_PATH=CACHE, JIT off, repo + tests/gpu on PYTHONPATH) and sets O=${OUT:-NAME-out}/NAME;
 # `run NAME SECONDS COMMAND...` runs one step under its timeout into $O/NAME.log, prints its rc and last ${TAILN:-3}
 # lines (warnings filtered) and archives $O into ${OUT:-NAME-out}/NAME.tgz (one file that comes back even when

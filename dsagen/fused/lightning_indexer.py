@@ -1,4 +1,4 @@
-"""Fused lightning_indexer (seed 000) on Hopper: generated wgmma score kernel + radix top-k kernel.
+"""Fused lightning_indexer (attention-gym) on Hopper: generated wgmma score kernel + radix top-k kernel.
 
 Called by dsagen.ops.lightning_indexer after the generic validation; this module adds what the kernels
 need (backend name, device, dtype, the declared H / D / T ranges, TMA layout) and runs them.

@@ -1,4 +1,4 @@
-"""dsagen.lightning_indexer: top-k candidate selection with multi-head weighted ReLU scores (seed 000)."""
+"""dsagen.lightning_indexer: top-k candidate selection with multi-head weighted ReLU scores (attention-gym)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, t
                       cu_seqlens_k: torch.Tensor | None = None, impl: str = "fused",
                       kernel_options: dict[str, str] | None = None, check_offsets: bool | None = None
                       ) -> torch.Tensor:
-    """Return the top-k candidate indices for every (batch, query) row (seed 000).
+    """Return the top-k candidate indices for every (batch, query) row (attention-gym lightning_indexer).
 
     ::
 
@@ -79,8 +79,9 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, t
         resolving equal scores toward the lower index (deterministic); rows with fewer valid candidates
         than topk end with -1 padding. Masked candidates (other documents, causal future, inactive
         capacity) are excluded before selection, never selected. The fused path's order and tie-breaking
-        are unspecified (seed 000). The result has no grad_fn: selection is nondifferentiable even when
-        inputs require gradients. Mask -1 before gathering (a raw -1 index selects the last position).
+        are unspecified (attention-gym leaves them open). The result has no grad_fn: selection is
+        nondifferentiable even when inputs require gradients. Mask -1 before gathering (a raw -1 index
+        selects the last position).
         Selection with NaN/Inf scores is unspecified.
 
     The reference accumulates FP16/BF16/FP32 in FP32 and FP64 in FP64, and scores query rows in chunks so

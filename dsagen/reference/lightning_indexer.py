@@ -1,4 +1,4 @@
-"""Plain-PyTorch lightning_indexer (seed 000): chunked weighted-ReLU scoring and deterministic top-k.
+"""Plain-PyTorch lightning_indexer (attention-gym): chunked weighted-ReLU scoring and deterministic top-k.
 
 This is both the oracle the fused kernels are tested against and the "plain PyTorch" peer in the
 benchmarks, so it is written to be reasonably fast: one GEMM over all heads per chunk, torch.topk for

@@ -1,7 +1,7 @@
 """GPU tests of the fused lightning_indexer (sm_90a): generated wgmma score kernel + radix top-k, through
 the whole pipeline (spec -> template -> cubin in the cache -> runtime), against plain-PyTorch scores.
 
-Checked property (seed 000 leaves order and ties open, so no exact-set comparison): for every row the
+Checked property (attention-gym leaves order and ties open, so no exact-set comparison): for every row the
 selected ids are distinct, valid for the row's causal / document bounds, ascending (this backend's
 order), followed by -1 exactly when fewer than topk candidates exist, and every selected candidate's
 reference score is >= every unselected valid candidate's reference score minus one bf16 ulp of the

@@ -2,7 +2,7 @@
 SparseAttnFwdSpec) against the plain-PyTorch reference on fresh random inputs: H 64/128 natively and 16/32
 padded, D_qk 512/576 with d_v 512, top-k widths that are and are not multiples of 64, topk_length, -1,
 negative and out-of-range ids, duplicates, all-invalid rows, with and without sink, total_S_q = 1, the
-batched seed-002 layout, fp16, gradients, CUDA-graph capture and torch.compile.
+batched layout of the DeepSeek-V4 inference kernel, fp16, gradients, CUDA-graph capture and torch.compile.
 The correctness tests that take the `schedule` fixture run under every kernel schedule
 (SparseAttnFwdSpec.schedule "split_halves", the op's default: FlashMLA's even/odd split of the tiles with its
 half-stage barriers and asymmetric max exchange; "serial"; "serial_lean", serial with the next QK^T issued behind

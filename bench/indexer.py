@@ -11,11 +11,9 @@ clock ramp-up included); --queued also times each call behind a spin kernel (bus
 op's GPU time as inside a model step, 1-1.5 ms less at T=32768 on some H200s). FLOPs count the causal pairs only: 2*H*D*sum_t #candidates(t);
 the tensor-core floor is that at 780 TFLOP/s (dense bf16 measured on the H200). The reference is timed
 only up to --ref-max-T (it takes seconds beyond). --profile also times the score and top-k kernels
-alone (one slab loop with each kernel launched alone). --variant selects tile choices that are not the
-default yet (VARIANTS: spec options of the score and top-k kernels); several names run one after the
-other on the same inputs. `ablate-persistent-*` / `ablate-topk-*` are TIMING PROBES, not correct kernels
-(IndexerScoreSpec / IndexerTopkSpec.ablate: one stage left out); use them with --profile and read only
-the ablated kernel's column (score_ms or topk_ms); `--variant ablations` runs default + all of them.
+alone (one slab loop with each kernel launched alone). --variant runs the op with another IndexerConfig (VARIANTS:
+a replaced copy of config_for's, passed as dsagen.fused.lightning_indexer.lightning_indexer(..., config=...));
+"default" is the public op itself. Several names run one after the other on the same inputs.
 """
 
 from __future__ import annotations
@@ -29,46 +27,26 @@ import torch
 from common import cuda_time_ms
 
 PEAK_TFLOPS = 780.0
-#: --variant -> (IndexerScoreSpec options, IndexerTopkSpec options)
-VARIANTS = {
-    "default": ({}, {}),
-    "topk_s3": ({}, {"compact": False}),                       # top-k: 512 threads (1024 if one wave), no plan
-    "pingpong": ({"schedule": "pingpong"}, {}),               # ping-pong WGs, one CTA per work item
-    "persistent": ({"schedule": "persistent"}, {}),           # ping-pong WGs, ~1 CTA per SM looping over items
-    "c2": ({"consumers": 2}, {}),                              # persistent with 2 consumer WGs (default: 3, 512 threads)
-    "lean": ({"lean_epilogue": True}, {}),                     # persistent, 3 consumer WGs, lean epilogue (reduce-scatter)
-    "lean_free": ({"lean_epilogue": True, "free_issue": True}, {}),  # lean + no turn barriers (wgmmas issued when ready)
-    "t512": ({}, {"threads": 512}),                            # top-k: always 512 threads (never the wide one)
-    "t1024": ({}, {"threads": 1024}),                          # top-k: always 1024 threads (1 CTA per SM)
-    "t256": ({}, {"threads": 256}),
-    "t128": ({}, {"threads": 128}),                            # 8 rows in flight per SM
-    "t64": ({}, {"threads": 64}),                              # 16 rows in flight per SM
-    "compact": ({}, {"compact": True}),                        # top-k: candidates compacted into smem (both widths)
-    "nomma": ({"mma_head_sum": False}, {}),                    # score: the CUDA-core head sum epilogue
-    "mma": ({"mma_head_sum": True}, {}),                       # score: the head sum on the tensor cores
-    "lean_compact": ({"lean_epilogue": True}, {"compact": True}),              # lean score + compact top-k
-    "lean_free_compact": ({"lean_epilogue": True, "free_issue": True}, {"compact": True}),
-}
-#: host variants: the default kernels with another score-slab cap (fused.SLAB_BYTES, MiB; default 128)
-SLAB_VARIANTS = {"slab16": 16, "slab32": 32, "slab64": 64}
-#: host variants: the default kernels with another slab row cap (fused.SLAB_MAX_ROWS; default 1024)
-ROWS_VARIANTS = {"rows2048": 2048, "rows4096": 4096}
-#: host variants: another top-k plan (spec family TOPK_BY_ROW_LENGTH, TOPK_WIDE_BY_ROW_LENGTH); plan_s4a = the
-#: the plan without the sampled threshold (128 threads up to 12288 candidates, else 512 + compact)
-PLAN_VARIANTS = {"plan_s4a": (((12288, {"threads": 128}), (None, {"threads": 512, "compact": True})),
-                              ((12288, {"threads": 1024}), (None, {"threads": 1024, "compact": True})))}
-#: host variants: the score kernel's work items cover that many candidates (fused.CHUNK_ROWS; default 4096)
-CHUNK_VARIANTS = {"chunk2048": 2048, "chunk8192": 8192, "chunk16384": 16384}
-VARIANTS.update({name: ({}, {}) for name in (*SLAB_VARIANTS, *ROWS_VARIANTS, *PLAN_VARIANTS, *CHUNK_VARIANTS)})
-# Timing ablations (not correct kernels; see dsagen.spec.families.indexer INDEXER_*_ABLATIONS).
-SCORE_ABLATIONS = ("no_epilogue", "mma_k16")
-TOPK_ABLATIONS = ("hist1", "read1", "no_emit")
-# score probes of the persistent kernel (IndexerScoreSpec ablate with schedule="persistent")
-VARIANTS.update({f"ablate-persistent-{a}": ({"schedule": "persistent", "ablate": a}, {}) for a in SCORE_ABLATIONS})
-VARIANTS.update({f"ablate-topk-{a}": ({}, {"ablate": a}) for a in TOPK_ABLATIONS})
-#: --variant ablations: the default, the persistent kernel the score ablations probe, every ablation
-ABLATION_SET = (["default", "persistent"] + [f"ablate-persistent-{a}" for a in SCORE_ABLATIONS]
-                + [f"ablate-topk-{a}" for a in TOPK_ABLATIONS])
+H, D = 64, 128
+
+
+def variants(arch: str = "sm_90a") -> dict:
+    """--variant -> the IndexerConfig it runs (None: the public op with config_for's config)."""
+    from dsagen.spec.families.indexer import IndexerTopkSpec, TopkPlan, config_for
+
+    cfg = config_for(H, D, "bfloat16", arch)
+    def one(threads):
+        return dataclasses.replace(cfg, topk=TopkPlan.single(IndexerTopkSpec(arch=arch, threads=threads)))
+
+    out = {"default": None,
+           # top-k: one kernel for every slab instead of the plan (512 threads, 1024 when a slab's rows fit one wave)
+           "topk_one": dataclasses.replace(cfg, topk=TopkPlan.single(IndexerTopkSpec(arch=arch, threads=512),
+                                                                     IndexerTopkSpec(arch=arch, threads=1024)))}
+    out.update({f"t{t}": one(t) for t in (128, 512, 1024)})              # top-k: always that many threads per row
+    out.update({f"slab{m}": dataclasses.replace(cfg, slab_bytes=m << 20) for m in (16, 32, 64)})    # slab cap, MiB
+    out.update({f"rows{r}": dataclasses.replace(cfg, slab_max_rows=r) for r in (2048, 4096)})       # slab row cap
+    out.update({f"chunk{c}": dataclasses.replace(cfg, chunk_rows=c) for c in (2048, 8192, 16384)})  # work items
+    return out
 
 
 def causal_pairs(t: int, ratio: int) -> int:
@@ -84,13 +62,23 @@ class _Skip:
         return None
 
 
-def _profile(fused, q, k, w, topk, ratio, reps) -> dict:
+def _call(q, k, w, topk, ratio, config):
+    """One op call: the public op (config None) or the fused entry point with `config`."""
     import dsagen
+    from dsagen.fused import lightning_indexer as fused
 
-    call = lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True, compress_ratio=ratio, impl="fused")
-    kernels = fused._kernels_for(q.device, q.shape[2], q.shape[3], q.dtype)
-    # the entry _kernels_for just filled for this variant (its key ends with repr(SPEC_OPTIONS))
-    key = next(key for key, v in fused._kernels.items() if v is kernels and key[-1] == repr(fused.SPEC_OPTIONS))
+    if config is None:
+        return dsagen.lightning_indexer(q, k, w, topk, causal=True, compress_ratio=ratio, impl="fused")
+    return fused.lightning_indexer(q, k, w, topk, causal=True, compress_ratio=ratio, cu_seqlens=None,
+                                   cu_seqlens_k=None, kernel_options=None, config=config)
+
+
+def _profile(q, k, w, topk, ratio, config, reps) -> dict:
+    from dsagen.fused import lightning_indexer as fused
+
+    call = lambda: _call(q, k, w, topk, ratio, config)   # noqa: E731
+    kernels = fused._kernels_for(q.device, q.shape[2], q.shape[3], q.dtype, config)
+    key = next(key for key, v in fused._kernels.items() if v is kernels)
     try:
         fused._kernels[key] = dataclasses.replace(kernels, topk=dict.fromkeys(kernels.topk, _Skip))
         score_ms = cuda_time_ms(call, rounds=reps)
@@ -101,14 +89,13 @@ def _profile(fused, q, k, w, topk, ratio, reps) -> dict:
     return {"score_ms": round(score_ms, 3), "topk_ms": round(topk_ms, 3)}
 
 
-def _trace(q, k, w, topk, ratio, reps) -> dict:
+def _trace(q, k, w, topk, ratio, config, reps) -> dict:
     """Device time per kernel inside the real op (torch.profiler / CUPTI), ms per call: score and top-k."""
-    import dsagen
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            dsagen.lightning_indexer(q, k, w, topk, causal=True, compress_ratio=ratio, impl="fused")
+            _call(q, k, w, topk, ratio, config)
         torch.cuda.synchronize()
     us = {"score": 0.0, "topk": 0.0}
     for ev in prof.key_averages():
@@ -132,28 +119,17 @@ def main(argv=None) -> int:
                          "time as inside a model step; common.cuda_time_ms)")
     ap.add_argument("--trace", action="store_true",
                     help="also report each kernel's device time inside the real op (torch.profiler)")
-    ap.add_argument("--variant", choices=list(VARIANTS) + ["ablations"], nargs="+", default=["default"],
-                    help="pingpong / persistent: score-kernel schedules (IndexerScoreSpec.schedule); c2: 2 consumer "
-                         "warpgroups (default 3); lean / lean_free: IndexerScoreSpec.lean_epilogue / free_issue; "
-                         "nomma / mma: IndexerScoreSpec.mma_head_sum off / on (default off); slab16 / slab32 / slab64: "
-                         "the score slab capped at that many MiB (default fused.SLAB_BYTES, 128 MiB); chunk2048 / chunk8192 / chunk16384: score work items of that many candidates (default fused.CHUNK_ROWS, "
-                         "4096); rows2048 / rows4096: at that "
-                         "many rows (default fused.SLAB_MAX_ROWS, 1024); "
-                         "t64 / t128 / t256 / t512 / t1024: top-k with that many threads per row (default: per slab, "
-                         "TOPK_BY_ROW_LENGTH); topk_s3: the unplanned top-k (512, 1024 when a slab's rows fit one wave); plan_s4a: the plan "
-                         "without the sampled threshold; compact: IndexerTopkSpec.compact; "
-                         "ablate-persistent-* / ablate-topk-*: timing probes (not correct); ablations: default + all probes")
+    ap.add_argument("--variant", choices=list(variants()), nargs="+", default=["default"],
+                    help="default: the public op; topk_one: one top-k kernel for every slab (512 threads, 1024 when a "
+                         "slab's rows fit one wave); t128 / t512 / t1024: top-k with that many threads per row for every "
+                         "slab; slab16 / slab32 / slab64: the score slab capped at that many MiB (default 128); "
+                         "rows2048 / rows4096: at that many rows (default 1024); chunk2048 / chunk8192 / chunk16384: "
+                         "score work items of that many candidates (default 4096)")
     args = ap.parse_args(argv)
-    names = []
-    for v in args.variant:
-        for n in (ABLATION_SET if v == "ablations" else [v]):
-            if n not in names:
-                names.append(n)
-    if any(n.startswith("ablate-") for n in names) and not args.profile:
-        print("# note: ablate-* variants are timing probes; add --profile to see the ablated kernel alone")
+    names = list(dict.fromkeys(args.variant))
     results = [_run_variant(n, args) for n in names]
     if len(results) > 1 and args.profile:
-        print("\n# per-kernel times (ms; ablated kernel's column is the probe, the other is the real kernel)")
+        print("\n# per-kernel times (ms)")
         print(f"{'variant':<26} {'T':>7} {'topk':>5} {'ratio':>5} {'score ms':>9} {'top-k ms':>9} {'total ms':>9}")
         for res in results:
             for row in res["rows"]:
@@ -167,26 +143,14 @@ def main(argv=None) -> int:
 
 def _run_variant(variant: str, args) -> dict:
     import dsagen
-    from dsagen.fused import lightning_indexer as fused
 
-    from dsagen.spec.families import indexer as family
-
-    fused.SPEC_OPTIONS = VARIANTS[variant]
-    default_plan = family.TOPK_BY_ROW_LENGTH, family.TOPK_WIDE_BY_ROW_LENGTH
-    if variant in PLAN_VARIANTS:
-        family.TOPK_BY_ROW_LENGTH, family.TOPK_WIDE_BY_ROW_LENGTH = PLAN_VARIANTS[variant]
-    fused._kernels.clear()                      # the plan is not part of the loaded-kernel key
-    default_slab, default_rows, default_chunk = fused.SLAB_BYTES, fused.SLAB_MAX_ROWS, fused.CHUNK_ROWS
-    fused.CHUNK_ROWS = CHUNK_VARIANTS.get(variant, default_chunk)
-    fused.SLAB_BYTES = SLAB_VARIANTS.get(variant, default_slab >> 20) << 20
-    fused.SLAB_MAX_ROWS = ROWS_VARIANTS.get(variant, default_rows)
-
-    h, d = 64, 128
+    config = variants()[variant]
+    h, d = H, D
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  H={h} D={d} bf16 causal  "
-          f"variant {variant} {fused.SPEC_OPTIONS}")
+          f"variant {variant}")
     print(f"{'T':>7} {'topk':>5} {'ratio':>5} {'fused ms':>9} {'TFLOP/s':>8} {'floor ms':>9} {'of floor':>8} "
           f"{'ref ms':>9} {'speedup':>8}")
     for t in args.T:
@@ -198,13 +162,10 @@ def _run_variant(variant: str, args) -> dict:
             flops = 2 * h * d * causal_pairs(t, ratio)
             floor_ms = flops / (PEAK_TFLOPS * 1e12) * 1e3
             for topk in args.topk:
-                fused_ms = cuda_time_ms(lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True,
-                                                                         compress_ratio=ratio, impl="fused"),
-                                        rounds=args.reps)
+                fused_ms = cuda_time_ms(lambda: _call(q, k, w, topk, ratio, config), rounds=args.reps)
                 if args.queued:
-                    queued_ms = cuda_time_ms(lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True,
-                                                                               compress_ratio=ratio, impl="fused"),
-                                             rounds=args.reps, queued=True)
+                    queued_ms = cuda_time_ms(lambda: _call(q, k, w, topk, ratio, config), rounds=args.reps,
+                                             queued=True)
                 ref = None
                 if t <= args.ref_max_T:
                     ref = cuda_time_ms(lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True,
@@ -219,9 +180,9 @@ def _run_variant(variant: str, args) -> dict:
                 if args.queued:
                     row["queued_ms"] = round(queued_ms, 3)
                 if args.profile:
-                    row.update(_profile(fused, q, k, w, topk, ratio, args.reps))
+                    row.update(_profile(q, k, w, topk, ratio, config, args.reps))
                 if args.trace:
-                    row.update(_trace(q, k, w, topk, ratio, max(2, min(args.reps, 5))))
+                    row.update(_trace(q, k, w, topk, ratio, config, max(2, min(args.reps, 5))))
                 rows.append(row)
                 print(f"{t:>7} {topk:>5} {ratio:>5} {fused_ms:>9.2f} {tflops:>8.1f} {floor_ms:>9.2f} "
                       f"{floor_ms / fused_ms:>8.2f} {(f'{ref:.1f}' if ref else '-'):>9} "
@@ -233,13 +194,8 @@ def _run_variant(variant: str, args) -> dict:
                          if args.trace else ""), flush=True)
             del q, k, w
             torch.cuda.empty_cache()
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variant": variant,
-           "spec_options": fused.SPEC_OPTIONS, "rows": rows}
-    fused.SPEC_OPTIONS = ({}, {})
-    fused.SLAB_BYTES, fused.SLAB_MAX_ROWS, fused.CHUNK_ROWS = default_slab, default_rows, default_chunk
-    family.TOPK_BY_ROW_LENGTH, family.TOPK_WIDE_BY_ROW_LENGTH = default_plan
-    fused._kernels.clear()
-    return out
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variant": variant,
+            "config": None if config is None else repr(config), "rows": rows}
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Benchmark: the lightning-indexer top-k kernel alone, by row length and kernel variant (GPU).
 
-    python bench/indexer_topk.py [--n 1024 4096 16384 32768 ...] [--variant t64 t128 ...] [--json FILE]
+    python bench/indexer_topk.py [--n 1024 4096 16384 32768 ...] [--variant t128 s512 ...] [--json FILE]
 
 Each case is one launch over a slab of R rows of n candidates each (R = the rows the fused op puts in one slab at
-S = n: fused.slab_rows(64, n)), rows filled with realistic scores (sum over 64 heads of w * relu(q . k), H=64, D=128,
-random q/k/w: the key distribution decides how many radix passes run), topk 2048. Prints microseconds per launch and
-nanoseconds per row; the basis of the host's per-slab choice of the top-k width (dsagen.fused.lightning_indexer).
+S = n: fused.slab_rows with config_for's caps), rows filled with realistic scores (sum over 64 heads of
+w * relu(q . k), H=64, D=128, random q/k/w: the key distribution decides how many radix passes run), topk 2048.
+Prints microseconds per launch and nanoseconds per row; the basis of config_for's top-k plan.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ import sys
 import torch
 from common import cuda_time_ms
 
-#: --variant -> IndexerTopkSpec options
-VARIANTS = {f"t{t}": {"threads": t} for t in (64, 128, 256, 512, 1024)}
-VARIANTS.update({"c512": {"threads": 512, "compact": True}, "c1024": {"threads": 1024, "compact": True},
-                 "s512": {"threads": 512, "compact": True, "sample": True},
-                 "s1024": {"threads": 1024, "compact": True, "sample": True}})
+#: --variant -> IndexerTopkSpec options: tN = N threads per row, sN = N threads with the sampled threshold
+VARIANTS = {f"t{t}": {"threads": t} for t in (128, 512, 1024)}
+VARIANTS.update({"s512": {"threads": 512, "sample": True}, "s1024": {"threads": 1024, "sample": True}})
 
 
 def realistic_rows(rows: int, n: int, gen: torch.Generator, h: int = 64, d: int = 128) -> torch.Tensor:
@@ -44,7 +42,7 @@ def realistic_rows(rows: int, n: int, gen: torch.Generator, h: int = 64, d: int 
 def main(argv=None) -> int:
     from dsagen.fused.lightning_indexer import slab_rows
     from dsagen.runtime import get_kernel
-    from dsagen.spec.families.indexer import IndexerTopkSpec
+    from dsagen.spec.families.indexer import IndexerTopkSpec, config_for
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 24576, 32768, 65536, 131072])
@@ -54,12 +52,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     kernels = {v: get_kernel(IndexerTopkSpec(arch="sm_90a", **VARIANTS[v]), 0) for v in args.variant}
+    config = config_for(64, 128, "bfloat16", "sm_90a")
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  topk {args.topk}  (us per launch / ns per row)")
     print(f"{'n':>7} {'rows':>5} " + " ".join(f"{v:>14}" for v in args.variant))
     results = []
     for n in args.n:
-        rows = slab_rows(64, n)
+        rows = slab_rows(64, n, config)
         ld = -(-n // 4) * 4
         slab = torch.zeros((rows, ld), device="cuda", dtype=torch.float32)
         slab[:, :n] = realistic_rows(rows, n, gen)

@@ -8,16 +8,17 @@ How a call runs (see notes/kernels/indexer.md):
     (the score kernel's wgmma N tile is QC x H = 128 columns). Blocks are processed in slabs: for each
     slab the score kernel writes every row's valid candidate scores (fp32, document-local ids) into one
     reused slab of R rows x ld_slab columns, then the top-k kernel turns each row into its output row. The
-    top-k kernel is chosen per slab from the longest row the slab can hold (slab_max_candidates; TopkPlan,
-    TOPK_BY_ROW_LENGTH: 128 threads per row up to 12288 candidates, 512 with a sampled threshold and the
-    candidates compacted into shared memory up to 65536, 1024 beyond; 1024 threads when the slab's rows fit
-    one wave of one CTA per SM). The top-k reads rows with 16-byte loads: ld_slab a multiple of 4 keeps every
-    row 16-byte aligned.
-    The default (persistent) score kernel runs min(#SMs, #work items) CTAs per slab, each looping over
-    (token block, chunk) work items; the pingpong schedule runs one CTA per work item.
+    top-k kernel is chosen per slab from the longest row the slab can hold (slab_max_candidates; the config's
+    TopkPlan: 128 threads per row up to 12288 candidates, 512 with a sampled threshold and the candidates in
+    shared memory up to 65536, 1024 beyond; 1024 threads when the slab's rows fit one wave of one CTA per SM).
+    The top-k reads rows with 16-byte loads: ld_slab a multiple of 4 keeps every row 16-byte aligned.
+    The persistent score kernel runs min(#SMs, #work items) CTAs per slab, each looping over (token block,
+    chunk) work items.
+  * Every measured choice (kernels, top-k plan, work-item size, slab caps) is one frozen IndexerConfig,
+    picked by dsagen.spec.families.indexer.config_for; a benchmark passes another one as `config=`.
   * Scratch: the slab only, R * ld_slab * 4 bytes with ld_slab = S rounded up to 4 and
     R = min(1024, 128 MiB / (4 * ld_slab)) rounded down to a multiple of QC, at least QC. So at most
-    128 MiB (SLAB_BYTES; 128 MiB at S >= 32768, S x 4 KiB below), bounded and independent of T and B.
+    128 MiB (IndexerConfig.slab_bytes; 128 MiB at S >= 32768, S x 4 KiB below), bounded and independent of T and B.
     Causal / document bounds are computed inside the kernels (binary search over cu_seqlens), so no
     per-row buffer exists either.
   * Everything a launch needs is a Python int from shapes; no host reads of device values, so the op
@@ -32,35 +33,30 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime import LoadedKernel, device_arch, device_index, device_sm_count, get_kernel
-from ..spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, SLAB_BYTES, SLAB_MAX_ROWS,
-                                     IndexerTopkSpec, TopkPlan, indexer_plan, tokens_per_cta)
+from ..spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, IndexerConfig,
+                                     IndexerTopkSpec, config_for, tokens_per_cta)
 
 BACKENDS = ("cute",)
-#: Candidate rows one score CTA covers (grid y splits longer pools, so short slabs still fill the GPU).
-CHUNK_ROWS = 4096
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @dataclass
 class IndexerKernels:
-    """The loaded kernels of one (device, H, D, dtype, SPEC_OPTIONS): the score kernel, its schedule (the grid
-    rule: score_ctas), the top-k plan and its kernels by spec. Every kernel of the plan is loaded at the first
-    call, whatever that call's slab lengths, so a warmed-up call can be captured in a CUDA graph at any length."""
+    """The loaded kernels of one (device, IndexerConfig): the config, the score kernel and the top-k plan's
+    kernels by spec. Every kernel of the plan is loaded at the first call, whatever that call's slab lengths, so
+    a warmed-up call can be captured in a CUDA graph at any length."""
 
+    config: IndexerConfig
     score: LoadedKernel
-    schedule: str
-    plan: TopkPlan
     topk: dict[IndexerTopkSpec, LoadedKernel]
 
     def topk_for(self, max_candidates: int, rows: int, num_sms: int) -> LoadedKernel:
         """The top-k kernel of a slab (TopkPlan.pick)."""
-        return self.topk[self.plan.pick(max_candidates, rows, num_sms)]
+        return self.topk[self.config.topk.pick(max_candidates, rows, num_sms)]
 
 
-#: (device, H, D, dtype, repr(SPEC_OPTIONS)) -> the loaded kernels
+#: (device, H, D, dtype) for config_for's config, (device, config) for a given one -> the loaded kernels
 _kernels: dict[tuple, IndexerKernels] = {}
-#: Tile-choice overrides of the (score, top-k) specs; for A/B benchmarks (bench/indexer.py --variant).
-SPEC_OPTIONS: tuple[dict, dict] = ({}, {})
 _dummy: dict[int, torch.Tensor] = {}
 
 
@@ -132,19 +128,25 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, stride)
 
 
-def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype) -> IndexerKernels:
+def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype,
+                 config: IndexerConfig | None = None) -> IndexerKernels:
     index = device_index(device)
-    key = (index, h, d, dtype, repr(SPEC_OPTIONS))
+    key = (index, h, d, dtype) if config is None else (index, config)
     ks = _kernels.get(key)
     if ks is None:
         arch = device_arch(index)
         if arch != "sm_90a":
             raise NotImplementedError(f"the fused lightning_indexer has kernels for sm_90a (Hopper) only; "
                                       f"cuda:{index} is {arch}. Use impl='reference'.")
-        score_spec, plan = indexer_plan(arch, h, d, _TORCH_DTYPE_NAMES[dtype], score_options=SPEC_OPTIONS[0],
-                                        topk_options=SPEC_OPTIONS[1])
-        ks = _kernels[key] = IndexerKernels(get_kernel(score_spec, index), score_spec.schedule, plan,
-                                            {spec: get_kernel(spec, index) for spec in plan.specs()})
+        name = _TORCH_DTYPE_NAMES[dtype]
+        if config is None:
+            config = config_for(h, d, name, arch)
+        score = config.score
+        if (score.arch, score.num_heads, score.head_dim, score.dtype) != (arch, h, d, name):
+            raise ValueError(f"config's score kernel {score.name()} does not match the call (arch {arch}, H={h}, "
+                             f"D={d}, {name})")
+        ks = _kernels[key] = IndexerKernels(config, get_kernel(score, index),
+                                            {spec: get_kernel(spec, index) for spec in config.topk.specs()})
     return ks
 
 
@@ -163,23 +165,24 @@ def slab_max_candidates(blk0: int, nblk: int, qc: int, n_tblk: int, t_count: int
     return min(s_count, (t_last + 1) // compress_ratio)
 
 
-def score_ctas(schedule: str, n_items: int, num_sms: int) -> int:
-    """Grid size of a ping-pong / persistent score launch over n_items (token block, chunk) work items:
-    one CTA per item (pingpong), or at most one per SM, each looping over items (persistent)."""
-    return n_items if schedule == "pingpong" else max(1, min(n_items, num_sms))
+def score_ctas(n_items: int, num_sms: int) -> int:
+    """Grid size of a persistent score launch over n_items (token block, chunk) work items: at most one CTA per
+    SM, each looping over items."""
+    return max(1, min(n_items, num_sms))
 
 
-def slab_rows(num_heads: int, s_count: int) -> int:
+def slab_rows(num_heads: int, s_count: int, config: IndexerConfig) -> int:
     """Rows R of the score slab for H heads and S candidates (a multiple of the token block): at most
-    SLAB_MAX_ROWS, and R rows fit in SLAB_BYTES unless one token block alone is larger."""
+    config.slab_max_rows, and R rows fit in config.slab_bytes unless one token block alone is larger."""
     qc = tokens_per_cta(num_heads)
     ld = -(-max(s_count, 1) // 4) * 4
-    rows = min(SLAB_MAX_ROWS, SLAB_BYTES // (4 * ld)) // qc * qc
+    rows = min(config.slab_max_rows, config.slab_bytes // (4 * ld)) // qc * qc
     return max(qc, rows)
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, causal: bool, compress_ratio: int,
-         cu_seqlens: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None) -> torch.Tensor:
+         cu_seqlens: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+         config: IndexerConfig | None = None) -> torch.Tensor:
     b, t_count, h, d = q.shape
     s_count = k.shape[1]
     device = q.device
@@ -191,16 +194,17 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     _check_layout("q", q)
     _check_layout("k", k)
     index = device_index(device)
-    kernels = _kernels_for(device, h, d, q.dtype)
-    score_k, schedule = kernels.score, kernels.schedule
+    kernels = _kernels_for(device, h, d, q.dtype, config)
+    score_k, config = kernels.score, kernels.config
+    chunk_rows = config.chunk_rows
 
     qc = tokens_per_cta(h)
     n_tblk = -(-t_count // qc)
     total_blk = b * n_tblk
     ld = -(-s_count // 4) * 4
-    blk_per_slab = min(slab_rows(h, s_count) // qc, total_blk)
+    blk_per_slab = min(slab_rows(h, s_count, config) // qc, total_blk)
     slab = torch.empty((blk_per_slab * qc, ld), dtype=torch.float32, device=device)
-    n_chunks = -(-s_count // CHUNK_ROWS)
+    n_chunks = -(-s_count // chunk_rows)
     if cu_seqlens is not None:
         cu_q, cu_k, n_docs = cu_seqlens, cu_seqlens_k, cu_seqlens.numel() - 1
     else:
@@ -218,9 +222,8 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
         nblk = min(blk_per_slab, total_blk - blk0)
         topk_k = kernels.topk_for(slab_max_candidates(blk0, nblk, qc, n_tblk, t_count, s_count, causal, compress_ratio,
                                                       cu_seqlens is not None), nblk * qc, num_sms)
-        score_k.launch(qv, kv, weights, slab, *score_tail, blk0, nblk, CHUNK_ROWS, n_chunks,
-                       score_ctas(schedule, nblk * n_chunks, num_sms), causal_i, compress_ratio, w_sb, w_st, w_sh, ld,
-                       scale)
+        score_k.launch(qv, kv, weights, slab, *score_tail, blk0, nblk, chunk_rows, n_chunks,
+                       score_ctas(nblk * n_chunks, num_sms), causal_i, compress_ratio, w_sb, w_st, w_sh, ld, scale)
         topk_k.launch(slab, out, *score_tail, blk0, qc, nblk * qc, topk, causal_i, compress_ratio, ld)
     return out
 
@@ -239,8 +242,11 @@ def _(q, k, weights, topk, causal, compress_ratio, cu_seqlens, cu_seqlens_k):
 
 def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, *, causal: bool,
                       compress_ratio: int, cu_seqlens: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-                      kernel_options: dict | None) -> torch.Tensor:
+                      kernel_options: dict | None, config: IndexerConfig | None = None) -> torch.Tensor:
     """The fused lightning_indexer (inputs already validated by dsagen.ops.lightning_indexer).
+
+    config: None (the op: config_for's choices, through the custom op) or another IndexerConfig for the same H, D,
+    dtype and arch (benchmarks; runs the host loop directly, not through the custom op; ValueError otherwise).
 
     Returns contiguous int32 [B, T, topk]: each row's selected candidate ids in ascending order (ties at
     the selection threshold go to the lower id), then -1 padding when fewer than topk candidates are
@@ -254,4 +260,6 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, t
     """
     check_backend(kernel_options)
     check_supported(q, k, weights, topk)
+    if config is not None:
+        return _run(q, k, weights, topk, bool(causal), int(compress_ratio), cu_seqlens, cu_seqlens_k, config)
     return _lightning_indexer_op(q, k, weights, topk, bool(causal), int(compress_ratio), cu_seqlens, cu_seqlens_k)

@@ -12,57 +12,28 @@ Build first (CPU, with CuTe-DSL):  dsagen build --from-tests tests/gpu/test_ligh
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
-import os
 
 import pytest
 import torch
 
 import dsagen
+from dsagen.fused import lightning_indexer as fused
 from dsagen.reference.indexer import weighted_relu_scores
-from dsagen.spec.families.indexer import (INDEXER_SCORE_ABLATIONS, INDEXER_SCORE_SCHEDULES, INDEXER_TOPK_ABLATIONS,
-                                          INDEXER_TOPK_THREADS, IndexerScoreSpec, IndexerTopkSpec, indexer_specs)
+from dsagen.spec.families.indexer import config_for
 from poison import POISON_INT32, poison_allocator
 
 ARCH = "sm_90a"
 HEAD_SHAPES = [(64, 128), (8, 64), (16, 128), (32, 64), (128, 128), (8, 128), (64, 64)]
-#: score-kernel options other than the default (test_score_schedules; bench --variant pingpong / c2 / lean /
-#: lean_free): the other schedule and the score kernel's options
-SCORE_VARIANTS = [{"schedule": s} for s in INDEXER_SCORE_SCHEDULES if s != IndexerScoreSpec(arch=ARCH).schedule] + [
-    {"schedule": "persistent", "consumers": 2},
-    {"schedule": "persistent", "lean_epilogue": True}, {"schedule": "persistent", "lean_epilogue": True, "free_issue": True},
-    {"mma_head_sum": False}, {"mma_head_sum": True}]
-SCORE_VARIANTS = [v for v in SCORE_VARIANTS if indexer_specs(ARCH, 64, 128, score_options=v)[0] != indexer_specs(ARCH, 64, 128)[0]]
-REQUIRED_SPECS = [IndexerTopkSpec(arch=ARCH, threads=t) for t in INDEXER_TOPK_THREADS] + [
-    indexer_specs(ARCH, h, d, score_options=opts)[0] for h, d in HEAD_SHAPES for opts in [{}] + SCORE_VARIANTS] + [
-    indexer_specs(ARCH, 64, 128, "float16", score_options=opts)[0] for opts in [{}] + SCORE_VARIANTS] + [
-    # timing ablations (NOT correct kernels): test_ablation_launch_smoke, bench/indexer.py --variant ablations
-    IndexerScoreSpec(arch=ARCH, ablate=a, schedule="persistent") for a in INDEXER_SCORE_ABLATIONS if a] + [
-    # (the fused host loads the 1024-thread top-k next to the 512-thread one, ablated alike)
-    IndexerTopkSpec(arch=ARCH, threads=t, ablate=a) for a in INDEXER_TOPK_ABLATIONS if a for t in (512, 1024)] + [
-    # compact=True (candidates in smem): test_topk_kernel_exact, DSAGEN_TEST_TOPK_OPTIONS='{"compact": true}',
-    # bench --variant compact (the host's 512- and wide 1024-thread kernels)
-    IndexerTopkSpec(arch=ARCH, threads=t, compact=True, sample=sm) for t in (512, 1024) for sm in (False, True)] + [
-    # the default plan's kernels (TopkPlan), whatever it holds
-    *indexer_specs(ARCH, 64, 128)[1:]]
-#: top-k kernels checked exactly by test_topk_kernel_exact
-TOPK_SPECS = [IndexerTopkSpec(arch=ARCH, threads=t) for t in INDEXER_TOPK_THREADS] + [
-    IndexerTopkSpec(arch=ARCH, threads=t, compact=True, sample=sm) for t in (512, 1024) for sm in (False, True)]
-#: DSAGEN_TEST_TOPK_OPTIONS='{"threads": 1024}' runs this whole module with those top-k spec options (the
-#: GPU check of a top-k kernel before it becomes the default); tests that set fused.SPEC_OPTIONS
-#: themselves keep their own.
-TOPK_OPTIONS = json.loads(os.environ.get("DSAGEN_TEST_TOPK_OPTIONS", "{}"))
+#: the op's configuration for DeepSeek-V3.2's indexer shape; its top-k plan serves every shape
+CONFIG = config_for(64, 128, "bfloat16", ARCH)
+#: top-k kernels checked exactly by test_topk_kernel_exact: every kernel of the plan
+TOPK_SPECS = list(CONFIG.topk.specs())
+REQUIRED_SPECS = [config_for(h, d, "bfloat16", ARCH).score for h, d in HEAD_SHAPES] + [
+    config_for(64, 128, "float16", ARCH).score, *TOPK_SPECS]
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _topk_options(monkeypatch):
-    if TOPK_OPTIONS:
-        from dsagen.fused import lightning_indexer as fused
-
-        monkeypatch.setattr(fused, "SPEC_OPTIONS", ({}, dict(TOPK_OPTIONS)))
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -188,9 +159,9 @@ def test_topk_edges(topk):
     _run_and_check(q, k, w, topk, True)
 
 
-# score-kernel schedules other than the default (IndexerScoreSpec.schedule), test_score_schedules:
+# the score kernel over heads, dims, dtypes, weight layouts, ratios and packed documents, test_score_cases:
 # id -> (H, D, B, T, S, topk, causal, ratio, packed document lengths or None, weights layout, dtype)
-SCHEDULE_CASES = {
+SCORE_CASES = {
     "h64_causal": (64, 128, 2, 1500, 1500, 200, True, 1, None, "contiguous", torch.bfloat16),
     "h64_odd_t_noncausal": (64, 128, 2, 333, 333, 100, False, 1, None, "transposed", torch.bfloat16),
     "h64_ratio4": (64, 128, 1, 1001, 250, 64, True, 4, None, "contiguous", torch.bfloat16),
@@ -205,14 +176,10 @@ SCHEDULE_CASES = {
 }
 
 
-@pytest.mark.parametrize("options", SCORE_VARIANTS, ids=["-".join(f"{k}={v}" for k, v in o.items()) for o in SCORE_VARIANTS])
-@pytest.mark.parametrize("case", list(SCHEDULE_CASES))
-def test_score_schedules(case, options, monkeypatch):
-    """The non-default score-kernel options (the whole suite runs the default kernel) on the seed's options."""
-    from dsagen.fused import lightning_indexer as fused
-
-    monkeypatch.setattr(fused, "SPEC_OPTIONS", (options, {}))
-    h, d, b, t, s, topk, causal, ratio, lens, layout, dtype = SCHEDULE_CASES[case]
+@pytest.mark.parametrize("case", list(SCORE_CASES))
+def test_score_cases(case):
+    """The op's score kernel for each case's H, D and dtype (config_for), through the public op."""
+    h, d, b, t, s, topk, causal, ratio, lens, layout, dtype = SCORE_CASES[case]
     gen = torch.Generator().manual_seed(131 + len(case))
     if lens is None:
         q, k, w = _inputs(b, t, h, d, s, gen, dtype=dtype, weights_layout=layout)
@@ -224,9 +191,8 @@ def test_score_schedules(case, options, monkeypatch):
         q, k, w = _inputs(b, t, h, d, s, gen, dtype=dtype, weights_layout=layout)
         out = _run_and_check(q, k, w, topk, causal, ratio, cu.cuda(), cu_k.cuda())
         assert (out[0, int(cu[-1]):].cpu() == -1).all()
-    want = indexer_specs(ARCH, h, d, _DTYPE_NAMES[dtype], score_options=options)[0]
-    assert any(key[-1] == repr(fused.SPEC_OPTIONS) and v.score.name == want.name()
-               for key, v in fused._kernels.items()), f"{want.name()} was not used"
+    want = config_for(h, d, _DTYPE_NAMES[dtype], ARCH).score
+    assert fused._kernels[(0, h, d, dtype)].score.name == want.name(), f"{want.name()} was not used"
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -248,7 +214,7 @@ def _slab_rows(pattern: str, n: int, gen: torch.Generator) -> torch.Tensor:
         x = torch.round(torch.randn(n, generator=gen) * 4) / 4
         return torch.nextafter(x, torch.full_like(x, 9.0)).where(torch.rand(n, generator=gen) < 0.02, x)
     if pattern == "narrow":                           # one 16-bit key prefix, distinct keys: the last pass decides
-        return 1 + torch.rand(n, generator=gen) * 2.0 ** -8   # (compact=True: the entries are written in pass 3)
+        return 1 + torch.rand(n, generator=gen) * 2.0 ** -8   # (sample=True: the entries are written in pass 3)
     if pattern == "one_octave":                       # every key in [1, 2): one top byte (sample=True: pass 0 is
         return 1 + torch.rand(n, generator=gen)       # skipped), the 16-bit prefixes spread over 128 values
     if pattern == "front_heavy":                      # the largest keys all in the row's first eighth (sample=True:
@@ -264,7 +230,7 @@ def _keys(x: torch.Tensor) -> torch.Tensor:
     return torch.where(b >> 31 == 1, b ^ 0xFFFFFFFF, b | 0x80000000)
 
 
-#: (12288 / 24576 +- 0: TOPK_COMPACT_CAP of compact=True at 512 / 1024 threads; all-equal rows of those lengths
+#: (12288 / 24576 +- 0: TOPK_COMPACT_CAP of sample=True at 512 / 1024 threads; all-equal rows of those lengths
 #: fill the smem entries exactly or run without them)
 TOPK_EXACT_LENGTHS = [1, 2, 63, 64, 65, 127, 128, 129, 511, 2047, 2048, 2049, 2050, 4097, 9001, 12288, 12289, 24576,
                       24577, 40000, 131073]
@@ -305,32 +271,6 @@ def test_topk_kernel_exact(spec, pattern, topk):
         assert torch.equal(got[r], want), (f"{pattern} topk={topk} n={n}: first mismatch at "
                                            f"{int((got[r] != want).nonzero()[0])}: {got[r][:16].tolist()} vs "
                                            f"{want[:16].tolist()}")
-
-
-# --------------------------------------------------------------------- timing ablations: LAUNCH SMOKE ONLY
-# The ablate=... kernels leave a stage out on purpose (no epilogue, no stores, no K loads, one pass, ...):
-# their outputs are NOT the indexer's and are NOT checked here. This test only checks that each one is the
-# kernel that ran, that it launches on the fused path's real arguments and that it finishes (no hang, no
-# launch or device error), so that `bench/indexer.py --variant ablations --profile` can time them.
-ABLATION_OPTIONS = ([("persistent-" + a, ({"ablate": a, "schedule": "persistent"}, {}))
-                     for a in INDEXER_SCORE_ABLATIONS if a]
-                    + [("topk-" + a, ({}, {"ablate": a})) for a in INDEXER_TOPK_ABLATIONS if a])
-
-
-@pytest.mark.parametrize("options", [o for _, o in ABLATION_OPTIONS], ids=[n for n, _ in ABLATION_OPTIONS])
-def test_ablation_launch_smoke(options, monkeypatch):
-    """Smoke only (launches + finishes); claims nothing about the ablated kernel's output."""
-    from dsagen.fused import lightning_indexer as fused
-
-    monkeypatch.setattr(fused, "SPEC_OPTIONS", options)
-    gen = torch.Generator().manual_seed(211)
-    q, k, w = _inputs(1, 4200, 64, 128, 4200, gen)       # 2 candidate chunks; rows above and below topk
-    out = dsagen.lightning_indexer(q, k, w, 256, causal=True, compress_ratio=1, impl="fused")
-    torch.cuda.synchronize()                             # raises on a device fault; a hang is cut by timeout
-    assert out.shape == (1, 4200, 256) and out.dtype == torch.int32
-    names = lambda v: [v.score.name] if options[0] else [k.name for k in v.topk.values()]   # noqa: E731
-    assert any(key[-1] == repr(fused.SPEC_OPTIONS) and all("ablate" in n for n in names(v))
-               for key, v in fused._kernels.items()), "the ablated kernel did not run"
 
 
 def test_no_candidates():
@@ -390,7 +330,7 @@ def test_long_causal_slabs_cross_batch_elements():
     gen = torch.Generator().manual_seed(43)
     b, t, h, topk = 2, 9000, 64, 2048
     q, k, w = _inputs(b, t, h, 128, t, gen)
-    per = slab_rows(h, t)
+    per = slab_rows(h, t, CONFIG)
     assert per < t and t % per != 0                        # several slabs, one of them across the batch boundary
     poison_allocator()
     out = dsagen.lightning_indexer(q, k, w, topk, causal=True, impl="fused")
@@ -406,22 +346,26 @@ def test_long_causal_slabs_cross_batch_elements():
 @pytest.mark.parametrize("slab_mib", [128, 6])
 def test_topk_plan_per_slab(slab_mib, monkeypatch):
     """The host's per-slab top-k choice (TopkPlan): a causal call long enough that the early slabs run the
-    short-row kernel and the late ones the sampled compact 512-thread kernel (slab_mib=128: 1024-row slabs), or, with
-    112-row slabs (one wave), the two 1024-thread kernels; checked on every slab's first and last rows."""
-    from dsagen.fused import lightning_indexer as fused
-
+    short-row kernel and the late ones the sampled 512-thread kernel (slab_mib=128, the op's config: 1024-row slabs),
+    or, with 112-row slabs (one wave; a config with a 6 MiB slab), the two 1024-thread kernels; checked on every
+    slab's first and last rows."""
     picked = []
     real = fused.IndexerKernels.topk_for
-    monkeypatch.setattr(fused.IndexerKernels, "topk_for",
-                        lambda self, n, rows, sms: picked.append(self.plan.pick(n, rows, sms)) or real(self, n, rows, sms))
+    monkeypatch.setattr(fused.IndexerKernels, "topk_for", lambda self, n, rows, sms: picked.append(
+        self.config.topk.pick(n, rows, sms)) or real(self, n, rows, sms))
     gen = torch.Generator().manual_seed(47)
     t, h, topk = 14000, 64, 2048
-    monkeypatch.setattr(fused, "SLAB_BYTES", slab_mib * 2 ** 20)
+    config = dataclasses.replace(CONFIG, slab_bytes=slab_mib * 2 ** 20)
     q, k, w = _inputs(1, t, h, 128, t, gen)
-    per = fused.slab_rows(h, t)
+    per = fused.slab_rows(h, t, config)
     poison_allocator()
-    out = dsagen.lightning_indexer(q, k, w, topk, causal=True, impl="fused")
-    kinds = {(spec.threads, spec.compact) for spec in picked}
+    if slab_mib == 128:
+        assert config == CONFIG
+        out = dsagen.lightning_indexer(q, k, w, topk, causal=True, impl="fused")
+    else:
+        out = fused.lightning_indexer(q, k, w, topk, causal=True, compress_ratio=1, cu_seqlens=None, cu_seqlens_k=None,
+                                      kernel_options=None, config=config)
+    kinds = {(spec.threads, spec.sample) for spec in picked}
     assert kinds == ({(128, False), (512, True)} if slab_mib == 128 else {(1024, False), (1024, True)}), kinds
     rows = sorted({r for r0 in range(0, t, per) for r in (r0, min(r0 + per, t) - 1)})
     rows = torch.tensor(rows + torch.randint(0, t, (16,), generator=gen).tolist())
@@ -491,28 +435,35 @@ class _nullcontext:
         return False
 
 
-def test_cuda_graph_capture(monkeypatch):
-    """Capture and replay with new inputs; 256-row slabs, so three slabs, the last of 88 rows: the plan's 128- and
-    1024-thread top-k kernels in one graph."""
-    from dsagen.fused import lightning_indexer as fused
+@pytest.mark.parametrize("slabs", ["op", "three_slabs"])
+def test_cuda_graph_capture(slabs):
+    """Capture and replay with new inputs: the public op (one slab), and a config of 256-row slabs, so three slabs,
+    the last of 88 rows: the plan's 128- and 1024-thread top-k kernels in one graph."""
+    if slabs == "op":
+        def call(q, k, w):
+            return dsagen.lightning_indexer(q, k, w, 48, causal=True, impl="fused")
+    else:
+        config = dataclasses.replace(CONFIG, slab_bytes=256 * 4 * 600)
 
-    monkeypatch.setattr(fused, "SLAB_BYTES", 256 * 4 * 600)
+        def call(q, k, w):
+            return fused.lightning_indexer(q, k, w, 48, causal=True, compress_ratio=1, cu_seqlens=None,
+                                           cu_seqlens_k=None, kernel_options=None, config=config)
     gen = torch.Generator().manual_seed(83)
     q, k, w = _inputs(1, 600, 64, 128, 600, gen)
-    dsagen.lightning_indexer(q, k, w, 48, causal=True, impl="fused")      # warm up: load the kernels
+    call(q, k, w)                                                         # warm up: load the kernels
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         with torch.cuda.graph(g):
-            out = dsagen.lightning_indexer(q, k, w, 48, causal=True, impl="fused")
+            out = call(q, k, w)
     torch.cuda.current_stream().wait_stream(s)
     q2, k2, w2 = _inputs(1, 600, 64, 128, 600, gen)
     q.copy_(q2), k.copy_(k2), w.copy_(w2)
     g.replay()
     torch.cuda.synchronize()
-    want = dsagen.lightning_indexer(q, k, w, 48, causal=True, impl="fused")
+    want = call(q, k, w)
     assert torch.equal(out, want)
     lo, hi = _bounds(600, 600, True, 1)
     _check_rows(out, _scores(q, k, w), lo, hi, 48)

@@ -21,16 +21,17 @@ import dsagen
 import dsagen.fused.sparse_attention as fused_sa
 from dsagen.reference.indexer import weighted_relu_scores
 from dsagen.spec import CompactifySpec, LocalToGlobalSpec
-from dsagen.spec.families.indexer import indexer_specs, topk_plan
+from dsagen.spec.families.indexer import config_for as indexer_config
 from dsagen.spec.families.sparse_attention import SparseAttnFwdSpec, op_spec_fields
 
 ARCH = "sm_90a"
 SPARSE_SHAPES = [(128, 576), (64, 512)]          # (H, D_qk) of the sparse forward, d_v 512
 INDEXER_SHAPE = (64, 128)                        # (H, D) of the lightning indexer (DeepSeek-V3.2)
-TOPK_SPECS = topk_plan(ARCH).specs()             # every top-k kernel the fused indexer may pick
+INDEXER_CONFIG = indexer_config(*INDEXER_SHAPE, "bfloat16", ARCH)   # the op's config for that shape
+TOPK_SPECS = INDEXER_CONFIG.topk.specs()         # every top-k kernel the fused indexer may pick
 REQUIRED_SPECS = [SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, **op_spec_fields("split_halves"))
                   for h, d in SPARSE_SHAPES] + [
-    *indexer_specs(ARCH, *INDEXER_SHAPE), CompactifySpec(arch=ARCH), LocalToGlobalSpec(arch=ARCH)]
+    *INDEXER_CONFIG.specs(), CompactifySpec(arch=ARCH), LocalToGlobalSpec(arch=ARCH)]
 
 gpu = pytest.mark.gpu
 DEV = "cuda"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..base import KernelSpec
 from ..families import CompactifySpec, LocalToGlobalSpec
-from ..families.indexer import indexer_specs
+from ..families.indexer import config_for as indexer_config
 from ..families.sparse_attention import SparseAttnFwdSpec, default_schedule, op_spec_fields
 
 NAME = "deepseek-v3.2"
@@ -16,10 +16,10 @@ def specs(arch: str) -> list[KernelSpec]:
     out: list[KernelSpec] = [
         CompactifySpec(arch=arch),
         LocalToGlobalSpec(arch=arch),
-        # lightning indexer H=64, D=128, bf16: one score kernel + the top-k plan's kernels (TOPK_BY_ROW_LENGTH)
+        # lightning indexer H=64, D=128, bf16: one score kernel + the top-k plan's kernels (indexer_config)
         # serve topk 2048 and compress ratios 1 and 4 (topk, causal and ratio are run-time arguments);
         # sm_90a only so far.
-        *(indexer_specs(arch, 64, 128, "bfloat16") if arch == "sm_90a" else ()),
+        *(indexer_config(64, 128, "bfloat16", arch).specs() if arch == "sm_90a" else ()),
     ]
     if arch == "sm_90a":  # the fused sparse MLA forward exists for Hopper only (MLA H128, 576/512)
         for sch in dict.fromkeys([default_schedule(128, 576), default_schedule(128, 576, rows=1)]):   # prefill, decode

@@ -1,11 +1,11 @@
-"""Energy per call of the fused sparse MLA forward and its variants, read from the GPU's energy counter (NVML).
+"""Energy per call of the fused sparse MLA forward (and of FlashMLA's SM90 sparse prefill on the same inputs), read
+from the GPU's energy counter (NVML).
 
-    python bench/energy.py [--cases 0] [--seconds 2] [--rounds 3] [--variants default,no_gather,...]
-                           [--flashmla DIR] [--json FILE]
+    python bench/energy.py [--cases 0] [--seconds 2] [--rounds 3] [--flashmla DIR] [--json FILE]
 
 Why: an H200 runs this kernel at its power cap (nvidia-smi: "SW power cap", 1.3-1.9 GHz at ~690 W), so a call's
 time follows its energy: a change that saves bytes or instructions gains time through the clock even where it is
-not on the critical path. Timing alone cannot say which stage costs the energy; this script measures it.
+not on the critical path. This script measures the energy per call and the clock it ran at.
 
 Method: per variant, back-to-back calls for `--seconds` (long enough for the power controller to settle and for
 the counter's ~10-100 ms update period to matter little), the NVML total-energy counter (mJ) and CUDA events read
@@ -13,15 +13,9 @@ around them; the SM clock sampled every 5 ms by a thread. Variants run interleav
 round (as common.paired_time_ms), `--rounds` rounds; per variant the median over rounds of J per call, W, ms per
 call and MHz. An idle segment (sleep) of the same length gives the board's idle power.
 
-Variants (the ablations are TIMING ONLY kernels, their outputs are not attention):
+Variants:
   default    the op's kernel (dsagen.sparse_attention, impl="fused")
-  no_gather  the default schedule's ablation: only the first 2 tiles are gathered (no KV traffic after them)
-  store_opts_off  the default schedule with vec_store and stream_hint off (4-byte O stores, no L2 eviction hint)
-  l2_hint    the default plus split_halves' l2_hint option (evict_last + 256-byte L2 prefetch on the gather)
   flashmla   FlashMLA's SM90 sparse prefill (with --flashmla DIR; built from its source, not part of dsagen)
-  SCHED      the op's kernel under schedule SCHED (one of SCHEDULES, e.g. serial)
-  SCHED/ABL  schedule SCHED's ablation ABL (SCHEDULE_ABLATIONS[SCHED], e.g. serial/no_softmax): with SCHED, the
-             energy each left-out stage costs
 """
 
 from __future__ import annotations
@@ -34,16 +28,13 @@ import threading
 import time
 
 import torch
-from sparse_attention import case_inputs, load_flashmla, with_knobs
+from sparse_attention import case_inputs, load_flashmla
 
 import dsagen
-import dsagen.fused.sparse_attention as fused_sa
-from dsagen.spec.families.sparse_attention import SCHEDULE_ABLATIONS
 
 CASES = [("prefill", 4096, 128, 576, 32768, 2048), ("prefill", 4096, 64, 512, 32768, 2048),
          ("prefill", 4096, 128, 576, 4096, 2048),     # 2: a KV pool of 4.7 MB (stays in L2: no KV DRAM traffic)
          ("prefill", 4096, 128, 576, 131072, 2048)]
-VARIANTS = ("default", "no_gather", "store_opts_off", "l2_hint", "flashmla")     # and SCHED, SCHED/ABL (see the docstring)
 NVML_CLOCK_SM = 1
 
 
@@ -151,30 +142,12 @@ def measure(nvml: Nvml, fns: dict, seconds: float, rounds: int) -> dict:
     return {n: {k: statistics.median(s[k] for s in got[n]) for k in got[n][0]} for n in names}
 
 
-def valid_variant(v: str) -> bool:
-    """Whether `v` names a variant: one of VARIANTS, a schedule (SCHED) or one of its ablations (SCHED/ABL)."""
-    sch, slash, abl = v.partition("/")
-    return v in VARIANTS or (sch in SCHEDULE_ABLATIONS and (not slash or abl in SCHEDULE_ABLATIONS[sch]))
-
-
-def variant_fns(variants: list[str], q, kv, ids, sink, schedule: str, flashmla) -> dict:
-    """One call of each variant (VARIANTS) on the given inputs."""
-    fused = lambda: dsagen.sparse_attention(q, kv, ids, attn_sink=sink, impl="fused")
-    make = {
-        "default": lambda: fused,
-        "no_gather": lambda: lambda: fused_sa.ablated_forward(q, kv, ids, ablate="no_gather", attn_sink=sink,
-                                                              schedule=schedule),
-        "store_opts_off": lambda: with_knobs(fused, OPTIONS={"vec_store": False, "stream_hint": False}),
-        "l2_hint": lambda: with_knobs(fused, OPTIONS={"l2_hint": True}),
-        "flashmla": lambda: lambda: flashmla.sparse_prefill_fwd(q, kv, ids, q.shape[-1] ** -0.5, attn_sink=sink),
-    }
-    for v in variants:
-        if v not in make:
-            sch, _, abl = v.partition("/")
-            make[v] = (lambda sch=sch, abl=abl: lambda: fused_sa.ablated_forward(
-                q, kv, ids, ablate=abl, attn_sink=sink, schedule=sch)) if abl else (
-                lambda sch=sch: with_knobs(fused, SCHEDULE=sch))
-    return {v: make[v]() for v in variants}
+def variant_fns(q, kv, ids, sink, flashmla) -> dict:
+    """One call of each variant on the given inputs: the op's kernel, and FlashMLA's when `flashmla` is given."""
+    fns = {"default": lambda: dsagen.sparse_attention(q, kv, ids, attn_sink=sink, impl="fused")}
+    if flashmla is not None:
+        fns["flashmla"] = lambda: flashmla.sparse_prefill_fwd(q, kv, ids, q.shape[-1] ** -0.5, attn_sink=sink)
+    return fns
 
 
 def main() -> None:
@@ -183,19 +156,9 @@ def main() -> None:
                     "with a 4096 / 131072-row KV pool)")
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", default="default,no_gather,store_opts_off")
     ap.add_argument("--flashmla", metavar="DIR", help="also the FlashMLA peer built in DIR")
     ap.add_argument("--json")
     args = ap.parse_args()
-    variants = [v for v in args.variants.split(",") if v]
-    bad = [v for v in variants if not valid_variant(v)]
-    if bad:
-        ap.error(f"--variants {bad}: not in {VARIANTS}, nor a schedule or schedule/ablation of "
-                 f"{SCHEDULE_ABLATIONS}")
-    if args.flashmla and "flashmla" not in variants:
-        variants.append("flashmla")
-    if "flashmla" in variants and not args.flashmla:
-        ap.error("variant flashmla needs --flashmla DIR")
     flashmla = load_flashmla(args.flashmla) if args.flashmla else None
     nvml = Nvml()
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -206,8 +169,7 @@ def main() -> None:
         name, s_q, h, d_qk, n_kv, topk = CASES[idx]
         q, kv, ids, sink = case_inputs(s_q, h, d_qk, n_kv, topk)
         flops = 2.0 * s_q * h * topk * (d_qk + 512)
-        sch = fused_sa.resolved_schedule(h, d_qk, rows=s_q)
-        fns = {"idle": None, **variant_fns(variants, q, kv, ids, sink, sch, flashmla)}
+        fns = {"idle": None, **variant_fns(q, kv, ids, sink, flashmla)}
         got = measure(nvml, fns, args.seconds, args.rounds)
         case = f"{name} S_q {s_q} H{h} D{d_qk} KV {n_kv} topk {topk}"
         print(f"\n# {case}\n{'variant':<10} {'J/call':>8} {'W':>6} {'ms':>7} {'MHz':>6} {'TFLOP/s':>8} "

@@ -68,7 +68,7 @@ def sparse_breakdown(calls: int, json_path: str | None, profile: str | None) -> 
     ids = torch.randperm(128, generator=gen)[:64].view(1, 64).int().to(dev)
     sink = torch.randn(128, generator=gen).to(dev)
     scale = 576 ** -0.5
-    spec, kernel, n_ctas = fsa._launch_plan(128, 576, q.dtype, q.device, None, "", 1, True)
+    spec, kernel, n_ctas = fsa._launch_plan(128, 576, q.dtype, q.device, 1, True)
     out = torch.empty((1, 128, 512), dtype=q.dtype, device=dev)
     lse = torch.empty((1, 128), dtype=torch.float32, device=dev)
     mx = torch.empty((1, 128), dtype=torch.float32, device=dev)
@@ -80,7 +80,7 @@ def sparse_breakdown(calls: int, json_path: str | None, profile: str | None) -> 
         "fused_sa._launch (plan lookup, layout checks, 3 allocations, launch)":
             lambda: fsa._launch(q, kv, ids, sink, None, scale, 512),
         "fused_sa._launch_plan (the cached lookup)":
-            lambda: fsa._launch_plan(128, 576, q.dtype, q.device, None, "", 1, True),
+            lambda: fsa._launch_plan(128, 576, q.dtype, q.device, 1, True),
         "3 x torch.empty (out, lse, max_logits)": lambda: (
             torch.empty((1, 128, 512), dtype=q.dtype, device=dev), torch.empty((1, 128), dtype=torch.float32, device=dev),
             torch.empty((1, 128), dtype=torch.float32, device=dev)),

@@ -1,7 +1,7 @@
 """Device helpers for the Hopper attention kernels: SW128 shared-memory layouts, views of a wgmma
-accumulator fragment, the SW128 swizzle of a byte offset (for cp.async gathers into a swizzled tile) and a
-cp.async with an L2 prefetch size and cache policy (FlashMLA's gather; CuTe-DSL's cp_async_shared_global has
-neither).
+accumulator fragment, the SW128 swizzle of a byte offset (for cp.async gathers into a swizzled tile), an L2
+evict_first cache policy with the cp.async and 16-byte store that carry it (CuTe-DSL's cp_async_shared_global has
+no cache hint) and a bf16 / fp16 pair pack.
 
 Fragment ownership of a wgmma m64nN accumulator (one warpgroup, thread t = 32 w + l): rows 16 w + l / 4
 and 16 w + l / 4 + 8; columns 8 j + 2 (l % 4) + {0, 1}. A row therefore lives in the 4 lanes of a quad.
@@ -62,28 +62,6 @@ def _l2_policy(priority: str, loc, ip) -> Int64:
 
 
 @dsl_user_op
-def l2_evict_last_policy(*, loc=None, ip=None) -> Int64:
-    """`createpolicy.fractional.L2::evict_last.b64 1.0`: an L2 cache policy that keeps the lines it touches
-    (for cp_async_16_l2_hint)."""
-    return _l2_policy("evict_last", loc, ip)
-
-
-@dsl_user_op
-def cp_async_16_l2_hint(dst: cute.Pointer, src: cute.Pointer, src_bytes: Int32, policy: Int64, *,
-                        loc=None, ip=None) -> None:
-    """16-byte `cp.async.cg.shared.global.L2::cache_hint.L2::256B [dst], [src], 16, src_bytes, policy`:
-    like prims.cp_async_shared_global(dst, src, 16, "cg", cp_size=src_bytes) (src_bytes 0 zero-fills and reads
-    nothing), plus a 256-byte L2 prefetch and the L2 cache policy `policy` (l2_evict_last_policy())."""
-    llvm.inline_asm(None,
-                    [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-                     src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-                     Int32(src_bytes).ir_value(loc=loc, ip=ip), Int64(policy).ir_value(loc=loc, ip=ip)],
-                    "cp.async.cg.shared.global.L2::cache_hint.L2::256B [$0], [$1], 16, $2, $3;",
-                    "r,l,r,l,~{memory}", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def l2_evict_first_policy(*, loc=None, ip=None) -> Int64:
     """`createpolicy.fractional.L2::evict_first.b64 1.0`: an L2 cache policy for data read or written once (a
     kernel's streamed Q and O), so that it is evicted before the lines other CTAs will read again."""
@@ -102,17 +80,6 @@ def cp_async_16_policy(dst: cute.Pointer, src: cute.Pointer, policy: Int64, *, l
 
 
 @dsl_user_op
-def prefetch_l2_bulk(src: cute.Pointer, nbytes: Int32, *, loc=None, ip=None) -> None:
-    """`cp.async.bulk.prefetch.L2.global [src], nbytes`: an asynchronous prefetch of `nbytes` (a multiple of 16,
-    `src` 16-byte aligned) contiguous global bytes into L2; nothing to wait for."""
-    llvm.inline_asm(None,
-                    [src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
-                    "cp.async.bulk.prefetch.L2.global [$0], $1;",
-                    "l,r,~{memory}", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def pack_f32x2(lo: Float32, hi: Float32, fp16: bool = False, *, loc=None, ip=None) -> Int32:
     """Two FP32 values rounded to bf16 (fp16=True: fp16) and packed into one 32-bit word, `lo` in the low half
     (the element at the lower address when stored)."""
@@ -123,36 +90,16 @@ def pack_f32x2(lo: Float32, hi: Float32, fp16: bool = False, *, loc=None, ip=Non
 
 
 @dsl_user_op
-def st_global_v4_b32(dst: cute.Pointer, w0: Int32, w1: Int32, w2: Int32, w3: Int32, policy: Int64 | None = None, *,
+def st_global_v4_b32(dst: cute.Pointer, w0: Int32, w1: Int32, w2: Int32, w3: Int32, policy: Int64, *,
                      loc=None, ip=None) -> None:
-    """One 16-byte global store `st.global.v4.b32 [dst], {w0, w1, w2, w3}` (`dst` 16-byte aligned); with `policy`
-    (e.g. l2_evict_first_policy()) it carries that L2 cache policy (`.L2::cache_hint`)."""
+    """One 16-byte global store `st.global.L2::cache_hint.v4.b32 [dst], {w0, w1, w2, w3}, policy` (`dst` 16-byte
+    aligned) with the L2 cache policy `policy` (e.g. l2_evict_first_policy())."""
     ops = [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip)
                                                                    for w in (w0, w1, w2, w3)]
-    if policy is None:
-        asm, cons = "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}"
-    else:
-        ops.append(Int64(policy).ir_value(loc=loc, ip=ip))
-        asm, cons = "st.global.L2::cache_hint.v4.b32 [$0], {$1, $2, $3, $4}, $5;", "l,r,r,r,r,l,~{memory}"
-    llvm.inline_asm(None, ops, asm, cons, has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    ops.append(Int64(policy).ir_value(loc=loc, ip=ip))
+    llvm.inline_asm(None, ops, "st.global.L2::cache_hint.v4.b32 [$0], {$1, $2, $3, $4}, $5;", "l,r,r,r,r,l,~{memory}",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
-@dsl_user_op
-def globaltimer_ns(*, loc=None, ip=None) -> Int64:
-    """The GPU's global nanosecond timer (`%globaltimer`; the same clock on every SM): trace timestamps."""
-    return Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", has_side_effects=True,
-                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def st_global_u64(dst: cute.Pointer, value: Int64, *, loc=None, ip=None) -> None:
-    """`st.global.u64 [dst], value` (`dst` 8-byte aligned), whatever `dst`'s element type."""
-    llvm.inline_asm(None, [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), Int64(value).ir_value(loc=loc, ip=ip)],
-                    "st.global.u64 [$0], $1;", "l,l,~{memory}", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-__all__ = ["sw128", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_last_policy",
-           "cp_async_16_l2_hint", "l2_evict_first_policy", "cp_async_16_policy", "prefetch_l2_bulk", "pack_f32x2",
-           "st_global_v4_b32", "globaltimer_ns", "st_global_u64"]
+__all__ = ["sw128", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy",
+           "cp_async_16_policy", "pack_f32x2", "st_global_v4_b32"]

@@ -127,7 +127,7 @@ SPLIT_HALVES_PAIR_MAX = (0x5D8, 0x6D8)
 PROBE_HANDOFF_Y = (0x600, 0x800)
 #: (kernel-name part, hazard kind, writer threads, reader threads, smem window): the one pattern racecheck misreports
 #: (notes/kernels/sparse_attention.md, "Sanitizers"), in the kernel and in the probe that reproduces it
-EXPLAINED = [("schedulesplit_halves", "RAW", (256, 384), (128, 256), SPLIT_HALVES_PAIR_MAX),
+EXPLAINED = [("dsagen_sparse_attention_fwd", "RAW", (256, 384), (128, 256), SPLIT_HALVES_PAIR_MAX),
              ("dsagen_probe_handoff", "RAW", (128, 256), (0, 128), PROBE_HANDOFF_Y)]
 
 

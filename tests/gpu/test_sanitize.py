@@ -22,14 +22,14 @@ import dsagen.fused.sparse_attention as fused_sa
 from dsagen.reference.indexer import weighted_relu_scores
 from dsagen.spec import CompactifySpec, LocalToGlobalSpec
 from dsagen.spec.families.indexer import config_for as indexer_config
-from dsagen.spec.families.sparse_attention import SparseAttnFwdSpec, op_spec_fields
+from dsagen.spec.families.sparse_attention import SparseAttnFwdConfig, config_for
 
 ARCH = "sm_90a"
 SPARSE_SHAPES = [(128, 576), (64, 512)]          # (H, D_qk) of the sparse forward, d_v 512
 INDEXER_SHAPE = (64, 128)                        # (H, D) of the lightning indexer (DeepSeek-V3.2)
 INDEXER_CONFIG = indexer_config(*INDEXER_SHAPE, "bfloat16", ARCH)   # the op's config for that shape
 TOPK_SPECS = INDEXER_CONFIG.topk.specs()         # every top-k kernel the fused indexer may pick
-REQUIRED_SPECS = [SparseAttnFwdSpec(arch=ARCH, num_heads=h, d_qk=d, d_v=512, **op_spec_fields("split_halves"))
+REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfloat16", ARCH)
                   for h, d in SPARSE_SHAPES] + [
     *INDEXER_CONFIG.specs(), CompactifySpec(arch=ARCH), LocalToGlobalSpec(arch=ARCH)]
 
@@ -58,13 +58,15 @@ def _sparse_inputs(s_q, h, d_qk, k, n_kv, seed):
 
 @gpu
 @pytest.mark.parametrize("h,d_qk", SPARSE_SHAPES, ids=[f"h{h}_d{d}" for h, d in SPARSE_SHAPES])
-def test_sparse_forward(h, d_qk, monkeypatch):
-    """The op's default split_halves kernel, 3 CTAs looping over 6 query rows' items (the barriers' phases and the
-    hand-over between items), against the reference."""
-    monkeypatch.setattr(fused_sa, "GRID", 3)
+def test_sparse_forward(h, d_qk):
+    """The op's kernel, 3 CTAs looping over 6 query rows' items (the barriers' phases and the hand-over between
+    items; SparseAttnFwdConfig.grid through the flat entry's config=), against the reference."""
     q, kv, ids, sink, tl = _sparse_inputs(6, h, d_qk, 320, 900, seed=h + d_qk)
-    out, lse, m = dsagen.sparse_attention(q, kv, ids, attn_sink=sink, topk_length=tl, impl="fused")
-    r_out, r_lse, r_m = dsagen.sparse_attention(q, kv, ids, attn_sink=sink, topk_length=tl, impl="reference")
+    scale = d_qk ** -0.5
+    out, lse, m = fused_sa.sparse_attention(q, kv, ids, attn_sink=sink, topk_length=tl, softmax_scale=scale, d_v=512,
+                                            config=SparseAttnFwdConfig(grid=3))
+    r_out, r_lse, r_m = dsagen.sparse_attention(q, kv, ids, attn_sink=sink, topk_length=tl, softmax_scale=scale,
+                                                impl="reference")
     torch.testing.assert_close(out.float(), r_out.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, r_lse.float(), atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(m, r_m.float(), atol=1e-4, rtol=1e-5)
@@ -200,7 +202,7 @@ def test_topk_kernel(spec):
 @gpu
 def test_split_halves_smem_prefix():
     """(jinja2 only: runs in scripts/sanitize.sh's steps) sanitizer_probes.SPLIT_HALVES_PAIR_MAX (the smem window of sMax[:, 1] whose racecheck hazards are explained)
-    assumes these leading Smem fields at every default split_halves shape: 8 + 3 mbarriers, valid[2 * 64], mx[2 * 64]."""
+    assumes these leading Smem fields at every shape of the op's kernel: 8 + 3 mbarriers, valid[2 * 64], mx[2 * 64]."""
     from dsagen.gen.render import render
     from sanitizer_probes import SPLIT_HALVES_PAIR_MAX
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..base import KernelSpec
 from ..families import CompactifySpec, LocalToGlobalSpec
 from ..families.indexer import config_for as indexer_config
-from ..families.sparse_attention import SparseAttnFwdSpec, default_schedule, op_spec_fields
+from ..families.sparse_attention import config_for
 
 NAME = "deepseek-v3.2"
 DESCRIPTION = "DeepSeek-V3.2 sparse attention (indexer H64 D128 top-2048; MLA H128 576/512)"
@@ -22,6 +22,6 @@ def specs(arch: str) -> list[KernelSpec]:
         *(indexer_config(64, 128, "bfloat16", arch).specs() if arch == "sm_90a" else ()),
     ]
     if arch == "sm_90a":  # the fused sparse MLA forward exists for Hopper only (MLA H128, 576/512)
-        for sch in dict.fromkeys([default_schedule(128, 576), default_schedule(128, 576, rows=1)]):   # prefill, decode
-            out.append(SparseAttnFwdSpec(arch=arch, num_heads=128, d_qk=576, d_v=512, **op_spec_fields(sch)))
+        # the op's kernel for prefill and decode alike (config_for: one config for every call size)
+        out.append(config_for(128, 576, "bfloat16", None, arch, None).spec(128, 576, "bfloat16", arch))
     return out

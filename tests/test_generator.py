@@ -55,8 +55,7 @@ def test_param_declaration_reasons():
 @pytest.mark.parametrize("spec", [CompactifySpec(arch="sm_90a"), LocalToGlobalSpec(arch="sm_90a"),
                                   LocalToGlobalSpec(arch="sm_100a"),
                                   RuntimeProbeSpec(arch="sm_90a", feature="tma"),
-                                  RuntimeProbeSpec(arch="sm_90a", feature="cluster"),
-                                  RuntimeProbeSpec(arch="sm_90a", feature="tma_rows")])
+                                  RuntimeProbeSpec(arch="sm_90a", feature="cluster")])
 def test_compile_produces_a_checked_cubin(spec, tmp_path):
     from dsagen.gen.build import compile_module
 

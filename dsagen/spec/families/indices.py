@@ -62,8 +62,6 @@ class RuntimeProbeSpec(KernelSpec):
       "tma"     -- a 2-D fp32 tile loaded by TMA from a runtime-encoded CUtensorMap, scaled, stored.
       "smem"    -- a copy staged through `smem_bytes` (> 48 KB) of dynamic shared memory.
       "cluster" -- a 2x1x1 cluster; each CTA writes its cluster rank after a cluster barrier.
-      "tma_rows" -- rows gathered by one 64-column x 1-row TMA box per (row, column block) into a 128B-swizzled
-                    tile at each row's 128-byte line (bench/tma_row_probe.py: which swizzle lands, and the rate).
     """
 
     op = "runtime_probe"
@@ -74,8 +72,8 @@ class RuntimeProbeSpec(KernelSpec):
 
     def reasons(self) -> list[str]:
         out = super().reasons()
-        if self.feature not in ("tma", "smem", "cluster", "tma_rows"):  # "" (the default) is rejected: say which
-            out.append(f"feature={self.feature!r} must be one of 'tma', 'smem', 'cluster', 'tma_rows'")
+        if self.feature not in ("tma", "smem", "cluster"):  # "" (the default) is rejected: say which
+            out.append(f"feature={self.feature!r} must be one of 'tma', 'smem', 'cluster'")
         if self.feature == "smem" and not (49152 < self.smem_bytes <= 227 * 1024 and self.smem_bytes % 1024 == 0):
             out.append(f"smem_bytes={self.smem_bytes} must be a multiple of 1024 in (48 KiB, 227 KiB] "
                        f"for feature 'smem'")

@@ -21,7 +21,7 @@ import time, sys
 t0 = time.perf_counter()
 import torch
 t1 = time.perf_counter()
-from dsagen.cache import resolve
+from dsagen.jit import resolve
 from dsagen.spec import KernelSpec
 spec = KernelSpec.from_canonical({"op": sys.argv[1], "fields": {"arch": "sm_90a"}})
 e = resolve(spec)

@@ -10,11 +10,11 @@ t2 = time.perf_counter()
 import dsagen.runtime  # noqa: F401
 import cuda.bindings.driver  # noqa: F401
 t3 = time.perf_counter()
-from dsagen.cache import resolve
+from dsagen.jit import resolve
 from dsagen.spec import LocalToGlobalSpec
 e = resolve(LocalToGlobalSpec(arch="sm_90a"))
 t4 = time.perf_counter()
-from dsagen.runtime import get_kernel
+from dsagen.jit import get_kernel
 k = get_kernel(LocalToGlobalSpec(arch="sm_90a"), 0)
 t5 = time.perf_counter()
 ids = torch.tensor([[[1, -1, 3]]], dtype=torch.int32, device="cuda")

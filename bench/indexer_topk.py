@@ -41,7 +41,7 @@ def realistic_rows(rows: int, n: int, gen: torch.Generator, h: int = 64, d: int 
 
 def main(argv=None) -> int:
     from dsagen.fused.lightning_indexer import slab_rows
-    from dsagen.runtime import get_kernel
+    from dsagen.jit import get_kernel
     from dsagen.spec.families.indexer import IndexerTopkSpec, config_for
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

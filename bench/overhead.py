@@ -117,7 +117,7 @@ def main() -> None:
         sparse_breakdown(args.calls, args.json, args.profile)
         return
     import dsagen
-    from dsagen.runtime import get_kernel
+    from dsagen.jit import get_kernel
     from dsagen.spec import LocalToGlobalSpec
     from cuda.bindings import driver as cu
 

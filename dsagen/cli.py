@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import importlib.util
 import json
 import os
 import signal
@@ -33,9 +32,9 @@ from .errors import CacheNotStored, ConfigError, DsagenError
 _EPILOG_BUILD = """\
 --arch: comma-separated targets (default $DSAGEN_ARCH, else sm_90a) for --preset. With --spec and
 --spec-file, each spec is re-targeted to every --arch given (its "arch" field is replaced); without
---arch a spec keeps its own "arch". With --from-tests only the REQUIRED_SPECS whose arch is one of
---arch are built (all of them without --arch); an --arch none of them has is an error. A preset that
-has no kernels yet for some of its ops on an arch names them on stderr and builds the rest.
+--arch a spec keeps its own "arch". A preset that has no kernels yet for some of its ops on an arch
+names them on stderr and builds the rest. The GPU tests' kernels are the spec file
+tests/gpu/required_specs.json (the command line never executes test modules).
 
 The exit status is 0 only when every kernel is on disk in the cache afterwards ("built" into the
 writable root, or "cached" in any layer); a kernel compiled but not stored (lock timeout, full or
@@ -109,61 +108,12 @@ def _specs_from_args(args) -> list:
         data = _json_of(text, f"--spec-file {path}")
         for i, d in enumerate(data if isinstance(data, list) else [data]):
             specs.extend(_spec_of(d, f"--spec-file {path} (spec {i})", a) for a in arches or [None])
-    for path in args.from_tests or ():
-        required = required_specs_of_tests(Path(path))
-        if arches is not None:
-            have = sorted({s.arch for s in required})
-            absent = [a for a in arches if a not in have]
-            if absent:
-                raise ConfigError(f"--from-tests {path}: no REQUIRED_SPECS for --arch {','.join(absent)} "
-                                  f"(they target {', '.join(have) or 'nothing'})")
-            required = [s for s in required if s.arch in arches]
-        specs.extend(required)
     seen, out = set(), []
     for s in specs:
         if s not in seen:
             seen.add(s)
             out.append(s)
     return out
-
-
-def required_specs_of_tests(path: Path) -> list:
-    """The REQUIRED_SPECS of every test module at `path` (a file, or a folder searched for test_*.py).
-
-    Raises ConfigError when `path` does not exist, a folder holds no test_*.py, a module fails to
-    import (the message names it and the error) or its REQUIRED_SPECS holds something not a spec.
-    """
-    from .spec import KernelSpec
-
-    if not path.exists():
-        raise ConfigError(f"--from-tests {path}: no such file or folder")
-    files = sorted(path.rglob("test_*.py")) if path.is_dir() else [path]
-    if not files:
-        raise ConfigError(f"--from-tests {path}: the folder holds no test_*.py files")
-    out = []
-    for f in files:
-        if f.suffix != ".py":
-            raise ConfigError(f"--from-tests {f}: not a Python file")
-        mod_name = f"_dsagen_required_specs_{f.stem}"
-        spec = importlib.util.spec_from_file_location(mod_name, f)
-        mod = importlib.util.module_from_spec(spec)
-        sys.path.insert(0, str(f.parent))  # test modules import their sibling helpers, as under pytest
-        try:
-            spec.loader.exec_module(mod)
-            req = getattr(mod, "REQUIRED_SPECS", [])
-            req = list(req() if callable(req) else req)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:  # noqa: BLE001 - any failure of a test module (pytest.skip is a BaseException)
-            raise ConfigError(f"--from-tests {f}: importing it failed: {type(e).__name__}: {e}") from e
-        finally:
-            sys.path.remove(str(f.parent))
-        bad = [r for r in req if not isinstance(r, KernelSpec)]
-        if bad:
-            raise ConfigError(f"--from-tests {f}: REQUIRED_SPECS holds {type(bad[0]).__name__} "
-                              f"{bad[0]!r:.60}, not a KernelSpec")
-        out.extend(req)
-    return [s.check() for s in out]
 
 
 def _build_one(canonical: dict) -> dict:
@@ -173,8 +123,8 @@ def _build_one(canonical: dict) -> dict:
     could not commit it, or the entry was removed right after), so a row says "built" or "cached" only
     for a kernel the cache holds.
     """
-    from .cache import resolve
-    from .cache.store import CacheStore
+    from .jit import resolve
+    from .store.store import CacheStore
     from .spec import KernelSpec
 
     spec = KernelSpec.from_canonical(canonical)
@@ -193,8 +143,8 @@ def _build_one(canonical: dict) -> dict:
 
 def _is_cached(spec, store) -> bool:
     """Whether resolve() would find `spec` without compiling (the same identity + toolchain lookup)."""
-    from .cache.keys import identity_of
-    from .gen.toolchain import toolchain_versions
+    from .jit.keys import identity_of
+    from .jit.toolchain import toolchain_versions
 
     return store.lookup_identity(spec.arch, spec.op, identity_of(spec), toolchain_versions()) is not None
 
@@ -244,8 +194,8 @@ def _table(rows: list[dict], cols: list[str]) -> str:
 
 def cmd_build(args) -> int:
     """`dsagen build`: render, compile and store the kernels the options name; 1 when any failed."""
-    from .cache.store import CacheStore
-    from .gen.toolchain import dsl_available
+    from .store.store import CacheStore
+    from .jit.toolchain import dsl_available
 
     for var in env.ALL:  # a bad value fails here, naming the variable, not in every worker
         var.get()
@@ -256,7 +206,7 @@ def cmd_build(args) -> int:
                           f"unset it or set DSAGEN_CACHE=rw")
     specs = _specs_from_args(args)
     if not specs:
-        raise ConfigError("nothing to build: give --preset, --spec, --spec-file or --from-tests")
+        raise ConfigError("nothing to build: give --preset, --spec or --spec-file")
     if not dsl_available():
         raise ConfigError("dsagen build needs CuTe-DSL: pip install 'dsagen[gen]'")
     CacheStore.from_env().ensure_root()  # refuses an unusable cache root here, once, not in every worker
@@ -321,7 +271,7 @@ def cmd_build(args) -> int:
 
 
 def _entry_rows(store) -> list[dict]:
-    from .cache.store import CacheCorruption, check_entry
+    from .store.store import CacheCorruption, check_entry
 
     rows = []
     for layer, path in store.entries():
@@ -339,7 +289,7 @@ def _entry_rows(store) -> list[dict]:
 
 def cmd_list(args) -> int:
     """`dsagen list [--json]`: every entry of every cache layer."""
-    from .cache.store import CacheStore
+    from .store.store import CacheStore
 
     rows = _entry_rows(CacheStore.from_env())
     if args.json:
@@ -353,14 +303,14 @@ def cmd_list(args) -> int:
 
 def cmd_show(args) -> int:
     """`dsagen show KEY|NAME`: the manifests of the matching entries; 1 when none matches."""
-    from .cache.store import CacheStore
+    from .store.store import CacheStore
 
     store = CacheStore.from_env()
     hits = [r for r in _entry_rows(store) if r["key"].startswith(args.what) or r.get("name") == args.what]
     if not hits:
         print(f"no cache entry whose key starts with or whose name is {args.what!r}", file=sys.stderr)
         return 1
-    from .cache.store import CacheCorruption, load_entry
+    from .store.store import CacheCorruption, load_entry
 
     bad = 0
     for r in hits:
@@ -374,7 +324,7 @@ def cmd_show(args) -> int:
 
 def cmd_verify(args) -> int:
     """`dsagen verify`: recompute every artifact hash; 1 on any mismatch."""
-    from .cache.store import CacheCorruption, CacheStore, check_entry
+    from .store.store import CacheCorruption, CacheStore, check_entry
 
     store = CacheStore.from_env()
     bad = n = 0
@@ -391,8 +341,8 @@ def cmd_verify(args) -> int:
 
 def cmd_prune(args) -> int:
     """`dsagen prune [--all]`: remove leftovers, quarantine, stale and corrupt entries."""
-    from .cache.store import CacheStore
-    from .gen.toolchain import GENERATOR_VERSION, dsl_available, toolchain_versions
+    from .store.store import CacheStore
+    from .jit.toolchain import GENERATOR_VERSION, dsl_available, toolchain_versions
 
     store = CacheStore.from_env()
     keep_tc = toolchain_versions() if dsl_available() and not args.all else None
@@ -406,8 +356,8 @@ def cmd_prune(args) -> int:
 
 def cmd_pack(args) -> int:
     """`dsagen pack --out F`: every complete entry into one checksummed tar."""
-    from .cache.pack import pack
-    from .cache.store import CacheStore
+    from .store.pack import pack
+    from .store.store import CacheStore
 
     out = Path(args.out)
     if not out.name or out.name in (".", "..") or out.is_dir():
@@ -419,8 +369,8 @@ def cmd_pack(args) -> int:
 
 def cmd_unpack(args) -> int:
     """`dsagen unpack F`: verify a pack and add its entries to the writable cache."""
-    from .cache.pack import unpack
-    from .cache.store import CacheStore
+    from .store.pack import unpack
+    from .store.store import CacheStore
 
     import tarfile
 
@@ -434,7 +384,7 @@ def cmd_unpack(args) -> int:
 
 def cmd_env(args) -> int:
     """`dsagen env`: every environment variable (raw and effective value) and the toolchain."""
-    from .gen.toolchain import toolchain_versions
+    from .jit.toolchain import toolchain_versions
 
     rows = []
     for var in env.ALL:
@@ -489,9 +439,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--preset", action="append", help="a model preset (repeatable)")
     b.add_argument("--spec", action="append", help="one spec as canonical JSON (repeatable)")
     b.add_argument("--spec-file", action="append", help="a JSON file with one spec or a list of specs")
-    b.add_argument("--from-tests", action="append", help="test file or folder: build their REQUIRED_SPECS")
     b.add_argument("--arch", help="comma-separated targets (default $DSAGEN_ARCH or sm_90a); re-targets "
-                                  "--spec / --spec-file specs, selects --from-tests specs (see below)")
+                                  "--spec / --spec-file specs (see below)")
     b.add_argument("--jobs", "-j", type=int, help="parallel compile processes (default: CPU count)")
     b.set_defaults(fn=cmd_build)
     l_ = add("list", help="list cache entries")

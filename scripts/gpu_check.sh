@@ -4,7 +4,7 @@
 # each step under its own timeout so that a hang costs one step, not the session.
 #
 # Build the kernels first, on a machine with CuTe-DSL (no GPU needed):
-#   DSAGEN_CACHE_DIR=.dsagen-cache-gpu dsagen build --from-tests tests/gpu --preset deepseek-v3.2
+#   DSAGEN_CACHE_DIR=.dsagen-cache-gpu dsagen build --spec-file tests/gpu/required_specs.json --preset deepseek-v3.2
 #   python tests/gpu/sanitizer_probes.py .dsagen-cache-gpu/probes
 # then on the GPU machine (no CuTe-DSL needed):
 #   scripts/gpu_check.sh .dsagen-cache-gpu OUTDIR [steps...]

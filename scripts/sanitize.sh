@@ -6,7 +6,7 @@
 # (its verdict, rc 0); what each tool reported before the fixes is in notes/kernels/sparse_attention.md ("Sanitizers").
 #
 # Build the kernels and the probes first, on a machine with CuTe-DSL (no GPU needed):
-#   DSAGEN_CACHE_DIR=.dsagen-cache-san dsagen build --from-tests tests/gpu/test_sanitize.py
+#   DSAGEN_CACHE_DIR=.dsagen-cache-san dsagen build --spec-file tests/gpu/required_specs.json
 #   python tests/gpu/sanitizer_probes.py .dsagen-cache-san/probes
 # then on the GPU machine (no CuTe-DSL needed; the probes are read from CACHE/probes):
 #   scripts/sanitize.sh .dsagen-cache-san [tools...]        (default: memcheck racecheck synccheck initcheck)

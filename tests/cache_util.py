@@ -3,7 +3,7 @@ materials of a spec, so that every store check (schema, key re-derivation, folde
 
 from __future__ import annotations
 
-from dsagen.cache.keys import identity_material, identity_of, key_material, key_of
+from dsagen.jit.keys import identity_material, identity_of, key_material, key_of
 from dsagen.kernel_record import kernel_record_sha256
 from dsagen.spec import CompactifySpec
 

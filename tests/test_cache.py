@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from dsagen.cache import CacheStore, KernelNotCached, identity_of, key_material, key_of, resolve
-from dsagen.cache.keys import identity_material
-from dsagen.cache.keys import canonical_json
-from dsagen.cache.pack import PackError, pack, unpack
-from dsagen.gen import toolchain
-from dsagen.gen.render import render
+from dsagen.jit import KernelNotCached, identity_of, key_material, key_of, resolve
+
+from dsagen.store import CacheStore
+from dsagen.jit.keys import identity_material
+from dsagen.jit.keys import canonical_json
+from dsagen.store.pack import PackError, pack, unpack
+from dsagen.jit import toolchain
+from dsagen.jit.render import render
 from dsagen.spec import CompactifySpec, LocalToGlobalSpec
 
 from cache_util import commit_fake, fake_entry
@@ -53,7 +55,7 @@ def test_key_changes_with_source_toolchain_and_helpers(monkeypatch):
 def test_identity_follows_templates_and_helpers_but_not_toolchain(monkeypatch, tmp_path):
     import shutil
 
-    import dsagen.gen.render as r
+    import dsagen.jit.render as r
 
     spec = LocalToGlobalSpec(arch="sm_90a")
     ident = identity_of(spec)
@@ -80,7 +82,7 @@ def test_identity_follows_included_and_imported_templates(monkeypatch, tmp_path)
     forward's part files) has every file in its identity, and editing any of them changes the identity."""
     import shutil
 
-    import dsagen.gen.render as r
+    import dsagen.jit.render as r
     from dsagen.spec import get_preset
 
     templates = tmp_path / "templates"
@@ -103,8 +105,8 @@ def test_identity_covers_every_template_a_render_loads(monkeypatch):
     render the spec: no template reference it cannot follow (a name computed at render time would be one)."""
     import jinja2
 
-    import dsagen.gen.render as r
-    from dsagen.gen.render import template_sources
+    import dsagen.jit.render as r
+    from dsagen.jit.render import template_sources
     from dsagen.spec import get_preset
 
     loaded = []
@@ -178,7 +180,7 @@ def test_crash_between_files_and_manifest_leaves_no_entry(tmp_path):
     key = fake_entry(source="crash")[0]
     code = textwrap.dedent(f"""
         import os
-        from dsagen.cache import store as st
+        from dsagen.store import store as st
         from cache_util import commit_fake
         st._write_manifest = lambda path, manifest: os._exit(17)   # die after the artifacts, before the manifest
         commit_fake(st.CacheStore({str(tmp_path)!r}, []), source="crash")
@@ -280,7 +282,7 @@ def test_corrupt_entry_is_rebuilt(cache_env):
 def test_new_identity_with_unchanged_source_is_recorded(cache_env, monkeypatch):
     """A template edit that changes the identity but not the rendered source keeps the key: the entry
     must then answer to the new identity too, or a JIT-disabled process would miss it."""
-    import dsagen.cache.resolver as resolver_mod
+    import dsagen.jit.resolver as resolver_mod
 
     spec = CompactifySpec(arch="sm_90a")
     first = resolve(spec)
@@ -311,9 +313,9 @@ def test_deployment_without_dsl_finds_kernels_by_identity(tmp_path, monkeypatch)
                 if name == "cutlass" or name.startswith("cutlass."):
                     raise ImportError("blocked")
         sys.meta_path.insert(0, Block())
-        from dsagen.gen import toolchain
+        from dsagen.jit import toolchain
         toolchain.toolchain_versions = lambda: {}
-        from dsagen.cache import resolve
+        from dsagen.jit import resolve
         from dsagen.spec import CompactifySpec
         print(resolve(CompactifySpec(arch="sm_90a")).key)
         assert not any(m.split(".")[0] in ("cutlass", "jinja2") for m in sys.modules)
@@ -331,7 +333,7 @@ def test_four_racing_processes_compile_once(cache_env, tmp_path):
     log = tmp_path / "compiles.log"
     code = textwrap.dedent(f"""
         import os, sys, time
-        import dsagen.cache.resolver as r
+        import dsagen.jit.resolver as r
         real = r.compile_entry_files
         def counted(*a, **k):
             with open({str(log)!r}, "a") as f:

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from dsagen.cache import CacheStore, KernelNotCached, identity_of, resolve
-from dsagen.cache import store as store_mod
-from dsagen.cache.pack import CHECKSUMS, PackError, pack, unpack
-from dsagen.cache.store import MARKER, CacheCorruption, check_entry, load_entry
+from dsagen.jit import KernelNotCached, identity_of, resolve
+
+from dsagen.store import CacheStore
+from dsagen.store import store as store_mod
+from dsagen.store.pack import CHECKSUMS, PackError, pack, unpack
+from dsagen.store.store import MARKER, CacheCorruption, check_entry, load_entry
 from dsagen.cli import main
 from dsagen.errors import CacheNotStored, CacheRootError, DsagenError
 from dsagen.spec import CompactifySpec, LocalToGlobalSpec
@@ -480,8 +482,8 @@ def test_a_small_pack_that_inflates_to_gigabytes_is_refused_in_little_memory(tmp
     code = textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from dsagen.cache import CacheStore
-        from dsagen.cache.pack import PackError, unpack
+        from dsagen.store import CacheStore
+        from dsagen.store.pack import PackError, unpack
         store = CacheStore(Path({str(root)!r}), [])
         for f, want in (({str(bomb)!r}, "no PACK-CHECKSUMS"), ({str(one)!r}, "over the cap")):
             try:
@@ -577,9 +579,9 @@ def test_unwritable_disk_is_not_stored(cache_env, monkeypatch, err):
 def test_lock_timeout_is_not_stored(cache_env, monkeypatch):
     import filelock
 
-    from dsagen.cache.keys import key_material, key_of
-    from dsagen.gen import toolchain
-    from dsagen.gen.render import render
+    from dsagen.jit.keys import key_material, key_of
+    from dsagen.jit import toolchain
+    from dsagen.jit.render import render
 
     spec = LocalToGlobalSpec(arch="sm_90a", threads=256)
     key = key_of(key_material(spec, render(spec), toolchain.toolchain_versions()))
@@ -632,7 +634,7 @@ def test_corrupt_entry_in_an_unwritable_root_falls_back_without_a_traceback(cach
 
 
 def test_every_cache_error_is_a_dsagen_error():
-    from dsagen.cache import CacheCorruption, CacheLockTimeout
+    from dsagen.store import CacheCorruption, CacheLockTimeout
 
     for cls in (CacheCorruption, CacheLockTimeout, KernelNotCached, PackError, CacheRootError, CacheNotStored):
         assert issubclass(cls, DsagenError), cls
@@ -656,7 +658,7 @@ def test_processes_marking_one_new_root_at_once_all_take_it(tmp_path):
     code = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from dsagen.cache import CacheStore
+        from dsagen.store import CacheStore
         start = float(sys.argv[1])
         while time.time() < start:
             pass
@@ -724,10 +726,10 @@ def test_fifos_where_files_belong_never_block(tmp_path):
         import os, warnings
         from pathlib import Path
         warnings.simplefilter("ignore")
-        from dsagen.cache import CacheStore
+        from dsagen.store import CacheStore
         from dsagen.errors import CacheRootError
         from cache_util import commit_fake
-        from dsagen.cache.keys import identity_of
+        from dsagen.jit.keys import identity_of
         from dsagen.spec import CompactifySpec
         root = Path({str(tmp_path)!r}) / "cache"
         s = CacheStore(root, [])

@@ -79,13 +79,6 @@ def test_build_list_show_verify_prune_pack_unpack(cache_env, tmp_path, capsys, m
     assert {r["name"] for r in json.loads(capsys.readouterr().out)} == names - {"compactify_sm_90a"}
 
 
-@pytest.mark.compile
-def test_build_from_tests_collects_required_specs(cache_env, capsys):
-    assert main(["build", "--from-tests", "tests/gpu/test_foundation.py", "-j", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "runtime_probe_cluster_sm_90a" in out and "local_to_global_sm_100a" in out
-
-
 # ---- user errors: one line on stderr, exit 2, no traceback -------------------------------------------
 def _one_line_error(capsys) -> str:
     err = capsys.readouterr().err
@@ -98,7 +91,7 @@ def _one_line_error(capsys) -> str:
 @pytest.fixture
 def no_dsl_needed(monkeypatch):
     """`dsagen build` past its CuTe-DSL check without the DSL (the cases here fail before compiling)."""
-    import dsagen.gen.toolchain as tc
+    import dsagen.jit.toolchain as tc
 
     monkeypatch.setattr(tc, "dsl_available", lambda: True)
 
@@ -117,8 +110,6 @@ USER_ERRORS = {
     "empty --arch": (["build", "--preset", "deepseek-v3.2", "--arch", ","], {}, r"--arch ',': give one or more"),
     "missing --spec-file": (["build", "--spec-file", "/nonexistent/specs.json"], {},
                             r"No such file or directory: '/nonexistent/specs.json'"),
-    "missing --from-tests": (["build", "--from-tests", "/nonexistent/tests"], {},
-                             r"--from-tests /nonexistent/tests: no such file or folder"),
     "nothing to build": (["build"], {}, r"nothing to build: give --preset"),
     "DSAGEN_CACHE=ro": (["build", "--spec", SPEC], {"DSAGEN_CACHE": "ro"}, r"DSAGEN_CACHE=ro \(never writes\)"),
     "DSAGEN_CACHE=off": (["build", "--spec", SPEC], {"DSAGEN_CACHE": "off"}, r"DSAGEN_CACHE=off"),
@@ -148,21 +139,6 @@ def test_not_a_tar_pack_is_one_line(cache_env, tmp_path, capsys):
     assert main(["unpack", str(bad)]) == 2
     line = _one_line_error(capsys)
     assert line.startswith(f"dsagen: error: {bad}: not a ") and "tar file" in line, line
-
-
-def test_from_tests_module_that_fails_to_import(cache_env, tmp_path, capsys):
-    bad = tmp_path / "test_broken.py"
-    bad.write_text("import no_such_module_for_dsagen\n")
-    assert main(["build", "--from-tests", str(bad)]) == 2
-    line = _one_line_error(capsys)
-    assert f"--from-tests {bad}: importing it failed: ModuleNotFoundError" in line
-    assert "no_such_module_for_dsagen" in line
-    (tmp_path / "empty").mkdir()
-    assert main(["build", "--from-tests", str(tmp_path / "empty")]) == 2
-    assert "the folder holds no test_*.py files" in _one_line_error(capsys)
-    bad.write_text("REQUIRED_SPECS = ['compactify']\n")
-    assert main(["build", "--from-tests", str(bad)]) == 2
-    assert "REQUIRED_SPECS holds str 'compactify', not a KernelSpec" in _one_line_error(capsys)
 
 
 @pytest.mark.parametrize("how", ["--debug first", "--debug after the command", "DSAGEN_DEBUG=1"])
@@ -279,24 +255,12 @@ def test_arch_retargets_spec_and_spec_file(cache_env, tmp_path, fake_build, caps
     assert fake_build == [CompactifySpec(arch="sm_100a")]
 
 
-def test_arch_selects_from_tests_specs(cache_env, tmp_path, fake_build, capsys):
-    t = tmp_path / "test_needs.py"
-    t.write_text(textwrap.dedent("""
-        from dsagen.spec import CompactifySpec, LocalToGlobalSpec
-        REQUIRED_SPECS = [CompactifySpec(arch="sm_90a"), LocalToGlobalSpec(arch="sm_100a")]
-    """))
-    assert main(["build", "--from-tests", str(tmp_path), "-j", "1"]) == 0
-    assert fake_build == [CompactifySpec(arch="sm_90a"), LocalToGlobalSpec(arch="sm_100a")]
-    fake_build.clear()
-    assert main(["build", "--from-tests", str(t), "--arch", "sm_100a", "-j", "1"]) == 0
-    assert fake_build == [LocalToGlobalSpec(arch="sm_100a")]
-    fake_build.clear()
-    capsys.readouterr()
-    t.write_text("from dsagen.spec import CompactifySpec\nREQUIRED_SPECS = [CompactifySpec(arch='sm_90a')]\n")
-    assert main(["build", "--from-tests", str(t), "--arch", "sm_90a,sm_100a", "-j", "1"]) == 2
-    assert fake_build == []
-    assert _one_line_error(capsys) == (f"dsagen: error: --from-tests {t}: no REQUIRED_SPECS for --arch sm_100a "
-                                       f"(they target sm_90a)")
+def test_build_reads_the_gpu_tests_spec_file(cache_env, fake_build):
+    """The GPU tests' kernels come from the data file tests/gpu/required_specs.json, in its order."""
+    data = Path(__file__).resolve().parent / "gpu" / "required_specs.json"
+    assert main(["build", "--spec-file", str(data), "-j", "1"]) == 0
+    assert [s.canonical() for s in fake_build] == json.loads(data.read_text())
+
 
 
 def test_preset_names_the_ops_an_arch_lacks(cache_env, fake_build, capsys):
@@ -324,8 +288,8 @@ def test_build_refuses_cache_ro_or_off_before_building(cache_env, fake_build, ca
 @pytest.mark.parametrize("path", ["gone", None])
 def test_build_fails_when_the_entry_is_not_on_disk(path, cache_env, tmp_path, capsys, monkeypatch, no_dsl_needed):
     """An entry removed right after it was stored (a concurrent prune), or one only in memory, is FAILED."""
-    import dsagen.cache
-    from dsagen.cache.store import Entry
+    import dsagen.jit
+    from dsagen.store.store import Entry
 
     calls = []
 
@@ -333,7 +297,7 @@ def test_build_fails_when_the_entry_is_not_on_disk(path, cache_env, tmp_path, ca
         calls.append((jit, must_store))
         return Entry(None if path is None else tmp_path / path, {"key": "f" * 64, "kernel": {}}, None)
 
-    monkeypatch.setattr(dsagen.cache, "resolve", resolve)
+    monkeypatch.setattr(dsagen.jit, "resolve", resolve)
     assert main(["build", "--spec", SPEC, "-j", "1"]) == 1
     cap = capsys.readouterr()
     assert calls == [(True, True)]
@@ -344,7 +308,7 @@ def test_build_fails_when_the_entry_is_not_on_disk(path, cache_env, tmp_path, ca
 @pytest.mark.compile
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS])
 def test_build_fails_when_the_disk_refuses_the_entry(err, cache_env, capsys, monkeypatch):
-    from dsagen.cache.store import CacheStore
+    from dsagen.store.store import CacheStore
 
     def commit(self, *a, **kw):
         raise OSError(err, os.strerror(err))
@@ -359,10 +323,10 @@ def test_build_fails_when_the_disk_refuses_the_entry(err, cache_env, capsys, mon
 
 @pytest.mark.compile
 def test_build_fails_on_a_lock_timeout(cache_env, capsys, monkeypatch):
-    from dsagen.cache.keys import key_material, key_of
-    from dsagen.cache.store import CacheStore
-    from dsagen.gen.render import render
-    from dsagen.gen.toolchain import toolchain_versions
+    from dsagen.jit.keys import key_material, key_of
+    from dsagen.store.store import CacheStore
+    from dsagen.jit.render import render
+    from dsagen.jit.toolchain import toolchain_versions
 
     spec = CompactifySpec(arch="sm_90a")
     key = key_of(key_material(spec, render(spec), toolchain_versions()))
@@ -380,7 +344,7 @@ def test_build_fails_on_a_lock_timeout(cache_env, capsys, monkeypatch):
 SLOW_BUILD = """
 import os, sys, time
 import dsagen.cli as cli
-import dsagen.gen.toolchain as toolchain
+import dsagen.jit.toolchain as toolchain
 
 def slow_build_one(canonical):   # a worker that takes long: it records its pid and sleeps
     open(os.path.join(os.environ["DSAGEN_TEST_MARKS"], str(os.getpid())), "w").close()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import jinja2
 import pytest
 
-from dsagen.gen import abi
-from dsagen.gen.render import helper_modules, render, template_name
+from dsagen.jit import abi
+from dsagen.jit.render import helper_modules, render, template_name
 from dsagen.spec import CompactifySpec, LocalToGlobalSpec, RuntimeProbeSpec
 
 
@@ -31,7 +31,7 @@ def test_template_lookup_prefers_arch_family_then_generic():
 
 
 def test_helper_modules_are_hashed(tmp_path, monkeypatch):
-    import dsagen.gen.render as r
+    import dsagen.jit.render as r
 
     lib = tmp_path / "kernels"
     lib.mkdir()
@@ -57,7 +57,7 @@ def test_param_declaration_reasons():
                                   RuntimeProbeSpec(arch="sm_90a", feature="tma"),
                                   RuntimeProbeSpec(arch="sm_90a", feature="cluster")])
 def test_compile_produces_a_checked_cubin(spec, tmp_path):
-    from dsagen.gen.build import compile_module
+    from dsagen.jit.build import compile_module
 
     ck = compile_module(spec, render(spec), tmp_path)
     assert ck.cubin[:4] == b"\x7fELF"
@@ -71,7 +71,7 @@ def test_compile_produces_a_checked_cubin(spec, tmp_path):
 
 @pytest.mark.compile
 def test_tensormap_param_is_128_bytes(tmp_path):
-    from dsagen.gen.build import compile_module
+    from dsagen.jit.build import compile_module
 
     spec = RuntimeProbeSpec(arch="sm_90a", feature="tma")
     rec = compile_module(spec, render(spec), tmp_path).record
@@ -88,7 +88,7 @@ def test_tensormap_param_is_128_bytes(tmp_path):
     (('"smem": 0}', '"smem": 1024}'), "smem"),
 ])
 def test_declaration_mismatch_is_refused(tmp_path, edit, match):
-    from dsagen.gen.build import compile_module
+    from dsagen.jit.build import compile_module
 
     spec = CompactifySpec(arch="sm_90a")
     src = render(spec)

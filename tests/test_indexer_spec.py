@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsagen.gen.render import render
+from dsagen.jit.render import render
 from dsagen.spec import get_preset
 from dsagen.spec.base import SpecError
 from dsagen.spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_TOPK_THREADS, TOPK_COMPACT_CAP,
@@ -161,7 +161,7 @@ def test_fused_backend_option_and_limits():
 
 
 def _sass(cubin: bytes, tmp_path=None) -> str:
-    from dsagen.gen.sass import disassemble, find_nvdisasm
+    from dsagen.jit.sass import disassemble, find_nvdisasm
 
     if find_nvdisasm() is None:
         pytest.skip("nvdisasm not found")
@@ -169,7 +169,7 @@ def _sass(cubin: bytes, tmp_path=None) -> str:
 
 
 def _sass_ops(cubin: bytes, tmp_path=None) -> dict[str, int]:
-    from dsagen.gen.sass import opcode_counts
+    from dsagen.jit.sass import opcode_counts
 
     return dict(opcode_counts(_sass(cubin)))
 
@@ -177,7 +177,7 @@ def _sass_ops(cubin: bytes, tmp_path=None) -> dict[str, int]:
 @pytest.mark.compile
 @pytest.mark.parametrize("h,d", [(64, 128), (8, 64), (128, 128)])
 def test_score_kernel_compiles_to_hgmma_without_spills(h, d, tmp_path):
-    from dsagen.gen.build import compile_module
+    from dsagen.jit.build import compile_module
 
     spec = IndexerScoreSpec(arch="sm_90a", num_heads=h, head_dim=d)
     ck = compile_module(spec, render(spec), tmp_path / "build")
@@ -191,7 +191,7 @@ def test_score_kernel_compiles_to_hgmma_without_spills(h, d, tmp_path):
 
 @pytest.mark.compile
 def test_topk_kernel_compiles(tmp_path):
-    from dsagen.gen.build import compile_module
+    from dsagen.jit.build import compile_module
 
     spec = IndexerTopkSpec(arch="sm_90a", threads=128)
     ck = compile_module(spec, render(spec), tmp_path / "build")
@@ -232,7 +232,7 @@ def test_topk_kernel_sass(threads, tmp_path):
     """128-bit loads issued back to back (4 in flight per thread), per-warp histogram atomics, ballots only in
     the emit, 3 barriers per radix pass + 1 before the emit, registers within the CTAs-per-SM budget (2 CTAs
     at 512 threads, 1 at 1024, 8 at 128), no spills, the per-warp histograms as the only big smem."""
-    from dsagen.gen.build import compile_module
+    from dsagen.jit.build import compile_module
 
     spec = IndexerTopkSpec(arch="sm_90a", threads=threads)
     ck = compile_module(spec, render(spec), tmp_path / "build")
@@ -257,7 +257,7 @@ def test_topk_sample_sass(threads, tmp_path):
     (233,472 B per SM, 1 KiB reserved per CTA), no spills, 4 vector loads in flight, at most 23 block barriers (the
     plain kernel's 13, one more per pass that may compact (p = 1..3), 3 per sample scan and one for the entry
     counts)."""
-    from dsagen.gen.build import compile_module
+    from dsagen.jit.build import compile_module
 
     spec = IndexerTopkSpec(arch="sm_90a", threads=threads, sample=True)
     ck = compile_module(spec, render(spec), tmp_path / "build")
@@ -284,7 +284,7 @@ def test_score_kernel_pingpong_sass(h, d, dtype, tmp_path):
     with 512 threads (40 + 3 x 152 <= 4 x the register count: a larger sum deadlocks), grid = n_ctas."""
     import re
 
-    from dsagen.gen.build import compile_module
+    from dsagen.jit.build import compile_module
 
     spec = config_for(h, d, dtype, "sm_90a").score
     ck = compile_module(spec, render(spec), tmp_path / "build")

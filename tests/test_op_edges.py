@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dsagen
-from dsagen.ops._validate import MAX_TOPK, check_topk, device_memory_bytes
+from dsagen.validate import MAX_TOPK, check_topk, device_memory_bytes
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 IMPLS = ["reference", "fused"]

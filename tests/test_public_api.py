@@ -46,12 +46,12 @@ def test_dsagen_error_is_exported_without_importing_torch_or_the_dsl():
 
 
 def _error_classes():
-    from dsagen.cache.pack import PackError
-    from dsagen.cache.resolver import KernelNotCached
-    from dsagen.cache.store import CacheCorruption, CacheLockTimeout
+    from dsagen.store.pack import PackError
+    from dsagen.jit.resolver import KernelNotCached
+    from dsagen.store.store import CacheCorruption, CacheLockTimeout
     from dsagen.errors import CacheNotStored, CacheRootError, ConfigError
-    from dsagen.gen.abi import AbiError
-    from dsagen.gen.render import TemplateNotFound
+    from dsagen.jit.abi import AbiError
+    from dsagen.jit.render import TemplateNotFound
     from dsagen.runtime.driver import CudaDriverError
     from dsagen.runtime.kernel import KernelArchMismatch
     from dsagen.kernel_record import LaunchExprError

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from dsagen.gen.render import helper_modules, render
+from dsagen.jit.render import helper_modules, render
 from dsagen.spec import SpecError, get_preset
 from dsagen.spec.families.sparse_attention import SparseAttnFwdConfig, SparseAttnFwdSpec, config_for
 
@@ -21,8 +21,8 @@ def _compiled_sass(spec, tmp_path):
     setmaxnreg budget that is the spec's and cannot deadlock (setmaxnreg only redistributes the registers the CTA
     launched with; asking for more spins forever). Returns (launch record, SASS, opcode counts); skips the test
     when nvdisasm is missing."""
-    from dsagen.gen.build import compile_module
-    from dsagen.gen.sass import disassemble, find_nvdisasm, opcode_counts
+    from dsagen.jit.build import compile_module
+    from dsagen.jit.sass import disassemble, find_nvdisasm, opcode_counts
 
     ck = compile_module(spec, render(spec), tmp_path)
     rec = ck.record
@@ -197,7 +197,7 @@ def _ptxas_wgmma_serialisation(spec, tmp_path) -> list[str]:
     import shutil
     import subprocess
 
-    from dsagen.gen.build import compile_module
+    from dsagen.jit.build import compile_module
 
     ptxas = shutil.which("ptxas") or next((p for p in ("/usr/local/cuda/bin/ptxas", "/usr/local/cuda-13.0/bin/ptxas")
                                            if os.path.exists(p)), None)

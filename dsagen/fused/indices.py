@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ops._validate import check_contiguous
-from ..runtime import LoadedKernel, device_arch, get_kernel
+from ..validate import check_contiguous
+from ..runtime import LoadedKernel, device_arch
+from ..jit import get_kernel
 from ..spec import CompactifySpec, LocalToGlobalSpec
 
 _MAX_GRID_Y = 65535

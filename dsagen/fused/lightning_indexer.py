@@ -32,7 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime import LoadedKernel, device_arch, device_index, device_sm_count, get_kernel
+from ..runtime import LoadedKernel, device_arch, device_index, device_sm_count
+
+from ..jit import get_kernel
 from ..spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, IndexerConfig,
                                      IndexerTopkSpec, config_for, tokens_per_cta)
 

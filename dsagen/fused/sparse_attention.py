@@ -26,7 +26,9 @@ from typing import Optional
 
 import torch
 
-from ..runtime import LoadedKernel, device_arch, device_index, device_sm_count, get_kernel
+from ..runtime import LoadedKernel, device_arch, device_index, device_sm_count
+
+from ..jit import get_kernel
 from ..spec.families.sparse_attention import SparseAttnFwdConfig, SparseAttnFwdSpec, config_for
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..reference.indexer import IndexerTopK, TopK, staggered_row_lengths
-from ._validate import (FLOAT_DTYPES, check_bool, check_cu_seqlens_pair, check_impl, check_int, check_shape,
+from ..validate import (FLOAT_DTYPES, check_bool, check_cu_seqlens_pair, check_impl, check_int, check_shape,
                         check_tensor, check_topk)
 
 __all__ = ["indexer_scores", "indexer_topk", "indexer_forward_topk", "TopK", "IndexerTopK"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..reference.indexer_training import DenseIndexerScores, IndexerGrads
-from ._validate import FLOAT_DTYPES, check_bool, check_float, check_impl, check_int, check_shape, check_tensor
+from ..validate import FLOAT_DTYPES, check_bool, check_float, check_impl, check_int, check_shape, check_tensor
 from .indexer import (check_causal_offsets, check_dense_inputs, check_indexer_inputs, check_packed_indexer_inputs,
                       fused_op, is_packed)
 

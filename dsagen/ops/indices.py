@@ -6,7 +6,7 @@ import torch
 
 from ..fused import fused_impl
 from ..reference import indices as ref
-from ._validate import check_impl, check_int, check_tensor
+from ..validate import check_impl, check_int, check_tensor
 
 _INT32_MAX = 2**31 - 1
 

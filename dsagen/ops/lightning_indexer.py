@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import (FLOAT_DTYPES, check_bool, check_contiguous, check_cu_seqlens, check_impl, check_int,
+from ..validate import (FLOAT_DTYPES, check_bool, check_contiguous, check_cu_seqlens, check_impl, check_int,
                         check_reference_options, check_same_dtype, check_shape, check_tensor, check_topk)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from ..fused import fused_impl
 from ..reference import nsa as ref
-from ._validate import (FLOAT_DTYPES, check_float, check_impl, check_int, check_same_dtype, check_shape, check_tensor,
+from ..validate import (FLOAT_DTYPES, check_float, check_impl, check_int, check_same_dtype, check_shape, check_tensor,
                         check_topk)
 
 _INDEX_DTYPES = (torch.int32, torch.int64)

@@ -13,7 +13,7 @@ import torch
 
 from ..fused import fused_impl
 from ..reference import qsa as ref
-from ._validate import FLOAT_DTYPES, check_float, check_impl, check_same_dtype, check_tensor
+from ..validate import FLOAT_DTYPES, check_float, check_impl, check_same_dtype, check_tensor
 
 MAX_INDEX_WIDTH = 2052  # FlashInfer QSA: "Width must be divisible by four and at most 2052"
 

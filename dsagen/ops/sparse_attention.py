@@ -13,7 +13,7 @@ import torch
 
 from ..fused import fused_impl
 from ..reference import sparse_attention as ref
-from ._validate import (FLOAT_DTYPES, check_bool, check_cu_seqlens_pair, check_float, check_impl, check_int,
+from ..validate import (FLOAT_DTYPES, check_bool, check_cu_seqlens_pair, check_float, check_impl, check_int,
                         check_same_dtype, check_shape, check_tensor)
 from .indexer import fused_op, is_packed
 

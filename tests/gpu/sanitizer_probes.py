@@ -91,7 +91,7 @@ def build(outdir: str) -> None:
     """Compile every probe (CPU, CuTe-DSL) into outdir/<probe>.cubin and outdir/<probe>.json (the kernel record)."""
     import tempfile
 
-    from dsagen.gen.build import compile_module
+    from dsagen.jit.build import compile_module
     from dsagen.spec import RuntimeProbeSpec
 
     out = Path(outdir)

@@ -2,7 +2,7 @@
 template -> cubin in the cache -> runtime), and each runtime capability (TMA descriptors encoded at
 launch, dynamic smem above 48 KB, clusters, CUDA-graph capture, arch and param-layout checks).
 
-Build what these need first (CPU, with CuTe-DSL):  dsagen build --from-tests tests/gpu/test_foundation.py
+Build what these need first (CPU, with CuTe-DSL):  dsagen build --spec-file tests/gpu/required_specs.json
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def test_fused_ops_are_cuda_graph_capturable():
 
 # ---- runtime capabilities ---------------------------------------------------------------------------
 def _kernel(spec):
-    from dsagen.runtime import get_kernel
+    from dsagen.jit import get_kernel
 
     return get_kernel(spec, torch.device("cuda"))
 
@@ -178,7 +178,7 @@ def test_zero_grid_launches_nothing():
 
 
 def test_misaligned_pointer_is_refused():
-    from dsagen.runtime import get_kernel
+    from dsagen.jit import get_kernel
 
     k = get_kernel(RuntimeProbeSpec(arch=ARCH, feature="smem", smem_bytes=SMEM_BYTES), "cuda")
     x = torch.randn(64, device="cuda")
@@ -188,14 +188,15 @@ def test_misaligned_pointer_is_refused():
 
 
 def test_arch_mismatch_is_refused():
-    from dsagen.runtime import KernelArchMismatch, get_kernel
+    from dsagen.runtime import KernelArchMismatch
+    from dsagen.jit import get_kernel
 
     with pytest.raises(KernelArchMismatch, match="sm_100a"):
         get_kernel(LocalToGlobalSpec(arch="sm_100a"), "cuda")
 
 
 def test_param_layout_checked_against_driver():
-    from dsagen.cache import resolve
+    from dsagen.jit import resolve
     from dsagen.runtime import LoadedKernel
 
     entry = resolve(LocalToGlobalSpec(arch=ARCH))
@@ -219,7 +220,7 @@ def test_runtime_runs_without_cutlass_importable():
                     raise ImportError("cutlass is blocked in this test")
         sys.meta_path.insert(0, Block())
         import torch, dsagen
-        from dsagen.gen import toolchain
+        from dsagen.jit import toolchain
         toolchain.toolchain_versions.cache_clear()
         toolchain.toolchain_versions = lambda: {}      # as if CuTe-DSL were not installed
         ids = torch.tensor([[5, -1, 7]], dtype=torch.int32, device="cuda")

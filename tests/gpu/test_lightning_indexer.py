@@ -7,7 +7,7 @@ order), followed by -1 exactly when fewer than topk candidates exist, and every 
 reference score is >= every unselected valid candidate's reference score minus one bf16 ulp of the
 row's largest |score| (the kernel accumulates in fp32 in another order than the reference).
 
-Build first (CPU, with CuTe-DSL):  dsagen build --from-tests tests/gpu/test_lightning_indexer.py
+Build first (CPU, with CuTe-DSL):  dsagen build --spec-file tests/gpu/required_specs.json
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ TOPK_EXACT_LENGTHS = [1, 2, 63, 64, 65, 127, 128, 129, 511, 2047, 2048, 2049, 20
 def test_topk_kernel_exact(spec, pattern, topk):
     """The top-k kernel alone on slab rows of many lengths (one 1-token document per row): exactly the ids of
     the topk largest keys, ties to the lower id, ascending; 0..n-1 then -1 when n <= topk."""
-    from dsagen.runtime import get_kernel
+    from dsagen.jit import get_kernel
 
     kern = get_kernel(spec, 0)
     gen = torch.Generator().manual_seed(sum(map(ord, pattern)) * 7 + topk)

@@ -9,7 +9,7 @@ T = 300 / topk 64 (unpacked causal and packed documents), each top-k kernel of t
 past the row's candidates is left unwritten (as the score kernel leaves it), invalid packed offsets (memcheck: no
 access out of bounds whatever the offsets), compactify and local_to_global.
 
-Build first (CPU, with CuTe-DSL):  dsagen build --from-tests tests/gpu/test_sanitize.py
+Build first (CPU, with CuTe-DSL):  dsagen build --spec-file tests/gpu/required_specs.json
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def test_topk_kernel(spec):
     """Each top-k kernel of the plan alone, on slab rows written only over their candidates (the score kernel
     leaves a row's tail up to the next 16-byte boundary unwritten): rows with n <= topk, short rows, rows long
     enough for the sampled threshold and the compacted entries; exact against a sort of the keys."""
-    from dsagen.runtime import get_kernel
+    from dsagen.jit import get_kernel
 
     kern = get_kernel(spec, 0)
     gen = torch.Generator().manual_seed(303)
@@ -203,7 +203,7 @@ def test_topk_kernel(spec):
 def test_split_halves_smem_prefix():
     """(jinja2 only: runs in scripts/sanitize.sh's steps) sanitizer_probes.SPLIT_HALVES_PAIR_MAX (the smem window of sMax[:, 1] whose racecheck hazards are explained)
     assumes these leading Smem fields at every shape of the op's kernel: 8 + 3 mbarriers, valid[2 * 64], mx[2 * 64]."""
-    from dsagen.gen.render import render
+    from dsagen.jit.render import render
     from sanitizer_probes import SPLIT_HALVES_PAIR_MAX
 
     want = ["half_mbar: cute.struct.MemRange[Int64, 8]", "q_mbar: cute.struct.MemRange[Int64, 1]",

@@ -7,7 +7,7 @@ Grids smaller than the item count (CTAs looping over several items) run through 
 (dsagen.fused.sparse_attention.sparse_attention, SparseAttnFwdConfig.grid).
 
 Build what these need first (CPU, with CuTe-DSL):
-    dsagen build --from-tests tests/gpu/test_sparse_attention.py --arch sm_90a
+    dsagen build --spec-file tests/gpu/required_specs.json
 The tests named *adversarial* are the ones to run under `compute-sanitizer --tool memcheck`
 (with PYTORCH_NO_CUDA_MEMORY_CACHING=1 so that every tensor is its own allocation).
 """

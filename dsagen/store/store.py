@@ -40,7 +40,7 @@ from typing import Any, Iterator
 from .. import env
 from ..errors import CacheRootError, DsagenError
 from ..kernel_record import kernel_record_problem, kernel_record_sha256
-from .keys import canonical_json, key_of, sha256_hex
+from .hashing import canonical_json, key_of, sha256_hex
 
 LAYOUT = "v1"
 MANIFEST = "manifest.json"

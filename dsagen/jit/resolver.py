@@ -22,12 +22,13 @@ from datetime import datetime, timezone
 
 from .. import env
 from ..errors import CacheNotStored, CacheRootError, DsagenError
-from ..gen.render import render
 from ..kernel_record import kernel_record_sha256
-from ..gen import toolchain
 from ..spec import KernelSpec
+from ..store.store import (BUILD_TMP_PREFIX, CacheCorruption, CacheLockTimeout, CacheStore, Entry, entry_identities,
+                           load_entry)
+from . import toolchain
 from .keys import identity_material, identity_of, key_material, key_of
-from .store import BUILD_TMP_PREFIX, CacheCorruption, CacheLockTimeout, CacheStore, Entry, entry_identities, load_entry
+from .render import render
 
 _memory_entries: dict[str, Entry] = {}
 _memory_lock = threading.Lock()
@@ -66,7 +67,7 @@ def _manifest(spec: KernelSpec, material: dict, identity: str, compiled) -> dict
 
 def compile_entry_files(spec: KernelSpec, source: str, material: dict, identity: str) -> tuple[dict, dict]:
     """Compile `spec` in a temporary folder: (files, manifest) ready to commit."""
-    from ..gen.build import compile_module
+    from .build import compile_module
 
     # named after this process, so that `dsagen prune` can tell a killed build's leftovers from a live one
     with tempfile.TemporaryDirectory(prefix=f"{BUILD_TMP_PREFIX}{os.getpid()}-") as work:

@@ -1,4 +1,4 @@
-"""Cache keys. A key is the sha256 of the canonical JSON of everything that determines a kernel's bytes:
+"""Cache keys (the compiler layer's side: what a key and an identity hash; the hashing is dsagen.store.hashing). A key is the sha256 of the canonical JSON of everything that determines a kernel's bytes:
 schema version, op, spec, arch, compile options, the rendered source, every hand-written helper module
 it imports, the generator version and the toolchain (every nvidia-cutlass-dsl* distribution).
 
@@ -11,49 +11,15 @@ Sequence lengths, batch sizes and pointers are never key material (specs cannot 
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
-from ..gen.build import COMPILE_OPTIONS
-from ..gen.render import helper_modules, template_helper_modules, template_sources
-from ..gen.toolchain import GENERATOR_VERSION
 from ..spec import KernelSpec
+from ..store.hashing import canonical_json, key_of, sha256_hex
+from .build import COMPILE_OPTIONS
+from .render import helper_modules, template_helper_modules, template_sources
+from .toolchain import GENERATOR_VERSION
 
 SCHEMA_VERSION = 1
-
-
-def _check_json_safe(v: Any, path: str = "key material") -> None:
-    """Fail closed: only None, bool, int, str, lists and str-keyed dicts may be hashed (floats and
-    unknown types could hash differently across processes or versions)."""
-    if v is None or isinstance(v, (bool, int, str)):
-        return
-    if isinstance(v, float):
-        if v != v or v in (float("inf"), float("-inf")):
-            raise TypeError(f"{path}: non-finite float {v!r} cannot be key material")
-        return
-    if isinstance(v, (list, tuple)):
-        for i, x in enumerate(v):
-            _check_json_safe(x, f"{path}[{i}]")
-        return
-    if isinstance(v, dict):
-        for k, x in v.items():
-            if not isinstance(k, str):
-                raise TypeError(f"{path}: dict key {k!r} is not a str")
-            _check_json_safe(x, f"{path}.{k}")
-        return
-    raise TypeError(f"{path}: value of type {type(v).__name__} cannot be key material")
-
-
-def canonical_json(v: Any) -> str:
-    """Compact, key-sorted JSON of `v` after checking every value is hashable key material."""
-    _check_json_safe(v)
-    return json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-
-
-def sha256_hex(data: bytes | str) -> str:
-    """Hex sha256 of bytes, or of a str encoded as UTF-8."""
-    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
 
 
 def _common_material(spec: KernelSpec) -> dict[str, Any]:
@@ -75,11 +41,6 @@ def identity_material(spec: KernelSpec) -> dict[str, Any]:
 def identity_of(spec: KernelSpec) -> str:
     """The toolchain-independent identity of `spec`'s kernel (no rendering, no DSL)."""
     return sha256_hex(canonical_json(identity_material(spec)))
-
-
-def key_of(material: dict[str, Any]) -> str:
-    """The cache key of a key material."""
-    return sha256_hex(canonical_json(material))
 
 
 def explain_difference(a: dict[str, Any], b: dict[str, Any]) -> list[str]:

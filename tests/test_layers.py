@@ -1,0 +1,86 @@
+"""The package's layers import one way: public ops -> family host code -> {jit (render, compile, resolve) -> store,
+runtime}. This test reads every module's imports (module level and inside functions) and fails naming the
+module and the import that breaks a rule."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "dsagen"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports (absolute names; relative imports resolved)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)   # `from pkg import module`
+    return out
+
+
+def _modules() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in sorted(PKG.rglob("*.py"))}
+
+
+def _violations(importer_prefix: str, forbidden: tuple[str, ...], allowed: tuple[str, ...] = ()) -> list[str]:
+    bad = []
+    for mod, imps in _modules().items():
+        if mod == importer_prefix or mod.startswith(importer_prefix + "."):
+            for imp in sorted(imps):
+                if any(imp == a or imp.startswith(a + ".") for a in allowed):
+                    continue
+                if any(imp == f or imp.startswith(f + ".") for f in forbidden):
+                    bad.append(f"{mod} imports {imp}")
+    return bad
+
+
+def test_the_runtime_imports_no_compiler_template_store_or_op():
+    # the arch table (capability -> arch name) is the one piece of the spec layer it reads
+    assert not _violations("dsagen.runtime", ("dsagen.jit", "dsagen.store", "dsagen.ops", "dsagen.fused",
+                                              "dsagen.templates", "dsagen.spec", "cutlass", "jinja2"),
+                           allowed=("dsagen.spec.arch",))
+
+
+def test_the_store_imports_no_compiler():
+    assert not _violations("dsagen.store", ("dsagen.jit", "dsagen.ops", "dsagen.fused", "dsagen.runtime",
+                                            "dsagen.templates", "dsagen.spec", "cutlass", "jinja2"))
+
+
+def test_the_compiler_layer_imports_no_op_or_host_code():
+    assert not _violations("dsagen.jit", ("dsagen.ops", "dsagen.fused"))
+
+
+def test_nothing_but_the_package_root_imports_the_public_ops():
+    bad = []
+    for mod, imps in _modules().items():
+        if mod in ("dsagen",) or mod.startswith("dsagen.ops"):
+            continue
+        bad += [f"{mod} imports {i}" for i in sorted(imps) if i == "dsagen.ops" or i.startswith("dsagen.ops.")]
+    assert not bad
+
+
+def test_the_command_line_executes_no_test_module():
+    """It builds the GPU tests' kernels from a data file (tests/gpu/required_specs.json), never by importing them."""
+    src = (PKG / "cli.py").read_text()
+    for needle in ("exec_module", "spec_from_file_location", "REQUIRED_SPECS"):
+        assert needle not in src, needle

@@ -12,7 +12,7 @@ op's GPU time as inside a model step, 1-1.5 ms less at T=32768 on some H200s). F
 the tensor-core floor is that at 780 TFLOP/s (dense bf16 measured on the H200). The reference is timed
 only up to --ref-max-T (it takes seconds beyond). --profile also times the score and top-k kernels
 alone (one slab loop with each kernel launched alone). --variant runs the op with another IndexerConfig (VARIANTS:
-a replaced copy of config_for's, passed as dsagen.fused.lightning_indexer.lightning_indexer(..., config=...));
+a replaced copy of config_for's, passed as dsagen.kernels.lightning_indexer.host.lightning_indexer(..., config=...));
 "default" is the public op itself. Several names run one after the other on the same inputs.
 """
 
@@ -32,7 +32,7 @@ H, D = 64, 128
 
 def variants(arch: str = "sm_90a") -> dict:
     """--variant -> the IndexerConfig it runs (None: the public op with config_for's config)."""
-    from dsagen.spec.families.indexer import IndexerTopkSpec, TopkPlan, config_for
+    from dsagen.kernels.lightning_indexer.spec import IndexerTopkSpec, TopkPlan, config_for
 
     cfg = config_for(H, D, "bfloat16", arch)
     def one(threads):
@@ -65,7 +65,7 @@ class _Skip:
 def _call(q, k, w, topk, ratio, config):
     """One op call: the public op (config None) or the fused entry point with `config`."""
     import dsagen
-    from dsagen.fused import lightning_indexer as fused
+    from dsagen.kernels.lightning_indexer import host as fused
 
     if config is None:
         return dsagen.lightning_indexer(q, k, w, topk, causal=True, compress_ratio=ratio, impl="fused")
@@ -74,7 +74,7 @@ def _call(q, k, w, topk, ratio, config):
 
 
 def _profile(q, k, w, topk, ratio, config, reps) -> dict:
-    from dsagen.fused import lightning_indexer as fused
+    from dsagen.kernels.lightning_indexer import host as fused
 
     call = lambda: _call(q, k, w, topk, ratio, config)   # noqa: E731
     kernels = fused._kernels_for(q.device, q.shape[2], q.shape[3], q.dtype, config)

@@ -40,9 +40,9 @@ def realistic_rows(rows: int, n: int, gen: torch.Generator, h: int = 64, d: int 
 
 
 def main(argv=None) -> int:
-    from dsagen.fused.lightning_indexer import slab_rows
+    from dsagen.kernels.lightning_indexer.host import slab_rows
     from dsagen.jit import get_kernel
-    from dsagen.spec.families.indexer import IndexerTopkSpec, config_for
+    from dsagen.kernels.lightning_indexer.spec import IndexerTopkSpec, config_for
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 24576, 32768, 65536, 131072])

@@ -59,7 +59,7 @@ print(f"{(t1 - t0) * 1e3:.1f} {(t2 - t1) * 1e3:.1f}")
 def sparse_breakdown(calls: int, json_path: str | None, profile: str | None) -> None:
     """The host time of a tiny dsagen.sparse_attention call, part by part (us per call, see the module doc)."""
     import dsagen
-    import dsagen.fused.sparse_attention as fsa
+    import dsagen.kernels.sparse_mla.host as fsa
 
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)

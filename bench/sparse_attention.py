@@ -37,8 +37,8 @@ import torch
 from common import cuda_time_ms, paired_time_ms
 
 import dsagen
-import dsagen.fused.sparse_attention as fused_sa
-from dsagen.spec.families.sparse_attention import SparseAttnFwdConfig
+import dsagen.kernels.sparse_mla.host as fused_sa
+from dsagen.kernels.sparse_mla.spec import SparseAttnFwdConfig
 
 
 def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.Tensor:

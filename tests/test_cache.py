@@ -60,7 +60,7 @@ def test_identity_follows_templates_and_helpers_but_not_toolchain(monkeypatch, t
     spec = LocalToGlobalSpec(arch="sm_90a")
     ident = identity_of(spec)
     assert ident == identity_of(LocalToGlobalSpec(arch="sm_90a")) != identity_of(LocalToGlobalSpec(arch="sm_100a"))
-    assert "generic/local_to_global.py.j2" in identity_material(spec)["templates"]
+    assert "indices/local_to_global.py.j2" in identity_material(spec)["templates"]
     assert "_kernel_module.py.j2" in identity_material(spec)["templates"]  # the base it extends
     templates = tmp_path / "templates"
     shutil.copytree(r.TEMPLATES, templates)
@@ -72,7 +72,7 @@ def test_identity_follows_templates_and_helpers_but_not_toolchain(monkeypatch, t
 
 
 def _sparse_attention_specs():
-    from dsagen.spec.families.sparse_attention import SparseAttnFwdSpec
+    from dsagen.kernels.sparse_mla.spec import SparseAttnFwdSpec
 
     return [SparseAttnFwdSpec(arch="sm_90a"), SparseAttnFwdSpec(arch="sm_90a", num_heads=64, d_qk=512)]
 
@@ -89,8 +89,8 @@ def test_identity_follows_included_and_imported_templates(monkeypatch, tmp_path)
     shutil.copytree(r.TEMPLATES, templates)
     monkeypatch.setattr(r, "TEMPLATES", templates)
     specs = get_preset("deepseek-v3.2", "sm_90a") + _sparse_attention_specs()
-    parts = {"sm90/lightning_indexer_common.py.j2"} | {
-        f"sm90/sparse_attention_fwd/{f}.py.j2" for f in ("common", "split_halves")}
+    parts = {"lightning_indexer/common_sm90.py.j2"} | {
+        f"sparse_mla/fwd_sm90/{f}.py.j2" for f in ("common", "split_halves")}
     for part in sorted(parts):
         users = [s for s in specs if part in identity_material(s)["templates"]]
         assert users, part
@@ -129,7 +129,7 @@ def test_key_is_stable_and_independent_of_run_time_sizes():
     """Two calls with different sequence lengths and batches build the same spec, hence the same key."""
     import torch
 
-    import dsagen.fused.indices as fused
+    import dsagen.kernels.indices.host as fused
 
     seen = []
     monkey = fused._kernel

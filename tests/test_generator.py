@@ -25,9 +25,15 @@ def test_render_is_strict(monkeypatch):
         render(spec)
 
 
-def test_template_lookup_prefers_arch_family_then_generic():
-    assert template_name(CompactifySpec(arch="sm_90a")) == "generic/compactify.py.j2"
+def test_template_lookup_is_the_family_folder_with_the_arch_family_filled_in():
+    from dsagen.jit.render import TemplateNotFound
+    from dsagen.kernels.sparse_mla.spec import SparseAttnFwdSpec
+
+    assert template_name(CompactifySpec(arch="sm_90a")) == "indices/compactify.py.j2"   # arch-independent
     assert template_name(RuntimeProbeSpec(arch="sm_90a", feature="tma")) == "testing/runtime_probe.py.j2"
+    assert template_name(SparseAttnFwdSpec(arch="sm_90a")) == "sparse_mla/fwd_sm90.py.j2"
+    with pytest.raises(TemplateNotFound, match="sparse_mla/fwd_sm100.py.j2"):
+        template_name(SparseAttnFwdSpec(arch="sm_100a"))
 
 
 def test_helper_modules_are_hashed(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import torch
 from dsagen.jit.render import render
 from dsagen.spec import get_preset
 from dsagen.spec.base import SpecError
-from dsagen.spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_TOPK_THREADS, TOPK_COMPACT_CAP,
+from dsagen.kernels.lightning_indexer.spec import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_TOPK_THREADS, TOPK_COMPACT_CAP,
                                           IndexerConfig, IndexerScoreSpec, IndexerTopkSpec, TopkPlan, config_for)
 
 
@@ -60,7 +60,7 @@ def test_config_is_frozen_and_picked_by_config_for():
     assert cfg.specs() == (cfg.score, *cfg.topk.specs())
     for spec in cfg.specs():
         assert spec.can_implement() == (True, ""), spec.name()
-    from dsagen.fused import lightning_indexer as fused
+    from dsagen.kernels.lightning_indexer import host as fused
 
     for name in ("SPEC_OPTIONS", "CHUNK_ROWS", "SLAB_BYTES", "SLAB_MAX_ROWS"):
         assert not hasattr(fused, name), name
@@ -95,7 +95,7 @@ def test_topk_plan_picks_by_row_length_and_wave():
 def test_slab_max_candidates():
     """The longest row a slab can hold: the ratio-causal limit of its last token for causal unpacked input, S
     otherwise (packed documents, non-causal); T - 1's limit when the slab crosses a batch element."""
-    from dsagen.fused.lightning_indexer import slab_max_candidates
+    from dsagen.kernels.lightning_indexer.host import slab_max_candidates
 
     # H=64: 2 tokens per block; T=1000 -> 500 blocks per batch element; S = 1000
     assert slab_max_candidates(0, 10, 2, 500, 1000, 1000, True, 1, False) == 20
@@ -124,7 +124,7 @@ def test_topk_template_renders():
 
 
 def test_fused_backend_option_and_limits():
-    from dsagen.fused.lightning_indexer import check_backend, check_supported, score_ctas, slab_rows
+    from dsagen.kernels.lightning_indexer.host import check_backend, check_supported, score_ctas, slab_rows
 
     assert check_backend(None) == "cute" and check_backend({"backend": "cute"}) == "cute"
     with pytest.raises(ValueError, match="backend='triton' is not available"):

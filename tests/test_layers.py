@@ -56,18 +56,42 @@ def _violations(importer_prefix: str, forbidden: tuple[str, ...], allowed: tuple
 
 def test_the_runtime_imports_no_compiler_template_store_or_op():
     # the arch table (capability -> arch name) is the one piece of the spec layer it reads
-    assert not _violations("dsagen.runtime", ("dsagen.jit", "dsagen.store", "dsagen.ops", "dsagen.fused",
-                                              "dsagen.templates", "dsagen.spec", "cutlass", "jinja2"),
+    assert not _violations("dsagen.runtime", ("dsagen.jit", "dsagen.store", "dsagen.ops", "dsagen.kernels",
+                                              "dsagen.spec", "cutlass", "jinja2"),
                            allowed=("dsagen.spec.arch",))
 
 
 def test_the_store_imports_no_compiler():
-    assert not _violations("dsagen.store", ("dsagen.jit", "dsagen.ops", "dsagen.fused", "dsagen.runtime",
-                                            "dsagen.templates", "dsagen.spec", "cutlass", "jinja2"))
+    assert not _violations("dsagen.store", ("dsagen.jit", "dsagen.ops", "dsagen.kernels", "dsagen.runtime",
+                                            "dsagen.spec", "cutlass", "jinja2"))
+
+
+def _host_modules() -> tuple[str, ...]:
+    return tuple(m for m in _modules() if m.startswith("dsagen.kernels.") and m.endswith(".host"))
 
 
 def test_the_compiler_layer_imports_no_op_or_host_code():
-    assert not _violations("dsagen.jit", ("dsagen.ops", "dsagen.fused"))
+    assert not _violations("dsagen.jit", ("dsagen.ops",) + _host_modules())
+
+
+def test_specs_import_no_host_code_and_no_torch():
+    """A spec module (and the spec layer) stays importable where only specs are needed (a build machine's
+    CLI, presets): no host code, no torch, no compiler."""
+    bad = []
+    for mod, imps in _modules().items():
+        if mod.startswith("dsagen.spec") or (mod.startswith("dsagen.kernels.") and mod.endswith(".spec")):
+            bad += [f"{mod} imports {i}" for i in sorted(imps)
+                    if i in ("torch", "cutlass", "jinja2") or i.startswith(("torch.", "cutlass.", "dsagen.jit", "dsagen.ops"))
+                    or any(i == h or i.startswith(h + ".") for h in _host_modules())]
+    assert not bad
+
+
+def test_every_family_holds_its_spec_kernels_and_host_code_in_one_folder():
+    families = [p for p in (PKG / "kernels").iterdir() if p.is_dir() and (p / "__init__.py").exists()]
+    assert families
+    for fam in families:
+        assert (fam / "spec.py").is_file(), fam.name
+        assert any(fam.rglob("*.py.j2")), f"{fam.name} has no kernel module"
 
 
 def test_nothing_but_the_package_root_imports_the_public_ops():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dsagen
-import dsagen.fused
+import dsagen.ops._fused
 from dsagen.ops import nsa as nsa_ops
 from dsagen.ops.indexer import indexer_topk
 from dsagen.reference import nsa as nsa_ref
@@ -89,7 +89,7 @@ def test_next_n_fused_path_receives_per_row_lengths(monkeypatch):
         seen["seq_lens"] = seq_lens
         return reference_topk(values, seq_lens, top_k, return_values=return_values)
 
-    monkeypatch.setattr(dsagen.fused, "fused_impl", lambda op, device: fake_kernel)
+    monkeypatch.setattr(dsagen.ops._fused, "fused_impl", lambda op, device: fake_kernel)
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(4))
     lens = torch.tensor([5, 9], **I32)
     got = indexer_topk(x, lens, 3, next_n=3, impl="fused")

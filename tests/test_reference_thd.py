@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dsagen.fused
+import dsagen.ops._fused
 from dsagen.ops.indexer import indexer_forward_topk, indexer_scores
 from dsagen.ops.indexer_training import dense_indexer_backward, dense_indexer_score_recompute
 from dsagen.ops.sparse_attention import dense_attn_score_recompute
@@ -438,6 +438,6 @@ def test_thd_fused(op, monkeypatch):
     with pytest.raises(ValueError, match="fused"):  # CPU tensors: no fused kernel on the CPU
         fn(*args, **kw)
     # Where a fused kernel exists, THD is refused explicitly rather than passed to a BSHD kernel.
-    monkeypatch.setattr(dsagen.fused, "fused_impl", lambda op, device: lambda *a, **k: None)
+    monkeypatch.setattr(dsagen.ops._fused, "fused_impl", lambda op, device: lambda *a, **k: None)
     with pytest.raises(NotImplementedError, match="THD"):
         fn(*args, **kw)

@@ -13,7 +13,7 @@ import pytest
 
 from dsagen.jit.render import helper_modules, render
 from dsagen.spec import SpecError, get_preset
-from dsagen.spec.families.sparse_attention import SparseAttnFwdConfig, SparseAttnFwdSpec, config_for
+from dsagen.kernels.sparse_mla.spec import SparseAttnFwdConfig, SparseAttnFwdSpec, config_for
 
 
 def _compiled_sass(spec, tmp_path):
@@ -86,7 +86,7 @@ def test_config_selection():
 
     import torch
 
-    import dsagen.fused.sparse_attention as fsa
+    import dsagen.kernels.sparse_mla.host as fsa
 
     op = SparseAttnFwdConfig()
     assert (op.regs_producer, op.regs_qk, op.regs_pv, op.block_n, op.stages, op.grid) == (48, 232, 224, 64, 2,
@@ -136,7 +136,7 @@ def test_render(d_qk):
     src = render(SparseAttnFwdSpec(arch="sm_90a", num_heads=64, d_qk=d_qk))
     compile(src, "kernel.py", "exec")
     assert f"D_QK = {d_qk}" in src and "H = 64" in src
-    assert "dsagen.kernels.attn_sm90" in helper_modules(src)
+    assert "dsagen.kernels.sparse_mla.attn_sm90" in helper_modules(src)
     for name in ("BAR_MAX_A = 1", "BAR_MAX_B = 2", "BAR_P_A = 3", "BAR_P_B = 4", "BAR_EPI_A = 5", "BAR_EPI_B = 6",
                  "npairs = ((kmax + BN - 1) // BN + 1) // 2", "half_mbar"):
         assert name in src

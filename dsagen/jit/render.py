@@ -12,8 +12,8 @@ from pathlib import Path
 from ..errors import DsagenError
 from ..spec import KernelSpec, get_arch
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 KERNEL_LIB = Path(__file__).resolve().parent.parent / "kernels"
+TEMPLATES = KERNEL_LIB  # template names are paths under dsagen/kernels: "<family>/<file>"
 
 
 class TemplateNotFound(DsagenError, LookupError):
@@ -33,14 +33,15 @@ def _environment():
 
 
 def template_name(spec: KernelSpec) -> str:
-    """The template file (relative to templates/) that renders `spec`: the arch family's own first,
-    then the arch-independent one in templates/generic/."""
+    """The template file (relative to dsagen/kernels/) that renders `spec`: `spec.template` with `{arch}`
+    replaced by the arch's template family (e.g. "sparse_mla/fwd_{arch}.py.j2" -> "sparse_mla/fwd_sm90.py.j2");
+    a template without `{arch}` is arch-independent. TemplateNotFound when the family has none for the arch."""
     family = get_arch(spec.arch).template_family
-    for folder in (family, "generic", "testing"):
-        if (TEMPLATES / folder / spec.template).is_file():
-            return f"{folder}/{spec.template}"
-    raise TemplateNotFound(f"no template {spec.template!r} for op {spec.op!r} on {spec.arch} "
-                           f"(looked in templates/{family}/, generic/, testing/)")
+    name = spec.template.replace("{arch}", family)
+    if not (TEMPLATES / name).is_file():
+        raise TemplateNotFound(f"no template {name!r} for op {spec.op!r} on {spec.arch} (dsagen/kernels/{name} "
+                               f"does not exist: the family has no {family} kernel yet)")
+    return name
 
 
 _TEMPLATE_REF_RE = re.compile(r"""{%-?\s*(?:extends|include|import|from)\s+["']([^"']+)["']""")

@@ -1,2 +1,13 @@
-"""Hand-written CuTe-DSL device helpers imported by rendered kernel modules; each one a module imported
-as `from dsagen.kernels.<name> import ...` (its source hash is part of every importing kernel's cache key)."""
+"""The kernel families, one folder each: its spec (`spec.py`: the frozen spec, its config and `config_for`),
+its kernels (jinja2 CuTe-DSL modules `*_<arch family>.py.j2` and hand-written device helpers) and its host
+launch code (`host.py`). `_kernel_module.py.j2` is the base every kernel module extends.
+
+    indices/            compactify, local_to_global
+    lightning_indexer/  the indexer score kernel and its top-k plan
+    sparse_mla/         the sparse MLA attention forward
+    testing/            runtime probe kernels (the runtime's own GPU tests)
+
+Importing this package imports nothing: dsagen.spec imports each family's `spec` module (registering its
+specs); host code is imported by the public ops when a fused kernel runs. A rendered kernel imports its
+device helpers as `dsagen.kernels.<family>.<module>`, and their source hashes are part of its cache key.
+"""

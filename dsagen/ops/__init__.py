@@ -1,2 +1,2 @@
 """The torch-facing public ops: input validation, then dispatch to dsagen.reference (impl="reference")
-or dsagen.fused (impl="fused")."""
+or the family host code through dsagen.ops._fused (impl="fused")."""

@@ -78,7 +78,7 @@ def is_packed(cu_seqlens_q, cu_seqlens_k) -> bool:
 
 def fused_op(op: str, device: torch.device, packed: bool):
     """fused_impl(op, device), refusing the THD layout, which no generated kernel takes yet."""
-    from ..fused import fused_impl
+    from ._fused import fused_impl
 
     fn = fused_impl(op, device)
     if packed:
@@ -239,7 +239,7 @@ def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int,
         from ..reference.indexer import indexer_topk as reference
 
         return reference(input_values, seq_lens, top_k, return_values=return_values, next_n=next_n)
-    from ..fused import fused_impl
+    from ._fused import fused_impl
 
     fn = fused_impl("indexer_topk", input_values.device)
     if next_n > 1:

@@ -103,7 +103,7 @@ def sparse_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Ten
         from ..reference.indexer_training import sparse_indexer_score_recompute as reference
 
         return reference(q_indexer, k_indexer, weights, topk_indices, **kwargs)
-    from ..fused import fused_impl
+    from ._fused import fused_impl
 
     return fused_impl("sparse_indexer_score_recompute", q_indexer.device)(q_indexer, k_indexer, weights,
                                                                           topk_indices, **kwargs)
@@ -218,7 +218,7 @@ def indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: torc
         from ..reference.indexer_training import indexer_backward as reference
 
         return reference(index_q, weights, index_k, attn_score, index_score, topk_indices, **kwargs)
-    from ..fused import fused_impl
+    from ._fused import fused_impl
 
     return fused_impl("indexer_backward", device)(index_q, weights, index_k, attn_score, index_score,
                                                   topk_indices, **kwargs)

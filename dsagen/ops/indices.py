@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fused import fused_impl
+from ._fused import fused_impl
 from ..reference import indices as ref
 from ..validate import check_impl, check_int, check_tensor
 

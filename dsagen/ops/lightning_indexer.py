@@ -144,7 +144,7 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, t
 
         return reference(q, k, weights, topk, causal=causal, compress_ratio=compress_ratio,
                          cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k)
-    from ..fused import fused_impl
+    from ._fused import fused_impl
 
     return fused_impl("lightning_indexer", device)(q, k, weights, topk, causal=causal, compress_ratio=compress_ratio,
                                                    cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,

@@ -1,6 +1,6 @@
 """Public native sparse attention (NSA) op of ejkernel NSA (`native_sparse_attention`).
 
-`impl="fused"` (the default) runs a generated CUDA kernel through `dsagen.fused.fused_impl`
+`impl="fused"` (the default) runs a generated CUDA kernel through `dsagen.ops._fused.fused_impl`
 (ValueError on CPU tensors, NotImplementedError where no kernel exists); `impl="reference"` runs
 dsagen.reference.nsa on CPU or CUDA, differentiable through plain autograd.
 """
@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from ..fused import fused_impl
+from ._fused import fused_impl
 from ..reference import nsa as ref
 from ..validate import (FLOAT_DTYPES, check_float, check_impl, check_int, check_same_dtype, check_shape, check_tensor,
                         check_topk)

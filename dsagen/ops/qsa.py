@@ -1,7 +1,7 @@
 """Public packed query sparse attention (QSA) ops of FlashInfer QSA: `qsa_indexed_forward` (int32 token
 indices) and `qsa_bitmap_forward` (uint8 four-token block bitmap). Forward only, as in FlashInfer QSA.
 
-`impl="fused"` (the default) runs a generated CUDA kernel through `dsagen.fused.fused_impl`
+`impl="fused"` (the default) runs a generated CUDA kernel through `dsagen.ops._fused.fused_impl`
 (ValueError on CPU tensors, NotImplementedError where no kernel exists); `impl="reference"` runs
 dsagen.reference.qsa on CPU or CUDA. FlashInfer QSA's kernels support BF16, head dim 256 and 12/1 or 24/2
 query/KV heads; the reference accepts any GQA ratio, head dim and FP16/BF16/FP32/FP64.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fused import fused_impl
+from ._fused import fused_impl
 from ..reference import qsa as ref
 from ..validate import FLOAT_DTYPES, check_float, check_impl, check_same_dtype, check_tensor
 

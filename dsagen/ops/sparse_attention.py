@@ -2,7 +2,7 @@
 inference layout) with its autograd backward, and the attention score recomputes (cuDNN frontend DSA §7, §8).
 
 `impl="fused"` (the default, as in attention-gym lightning_indexer) runs a generated CUDA kernel through
-`dsagen.fused.fused_impl`, which raises ValueError for CPU tensors and NotImplementedError where no
+`dsagen.ops._fused.fused_impl`, which raises ValueError for CPU tensors and NotImplementedError where no
 kernel exists yet (never a silent fallback); `impl="reference"` runs the plain-PyTorch oracle in
 dsagen.reference.sparse_attention on CPU or CUDA.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fused import fused_impl
+from ._fused import fused_impl
 from ..reference import sparse_attention as ref
 from ..validate import (FLOAT_DTYPES, check_bool, check_cu_seqlens_pair, check_float, check_impl, check_int,
                         check_same_dtype, check_shape, check_tensor)

@@ -1,4 +1,4 @@
-"""Target architectures, as data. Adding one is a row here plus templates under templates/<family>/."""
+"""Target architectures, as data. Adding one is a row here plus, per kernel family, its `*_<template family>.py.j2` modules."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ class Arch:
 
     name: the `--gpu-arch` value (arch-specific cubins are not forward compatible).
     capability: the (major, minor) compute capability a device must report to run it.
-    template_family: the folder of templates/ searched first for this arch's kernels.
+    template_family: what `{arch}` becomes in a spec's template path (e.g. "sm90": sparse_mla/fwd_sm90.py.j2).
     """
 
     name: str

@@ -30,10 +30,24 @@ def register_spec(cls: type[S]) -> type[S]:
     return cls
 
 
+def load_families() -> None:
+    """Import the spec module of every kernel family (dsagen/kernels/<family>/spec.py), which registers its
+    specs: adding a family is adding its folder."""
+    import importlib
+    import importlib.util
+    import pkgutil
+
+    from .. import kernels
+
+    for info in pkgutil.iter_modules(kernels.__path__):
+        name = f"{kernels.__name__}.{info.name}.spec"
+        if info.ispkg and importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
+
+
 def spec_types() -> dict[str, type["KernelSpec"]]:
     """op name -> spec class, for every registered family."""
-    from . import families  # noqa: F401  (registers the built-in families)
-
+    load_families()
     return dict(_SPEC_TYPES)
 
 
@@ -49,7 +63,7 @@ class KernelSpec:
     """
 
     op: ClassVar[str] = ""
-    template: ClassVar[str] = ""  # file name under templates/<family>/ (or templates/generic/)
+    template: ClassVar[str] = ""  # path under dsagen/kernels/, "{arch}" replaced by the arch's template family
 
     arch: str
 

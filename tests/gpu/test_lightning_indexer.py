@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import dsagen
-from dsagen.fused import lightning_indexer as fused
+from dsagen.kernels.lightning_indexer import host as fused
 from dsagen.reference.indexer import weighted_relu_scores
-from dsagen.spec.families.indexer import config_for
+from dsagen.kernels.lightning_indexer.spec import config_for
 from poison import POISON_INT32, poison_allocator
 
 ARCH = "sm_90a"
@@ -325,7 +325,7 @@ def test_packed_long_sequence():
 def test_long_causal_slabs_cross_batch_elements():
     """Causal, unpacked, long enough for several slabs (slab_rows), two batch elements so that a slab crosses
     into the next one: checked on each slab's first and last rows and on random rows."""
-    from dsagen.fused.lightning_indexer import slab_rows
+    from dsagen.kernels.lightning_indexer.host import slab_rows
 
     gen = torch.Generator().manual_seed(43)
     b, t, h, topk = 2, 9000, 64, 2048

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import dsagen
-import dsagen.fused.sparse_attention as fused_sa
+import dsagen.kernels.sparse_mla.host as fused_sa
 from dsagen.reference.indexer import weighted_relu_scores
 from dsagen.spec import CompactifySpec, LocalToGlobalSpec
-from dsagen.spec.families.indexer import config_for as indexer_config
-from dsagen.spec.families.sparse_attention import SparseAttnFwdConfig, config_for
+from dsagen.kernels.lightning_indexer.spec import config_for as indexer_config
+from dsagen.kernels.sparse_mla.spec import SparseAttnFwdConfig, config_for
 
 ARCH = "sm_90a"
 SPARSE_SHAPES = [(128, 576), (64, 512)]          # (H, D_qk) of the sparse forward, d_v 512

@@ -4,7 +4,7 @@ padded, D_qk 512/576 with d_v 512, top-k widths that are and are not multiples o
 negative and out-of-range ids, duplicates, all-invalid rows, with and without sink, total_S_q = 1, the
 batched layout of the DeepSeek-V4 inference kernel, fp16, gradients, CUDA-graph capture and torch.compile.
 Grids smaller than the item count (CTAs looping over several items) run through the flat entry's `config=`
-(dsagen.fused.sparse_attention.sparse_attention, SparseAttnFwdConfig.grid).
+(dsagen.kernels.sparse_mla.host.sparse_attention, SparseAttnFwdConfig.grid).
 
 Build what these need first (CPU, with CuTe-DSL):
     dsagen build --spec-file tests/gpu/required_specs.json
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import dsagen
-import dsagen.fused.sparse_attention as fused_sa
-from dsagen.spec.families.sparse_attention import SparseAttnFwdConfig, config_for
+import dsagen.kernels.sparse_mla.host as fused_sa
+from dsagen.kernels.sparse_mla.spec import SparseAttnFwdConfig, config_for
 from poison import poison_allocator
 
 ARCH = "sm_90a"

@@ -4,9 +4,9 @@ H=128, d_qk=576, d_v=512. Lists the kernels that exist so far; each new fused op
 from __future__ import annotations
 
 from ..base import KernelSpec
-from ..families import CompactifySpec, LocalToGlobalSpec
-from ..families.indexer import config_for as indexer_config
-from ..families.sparse_attention import config_for
+from ...kernels.indices.spec import CompactifySpec, LocalToGlobalSpec
+from ...kernels.lightning_indexer.spec import config_for as indexer_config
+from ...kernels.sparse_mla.spec import config_for
 
 NAME = "deepseek-v3.2"
 DESCRIPTION = "DeepSeek-V3.2 sparse attention (indexer H64 D128 top-2048; MLA H128 576/512)"

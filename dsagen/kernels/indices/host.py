@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ..validate import check_contiguous
-from ..runtime import LoadedKernel, device_arch
-from ..jit import get_kernel
-from ..spec import CompactifySpec, LocalToGlobalSpec
+from ...validate import check_contiguous
+from ...runtime import LoadedKernel, device_arch
+from ...jit import get_kernel
+from ...spec import CompactifySpec, LocalToGlobalSpec
 
 _MAX_GRID_Y = 65535
 _kernels: dict[tuple[str, int], LoadedKernel] = {}

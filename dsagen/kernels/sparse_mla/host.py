@@ -15,7 +15,7 @@ What the kernel supports natively and what this module adapts:
     unit column stride, 16-byte aligned rows; other layouts are copied to contiguous first.
 
 Launch choices (register budgets, tiles, grid) come from one frozen SparseAttnFwdConfig per call shape, picked by
-config_for (dsagen.spec.families.sparse_attention); the flat entry's `config=` runs another one (benchmarks, tests).
+config_for (dsagen.kernels.sparse_mla.spec); the flat entry's `config=` runs another one (benchmarks, tests).
 Eager calls launch the kernel directly; under torch.compile the launch is the custom op's body. The spec, kernel
 and CTA count of a call shape are looked up once (_launch_plan).
 """
@@ -26,10 +26,10 @@ from typing import Optional
 
 import torch
 
-from ..runtime import LoadedKernel, device_arch, device_index, device_sm_count
+from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
 
-from ..jit import get_kernel
-from ..spec.families.sparse_attention import SparseAttnFwdConfig, SparseAttnFwdSpec, config_for
+from ...jit import get_kernel
+from .spec import SparseAttnFwdConfig, SparseAttnFwdSpec, config_for
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_GRID_X = 2**31 - 1

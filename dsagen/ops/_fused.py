@@ -13,10 +13,10 @@ from typing import Callable
 import torch
 
 FUSED: dict[str, str] = {
-    "compactify": "dsagen.fused.indices:compactify",
-    "local_to_global": "dsagen.fused.indices:local_to_global",
-    "lightning_indexer": "dsagen.fused.lightning_indexer:lightning_indexer",
-    "sparse_attention": "dsagen.fused.sparse_attention:sparse_attention",
+    "compactify": "dsagen.kernels.indices.host:compactify",
+    "local_to_global": "dsagen.kernels.indices.host:local_to_global",
+    "lightning_indexer": "dsagen.kernels.lightning_indexer.host:lightning_indexer",
+    "sparse_attention": "dsagen.kernels.sparse_mla.host:sparse_attention",
 }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..base import KernelSpec, register_spec
+from ...spec.base import KernelSpec, register_spec
 
 # Register budget of the 3-warpgroup kernel: a producer warpgroup that gathers rows with cp.async and two
 # consumer warpgroups (QK^T + softmax + left half of O; right half of O). The CTA launches with
@@ -37,7 +37,7 @@ class SparseAttnFwdSpec(KernelSpec):
     16-byte stores after a 4 x 4 word transpose over each quad; Q loads and O stores carry an L2 evict_first policy.
 
     num_heads: query heads the kernel is built for (64 or 128; 64 heads per item).
-      Other head counts are padded to 64 or 128 by dsagen.fused.sparse_attention.
+      Other head counts are padded to 64 or 128 by dsagen.kernels.sparse_mla.host.
     d_qk: query/key width (512, or 576 = 512 latent + 64 RoPE); the whole width is scored.
     d_v: value/output width: the first d_v columns of each gathered row (512).
     dtype: q, kv and out dtype ("bfloat16" or "float16").
@@ -50,7 +50,7 @@ class SparseAttnFwdSpec(KernelSpec):
     """
 
     op = "sparse_attention_fwd"
-    template = "sparse_attention_fwd.py.j2"
+    template = "sparse_mla/fwd_{arch}.py.j2"
 
     num_heads: int = 128
     d_qk: int = 576
@@ -98,7 +98,7 @@ class SparseAttnFwdConfig:
     """Every measured launch and tile choice of the fused sparse MLA forward (notes/kernels/sparse_attention.md):
     the code-changing ones become SparseAttnFwdSpec fields (spec()), the grid is a launch argument (n_ctas()).
     config_for picks the op's; a benchmark or test that tries a variant passes dataclasses.replace(config, ...) to
-    dsagen.fused.sparse_attention.sparse_attention(..., config=...).
+    dsagen.kernels.sparse_mla.host.sparse_attention(..., config=...).
 
     block_n, stages: gathered rows per stage (64) and stages (2): 2 x 72 KiB at D576 next to Q's 72 KiB.
     regs_producer / regs_qk / regs_pv: setmaxnreg budgets, 48 + 232 + 224 = 504, the launch's 3 x 168 registers. The

@@ -15,7 +15,7 @@ How a call runs (see notes/kernels/indexer.md):
     The persistent score kernel runs min(#SMs, #work items) CTAs per slab, each looping over (token block,
     chunk) work items.
   * Every measured choice (kernels, top-k plan, work-item size, slab caps) is one frozen IndexerConfig,
-    picked by dsagen.spec.families.indexer.config_for; a benchmark passes another one as `config=`.
+    picked by dsagen.kernels.lightning_indexer.spec.config_for; a benchmark passes another one as `config=`.
   * Scratch: the slab only, R * ld_slab * 4 bytes with ld_slab = S rounded up to 4 and
     R = min(1024, 128 MiB / (4 * ld_slab)) rounded down to a multiple of QC, at least QC. So at most
     128 MiB (IndexerConfig.slab_bytes; 128 MiB at S >= 32768, S x 4 KiB below), bounded and independent of T and B.
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime import LoadedKernel, device_arch, device_index, device_sm_count
+from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
 
-from ..jit import get_kernel
-from ..spec.families.indexer import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, IndexerConfig,
+from ...jit import get_kernel
+from .spec import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, IndexerConfig,
                                      IndexerTopkSpec, config_for, tokens_per_cta)
 
 BACKENDS = ("cute",)

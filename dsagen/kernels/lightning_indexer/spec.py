@@ -3,7 +3,7 @@ bounded fp32 score slab, and a radix top-k kernel that selects from it.
 
     score[b, t, s] = sum_h w[b, t, h] * relu(q[b, t, h, :] . k[b, s, :]) / sqrt(H * D)
 
-The host (dsagen.fused.lightning_indexer) walks the query rows in slabs of R rows; for each slab the
+The host (dsagen.kernels.lightning_indexer.host) walks the query rows in slabs of R rows; for each slab the
 score kernel writes the rows' valid candidates (causal / document bounds) into an R x S fp32 slab and
 the top-k kernel turns each row into `topk` ascending candidate ids, -1 padded. The slab is capped
 (IndexerConfig.slab_bytes), so scratch never grows with T.
@@ -20,7 +20,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from ..base import KernelSpec, register_spec
+from ...spec.base import KernelSpec, register_spec
 
 #: Heads the score kernel implements. The wgmma N tile is 128 (token, head) columns, i.e. 128 // H
 #: query tokens per CTA, so H must divide 128 and be a multiple of 8 (one 8-column accumulator block).
@@ -67,7 +67,7 @@ class IndexerScoreSpec(KernelSpec):
     """
 
     op = "lightning_indexer_score"
-    template = "lightning_indexer_score_pingpong.py.j2"
+    template = "lightning_indexer/score_{arch}.py.j2"
 
     num_heads: int = 64
     head_dim: int = 128
@@ -123,7 +123,7 @@ class IndexerTopkSpec(KernelSpec):
     """
 
     op = "lightning_indexer_topk"
-    template = "lightning_indexer_topk.py.j2"
+    template = "lightning_indexer/topk_{arch}.py.j2"
 
     threads: int = 512
     sample: bool = False
@@ -173,7 +173,7 @@ class TopkPlan:
 @dataclass(frozen=True)
 class IndexerConfig:
     """Every measured choice of a fused lightning_indexer call (config_for picks it; a benchmark passes a variant
-    to dsagen.fused.lightning_indexer.lightning_indexer(..., config=...)).
+    to dsagen.kernels.lightning_indexer.host.lightning_indexer(..., config=...)).
 
     score: the score kernel.  topk: the top-k kernels and the per-slab choice among them.
     chunk_rows: candidates per score work item.  slab_bytes / slab_max_rows: caps of the fp32 score slab (bytes,

@@ -1,10 +1,10 @@
-"""Spec families of the index utilities (compactify, local_to_global) and the runtime test probes."""
+"""Specs of the index utilities: compactify and local_to_global."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..base import KernelSpec, register_spec
+from ...spec.base import KernelSpec, register_spec
 
 _POW2_WARPS = (1, 2, 4, 8, 16, 32)
 
@@ -19,7 +19,7 @@ class CompactifySpec(KernelSpec):
     """
 
     op = "compactify"
-    template = "compactify.py.j2"
+    template = "indices/compactify.py.j2"
 
     warps_per_cta: int = 8
 
@@ -39,7 +39,7 @@ class LocalToGlobalSpec(KernelSpec):
     """
 
     op = "local_to_global"
-    template = "local_to_global.py.j2"
+    template = "indices/local_to_global.py.j2"
 
     threads: int = 256
     items_per_thread: int = 4
@@ -50,33 +50,4 @@ class LocalToGlobalSpec(KernelSpec):
             out.append(f"threads={self.threads} must be one of 64, 128, 256, 512, 1024")
         if self.items_per_thread not in (1, 2, 4, 8):
             out.append(f"items_per_thread={self.items_per_thread} must be one of 1, 2, 4, 8")
-        return out
-
-
-@register_spec
-@dataclass(frozen=True)
-class RuntimeProbeSpec(KernelSpec):
-    """Test-only kernels that exercise runtime capabilities no op uses yet.
-
-    feature:
-      "tma"     -- a 2-D fp32 tile loaded by TMA from a runtime-encoded CUtensorMap, scaled, stored.
-      "smem"    -- a copy staged through `smem_bytes` (> 48 KB) of dynamic shared memory.
-      "cluster" -- a 2x1x1 cluster; each CTA writes its cluster rank after a cluster barrier.
-    """
-
-    op = "runtime_probe"
-    template = "runtime_probe.py.j2"
-
-    feature: str = ""
-    smem_bytes: int = 0
-
-    def reasons(self) -> list[str]:
-        out = super().reasons()
-        if self.feature not in ("tma", "smem", "cluster"):  # "" (the default) is rejected: say which
-            out.append(f"feature={self.feature!r} must be one of 'tma', 'smem', 'cluster'")
-        if self.feature == "smem" and not (49152 < self.smem_bytes <= 227 * 1024 and self.smem_bytes % 1024 == 0):
-            out.append(f"smem_bytes={self.smem_bytes} must be a multiple of 1024 in (48 KiB, 227 KiB] "
-                       f"for feature 'smem'")
-        if self.feature != "smem" and self.smem_bytes:
-            out.append("smem_bytes is only meaningful for feature 'smem'; leave it 0")
         return out

@@ -99,3 +99,22 @@ def test_declaration_mismatch_is_refused(tmp_path, edit, match):
     spec = CompactifySpec(arch="sm_90a")
     with pytest.raises(abi.AbiError, match=match):
         compile_module(spec, render(spec) + "\n" + edit + "\n", tmp_path)
+
+
+def test_helper_modules_follow_submodule_and_relative_imports(tmp_path, monkeypatch):
+    """`from dsagen.kernels.fam import mod` hashes mod (not only the package), multi-line imports are read,
+    and a kernel module's relative imports are followed: an edit of any of them changes the key."""
+    import dsagen.jit.render as r
+
+    lib = tmp_path / "kernels"
+    (lib / "fam").mkdir(parents=True)
+    (lib / "fam" / "__init__.py").write_text("")
+    (lib / "fam" / "body.py").write_text("from .parts import (\n    piece,\n)\nfrom . import tiles\n")
+    (lib / "fam" / "parts.py").write_text("piece = 1\n")
+    (lib / "fam" / "tiles.py").write_text("t = 2\n")
+    monkeypatch.setattr(r, "KERNEL_LIB", lib)
+    h = helper_modules("from dsagen.kernels.fam import body\n")
+    assert set(h) == {"dsagen.kernels.fam", "dsagen.kernels.fam.body", "dsagen.kernels.fam.parts",
+                      "dsagen.kernels.fam.tiles"}
+    (lib / "fam" / "tiles.py").write_text("t = 3\n")
+    assert helper_modules("from dsagen.kernels.fam import body\n")["dsagen.kernels.fam.tiles"] != h["dsagen.kernels.fam.tiles"]

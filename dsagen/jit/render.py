@@ -75,24 +75,57 @@ def render(spec: KernelSpec) -> str:
     return _environment().get_template(template_name(spec)).render(**spec.template_context())
 
 
-_IMPORT_RE = re.compile(r"^\s*(?:from\s+(dsagen\.kernels(?:\.\w+)*)\s+import|import\s+(dsagen\.kernels(?:\.\w+)*))",
-                        re.M)
+_FROM_RE = re.compile(r"^[ \t]*from[ \t]+(\.*[\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n#]+)", re.M)
+_IMPORT_RE = re.compile(r"^[ \t]*import[ \t]+(dsagen\.kernels(?:\.\w+)*)", re.M)
+
+
+def _module_file(mod: str) -> Path | None:
+    """The file of module `mod` (a dsagen.kernels.* name), or None when there is none."""
+    rel = mod.split(".")[2:]
+    for path in (KERNEL_LIB.joinpath(*rel).with_suffix(".py") if rel else None, KERNEL_LIB.joinpath(*rel, "__init__.py")):
+        if path is not None and path.is_file():
+            return path
+    return None
+
+
+def _imported_kernel_modules(text: str, package: str | None) -> list[str]:
+    """The dsagen.kernels.* modules `text` imports: `import X`, `from X import names` (X, and each name
+    that is a submodule of X), and, inside a package, relative imports."""
+    found = [m.group(1) for m in _IMPORT_RE.finditer(text)]
+    for m in _FROM_RE.finditer(text):
+        base, names = m.group(1), m.group(2).strip("() \n")
+        if base.startswith("."):
+            if package is None:
+                continue
+            up = len(base) - len(base.lstrip("."))
+            parts = package.split(".")[:len(package.split(".")) - (up - 1)] if up > 1 else package.split(".")
+            base = ".".join(parts + ([base.lstrip(".")] if base.lstrip(".") else []))
+        if not (base == "dsagen.kernels" or base.startswith("dsagen.kernels.")):
+            continue
+        found.append(base)
+        for name in names.replace("\n", " ").split(","):
+            name = name.strip().split(" as ")[0].strip()
+            if name.isidentifier() and _module_file(f"{base}.{name}") is not None:
+                found.append(f"{base}.{name}")
+    return found
 
 
 def helper_modules(source: str) -> dict[str, str]:
-    """{module name: sha256 of its file} for every hand-written device helper under dsagen/kernels/
-    that `source` imports, followed transitively. These hashes are part of the cache key."""
+    """{module name: sha256 of its file} for every hand-written module under dsagen/kernels/ (kernel
+    modules and device helpers) that `source` imports, followed transitively (absolute imports, `from
+    package import submodule`, and relative imports inside those modules). These hashes are part of the
+    cache key."""
     out: dict[str, str] = {}
-    todo = [m.group(1) or m.group(2) for m in _IMPORT_RE.finditer(source)]
+    todo = _imported_kernel_modules(source, None)
     while todo:
         mod = todo.pop()
         if mod in out or mod == "dsagen.kernels":
             continue
-        rel = mod.split(".")[2:]
-        path = KERNEL_LIB.joinpath(*rel).with_suffix(".py")
-        if not path.is_file():
-            path = KERNEL_LIB.joinpath(*rel, "__init__.py")
+        path = _module_file(mod)
+        if path is None:
+            continue
         text = path.read_text()
         out[mod] = hashlib.sha256(text.encode()).hexdigest()
-        todo.extend(m.group(1) or m.group(2) for m in _IMPORT_RE.finditer(text))
+        package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        todo.extend(_imported_kernel_modules(text, package))
     return dict(sorted(out.items()))

@@ -78,8 +78,8 @@ def _sparse_attention_specs():
 
 
 def test_identity_follows_included_and_imported_templates(monkeypatch, tmp_path):
-    """A template split over files ({% include %} / {% import %}: the indexer's common helpers, the sparse attention
-    forward's part files) has every file in its identity, and editing any of them changes the identity."""
+    """A template split over files ({% include %} / {% import %}: the sparse attention forward's part files) has every
+    file in its identity, and editing any of them changes the identity."""
     import shutil
 
     import dsagen.jit.render as r
@@ -89,8 +89,7 @@ def test_identity_follows_included_and_imported_templates(monkeypatch, tmp_path)
     shutil.copytree(r.TEMPLATES, templates)
     monkeypatch.setattr(r, "TEMPLATES", templates)
     specs = get_preset("deepseek-v3.2", "sm_90a") + _sparse_attention_specs()
-    parts = {"lightning_indexer/common_sm90.py.j2"} | {
-        f"sparse_mla/fwd_sm90/{f}.py.j2" for f in ("common", "split_halves")}
+    parts = {f"sparse_mla/fwd_sm90/{f}.py.j2" for f in ("common", "split_halves")}
     for part in sorted(parts):
         users = [s for s in specs if part in identity_material(s)["templates"]]
         assert users, part

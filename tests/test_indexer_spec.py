@@ -112,15 +112,50 @@ def test_slab_max_candidates():
 @pytest.mark.parametrize("h", INDEXER_HEADS)
 @pytest.mark.parametrize("d", INDEXER_HEAD_DIMS)
 def test_score_template_renders(h, d):
+    """The rendered module binds the spec's values to the kernel of dsagen.kernels.lightning_indexer.score_sm90."""
     src = render(IndexerScoreSpec(arch="sm_90a", num_heads=h, head_dim=d))
-    assert f"H = {h}\n" in src and f"D = {d}\n" in src and "def row_bounds(" in src
+    assert f"H = {h}\n" in src and f"D = {d}\n" in src and 'DTYPE = "bfloat16"\n' in src and "STAGES = 4\n" in src
     assert 'SYMBOL = "dsagen_lightning_indexer_score' in src
-    assert "THREADS = 512 " in src and "BAR_WG2 = 3" in src and '"n_ctas"' in src
+    assert "from dsagen.kernels.lightning_indexer.score_sm90 import build" in src
+    assert "kernel, host, PARAMS, HOST_ARGS, LAUNCH = build(H, D, DTYPE, STAGES)" in src
 
 
 def test_topk_template_renders():
     src = render(IndexerTopkSpec(arch="sm_90a", threads=512))
-    assert "THREADS = 512" in src and "def row_bounds(" in src
+    assert "THREADS = 512\n" in src and "SAMPLE = False\n" in src
+    assert "from dsagen.kernels.lightning_indexer.topk_sm90 import PARAMS, build" in src
+    assert "kernel, host, LAUNCH = build(THREADS, SAMPLE, CAP)" in src
+
+
+@pytest.mark.parametrize("h,d,dtype,stages", [(64, 128, "bfloat16", 4), (8, 64, "float16", 2), (128, 128, "bfloat16", 3)])
+def test_score_kernel_module_declares_the_abi(h, d, dtype, stages):
+    """score_sm90.build: the flat ABI (TMA boxes of 64 columns x the token block, the spec's dtype), the host's own
+    arguments, a persistent grid of n_ctas CTAs of 512 threads, and the smem of 2 Q tiles + 2 * stages K tiles."""
+    from dsagen.kernels.lightning_indexer import score_sm90
+
+    kernel, host, params, host_args, launch = score_sm90.build(h, d, dtype, stages)
+    assert [p["name"] for p in params][:2] == ["q_map", "k_map"] and params[-1] == {"name": "scale", "kind": "f32"}
+    assert params[0]["encode"]["box"] == [64, h, 128 // h, 1] and params[1]["encode"]["box"] == [64, 64, 1]
+    assert {params[0]["encode"]["dtype"], params[2]["dtype"], host_args[0]["dtype"]} == {dtype}
+    assert host_args[8:] == params[2:] and launch["grid"][0] == "n_ctas"
+    assert launch["block"] == [512, 1, 1]
+    assert 2 * 128 * d * 2 + 2 * stages * 64 * d * 2 <= launch["smem"] <= IndexerScoreSpec(
+        arch="sm_90a", num_heads=h, head_dim=d, dtype=dtype, stages=stages).smem_bytes()
+
+
+def test_topk_kernel_module_sizes_smem_by_threads_and_sample():
+    """topk_sm90.build: a CTA of `threads` threads per slab row; 1 KiB of histogram per warp, plus CAP (key, id)
+    entries with sample."""
+    from dsagen.kernels.lightning_indexer import topk_sm90
+
+    for threads in INDEXER_TOPK_THREADS:
+        _, _, plain = topk_sm90.build(threads, False, 0)
+        assert plain["block"] == [threads, 1, 1] and plain["grid"] == ["nrows", 1, 1]
+        assert threads // 32 * 1024 <= plain["smem"] <= threads // 32 * 1024 + 512
+        if threads in TOPK_COMPACT_CAP:
+            cap = TOPK_COMPACT_CAP[threads]
+            _, _, sampled = topk_sm90.build(threads, True, cap)
+            assert sampled["smem"] >= plain["smem"] + 8 * cap
 
 
 def test_fused_backend_option_and_limits():
@@ -217,13 +252,13 @@ def test_topk_option_validation():
 
 
 def test_topk_sample_render():
-    """sample=True adds the smem entries, the sampled threshold and the compaction passes; without it the source has
-    none of them."""
+    """The rendered module binds sample and TOPK_COMPACT_CAP of the thread count (0 without sample); the kernel
+    module branches on them (cutlass.const_expr)."""
     for threads, cap in TOPK_COMPACT_CAP.items():
         src = render(IndexerTopkSpec(arch="sm_90a", threads=threads, sample=True))
-        assert f"CAP = {cap} " in src and "sKey[e] = key" in src and "cmode" in src and "tau = " in src
+        assert f"CAP = {cap} " in src and "SAMPLE = True\n" in src
         plain = render(IndexerTopkSpec(arch="sm_90a", threads=threads))
-        assert "CAP" not in plain and "sKey" not in plain and "cmode" not in plain and "tau" not in plain
+        assert "CAP = 0 " in plain and "SAMPLE = False\n" in plain
 
 
 @pytest.mark.compile

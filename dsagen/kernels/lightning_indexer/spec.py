@@ -93,7 +93,7 @@ class IndexerScoreSpec(KernelSpec):
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of the kernel (Q tile + K stages + barriers/bounds), an estimate
-        kept in step with the template's smem struct (the generator checks the real value)."""
+        kept in step with the smem struct of score_sm90.py (the generator checks the real value)."""
         # 2 item slots x one 128-column Q tile, 2 x stages 64-row K slots
         return 2 * 128 * self.head_dim * 2 + 2 * self.stages * 64 * self.head_dim * 2 + 4096
 
@@ -139,8 +139,8 @@ class IndexerTopkSpec(KernelSpec):
         return out
 
     def template_context(self) -> dict[str, Any]:
-        """The fields plus `compact_cap` (TOPK_COMPACT_CAP of this thread count)."""
-        return {**super().template_context(), "compact_cap": TOPK_COMPACT_CAP.get(self.threads, 0)}
+        """The fields plus `compact_cap` (TOPK_COMPACT_CAP of this thread count with sample, else 0)."""
+        return {**super().template_context(), "compact_cap": TOPK_COMPACT_CAP.get(self.threads, 0) if self.sample else 0}
 
 
 @dataclass(frozen=True)

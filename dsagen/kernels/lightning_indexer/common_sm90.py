@@ -1,4 +1,9 @@
-{#- Device helpers shared by the lightning-indexer score and top-k kernels (included, not rendered alone). -#}
+"""Device code shared by the lightning-indexer score and top-k kernels (sm_90a): a query token's candidate rows."""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
 @cute.jit
 def row_bounds(p_cu_q: cute.Pointer, p_cu_k: cute.Pointer, n_docs: Int32, t: Int32, T: Int32, S: Int32,
                causal: Int32, ratio: Int32):

@@ -1,0 +1,370 @@
+"""Lightning-indexer scores on Hopper tensor cores (sm_90a), written into a bounded fp32 slab (ping-pong schedule):
+`build(num_heads, head_dim, dtype, stages)` makes the kernel of one IndexerScoreSpec.
+
+    slab[r, s - lo_r] = sum_h w[b, t, h] * scale * relu(q[b, t, h, :] . k[b, s, :])   for lo_r <= s < hi_r
+
+for the query rows r = (b, t) of `nblk` consecutive token blocks starting at block `blk0` (a token block is
+128 // H consecutive tokens of one batch element), where [lo_r, hi_r) are the candidates row r may select (causal
+limit, packed document). Nothing outside those ranges is written.
+
+Work item = (token block in the slab, chunk of `chunk` candidate rows); item w is chunk w // nblk, block w % nblk.
+CTA i of the `n_ctas` CTAs (about one per SM) takes items i, i + n_ctas, ...
+Warpgroup 0: warp 1 (scheduler) computes each item's row bounds, skips items without candidates and publishes the
+rest (bounds, fp32 weights x scale, header) into a 2-entry smem ring; warp 0 (TMA) loads each published item's Q
+tile into one of 2 Q buffers, then the item's 64-row K tiles through a 2 * stages-slot ring. Warpgroups 1, 2 and 3
+(ping-pong) take the 64-row tiles of an item in turn (wgmma M = 64, N = 128 (token, head) columns, K = D); named
+barriers make each warpgroup issue its wgmmas only after the previous one issued its own, so the tensor cores run
+one warpgroup's MMA while the others run their ReLU x weight + head-sum epilogue (as CUTLASS's sm90 ping-pong GEMM).
+
+Constraints (IndexerScoreSpec.reasons): H in 8..128 dividing 128, D in (64, 128), bf16 / fp16 inputs, 2 <= stages
+and the smem of 2 Q tiles + 2 * stages K tiles within 220 KiB.
+"""
+import cutlass
+import cutlass.cute as cute
+import cutlass.experimental.cuda as xcuda
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.experimental import primitives as prims
+
+from dsagen.kernels.lightning_indexer.common_sm90 import row_bounds
+
+BN = 128                      # wgmma N: QC tokens x H heads
+NQ = 1                        # Q tiles per work item (the consumer warpgroups take alternate K tiles)
+BM = 64                       # K rows per tile (wgmma M)
+THREADS = 512                 # a producer warpgroup + 3 consumer warpgroups
+NCOL = BN // 4                # accumulator columns per thread (2 rows x NCOL values)
+HDR = 8                       # header words per item slot: ntiles (0 = stop), bx, b, t0, kv_lo, kv_hi
+BAR_WG0 = 1                   # named barrier: consumer warpgroup 0 may issue (arrived by warpgroup 1)
+BAR_WG1 = 2                   # named barrier: consumer warpgroup 1 may issue (arrived by warpgroup 0)
+BAR_WG2 = 3                   # named barrier: consumer warpgroup 2 may issue (arrived by warpgroup 1)
+
+
+@cute.jit
+def hdr_word(sHdr: cute.Tensor, i: Int32, lane: Int32) -> Int32:
+    """Header word i as read by lane 0 of the calling warp, given to every lane by a shuffle."""
+    v = Int32(0)
+    if lane == 0:
+        v = sHdr[i]
+    return cute.arch.shuffle_sync(v, 0)
+
+
+def acc_mn_view(t):
+    """A wgmma accumulator ((2,2,V),1,1) viewed as (rows=(2,1), cols=(2,V,1)): for thread l of a warp,
+    row i is 8*i + l//4 of its warp's 16 rows and column c = e + 2*j is 8*j + 2*(l%4) + e."""
+    s, d = t.layout.shape, t.layout.stride
+    if len(s[0]) == 2:                             # N = 8: ((2, 2), 1, 1), one 8-column block
+        return cute.make_tensor(t.iterator, cute.make_layout(
+            ((s[0][1], s[1]), (s[0][0], s[2])), stride=((d[0][1], d[1]), (d[0][0], d[2]))))
+    return cute.make_tensor(t.iterator, cute.make_layout(
+        ((s[0][1], s[1]), (s[0][0], s[0][2], s[2])), stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2]))))
+
+
+def build(num_heads: int, head_dim: int, dtype: str, stages: int):
+    """The score kernel of IndexerScoreSpec(num_heads, head_dim, dtype, stages): returns
+    (kernel, host, PARAMS, HOST_ARGS, LAUNCH). Each call makes new kernel and host functions (every rendered module
+    names its own kernel).
+
+    num_heads: H (divides 128).  head_dim: D (64 or 128).  dtype: "bfloat16" or "float16" (q, k, weights).
+    stages: K buffering in 128-row units (2 * stages 64-row slots)."""
+    DT = cutlass.BFloat16 if dtype == "bfloat16" else cutlass.Float16
+    H = num_heads
+    D = head_dim
+    QC = BN // H                  # query tokens per Q tile
+    ITEM_TOK = NQ * QC            # query tokens per work item (token block)
+    KSLOTS = 2 * stages           # 64-row K buffers in the ring
+    KB = D // 64                  # 64-column (128-byte) TMA boxes per row
+    Q_BYTES = BN * D * 2
+    K_TILE_BYTES = BM * D * 2
+    NK = D // 16                  # k16 wgmmas per tile
+
+    def _tma(box):
+        return {"dtype": dtype, "box": box, "element_strides": [1] * len(box), "interleave": "NONE",
+                "swizzle": "128B", "l2_promotion": "L2_128B", "oob_fill": "NONE"}
+
+    PARAMS = [
+        {"name": "q_map", "kind": "tensormap", "encode": _tma([64, H, QC, 1])},   # q [B, T, H, D] -> (D, H, T, B)
+        {"name": "k_map", "kind": "tensormap", "encode": _tma([64, BM, 1])},      # k [B, S, D] -> (D, S, B)
+        {"name": "w", "kind": "ptr", "dtype": dtype, "align": 2},                # weights [B, T, H], any strides
+        {"name": "slab", "kind": "ptr", "dtype": "float32", "align": 16},        # (nblk * ITEM_TOK, ld_slab) fp32
+        {"name": "cu_q", "kind": "ptr", "dtype": "int32", "align": 4},           # [n_docs + 1] (packed only)
+        {"name": "cu_k", "kind": "ptr", "dtype": "int32", "align": 4},           # [n_docs + 1] (packed only)
+        {"name": "n_docs", "kind": "i32"},                                       # 0: not packed
+        {"name": "T", "kind": "i32"},
+        {"name": "S", "kind": "i32"},
+        {"name": "n_tblk", "kind": "i32"},                                       # token blocks per batch element
+        {"name": "blk0", "kind": "i32"},                                         # first token block of the slab
+        {"name": "nblk", "kind": "i32"},                                         # token blocks in the slab
+        {"name": "chunk", "kind": "i32"},                                        # candidate rows per work item
+        {"name": "n_chunks", "kind": "i32"},
+        {"name": "n_ctas", "kind": "i32"},                                       # grid size (CTAs)
+        {"name": "causal", "kind": "i32"},
+        {"name": "ratio", "kind": "i32"},
+        {"name": "w_sb", "kind": "i64"},
+        {"name": "w_st", "kind": "i64"},
+        {"name": "w_sh", "kind": "i64"},
+        {"name": "ld_slab", "kind": "i64"},
+        {"name": "scale", "kind": "f32"},
+    ]
+    HOST_ARGS = [
+        {"name": "q", "kind": "ptr", "dtype": dtype, "align": 16},
+        {"name": "k", "kind": "ptr", "dtype": dtype, "align": 16},
+        {"name": "B", "kind": "i32"},
+        {"name": "q_sh", "kind": "i64"},
+        {"name": "q_st", "kind": "i64"},
+        {"name": "q_sb", "kind": "i64"},
+        {"name": "k_ss", "kind": "i64"},
+        {"name": "k_sb", "kind": "i64"},
+    ] + PARAMS[2:]
+
+    def sw128(shape):
+        """K-major 128-byte-swizzle layout: 8 x 64-element atoms tiled rows first, then 64-column blocks,
+        then the remaining modes -- a 64-column block of R rows is exactly one TMA box of R rows."""
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, DT)
+        return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
+
+    @cute.struct
+    class Smem:
+        k_full: cute.struct.MemRange[Int64, KSLOTS]      # TMA tx (1 arrival)
+        k_empty: cute.struct.MemRange[Int64, KSLOTS]     # one arrival per consuming warp
+        q_full: cute.struct.MemRange[Int64, 2]           # TMA tx (1 arrival)
+        info_full: cute.struct.MemRange[Int64, 2]        # 32 arrivals: the scheduler warp
+        info_empty: cute.struct.MemRange[Int64, 2]       # 384 arrivals: the 3 consumer warpgroups, item done
+        hdr: cute.struct.MemRange[Int32, 2 * HDR]
+        bounds: cute.struct.MemRange[Int32, 2 * 2 * ITEM_TOK]
+        wts: cute.struct.MemRange[Float32, 2 * NQ * BN]  # w * scale per (token, head) column
+        sQ: cute.struct.Align[cute.struct.MemRange[DT, 2 * NQ * BN * D], 1024]
+        sK: cute.struct.Align[cute.struct.MemRange[DT, KSLOTS * BM * D], 1024]
+
+    SMEM_BYTES = Smem.size_in_bytes()
+    LAUNCH = {"grid": ["n_ctas", 1, 1], "block": [THREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
+
+    @cute.kernel
+    def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
+               p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
+               n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32, chunk: Int32,
+               n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64, w_sh: Int64,
+               ld_slab: Int64, scale: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp // 4
+        lane = cute.arch.lane_idx()
+
+        st = cutlass.memory.SmemAllocator().allocate(Smem)
+        k_full = st.k_full.data_ptr()
+        k_empty = st.k_empty.data_ptr()
+        q_full = st.q_full.data_ptr()
+        info_full = st.info_full.data_ptr()
+        info_empty = st.info_empty.data_ptr()
+        sHdr = st.hdr.get_tensor(cute.make_layout(2 * HDR))
+        sBounds = st.bounds.get_tensor(cute.make_layout((2 * ITEM_TOK, 2), stride=(1, 2 * ITEM_TOK)))  # (lo/hi x token, slot)
+        sW = st.wts.get_tensor(cute.make_layout((NQ * BN, 2), stride=(1, NQ * BN)))                  # (column, slot)
+        lq, lk = sw128((BN, D, 2 * NQ)), sw128((BM, D, KSLOTS))
+        sQ = st.sQ.get_tensor(lq.outer, swizzle=lq.inner)            # (BN (token, head), D, item slot x Q tile)
+        sK = st.sK.get_tensor(lk.outer, swizzle=lk.inner)            # (64 rows, D, slot)
+
+        if warp == 0:
+            prims.prefetch_tensormap(q_map.get_ptr())
+            prims.prefetch_tensormap(k_map.get_ptr())
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(KSLOTS):
+                    cute.arch.mbarrier_init(k_full + i, 1)
+                    cute.arch.mbarrier_init(k_empty + i, 4 * NQ)
+                for i in cutlass.range_constexpr(2):
+                    cute.arch.mbarrier_init(q_full + i, 1)
+                    cute.arch.mbarrier_init(info_full + i, 32)
+                    cute.arch.mbarrier_init(info_empty + i, 384)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if wg == 0:
+            # ------------------------------------------------------------------ producer warpgroup
+            cute.arch.setmaxregister_decrease(40)
+            if warp == 1:
+                # scheduler: bounds of this CTA's items; publish those with candidates, then a stop entry
+                pub = Int32(0)
+                for w in cutlass.range(bid, nblk * n_chunks, n_ctas, unroll=1):
+                    c = w // nblk
+                    bx = w - c * nblk
+                    blk = blk0 + bx
+                    b = blk // n_tblk
+                    t0 = (blk - b * n_tblk) * ITEM_TOK
+                    lo = Int32(0)
+                    hi = Int32(0)
+                    if lane < ITEM_TOK:
+                        lo, hi = row_bounds(p_cu_q, p_cu_k, n_docs, t0 + lane, T, S, causal, ratio)
+                    lo_v = S
+                    hi_v = Int32(0)
+                    if hi > lo:
+                        lo_v = lo
+                        hi_v = hi
+                    for sh in cutlass.range_constexpr(5):
+                        lo_v = cutlass.min(lo_v, cute.arch.shuffle_sync_bfly(lo_v, offset=1 << sh))
+                        hi_v = cutlass.max(hi_v, cute.arch.shuffle_sync_bfly(hi_v, offset=1 << sh))
+                    kv_lo = cutlass.max(lo_v, c * chunk)
+                    kv_hi = cutlass.min(hi_v, c * chunk + chunk)
+                    if kv_hi > kv_lo:
+                        slot = pub % 2
+                        cute.arch.mbarrier_wait(info_empty + slot, ((pub // 2) % 2) ^ 1)
+                        if lane < ITEM_TOK:
+                            sBounds[2 * lane, slot] = lo
+                            sBounds[2 * lane + 1, slot] = hi
+                        for i in cutlass.range_constexpr(NQ * BN // 32):
+                            col = lane + 32 * i
+                            j = col // H
+                            t = t0 + j
+                            wv = Float32(0.0)
+                            if t < T:
+                                wv = (p_w + (Int64(b) * w_sb + Int64(t) * w_st + Int64(col - j * H) * w_sh)).load().to(Float32)
+                            sW[col, slot] = wv * scale
+                        if lane == 0:
+                            sHdr[slot * HDR] = (kv_hi - kv_lo + BM - 1) // BM
+                            sHdr[slot * HDR + 1] = bx
+                            sHdr[slot * HDR + 2] = b
+                            sHdr[slot * HDR + 3] = t0
+                            sHdr[slot * HDR + 4] = kv_lo
+                            sHdr[slot * HDR + 5] = kv_hi
+                        cute.arch.mbarrier_arrive(info_full + slot)
+                        pub += 1
+                slot = pub % 2
+                cute.arch.mbarrier_wait(info_empty + slot, ((pub // 2) % 2) ^ 1)
+                if lane == 0:
+                    sHdr[slot * HDR] = 0
+                cute.arch.mbarrier_arrive(info_full + slot)
+            if warp == 0:
+                # TMA: per published item its Q tile (one of 2 buffers), then its K tiles through the ring. Only lane 0
+                # reads the header (hdr_word: a shuffle gives the other lanes its value): lane 0's own arrivals on
+                # q_full / k_full release its reads before the scheduler rewrites the slot (after the consumers, who
+                # waited on those barriers, freed it); a read by a lane that never arrives would have no such order.
+                j = Int32(0)
+                g = Int32(0)
+                cute.arch.mbarrier_wait(info_full, 0)
+                ntiles = hdr_word(sHdr, 0, lane)
+                while ntiles > 0:
+                    slot = j % 2
+                    b = hdr_word(sHdr, slot * HDR + 2, lane)
+                    t0 = hdr_word(sHdr, slot * HDR + 3, lane)
+                    kv_lo = hdr_word(sHdr, slot * HDR + 4, lane)
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(q_full + slot, NQ * Q_BYTES)
+                        for hf in cutlass.range_constexpr(NQ):
+                            for kb in cutlass.range_constexpr(KB):
+                                prims.cp_async_bulk_tensor_shared_cta_global(
+                                    sQ[None, None, slot * NQ + hf].iterator + kb * BN * 64, q_map.get_ptr(),
+                                    (kb * 64, 0, t0 + hf * QC, b), q_full + slot)
+                    for i in cutlass.range(ntiles, unroll=1):
+                        idx = g % KSLOTS
+                        cute.arch.mbarrier_wait(k_empty + idx, ((g // KSLOTS) % 2) ^ 1)
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_arrive_and_expect_tx(k_full + idx, K_TILE_BYTES)
+                            for kb in cutlass.range_constexpr(KB):
+                                prims.cp_async_bulk_tensor_shared_cta_global(
+                                    sK[None, None, idx].iterator + kb * BM * 64, k_map.get_ptr(),
+                                    (kb * 64, kv_lo + i * BM, b), k_full + idx)
+                        g += 1
+                    j += 1
+                    cute.arch.mbarrier_wait(info_full + j % 2, (j // 2) % 2)
+                    ntiles = hdr_word(sHdr, (j % 2) * HDR, lane)
+        else:
+            # ------------------------------------------------------------------ consumer warpgroups (ping-pong)
+            cute.arch.setmaxregister_increase(152)
+            cwg = wg - 1
+            ctid = tidx - 128 * wg
+            wwarp = warp % 4
+            tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(BM, BN))
+            thr_mma = tiled_mma.get_slice(ctid)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sK))    # (.., .., k, K slot)
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sQ))    # (.., .., k, Q slot)
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), Float32)
+            accMN = acc_mn_view(acc)
+            cMN = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((BM, BN))))
+            wreg = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)
+            lo_r = cute.make_rmem_tensor(cute.make_layout(QC), Int32)
+            hi_r = cute.make_rmem_tensor(cute.make_layout(QC), Int32)
+            quad = lane % 4
+            row_in_tile = wwarp * 16 + lane // 4
+
+            # Turn order WG0 -> WG1 -> WG2 -> WG0 ...: BAR_WG0 + c is "WG c may issue"; WG c syncs on it, issues, then
+            # arrives on the next warpgroup's. WG2's arrive here lets WG0 take the first turn; WG0's sync after the
+            # loop takes WG2's last arrive, so every barrier generation is complete when the CTA exits.
+            if cwg == 2:
+                cute.arch.barrier_arrive(barrier_id=BAR_WG0, number_of_threads=256)
+            j = Int32(0)
+            g = Int32(0)
+            cute.arch.mbarrier_wait(info_full, 0)
+            ntiles = sHdr[0]
+            while ntiles > 0:
+                slot = j % 2
+                bx = sHdr[slot * HDR + 1]
+                kv_lo = sHdr[slot * HDR + 4]
+                kv_hi = sHdr[slot * HDR + 5]
+                hq = cwg if cutlass.const_expr(NQ == 2) else 0             # this warpgroup's Q tile of the item
+                qs = slot * NQ + hq
+                row0 = Int64(bx) * ITEM_TOK + hq * QC                      # slab row of its first token
+                for c in cutlass.range_constexpr(NCOL):
+                    wreg[c] = sW[hq * BN + cMN[0, c][1], slot]
+                for jj in cutlass.range_constexpr(QC):
+                    lo_r[jj] = sBounds[2 * (hq * QC + jj), slot]
+                    hi_r[jj] = cutlass.min(sBounds[2 * (hq * QC + jj) + 1, slot], kv_hi)   # also stop at the chunk's end
+                cute.arch.mbarrier_wait(q_full + slot, (j // 2) % 2)
+                for it in cutlass.range((ntiles + 2) // 3, unroll=1):
+                    tile = 3 * it + cwg                                       # every third tile
+                    gt = g + tile
+                    idx = gt % KSLOTS
+                    cute.arch.barrier(barrier_id=BAR_WG0 + cwg, number_of_threads=256)        # my turn
+                    if tile < ntiles:
+                        cute.arch.mbarrier_wait(k_full + idx, (gt // KSLOTS) % 2)
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                        warpgroup.fence()
+                        for kb in cutlass.range_constexpr(NK):
+                            cute.gemm(tiled_mma, acc, tCrA[None, None, kb, idx], tCrB[None, None, kb, qs], acc)
+                            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        warpgroup.commit_group()
+                        cute.arch.barrier_arrive(barrier_id=BAR_WG0 + (cwg + 1) % 3, number_of_threads=256)  # next turn
+                        warpgroup.wait_group(0)
+                        if lane == 0:
+                            cute.arch.mbarrier_arrive(k_empty + idx)
+                        s_base = kv_lo + tile * BM + row_in_tile
+                        for r in cutlass.range_constexpr(2):
+                            s = s_base + 8 * r
+                            for jj in cutlass.range_constexpr(QC):
+                                part = Float32(0.0)
+                                for c in cutlass.range_constexpr(NCOL):
+                                    if cutlass.const_expr((8 * (c // 2)) // H == jj):   # column c belongs to token jj
+                                        part += cutlass.max(accMN[r, c], Float32(0.0)) * wreg[c]
+                                part += cute.arch.shuffle_sync_bfly(part, offset=1)
+                                part += cute.arch.shuffle_sync_bfly(part, offset=2)
+                                if quad == (r * QC + jj) % 4:                # spread the quad's stores over its lanes
+                                    if s >= lo_r[jj] and s < hi_r[jj]:
+                                        off = (row0 + jj) * ld_slab + Int64(s - lo_r[jj])
+                                        (p_slab + off).store(part)
+                    else:
+                        cute.arch.barrier_arrive(barrier_id=BAR_WG0 + (cwg + 1) % 3, number_of_threads=256)  # (pad turn)
+                g += ntiles
+                cute.arch.mbarrier_arrive(info_empty + slot)                 # Q buffer, bounds, weights free
+                j += 1
+                cute.arch.mbarrier_wait(info_full + j % 2, (j // 2) % 2)
+                ntiles = sHdr[(j % 2) * HDR]
+            if cwg == 0:
+                cute.arch.barrier(barrier_id=BAR_WG0, number_of_threads=256)
+
+    @cute.jit
+    def host(p_q: cute.Pointer, p_k: cute.Pointer, B: Int32, q_sh: Int64, q_st: Int64, q_sb: Int64,
+             k_ss: Int64, k_sb: Int64, p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer,
+             p_cu_k: cute.Pointer, n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32,
+             chunk: Int32, n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64,
+             w_sh: Int64, ld_slab: Int64, scale: Float32):
+        # strides of create_tensor_map_tiled are in 16-byte units (elements * 2 // 16)
+        tq = xcuda.create_tensor_map_tiled(global_address=p_q.toint(), dtype=DT, global_dims=[D, H, T, B],
+                                           global_strides=[q_sh // 8, q_st // 8, q_sb // 8], box_dims=[64, H, QC, 1],
+                                           swizzle=xcuda.TensorMapSwizzle.s128b)
+        tk = xcuda.create_tensor_map_tiled(global_address=p_k.toint(), dtype=DT, global_dims=[D, S, B],
+                                           global_strides=[k_ss // 8, k_sb // 8], box_dims=[64, BM, 1],
+                                           swizzle=xcuda.TensorMapSwizzle.s128b)
+        kernel(tq, tk, p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk, chunk, n_chunks, n_ctas,
+               causal, ratio, w_sb, w_st, w_sh, ld_slab, scale).launch(
+            grid=(n_ctas, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
+
+    return kernel, host, PARAMS, HOST_ARGS, LAUNCH

@@ -78,18 +78,21 @@ def _sparse_attention_specs():
 
 
 def test_identity_follows_included_and_imported_templates(monkeypatch, tmp_path):
-    """A template split over files ({% include %} / {% import %}: the sparse attention forward's part files) has every
-    file in its identity, and editing any of them changes the identity."""
+    """A template that extends, includes or imports others ({% extends %}: every kernel module's base; no template is
+    split into parts now that kernel bodies are Python modules) has every file in its identity, and editing any of
+    them changes the identity."""
     import shutil
 
     import dsagen.jit.render as r
+    from dsagen.jit.render import template_name
     from dsagen.spec import get_preset
 
     templates = tmp_path / "templates"
     shutil.copytree(r.TEMPLATES, templates)
     monkeypatch.setattr(r, "TEMPLATES", templates)
     specs = get_preset("deepseek-v3.2", "sm_90a") + _sparse_attention_specs()
-    parts = {f"sparse_mla/fwd_sm90/{f}.py.j2" for f in ("common", "split_halves")}
+    parts = {t for s in specs for t in identity_material(s)["templates"] if t != template_name(s)}
+    assert "_kernel_module.py.j2" in parts
     for part in sorted(parts):
         users = [s for s in specs if part in identity_material(s)["templates"]]
         assert users, part

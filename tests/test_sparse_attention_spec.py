@@ -1,16 +1,19 @@
-"""CPU tests of the fused sparse attention forward's spec, template and compiled kernel (no GPU):
-validation reasons, the rendered module, and (marked `compile`, needs CuTe-DSL) a real sm_90a
-cross-compilation whose SASS must show the design: HGMMA for both products (SS for QK^T, RS and SS for
+"""CPU tests of the fused sparse attention forward's spec, template, kernel module and compiled kernel (no GPU):
+validation reasons, the rendered module and the kernel module it binds, and (marked `compile`, needs CuTe-DSL) a
+real sm_90a cross-compilation whose SASS must show the design: HGMMA for both products (SS for QK^T, RS and SS for
 PV), LDGSTS gathers with cp.async mbarrier arrivals, setmaxnreg, and no local-memory spills."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
 import re
+from pathlib import Path
 
 import pytest
 
+import dsagen.kernels.sparse_mla as sparse_mla
 from dsagen.jit.render import helper_modules, render
 from dsagen.spec import SpecError, get_preset
 from dsagen.kernels.sparse_mla.spec import SparseAttnFwdConfig, SparseAttnFwdSpec, config_for
@@ -131,26 +134,62 @@ def test_grid_choice():
             SparseAttnFwdConfig(grid=bad)
 
 
+def _kernel_source() -> str:
+    """The text of the kernel module (plain CuTe-DSL Python; read, not imported: no DSL needed)."""
+    return (Path(sparse_mla.__file__).parent / "fwd_sm90.py").read_text()
+
+
+def _class_constant(text: str, name: str):
+    """The literal value of a class-level constant `name` of SparseMlaFwdSm90 in the kernel module's text."""
+    cls = next(n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "SparseMlaFwdSm90")
+    return next(ast.literal_eval(n.value) for n in cls.body
+                if isinstance(n, ast.Assign) and [t.id for t in n.targets if isinstance(t, ast.Name)] == [name])
+
+
 @pytest.mark.parametrize("d_qk", [512, 576])
 def test_render(d_qk):
+    """The rendered module binds the spec's values to the kernel class and declares the ABI; the kernel's design
+    lives in the kernel module, whose hashes the key covers."""
     src = render(SparseAttnFwdSpec(arch="sm_90a", num_heads=64, d_qk=d_qk))
     compile(src, "kernel.py", "exec")
-    assert f"D_QK = {d_qk}" in src and "H = 64" in src
-    assert "dsagen.kernels.sparse_mla.attn_sm90" in helper_modules(src)
+    assert "from dsagen.kernels.sparse_mla.fwd_sm90 import build" in src
+    assert "PARAMS, LAUNCH, kernel, host = build(num_heads=64, " in src and f"d_qk={d_qk}," in src
+    assert {f"dsagen.kernels.sparse_mla.{m}" for m in ("fwd_sm90", "attn_sm90", "softmax_sm90")} <= set(
+        helper_modules(src))
+    assert len(src.split("SYMBOL = ")[1].splitlines()) <= 12                 # the body only binds the spec
+    kern = _kernel_source()
+    assert "{%" not in kern and "{{" not in kern                              # plain Python, no template
     for name in ("BAR_MAX_A = 1", "BAR_MAX_B = 2", "BAR_P_A = 3", "BAR_P_B = 4", "BAR_EPI_A = 5", "BAR_EPI_B = 6",
-                 "npairs = ((kmax + BN - 1) // BN + 1) // 2", "half_mbar"):
-        assert name in src
+                 "npairs = ((kmax + self.BN - 1) // self.BN + 1) // 2", "half_mbar"):
+        assert name in kern
     # the CTAs loop over the items: grid min(items, n_ctas), the Q hand-over barrier, phases from the pair count
-    assert src.count("for item in cutlass.range(bidx, n_items, nctas, unroll=1):") == 3     # producer, A, B
-    assert '"grid": ["min(s_q * 1, n_ctas)", 1, 1]' in src and "q_free" in src and "g = gp + k" in src
-    # the producer fills the halves V0L, V1R, V0R, V1L
-    waits = re.findall(r"mbarrier_wait\(hbar \+ (\d)", src)
-    assert waits[:4] == ["4", "7", "5", "6"]                  # producer: free[0][L], free[1][R], free[0][R], free[1][L]
-    # the P tiles: P0 in stage 0's RoPE tile at 576 (one extra tile for P1), two tiles at 512
-    assert ("MemRange[DT, M * BN]" in src) == (d_qk == 576)
+    assert kern.count("for item in cutlass.range(bidx, n_items, nctas, unroll=1):") == 2     # producer, consumers
+    assert '"grid": [f"min(s_q * {fwd.HB}, n_ctas)", 1, 1]' in kern and "q_free" in kern and "g = gp + k" in kern
+    # the producer fills the halves V0L, V1R, V0R, V1L: free[0][L], free[1][R], free[0][R], free[1][L]
+    assert "mbarrier_wait(bars.hbar + (4 + 2 * s + h), free_phase)" in kern
+    assert [4 + 2 * s + h for s, h in _class_constant(kern, "FILL_ORDER")] == [4, 7, 5, 6]
+    # the P tiles: P0 in stage 0's RoPE tile when D_QK > D_V (one extra tile for P1), two tiles otherwise
+    assert "p_elems = M * BN if self.P_IN_ROPE else 2 * M * BN" in kern and "self.P_IN_ROPE = d_qk > d_v" in kern
     # Q loads and O stores carry the evict_first policy; O goes out as 16-byte stores after the quad transpose
-    assert src.count("cp_async_16_policy(") == 1 and src.count("st_global_v4_b32(") == 2
-    assert src.count("l2_evict_first_policy()") == 3                          # producer (Q), A and B (O)
+    assert kern.count("cp_async_16_policy(") == 1 and kern.count("st_global_v4_b32(") == 1      # both consumers
+    assert kern.count("l2_evict_first_policy()") == 2                          # producer (Q), consumers (O)
+
+
+@pytest.mark.compile
+def test_every_build_has_its_own_kernel():
+    """Each rendered module builds its own kernel: two builds, of one spec's values or of two, never share a kernel,
+    host or declaration object (the module sets the kernel's symbol name on the function object)."""
+    from dsagen.kernels.sparse_mla.fwd_sm90 import build
+
+    fields = dict(num_heads=128, d_qk=576, d_v=512, dtype="bfloat16", block_n=64, stages=2, regs_producer=48,
+                  regs_qk=232, regs_pv=224)
+    builds = [build(**fields), build(**fields), build(**dict(fields, num_heads=64, d_qk=512, dtype="float16"))]
+    for i in range(4):                                        # params, launch, kernel, host
+        assert len({id(b[i]) for b in builds}) == len(builds), i
+    assert builds[0].launch["grid"][0] == "min(s_q * 2, n_ctas)" and builds[2].launch["grid"][0] == (
+        "min(s_q * 1, n_ctas)")
+    assert builds[0].launch["smem"] > builds[2].launch["smem"]           # a 576-wide Q and stages
+    assert builds[2].params[0] == {"name": "q", "kind": "ptr", "dtype": "float16", "align": 16}
 
 
 @pytest.mark.compile

@@ -120,8 +120,8 @@ def load(name: str, device_index: int = 0):
 # ---- racecheck verdict -------------------------------------------------------------------------------------------
 #: Shared-memory window (bytes, as racecheck prints addresses: after the 1 KiB the driver reserves) of split_halves'
 #: sMax[:, 1], the pair max consumer B hands to consumer A over bar.arrive / bar.sync BAR_MAX_B. The fields before it
-#: have fixed sizes at every H / D (smem_fields: 8 + 3 mbarriers, valid[2 * 64], sMax[:, 0] = 64 floats):
-#: 0x400 + 64 + 24 + 128 + 256 = 0x5d8 (test_sanitize.py::test_split_halves_smem_prefix checks the field list).
+#: have fixed sizes at every H / D (Smem of sparse_mla/fwd_sm90.py: 8 + 3 mbarriers, valid[2 * 64], sMax[:, 0] = 64
+#: floats): 0x400 + 64 + 24 + 128 + 256 = 0x5d8 (test_sanitize.py::test_split_halves_smem_prefix checks the field list).
 SPLIT_HALVES_PAIR_MAX = (0x5D8, 0x6D8)
 #: the probe's Y[128] (after X[128])
 PROBE_HANDOFF_Y = (0x600, 0x800)

@@ -201,19 +201,25 @@ def test_topk_kernel(spec):
 # ---------------------------------------------------------------------------------------- sanitizer probes
 @gpu
 def test_split_halves_smem_prefix():
-    """(jinja2 only: runs in scripts/sanitize.sh's steps) sanitizer_probes.SPLIT_HALVES_PAIR_MAX (the smem window of sMax[:, 1] whose racecheck hazards are explained)
-    assumes these leading Smem fields at every shape of the op's kernel: 8 + 3 mbarriers, valid[2 * 64], mx[2 * 64]."""
+    """(jinja2 only: runs in scripts/sanitize.sh's steps) sanitizer_probes.SPLIT_HALVES_PAIR_MAX (the smem window of
+    sMax[:, 1] whose racecheck hazards are explained) assumes these leading Smem fields of the kernel module
+    (dsagen/kernels/sparse_mla/fwd_sm90.py) at every shape of the op's kernel: 8 + 3 mbarriers, valid[2 * 64],
+    mx[2 * 64]."""
+    from pathlib import Path
+
+    import dsagen.kernels.sparse_mla as sparse_mla
     from dsagen.jit.render import render
     from sanitizer_probes import SPLIT_HALVES_PAIR_MAX
 
     want = ["half_mbar: cute.struct.MemRange[Int64, 8]", "q_mbar: cute.struct.MemRange[Int64, 1]",
             "q_free_mbar: cute.struct.MemRange[Int64, 1]", "mask_mbar: cute.struct.MemRange[Int64, 1]",
             "valid: cute.struct.MemRange[Int8, 2 * BN]", "mx: cute.struct.MemRange[Float32, 2 * M]"]
+    text = (Path(sparse_mla.__file__).parent / "fwd_sm90.py").read_text()
+    fields = text.split("class Smem:")[1].strip().splitlines()
+    assert [f.split("#")[0].strip() for f in fields[:len(want)]] == want
+    assert "\n    M = 64 " in text and "self.BN = block_n " in text
     for spec in REQUIRED_SPECS[:len(SPARSE_SHAPES)]:
-        src = render(spec)
-        fields = src.split("class Smem:")[1].strip().splitlines()
-        assert [f.split("#")[0].strip() for f in fields[:len(want)]] == want
-        assert "\nBN = 64 " in src and "\nM = 64 " in src
+        assert spec.block_n == 64 and "from dsagen.kernels.sparse_mla.fwd_sm90 import build" in render(spec)
     assert SPLIT_HALVES_PAIR_MAX == (0x400 + 8 * 8 + 3 * 8 + 2 * 64 + 64 * 4, 0x400 + 8 * 8 + 3 * 8 + 2 * 64 + 128 * 4)
 
 @gpu

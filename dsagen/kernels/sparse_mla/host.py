@@ -2,8 +2,8 @@
 layout is flattened by dsagen.ops.sparse_attention before it gets here).
 
 `sparse_attention(q, kv, topk_idxs, *, attn_sink, topk_length, softmax_scale, d_v[, config])` returns
-`(out, lse, max_logits)` and runs the sm_90a kernel of `SparseAttnFwdSpec` (template
-sm90/sparse_attention_fwd.py.j2). It is the `torch.library` custom op `dsagen::sparse_attention_fwd`, with
+`(out, lse, max_logits)` and runs the sm_90a kernel of `SparseAttnFwdSpec` (kernel module
+sparse_mla/fwd_sm90.py). It is the `torch.library` custom op `dsagen::sparse_attention_fwd`, with
 a fake implementation, so torch.compile sees one opaque node; the kernel launch itself never allocates
 beyond the outputs, never synchronizes and is CUDA-graph capturable once the kernel is loaded.
 

@@ -26,7 +26,7 @@ _REG_TOTAL = 3 * _REGS_AT_LAUNCH
 @register_spec
 @dataclass(frozen=True)
 class SparseAttnFwdSpec(KernelSpec):
-    """Fused sparse MLA forward for Hopper (template sm90/sparse_attention_fwd.py.j2): FlashMLA's SM90 sparse
+    """Fused sparse MLA forward for Hopper (kernel: sparse_mla/fwd_sm90.py, bound by fwd_sm90.py.j2): FlashMLA's SM90 sparse
     prefill protocol. Tiles go in pairs: consumer A (WG1) does QK^T + softmax of the even tile, consumer B (WG2) of
     the odd one, and each accumulates its half of O over both; per-half-stage ready / free mbarriers (a stage's left
     half V[:, :256] and right half are refilled as soon as the consumer that reads them last is done: V0L, V1R, V0R,

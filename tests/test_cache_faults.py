@@ -871,3 +871,15 @@ def test_more_user_errors_are_one_line(tmp_path, monkeypatch, capsys):
                        text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), close_fds=True,
                        preexec_fn=lambda: os.close(1))
     assert r.returncode == 2 and "standard output is closed" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_check_without_hashes_reads_no_artifact(tmp_path, monkeypatch):
+    """list and show check entries without hashes: sizes and file types only, no artifact is read."""
+    e = commit_fake(CacheStore(tmp_path / "cache", []))
+
+    def no_read(*a, **k):
+        raise AssertionError("an artifact was read")
+
+    monkeypatch.setattr(store_mod, "_read_artifact", no_read)
+    assert check_entry(e.path, verify_hashes=False)["key"] == e.key
+    assert load_entry(e.path, verify_hashes=False, read=())[1] == {}

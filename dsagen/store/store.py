@@ -345,7 +345,10 @@ def load_entry(path: Path, verify_hashes: bool = True, expect: dict | None = Non
     validate_entry_manifest(m, path)
     for f, want in (expect or {}).items():
         _need(m.get(f) == want, path, f"manifest {f} {m.get(f)!r} is not the requested {want!r}")
-    wanted = set(m["artifacts"]) if read is None and verify_hashes else set(read or REQUIRED_ARTIFACTS)
+    if read is not None:
+        wanted = set(read)
+    else:
+        wanted = set(m["artifacts"]) if verify_hashes else set(REQUIRED_ARTIFACTS)
     blobs = {}
     for name, art in sorted(m["artifacts"].items()):
         try:

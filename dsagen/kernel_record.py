@@ -60,7 +60,8 @@ def compile_expr(expr: str | int, names: set[str]) -> str:
     return walk(tree)
 
 
-def _is_obj(v: Any) -> bool:
+def is_str_keyed_dict(v: Any) -> bool:
+    """Whether `v` is a JSON object: a dict whose keys are all str."""
     return isinstance(v, dict) and all(isinstance(k, str) for k in v)
 
 
@@ -75,18 +76,18 @@ def kernel_record_problem(k: dict) -> str | None:
     if not ident(k.get("symbol")):
         return "symbol is not an identifier"
     params, launch = k.get("params"), k.get("launch")
-    if not isinstance(params, list) or not _is_obj(launch):
+    if not isinstance(params, list) or not is_str_keyed_dict(launch):
         return "params is not a list or launch is not an object"
     names = set()
     for i, p in enumerate(params):
-        if not _is_obj(p) or not ident(p.get("name")) or p["name"] in names or p["name"] == "stream":
+        if not is_str_keyed_dict(p) or not ident(p.get("name")) or p["name"] in names or p["name"] == "stream":
             return f"param {i} has no identifier name of its own"
         names.add(p["name"])
         if p.get("kind") not in PARAM_KINDS or not _nat(p.get("offset")) or not _nat(p.get("size"), 1):
             return f"param {p['name']}: kind, offset or size is invalid"
         if p["kind"] == "ptr" and not (ident(p.get("dtype")) and _nat(p.get("align"), 1)):
             return f"param {p['name']}: a ptr needs a dtype name and an alignment"
-        if p["kind"] == "tensormap" and not _is_obj(p.get("encode")):
+        if p["kind"] == "tensormap" and not is_str_keyed_dict(p.get("encode")):
             return f"param {p['name']}: a tensormap needs its encode recipe"
     grid, block, cluster = launch.get("grid"), launch.get("block"), launch.get("cluster", [1, 1, 1])
     if not (isinstance(block, list) and len(block) == 3 and all(_nat(b, 1) for b in block)

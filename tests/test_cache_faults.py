@@ -80,10 +80,8 @@ def test_prune_never_walks_into_a_link(tmp_path, where):
     assert not any(p.is_symlink() for p in root.rglob("*"))  # the links themselves are gone
 
 
-def test_no_command_follows_a_linked_arch_folder(tmp_path, monkeypatch, capsys):
-    root = tmp_path / "cache"
-    monkeypatch.setenv("DSAGEN_CACHE_DIR", str(root))
-    monkeypatch.delenv("DSAGEN_CACHE_PATH", raising=False)
+def test_no_command_follows_a_linked_arch_folder(cache_env, tmp_path, capsys):
+    root = cache_env
     store = CacheStore(root, [])
     e = commit_fake(store)
     user = _user_files(tmp_path)
@@ -228,10 +226,8 @@ BAD_MANIFESTS = {
 
 
 @pytest.mark.parametrize("fault", sorted(BAD_MANIFESTS))
-def test_malformed_manifest_is_corruption_everywhere(fault, tmp_path, monkeypatch, capsys):
-    root = tmp_path / "cache"
-    monkeypatch.setenv("DSAGEN_CACHE_DIR", str(root))
-    monkeypatch.delenv("DSAGEN_CACHE_PATH", raising=False)
+def test_malformed_manifest_is_corruption_everywhere(fault, cache_env, tmp_path, capsys):
+    root = cache_env
     store = CacheStore(root, [])
     e = commit_fake(store)
     _rewrite_manifest(e.path, BAD_MANIFESTS[fault])
@@ -291,10 +287,8 @@ def test_the_choice_among_entries_of_one_identity_ignores_created(tmp_path):
     assert store.lookup_identity("sm_90a", "compactify", IDENT).key == newer.key      # 4.10 > 4.8.1
 
 
-def test_stray_files_in_the_tree_are_ignored_and_pruned(tmp_path, monkeypatch, capsys):
-    root = tmp_path / "cache"
-    monkeypatch.setenv("DSAGEN_CACHE_DIR", str(root))
-    monkeypatch.delenv("DSAGEN_CACHE_PATH", raising=False)
+def test_stray_files_in_the_tree_are_ignored_and_pruned(cache_env, capsys):
+    root = cache_env
     store = CacheStore(root, [])
     e = commit_fake(store)
     strays = [root / "v1" / "README", root / "v1" / "sm_90a" / "notes.txt", root / "v1" / "sm_90a" / "compactify" / "x",
@@ -835,10 +829,8 @@ def test_a_read_only_root_that_is_a_file_is_a_warning(tmp_path, monkeypatch, cap
     assert main(["list"]) == 0 and main(["verify"]) == 0
 
 
-def test_show_never_reads_through_a_link_and_reports_a_corrupt_manifest_in_one_line(tmp_path, monkeypatch, capsys):
-    root = tmp_path / "cache"
-    monkeypatch.setenv("DSAGEN_CACHE_DIR", str(root))
-    monkeypatch.delenv("DSAGEN_CACHE_PATH", raising=False)
+def test_show_never_reads_through_a_link_and_reports_a_corrupt_manifest_in_one_line(cache_env, tmp_path, capsys):
+    root = cache_env
     e = commit_fake(CacheStore(root, []))
     user = _user_files(tmp_path)
     (user / "secret.json").write_text('{"secret": "do not print"}')
@@ -854,9 +846,7 @@ def test_show_never_reads_through_a_link_and_reports_a_corrupt_manifest_in_one_l
     assert err.count("\n") == 1 and "not JSON" in err
 
 
-def test_more_user_errors_are_one_line(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("DSAGEN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("DSAGEN_CACHE_PATH", raising=False)
+def test_more_user_errors_are_one_line(cache_env, tmp_path, capsys):
     raw = tmp_path / "spec.json"
     raw.write_bytes(b"\xff\xfe{")
     deep = tmp_path / "deep.json"

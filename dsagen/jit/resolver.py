@@ -121,8 +121,7 @@ def _compile_and_commit(spec, source, material, identity, store: CacheStore, mus
     writable = store.writable is not None and store.writable.writable
     if not writable:  # DSAGEN_CACHE=ro|off: in memory by request, so no warning
         if must_store:
-            raise CacheNotStored(f"{spec.name()}: compiled but not stored: the cache is not writable "
-                                 f"(DSAGEN_CACHE={store.mode})")
+            _not_stored(spec, f"the cache is not writable (DSAGEN_CACHE={store.mode})", must_store)
     else:
         try:
             with store.lock(key):

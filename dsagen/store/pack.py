@@ -72,7 +72,7 @@ def pack(store: CacheStore, out: Path) -> int:
                 if path.name in seen:
                     continue
                 try:
-                    if not store._chain_is_real(layer, path):
+                    if not store.chain_is_real(layer, path):
                         raise CacheCorruption(f"{path}: reached through a link")
                     m, blobs = load_entry(path, verify_hashes=True)
                 except CacheCorruption as e:
@@ -363,7 +363,7 @@ def unpack(store: CacheStore, file: Path, *, max_member_bytes: int = MAX_MEMBER_
             arch, op, key = entry_parts(final)
             try:
                 with store.lock(key):
-                    if store._chain_is_real(layer, final):
+                    if store.chain_is_real(layer, final):
                         try:
                             load_entry(final, verify_hashes=True, read=())
                             continue  # already present and valid: kept

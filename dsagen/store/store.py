@@ -39,7 +39,7 @@ from typing import Any, Iterator
 
 from .. import env
 from ..errors import CacheRootError, DsagenError
-from ..kernel_record import kernel_record_problem, kernel_record_sha256
+from ..kernel_record import is_str_keyed_dict, kernel_record_problem, kernel_record_sha256
 from .hashing import canonical_json, key_of, sha256_hex
 
 LAYOUT = "v1"
@@ -224,10 +224,6 @@ def _need(cond: bool, path: Path, what: str) -> None:
         raise CacheCorruption(f"{path}: {what}")
 
 
-def _is_str_dict(v: Any) -> bool:
-    return isinstance(v, dict) and all(isinstance(k, str) for k in v)
-
-
 def validate_manifest(m: Any, path: Path) -> dict:
     """Check that `m` is a manifest of the expected schema (types only); CacheCorruption otherwise."""
     _need(isinstance(m, dict), path, f"{MANIFEST} is not a JSON object")
@@ -243,7 +239,7 @@ def validate_manifest(m: Any, path: Path) -> dict:
     for name, art in m["artifacts"].items():
         _need(isinstance(name, str) and bool(_FILE.fullmatch(name)) and name != MANIFEST, path,
               f"artifact name {name!r} is not a plain file name")
-        _need(_is_str_dict(art) and isinstance(art.get("size"), int) and not isinstance(art["size"], bool)
+        _need(is_str_keyed_dict(art) and isinstance(art.get("size"), int) and not isinstance(art["size"], bool)
               and art["size"] >= 0 and isinstance(art.get("sha256"), str) and bool(_HEX64.fullmatch(art["sha256"])),
               path, f"artifact {name!r} has no valid size and sha256")
     _need(len(m["artifacts"]) <= MAX_ARTIFACTS, path, f"more than {MAX_ARTIFACTS} artifacts")
@@ -386,8 +382,8 @@ def candidate_order(manifest: dict, key: str, identity: str) -> tuple:
     toolchain (versions compared numerically, distribution by distribution), then the smallest key.
     Every field used is bound by the entry's key (so consistent), and `created` plays no part."""
     tc = manifest.get("toolchain") if isinstance(manifest.get("toolchain"), dict) else {}
-    versions = tuple((d, _version_tuple(str(v))) for d, v in sorted(tc.items()))
-    return (manifest.get("identity") != identity, tuple((d, tuple(-x for x in v)) for d, v in versions), key)
+    newest_first = tuple((d, tuple(-x for x in _version_tuple(str(v)))) for d, v in sorted(tc.items()))
+    return (manifest.get("identity") != identity, newest_first, key)
 
 
 # ---- layers and the store -----------------------------------------------------------------------------
@@ -579,7 +575,7 @@ class CacheStore:
         return p
 
     # ---- reading ----------------------------------------------------------------------------------
-    def _chain_is_real(self, layer: Layer, path: Path) -> bool:
+    def chain_is_real(self, layer: Layer, path: Path) -> bool:
         """Whether every folder from the layer's v1/ down to `path` is a real folder (no link)."""
         rel = path.relative_to(layer.root)
         p = layer.root
@@ -593,7 +589,7 @@ class CacheStore:
         if _lstat(path / MANIFEST) is None:
             return None  # absent, or a commit still in flight elsewhere: not visible
         try:
-            _need(self._chain_is_real(layer, path), path, "reached through a link")
+            _need(self.chain_is_real(layer, path), path, "reached through a link")
             m, blobs = load_entry(path, self.verify_hashes, expect=expect)
             return Entry(path, m, layer, blobs)
         except CacheCorruption as e:
@@ -736,7 +732,7 @@ class CacheStore:
         layer = self.writable
         if layer is None or not layer.writable:
             return None
-        if not _is_real_dir(path) or not self._chain_is_real(layer, path.parent):
+        if not _is_real_dir(path) or not self.chain_is_real(layer, path.parent):
             warnings.warn(f"dsagen: not quarantining {path}: it is, or is reached through, a link ({reason})",
                           stacklevel=3)
             return None
@@ -816,7 +812,7 @@ class CacheStore:
             with self.lock(path.name, timeout=0):
                 if _lstat(path) is None or not stale():
                     return False
-                if not self._chain_is_real(layer, path):
+                if not self.chain_is_real(layer, path):
                     return False  # reached through a link: the link goes with the strays, never its target
                 trash = self.own_dir("tmp") / staging_name(f"prune-{path.name}")
                 os.replace(path, trash)  # the entry disappears at once; then its files go

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import importlib
 
+from ._version import __version__
 from .errors import DsagenError
+from .log import configure_from_env as _configure_logging
 
-__version__ = "0.1.0"
+_configure_logging()  # DSAGEN_LOG_LEVEL, read once (dsagen.log)
 
 # public name -> module that defines it
 _OPS = {

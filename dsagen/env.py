@@ -10,6 +10,8 @@
 | DSAGEN_VERIFY        | bool        | 1                                    | check artifact sha256s when an entry is loaded |
 | DSAGEN_LOCK_TIMEOUT  | seconds     | 600                                  | how long to wait for another process compiling the same key (finite, >= 0) |
 | DSAGEN_DEBUG         | bool        | 0                                    | the `dsagen` command prints the traceback of an error, not one line |
+| DSAGEN_WHEEL_CACHES  | bool        | 1                                    | use the caches of installed kernel wheels (read-only layers) |
+| DSAGEN_LOG_LEVEL     | level       | (unset)                              | log level of the `dsagen` logger, with a stderr handler (read once, at import) |
 
 A value a parser cannot use raises dsagen.errors.ConfigError (a ValueError) naming the variable.
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Generic, TypeVar
 
 from .errors import ConfigError
+from .log import parse_level
 
 T = TypeVar("T")
 
@@ -106,5 +109,10 @@ VERIFY = EnvVar("DSAGEN_VERIFY", _parse_bool, lambda: True, "sha256-check artifa
 LOCK_TIMEOUT = EnvVar("DSAGEN_LOCK_TIMEOUT", _parse_seconds, lambda: 600.0,
                       "seconds to wait for a compile lock (finite, >= 0)")
 DEBUG = EnvVar("DSAGEN_DEBUG", _parse_bool, lambda: False, "dsagen command: print tracebacks of errors")
+WHEEL_CACHES = EnvVar("DSAGEN_WHEEL_CACHES", _parse_bool, lambda: True,
+                      "read the caches of installed kernel wheels")
+LOG_LEVEL = EnvVar("DSAGEN_LOG_LEVEL", lambda n, r: parse_level(r) if r.strip() else None, lambda: None,
+                   "log level of the dsagen logger (stderr)")
 
-ALL: tuple[EnvVar, ...] = (CACHE_DIR, CACHE_PATH, CACHE_MODE, DISABLE_JIT, ARCH, VERIFY, LOCK_TIMEOUT, DEBUG)
+ALL: tuple[EnvVar, ...] = (CACHE_DIR, CACHE_PATH, CACHE_MODE, DISABLE_JIT, ARCH, VERIFY, LOCK_TIMEOUT, DEBUG,
+                           WHEEL_CACHES, LOG_LEVEL)

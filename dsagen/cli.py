@@ -1,9 +1,11 @@
 """The `dsagen` command line: build, list, show, verify, prune, pack, unpack, env, bench.
 
-    dsagen build --preset deepseek-v3.2 --arch sm_90a     # pre-generate a model's kernels (no GPU needed)
-    dsagen list [--json]                                   # what the cache layers hold
-    dsagen verify                                          # recompute every hash; non-zero exit on mismatch
+    dsagen build --preset deepseek-v3.2 --arch sm_90a   # a model's kernels (no GPU needed)
+    dsagen build --model config.json [--dry-run]         # the kernels of a Hugging Face config
+    dsagen list [--json]                                 # what the cache layers hold, from where
+    dsagen verify                                        # recompute every hash; exit 1 on mismatch
     dsagen pack --out kernels.tar / dsagen unpack kernels.tar
+    dsagen pack --wheel --out dist/ [--name NAME]        # a pip-installable kernel wheel
 
 Errors: a user's mistake or an environment, cache, pack or spec problem (dsagen.DsagenError, OSError)
 prints one line `dsagen: error: ...` on stderr and exits 2; `--debug` or DSAGEN_DEBUG=1 prints the
@@ -27,20 +29,77 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from . import env
+from ._version import __version__
 from .errors import CacheNotStored, ConfigError, DsagenError
+from .log import get_logger
 
-_EPILOG_BUILD = """\
---arch: comma-separated targets (default $DSAGEN_ARCH, else sm_90a) for --preset. With --spec and
---spec-file, each spec is re-targeted to every --arch given (its "arch" field is replaced); without
---arch a spec keeps its own "arch". A preset that has no kernels yet for some of its ops on an arch
-names them on stderr and builds the rest. The GPU tests' kernels are the spec file
-tests/gpu/required_specs.json (the command line never executes test modules).
+_log = get_logger("build")
+WIDTH = 100  # every table fits this many columns
+
+_SPEC_FORMAT = """\
+Spec JSON (--spec, --spec-file; the "spec" that `dsagen show` and `dsagen list --json` print): one kernel
+is an object {"op": OP, "fields": {FIELD: VALUE, ...}}; a field left out takes its default, an unknown
+op or field is an error, and a spec file holds one such object or a JSON list of them. Example:
+  dsagen build --spec '{"op": "compactify", "fields": {"arch": "sm_90a"}}'
+"""
+
+_EPILOG_BUILD_TAIL = """\
+Sources (combine any): --preset NAME (a model's kernels; deepseek-v3.2), --model CONFIG.json (a Hugging
+Face-style config of a DeepSeek sparse-attention model: num_attention_heads, kv_lora_rank,
+qk_rope_head_dim, index_n_heads, index_head_dim, index_topk, torch_dtype; other fields are ignored;
+examples/deepseek-v3.2-config.json), --spec JSON, --spec-file FILE (the GPU tests' kernels are
+tests/gpu/required_specs.json; the command line never executes test modules).
+
+--arch: comma-separated targets (default $DSAGEN_ARCH, else sm_90a) for --preset and --model. With --spec
+and --spec-file, each spec is re-targeted to every --arch given (its "arch" field is replaced); without
+--arch a spec keeps its own "arch". A preset or model that has no kernels yet for some of its ops on an
+arch names them on stderr and builds the rest.
+
+--dry-run lists every kernel the options name and whether a cache layer already holds it ("cached",
+and which layer) or a build would compile it ("to build"); it compiles and writes nothing (exit 0).
 
 The exit status is 0 only when every kernel is on disk in the cache afterwards ("built" into the
 writable root, or "cached" in any layer); a kernel compiled but not stored (lock timeout, full or
 read-only disk, an entry removed under the build) is FAILED and the exit status is 1.
 DSAGEN_CACHE=ro or off is refused up front (exit 2).
 """
+
+
+def _refill(text: str, width: int = WIDTH - 2) -> str:
+    """`text` with each paragraph refilled to `width` columns; indented lines (examples) are kept as they are."""
+    import textwrap
+
+    out, para = [], []
+
+    def flush() -> None:
+        if para:
+            out.extend(textwrap.wrap(" ".join(para), width, break_on_hyphens=False))
+            para.clear()
+
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("  "):
+            flush()
+            out.append(line)
+        else:
+            para.append(line.strip())
+    flush()
+    return "\n".join(out) + "\n"
+
+
+def _ops_help() -> str:
+    """Every registered op with its fields and defaults, wrapped to the table width (for --help)."""
+    import dataclasses
+    import textwrap
+
+    from .spec import spec_types
+
+    lines = ["Ops and their fields (default after '='; arch has none):"]
+    for op, cls in sorted(spec_types().items()):
+        fields = [f.name if f.default is dataclasses.MISSING else f"{f.name}={json.dumps(f.default)}"
+                  for f in dataclasses.fields(cls)]
+        lines += textwrap.wrap(f"{op}: {', '.join(fields)}", WIDTH - 2, initial_indent="  ",
+                               subsequent_indent="      ")
+    return "\n".join(lines) + "\n"
 
 
 def _arches_of(option: str | None) -> list[str] | None:
@@ -85,18 +144,28 @@ def _json_of(text: str, where: str):
 def _specs_from_args(args) -> list:
     """Every spec the build options name, in order, without duplicates (see the build help for --arch)."""
     from .spec import get_preset, missing_ops
+    from .spec.model_config import load_model_config, missing_ops_for_model, specs_for_model
 
     arches = _arches_of(args.arch)
     preset_arches = arches or _arches_of(env.ARCH.get() or "sm_90a")
+    models = [(path, load_model_config(path, args.tp)) for path in args.model or ()]
+    if args.tp != 1 and not models:
+        raise ConfigError(f"--tp {args.tp}: only --model configs are split over GPUs; give --model")
     specs = []
+
+    def say_missing(what: str, arch: str, missing: list[str]) -> None:
+        if missing:
+            print(f"dsagen: {what} has no {arch} kernels yet for: {', '.join(missing)} "
+                  f"(impl='fused' ops needing them raise NotImplementedError there); building the rest",
+                  file=sys.stderr)
+
     for arch in preset_arches:
         for name in args.preset or ():
             specs.extend(get_preset(name, arch))
-            missing = missing_ops(name, arch)
-            if missing:
-                print(f"dsagen: preset {name!r} has no {arch} kernels yet for: {', '.join(missing)} "
-                      f"(impl='fused' ops needing them raise NotImplementedError there); building the rest",
-                      file=sys.stderr)
+            say_missing(f"preset {name!r}", arch, missing_ops(name, arch))
+        for path, model in models:
+            specs.extend(specs_for_model(model, arch))
+            say_missing(f"model {path}", arch, missing_ops_for_model(model, arch))
     for text in args.spec or ():
         d = _json_of(text, f"--spec {text!r}")
         specs.extend(_spec_of(d, f"--spec {text!r}", a) for a in arches or [None])
@@ -185,11 +254,40 @@ def _terminate_workers(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _table(rows: list[dict], cols: list[str]) -> str:
-    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)) for r in rows]
-    return "\n".join(lines)
+def _fit(text: str, width: int) -> str:
+    """`text` cut to `width` characters: its head and tail around '..' (paths and names keep both ends)."""
+    text = str(text)
+    if len(text) <= width:
+        return text
+    if width <= 2:
+        return text[:width]
+    head = (width - 2 + 1) // 2
+    return text[:head] + ".." + text[len(text) - (width - 2 - head):]
+
+
+def _table(rows: list[dict], cols: list[str], shrink: tuple[str, ...] = (), width: int = WIDTH) -> str:
+    """`rows` as a text table of `cols`, at most `width` columns wide: the widest column of `shrink` gives up a
+    character at a time (down to its heading's width or 8) and its cells are cut with `_fit`; the last column is
+    not padded."""
+    widths = {c: max(len(c), *(len(str(r.get(c, "") if r.get(c) is not None else "")) for r in rows)) for c in cols}
+    floor = {c: max(len(c), 8) for c in shrink}
+    while sum(widths.values()) + 2 * (len(cols) - 1) > width:
+        candidates = [c for c in shrink if widths[c] > floor[c]]
+        if not candidates:
+            break
+        widest = max(candidates, key=lambda c: widths[c])
+        widths[widest] -= 1
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(cell.ljust(widths[c]) for c, cell in zip(cols, cells)).rstrip()
+
+    def cell(r: dict, c: str) -> str:
+        v = r.get(c)
+        return _fit("" if v is None else str(v), widths[c])
+
+    out = [line(cols), line(["-" * widths[c] for c in cols])]
+    out += [line([cell(r, c) for c in cols]) for r in rows]
+    return "\n".join(out)
 
 
 def cmd_build(args) -> int:
@@ -199,6 +297,8 @@ def cmd_build(args) -> int:
 
     for var in env.ALL:  # a bad value fails here, naming the variable, not in every worker
         var.get()
+    if args.dry_run:
+        return _dry_run(args)
     mode = env.CACHE_MODE.get()
     if mode != "rw":
         raise ConfigError(f"dsagen build stores kernels in the writable cache, but DSAGEN_CACHE={mode} "
@@ -206,20 +306,24 @@ def cmd_build(args) -> int:
                           f"unset it or set DSAGEN_CACHE=rw")
     specs = _specs_from_args(args)
     if not specs:
-        raise ConfigError("nothing to build: give --preset, --spec or --spec-file")
+        raise ConfigError("nothing to build: give --preset, --model, --spec or --spec-file")
     if not dsl_available():
         raise ConfigError("dsagen build needs CuTe-DSL: pip install 'dsagen[gen]'")
     CacheStore.from_env().ensure_root()  # refuses an unusable cache root here, once, not in every worker
     jobs = max(1, min(args.jobs or os.cpu_count() or 1, len(specs)))
     print(f"building {len(specs)} kernel(s) for {', '.join(sorted({s.arch for s in specs}))} into "
           f"{env.CACHE_DIR.get()} with {jobs} job(s)", file=sys.stderr)
+    _log.info("build of %d kernel(s) into %s with %d job(s)", len(specs), env.CACHE_DIR.get(), jobs)
     rows, failed, t0 = [], [], time.perf_counter()
 
     tty = sys.stderr.isatty()
 
     def progress(i: int, row: dict) -> None:
+        _log.info("%s %s (%.2fs)", row["status"], row["name"], row["seconds"])
         bar = "#" * int(24 * i / len(specs))
-        line = f"[{bar:<24}] {i}/{len(specs)} {row['name'][:48]:<48} {row['status']:>6} {row['seconds']:6.2f}s"
+        count = f"{i}/{len(specs)}"
+        line = f"[{bar:<24}] {count} {_fit(row['name'], 56 - len(count)):<{56 - len(count)}} {row['status']:>6} " \
+               f"{row['seconds']:6.2f}s"
         if tty:  # redraw one line; a log gets one line per kernel
             print("\r" + line, end="\n" if i == len(specs) else "", file=sys.stderr, flush=True)
         else:
@@ -261,13 +365,40 @@ def cmd_build(args) -> int:
         pool.shutdown(wait=True)
     for r in rows:
         r["key"] = r.get("key", "")[:12]
-    print(_table(rows, ["name", "op", "arch", "status", "seconds", "regs", "smem", "key"]))
+    print(_table(rows, ["name", "arch", "status", "seconds", "regs", "smem", "key"], shrink=("name",)))
     built = sum(r["status"] == "built" for r in rows)
     print(f"{len(rows)} kernel(s): {built} built, {sum(r['status'] == 'cached' for r in rows)} cached, "
           f"{len(failed)} failed in {time.perf_counter() - t0:.1f}s")
     for name, e in failed:
+        _log.error("FAILED %s: %s: %s", name, type(e).__name__, e)
         print(f"FAILED {name}: {type(e).__name__}: {e}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _dry_run(args) -> int:
+    """`dsagen build --dry-run`: each kernel the options name, "cached" (and where) or "to build"; compiles
+    and writes nothing. Without CuTe-DSL an entry of any toolchain counts (as a deployment would use it)."""
+    from .jit.keys import identity_of
+    from .jit.toolchain import dsl_available, toolchain_versions
+    from .store.store import CacheStore
+
+    specs = _specs_from_args(args)
+    if not specs:
+        raise ConfigError("nothing to build: give --preset, --model, --spec or --spec-file")
+    store = CacheStore.from_env()
+    tc = toolchain_versions() if dsl_available() else None
+    rows = []
+    for spec in specs:
+        hit = store.lookup_identity(spec.arch, spec.op, identity_of(spec), tc, spec=spec.canonical())
+        rows.append({"name": spec.name(), "arch": spec.arch, "status": "cached" if hit else "to build",
+                     "key": hit.key[:12] if hit else "", "source": hit.layer.origin if hit else ""})
+    print(_table(rows, ["name", "arch", "status", "key", "source"], shrink=("name", "source")))
+    todo = sum(r["status"] == "to build" for r in rows)
+    print(f"{len(rows)} kernel(s): {len(rows) - todo} cached, {todo} to build (dry run: nothing compiled)")
+    if tc is None:
+        print("dsagen: CuTe-DSL is not installed here: a real build needs it (pip install 'dsagen[gen]')",
+              file=sys.stderr)
+    return 0
 
 
 def _entry_rows(store) -> list[dict]:
@@ -275,15 +406,15 @@ def _entry_rows(store) -> list[dict]:
 
     rows = []
     for layer, path in store.entries():
+        where = {"layer": str(layer.root), "source": layer.origin, "writable": layer.writable, "path": str(path),
+                 "bytecode_ok": layer.bytecode_ok}
         try:
-            m = check_entry(path, verify_hashes=False)
+            m = check_entry(path, verify_hashes=False, bytecode_ok=layer.bytecode_ok)
             rows.append({"name": m.get("name"), "op": m.get("op"), "arch": m.get("arch"), "key": m["key"],
-                         "identity": m.get("identity"), "created": m.get("created"),
-                         "layer": str(layer.root), "writable": layer.writable, "path": str(path),
+                         "identity": m.get("identity"), "created": m.get("created"), **where,
                          "toolchain": m.get("toolchain"), "spec": m.get("spec")})
         except CacheCorruption as e:
-            rows.append({"name": "?", "key": path.name, "layer": str(layer.root), "path": str(path),
-                         "error": str(e)})
+            rows.append({"name": "?", "key": path.name, **where, "error": str(e)})
     return rows
 
 
@@ -293,32 +424,44 @@ def cmd_list(args) -> int:
 
     rows = _entry_rows(CacheStore.from_env())
     if args.json:
+        for r in rows:
+            r.pop("bytecode_ok", None)
         print(json.dumps(rows, indent=1))
     else:
         for r in rows:
             r["key"] = r["key"][:12]
-        print(_table(rows, ["name", "op", "arch", "key", "created", "layer"]) if rows else "(cache is empty)")
+            r["created"] = (r.get("created") or "")[:10]
+        print(_table(rows, ["name", "arch", "key", "created", "source"], shrink=("name", "source"))
+              if rows else "(cache is empty)")
     return 0
 
 
 def cmd_show(args) -> int:
-    """`dsagen show KEY|NAME`: the manifests of the matching entries; 1 when none matches."""
-    from .store.store import CacheStore
+    """`dsagen show KEY|NAME|OP`: the manifest of the matching entry (a JSON list of manifests when several match,
+    e.g. every entry of an op); 1 when none matches or one is invalid."""
+    from .spec import spec_types
+    from .store.store import CacheCorruption, CacheStore, check_entry
 
+    what = args.what
+    if not what:
+        raise ConfigError("dsagen show: give a key prefix, a kernel name or an op name")
     store = CacheStore.from_env()
-    hits = [r for r in _entry_rows(store) if r["key"].startswith(args.what) or r.get("name") == args.what]
+    hits = [r for r in _entry_rows(store)
+            if r["key"].startswith(what) or r.get("name") == what or r.get("op") == what]
     if not hits:
-        print(f"no cache entry whose key starts with or whose name is {args.what!r}", file=sys.stderr)
+        known = f" ({what!r} is an op; the cache holds none of its kernels)" if what in spec_types() else ""
+        print(f"dsagen: no cache entry whose key starts with, or whose name or op is, {what!r}{known}; "
+              f"`dsagen list` shows the entries", file=sys.stderr)
         return 1
-    from .store.store import CacheCorruption, load_entry
-
-    bad = 0
+    manifests, bad = [], 0
     for r in hits:
         try:  # the checked manifest, read without following links
-            print(json.dumps(load_entry(Path(r["path"]), verify_hashes=False, read=())[0], indent=1))
+            manifests.append(check_entry(Path(r["path"]), verify_hashes=False, bytecode_ok=r["bytecode_ok"]))
         except CacheCorruption as e:
             bad += 1
             print(f"dsagen: invalid entry: {e}", file=sys.stderr)
+    if manifests:
+        print(json.dumps(manifests[0] if len(hits) == 1 else manifests, indent=1))
     return 1 if bad else 0
 
 
@@ -326,17 +469,32 @@ def cmd_verify(args) -> int:
     """`dsagen verify`: recompute every artifact hash; 1 on any mismatch."""
     from .store.store import CacheCorruption, CacheStore, check_entry
 
+    from .store.pack import CHECKSUMS, checksums_problems
+
     store = CacheStore.from_env()
-    bad = n = 0
-    for _layer, path in store.entries():
+    bad = n = sums_bad = 0
+    for layer, path in store.entries():
         n += 1
         try:
-            check_entry(path, verify_hashes=True)
+            check_entry(path, verify_hashes=True, bytecode_ok=layer.bytecode_ok)
         except CacheCorruption as e:
             bad += 1
             print(f"MISMATCH {e}")
-    print(f"verified {n} entr{'y' if n == 1 else 'ies'}: {n - bad} ok, {bad} bad")
-    return 1 if bad else 0
+    for layer in store.layers:  # a kernel wheel's tree is also exactly its checksum list
+        if layer.wheel is None:
+            continue
+        try:
+            sums = json.loads((layer.root / CHECKSUMS).read_bytes())
+        except (OSError, ValueError) as e:
+            problems = [f"{layer.root / CHECKSUMS}: unreadable ({e})"]
+        else:
+            problems = checksums_problems(layer.root, sums, bytecode_ok=True)
+        for p in problems:
+            sums_bad += 1
+            print(f"MISMATCH {layer.origin}: {p}")
+    print(f"verified {n} entr{'y' if n == 1 else 'ies'}: {n - bad} ok, {bad} bad"
+          + (f"; {sums_bad} kernel-wheel checksum problem(s)" if sums_bad else ""))
+    return 1 if bad or sums_bad else 0
 
 
 def cmd_prune(args) -> int:
@@ -355,10 +513,20 @@ def cmd_prune(args) -> int:
 
 
 def cmd_pack(args) -> int:
-    """`dsagen pack --out F`: every complete entry into one checksummed tar."""
+    """`dsagen pack --out F`: every complete entry into one checksummed tar; with --wheel, a kernel wheel in the
+    folder --out."""
     from .store.pack import pack
     from .store.store import CacheStore
 
+    if not args.wheel and (args.name is not None or args.wheel_version is not None):
+        raise ConfigError("--name and --wheel-version go with --wheel")
+    if args.wheel:
+        from .store.wheel import DEFAULT_NAME, write_wheel
+
+        path, n = write_wheel(CacheStore.from_env(), Path(args.out), args.name or DEFAULT_NAME, args.wheel_version)
+        print(f"packed {n} entr{'y' if n == 1 else 'ies'} into {path}\n"
+              f"install it with: pip install {path}")
+        return 0
     out = Path(args.out)
     if not out.name or out.name in (".", "..") or out.is_dir():
         raise ConfigError(f"--out {args.out!r}: give a file name for the pack")
@@ -382,27 +550,70 @@ def cmd_unpack(args) -> int:
     return 0
 
 
-def cmd_env(args) -> int:
-    """`dsagen env`: every environment variable (raw and effective value) and the toolchain."""
-    from .jit.toolchain import toolchain_versions
+def _jsonable(v):
+    if isinstance(v, Path):
+        return str(v)
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
 
-    rows = []
+
+def cmd_env(args) -> int:
+    """`dsagen env [--json]`: dsagen's version, every environment variable (raw and effective value), the cache
+    layers, the toolchain, torch and CUDA."""
+    from .jit.toolchain import toolchain_versions
+    from .store.store import CacheStore
+
+    variables = []
     for var in env.ALL:
         try:
-            value = var.get()
+            value, valid = _jsonable(var.get()), True
         except ValueError as e:
-            value = f"INVALID: {e}"
-        rows.append({"variable": var.name, "value": os.environ.get(var.name, "(unset)"), "effective": value,
-                     "meaning": var.doc})
-    print(_table(rows, ["variable", "value", "effective", "meaning"]))
-    print(f"\ntoolchain: {toolchain_versions() or 'CuTe-DSL not installed (runtime only)'}")
+            value, valid = f"INVALID: {e}", False
+        variables.append({"variable": var.name, "value": os.environ.get(var.name), "effective": value,
+                          "valid": valid, "meaning": var.doc})
     try:
-        import torch
+        layers = [{"root": str(la.root), "source": la.origin, "writable": la.writable}
+                  for la in CacheStore.from_env().layers]
+    except (DsagenError, OSError) as e:
+        layers = [{"root": f"INVALID: {e}", "source": "", "writable": False}]
+    info = {"version": __version__, "python": sys.version.split()[0], "variables": variables, "layers": layers,
+            "toolchain": toolchain_versions(), "torch": None, "cuda": None, "devices": 0}
 
-        cuda = f"{torch.version.cuda}, {torch.cuda.device_count()} device(s)" if torch.cuda.is_available() else "no"
-        print(f"torch {torch.__version__}; CUDA: {cuda}")
-    except ImportError:  # pragma: no cover
-        pass
+    def add_torch() -> None:  # imported last: torch is slow to import and may warn on stderr
+        import warnings
+
+        try:
+            with warnings.catch_warnings():  # torch without numpy warns at import; irrelevant to dsagen
+                warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+                import torch
+        except ImportError:  # pragma: no cover - torch is a dependency; a broken install still prints the rest
+            return
+        info["torch"], info["cuda"] = torch.__version__, torch.version.cuda
+        info["devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    if args.json:
+        add_torch()
+        print(json.dumps(info, indent=1))
+        return 0
+    import textwrap
+
+    rows = [dict(v, value="(unset)" if v["value"] is None else v["value"],
+                 effective=v["effective"] if v["valid"] else "INVALID (below)") for v in variables]
+    print(f"dsagen {__version__} (Python {info['python']})\n")
+    print(_table(rows, ["variable", "value", "effective", "meaning"], shrink=("meaning", "effective", "value")))
+    for v in variables:
+        if not v["valid"]:
+            print(textwrap.fill(v["effective"], WIDTH, subsequent_indent="  ", break_on_hyphens=False))
+    print()
+    print(_table(layers, ["source", "writable", "root"], shrink=("root", "source")))
+    tc = ", ".join(f"{d} {v}" for d, v in info["toolchain"].items()) or "CuTe-DSL not installed (runtime only)"
+    print("\n" + textwrap.fill(f"toolchain: {tc}", WIDTH, subsequent_indent="  ", break_on_hyphens=False))
+    sys.stdout.flush()
+    add_torch()
+    if info["torch"] is not None:
+        cuda = f"{info['cuda']}, {info['devices']} device(s)" if info["devices"] else "no"
+        print(f"torch {info['torch']}; CUDA: {cuda}")
     return 0
 
 
@@ -425,46 +636,86 @@ def cmd_bench(args) -> int:
 def make_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand; `--debug` goes before or after the subcommand."""
     debug_help = "print the traceback of an error instead of one line (also DSAGEN_DEBUG=1)"
-    p = argparse.ArgumentParser(prog="dsagen", description=__doc__.split("\n\n")[0])
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="dsagen", formatter_class=raw,
+        description=__doc__.split("\n\n")[0] + "\n\n" + "\n".join(__doc__.split("\n\n")[1].splitlines()),
+        epilog=_refill(_SPEC_FORMAT) + "\n`dsagen COMMAND --help` describes a command; python -m dsagen is the same program.\n"
+               "Logging: DSAGEN_LOG_LEVEL=INFO (or DEBUG) logs builds, compiles, cache hits and loads to stderr.")
+    p.add_argument("--version", action="version", version=f"dsagen {__version__}",
+                   help="print dsagen's version and exit")
     p.add_argument("--debug", action="store_true", help=debug_help)
     common = argparse.ArgumentParser(add_help=False)  # SUPPRESS: a subcommand does not reset the flag
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    def add(name: str, **kw) -> argparse.ArgumentParser:
-        return sub.add_parser(name, parents=[common], **kw)
+    def add(name: str, help: str, **kw) -> argparse.ArgumentParser:
+        if "epilog" in kw:
+            kw["epilog"] = _refill(kw["epilog"])
+        return sub.add_parser(name, parents=[common], help=help, description=_refill(help[0].upper() + help[1:] + "."),
+                              formatter_class=raw, **kw)
 
-    b = add("build", help="generate and compile kernels into the writable cache",
-            epilog=_EPILOG_BUILD, formatter_class=argparse.RawDescriptionHelpFormatter)
-    b.add_argument("--preset", action="append", help="a model preset (repeatable)")
-    b.add_argument("--spec", action="append", help="one spec as canonical JSON (repeatable)")
-    b.add_argument("--spec-file", action="append", help="a JSON file with one spec or a list of specs")
+    b = add("build", "generate and compile kernels into the writable cache",
+            epilog=_refill(_EPILOG_BUILD_TAIL) + "\n" + _refill(_SPEC_FORMAT) + _ops_help())
+    b.add_argument("--preset", action="append", metavar="NAME",
+                   help="a model preset (repeatable): " + ", ".join(_preset_names()))
+    b.add_argument("--model", action="append", metavar="CONFIG.json",
+                   help="a Hugging Face-style config.json of a DeepSeek sparse-attention model (repeatable)")
+    b.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="with --model: N GPUs split the sparse MLA's query heads (default 1)")
+    b.add_argument("--spec", action="append", metavar="JSON", help="one spec as JSON (repeatable; format below)")
+    b.add_argument("--spec-file", action="append", metavar="FILE",
+                   help="a JSON file with one spec or a list of specs (repeatable)")
     b.add_argument("--arch", help="comma-separated targets (default $DSAGEN_ARCH or sm_90a); re-targets "
                                   "--spec / --spec-file specs (see below)")
-    b.add_argument("--jobs", "-j", type=int, help="parallel compile processes (default: CPU count)")
+    b.add_argument("--jobs", "-j", type=int, metavar="N", help="parallel compile processes (default: CPU count)")
+    b.add_argument("--dry-run", action="store_true",
+                   help="list what would be built and what is already cached; compile nothing")
     b.set_defaults(fn=cmd_build)
-    l_ = add("list", help="list cache entries")
-    l_.add_argument("--json", action="store_true")
+    l_ = add("list", "list the entries of every cache layer and where each comes from")
+    l_.add_argument("--json", action="store_true", help="one JSON object per entry (layer, path, spec, toolchain)")
     l_.set_defaults(fn=cmd_list)
-    s = add("show", help="print the manifest of an entry (key prefix or name)")
-    s.add_argument("what")
+    s = add("show", "print the manifest of an entry, or a JSON list of those of every entry that matches",
+            epilog="WHAT is a key prefix, a kernel name (as `dsagen list` prints it) or an op name "
+                   "(every entry of that op). Exit 1 when nothing matches.")
+    s.add_argument("what", metavar="WHAT", help="a key prefix, a kernel name or an op name")
     s.set_defaults(fn=cmd_show)
-    add("verify", help="recompute every artifact hash; exit 1 on any mismatch").set_defaults(fn=cmd_verify)
-    pr = add("prune", help="remove leftovers, quarantine, and stale or corrupt entries")
+    add("verify", "recompute every artifact hash of every layer (and every kernel wheel's checksum list); "
+                  "exit 1 on any mismatch").set_defaults(fn=cmd_verify)
+    pr = add("prune", "remove leftovers, quarantine, and stale or corrupt entries of the writable cache")
     pr.add_argument("--all", action="store_true", help="remove every entry of the writable cache")
     pr.set_defaults(fn=cmd_prune)
-    pk = add("pack", help="write every cache entry into a checksummed tar file")
-    pk.add_argument("--out", required=True)
+    pk = add("pack", "write the cache's entries into a checksummed tar, or a pip-installable kernel wheel",
+             epilog="The entries are every valid entry of DSAGEN_CACHE_DIR and DSAGEN_CACHE_PATH (those of "
+                    "installed kernel wheels are not shipped again).\n\nWith --wheel, --out is a folder and the "
+                    "file is NAME-VERSION-py3-none-any.whl; once it is pip-installed, dsagen finds its\n"
+                    "kernels with no environment variable (the dsagen.caches entry point) and `dsagen list` "
+                    "shows them (DSAGEN_WHEEL_CACHES=0 ignores them).")
+    pk.add_argument("--out", required=True, metavar="PATH",
+                    help="the tar file to write; with --wheel, the folder that receives the wheel")
+    pk.add_argument("--wheel", action="store_true", help="write a pip-installable wheel instead of a tar")
+    pk.add_argument("--name", metavar="NAME", help="with --wheel: the wheel's distribution name "
+                                                  "(default dsagen-kernels; its package is NAME with '_')")
+    pk.add_argument("--wheel-version", metavar="VERSION",
+                    help="with --wheel: its version (default: dsagen's + a hash of the kernels, e.g. 0.1.0+1a2b3c4d5e6f)")
     pk.set_defaults(fn=cmd_pack)
-    up = add("unpack", help="verify a pack and add its entries to the writable cache")
-    up.add_argument("file")
+    up = add("unpack", "verify a pack and add its entries to the writable cache")
+    up.add_argument("file", metavar="FILE", help="a pack written by dsagen pack (plain or compressed tar)")
     up.set_defaults(fn=cmd_unpack)
-    add("env", help="show configuration and toolchain").set_defaults(fn=cmd_env)
-    be = add("bench", help="run a benchmark from bench/ (e.g. overhead, indexer)")
-    be.add_argument("which")
-    be.add_argument("rest", nargs=argparse.REMAINDER)
+    en = add("env", "show dsagen's version, configuration, cache layers and toolchain")
+    en.add_argument("--json", action="store_true", help="the same as one JSON object")
+    en.set_defaults(fn=cmd_env)
+    be = add("bench", "run a benchmark from bench/ (e.g. overhead, indexer)")
+    be.add_argument("which", metavar="NAME", help="the benchmark: bench/NAME.py")
+    be.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the benchmark")
     be.set_defaults(fn=cmd_bench)
     return p
+
+
+def _preset_names() -> list[str]:
+    from .spec import preset_names
+
+    return preset_names()
 
 
 def _one_line(e: BaseException) -> str:

@@ -26,10 +26,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def cache_env(tmp_path, monkeypatch):
-    """A private writable cache for one test (and no read-only layers, JIT allowed)."""
+    """A private writable cache for one test (and no read-only layers, not even installed kernel wheels; JIT
+    allowed)."""
     root = tmp_path / "cache"
     monkeypatch.setenv("DSAGEN_CACHE_DIR", str(root))
     monkeypatch.delenv("DSAGEN_CACHE_PATH", raising=False)
     monkeypatch.delenv("DSAGEN_DISABLE_JIT", raising=False)
+    monkeypatch.setenv("DSAGEN_WHEEL_CACHES", "0")
     monkeypatch.setenv("DSAGEN_CACHE", "rw")
     return root

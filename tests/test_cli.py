@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import dsagen
 import dsagen.cli as cli
 from dsagen.cli import main
 from dsagen.errors import ConfigError
@@ -193,7 +194,8 @@ def test_closed_pipe_exits_quietly(command, cache_env):
 def test_pipe_into_head(cache_env):
     r = subprocess.run(f"{sys.executable} -m dsagen.cli env | head -1", shell=True, capture_output=True, text=True,
                        cwd=ROOT, timeout=120)
-    assert r.returncode == 0 and r.stdout.startswith("variable") and r.stderr == ""
+    assert r.returncode == 0 and r.stdout == f"dsagen {dsagen.__version__} (Python {sys.version.split()[0]})\n"
+    assert r.stderr == ""
 
 
 # ---- DSAGEN_LOCK_TIMEOUT ------------------------------------------------------------------------------
@@ -343,6 +345,7 @@ def test_build_fails_on_a_lock_timeout(cache_env, capsys, monkeypatch):
 # ---- killing `dsagen build -j N` stops its workers -------------------------------------------------------
 SLOW_BUILD = """
 import os, sys, time
+import dsagen
 import dsagen.cli as cli
 import dsagen.jit.toolchain as toolchain
 

@@ -11,8 +11,11 @@ import threading
 
 import torch
 
+from ..log import get_logger
 from ..runtime import LoadedKernel, device_arch, device_index
 from .resolver import resolve
+
+_log = get_logger("jit")
 
 _loaded: dict[tuple, LoadedKernel] = {}
 _load_lock = threading.Lock()
@@ -40,6 +43,7 @@ def get_kernel(spec, device: torch.device | int | str | None = None) -> LoadedKe
             k = LoadedKernel(entry.manifest.get("name", spec.name()), entry.manifest["kernel"],
                              entry.read("kernel.cubin"), entry.manifest["arch"], index, device_arch(index))
             _loaded[memo] = k
+            _log.info("loaded kernel %s on cuda:%d from %s", k.name, index, entry.where())
     return k
 
 

@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from .. import env
 from ..errors import CacheNotStored, CacheRootError, DsagenError
 from ..kernel_record import kernel_record_sha256
+from ..log import get_logger
 from ..spec import KernelSpec
 from ..store.store import (BUILD_TMP_PREFIX, CacheCorruption, CacheLockTimeout, CacheStore, Entry, entry_identities,
                            load_entry)
@@ -30,6 +31,7 @@ from . import toolchain
 from .keys import identity_material, identity_of, key_material, key_of
 from .render import render
 
+_log = get_logger("jit")
 _memory_entries: dict[str, Entry] = {}
 _memory_lock = threading.Lock()
 
@@ -70,8 +72,10 @@ def compile_entry_files(spec: KernelSpec, source: str, material: dict, identity:
     from .build import compile_module
 
     # named after this process, so that `dsagen prune` can tell a killed build's leftovers from a live one
+    _log.info("compiling %s for %s", spec.name(), spec.arch)
     with tempfile.TemporaryDirectory(prefix=f"{BUILD_TMP_PREFIX}{os.getpid()}-") as work:
         compiled = compile_module(spec, source, work)
+    _log.info("compiled %s in %.2fs", spec.name(), compiled.compile_seconds)
     files = {"kernel.py": source.encode(), "kernel.cubin": compiled.cubin, "kernel.ptx": compiled.ptx.encode()}
     return files, _manifest(spec, material, identity, compiled)
 
@@ -93,7 +97,9 @@ def resolve(spec: KernelSpec, store: CacheStore | None = None, *, jit: bool | No
     wanted_toolchain = toolchain.toolchain_versions() if can_compile else None
     hit = store.lookup_identity(spec.arch, spec.op, identity, wanted_toolchain, spec=spec.canonical())
     if hit is not None:
+        _log.debug("cache hit: %s in %s", spec.name(), hit.layer.origin if hit.layer else "memory")
         return hit
+    _log.info("cache miss: %s (%s)", spec.name(), "compiling" if can_compile else "JIT not available")
     if not can_compile:
         why = ("DSAGEN_DISABLE_JIT=1" if toolchain.dsl_available()
                else "CuTe-DSL (the [gen] extra) is not installed")

@@ -34,10 +34,14 @@ import tarfile
 import warnings
 import zlib
 from pathlib import Path, PurePosixPath
+from typing import Iterator
 
 from ..errors import DsagenError
-from .store import (LAYOUT, MANIFEST, MAX_MANIFEST_BYTES, CacheCorruption, CacheLockTimeout, CacheStore,
-                    entry_parts, load_entry, remove_path, staging_name, validate_entry_manifest)
+from ..log import get_logger
+from .store import (LAYOUT, MANIFEST, MAX_MANIFEST_BYTES, PYCACHE, CacheCorruption, CacheLockTimeout, CacheStore,
+                    _read_nofollow, entry_parts, load_entry, remove_path, staging_name, validate_entry_manifest)
+
+_log = get_logger("store")
 
 CHECKSUMS = "PACK-CHECKSUMS.json"
 MAX_MEMBER_BYTES = 256 << 20      # one artifact (the largest PTX of today's kernels is a few MiB)
@@ -58,30 +62,69 @@ def _tar_info(name: str, size: int) -> tarfile.TarInfo:
     return info
 
 
+def shippable_entries(store: CacheStore, what: str = "pack") -> Iterator[tuple[str, dict, dict[str, bytes]]]:
+    """(entry folder relative to its root, manifest, {file name: bytes}) of every valid entry of the store's
+    DSAGEN_CACHE_DIR and DSAGEN_CACHE_PATH layers (the first layer wins per key), fully hash-checked; the files
+    are exactly the manifest (as stored) and the artifacts it lists. Invalid entries (see `load_entry`: links,
+    sub-folders, bad manifests, bad hashes) are skipped with a warning naming `what`, and nothing is read
+    through a link. Entries of installed kernel wheels are not shipped again (they ship as their wheel)."""
+    seen: set[str] = set()
+    for layer, path in store.entries():
+        if path.name in seen or layer.wheel is not None:
+            continue
+        try:
+            if not store.chain_is_real(layer, path):
+                raise CacheCorruption(f"{path}: reached through a link")
+            m, blobs = load_entry(path, verify_hashes=True)
+        except CacheCorruption as e:
+            warnings.warn(f"dsagen {what}: skipping an invalid entry: {e}", stacklevel=3)
+            continue  # never ship a bad entry
+        seen.add(path.name)
+        files = dict(blobs)
+        files[MANIFEST] = (json.dumps(m, indent=1, sort_keys=True) + "\n").encode()
+        yield path.relative_to(layer.root).as_posix(), m, files
+
+
+def checksums_problems(root: Path, sums: object, bytecode_ok: bool = False) -> list[str]:
+    """What is wrong with the cache tree `root` against the checksum list `sums` ({relative path: sha256} of
+    every file of every entry, as PACK-CHECKSUMS.json holds): files missing, extra or with another sha256.
+    [] when the tree is exactly what the list says. Read without following links; with `bytecode_ok` (an
+    installed kernel wheel) a `__pycache__` folder inside an entry is not counted."""
+    if not (isinstance(sums, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in sums.items())):
+        return [f"{root / CHECKSUMS}: not an object of sha256 strings"]
+    present: dict[str, Path] = {}
+    layer_root = Path(root)
+    base = layer_root / LAYOUT
+    for dirpath, dirnames, filenames in os.walk(base, followlinks=False) if base.is_dir() else ():
+        if bytecode_ok and PYCACHE in dirnames and entry_parts(Path(dirpath)) is not None:
+            dirnames.remove(PYCACHE)
+        for n in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            p = Path(dirpath) / n
+            present[p.relative_to(layer_root).as_posix()] = p
+    problems = [f"{name}: listed in {CHECKSUMS} but missing" for name in sorted(set(sums) - set(present))]
+    problems += [f"{name}: not listed in {CHECKSUMS}" for name in sorted(set(present) - set(sums))]
+    for name in sorted(set(sums) & set(present)):
+        try:
+            data = _read_nofollow(present[name])
+        except OSError as e:
+            problems.append(f"{name}: unreadable ({e})")
+            continue
+        if hashlib.sha256(data).hexdigest() != sums[name]:
+            problems.append(f"{name}: does not match its checksum")
+    return problems
+
+
 def pack(store: CacheStore, out: Path) -> int:
-    """Write every valid entry of the layers (the first layer wins per key) into the tar `out`; returns
-    the count. Invalid entries (see `load_entry`: links, sub-folders, bad manifests, bad hashes) are
-    skipped with a warning, and nothing is read through a link."""
+    """Write every valid entry of the configured layers (`shippable_entries`) into the tar `out`; returns
+    the count."""
     out = Path(out)
     sums: dict[str, str] = {}
-    seen: set[str] = set()
+    n = 0
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     try:
         with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
-            for layer, path in store.entries():
-                if path.name in seen:
-                    continue
-                try:
-                    if not store.chain_is_real(layer, path):
-                        raise CacheCorruption(f"{path}: reached through a link")
-                    m, blobs = load_entry(path, verify_hashes=True)
-                except CacheCorruption as e:
-                    warnings.warn(f"dsagen pack: skipping an invalid entry: {e}", stacklevel=2)
-                    continue  # never ship a bad entry
-                seen.add(path.name)
-                rel = path.relative_to(layer.root).as_posix()
-                files = dict(blobs)
-                files[MANIFEST] = (json.dumps(m, indent=1, sort_keys=True) + "\n").encode()
+            for rel, _m, files in shippable_entries(store, "pack"):
+                n += 1
                 for name in sorted(files):
                     data = files[name]
                     sums[f"{rel}/{name}"] = hashlib.sha256(data).hexdigest()
@@ -94,7 +137,8 @@ def pack(store: CacheStore, out: Path) -> int:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return len(seen)
+    _log.info("packed %d entries into %s", n, out)
+    return n
 
 
 def _open_stream(file: Path) -> tarfile.TarFile:
@@ -376,7 +420,8 @@ def unpack(store: CacheStore, file: Path, *, max_member_bytes: int = MAX_MEMBER_
                                 f"rerun to add the rest") from None
     finally:
         remove_path(stage)
+    _log.info("unpacked %s: %d entries added", file, added)
     return added
 
 
-__all__ = ["pack", "unpack", "PackError", "CHECKSUMS", "MAX_MEMBER_BYTES", "MAX_TOTAL_BYTES", "MAX_MEMBERS"]
+__all__ = ["pack", "unpack", "shippable_entries", "checksums_problems", "PackError", "CHECKSUMS", "MAX_MEMBER_BYTES", "MAX_TOTAL_BYTES", "MAX_MEMBERS"]

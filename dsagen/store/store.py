@@ -4,9 +4,10 @@ Layout of a root: `<root>/v1/<arch>/<op>/<key[:2]>/<key>/{manifest.json, kernel.
 plus `<root>/CACHEDIR.TAG` (the marker that makes a folder a dsagen cache), `locks/`, `tmp/` and
 `quarantine/`.
 
-Layers: the read-only roots of DSAGEN_CACHE_PATH are searched first, in order, then the writable root
-DSAGEN_CACHE_DIR. Only the writable root is ever written, and only once it carries the marker (an
-empty or new folder gets one; a folder holding anything else is refused, see `ensure_root`).
+Layers: the read-only roots of DSAGEN_CACHE_PATH are searched first, in order, then the caches of installed
+kernel wheels (read-only; see installed.py), then the writable root DSAGEN_CACHE_DIR. Only the writable root
+is ever written, and only once it carries the marker (an empty or new folder gets one; a folder holding
+anything else is refused, see `ensure_root`).
 
 Protocol: an entry is visible only once complete. Readers need no lock: an entry counts when it
 passes `load_entry` (schema, self-consistent key and identity, folder and request agree, artifacts
@@ -40,7 +41,9 @@ from typing import Any, Iterator
 from .. import env
 from ..errors import CacheRootError, DsagenError
 from ..kernel_record import is_str_keyed_dict, kernel_record_problem, kernel_record_sha256
+from ..log import get_logger
 from .hashing import canonical_json, key_of, sha256_hex
+from .installed import InstalledCache, installed_caches
 
 LAYOUT = "v1"
 MANIFEST = "manifest.json"
@@ -62,6 +65,9 @@ _ARCH = re.compile(r"sm_[0-9]+[a-z]?")
 _OP = re.compile(r"[a-z][a-z0-9_]*")
 _FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _HOST = socket.gethostname().replace(".", "_") or "host"
+#: the one sub-folder an entry of an installed kernel wheel may hold: pip byte-compiles kernel.py at install
+PYCACHE = "__pycache__"
+_log = get_logger("store")
 
 
 class CacheLockTimeout(DsagenError, TimeoutError):
@@ -310,7 +316,7 @@ def _read_artifact(path: Path, name: str, art: dict, verify_hash: bool) -> bytes
 
 
 def load_entry(path: Path, verify_hashes: bool = True, expect: dict | None = None,
-               read: tuple[str, ...] | None = None) -> tuple[dict, dict[str, bytes]]:
+               read: tuple[str, ...] | None = None, bytecode_ok: bool = False) -> tuple[dict, dict[str, bytes]]:
     """(manifest, checked artifact bytes) of the entry folder `path`; CacheCorruption unless it is valid.
 
     Valid: a real folder (no link) named `v1/<arch>/<op>/<key[:2]>/<key>` holding only regular files;
@@ -318,13 +324,16 @@ def load_entry(path: Path, verify_hashes: bool = True, expect: dict | None = Non
     that re-derive from their materials; op, arch and key equal to the folder's (and to `expect`, a
     dict of manifest fields such as {"spec": ..., "op": ..., "arch": ...}); every artifact of the
     recorded size and (with verify_hashes) sha256. `read` names the artifacts whose bytes are returned
-    (default: all that were hashed, or only kernel.cubin when hashes are not checked)."""
+    (default: all that were hashed, or only kernel.cubin when hashes are not checked). `bytecode_ok` (the
+    layer of an installed kernel wheel) lets the folder also hold a real `__pycache__` folder, which pip
+    writes when it byte-compiles kernel.py; nothing in it is ever read."""
     parts = entry_parts(path)
     _need(parts is not None, path, "not an entry folder (v1/<arch>/<op>/<key[:2]>/<key>)")
     _need(_is_real_dir(path), path, "the entry is not a real folder (a link or a file)")
     try:
         with os.scandir(path) as it:
-            odd = [e.name for e in it if not e.is_file(follow_symlinks=False)]
+            odd = [e.name for e in it if not e.is_file(follow_symlinks=False)
+                   and not (bytecode_ok and e.name == PYCACHE and e.is_dir(follow_symlinks=False))]
     except OSError as e:
         raise CacheCorruption(f"{path}: unreadable entry folder: {e}") from None
     _need(not odd, path, f"the entry holds links or sub-folders: {sorted(odd)}")
@@ -359,9 +368,9 @@ def load_entry(path: Path, verify_hashes: bool = True, expect: dict | None = Non
     return m, blobs
 
 
-def check_entry(path: Path, verify_hashes: bool = True) -> dict:
+def check_entry(path: Path, verify_hashes: bool = True, bytecode_ok: bool = False) -> dict:
     """The manifest of the entry at `path` after checking it is a valid entry (see `load_entry`)."""
-    return load_entry(path, verify_hashes, read=())[0]
+    return load_entry(path, verify_hashes, read=(), bytecode_ok=bytecode_ok)[0]
 
 
 def entry_identities(manifest: dict) -> set[str]:
@@ -389,10 +398,29 @@ def candidate_order(manifest: dict, key: str, identity: str) -> tuple:
 # ---- layers and the store -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Layer:
-    """One cache root and whether dsagen may write to it."""
+    """One cache root and whether dsagen may write to it; `primary` for the DSAGEN_CACHE_DIR root (writable
+    or, under DSAGEN_CACHE=ro, not), `wheel` the installed kernel wheel it comes from ("name version")."""
 
     root: Path
     writable: bool
+    wheel: str | None = None
+    primary: bool = False
+
+    @property
+    def origin(self) -> str:
+        """Where the layer comes from: "DSAGEN_CACHE_DIR", "DSAGEN_CACHE_PATH" or "wheel <name> <version>"."""
+        if self.wheel is not None:
+            return f"wheel {self.wheel}"
+        return env.CACHE_DIR.name if self.primary else env.CACHE_PATH.name
+
+    @property
+    def bytecode_ok(self) -> bool:
+        """Whether entries may hold pip's `__pycache__` folder (the layer of an installed kernel wheel)."""
+        return self.wheel is not None
+
+    def check(self, path: Path, verify_hashes: bool = True) -> dict:
+        """`check_entry` of an entry folder of this layer."""
+        return check_entry(path, verify_hashes, bytecode_ok=self.bytecode_ok)
 
     def entry_dir(self, arch: str, op: str, key: str) -> Path:
         return self.root / LAYOUT / arch / op / key[:2] / key
@@ -474,21 +502,25 @@ class CacheStore:
     """The layered cache. `CacheStore.from_env()` builds it from the DSAGEN_CACHE* variables."""
 
     def __init__(self, writable_root: Path | None, readonly_roots: list[Path] = (), mode: str = "rw",
-                 verify_hashes: bool = True):
+                 verify_hashes: bool = True, wheel_caches: tuple[InstalledCache, ...] = ()):
         if mode not in ("rw", "ro", "off"):
             raise ValueError(f"mode={mode!r}: expected rw, ro or off")
         self.mode = mode
         self.verify_hashes = verify_hashes
         layers = [] if mode == "off" else [Layer(Path(r), False) for r in readonly_roots]
+        if mode != "off":
+            known = {layer.root for layer in layers} | ({Path(writable_root)} if writable_root is not None else set())
+            layers += [Layer(c.root, False, wheel=c.dist) for c in wheel_caches if c.root not in known]
         self.writable: Layer | None = None
         if mode != "off" and writable_root is not None:
-            self.writable = Layer(Path(writable_root), mode == "rw")
+            self.writable = Layer(Path(writable_root), mode == "rw", primary=True)
             layers.append(self.writable)
         self.layers: list[Layer] = layers
 
     @classmethod
     def from_env(cls) -> "CacheStore":
-        """The store of DSAGEN_CACHE_DIR, DSAGEN_CACHE_PATH, DSAGEN_CACHE and DSAGEN_VERIFY.
+        """The store of DSAGEN_CACHE_DIR, DSAGEN_CACHE_PATH, DSAGEN_CACHE, DSAGEN_VERIFY and the installed kernel
+        wheels (unless DSAGEN_WHEEL_CACHES=0; installed.py).
 
         An empty DSAGEN_CACHE_DIR is an error (never the current folder); relative paths are made
         absolute (DSAGEN_CACHE_PATH entries with a warning); roots other users can write are warned about."""
@@ -501,7 +533,8 @@ class CacheStore:
         for p in ro:
             if os.path.lexists(p) and not p.is_dir():
                 _warn_once(p, f"dsagen: {env.CACHE_PATH.name} entry {p} is not a folder; it holds no kernels")
-        store = cls(root, ro, env.CACHE_MODE.get(), env.VERIFY.get())
+        wheels = installed_caches() if env.WHEEL_CACHES.get() else ()
+        store = cls(root, ro, env.CACHE_MODE.get(), env.VERIFY.get(), wheel_caches=wheels)
         for layer in store.layers:
             _check_permissions(layer.root)
         return store
@@ -590,7 +623,8 @@ class CacheStore:
             return None  # absent, or a commit still in flight elsewhere: not visible
         try:
             _need(self.chain_is_real(layer, path), path, "reached through a link")
-            m, blobs = load_entry(path, self.verify_hashes, expect=expect)
+            m, blobs = load_entry(path, self.verify_hashes, expect=expect, bytecode_ok=layer.bytecode_ok)
+            _log.debug("loaded entry %s (%s) from %s", m.get("name"), path.name[:12], layer.origin)
             return Entry(path, m, layer, blobs)
         except CacheCorruption as e:
             if layer.writable:

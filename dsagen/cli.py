@@ -647,7 +647,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help=debug_help)
     common = argparse.ArgumentParser(add_help=False)  # SUPPRESS: a subcommand does not reset the flag
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", help="one of:")
 
     def add(name: str, help: str, **kw) -> argparse.ArgumentParser:
         if "epilog" in kw:

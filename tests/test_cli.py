@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import os
@@ -404,3 +405,154 @@ def test_killing_build_stops_its_workers(sig, cache_env, tmp_path):
     assert parent.returncode == {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGKILL: -9}[sig], err
     if sig != signal.SIGKILL:
         assert "Traceback" not in err, err
+
+
+# ---- everyday conveniences ------------------------------------------------------------------------------
+def test_version_and_python_m_dsagen():
+    from dsagen._version import __version__
+
+    assert dsagen.__version__ == __version__
+    for argv in (["-m", "dsagen", "--version"], ["-m", "dsagen.cli", "--version"]):
+        r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert r.returncode == 0 and r.stdout == f"dsagen {__version__}\n", r.stderr
+    r = subprocess.run([sys.executable, "-m", "dsagen", "build", "--preset", "nope"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and r.stderr == "dsagen: error: unknown preset 'nope'; known: deepseek-v3.2\n"
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and 'attr = "dsagen._version.__version__"' in pyproject
+    assert "\nversion =" not in pyproject.split("[tool.setuptools.dynamic]")[0]
+
+
+def test_every_command_and_argument_has_help():
+    parser = cli.make_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helped = {c.dest for c in sub._choices_actions if c.help}
+    assert helped == set(sub.choices), set(sub.choices) - helped
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            assert action.help, f"dsagen {name}: {action.option_strings or action.dest} has no help"
+        assert all(len(line) <= 100 for line in p.format_help().splitlines() if not line.startswith("usage")), name
+    for action in parser._actions:
+        assert action.help, action.option_strings
+    build_help = sub.choices["build"].format_help()
+    assert '{"op": OP, "fields": {FIELD: VALUE, ...}}' in build_help and "--model CONFIG.json" in build_help
+    from dsagen.spec import spec_types
+
+    assert all(f"  {op}: arch" in build_help for op in spec_types())
+
+
+def test_tables_fit_100_columns(cache_env, capsys, monkeypatch):
+    from cache_util import commit_fake
+    from dsagen.kernels.testing.spec import RuntimeProbeSpec
+    from dsagen.store import CacheStore
+
+    store = CacheStore.from_env()
+    long = RuntimeProbeSpec(arch="sm_90a", feature="smem", smem_bytes=227 * 1024)
+    for spec in (long, CompactifySpec(arch="sm_90a")):
+        commit_fake(store, spec)
+    monkeypatch.setenv("DSAGEN_CACHE_PATH", "/a/very/long/read/only/cache/path/that/goes/on/and/on/" + "x" * 80)
+    for argv in (["list"], ["env"], ["build", "--spec", long.canonical_json(), "--dry-run"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert max(len(line) for line in out.splitlines()) <= 100, (argv, out)
+    rows = [{"name": "n" * 150, "source": "s" * 90, "arch": "sm_90a"}]
+    table = cli._table(rows, ["name", "arch", "source"], shrink=("name", "source"))
+    assert max(map(len, table.splitlines())) == 100 and ".." in table.splitlines()[2]
+    assert cli._fit("abcdefghij", 6) == "ab..ij" and cli._fit("abc", 6) == "abc"
+
+
+def test_list_shows_where_each_entry_comes_from(cache_env, tmp_path, capsys, monkeypatch):
+    from cache_util import commit_fake
+    from dsagen.store import CacheStore
+
+    ro = tmp_path / "ro"
+    commit_fake(CacheStore(ro, []), LocalToGlobalSpec(arch="sm_90a"))
+    commit_fake(CacheStore.from_env())
+    monkeypatch.setenv("DSAGEN_CACHE_PATH", str(ro))
+    assert main(["list", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["name"], r["source"], r["layer"]) for r in rows] == [
+        ("local_to_global_sm_90a", "DSAGEN_CACHE_PATH", str(ro)), ("compactify_sm_90a", "DSAGEN_CACHE_DIR", str(cache_env))]
+    assert main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["name", "arch", "key", "created", "source"]
+    assert lines[2].split()[-1] == "DSAGEN_CACHE_PATH" and lines[3].split()[-1] == "DSAGEN_CACHE_DIR"
+
+
+def test_show_by_op_name(cache_env, capsys):
+    from cache_util import commit_fake
+    from dsagen.store import CacheStore
+
+    store = CacheStore.from_env()
+    a = commit_fake(store, LocalToGlobalSpec(arch="sm_90a"))
+    b = commit_fake(store, LocalToGlobalSpec(arch="sm_90a", threads=128))
+    commit_fake(store)
+    assert main(["show", "local_to_global"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert isinstance(shown, list) and sorted(m["key"] for m in shown) == sorted([a.key, b.key])
+    assert main(["show", "compactify"]) == 0 and json.loads(capsys.readouterr().out)["op"] == "compactify"
+    assert main(["show", "lightning_indexer_score"]) == 1
+    err = capsys.readouterr().err
+    assert "'lightning_indexer_score' is an op; the cache holds none of its kernels" in err
+    assert main(["show", "nonsense"]) == 1 and "is an op" not in capsys.readouterr().err
+
+
+def test_env_json(cache_env, capsys, monkeypatch):
+    monkeypatch.setenv("DSAGEN_LOCK_TIMEOUT", "-1")
+    assert main(["env", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["version"] == dsagen.__version__
+    by_name = {v["variable"]: v for v in info["variables"]}
+    assert by_name["DSAGEN_CACHE_DIR"] == {"variable": "DSAGEN_CACHE_DIR", "value": str(cache_env),
+                                           "effective": str(cache_env), "valid": True, "meaning": "writable cache root"}
+    assert not by_name["DSAGEN_LOCK_TIMEOUT"]["valid"] and "INVALID" in by_name["DSAGEN_LOCK_TIMEOUT"]["effective"]
+    assert by_name["DSAGEN_CACHE_PATH"]["value"] is None and by_name["DSAGEN_CACHE_PATH"]["effective"] == []
+    assert info["layers"] == [{"root": str(cache_env), "source": "DSAGEN_CACHE_DIR", "writable": True}]
+    assert set(info) >= {"toolchain", "torch", "cuda", "devices", "python"}
+
+
+LOGGED = textwrap.dedent("""
+    import logging, warnings
+    from cache_util import commit_fake
+    from dsagen.jit import resolve
+    from dsagen.spec import CompactifySpec, LocalToGlobalSpec
+    from dsagen.store import CacheStore
+    log = logging.getLogger("dsagen")
+    print("handlers", len(log.handlers), "level", log.level)
+    commit_fake(CacheStore.from_env())
+    resolve(CompactifySpec(arch="sm_90a"))
+    try:
+        resolve(LocalToGlobalSpec(arch="sm_90a"))
+    except LookupError:
+        pass
+""")
+
+
+@pytest.mark.parametrize("level", [None, "INFO", "debug"])
+def test_logging_through_the_standard_module(level, cache_env, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "DSAGEN_LOG_LEVEL"}
+    env.update(DSAGEN_DISABLE_JIT="1", PYTHONPATH=str(ROOT / "tests"))
+    if level is not None:
+        env["DSAGEN_LOG_LEVEL"] = level
+    r = subprocess.run([sys.executable, "-c", LOGGED], env=env, capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    if level is None:  # no handler, no level, nothing printed
+        assert r.stdout == "handlers 0 level 0\n" and r.stderr == ""
+        return
+    import logging
+
+    assert r.stdout == f"handlers 1 level {getattr(logging, level.upper())}\n"
+    assert "dsagen.jit INFO: cache miss: local_to_global_sm_90a (JIT not available)" in r.stderr
+    hit = "dsagen.jit DEBUG: cache hit: compactify_sm_90a in DSAGEN_CACHE_DIR"
+    loaded = "dsagen.store DEBUG: loaded entry compactify_sm_90a"
+    assert (hit in r.stderr and loaded in r.stderr) == (level == "debug")
+
+
+def test_bad_log_level_warns_at_import_and_fails_a_build(cache_env, capsys, monkeypatch):
+    env = dict(os.environ, DSAGEN_LOG_LEVEL="loud")
+    r = subprocess.run([sys.executable, "-c", "import dsagen"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "DSAGEN_LOG_LEVEL='loud': expected one of DEBUG" in r.stderr
+    monkeypatch.setenv("DSAGEN_LOG_LEVEL", "loud")
+    assert main(["build", "--spec", SPEC]) == 2
+    assert "dsagen: error: DSAGEN_LOG_LEVEL='loud'" in capsys.readouterr().err

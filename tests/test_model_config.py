@@ -1,0 +1,168 @@
+"""Builds from a model: a Hugging Face-style config of a DeepSeek sparse-attention model -> every kernel spec it needs
+(dsagen.spec.model_config), the deepseek-v3.2 preset as the same function, and `dsagen build --model`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsagen.cli import main
+from dsagen.kernels.lightning_indexer.spec import IndexerScoreSpec
+from dsagen.kernels.lightning_indexer.spec import config_for as indexer_config
+from dsagen.kernels.sparse_mla.spec import SparseAttnFwdSpec
+from dsagen.spec import ARCHES, SpecError, get_preset, missing_ops
+from dsagen.spec.model_config import (DEEPSEEK_V32, FIELDS, ModelConfigError, load_model_config, mla_kernel_heads,
+                                      missing_ops_for_model, model_from_config, specs_for_model)
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "deepseek-v3.2-config.json"
+
+
+def _config(**changes) -> dict:
+    d = json.loads(EXAMPLE.read_text())
+    d.update(changes)
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def test_the_example_is_deepseek_v32_and_the_preset_is_specs_for_model():
+    assert load_model_config(EXAMPLE) == DEEPSEEK_V32
+    for arch in ARCHES:
+        assert get_preset("deepseek-v3.2", arch) == specs_for_model(load_model_config(EXAMPLE), arch)
+        assert missing_ops("deepseek-v3.2", arch) == missing_ops_for_model(DEEPSEEK_V32, arch)
+
+
+def test_deepseek_v32_kernels():
+    specs = specs_for_model(DEEPSEEK_V32, "sm_90a")
+    assert [s.op for s in specs[:2]] == ["compactify", "local_to_global"]
+    assert list(indexer_config(64, 128, "bfloat16", "sm_90a").specs()) == specs[2:-1]
+    fwd = specs[-1]
+    assert isinstance(fwd, SparseAttnFwdSpec) and (fwd.num_heads, fwd.d_qk, fwd.d_v, fwd.dtype) == (
+        128, 576, 512, "bfloat16")
+    assert [s.op for s in specs_for_model(DEEPSEEK_V32, "sm_100a")] == ["compactify", "local_to_global"]
+    assert missing_ops_for_model(DEEPSEEK_V32, "sm_100a") == [
+        "lightning_indexer_score", "lightning_indexer_topk", "sparse_attention_fwd"]
+
+
+def test_a_smaller_variant_gets_its_own_head_counts():
+    model = model_from_config(_config(num_attention_heads=32, index_n_heads=32, index_head_dim=64,
+                                      torch_dtype="float16"))
+    specs = specs_for_model(model, "sm_90a")
+    (score,) = [s for s in specs if isinstance(s, IndexerScoreSpec)]
+    (fwd,) = [s for s in specs if isinstance(s, SparseAttnFwdSpec)]
+    assert (score.num_heads, score.head_dim, score.dtype) == (32, 64, "float16")
+    assert (fwd.num_heads, fwd.d_qk, fwd.dtype) == (64, 576, "float16")     # 32 heads run padded to 64
+    assert model_from_config(_config(qk_rope_head_dim=0)).d_qk == 512
+    assert [s.num_heads for s in specs_for_model(model_from_config(_config(num_attention_heads=96)), "sm_90a")
+            if isinstance(s, SparseAttnFwdSpec)] == [128]
+
+
+def test_tensor_parallel_splits_the_mla_heads_only():
+    model = model_from_config(_config(), tensor_parallel=8)
+    assert (model.num_heads, model.index_n_heads) == (16, 64)
+    assert [s.num_heads for s in specs_for_model(model, "sm_90a") if isinstance(s, SparseAttnFwdSpec)] == [64]
+    with pytest.raises(ModelConfigError, match="num_attention_heads=128 does not split evenly over --tp 3"):
+        model_from_config(_config(), tensor_parallel=3)
+    with pytest.raises(ModelConfigError, match="--tp 0"):
+        model_from_config(_config(), tensor_parallel=0)
+
+
+def test_fields_that_do_not_concern_attention_are_ignored():
+    noisy = _config(hidden_size="not even a number", rope_scaling={"type": "yarn"}, quantization_config=[1, 2],
+                    n_routed_experts=None)
+    assert model_from_config(noisy) == DEEPSEEK_V32
+    assert model_from_config(_config(torch_dtype=None, dtype="bfloat16")) == DEEPSEEK_V32   # newer HF configs
+
+
+def test_mla_kernel_heads_agrees_with_the_host_code():
+    from dsagen.kernels.sparse_mla.host import kernel_heads
+
+    assert all(mla_kernel_heads(h) == kernel_heads(h) for h in range(1, 129))
+
+
+@pytest.mark.parametrize("changes,field,msg", [
+    ({"num_attention_heads": 256}, "num_attention_heads", "256 query heads per GPU, but the sparse MLA kernels serve 1..128"),
+    ({"num_attention_heads": 0}, "num_attention_heads", "serve 1..128"),
+    ({"index_n_heads": 48}, "index_n_heads", "index_n_heads=48: the lightning-indexer kernels serve 8, 16, 32, 64, 128"),
+    ({"index_head_dim": 96}, "index_head_dim", "index_head_dim=96"),
+    ({"kv_lora_rank": 256}, "kv_lora_rank", "kv_lora_rank=256"),
+    ({"qk_rope_head_dim": 32}, "qk_rope_head_dim", "qk_rope_head_dim=32"),
+    ({"index_topk": 0}, "index_topk", "index_topk=0"),
+    ({"torch_dtype": "float32"}, "torch_dtype", "torch_dtype='float32': the attention kernels run bfloat16 or float16"),
+    ({"num_attention_heads": "128"}, "num_attention_heads", "field 'num_attention_heads' must be an integer"),
+    ({"index_topk": True}, "index_topk", "field 'index_topk' must be an integer"),
+    ({"torch_dtype": 16}, "torch_dtype", "field 'torch_dtype' must be a string"),
+])
+def test_unsupported_values_name_the_field(changes, field, msg):
+    with pytest.raises(ModelConfigError, match="^cfg.json: ") as e:
+        model_from_config(_config(**changes), "cfg.json")
+    assert field in str(e.value) and msg in str(e.value)
+    assert isinstance(e.value, SpecError) and isinstance(e.value, ValueError)
+
+
+def test_missing_fields_are_all_named():
+    with pytest.raises(ModelConfigError) as e:
+        model_from_config(_config(index_n_heads=None, index_head_dim=None, index_topk=None), "v3.json")
+    text = str(e.value)
+    assert text.startswith("v3.json: missing fields index_n_heads (")
+    assert "index_head_dim (" in text and "index_topk (" in text and "num_attention_heads" not in text
+    with pytest.raises(ModelConfigError, match="missing field torch_dtype"):
+        model_from_config(_config(torch_dtype=None))
+    with pytest.raises(ModelConfigError, match="a model config is a JSON object"):
+        model_from_config([1, 2])
+    assert set(FIELDS) == {"num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "index_n_heads",
+                           "index_head_dim", "index_topk", "torch_dtype"}
+
+
+# ---- the command line ----------------------------------------------------------------------------------
+def _err(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("dsagen: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_build_model_errors(cache_env, tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_config(num_attention_heads=512)))
+    assert main(["build", "--model", str(bad)]) == 2
+    assert f"--model {bad}: num_attention_heads: 512 query heads per GPU" in _err(capsys)
+    bad.write_text("{not json")
+    assert main(["build", "--model", str(bad), "--dry-run"]) == 2
+    assert "not valid JSON" in _err(capsys)
+    assert main(["build", "--model", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in _err(capsys)
+    assert main(["build", "--preset", "deepseek-v3.2", "--tp", "2"]) == 2
+    assert "--tp 2: only --model configs are split over GPUs" in _err(capsys)
+
+
+def test_dry_run_lists_and_compiles_nothing(cache_env, capsys):
+    assert main(["build", "--model", str(EXAMPLE), "--dry-run", "--arch", "sm_90a,sm_100a"]) == 0
+    cap = capsys.readouterr()
+    names = [s.name() for a in ("sm_90a", "sm_100a") for s in specs_for_model(DEEPSEEK_V32, a)]
+    lines = cap.out.splitlines()
+    assert lines[0].split() == ["name", "arch", "status", "key", "source"]
+    assert [line.split()[0] for line in lines[2:-1]] == names
+    assert all(line.split()[2:4] == ["to", "build"] for line in lines[2:-1])
+    assert lines[-1] == f"{len(names)} kernel(s): 0 cached, {len(names)} to build (dry run: nothing compiled)"
+    assert "has no sm_100a kernels yet for: lightning_indexer_score" in cap.err
+    assert all(len(line) <= 100 for line in lines)
+    assert not cache_env.exists()                      # nothing written, not even the cache root
+
+
+@pytest.mark.compile
+def test_build_model_builds_v32_and_a_smaller_variant(cache_env, tmp_path, capsys):
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps(_config(num_attention_heads=32, index_n_heads=32, index_head_dim=64)))
+    assert main(["build", "--model", str(EXAMPLE), "--model", str(small), "--arch", "sm_90a", "-j", "2"]) == 0
+    out = capsys.readouterr().out
+    want = list(dict.fromkeys(s.name() for p in (EXAMPLE, small) for s in specs_for_model(load_model_config(p), "sm_90a")))
+    assert {"sparse_attention_fwd_sm_90a", "sparse_attention_fwd_h64_sm_90a",
+            "lightning_indexer_score_h32_d64_sm_90a"} <= set(want)
+    assert f"{len(want)} kernel(s): {len(want)} built, 0 cached, 0 failed" in out
+    assert all(len(line) <= 100 for line in out.splitlines())
+    # everything is cached now: the dry run says so, and names the layer
+    assert main(["build", "--model", str(small), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert all(line.split()[2] == "cached" and line.split()[-1] == "DSAGEN_CACHE_DIR" for line in lines[2:-1])
+    assert lines[-1].endswith("8 cached, 0 to build (dry run: nothing compiled)")

@@ -21,7 +21,6 @@ Variants:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import threading
@@ -35,43 +34,34 @@ import dsagen
 CASES = [("prefill", 4096, 128, 576, 32768, 2048), ("prefill", 4096, 64, 512, 32768, 2048),
          ("prefill", 4096, 128, 576, 4096, 2048),     # 2: a KV pool of 4.7 MB (stays in L2: no KV DRAM traffic)
          ("prefill", 4096, 128, 576, 131072, 2048)]
-NVML_CLOCK_SM = 1
 
 
 class Nvml:
-    """The few NVML calls this probe needs, through ctypes (libnvidia-ml ships with the driver; no pynvml)."""
+    """The few NVML calls this probe needs, through NVIDIA's maintained bindings (nvidia-ml-py, the `bench` extra:
+    pip install -e '.[bench]'; libnvidia-ml ships with the driver). The device is torch's current one, found by its
+    PCI bus id when there are several."""
 
     def __init__(self) -> None:
-        self.lib = ctypes.CDLL("libnvidia-ml.so.1")
-        self._check(self.lib.nvmlInit_v2(), "nvmlInit_v2")
-        count = ctypes.c_uint()
-        self._check(self.lib.nvmlDeviceGetCount_v2(ctypes.byref(count)), "nvmlDeviceGetCount_v2")
-        self.handle = ctypes.c_void_p()
-        bus = torch.cuda.get_device_properties(torch.cuda.current_device()).pci_bus_id
-        if count.value == 1:
-            rc = self.lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self.handle))
+        try:
+            import pynvml
+        except ImportError:
+            raise SystemExit("bench/energy.py reads NVML through nvidia-ml-py: pip install -e '.[bench]'") from None
+        self.nvml = pynvml
+        pynvml.nvmlInit()
+        if pynvml.nvmlDeviceGetCount() == 1:
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         else:
-            rc = self.lib.nvmlDeviceGetHandleByPciBusId_v2(f"00000000:{bus:02x}:00.0".encode(),
-                                                           ctypes.byref(self.handle))
-        self._check(rc, "nvmlDeviceGetHandle")
-
-    @staticmethod
-    def _check(rc: int, what: str) -> None:
-        if rc != 0:
-            raise RuntimeError(f"NVML {what} failed with code {rc}")
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            bus_id = f"{getattr(props, 'pci_domain_id', 0):08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+            self.handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
 
     def energy_mj(self) -> int:
         """The board's energy counter (mJ since the driver loaded)."""
-        v = ctypes.c_ulonglong()
-        self._check(self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(v)),
-                    "nvmlDeviceGetTotalEnergyConsumption")
-        return v.value
+        return self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
 
     def sm_mhz(self) -> int:
-        v = ctypes.c_uint()
-        self._check(self.lib.nvmlDeviceGetClockInfo(self.handle, NVML_CLOCK_SM, ctypes.byref(v)),
-                    "nvmlDeviceGetClockInfo")
-        return v.value
+        """The SM clock now (MHz)."""
+        return self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM)
 
 
 class ClockSampler:

@@ -108,3 +108,19 @@ def test_the_command_line_executes_no_test_module():
     src = (PKG / "cli.py").read_text()
     for needle in ("exec_module", "spec_from_file_location", "REQUIRED_SPECS"):
         assert needle not in src, needle
+
+
+def test_logging_and_version_are_leaves():
+    """dsagen.log and dsagen._version are imported by every layer (store and runtime included), so they import no
+    other dsagen module than the errors."""
+    mods = _modules()
+    for leaf in ("dsagen.log", "dsagen._version"):
+        own = sorted(i for i in mods[leaf] if i.startswith("dsagen") and i not in ("dsagen.errors",)
+                     and not i.startswith("dsagen.errors."))
+        assert not own, f"{leaf} imports {own}"
+
+
+def test_the_model_config_builds_specs_through_the_families_spec_modules_only():
+    imps = _modules()["dsagen.spec.model_config"]
+    kernels = sorted({i.rsplit(".", 1)[0] if i.count(".") > 3 else i for i in imps if i.startswith("dsagen.kernels.")})
+    assert kernels and all(k.endswith(".spec") or k.split(".")[-2] == "spec" for k in kernels), kernels

@@ -418,10 +418,6 @@ class Layer:
         """Whether entries may hold pip's `__pycache__` folder (the layer of an installed kernel wheel)."""
         return self.wheel is not None
 
-    def check(self, path: Path, verify_hashes: bool = True) -> dict:
-        """`check_entry` of an entry folder of this layer."""
-        return check_entry(path, verify_hashes, bytecode_ok=self.bytecode_ok)
-
     def entry_dir(self, arch: str, op: str, key: str) -> Path:
         return self.root / LAYOUT / arch / op / key[:2] / key
 

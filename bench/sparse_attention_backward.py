@@ -1,0 +1,97 @@
+"""Sparse MLA backward: the fused sm_90a kernel (atomic and deterministic modes) against the plain-PyTorch reference
+backward, in one run (GPU).
+
+    python bench/sparse_attention_backward.py [--quick] [--reps N] [--ref-max-T T] [--json FILE] [--cases 0,2]
+
+Shapes: T = 4096 and 32768 query rows over a KV pool of 32768 and 131072 rows, H=128, D_qk 576, d_v 512, top-k
+2048, with sink; H=64 with D_qk 512 (--quick: T = 4096 only). Ids are distinct per row (start + i * odd stride mod
+pool), all valid; out / lse come from the fused forward, dout is random.
+
+FLOPs = 2 * T * H * topk * (3 * D_qk + 2 * d_v) (the five products: S, dP, dQ, and dKV's two). Columns: fused
+(atomic dKV) ms and TFLOP/s, the deterministic mode's ms and its cost (det / fused), the reference backward's ms
+(only for T <= --ref-max-T, default 4096) and the fused speedup over it, and one training step of the attention
+(fused forward + fused backward through autograd, `out.backward(dout)`) against the same step with
+impl="reference".
+Time: CUDA events around `reps` back-to-back calls after a warm-up, median of 7 rounds; the fused variants run
+interleaved round by round (common.paired_time_ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import cuda_time_ms, paired_time_ms  # noqa: E402
+
+import dsagen  # noqa: E402
+from dsagen.kernels.sparse_mla_bwd import host as bwd_host  # noqa: E402
+from dsagen.reference import sparse_attention as ref  # noqa: E402
+
+CASES = [(4096, 128, 576, 32768), (4096, 128, 576, 131072), (32768, 128, 576, 32768), (32768, 128, 576, 131072),
+         (4096, 64, 512, 32768)]
+
+
+def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.Tensor:
+    start = torch.randint(0, n_kv, (s_q, 1), generator=gen, dtype=torch.int64)
+    stride = torch.randint(0, n_kv // 2, (s_q, 1), generator=gen, dtype=torch.int64) * 2 + 1  # odd: a cycle
+    return ((start + torch.arange(topk).view(1, -1) * stride) % n_kv).to(torch.int32)
+
+
+def run_case(s_q, h, d_qk, n_kv, topk, reps, ref_max_t):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn((s_q, h, d_qk), generator=gen).bfloat16().cuda()
+    kv = torch.randn((n_kv, d_qk), generator=gen).bfloat16().cuda()
+    ids = distinct_ids(s_q, topk, n_kv, gen).cuda()
+    sink = torch.randn(h, generator=gen).cuda()
+    dout = torch.randn((s_q, h, 512), generator=gen).bfloat16().cuda()
+    scale = d_qk ** -0.5
+    out, lse, _ = dsagen.sparse_attention(q, kv, ids, attn_sink=sink, softmax_scale=scale, d_v=512, impl="fused")
+    kw = dict(attn_sink=sink, topk_length=None, softmax_scale=scale, d_v=512)
+    fused = lambda det: bwd_host.sparse_attention_backward(q, kv, out, dout, lse, ids, deterministic=det, **kw)  # noqa
+    flops = 2.0 * s_q * h * topk * (3 * d_qk + 2 * 512)
+    ms, det_ms = paired_time_ms([lambda: fused(False), lambda: fused(True)], calls=reps)
+    row = dict(T=s_q, H=h, d_qk=d_qk, kv=n_kv, topk=topk, fused_ms=ms, tflops=flops / ms / 1e9, det_ms=det_ms,
+               det_cost=det_ms / ms)
+    if s_q <= ref_max_t:
+        row["ref_ms"] = cuda_time_ms(lambda: ref.sparse_attention_backward(q, kv, out, dout, lse, sink, ids,
+                                                                           softmax_scale=scale, d_v=512), rounds=3)
+        row["speedup"] = row["ref_ms"] / ms
+
+        def step(impl):
+            qg, kvg, sg = (q.detach().requires_grad_(), kv.detach().requires_grad_(), sink.detach().requires_grad_())
+            o, _, _ = dsagen.sparse_attention(qg, kvg, ids, attn_sink=sg, softmax_scale=scale, d_v=512, impl=impl)
+            o.backward(dout)
+        row["step_ms"] = cuda_time_ms(lambda: step("fused"), rounds=5)
+        row["step_ref_ms"] = cuda_time_ms(lambda: step("reference"), rounds=3)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="only the T=4096 cases")
+    ap.add_argument("--reps", type=int, default=3, help="calls per timing round")
+    ap.add_argument("--ref-max-T", type=int, default=4096, help="time the reference only up to this T")
+    ap.add_argument("--cases", help="comma list of case indices to run (default: all)")
+    ap.add_argument("--topk", type=int, default=2048)
+    args = ap.parse_args()
+    cases = CASES if args.cases is None else [CASES[int(i)] for i in args.cases.split(",")]
+    if args.quick:
+        cases = [c for c in cases if c[0] == 4096]
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  topk {args.topk}  sink")
+    print(f"{'T':>6} {'H':>4} {'D':>4} {'KV':>7} | {'fused ms':>9} {'TFLOP/s':>8} | {'det ms':>8} {'cost':>5} | "
+          f"{'ref ms':>8} {'x':>6} | {'step ms':>8} {'ref step':>9}")
+    for s_q, h, d, n_kv in cases:
+        r = run_case(s_q, h, d, n_kv, args.topk, args.reps, args.ref_max_T)
+        ref_cols = (f"{r['ref_ms']:8.2f} {r['speedup']:6.1f} | {r['step_ms']:8.2f} {r['step_ref_ms']:9.2f}"
+                    if "ref_ms" in r else f"{'-':>8} {'-':>6} | {'-':>8} {'-':>9}")
+        print(f"{s_q:6d} {h:4d} {d:4d} {n_kv:7d} | {r['fused_ms']:9.3f} {r['tflops']:8.1f} | {r['det_ms']:8.2f} "
+              f"{r['det_cost']:5.2f} | {ref_cols}", flush=True)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

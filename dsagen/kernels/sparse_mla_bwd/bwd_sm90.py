@@ -1,0 +1,690 @@
+"""Fused sparse MLA backward for Hopper (sm_90a): `SparseMlaBwdSm90`, and `build(...)`, which returns a fresh kernel
+and host entry of it with a spec's values bound as Python constants, plus the flat ABI (`params`) and the launch
+declaration of the rendered kernel module.
+
+An item is (query row, 64 heads); the grid has min(items, n_ctas) CTAs and CTA b runs items b, b + grid, ... Per
+item, Q (64 x D_QK) and dO (64 x D_V) are loaded once into shared memory; the item's valid top-k slots go by in
+tiles of BN = 64 rows gathered into one KV stage. Every head of an item uses the same gathered rows (MQA).
+
+Per tile (K = V-prefix = the gathered rows, P and dS 64 heads x 64 rows; S scaled by `scale` in the softmax):
+    S  = Q K^T                   P  = exp2(S * scale * log2 e - lse_s * log2 e), 0 at invalid slots
+    dP = dO V^T                  dS = scale * P * (dP - delta)        (the gradient of the unscaled Q K^T)
+    dQ += dS K                   dKV[rows] += P^T dO (columns < D_V) + dS^T Q
+lse_s = logaddexp(lse, sink) (the forward's lse is KV-only; +inf rows stay +inf: P = 0), delta = rowsum(O * dO).
+
+Warpgroups (384 threads):
+  WG0  producer   per item: Q and dO (cp.async, once both consumers finished the previous item: qdo_free); per
+                  tile: the tile's ids into sIds[g % 2] (-1 where invalid or past the row's length; ids_mbar[g % 2],
+                  16 arrivals) and the 64 rows into the KV stage once it is free (kv_free), cp.async 16-byte chunks
+                  zero-filled for invalid ids, completing kv_ready (noinc arrivals).
+  WG1  consumer A S = Q K^T; P (fp32, masked) -> bf16 -> sP (stmatrix); dQ[:, 256:] += dS K[:, 256:] (SS, dS from
+                  sdS); frees the stage; the dKV column chunks 0..3.
+  WG2  consumer B delta of its rows (per item, from out and dout in global memory, also written to `delta`);
+                  dP = dO V^T; P from sP (ldmatrix); dS -> sdS and registers; dQ[:, :256] += dS K[:, :256] (RS);
+                  frees the stage; the dKV column chunks 4..D_QK / 64 - 1.
+  A dKV chunk (64 rows x 64 columns) = P^T dO_c + dS^T Q_c (SS, both operands MN-major views of the smem tiles;
+  no dO term for the RoPE chunk), then added to the dKV accumulator rows of the tile's ids by 16-byte FP32
+  atomics (red.global.add.v4.f32) after a lane-pair exchange, invalid ids skipped; deterministic: stored instead
+  (st.global.v4.f32) to the (item, slot) row of a per-slot buffer, which the host sums in a fixed order.
+  Named barriers (256 threads = WG1 + WG2, each arrived by one consumer and synced by the other once per tile):
+    BAR_P       P of the tile in sP (A arrives, B syncs)
+    BAR_DS      dS of the tile in sdS (B arrives, A syncs)
+    BAR_A_DONE  A's dQ and dKV reads of sdS retired (A arrives after its chunks; B syncs before the next dS)
+    BAR_B_DONE  B's dKV reads of sP retired (B arrives after its chunks; A syncs before the next P)
+  The last arrival of each DONE barrier is matched by a sync after the CTA's item loop.
+  mbarriers (g = the tile's index over the CTA's items, it = the item's index among them): kv_ready (128
+  producer noinc arrivals) waited with parity g % 2; kv_free (256: every consumer thread once per tile, after its
+  last read of the stage: its dQ product) waited by the producer with parity (g % 2) ^ 1; ids_mbar[g % 2] (16)
+  waited with parity (g // 2) % 2; q_mbar (128 noinc) waited with parity it % 2; qdo_free (256: every consumer
+  thread once per item, after its last dKV chunk) waited by the producer with parity (it % 2) ^ 1.
+  The producer overwrites sIds[g % 2] for tile g + 2 only after kv_free of tile g + 1, which both consumers
+  arrive after their dKV chunks of tile g.
+
+Every value of the spec is a Python constant of the instance (configuration branches are `cutlass.const_expr`).
+Accumulators are zeroed with fill(0.0) and every wgmma accumulates, so no MMA object changes inside a loop.
+"""
+
+import math
+from typing import Any, NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int8, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.experimental import primitives as prims
+
+from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_16_policy,
+                                                 l2_evict_first_policy, pack_f32x2, st_global_v4_b32, sw128,
+                                                 swizzled_byte_offset)
+
+LOG2E = math.log2(math.e)
+
+
+class SparseMlaBwd(NamedTuple):
+    """A built sparse MLA backward: the rendered module's PARAMS, LAUNCH, kernel and host, in that order."""
+
+    params: list[dict]
+    launch: dict
+    kernel: Any
+    host: Any
+
+
+def params(dtype: str) -> list[dict]:
+    """The kernel's flat ABI, in order (a new list on every call); `dtype`: "bfloat16" or "float16"."""
+    return [
+        {"name": "q", "kind": "ptr", "dtype": dtype, "align": 16},            # (s_q, H, D_QK), row stride ld_q
+        {"name": "kv", "kind": "ptr", "dtype": dtype, "align": 16},           # (n_kv, D_QK), row stride ld_kv
+        {"name": "idx", "kind": "ptr", "dtype": "int32", "align": 4},         # (s_q, topk), row stride ld_idx
+        {"name": "topk_length", "kind": "ptr", "dtype": "int32", "align": 4},  # (s_q,), read when has_length
+        {"name": "sink", "kind": "ptr", "dtype": "float32", "align": 4},      # (H,), read when has_sink
+        {"name": "out", "kind": "ptr", "dtype": dtype, "align": 16},          # (s_q, H, D_V) contiguous
+        {"name": "dout", "kind": "ptr", "dtype": dtype, "align": 16},         # (s_q, H, D_V) contiguous
+        {"name": "lse", "kind": "ptr", "dtype": "float32", "align": 4},       # (s_q, H) KV-only, contiguous
+        {"name": "dq", "kind": "ptr", "dtype": dtype, "align": 16},           # (s_q, H, D_QK) contiguous
+        {"name": "dkv", "kind": "ptr", "dtype": "float32", "align": 16},      # accumulator or per-slot rows
+        {"name": "delta", "kind": "ptr", "dtype": "float32", "align": 4},     # (s_q, H) out
+        {"name": "s_q", "kind": "i32"},
+        {"name": "n_kv", "kind": "i32"},
+        {"name": "topk", "kind": "i32"},
+        {"name": "ld_q", "kind": "i64"},
+        {"name": "ld_kv", "kind": "i64"},
+        {"name": "ld_idx", "kind": "i64"},
+        {"name": "softmax_scale", "kind": "f32"},
+        {"name": "has_length", "kind": "i32"},
+        {"name": "has_sink", "kind": "i32"},
+        {"name": "n_ctas", "kind": "i32"},                  # the most CTAs to launch (each loops over items)
+    ]
+
+
+def build(num_heads: int, d_qk: int, d_v: int, dtype: str, deterministic: bool, regs_producer: int, regs_a: int,
+          regs_b: int) -> SparseMlaBwd:
+    """A new sparse MLA backward for one SparseAttnBwdSpec's values (SparseMlaBwdSm90 lists the constraints). Each
+    call returns distinct function objects, so every rendered module names its own kernel."""
+    bwd = SparseMlaBwdSm90(num_heads, d_qk, d_v, dtype, deterministic, regs_producer, regs_a, regs_b)
+    launch = {"grid": [f"min(s_q * {bwd.HB}, n_ctas)", 1, 1], "block": [bwd.THREADS, 1, 1], "cluster": [1, 1, 1],
+              "smem": bwd.Smem.size_in_bytes()}
+    return SparseMlaBwd(params(dtype), launch, bwd.kernel, bwd.host)
+
+
+# ------------------------------------------------------------------------------------------ PTX helpers
+@dsl_user_op
+def red_add_v4_f32(dst: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
+    """`red.global.add.v4.f32 [dst], {a, b, c, d}` (dst 16-byte aligned): four FP32 atomic adds, one transaction."""
+    ops = [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)] + [Float32(v).ir_value(loc=loc, ip=ip)
+                                                                   for v in (a, b, c, d)]
+    llvm.inline_asm(None, ops, "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_global_v4_f32(dst: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
+    """`st.global.v4.f32 [dst], {a, b, c, d}` (dst 16-byte aligned)."""
+    ops = [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)] + [Float32(v).ir_value(loc=loc, ip=ip)
+                                                                   for v in (a, b, c, d)]
+    llvm.inline_asm(None, ops, "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+class KernelArgs(NamedTuple):
+    """The kernel's run-time arguments (its flat ABI but n_ctas), read by every role."""
+    p_q: Any
+    p_kv: Any
+    p_idx: Any
+    p_len: Any
+    p_sink: Any
+    p_out: Any
+    p_dout: Any
+    p_lse: Any
+    p_dq: Any
+    p_dkv: Any
+    p_delta: Any
+    s_q: Any
+    n_kv: Any
+    topk: Any
+    ld_q: Any
+    ld_kv: Any
+    ld_idx: Any
+    softmax_scale: Any
+    has_length: Any
+    has_sink: Any
+
+
+class Shared(NamedTuple):
+    """The CTA's shared tiles and barriers (SparseMlaBwdSm90 docstring: who arrives, who waits)."""
+    sQ: Any
+    sdO: Any
+    sKV: Any
+    sP: Any
+    sdS: Any
+    sIds: Any          # [tile parity][row]: the tile's ids, -1 where invalid
+    kv_ready: Any
+    kv_free: Any
+    ids_mbar: Any      # + parity
+    q_mbar: Any
+    qdo_free: Any
+
+
+class SparseMlaBwdSm90:
+    """The kernel of one SparseAttnBwdSpec: `kernel` (the @cute.kernel, flat ABI in `params`) and `host` (the
+    @cute.jit launch: grid min(s_q * HB, n_ctas), 384 threads, `Smem` dynamic smem, min_blocks_per_mp=1).
+
+    Arguments (pointers 16-byte aligned where vectors touch them): q (s_q, H, D_QK) with row stride ld_q (heads x
+    D_QK contiguous), kv (n_kv, D_QK) with row stride ld_kv, idx (s_q, topk) int32 with row stride ld_idx,
+    topk_length (s_q,) int32 (read when has_length), sink (H,) fp32 (read when has_sink), out and dout (s_q, H, D_V)
+    contiguous, lse (s_q, H) fp32 (KV-only, +inf for a row without a valid slot), dq (s_q, H, D_QK) contiguous
+    (written), dkv fp32: deterministic=False the (n_kv, D_QK) accumulator the kernel adds to (zeroed by the
+    caller), deterministic=True the (s_q * HB, topk, D_QK) per-slot rows the kernel stores (slot j of item i at row
+    i * topk + j, for every j < min(topk, 64 * ceil(kmax / 64)) with kmax the row's valid length; zeros at invalid
+    ids); delta (s_q, H) fp32 (written: rowsum(out * dout)).
+
+    Constraints (SparseAttnBwdSpec.reasons): num_heads 64 or 128, d_qk 512 or 576, d_v 512, dtype "bfloat16" or
+    "float16", register budgets multiples of 8 summing to at most 504.
+    """
+
+    M = 64                          # heads per CTA = wgmma M
+    BN = 64                         # gathered rows per tile
+    THREADS = 384
+    DQ_B = 256                      # dQ columns of consumer B ([0, 256)); A has [256, D_QK)
+    CHUNKS_A = 4                    # dKV column chunks of consumer A (0..3); B has 4..NKB-1
+    BAR_P = 1
+    BAR_DS = 2
+    BAR_A_DONE = 3
+    BAR_B_DONE = 4
+
+    def __init__(self, num_heads: int, d_qk: int, d_v: int, dtype: str, deterministic: bool, regs_producer: int,
+                 regs_a: int, regs_b: int):
+        self.H = num_heads
+        self.HB = num_heads // self.M
+        self.D_QK = d_qk
+        self.D_V = d_v
+        self.NKB = d_qk // 64                   # 64-column blocks of a row (= dKV chunks)
+        self.NVB = d_v // 64                    # ... of which carry a dO term
+        # A's dQ pieces (first column, width): each starts on a 64-column block and is a multiple of its width
+        self.DQ_A = ((256, 128), (384, 192)) if d_qk == 576 else ((256, 128), (384, 128))
+        self.deterministic = deterministic
+        self.fp16 = dtype == "float16"
+        self.dtype = cutlass.Float16 if self.fp16 else cutlass.BFloat16
+        self.regs = (regs_producer, regs_a, regs_b)
+        self.Smem = self._smem_struct()
+        self.kernel, self.host = self._entry_points()
+
+    def _smem_struct(self):
+        DT, M, BN, D_QK, D_V = self.dtype, self.M, self.BN, self.D_QK, self.D_V
+
+        @cute.struct
+        class Smem:
+            kv_ready: cute.struct.MemRange[Int64, 1]
+            kv_free: cute.struct.MemRange[Int64, 1]
+            ids_mbar: cute.struct.MemRange[Int64, 2]
+            q_mbar: cute.struct.MemRange[Int64, 1]
+            qdo_free: cute.struct.MemRange[Int64, 1]
+            ids: cute.struct.MemRange[Int32, 2 * BN]
+            sQ: cute.struct.Align[cute.struct.MemRange[DT, M * D_QK], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[DT, M * D_V], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[DT, BN * D_QK], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[DT, M * BN], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[DT, M * BN], 1024]
+
+        return Smem
+
+    def _entry_points(self):
+        bwd = self
+
+        @cute.kernel
+        def kernel(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_len: cute.Pointer,
+                   p_sink: cute.Pointer, p_out: cute.Pointer, p_dout: cute.Pointer, p_lse: cute.Pointer,
+                   p_dq: cute.Pointer, p_dkv: cute.Pointer, p_delta: cute.Pointer,
+                   s_q: Int32, n_kv: Int32, topk: Int32, ld_q: Int64, ld_kv: Int64, ld_idx: Int64,
+                   softmax_scale: Float32, has_length: Int32, has_sink: Int32, n_ctas: Int32):
+            bwd.body(KernelArgs(p_q, p_kv, p_idx, p_len, p_sink, p_out, p_dout, p_lse, p_dq, p_dkv, p_delta, s_q,
+                                n_kv, topk, ld_q, ld_kv, ld_idx, softmax_scale, has_length, has_sink))
+
+        @cute.jit
+        def host(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_len: cute.Pointer,
+                 p_sink: cute.Pointer, p_out: cute.Pointer, p_dout: cute.Pointer, p_lse: cute.Pointer,
+                 p_dq: cute.Pointer, p_dkv: cute.Pointer, p_delta: cute.Pointer,
+                 s_q: Int32, n_kv: Int32, topk: Int32, ld_q: Int64, ld_kv: Int64, ld_idx: Int64,
+                 softmax_scale: Float32, has_length: Int32, has_sink: Int32, n_ctas: Int32):
+            kernel(p_q, p_kv, p_idx, p_len, p_sink, p_out, p_dout, p_lse, p_dq, p_dkv, p_delta, s_q, n_kv, topk,
+                   ld_q, ld_kv, ld_idx, softmax_scale, has_length, has_sink, n_ctas).launch(
+                grid=(cutlass.min(s_q * bwd.HB, n_ctas), 1, 1), block=(bwd.THREADS, 1, 1),
+                smem=bwd.Smem.size_in_bytes(), min_blocks_per_mp=1)
+
+        return kernel, host
+
+    # ------------------------------------------------------------------------------------------------ the CTA
+    @cute.jit
+    def body(self, a: KernelArgs):
+        """Shared views and barriers, then the roles: WG0 producer, WG1 consumer A, WG2 consumer B."""
+        DT, M, BN, D_QK, D_V = self.dtype, self.M, self.BN, self.D_QK, self.D_V
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp // 4
+
+        st = cutlass.memory.SmemAllocator().allocate(self.Smem)
+        lay_q = sw128(DT, (M, D_QK))
+        lay_do = sw128(DT, (M, D_V))
+        lay_kv = sw128(DT, (BN, D_QK))
+        lay_p = sw128(DT, (M, BN))
+        sh = Shared(sQ=st.sQ.get_tensor(lay_q.outer, swizzle=lay_q.inner),
+                    sdO=st.sdO.get_tensor(lay_do.outer, swizzle=lay_do.inner),
+                    sKV=st.sKV.get_tensor(lay_kv.outer, swizzle=lay_kv.inner),
+                    sP=st.sP.get_tensor(lay_p.outer, swizzle=lay_p.inner),
+                    sdS=st.sdS.get_tensor(lay_p.outer, swizzle=lay_p.inner),
+                    sIds=st.ids.get_tensor(cute.make_layout(2 * BN)),
+                    kv_ready=st.kv_ready.data_ptr(), kv_free=st.kv_free.data_ptr(), ids_mbar=st.ids_mbar.data_ptr(),
+                    q_mbar=st.q_mbar.data_ptr(), qdo_free=st.qdo_free.data_ptr())
+
+        n_items = a.s_q * self.HB
+        nctas, _, _ = cute.arch.grid_dim()
+        if warp == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(sh.kv_ready, 128)      # producer noinc arrivals
+                cute.arch.mbarrier_init(sh.kv_free, 256)       # every consumer thread once per tile
+                cute.arch.mbarrier_init(sh.ids_mbar, 16)       # one producer thread per group of 8
+                cute.arch.mbarrier_init(sh.ids_mbar + 1, 16)
+                cute.arch.mbarrier_init(sh.q_mbar, 128)
+                cute.arch.mbarrier_init(sh.qdo_free, 256)      # every consumer thread once per item
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+
+        if wg == 0:
+            self.producer(a, sh, st, lay_q, lay_do, lay_kv, tidx, bidx, n_items, nctas)
+        elif wg == 1:
+            self.consumer_a(a, sh, tidx, bidx, n_items, nctas)
+        else:
+            self.consumer_b(a, sh, tidx, bidx, n_items, nctas)
+
+    @cute.jit
+    def item_setup(self, a: KernelArgs, item: Int32):
+        """An item = (query row, 64 heads): (tok, head0, kmax, ntiles): its slots [0, kmax) and its BN-slot tiles."""
+        tok = item // self.HB
+        head0 = (item % self.HB) * self.M
+        kmax = a.topk
+        if a.has_length != 0:
+            kmax = cutlass.min(cutlass.max((a.p_len + tok).load(), Int32(0)), a.topk)
+        ntiles = (kmax + self.BN - 1) // self.BN
+        return tok, head0, kmax, ntiles
+
+    # ------------------------------------------------------------------------------------------- producer (WG0)
+    @cute.jit
+    def producer(self, a, sh, st, lay_q, lay_do, lay_kv, tidx, bidx, n_items, nctas):
+        """cp.async gathers: per item Q and dO, per tile the ids and the 64 rows (16 groups of 8 threads; group g
+        owns rows g, g + 16, g + 32, g + 48; a thread moves one 16-byte chunk of each 64-column block)."""
+        cute.arch.setmaxregister_decrease(self.regs[0])
+        grp = tidx // 8
+        col0 = (tidx % 8) * 8
+        sQb = cute.recast_ptr(st.sQ.data_ptr(), dtype=Int8)
+        sdOb = cute.recast_ptr(st.sdO.data_ptr(), dtype=Int8)
+        sKVb = cute.recast_ptr(st.sKV.data_ptr(), dtype=Int8)
+        sw_kv = swizzled_byte_offset(lay_kv.outer((grp, col0)) * 2)
+        RPG = self.BN // 16
+        ids = cute.make_rmem_tensor(RPG, Int32)
+        policy = l2_evict_first_policy()      # Q and dO are read once per item
+        gt = Int32(0)
+        it = Int32(0)
+        for item in cutlass.range(bidx, n_items, nctas, unroll=1):
+            tok, head0, kmax, ntiles = self.item_setup(a, item)
+            cute.arch.mbarrier_wait(sh.qdo_free, (it % 2) ^ 1)
+            q_rows = a.p_q + (Int64(tok) * a.ld_q + Int64(head0 * self.D_QK))
+            do_rows = a.p_dout + (Int64(tok) * self.H + head0) * self.D_V
+            for i in cutlass.range_constexpr(self.M // 16):
+                r = grp + 16 * i
+                for kb in cutlass.range_constexpr(self.NKB):
+                    b = lay_q.outer((r, kb * 64 + col0)) * 2
+                    cp_async_16_policy(sQb + swizzled_byte_offset(b), q_rows + (r * self.D_QK + kb * 64 + col0),
+                                       policy)
+                for kb in cutlass.range_constexpr(self.NVB):
+                    b = lay_do.outer((r, kb * 64 + col0)) * 2
+                    cp_async_16_policy(sdOb + swizzled_byte_offset(b), do_rows + (r * self.D_V + kb * 64 + col0),
+                                       policy)
+            cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_mbar)
+            mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
+            for j in cutlass.range(ntiles, unroll=1):
+                g = gt + j
+                for i in cutlass.range_constexpr(RPG):
+                    slot = j * self.BN + grp + 16 * i
+                    kv = Int32(-1)
+                    if slot < kmax:
+                        kv = mIdx[slot]
+                    valid = kv >= 0 and kv < a.n_kv
+                    ids[i] = kv if valid else Int32(-1)
+                cute.arch.mbarrier_wait(sh.kv_free, (g % 2) ^ 1)
+                if tidx % 8 == 0:
+                    for i in cutlass.range_constexpr(RPG):
+                        sh.sIds[(g % 2) * self.BN + grp + 16 * i] = ids[i]
+                    cute.arch.mbarrier_arrive(sh.ids_mbar + (g % 2))
+                for i in cutlass.range_constexpr(RPG):
+                    kv = ids[i]
+                    ok = kv >= 0
+                    src = a.p_kv + Int64(kv if ok else 0) * a.ld_kv
+                    nbytes = Int32(16) if ok else Int32(0)
+                    for kb in cutlass.range_constexpr(self.NKB):
+                        dst = sKVb + (sw_kv + lay_kv.outer((16 * i, kb * 64)) * 2)
+                        prims.cp_async_shared_global(dst, src + (kb * 64 + col0), 16, "cg", cp_size=nbytes)
+                cute.arch.cp_async_mbarrier_arrive_noinc(sh.kv_ready)
+            gt += ntiles
+            it += 1
+
+    # ------------------------------------------------------------------------------------------- consumer A (WG1)
+    @cute.jit
+    def consumer_a(self, a, sh, tidx, bidx, n_items, nctas):
+        """S, P, dQ[:, 256:], dKV chunks 0..3."""
+        DT, M, BN = self.dtype, self.M, self.BN
+        cute.arch.setmaxregister_increase(self.regs[1])
+        ctid = tidx - 128
+        mma_s = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                                  (1, 1, 1), tiler_mn=(M, BN))
+        thr_s = mma_s.get_slice(ctid)
+        tSrQ = mma_s.make_fragment_A(thr_s.partition_A(sh.sQ))
+        tSrK = mma_s.make_fragment_B(thr_s.partition_B(sh.sKV))
+        accS = cute.make_rmem_tensor(thr_s.partition_shape_C((M, BN)), Float32)
+        sMN = acc_mn_view(accS)
+        cS = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((M, BN))))
+        NR = cute.size(sMN, mode=[0])
+        NC = cute.size(sMN, mode=[1])
+        rP = cute.make_rmem_tensor(accS.layout, DT)
+        stsm = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), DT), mma_s)
+        thr_st = stsm.get_slice(ctid)
+        tPsP = thr_st.partition_D(sh.sP)
+        tPrP = thr_st.retile(rP)
+        # dQ[:, 256:] += dS K[:, 256:]: A = dS (smem, K-major), B = K^T pieces (MN-major views of the stage)
+        sKt = cute.composition(sh.sKV, cute.make_layout((self.D_QK, BN), stride=(BN, 1)))   # (d, n) = sKV[n, d]
+        c0, w0 = self.DQ_A[0]
+        c1, w1 = self.DQ_A[1]
+        mma_q0 = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                                   (1, 1, 1), tiler_mn=(M, w0))
+        mma_q1 = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                                   (1, 1, 1), tiler_mn=(M, w1))
+        thr_q0 = mma_q0.get_slice(ctid)
+        thr_q1 = mma_q1.get_slice(ctid)
+        tQ0rdS = mma_q0.make_fragment_A(thr_q0.partition_A(sh.sdS))
+        tQ1rdS = mma_q1.make_fragment_A(thr_q1.partition_A(sh.sdS))
+        tQ0rK = mma_q0.make_fragment_B(thr_q0.partition_B(cute.local_tile(sKt, (w0, BN), (c0 // w0, 0))))
+        tQ1rK = mma_q1.make_fragment_B(thr_q1.partition_B(cute.local_tile(sKt, (w1, BN), (c1 // w1, 0))))
+        accQ0 = cute.make_rmem_tensor(thr_q0.partition_shape_C((M, w0)), Float32)
+        accQ1 = cute.make_rmem_tensor(thr_q1.partition_shape_C((M, w1)), Float32)
+        cQ0 = acc_mn_view(thr_q0.partition_C(cute.make_identity_tensor((M, w0))))
+        cQ1 = acc_mn_view(thr_q1.partition_C(cute.make_identity_tensor((M, w1))))
+        mma_s.set(warpgroup.Field.ACCUMULATE, True)
+        mma_q0.set(warpgroup.Field.ACCUMULATE, True)
+        mma_q1.set(warpgroup.Field.ACCUMULATE, True)
+        kvc = self.dkv_chunk_state(sh, ctid)
+        keep = cute.make_rmem_tensor(NC, cutlass.Boolean)
+        lse_l2 = cute.make_rmem_tensor(NR, Float32)
+        scale_log2 = a.softmax_scale * LOG2E
+        q4 = ctid % 4
+        dq_policy = l2_evict_first_policy()     # dq is written once
+
+        gt = Int32(0)
+        it = Int32(0)
+        for item in cutlass.range(bidx, n_items, nctas, unroll=1):
+            tok, head0, kmax, ntiles = self.item_setup(a, item)
+            accQ0.fill(0.0)
+            accQ1.fill(0.0)
+            # lse_s = logaddexp(lse, sink) of the thread's rows, log2 domain (+inf stays +inf: P = 0)
+            for r in cutlass.range_constexpr(NR):
+                h = head0 + cS[r, 0][0]
+                l2 = (a.p_lse + (Int64(tok) * self.H + h)).load() * LOG2E
+                if a.has_sink != 0:
+                    s2 = (a.p_sink + h).load() * LOG2E
+                    m = cute.arch.fmax(l2, s2)
+                    if l2 != Float32.inf:
+                        l2 = m + cute.math.log2(cute.math.exp2(l2 - m, fastmath=True)
+                                                + cute.math.exp2(s2 - m, fastmath=True), fastmath=False)
+                lse_l2[r] = l2
+            cute.arch.mbarrier_wait(sh.q_mbar, it % 2)
+            for j in cutlass.range(ntiles, unroll=1):
+                g = gt + j
+                # S = Q K^T
+                cute.arch.mbarrier_wait(sh.kv_ready, g % 2)
+                cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
+                accS.fill(0.0)
+                warpgroup.fence()
+                for ks in cutlass.range_constexpr(self.D_QK // 16):
+                    cute.gemm(mma_s, accS, tSrQ[None, None, ks], tSrK[None, None, ks], accS)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                # P, masked by the tile's ids
+                cute.arch.mbarrier_wait(sh.ids_mbar + (g % 2), (g // 2) % 2)
+                for c in cutlass.range_constexpr(NC):
+                    keep[c] = sh.sIds[(g % 2) * BN + cS[0, c][1]] >= 0
+                for r in cutlass.range_constexpr(NR):
+                    for c in cutlass.range_constexpr(NC):
+                        p = cute.math.exp2(sMN[r, c] * scale_log2 - lse_l2[r], fastmath=True)
+                        sMN[r, c] = p if keep[c] else Float32(0.0)
+                rP.store(accS.load().to(DT))
+                if g > 0:
+                    cute.arch.barrier(barrier_id=self.BAR_B_DONE, number_of_threads=256)   # B's reads of sP done
+                cute.copy(stsm, tPrP, tPsP)
+                cute.arch.fence_proxy("async.shared", space="cta")   # st.shared P -> wgmma reads (A and B)
+                cute.arch.barrier_arrive(barrier_id=self.BAR_P, number_of_threads=256)
+                # dQ[:, 256:] += dS K[:, 256:]
+                cute.arch.barrier(barrier_id=self.BAR_DS, number_of_threads=256)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(BN // 16):
+                    cute.gemm(mma_q0, accQ0, tQ0rdS[None, None, kb], tQ0rK[None, None, kb], accQ0)
+                    cute.gemm(mma_q1, accQ1, tQ1rdS[None, None, kb], tQ1rK[None, None, kb], accQ1)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                cute.arch.mbarrier_arrive(sh.kv_free)
+                # dKV chunks 0..3
+                for ch in cutlass.range_constexpr(self.CHUNKS_A):
+                    self.dkv_chunk(a, sh, kvc, ch, item, j, g, q4)
+                cute.arch.barrier_arrive(barrier_id=self.BAR_A_DONE, number_of_threads=256)
+            cute.arch.mbarrier_arrive(sh.qdo_free)
+            oq0 = acc_mn_view(accQ0)
+            oq1 = acc_mn_view(accQ1)
+            for r in cutlass.range_constexpr(NR):
+                self.store_dq_row(a, oq0, r, tok, head0 + cQ0[r, 0][0], c0, q4, dq_policy)
+                self.store_dq_row(a, oq1, r, tok, head0 + cQ1[r, 0][0], c1, q4, dq_policy)
+            gt += ntiles
+            it += 1
+        if gt > 0:
+            cute.arch.barrier(barrier_id=self.BAR_B_DONE, number_of_threads=256)   # B's last arrival
+
+    # ------------------------------------------------------------------------------------------- consumer B (WG2)
+    @cute.jit
+    def consumer_b(self, a, sh, tidx, bidx, n_items, nctas):
+        """delta, dP, dS, dQ[:, :256], dKV chunks 4..NKB-1."""
+        DT, M, BN = self.dtype, self.M, self.BN
+        cute.arch.setmaxregister_increase(self.regs[2])
+        ctid = tidx - 256
+        mma_dp = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                                   (1, 1, 1), tiler_mn=(M, BN))
+        thr_dp = mma_dp.get_slice(ctid)
+        tDrdO = mma_dp.make_fragment_A(thr_dp.partition_A(sh.sdO))
+        tDrV = mma_dp.make_fragment_B(thr_dp.partition_B(cute.local_tile(sh.sKV, (BN, self.D_V), (0, 0))))
+        accdP = cute.make_rmem_tensor(thr_dp.partition_shape_C((M, BN)), Float32)
+        dMN = acc_mn_view(accdP)
+        cD = acc_mn_view(thr_dp.partition_C(cute.make_identity_tensor((M, BN))))
+        NR = cute.size(dMN, mode=[0])
+        NC = cute.size(dMN, mode=[1])
+        # P from sP in the accumulator's layout (ldmatrix, the inverse of A's stmatrix)
+        rPb = cute.make_rmem_tensor(accdP.layout, DT)
+        rPf = cute.make_rmem_tensor(accdP.layout, Float32)
+        ldsm = cute.make_tiled_copy_C(cute.make_copy_atom(LdMatrix8x8x16bOp(False, 4), DT), mma_dp)
+        thr_ld = ldsm.get_slice(ctid)
+        tLsP = thr_ld.partition_S(sh.sP)
+        tLrP = thr_ld.retile(rPb)
+        pMN = acc_mn_view(rPf)
+        # dS: registers (RS operand of dQ[:, :256]) and sdS (stmatrix)
+        rdS = cute.make_rmem_tensor(accdP.layout, DT)
+        stsm = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), DT), mma_dp)
+        thr_st = stsm.get_slice(ctid)
+        tSsdS = thr_st.partition_D(sh.sdS)
+        tSrdS = thr_st.retile(rdS)
+        sKt = cute.composition(sh.sKV, cute.make_layout((self.D_QK, BN), stride=(BN, 1)))   # (d, n) = sKV[n, d]
+        mma_q = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                                  (1, 1, 1), tiler_mn=(M, self.DQ_B),
+                                                  a_source=warpgroup.OperandSource.RMEM)
+        thr_q = mma_q.get_slice(ctid)
+        tQrK = mma_q.make_fragment_B(thr_q.partition_B(cute.local_tile(sKt, (self.DQ_B, BN), (0, 0))))
+        tQrdS = acc_as_frg_a(rdS)
+        accQ = cute.make_rmem_tensor(thr_q.partition_shape_C((M, self.DQ_B)), Float32)
+        cQ = acc_mn_view(thr_q.partition_C(cute.make_identity_tensor((M, self.DQ_B))))
+        mma_dp.set(warpgroup.Field.ACCUMULATE, True)
+        mma_q.set(warpgroup.Field.ACCUMULATE, True)
+        kvc = self.dkv_chunk_state(sh, ctid)
+        delta = cute.make_rmem_tensor(NR, Float32)
+        q4 = ctid % 4
+        scale = a.softmax_scale
+        dq_policy = l2_evict_first_policy()
+
+        gt = Int32(0)
+        it = Int32(0)
+        for item in cutlass.range(bidx, n_items, nctas, unroll=1):
+            tok, head0, kmax, ntiles = self.item_setup(a, item)
+            accQ.fill(0.0)
+            # delta of the thread's rows: lane q of the quad sums columns 8 (4 i + q) .. + 8, then the quad
+            for r in cutlass.range_constexpr(NR):
+                row = Int64(tok) * self.H + head0 + cD[r, 0][0]
+                o_row = a.p_out + row * self.D_V
+                do_row = a.p_dout + row * self.D_V
+                acc = Float32(0.0)
+                for i in cutlass.range_constexpr(self.D_V // 32):
+                    for e in cutlass.range_constexpr(8):
+                        col = 8 * (4 * i + q4) + e
+                        acc += (o_row + col).load().to(Float32) * (do_row + col).load().to(Float32)
+                acc += cute.arch.shuffle_sync_bfly(acc, offset=1)
+                acc += cute.arch.shuffle_sync_bfly(acc, offset=2)
+                delta[r] = acc
+                if q4 == 0:
+                    (a.p_delta + row).store(acc)
+            cute.arch.mbarrier_wait(sh.q_mbar, it % 2)
+            for j in cutlass.range(ntiles, unroll=1):
+                g = gt + j
+                # dP = dO V^T
+                cute.arch.mbarrier_wait(sh.kv_ready, g % 2)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                accdP.fill(0.0)
+                warpgroup.fence()
+                for ks in cutlass.range_constexpr(self.D_V // 16):
+                    cute.gemm(mma_dp, accdP, tDrdO[None, None, ks], tDrV[None, None, ks], accdP)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                # dS = scale * P * (dP - delta)
+                cute.arch.barrier(barrier_id=self.BAR_P, number_of_threads=256)
+                cute.copy(ldsm, tLsP, tLrP)
+                rPf.store(rPb.load().to(Float32))
+                for r in cutlass.range_constexpr(NR):
+                    for c in cutlass.range_constexpr(NC):
+                        dMN[r, c] = pMN[r, c] * (dMN[r, c] - delta[r]) * scale
+                rdS.store(accdP.load().to(DT))
+                if g > 0:
+                    cute.arch.barrier(barrier_id=self.BAR_A_DONE, number_of_threads=256)   # A's reads of sdS done
+                cute.copy(stsm, tSrdS, tSsdS)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier_arrive(barrier_id=self.BAR_DS, number_of_threads=256)
+                # dQ[:, :256] += dS K[:, :256] (dS from registers)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(BN // 16):
+                    cute.gemm(mma_q, accQ, tQrdS[None, None, kb], tQrK[None, None, kb], accQ)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                cute.arch.mbarrier_arrive(sh.kv_free)
+                cute.arch.mbarrier_wait(sh.ids_mbar + (g % 2), (g // 2) % 2)
+                for ch in cutlass.range_constexpr(self.CHUNKS_A, self.NKB):
+                    self.dkv_chunk(a, sh, kvc, ch, item, j, g, q4)
+                cute.arch.barrier_arrive(barrier_id=self.BAR_B_DONE, number_of_threads=256)
+            cute.arch.mbarrier_arrive(sh.qdo_free)
+            oq = acc_mn_view(accQ)
+            for r in cutlass.range_constexpr(NR):
+                self.store_dq_row(a, oq, r, tok, head0 + cQ[r, 0][0], 0, q4, dq_policy)
+            gt += ntiles
+            it += 1
+        if gt > 0:
+            cute.arch.barrier(barrier_id=self.BAR_A_DONE, number_of_threads=256)   # A's last arrival
+
+    # --------------------------------------------------------------------------------------------- dKV chunks
+    def dkv_chunk_state(self, sh, ctid):
+        """The dKV chunk MMA (M = the tile's rows, N = 64 columns, K = the 64 heads; both operands MN-major views),
+        its P^T / dS^T fragments, the dO^T / Q^T views, the accumulator and its coordinates."""
+        DT, M, BN = self.dtype, self.M, self.BN
+        mma = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
+                                                (1, 1, 1), tiler_mn=(BN, 64))
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+        thr = mma.get_slice(ctid)
+        sPt = cute.composition(sh.sP, cute.make_layout((BN, M), stride=(M, 1)))          # (n, h) = sP[h, n]
+        sdSt = cute.composition(sh.sdS, cute.make_layout((BN, M), stride=(M, 1)))
+        sdOt = cute.composition(sh.sdO, cute.make_layout((self.D_V, M), stride=(M, 1)))   # (d, h) = sdO[h, d]
+        sQt = cute.composition(sh.sQ, cute.make_layout((self.D_QK, M), stride=(M, 1)))
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((BN, 64)), Float32)
+        return dict(mma=mma, thr=thr, tPt=mma.make_fragment_A(thr.partition_A(sPt)),
+                    tdSt=mma.make_fragment_A(thr.partition_A(sdSt)), sdOt=sdOt, sQt=sQt, acc=acc,
+                    kMN=acc_mn_view(acc), cK=acc_mn_view(thr.partition_C(cute.make_identity_tensor((BN, 64)))))
+
+    @cute.jit
+    def dkv_chunk(self, a, sh, kvc, ch: int, item, j, g, q4):
+        """dKV chunk `ch` (columns 64 ch ..) of tile j of `item` = P^T dO_ch (ch < NVB) + dS^T Q_ch, then added to
+        the rows of the tile's ids (or stored per slot when deterministic). The lanes q, q ^ 1 of a quad swap one
+        column pair per two 8-column groups, so that each lane holds 4 consecutive columns: lane q even keeps
+        group 2k (columns 8 (2k) + 2q + 0..3), lane q odd group 2k + 1 (columns 8 (2k + 1) + 2 (q - 1) + 0..3)."""
+        mma, thr, acc, kMN, cK = kvc["mma"], kvc["thr"], kvc["acc"], kvc["kMN"], kvc["cK"]
+        tdO = mma.make_fragment_B(thr.partition_B(cute.local_tile(kvc["sdOt"], (64, self.M), (ch if ch < self.NVB
+                                                                                             else 0, 0))))
+        tQ = mma.make_fragment_B(thr.partition_B(cute.local_tile(kvc["sQt"], (64, self.M), (ch, 0))))
+        acc.fill(0.0)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(self.M // 16):
+            if const_expr(ch < self.NVB):
+                cute.gemm(mma, acc, kvc["tPt"][None, None, kb], tdO[None, None, kb], acc)
+            cute.gemm(mma, acc, kvc["tdSt"][None, None, kb], tQ[None, None, kb], acc)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        q_odd = q4 % 2 == 1
+        base_col = ch * 64
+        for r in cutlass.range_constexpr(cute.size(kMN, mode=[0])):
+            n = cK[r, 0][0]
+            kv = sh.sIds[(g % 2) * self.BN + n]
+            for k in cutlass.range_constexpr(cute.size(kMN, mode=[1]) // 4):
+                # this lane's columns: group 2k: kMN[r, 4k], [4k + 1]; group 2k + 1: kMN[r, 4k + 2], [4k + 3]
+                x0 = cute.arch.shuffle_sync_bfly(kMN[r, 4 * k + 0] if q_odd else kMN[r, 4 * k + 2], offset=1)
+                x1 = cute.arch.shuffle_sync_bfly(kMN[r, 4 * k + 1] if q_odd else kMN[r, 4 * k + 3], offset=1)
+                # q even: own group-2k pair, then the partner's; q odd: the partner's group-2k+1 pair, then own
+                v0 = x0 if q_odd else kMN[r, 4 * k + 0]
+                v1 = x1 if q_odd else kMN[r, 4 * k + 1]
+                v2 = kMN[r, 4 * k + 2] if q_odd else x0
+                v3 = kMN[r, 4 * k + 3] if q_odd else x1
+                col = base_col + cK[r, 4 * k][1] + (Int32(6) if q_odd else Int32(0))
+                if const_expr(self.deterministic):
+                    slot = j * self.BN + n
+                    if slot < a.topk:
+                        dst = a.p_dkv + ((Int64(item) * Int64(a.topk) + slot) * self.D_QK + col)
+                        st_global_v4_f32(dst, v0, v1, v2, v3)
+                else:
+                    if kv >= 0:
+                        red_add_v4_f32(a.p_dkv + (Int64(kv) * self.D_QK + col), v0, v1, v2, v3)
+
+    # --------------------------------------------------------------------------------------------- dQ stores
+    @cute.jit
+    def store_dq_row(self, a, oMN, r: int, tok, head, col0: int, q4, policy):
+        """dq[tok, head, col0:][:width] = accumulator row r (bf16 / fp16) as 16-byte stores after a 4 x 4 word
+        transpose over the quad (lane q then holds columns 8 (4 J + q) .. + 8 of each group of 32)."""
+        q_hi = q4 >= 2
+        q_odd = q4 % 2 == 1
+        row = a.p_dq + ((Int64(tok) * self.H + head) * self.D_QK + (col0 + 8 * q4))
+        for jg in cutlass.range_constexpr(cute.size(oMN, mode=[1]) // 8):
+            w0 = pack_f32x2(oMN[r, 8 * jg + 0], oMN[r, 8 * jg + 1], self.fp16)
+            w1 = pack_f32x2(oMN[r, 8 * jg + 2], oMN[r, 8 * jg + 3], self.fp16)
+            w2 = pack_f32x2(oMN[r, 8 * jg + 4], oMN[r, 8 * jg + 5], self.fp16)
+            w3 = pack_f32x2(oMN[r, 8 * jg + 6], oMN[r, 8 * jg + 7], self.fp16)
+            x = cute.arch.shuffle_sync_bfly(w0 if q_hi else w2, offset=2)
+            y = cute.arch.shuffle_sync_bfly(w1 if q_hi else w3, offset=2)
+            w0 = x if q_hi else w0
+            w1 = y if q_hi else w1
+            w2 = w2 if q_hi else x
+            w3 = w3 if q_hi else y
+            x = cute.arch.shuffle_sync_bfly(w0 if q_odd else w1, offset=1)
+            y = cute.arch.shuffle_sync_bfly(w2 if q_odd else w3, offset=1)
+            w0 = x if q_odd else w0
+            w2 = y if q_odd else w2
+            w1 = w1 if q_odd else x
+            w3 = w3 if q_odd else y
+            st_global_v4_b32(row + 32 * jg, w0, w1, w2, w3, policy)

@@ -1,0 +1,249 @@
+"""Fused (generated-kernel) sparse MLA attention backward, flat layout (cuDNN frontend DSA §2 Sparse Attention
+Backward; the batched layout is flattened by dsagen.ops.sparse_attention before it gets here).
+
+`sparse_attention_backward(q, kv, out, dout, lse, topk_idxs, *, attn_sink, topk_length, softmax_scale, d_v,
+deterministic, workspace[, config])` returns `(dq, dkv, d_sink)` and runs the sm_90a kernel of
+`SparseAttnBwdSpec` (kernel module sparse_mla_bwd/bwd_sm90.py). It is the `torch.library` custom op
+`dsagen::sparse_attention_bwd`, with a fake implementation, so torch.compile sees one opaque node; nothing in it
+synchronizes with the host, so a forward + backward step is CUDA-graph capturable once the kernels are loaded.
+
+Per call:
+  1. the kernel writes dq, delta = rowsum(out * dout) and the dKV terms: deterministic=False adds them to an FP32
+     (total_S_kv, D_qk) accumulator by atomics (zeroed first); deterministic=True stores them per (query row,
+     64-head block, slot) into an FP32 buffer, a token chunk at a time, and `index_put_(accumulate=True)` (sorted
+     ids, each id's rows summed in slot order) adds each chunk to the accumulator: bitwise the same run to run;
+  2. dkv = the accumulator cast to kv's dtype; d_sink[h] = -sum_t exp(sink[h] - logaddexp(lse, sink)) * delta
+     (a fixed-order torch reduction).
+
+Scratch (FP32), all of it in `workspace` when the caller passes one (`workspace_numel` gives its size):
+  * the accumulator: (total_S_kv + 1) * D_qk (one spare row takes the deterministic mode's invalid slots);
+  * delta: total_S_q * H_kernel;
+  * deterministic only: the per-slot buffer, rows_per_chunk * (H_kernel / 64) * K * D_qk, rows_per_chunk chosen so
+    that it stays within DETERMINISTIC_CHUNK_BYTES (256 MiB) and at least one query row.
+Heads: 64 and 128 natively; 1..63 are zero-padded to 64 and 65..127 to 128 (padded heads get lse = +inf: P = 0).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...jit import get_kernel
+from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
+from .spec import SparseAttnBwdConfig, SparseAttnBwdSpec, config_for
+
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_MAX_GRID_X = 2**31 - 1
+DETERMINISTIC_CHUNK_BYTES = 256 * 2**20
+
+
+def kernel_heads(num_heads: int) -> int:
+    """The heads of the kernel that serves `num_heads` query heads: 64 (fewer are padded to it) or 128."""
+    return 64 if num_heads <= 64 else 128
+
+
+def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a", deterministic: bool = False,
+             config: SparseAttnBwdConfig | None = None) -> SparseAttnBwdSpec:
+    """The kernel spec that serves `num_heads` query heads (after padding to 64 or 128) under `config` (default:
+    the op's, config_for)."""
+    hp = kernel_heads(num_heads)
+    if config is None:
+        config = config_for(hp, d_qk, dtype, arch, None)
+    return config.spec(hp, d_qk, _DTYPES[dtype], arch, deterministic=deterministic)
+
+
+def supported_reason(q: torch.Tensor, d_v: int) -> str:
+    """Why the fused backward cannot run these inputs ("" when it can)."""
+    h, d_qk = q.shape[-2], q.shape[-1]
+    if q.dtype not in _DTYPES:
+        return f"q has dtype {q.dtype}; the fused backward takes bfloat16 or float16 (use impl='reference')"
+    if d_qk not in (512, 576):
+        return f"D_qk={d_qk}; the fused backward takes 512 or 576 (use impl='reference')"
+    if d_v != 512:
+        return f"d_v={d_v}; the fused backward takes 512 (use impl='reference')"
+    if h > 128:
+        return f"H={h}; the fused backward takes at most 128 heads (use impl='reference')"
+    return ""
+
+
+def _check_supported(q: torch.Tensor, d_v: int) -> None:
+    reason = supported_reason(q, d_v)
+    if reason:
+        raise NotImplementedError(f"sparse_attention_backward: {reason}")
+
+
+def chunk_rows(num_heads: int, topk: int, d_qk: int) -> int:
+    """Query rows per launch in deterministic mode: the per-slot buffer of that many rows fits
+    DETERMINISTIC_CHUNK_BYTES (at least one row)."""
+    per_row = (kernel_heads(num_heads) // 64) * max(topk, 1) * d_qk * 4
+    return max(1, DETERMINISTIC_CHUNK_BYTES // per_row)
+
+
+def workspace_numel(s_q: int, num_heads: int, n_kv: int, topk: int, d_qk: int, deterministic: bool) -> int:
+    """FP32 elements of scratch a call needs (pass a CUDA float32 tensor of at least this many elements as
+    `workspace` to allocate no scratch in the call, e.g. inside a captured CUDA graph)."""
+    hp = kernel_heads(num_heads)
+    n = (n_kv + 1) * d_qk + s_q * hp
+    if deterministic:
+        n += min(max(s_q, 1), chunk_rows(num_heads, topk, d_qk)) * (hp // 64) * max(topk, 1) * d_qk
+    return n
+
+
+_launch_plans: dict = {}
+
+
+def _launch_plan(h: int, d_qk: int, dtype: torch.dtype, device: torch.device, deterministic: bool,
+                 config: SparseAttnBwdConfig | None = None) -> tuple[SparseAttnBwdSpec, LoadedKernel, int]:
+    """The spec, loaded kernel and n_ctas argument of a call (cached per call shape and config)."""
+    key = (h, d_qk, dtype, device, deterministic, config)
+    plan = _launch_plans.get(key)
+    if plan is None:
+        arch = device_arch(device)
+        num_sms = device_sm_count(device_index(device))
+        cfg = config_for(kernel_heads(h), d_qk, dtype, arch, num_sms) if config is None else config
+        spec = spec_for(h, d_qk, dtype, arch, deterministic, cfg)
+        plan = _launch_plans[key] = (spec, get_kernel(spec, device_index(device)), cfg.n_ctas(num_sms))
+    return plan
+
+
+def _padded_heads(t: torch.Tensor, hp: int, fill: float = 0.0) -> torch.Tensor:
+    """t `(S_q, H, ...)` with heads padded to hp by `fill` (t itself, made contiguous, when H == hp)."""
+    if t.shape[1] == hp:
+        return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+    out = t.new_full((t.shape[0], hp, *t.shape[2:]), fill)
+    out[:, :t.shape[1]] = t
+    return out
+
+
+def _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_scale: float, d_v: int,
+            deterministic: bool, workspace: torch.Tensor | None, config: SparseAttnBwdConfig | None = None):
+    """Launch the kernel on flat-layout inputs that supported_reason accepted (its callers check)."""
+    s_q, h, d_qk = q.shape
+    n_kv, k_width = kv.shape[0], topk_idxs.shape[1]
+    spec, kernel, n_ctas = _launch_plan(h, d_qk, q.dtype, q.device, deterministic, config)
+    hp = spec.num_heads
+    hb = hp // 64
+    if s_q * hb > _MAX_GRID_X:
+        raise ValueError(f"sparse_attention_backward: total_S_q={s_q} exceeds the fused kernel's grid limit")
+    if n_kv > 2**31 - 1:
+        raise ValueError(f"sparse_attention_backward: kv has {n_kv} rows; ids are int32, at most 2**31 - 1 rows")
+
+    q_st = q.stride()
+    if hp != h:
+        q = _padded_heads(q, hp)
+    elif q_st[2] != 1 or q_st[1] != d_qk or q_st[0] % 8 or q.data_ptr() % 16:
+        q = q.clone(memory_format=torch.contiguous_format)
+    kv_st = kv.stride()
+    if kv_st[1] != 1 or kv_st[0] % 8 or kv.data_ptr() % 16:
+        kv = kv.clone(memory_format=torch.contiguous_format)
+    if topk_idxs.stride(1) != 1 and k_width > 1:
+        topk_idxs = topk_idxs.contiguous()
+    out_p = _padded_heads(out, hp)
+    dout_p = _padded_heads(dout, hp)
+    lse_p = _padded_heads(lse.to(torch.float32), hp, float("inf"))
+    sink = None
+    if attn_sink is not None:
+        sink = attn_sink.to(torch.float32)
+        if hp != h:
+            sink = torch.cat([sink, sink.new_zeros(hp - h)])
+        sink = sink.contiguous()
+    length = None if topk_length is None else topk_length.to(torch.int32).contiguous()
+
+    need = workspace_numel(s_q, h, n_kv, k_width, d_qk, deterministic)
+    if workspace is None:
+        ws = torch.empty(need, dtype=torch.float32, device=q.device)
+    else:
+        if (workspace.dtype != torch.float32 or workspace.device != q.device or not workspace.is_contiguous()
+                or workspace.numel() < need):
+            raise ValueError(f"sparse_attention_backward: workspace must be a contiguous float32 tensor on "
+                             f"{q.device} with at least {need} elements (got {workspace.dtype} "
+                             f"{tuple(workspace.shape)} on {workspace.device})")
+        ws = workspace
+    acc = ws[:(n_kv + 1) * d_qk].view(n_kv + 1, d_qk)
+    delta = ws[(n_kv + 1) * d_qk:(n_kv + 1) * d_qk + s_q * hp].view(s_q, hp)
+    acc.zero_()
+    dq = torch.empty((s_q, hp, d_qk), dtype=q.dtype, device=q.device)
+
+    def run(t0: int, t1: int, target: torch.Tensor) -> None:
+        kernel.launch(q[t0:t1], kv, topk_idxs[t0:t1], topk_idxs if length is None else length[t0:t1],
+                      lse_p if sink is None else sink, out_p[t0:t1], dout_p[t0:t1], lse_p[t0:t1], dq[t0:t1],
+                      target, delta[t0:t1], t1 - t0, n_kv, k_width, q.stride(0), kv.stride(0) if n_kv else d_qk,
+                      topk_idxs.stride(0) if k_width else 0, float(softmax_scale), int(length is not None),
+                      int(sink is not None), n_ctas)
+
+    if s_q > 0 and not deterministic:
+        run(0, s_q, acc)
+    elif s_q > 0:
+        rows = min(s_q, chunk_rows(h, k_width, d_qk))
+        buf_start = (n_kv + 1) * d_qk + s_q * hp
+        buf = ws[buf_start:buf_start + rows * hb * max(k_width, 1) * d_qk]
+        slots = torch.arange(k_width, device=q.device, dtype=torch.int32)
+        for t0 in range(0, s_q, rows):
+            t1 = min(s_q, t0 + rows)
+            ids = topk_idxs[t0:t1]
+            valid = (ids >= 0) & (ids < n_kv)
+            if length is not None:
+                valid &= slots.view(1, -1) < length[t0:t1].view(-1, 1)
+            target = ids.to(torch.int64).masked_fill(~valid, n_kv)                    # invalid -> the spare row
+            target = target.unsqueeze(1).expand(t1 - t0, hb, k_width).reshape(-1)
+            chunk = buf[:(t1 - t0) * hb * k_width * d_qk].view(-1, d_qk)
+            if length is not None:
+                chunk.zero_()        # slots past a row's length are never written by the kernel
+            run(t0, t1, chunk)
+            acc.index_put_((target,), chunk, accumulate=True)
+    dkv = acc[:n_kv].to(kv.dtype)
+    d_sink = None
+    if sink is not None:
+        lse_s = torch.logaddexp(lse_p, sink.view(1, -1))
+        d_sink = -(torch.exp(sink.view(1, -1) - lse_s) * delta).sum(dim=0)[:h].to(attn_sink.dtype)
+    if hp != h:
+        dq = dq[:, :h].contiguous()
+    return dq, dkv, d_sink
+
+
+@torch.library.custom_op("dsagen::sparse_attention_bwd", mutates_args=())
+def _sparse_attention_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                          lse: torch.Tensor, topk_idxs: torch.Tensor, attn_sink: Optional[torch.Tensor],
+                          topk_length: Optional[torch.Tensor], softmax_scale: float, d_v: int,
+                          deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # a custom op cannot return None: without a sink, d_sink is an empty (0,) tensor that the caller drops
+    _check_supported(q, d_v)
+    dq, dkv, d_sink = _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_scale, d_v,
+                              deterministic, None)
+    return dq, dkv, q.new_empty((0,), dtype=torch.float32) if d_sink is None else d_sink
+
+
+@_sparse_attention_bwd.register_fake
+def _sparse_attention_bwd_fake(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_scale, d_v,
+                               deterministic):
+    d_sink = q.new_empty((0,), dtype=torch.float32) if attn_sink is None else attn_sink.new_empty(attn_sink.shape)
+    return torch.empty_like(q), torch.empty_like(kv), d_sink
+
+
+def sparse_attention_backward(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                              lse: torch.Tensor, topk_idxs: torch.Tensor, *, attn_sink: torch.Tensor | None,
+                              topk_length: torch.Tensor | None, softmax_scale: float, d_v: int,
+                              deterministic: bool = False, workspace: torch.Tensor | None = None,
+                              config: SparseAttnBwdConfig | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Flat-layout fused backward (inputs already validated by dsagen.ops.sparse_attention).
+
+    q `(S_q, H, D_qk)` bf16/fp16 CUDA, kv `(S_kv, D_qk)`, out / dout `(S_q, H, d_v)`, lse `(S_q, H)` FP32 (the
+    forward's, KV-only), topk_idxs int32 `(S_q, K)` global ids, attn_sink `(H,)` FP32/FP64 or None, topk_length
+    int32 `(S_q,)` or None. workspace: None or a contiguous CUDA float32 tensor of at least workspace_numel(...)
+    elements (then the call allocates only its outputs). config: None (the op's) or another SparseAttnBwdConfig
+    (eager calls only). Returns dq `(S_q, H, D_qk)` in q.dtype, dkv `(S_kv, D_qk)` in kv.dtype, d_sink `(H,)` in
+    attn_sink.dtype (None without a sink).
+    Raises NotImplementedError (with the reason) for inputs the kernel does not cover.
+    """
+    _check_supported(q, d_v)
+    if torch.compiler.is_compiling():
+        if config is not None or workspace is not None:
+            raise NotImplementedError("sparse_attention_backward: config= and workspace= are for eager calls "
+                                      "(the custom op allocates its scratch)")
+        dq, dkv, d_sink = _sparse_attention_bwd(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length,
+                                                float(softmax_scale), int(d_v), bool(deterministic))
+        return dq, dkv, None if attn_sink is None else d_sink
+    return _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v),
+                   bool(deterministic), workspace, config)

@@ -1,0 +1,127 @@
+"""Spec family of the fused sparse MLA attention backward (cuDNN frontend DSA §2 Sparse Attention Backward).
+
+With the forward's KV-only lse and the per-head sink in the denominator only, for every query row t, head h and
+valid slot j (0 <= id < total_S_kv and j < topk_length[t]):
+    lse_s[t, h] = logaddexp(lse[t, h], sink[h])           (lse alone without a sink; +inf stays +inf)
+    P[t, h, j]  = exp(scale * q[t, h] . kv[id] - lse_s)
+    delta[t, h] = sum_d out[t, h, d] * dout[t, h, d]
+    dS[t, h, j] = scale * P * (dout[t, h] . kv[id, :d_v] - delta)
+    dq[t, h]    = sum_j dS[t, h, j] * kv[id]
+    dkv[id]    += sum_h P[t, h, j] * dout[t, h] (columns < d_v) + dS[t, h, j] * q[t, h]
+    d_sink[h]   = -sum_t exp(sink[h] - lse_s[t, h]) * delta[t, h]     (host side, from the kernel's delta)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...spec.base import KernelSpec, register_spec
+
+# 3 warpgroups launch with floor(65536 / 384 / 8) * 8 = 168 registers per thread; setmaxnreg moves registers
+# between them inside that pool, so the three budgets sum to at most 3 * 168 = 504 (else setmaxnreg.inc hangs).
+_REGS_AT_LAUNCH = 65536 // 384 // 8 * 8
+_REG_TOTAL = 3 * _REGS_AT_LAUNCH
+
+
+@register_spec
+@dataclass(frozen=True)
+class SparseAttnBwdSpec(KernelSpec):
+    """Fused sparse MLA backward for Hopper (kernel: sparse_mla_bwd/bwd_sm90.py, bound by bwd_sm90.py.j2). An item
+    is (query row, 64 heads); a persistent grid of CTAs loops over the items; per item Q and dO stay in shared
+    memory and the item's top-k slots go by in 64-row tiles gathered by a producer warpgroup (cp.async, zero-filled
+    for invalid ids) into one KV stage. Consumer A (WG1) computes S = Q K^T, P, dQ[:, 256:] += dS K[:, 256:] and
+    the dKV column chunks 0..3; consumer B (WG2) delta, dP = dO V^T, dS, dQ[:, :256] += dS K[:, :256] and the
+    chunks 4..; a chunk is dKV[rows, 64 columns] = P^T dO + dS^T Q. The KV stage is refilled while the consumers
+    compute the dKV chunks (they read only Q, dO, P and dS).
+
+    num_heads: query heads the kernel is built for (64 or 128; 64 heads per item). Other head counts are padded
+      to 64 or 128 by dsagen.kernels.sparse_mla_bwd.host.
+    d_qk: query/key width (512, or 576 = 512 latent + 64 RoPE). d_v: value width, the first d_v columns (512).
+    dtype: q, kv, out, dout and dq dtype ("bfloat16" or "float16").
+    deterministic: False: the dKV chunks go to an FP32 (total_S_kv, d_qk) accumulator by FP32 atomic adds.
+      True: no atomics; chunk rows are stored per (item, slot) into a (total_S_q * num_heads / 64, topk, d_qk)
+      FP32 buffer that the host sums per id in a fixed order.
+    regs_producer / regs_a / regs_b: setmaxnreg budgets of WG0, WG1 and WG2 (the op's: SparseAttnBwdConfig).
+
+    Sequence lengths, top-k width, KV pool size, softmax scale and the CTA count are run-time arguments.
+    """
+
+    op = "sparse_attention_bwd"
+    template = "sparse_mla_bwd/bwd_{arch}.py.j2"
+
+    num_heads: int = 128
+    d_qk: int = 576
+    d_v: int = 512
+    dtype: str = "bfloat16"
+    deterministic: bool = False
+    regs_producer: int = 40
+    regs_a: int = 240
+    regs_b: int = 224
+
+    def reasons(self) -> list[str]:
+        out = super().reasons()
+        if self.arch != "sm_90a":
+            out.append(f"arch {self.arch!r}: the fused sparse attention backward exists for sm_90a only "
+                       f"(Hopper wgmma); use impl='reference' elsewhere")
+        if self.num_heads not in (64, 128):
+            out.append(f"num_heads={self.num_heads} must be 64 or 128 (pad 16/32 heads to 64 in the op)")
+        if self.d_qk not in (512, 576):
+            out.append(f"d_qk={self.d_qk} must be 512 or 576")
+        if self.d_v != 512:
+            out.append(f"d_v={self.d_v} must be 512")
+        if self.dtype not in ("bfloat16", "float16"):
+            out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
+        if not isinstance(self.deterministic, bool):
+            out.append(f"deterministic={self.deterministic!r} must be a bool")
+        regs = (self.regs_producer, self.regs_a, self.regs_b)
+        if any(r % 8 or not 24 <= r <= 256 for r in regs):
+            out.append(f"regs_producer/regs_a/regs_b={regs} must each be a multiple of 8 in [24, 256]")
+        elif sum(regs) > _REG_TOTAL:
+            out.append(f"regs_producer + regs_a + regs_b = {sum(regs)} exceeds {_REG_TOTAL} "
+                       f"(3 warpgroups x {_REGS_AT_LAUNCH} registers at launch; setmaxnreg cannot grow the pool)")
+        return out
+
+
+def _dtype_name(dtype) -> str:
+    """"bfloat16" / "float16" from a dtype name or a torch dtype (without importing torch)."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class SparseAttnBwdConfig:
+    """Every launch choice of the fused sparse MLA backward: the register budgets become SparseAttnBwdSpec fields
+    (spec()), the grid is a launch argument (n_ctas()). config_for picks the op's; a benchmark or test that tries
+    a variant passes dataclasses.replace(config, ...) to dsagen.kernels.sparse_mla_bwd.host.
+
+    regs_producer / regs_a / regs_b: setmaxnreg budgets, 40 + 240 + 224 = 504, the launch's 3 x 168 registers.
+      Consumer A holds dQ[:, 256:] (160 FP32 at D576) next to its S / chunk accumulator, B dQ[:, :256] (128) next
+      to dP and dS; the producer only computes addresses.
+    grid: "persistent" (one CTA per SM, each looping over the items) or an int n (at most n CTAs).
+    """
+
+    regs_producer: int = 40
+    regs_a: int = 240
+    regs_b: int = 224
+    grid: str | int = "persistent"
+
+    def __post_init__(self) -> None:
+        g = self.grid
+        if not (g == "persistent" or (isinstance(g, int) and not isinstance(g, bool) and g >= 1)):
+            raise ValueError(f"SparseAttnBwdConfig.grid={g!r} must be 'persistent' or a positive int")
+
+    def spec(self, num_heads: int, d_qk: int, dtype, arch: str = "sm_90a", d_v: int = 512,
+             deterministic: bool = False) -> SparseAttnBwdSpec:
+        """The kernel spec of this config for a kernel of `num_heads` (64 or 128) heads."""
+        return SparseAttnBwdSpec(arch=arch, num_heads=num_heads, d_qk=d_qk, d_v=d_v, dtype=_dtype_name(dtype),
+                                 deterministic=bool(deterministic), regs_producer=self.regs_producer,
+                                 regs_a=self.regs_a, regs_b=self.regs_b)
+
+    def n_ctas(self, num_sms: int) -> int:
+        """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(items, n_ctas))."""
+        return num_sms if self.grid == "persistent" else self.grid
+
+
+def config_for(num_heads: int, d_qk: int, dtype, arch: str, num_sms: int | None) -> SparseAttnBwdConfig:
+    """The config the op runs for `num_heads` query heads (padded to 64 or 128), `d_qk`, `dtype` on `arch` with
+    `num_sms` SMs (None: any): one config for every shape (notes/kernels/sparse_attention_backward.md)."""
+    return SparseAttnBwdConfig()

@@ -32,6 +32,7 @@ _OPS = {
     "indexer_backward": "dsagen.ops.indexer_training",
     "dense_indexer_backward": "dsagen.ops.indexer_training",
     "sparse_attention": "dsagen.ops.sparse_attention",
+    "sparse_attention_backward": "dsagen.ops.sparse_attention",
     "sparse_attn_score_recompute": "dsagen.ops.sparse_attention",
     "dense_attn_score_recompute": "dsagen.ops.sparse_attention",
     "qsa_indexed_forward": "dsagen.ops.qsa",
@@ -39,11 +40,16 @@ _OPS = {
     "native_sparse_attention": "dsagen.ops.nsa",
 }
 
-__all__ = ["DsagenError", *sorted(_OPS)]
+# public helpers of the ops that are not ops themselves (no impl argument): name -> module that defines it
+_HELPERS = {
+    "sparse_attention_backward_workspace": "dsagen.ops.sparse_attention",
+}
+
+__all__ = ["DsagenError", *sorted(_OPS), *sorted(_HELPERS)]
 
 
 def __getattr__(name: str):
-    mod = _OPS.get(name)
+    mod = _OPS.get(name) or _HELPERS.get(name)
     if mod is None:
         raise AttributeError(f"module 'dsagen' has no attribute {name!r}")
     value = globals()[name] = getattr(importlib.import_module(mod), name)  # later lookups skip this hook
@@ -51,4 +57,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_OPS))
+    return sorted(set(globals()) | set(_OPS) | set(_HELPERS))

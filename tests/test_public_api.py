@@ -11,12 +11,44 @@ import pytest
 
 import dsagen
 
-OPS = [n for n in dsagen.__all__ if n != "DsagenError"]
+OPS = sorted(dsagen._OPS)
+HELPERS = sorted(dsagen._HELPERS)
 
 
-def test_all_lists_the_ops_and_the_error_base():
-    assert dsagen.__all__[0] == "DsagenError" and len(OPS) == len(dsagen.__all__) - 1 >= 16
-    assert all(n[0].islower() for n in OPS)
+def test_all_lists_the_ops_helpers_and_the_error_base():
+    assert dsagen.__all__ == ["DsagenError", *OPS, *HELPERS] and len(OPS) >= 17
+    assert all(n[0].islower() for n in OPS + HELPERS)
+    assert not set(OPS) & set(HELPERS)
+    assert "sparse_attention_backward" in OPS and "sparse_attention_backward_workspace" in HELPERS
+    assert set(dir(dsagen)) >= set(dsagen.__all__)
+
+
+@pytest.mark.parametrize("name", HELPERS)
+def test_public_helper_is_documented_and_typed(name):
+    fn = getattr(dsagen, name)
+    doc = inspect.getdoc(fn) or ""
+    assert len(doc) > 300, f"{name}: docstring too short to state shapes, dtypes and errors"
+    assert "Raises" in doc and "Returns" in doc, f"{name}: docstring does not say what it returns and raises"
+    sig = inspect.signature(fn)
+    assert sig.return_annotation is not inspect.Signature.empty, f"{name}: no return annotation"
+    unannotated = [p for p, v in sig.parameters.items() if v.annotation is inspect.Parameter.empty]
+    assert not unannotated, f"{name}: parameters without annotations: {unannotated}"
+
+
+def test_sparse_attention_backward_signature():
+    """The backward takes the forward's arguments plus out, dout and lse, and the fused kernel's options."""
+    sig = inspect.signature(dsagen.sparse_attention_backward)
+    assert list(sig.parameters) == ["q", "kv", "out", "dout", "lse", "topk_idxs", "attn_sink", "topk_length",
+                                    "softmax_scale", "d_v", "deterministic", "workspace", "impl"]
+    kw_only = [p for p, v in sig.parameters.items() if v.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert kw_only == list(sig.parameters)[6:]
+    defaults = {p: v.default for p, v in sig.parameters.items() if p in kw_only}
+    assert defaults == dict(attn_sink=None, topk_length=None, softmax_scale=None, d_v=None, deterministic=False,
+                            workspace=None, impl="fused")
+    doc = inspect.getdoc(dsagen.sparse_attention_backward)
+    for needle in ("cuDNN frontend DSA §2", "deterministic", "workspace", "sparse_attention_backward_workspace",
+                   "FP32", "batched", "NotImplementedError"):
+        assert needle in doc, needle
 
 
 @pytest.mark.parametrize("name", OPS)

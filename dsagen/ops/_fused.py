@@ -3,6 +3,11 @@
 FUSED maps an op name to "module:function" of its fused implementation. An op without an entry has no
 fused kernel yet: `fused_impl` raises NotImplementedError naming the op and the arch, never falling back
 to the reference silently.
+
+Ops that run under `torch.compile` (the sparse MLA forward and backward, and the autograd backward that calls the
+latter) may be resolved for the first time while Dynamo traces: `importlib.import_module` cannot be traced, so
+their host modules are also listed in `_TRACEABLE_IMPORTS`, whose loaders are plain `from ... import` statements
+that Dynamo executes. A `torch.compile(fullgraph=True)` program therefore needs no eager warm-up call to find them.
 """
 
 from __future__ import annotations
@@ -17,6 +22,26 @@ FUSED: dict[str, str] = {
     "local_to_global": "dsagen.kernels.indices.host:local_to_global",
     "lightning_indexer": "dsagen.kernels.lightning_indexer.host:lightning_indexer",
     "sparse_attention": "dsagen.kernels.sparse_mla.host:sparse_attention",
+    "sparse_attention_backward": "dsagen.kernels.sparse_mla_bwd.host:sparse_attention_backward",
+    # the scratch size of sparse_attention_backward's workspace (FP32 elements)
+    "sparse_attention_backward_workspace_numel": "dsagen.kernels.sparse_mla_bwd.host:workspace_numel",
+}
+
+
+def _sparse_mla_host():
+    from ..kernels.sparse_mla import host
+    return host
+
+
+def _sparse_mla_bwd_host():
+    from ..kernels.sparse_mla_bwd import host
+    return host
+
+
+# host module -> a loader Dynamo can trace (static imports), for the ops reachable from a compiled program
+_TRACEABLE_IMPORTS: dict[str, Callable] = {
+    "dsagen.kernels.sparse_mla.host": _sparse_mla_host,
+    "dsagen.kernels.sparse_mla_bwd.host": _sparse_mla_bwd_host,
 }
 
 
@@ -39,7 +64,15 @@ def fused_impl(op: str, device: torch.device) -> Callable:
         raise NotImplementedError(f"{op}: no fused kernel exists yet for {device_arch(device)}; "
                                   f"use impl='reference'")
     mod, name = target.split(":")
-    fn = _resolved[op] = getattr(importlib.import_module(mod), name)
+    if torch.compiler.is_compiling():
+        loader = _TRACEABLE_IMPORTS.get(mod)
+        if loader is None:
+            raise NotImplementedError(f"{op}: its fused implementation cannot be loaded while torch.compile "
+                                      f"traces; call the op once eagerly first")
+        module = loader()
+    else:
+        module = importlib.import_module(mod)
+    fn = _resolved[op] = getattr(module, name)
     return fn
 
 

@@ -1,5 +1,7 @@
 """Public DeepSeek sparse-attention ops: `sparse_attention` (cuDNN frontend DSA §1/§2 flat MQA, DeepSeek-V4 inference kernel's batched
-inference layout) with its autograd backward, and the attention score recomputes (cuDNN frontend DSA §7, §8).
+inference layout) with its autograd backward, the explicit `sparse_attention_backward` (cuDNN frontend DSA §2 Sparse
+Attention Backward) with `sparse_attention_backward_workspace`, and the attention score recomputes (cuDNN frontend
+DSA §7, §8).
 
 `impl="fused"` (the default, as in attention-gym lightning_indexer) runs a generated CUDA kernel through
 `dsagen.ops._fused.fused_impl`, which raises ValueError for CPU tensors and NotImplementedError where no
@@ -29,6 +31,18 @@ def _forward(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl)
     return fused_impl("sparse_attention", q.device)(q, kv, topk_idxs, **kwargs)
 
 
+def _backward(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, deterministic,
+              workspace, impl):
+    """The flat-layout backward by `impl`: (dq, dkv, d_sink), d_sink in attn_sink's dtype (None without a sink).
+    The reference takes no workspace and ignores `deterministic` (its order is torch's index_add_)."""
+    if impl == "reference":
+        return ref.sparse_attention_backward(q, kv, out, dout, lse, attn_sink, topk_idxs, topk_length=topk_length,
+                                             softmax_scale=softmax_scale, d_v=d_v)
+    return fused_impl("sparse_attention_backward", q.device)(
+        q, kv, out, dout, lse, topk_idxs, attn_sink=attn_sink, topk_length=topk_length, softmax_scale=softmax_scale,
+        d_v=d_v, deterministic=deterministic, workspace=workspace)
+
+
 def _flat(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl):
     """The flat-layout op: through the autograd Function when a gradient may be needed, else the forward alone
     (inference and decode calls skip the Function's host cost, ~10 us)."""
@@ -39,23 +53,26 @@ def _flat(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl):
 
 
 class _SparseAttentionFunction(torch.autograd.Function):
-    """Flat-layout sparse attention: forward by `impl`, backward always by the reference formula
-    (gradients flow through the reference backward until a fused backward exists)."""
+    """Flat-layout sparse attention: forward and backward by `impl`. impl="fused" differentiates through the fused
+    backward kernel (`sparse_attention_backward`), deterministic exactly when
+    `torch.are_deterministic_algorithms_enabled()` (read when the backward runs; under torch.compile a guard
+    recompiles when it changes); impl="reference" through the reference formula. Neither syncs with the host on
+    CUDA, so a forward + backward step is CUDA-graph capturable once the kernels are loaded."""
 
     @staticmethod
     def forward(ctx, q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl):
         out, lse, max_logits = _forward(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl)
         ctx.save_for_backward(q, kv, topk_idxs, attn_sink, topk_length, lse, out)
-        ctx.softmax_scale, ctx.d_v = softmax_scale, d_v
+        ctx.softmax_scale, ctx.d_v, ctx.impl = softmax_scale, d_v, impl
         ctx.mark_non_differentiable(lse, max_logits)
         return out, lse, max_logits
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dmax_logits):
         q, kv, topk_idxs, attn_sink, topk_length, lse, out = ctx.saved_tensors
-        dq, dkv, d_sink = ref.sparse_attention_backward(
-            q, kv, out, dout, lse, attn_sink, topk_idxs, topk_length=topk_length,
-            softmax_scale=ctx.softmax_scale, d_v=ctx.d_v)
+        deterministic = ctx.impl == "fused" and torch.are_deterministic_algorithms_enabled()
+        dq, dkv, d_sink = _backward(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, ctx.softmax_scale,
+                                    ctx.d_v, deterministic, None, ctx.impl)
         need = ctx.needs_input_grad
         return (dq if need[0] else None, dkv if need[1] else None, None,
                 d_sink if attn_sink is not None and need[3] else None, None, None, None, None)
@@ -65,6 +82,55 @@ def _check_scale(softmax_scale, d_qk: int) -> float:
     if softmax_scale is None:
         return ref.default_softmax_scale(d_qk)
     return check_float("softmax_scale", softmax_scale)
+
+
+def _check_qkv_ids(q, kv, topk_idxs) -> tuple[bool, tuple[int, ...], int, int]:
+    """The layout checks shared by the forward, the backward and the workspace helper: (batched, lead, H, D_qk)
+    with lead (total_S_q,) or (B, T)."""
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=(3, 4))
+    batched = q.dim() == 4
+    lead = tuple(q.shape[:-2])  # (S_q,) or (B, T)
+    h, d_qk = q.shape[-2], q.shape[-1]
+    kv_what = "[B, N, D_qk]" if batched else "(total_S_kv, D_qk)"
+    check_tensor("kv", kv, ndim=q.dim() - 1, device=q.device)
+    check_same_dtype("kv", kv, "q", q)
+    if kv.shape[-1] != d_qk or (batched and kv.shape[0] != q.shape[0]):
+        want = f"({q.shape[0]}, N, {d_qk})" if batched else f"(total_S_kv, {d_qk})"
+        raise ValueError(f"kv must have shape {kv_what} = {want} to match q {tuple(q.shape)}, "
+                         f"got {tuple(kv.shape)}")
+    check_tensor("topk_idxs", topk_idxs, dtypes=(torch.int32,), ndim=len(lead) + 1, device=q.device)
+    if tuple(topk_idxs.shape[:-1]) != lead:
+        raise ValueError(f"topk_idxs must have shape {lead + ('K',)} (q's leading dims, then K), "
+                         f"got {tuple(topk_idxs.shape)}")
+    if batched and kv.shape[0] * kv.shape[1] > _INT32_MAX:
+        raise ValueError(f"kv with B={kv.shape[0]}, N={kv.shape[1]}: flat ids b * N + i must fit in int32 "
+                         f"(B * N <= {_INT32_MAX})")
+    return batched, lead, h, d_qk
+
+
+def _check_options(q, h, lead, batched, attn_sink, topk_length, softmax_scale, d_v) -> tuple[float, int]:
+    """attn_sink, topk_length, softmax_scale and d_v (shared by the forward and the backward): (scale, d_v)."""
+    d_qk = q.shape[-1]
+    if attn_sink is not None:
+        check_tensor("attn_sink", attn_sink, dtypes=_SINK_DTYPES, device=q.device)
+        check_shape("attn_sink", attn_sink, (h,), "(H,)")
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, dtypes=(torch.int32,), device=q.device)
+        check_shape("topk_length", topk_length, lead, "[B, T]" if batched else "(total_S_q,)")
+    scale = _check_scale(softmax_scale, d_qk)
+    if d_v is None:
+        d_v = ref.default_d_v(d_qk)
+    check_int("d_v", d_v, minimum=1, maximum=d_qk)
+    return scale, d_v
+
+
+def _flat_ids(topk_idxs: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """Batch-local ids `[B, T, K]` as flat int32 ids b * N + i `(B * T, K)`; -1 and ids outside [0, N) become -1,
+    so no id can alias a neighbouring batch (device ops only: no host sync)."""
+    local = topk_idxs.long()
+    offsets = torch.arange(b, device=topk_idxs.device, dtype=torch.long).view(b, 1, 1) * n
+    flat = torch.where((local >= 0) & (local < n), local + offsets, -1).to(torch.int32)
+    return flat.reshape(b * topk_idxs.shape[1], topk_idxs.shape[2])
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *,
@@ -105,9 +171,13 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
         max_logits are FP32 (FP64 for FP64 inputs). A row without a valid slot gives out = 0,
         lse = +inf, max_logits = -inf.
 
-    Gradients: q, kv and attn_sink are differentiable (lse and max_logits are not). The backward is
-    the explicit reference formula of cuDNN frontend DSA §2 (recomputing P from q, kv and the saved lse), for
-    both impls.
+    Gradients: q, kv and attn_sink are differentiable (lse and max_logits are not); the forward saves q, kv,
+    the ids, out and lse. impl="fused" differentiates through the fused backward kernel (`sparse_attention_backward`,
+    cuDNN frontend DSA §2), deterministic (dkv and the sink gradient bitwise the same run to run) exactly when
+    `torch.are_deterministic_algorithms_enabled()` is True when the backward runs (`torch.use_deterministic_algorithms`;
+    warn_only counts as enabled); impl="reference" through the explicit reference formula. Eager, under
+    `torch.compile(fullgraph=True)` and inside a CUDA-graph capture of a forward + backward step (call it once
+    eagerly first so that the kernels are loaded).
 
     Raises:
         TypeError: a non-tensor argument, wrong dtypes (kv not q's dtype, ids/lengths not int32, sink
@@ -117,46 +187,174 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
         NotImplementedError: impl="fused" where no generated kernel exists for the device.
     """
     check_impl(impl)
-    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=(3, 4))
-    batched = q.dim() == 4
-    lead = tuple(q.shape[:-2])  # (S_q,) or (B, T)
-    h, d_qk = q.shape[-2], q.shape[-1]
-    kv_what = "[B, N, D_qk]" if batched else "(total_S_kv, D_qk)"
-    check_tensor("kv", kv, ndim=q.dim() - 1, device=q.device)
-    check_same_dtype("kv", kv, "q", q)
-    if kv.shape[-1] != d_qk or (batched and kv.shape[0] != q.shape[0]):
-        want = f"({q.shape[0]}, N, {d_qk})" if batched else f"(total_S_kv, {d_qk})"
-        raise ValueError(f"kv must have shape {kv_what} = {want} to match q {tuple(q.shape)}, "
-                         f"got {tuple(kv.shape)}")
-    check_tensor("topk_idxs", topk_idxs, dtypes=(torch.int32,), ndim=len(lead) + 1, device=q.device)
-    if tuple(topk_idxs.shape[:-1]) != lead:
-        raise ValueError(f"topk_idxs must have shape {lead + ('K',)} (q's leading dims, then K), "
-                         f"got {tuple(topk_idxs.shape)}")
-    if attn_sink is not None:
-        check_tensor("attn_sink", attn_sink, dtypes=_SINK_DTYPES, device=q.device)
-        check_shape("attn_sink", attn_sink, (h,), "(H,)")
-    if topk_length is not None:
-        check_tensor("topk_length", topk_length, dtypes=(torch.int32,), device=q.device)
-        check_shape("topk_length", topk_length, lead, "[B, T]" if batched else "(total_S_q,)")
-    scale = _check_scale(softmax_scale, d_qk)
-    if d_v is None:
-        d_v = ref.default_d_v(d_qk)
-    check_int("d_v", d_v, minimum=1, maximum=d_qk)
+    batched, lead, h, d_qk = _check_qkv_ids(q, kv, topk_idxs)
+    scale, d_v = _check_options(q, h, lead, batched, attn_sink, topk_length, softmax_scale, d_v)
 
     if not batched:
         return _flat(q, kv, topk_idxs, attn_sink, topk_length, scale, d_v, impl)
 
-    b, t, n, k = q.shape[0], q.shape[1], kv.shape[1], topk_idxs.shape[-1]
-    if b * n > _INT32_MAX:
-        raise ValueError(f"kv with B={b}, N={n}: flat ids b * N + i must fit in int32 "
-                         f"(B * N <= {_INT32_MAX})")
-    local = topk_idxs.long()
-    offsets = torch.arange(b, device=q.device, dtype=torch.long).view(b, 1, 1) * n
-    flat_ids = torch.where((local >= 0) & (local < n), local + offsets, -1).to(torch.int32)
+    b, t, n = q.shape[0], q.shape[1], kv.shape[1]
     out, lse, max_logits = _flat(
-        q.reshape(b * t, h, d_qk), kv.reshape(b * n, d_qk), flat_ids.reshape(b * t, k), attn_sink,
+        q.reshape(b * t, h, d_qk), kv.reshape(b * n, d_qk), _flat_ids(topk_idxs, b, n), attn_sink,
         None if topk_length is None else topk_length.reshape(b * t), scale, d_v, impl)
     return out.reshape(b, t, h, d_v), lse.reshape(b, t, h), max_logits.reshape(b, t, h)
+
+
+def sparse_attention_backward(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                              lse: torch.Tensor, topk_idxs: torch.Tensor, *, attn_sink: torch.Tensor | None = None,
+                              topk_length: torch.Tensor | None = None, softmax_scale: float | None = None,
+                              d_v: int | None = None, deterministic: bool = False,
+                              workspace: torch.Tensor | None = None, impl: str = "fused"
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Sparse MQA backward (cuDNN frontend DSA §2 Sparse Attention Backward): `(dq, dkv, d_sink)` of `sparse_attention`.
+
+    It reads the forward's `out` and its KV-only `lse` (the sink is not in it) and recomputes the probabilities:
+    with L = logaddexp(lse, attn_sink[h]) (lse alone without a sink), for every valid slot j of row t, head h:
+
+        P_j    = exp(softmax_scale * q[t, h] . kv[id_j] - L)         delta = sum_d out[t, h, d] * dout[t, h, d]
+        dS_j   = P_j * (dout[t, h] . kv[id_j, :d_v] - delta)
+        dq     = softmax_scale * sum_j dS_j kv[id_j]
+        dkv[id_j] += softmax_scale * sum_h dS_j q[t, h]  (+ sum_h P_j dout[t, h] on the first d_v columns)
+        d_sink[h]  = -sum_t exp(attn_sink[h] - L) * delta          (the sink enters the denominator only)
+
+    Slot validity is the forward's: -1, out-of-range ids and slots at or past topk_length contribute nothing and
+    are never read; duplicate ids are distinct slots (their dkv contributions add); a row without a valid slot
+    (lse = +inf) gives zero gradients. Pass `out` and `lse` exactly as `sparse_attention` returned them.
+
+    Layouts, told apart by `q.dim()` as in `sparse_attention`:
+
+    * 3-D, flat: q `(total_S_q, H, D_qk)`, kv `(total_S_kv, D_qk)`, out / dout `(total_S_q, H, d_v)`, lse
+      `(total_S_q, H)`, topk_idxs int32 `(total_S_q, K)` of global row ids, topk_length `(total_S_q,)`.
+    * 4-D, batched (DeepSeek-V4 inference kernel): q `[B, T, H, D_qk]`, kv `[B, N, D_qk]`, out / dout
+      `[B, T, H, d_v]`, lse `[B, T, H]`, topk_idxs int32 `[B, T, K]` of ids local to batch b's N rows (ids
+      outside [0, N) are invalid and never alias another batch), topk_length `[B, T]`. The flat op runs on
+      b * N + i ids and dq / dkv come back as `[B, T, H, D_qk]` / `[B, N, D_qk]`.
+
+    Args:
+        q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v: the forward's arguments (same rules and
+            defaults: softmax_scale 1 / sqrt(D_qk), d_v 512 when D_qk == 576 else D_qk).
+        out: the forward's output, dtype of q. dout: the gradient of out, dtype of q.
+        lse: the forward's KV-only log-sum-exp, FP32 (or FP64).
+        deterministic: impl="fused": False adds the dkv terms by FP32 atomics (run-to-run differences in the last
+            bits); True stores each (row, 64-head block, slot) term and sums them per id in a fixed order, so dkv
+            and d_sink are bitwise identical run to run (dq always is). impl="reference" ignores it (its dkv sum
+            is torch's index_add_: deterministic on the CPU, and on CUDA under torch.use_deterministic_algorithms).
+        workspace: impl="fused" only: None (the call allocates its FP32 scratch) or a caller-owned contiguous
+            float32 tensor on q's device with at least the scratch's elements, e.g. from
+            `sparse_attention_backward_workspace(q, kv, topk_idxs, deterministic=...)`: then the call allocates
+            only its outputs (dq, dkv, d_sink and, for padded heads, the padded copies of q, out, dout and lse),
+            so a captured CUDA graph gets no scratch allocation. Its contents are overwritten; it may be reused
+            by the next call once this one has run (same stream). Scratch, FP32 elements (total_S_q, total_S_kv
+            flat; H_k = 64 for H <= 64, else 128):
+            (total_S_kv + 1) * D_qk (the dkv accumulator) + total_S_q * H_k (delta), plus with deterministic
+            min(total_S_q, R) * (H_k / 64) * max(K, 1) * D_qk (the per-slot terms of R rows at a time, R chosen so
+            that this part stays within 256 MiB, at least one row).
+        impl: "fused" (default; the sm_90a kernel: bf16/fp16, D_qk 512 or 576 with d_v 512, H <= 128 (64 and 128
+            natively, fewer padded)) or "reference" (plain PyTorch, CPU or CUDA, any shape and float dtype).
+
+    Returns:
+        dq in q's dtype and shape; dkv in kv's dtype and shape; d_sink `(H,)` FP32 (FP64 for FP64 inputs, like
+        lse) whatever attn_sink's dtype, or None without a sink.
+
+    Raises:
+        TypeError: a non-tensor argument, wrong dtypes (kv, out or dout not q's dtype, ids/lengths not int32,
+            lse or sink not FP32/FP64, workspace not float32), softmax_scale not a number, d_v not an int,
+            deterministic not a bool.
+        ValueError: q not 3-D or 4-D, mismatched shapes or devices (out / dout / lse against q and d_v), non-finite
+            softmax_scale, d_v out of [1, D_qk], B * N > 2**31 - 1, a workspace that is not contiguous or too
+            small, a workspace with impl="reference", unknown impl, or impl="fused" on CPU tensors.
+        NotImplementedError: impl="fused" for inputs the fused kernel does not cover (e.g. FP32 q, d_v != 512,
+            H > 128; the message says why), never a silent fallback to the reference.
+    """
+    check_impl(impl)
+    batched, lead, h, d_qk = _check_qkv_ids(q, kv, topk_idxs)
+    scale, d_v = _check_options(q, h, lead, batched, attn_sink, topk_length, softmax_scale, d_v)
+    what = "[B, T, H, d_v]" if batched else "(total_S_q, H, d_v)"
+    for name, t in (("out", out), ("dout", dout)):
+        check_tensor(name, t, device=q.device)
+        check_same_dtype(name, t, "q", q)
+        check_shape(name, t, (*lead, h, d_v), what)
+    check_tensor("lse", lse, dtypes=_SINK_DTYPES, device=q.device)
+    check_shape("lse", lse, (*lead, h), "[B, T, H]" if batched else "(total_S_q, H)")
+    check_bool("deterministic", deterministic)
+    if workspace is not None:
+        if impl == "reference":
+            raise ValueError("workspace is only accepted for impl='fused' (the fused kernel's scratch); "
+                             "impl='reference' takes none")
+        check_tensor("workspace", workspace, dtypes=(torch.float32,), device=q.device)
+    stats = ref.acc_dtype(q.dtype)
+
+    if batched:
+        b, t, n = q.shape[0], q.shape[1], kv.shape[1]
+        flat = (q.reshape(b * t, h, d_qk), kv.reshape(b * n, d_qk), out.reshape(b * t, h, d_v),
+                dout.reshape(b * t, h, d_v), lse.reshape(b * t, h), _flat_ids(topk_idxs, b, n))
+        length = None if topk_length is None else topk_length.reshape(b * t)
+    else:
+        flat, length = (q, kv, out, dout, lse, topk_idxs), topk_length
+    if impl == "fused":
+        _check_workspace(workspace, q, kv, topk_idxs, deterministic)
+    dq, dkv, d_sink = _backward(*flat, attn_sink, length, scale, d_v, deterministic, workspace, impl)
+    if d_sink is not None and d_sink.dtype != stats:
+        d_sink = d_sink.to(stats)
+    return dq.reshape(q.shape), dkv.reshape(kv.shape), d_sink
+
+
+def _workspace_numel(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, deterministic: bool) -> int:
+    """FP32 elements of the fused backward's scratch for q, kv, topk_idxs of either layout on a CUDA device."""
+    s_q = q.shape[0] * q.shape[1] if q.dim() == 4 else q.shape[0]
+    n_kv = kv.shape[0] * kv.shape[1] if kv.dim() == 3 else kv.shape[0]
+    numel = fused_impl("sparse_attention_backward_workspace_numel", q.device)
+    return numel(s_q, q.shape[-2], n_kv, topk_idxs.shape[-1], q.shape[-1], deterministic)
+
+
+def _check_workspace(workspace, q, kv, topk_idxs, deterministic) -> None:
+    if workspace is None:
+        return
+    fused_impl("sparse_attention_backward", q.device)          # ValueError for CPU tensors, naming the op
+    if not workspace.is_contiguous():
+        raise ValueError(f"workspace must be contiguous, got shape {tuple(workspace.shape)} "
+                         f"strides {workspace.stride()}")
+    need = _workspace_numel(q, kv, topk_idxs, deterministic)
+    if workspace.numel() < need:
+        raise ValueError(f"workspace must hold at least {need} float32 elements for these inputs "
+                         f"(deterministic={deterministic}), got {workspace.numel()}; "
+                         f"see dsagen.sparse_attention_backward_workspace")
+
+
+def sparse_attention_backward_workspace(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *,
+                                        deterministic: bool = False) -> torch.Tensor:
+    """A caller-owned scratch tensor for `sparse_attention_backward(..., workspace=..., impl="fused")`.
+
+    Allocate it once, outside a CUDA-graph capture, and pass it to every backward call of that shape: the call then
+    allocates no scratch (only its outputs). The size depends on total_S_q, H, total_S_kv, the top-k width K,
+    D_qk and `deterministic` (FP32 elements; H_k = 64 for H <= 64, else 128):
+
+        (total_S_kv + 1) * D_qk + total_S_q * H_k
+        + deterministic only: min(total_S_q, R) * (H_k / 64) * max(K, 1) * D_qk, R rows per 256 MiB chunk (>= 1)
+
+    The deterministic part holds each slot's dkv term before the fixed-order sum; a workspace sized for
+    deterministic=True also serves deterministic=False calls of the same shape, and one sized for larger inputs
+    serves smaller ones.
+
+    Args:
+        q, kv, topk_idxs: the backward's inputs (or tensors of their shapes), in either layout of
+            `sparse_attention` (flat or batched: total_S_q = B * T, total_S_kv = B * N), on a CUDA device.
+        deterministic: the mode of the calls it will serve.
+
+    Returns:
+        An uninitialised contiguous 1-D float32 tensor on q's device.
+
+    Raises:
+        TypeError / ValueError naming the argument for wrong types, dtypes, shapes or devices (the checks of
+        `sparse_attention`); ValueError for tensors that are not on a CUDA device (the fused backward's scratch).
+    """
+    _check_qkv_ids(q, kv, topk_idxs)
+    check_bool("deterministic", deterministic)
+    if q.device.type != "cuda":
+        raise ValueError(f"sparse_attention_backward_workspace: the workspace is scratch of the fused backward, "
+                         f"which runs on CUDA; inputs are on {q.device}")
+    need = _workspace_numel(q, kv, topk_idxs, deterministic)
+    return torch.empty(need, dtype=torch.float32, device=q.device)
 
 
 def sparse_attn_score_recompute(q_attn: torch.Tensor, k_attn: torch.Tensor, lse: torch.Tensor,
@@ -293,4 +491,5 @@ def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tens
                                                                    q_causal_offsets=q_causal_offsets)
 
 
-__all__ = ["sparse_attention", "sparse_attn_score_recompute", "dense_attn_score_recompute"]
+__all__ = ["sparse_attention", "sparse_attention_backward", "sparse_attention_backward_workspace",
+           "sparse_attn_score_recompute", "dense_attn_score_recompute"]

@@ -55,8 +55,9 @@ def _flat(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl):
 class _SparseAttentionFunction(torch.autograd.Function):
     """Flat-layout sparse attention: forward and backward by `impl`. impl="fused" differentiates through the fused
     backward kernel (`sparse_attention_backward`), deterministic exactly when
-    `torch.are_deterministic_algorithms_enabled()` (read when the backward runs; under torch.compile a guard
-    recompiles when it changes); impl="reference" through the reference formula. Neither syncs with the host on
+    `torch.are_deterministic_algorithms_enabled()` (read when the backward runs eagerly; under torch.compile the
+    value when the step was traced, guarded, so changing it recompiles); impl="reference" through the reference
+    formula. Neither syncs with the host on
     CUDA, so a forward + backward step is CUDA-graph capturable once the kernels are loaded."""
 
     @staticmethod
@@ -175,7 +176,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
     the ids, out and lse. impl="fused" differentiates through the fused backward kernel (`sparse_attention_backward`,
     cuDNN frontend DSA §2), deterministic (dkv and the sink gradient bitwise the same run to run) exactly when
     `torch.are_deterministic_algorithms_enabled()` is True when the backward runs (`torch.use_deterministic_algorithms`;
-    warn_only counts as enabled); impl="reference" through the explicit reference formula. Eager, under
+    warn_only counts as enabled; under torch.compile the value when the step was traced, guarded); impl="reference"
+    through the explicit reference formula. Eager, under
     `torch.compile(fullgraph=True)` and inside a CUDA-graph capture of a forward + backward step (call it once
     eagerly first so that the kernels are loaded).
 

@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--ref-max-T", type=int, default=4096, help="time the reference only up to this T")
     ap.add_argument("--cases", help="comma list of case indices to run (default: all)")
     ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--kv", type=int, help="KV pool rows of every chosen case (default: each case's)")
     args = ap.parse_args()
     cases = CASES if args.cases is None else [CASES[int(i)] for i in args.cases.split(",")]
     if args.quick:
@@ -85,6 +86,7 @@ def main() -> None:
     print(f"{'T':>6} {'H':>4} {'D':>4} {'KV':>7} | {'fused ms':>9} {'TFLOP/s':>8} | {'det ms':>8} {'cost':>5} | "
           f"{'ref ms':>8} {'x':>6} | {'step ms':>8} {'ref step':>9}")
     for s_q, h, d, n_kv in cases:
+        n_kv = args.kv or n_kv
         r = run_case(s_q, h, d, n_kv, args.topk, args.reps, args.ref_max_T)
         ref_cols = (f"{r['ref_ms']:8.2f} {r['speedup']:6.1f} | {r['step_ms']:8.2f} {r['step_ref_ms']:9.2f}"
                     if "ref_ms" in r else f"{'-':>8} {'-':>6} | {'-':>8} {'-':>9}")

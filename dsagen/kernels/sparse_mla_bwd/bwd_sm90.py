@@ -191,6 +191,7 @@ class SparseMlaBwdSm90:
     THREADS = 384
     DQ_B = 256                      # dQ columns of consumer B ([0, 256)); A has [256, D_QK)
     CHUNKS_A = 4                    # dKV column chunks of consumer A (0..3); B has 4..NKB-1
+    CHUNK_BUFFERS = (1, 2)          # dKV chunk accumulators of A and B (2: the next chunk's wgmmas overlap the sends)
     BAR_P = 1
     BAR_DS = 2
     BAR_A_DONE = 3
@@ -326,6 +327,7 @@ class SparseMlaBwdSm90:
         sw_kv = swizzled_byte_offset(lay_kv.outer((grp, col0)) * 2)
         RPG = self.BN // 16
         ids = cute.make_rmem_tensor(RPG, Int32)
+        ids_next = cute.make_rmem_tensor(RPG, Int32)
         policy = l2_evict_first_policy()      # Q and dO are read once per item
         gt = Int32(0)
         it = Int32(0)
@@ -346,16 +348,19 @@ class SparseMlaBwdSm90:
                                        policy)
             cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_mbar)
             mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
+            # ids go one tile ahead: tile j + 1's loads are issued before tile j waits for the free stage, so their
+            # latency is off the path from kv_free to the gather
+            if ntiles > 0:
+                self.load_ids(a, mIdx, ids, 0, grp, kmax)
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
+                if j + 1 < ntiles:
+                    self.load_ids(a, mIdx, ids_next, j + 1, grp, kmax)
+                cute.arch.mbarrier_wait(sh.kv_free, (g % 2) ^ 1)
                 for i in cutlass.range_constexpr(RPG):
-                    slot = j * self.BN + grp + 16 * i
-                    kv = Int32(-1)
-                    if slot < kmax:
-                        kv = mIdx[slot]
+                    kv = ids[i]
                     valid = kv >= 0 and kv < a.n_kv
                     ids[i] = kv if valid else Int32(-1)
-                cute.arch.mbarrier_wait(sh.kv_free, (g % 2) ^ 1)
                 if tidx % 8 == 0:
                     for i in cutlass.range_constexpr(RPG):
                         sh.sIds[(g % 2) * self.BN + grp + 16 * i] = ids[i]
@@ -369,8 +374,20 @@ class SparseMlaBwdSm90:
                         dst = sKVb + (sw_kv + lay_kv.outer((16 * i, kb * 64)) * 2)
                         prims.cp_async_shared_global(dst, src + (kb * 64 + col0), 16, "cg", cp_size=nbytes)
                 cute.arch.cp_async_mbarrier_arrive_noinc(sh.kv_ready)
+                for i in cutlass.range_constexpr(RPG):
+                    ids[i] = ids_next[i]
             gt += ntiles
             it += 1
+
+    @cute.jit
+    def load_ids(self, a, mIdx, ids, j, grp, kmax):
+        """The raw ids of the thread's rows of tile j (-1 past kmax); validity is checked where they are used."""
+        for i in cutlass.range_constexpr(self.BN // 16):
+            slot = j * self.BN + grp + 16 * i
+            kv = Int32(-1)
+            if slot < kmax:
+                kv = mIdx[slot]
+            ids[i] = kv
 
     # ------------------------------------------------------------------------------------------- consumer A (WG1)
     @cute.jit
@@ -415,7 +432,7 @@ class SparseMlaBwdSm90:
         mma_s.set(warpgroup.Field.ACCUMULATE, True)
         mma_q0.set(warpgroup.Field.ACCUMULATE, True)
         mma_q1.set(warpgroup.Field.ACCUMULATE, True)
-        kvc = self.dkv_chunk_state(sh, ctid)
+        kvc = self.dkv_chunk_state(sh, ctid, self.CHUNK_BUFFERS[0])
         keep = cute.make_rmem_tensor(NC, cutlass.Boolean)
         lse_l2 = cute.make_rmem_tensor(NR, Float32)
         scale_log2 = a.softmax_scale * LOG2E
@@ -475,8 +492,7 @@ class SparseMlaBwdSm90:
                 warpgroup.wait_group(0)
                 cute.arch.mbarrier_arrive(sh.kv_free)
                 # dKV chunks 0..3
-                for ch in cutlass.range_constexpr(self.CHUNKS_A):
-                    self.dkv_chunk(a, sh, kvc, ch, item, j, g, q4)
+                self.dkv_chunks(a, sh, kvc, 0, self.CHUNKS_A, item, j, g, q4)
                 cute.arch.barrier_arrive(barrier_id=self.BAR_A_DONE, number_of_threads=256)
             cute.arch.mbarrier_arrive(sh.qdo_free)
             oq0 = acc_mn_view(accQ0)
@@ -531,7 +547,7 @@ class SparseMlaBwdSm90:
         cQ = acc_mn_view(thr_q.partition_C(cute.make_identity_tensor((M, self.DQ_B))))
         mma_dp.set(warpgroup.Field.ACCUMULATE, True)
         mma_q.set(warpgroup.Field.ACCUMULATE, True)
-        kvc = self.dkv_chunk_state(sh, ctid)
+        kvc = self.dkv_chunk_state(sh, ctid, self.CHUNK_BUFFERS[1])
         delta = cute.make_rmem_tensor(NR, Float32)
         q4 = ctid % 4
         scale = a.softmax_scale
@@ -590,8 +606,7 @@ class SparseMlaBwdSm90:
                 warpgroup.wait_group(0)
                 cute.arch.mbarrier_arrive(sh.kv_free)
                 cute.arch.mbarrier_wait(sh.ids_mbar + (g % 2), (g // 2) % 2)
-                for ch in cutlass.range_constexpr(self.CHUNKS_A, self.NKB):
-                    self.dkv_chunk(a, sh, kvc, ch, item, j, g, q4)
+                self.dkv_chunks(a, sh, kvc, self.CHUNKS_A, self.NKB, item, j, g, q4)
                 cute.arch.barrier_arrive(barrier_id=self.BAR_B_DONE, number_of_threads=256)
             cute.arch.mbarrier_arrive(sh.qdo_free)
             oq = acc_mn_view(accQ)
@@ -603,9 +618,9 @@ class SparseMlaBwdSm90:
             cute.arch.barrier(barrier_id=self.BAR_A_DONE, number_of_threads=256)   # A's last arrival
 
     # --------------------------------------------------------------------------------------------- dKV chunks
-    def dkv_chunk_state(self, sh, ctid):
+    def dkv_chunk_state(self, sh, ctid, buffers: int):
         """The dKV chunk MMA (M = the tile's rows, N = 64 columns, K = the 64 heads; both operands MN-major views),
-        its P^T / dS^T fragments, the dO^T / Q^T views, the accumulator and its coordinates."""
+        its P^T / dS^T fragments, the dO^T / Q^T views, `buffers` accumulators and their coordinates."""
         DT, M, BN = self.dtype, self.M, self.BN
         mma = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
                                                 (1, 1, 1), tiler_mn=(BN, 64))
@@ -615,18 +630,32 @@ class SparseMlaBwdSm90:
         sdSt = cute.composition(sh.sdS, cute.make_layout((BN, M), stride=(M, 1)))
         sdOt = cute.composition(sh.sdO, cute.make_layout((self.D_V, M), stride=(M, 1)))   # (d, h) = sdO[h, d]
         sQt = cute.composition(sh.sQ, cute.make_layout((self.D_QK, M), stride=(M, 1)))
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((BN, 64)), Float32)
+        accs = [cute.make_rmem_tensor(thr.partition_shape_C((BN, 64)), Float32) for _ in range(buffers)]
         return dict(mma=mma, thr=thr, tPt=mma.make_fragment_A(thr.partition_A(sPt)),
-                    tdSt=mma.make_fragment_A(thr.partition_A(sdSt)), sdOt=sdOt, sQt=sQt, acc=acc,
-                    kMN=acc_mn_view(acc), cK=acc_mn_view(thr.partition_C(cute.make_identity_tensor((BN, 64)))))
+                    tdSt=mma.make_fragment_A(thr.partition_A(sdSt)), sdOt=sdOt, sQt=sQt, accs=accs,
+                    cK=acc_mn_view(thr.partition_C(cute.make_identity_tensor((BN, 64)))))
 
     @cute.jit
-    def dkv_chunk(self, a, sh, kvc, ch: int, item, j, g, q4):
-        """dKV chunk `ch` (columns 64 ch ..) of tile j of `item` = P^T dO_ch (ch < NVB) + dS^T Q_ch, then added to
-        the rows of the tile's ids (or stored per slot when deterministic). The lanes q, q ^ 1 of a quad swap one
-        column pair per two 8-column groups, so that each lane holds 4 consecutive columns: lane q even keeps
-        group 2k (columns 8 (2k) + 2q + 0..3), lane q odd group 2k + 1 (columns 8 (2k + 1) + 2 (q - 1) + 0..3)."""
-        mma, thr, acc, kMN, cK = kvc["mma"], kvc["thr"], kvc["acc"], kvc["kMN"], kvc["cK"]
+    def dkv_chunks(self, a, sh, kvc, first: int, end: int, item, j, g, q4):
+        """dKV chunks [first, end) of tile j of `item`. With two accumulators, chunk c + 1's wgmmas are issued
+        before chunk c's atomics, so the tensor pipe works while the lanes exchange and send."""
+        nb = len(kvc["accs"])
+        for ch in cutlass.range_constexpr(first, end):
+            self.dkv_chunk_issue(kvc, ch, kvc["accs"][(ch - first) % nb])
+            if const_expr(nb == 1):
+                warpgroup.wait_group(0)
+                self.dkv_chunk_send(a, sh, kvc, ch, kvc["accs"][0], item, j, g, q4)
+            elif const_expr(ch > first):
+                warpgroup.wait_group(1)
+                self.dkv_chunk_send(a, sh, kvc, ch - 1, kvc["accs"][(ch - 1 - first) % nb], item, j, g, q4)
+        if const_expr(nb > 1):
+            warpgroup.wait_group(0)
+            self.dkv_chunk_send(a, sh, kvc, end - 1, kvc["accs"][(end - 1 - first) % nb], item, j, g, q4)
+
+    @cute.jit
+    def dkv_chunk_issue(self, kvc, ch: int, acc):
+        """Issue dKV chunk `ch` (columns 64 ch ..) = P^T dO_ch (ch < NVB) + dS^T Q_ch into `acc`, one commit group."""
+        mma, thr = kvc["mma"], kvc["thr"]
         tdO = mma.make_fragment_B(thr.partition_B(cute.local_tile(kvc["sdOt"], (64, self.M), (ch if ch < self.NVB
                                                                                              else 0, 0))))
         tQ = mma.make_fragment_B(thr.partition_B(cute.local_tile(kvc["sQt"], (64, self.M), (ch, 0))))
@@ -637,7 +666,14 @@ class SparseMlaBwdSm90:
                 cute.gemm(mma, acc, kvc["tPt"][None, None, kb], tdO[None, None, kb], acc)
             cute.gemm(mma, acc, kvc["tdSt"][None, None, kb], tQ[None, None, kb], acc)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+
+    @cute.jit
+    def dkv_chunk_send(self, a, sh, kvc, ch: int, acc, item, j, g, q4):
+        """Add the retired chunk `ch` in `acc` to the rows of the tile's ids (or store it per slot when
+        deterministic). The lanes q, q ^ 1 of a quad swap one column pair per two 8-column groups, so that each
+        lane holds 4 consecutive columns: lane q even keeps group 2k (columns 8 (2k) + 2q + 0..3), lane q odd
+        group 2k + 1 (columns 8 (2k + 1) + 2 (q - 1) + 0..3)."""
+        kMN, cK = acc_mn_view(acc), kvc["cK"]
         q_odd = q4 % 2 == 1
         base_col = ch * 64
         for r in cutlass.range_constexpr(cute.size(kMN, mode=[0])):

@@ -12,6 +12,7 @@ from dsagen.cli import main
 from dsagen.kernels.lightning_indexer.spec import IndexerScoreSpec
 from dsagen.kernels.lightning_indexer.spec import config_for as indexer_config
 from dsagen.kernels.sparse_mla.spec import SparseAttnFwdSpec
+from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdSpec
 from dsagen.spec import ARCHES, SpecError, get_preset, missing_ops
 from dsagen.spec.model_config import (DEEPSEEK_V32, FIELDS, ModelConfigError, load_model_config, mla_kernel_heads,
                                       missing_ops_for_model, model_from_config, specs_for_model)
@@ -40,9 +41,12 @@ def test_deepseek_v32_kernels():
     assert specs[2:2 + len(indexer)] == indexer
     (fwd,) = [s for s in specs if isinstance(s, SparseAttnFwdSpec)]
     assert (fwd.num_heads, fwd.d_qk, fwd.d_v, fwd.dtype) == (128, 576, 512, "bfloat16")
+    bwd = [s for s in specs if isinstance(s, SparseAttnBwdSpec)]
+    assert [(b.num_heads, b.d_qk, b.d_v, b.dtype, b.deterministic) for b in bwd] == [
+        (128, 576, 512, "bfloat16", False), (128, 576, 512, "bfloat16", True)]
     assert [s.op for s in specs_for_model(DEEPSEEK_V32, "sm_100a")] == ["compactify", "local_to_global"]
     assert missing_ops_for_model(DEEPSEEK_V32, "sm_100a") == [
-        "lightning_indexer_score", "lightning_indexer_topk", "sparse_attention_fwd"]
+        "lightning_indexer_score", "lightning_indexer_topk", "sparse_attention_bwd", "sparse_attention_fwd"]
 
 
 def test_a_smaller_variant_gets_its_own_head_counts():
@@ -165,4 +169,6 @@ def test_build_model_builds_v32_and_a_smaller_variant(cache_env, tmp_path, capsy
     assert main(["build", "--model", str(small), "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert all(line.split()[2] == "cached" and line.split()[-1] == "DSAGEN_CACHE_DIR" for line in lines[2:-1])
-    assert lines[-1].endswith("8 cached, 0 to build (dry run: nothing compiled)")
+    n_small = len(specs_for_model(load_model_config(small), "sm_90a"))
+    assert n_small == 10                               # 2 index ops, 5 indexer, the MLA forward and 2 backwards
+    assert lines[-1].endswith(f"{n_small} cached, 0 to build (dry run: nothing compiled)")

@@ -231,10 +231,11 @@ def test_workspace_helper_validates_and_refuses_the_cpu():
 
 
 @pytest.mark.parametrize("s_q,h,n_kv,k,d", [(7, 16, 100, 64, 576), (3, 128, 9, 200, 512), (1, 64, 5, 0, 576),
-                                            (5000, 128, 10, 2048, 576)])
+                                            (5000, 128, 10, 2048, 576), (9, 64, 10000, 300, 576)])
 def test_workspace_numel_is_the_documented_formula(s_q, h, n_kv, k, d):
     hk = 64 if h <= 64 else 128
-    base = (n_kv + 1) * d + s_q * hk
+    a4 = lambda n: (n + 3) // 4 * 4  # noqa: E731
+    base = (n_kv + 1) * d + s_q * hk + 4 + a4(2 * s_q) + (a4(s_q * k) if n_kv > 4096 else 0)
     assert bwd_host.workspace_numel(s_q, h, n_kv, k, d, False) == base
     per_row = (hk // 64) * max(k, 1) * d
     rows = max(1, 256 * 2**20 // (4 * per_row))

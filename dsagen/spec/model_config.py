@@ -33,6 +33,7 @@ from ..kernels.indices.spec import CompactifySpec, LocalToGlobalSpec
 from ..kernels.lightning_indexer.spec import INDEXER_DTYPES, INDEXER_HEAD_DIMS, INDEXER_HEADS
 from ..kernels.lightning_indexer.spec import config_for as indexer_config
 from ..kernels.sparse_mla.spec import config_for as sparse_mla_config
+from ..kernels.sparse_mla_bwd.spec import config_for as sparse_mla_bwd_config
 from .arch import ARCHES, get_arch
 from .base import KernelSpec, SpecError
 
@@ -157,6 +158,11 @@ def specs_for_model(model: ModelAttention, arch: str) -> list[KernelSpec]:
         h = mla_kernel_heads(model.num_heads)
         out.append(sparse_mla_config(h, model.d_qk, model.dtype, None, arch, None)
                    .spec(h, model.d_qk, model.dtype, arch, d_v=model.d_v))
+        # sparse MLA backward: the atomic kernel autograd runs by default and the deterministic one it runs under
+        # torch.use_deterministic_algorithms
+        for deterministic in (False, True):
+            out.append(sparse_mla_bwd_config(h, model.d_qk, model.dtype, arch, None)
+                       .spec(h, model.d_qk, model.dtype, arch, d_v=model.d_v, deterministic=deterministic))
     return [s.check() for s in dict.fromkeys(out)]
 
 

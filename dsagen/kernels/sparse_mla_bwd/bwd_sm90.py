@@ -80,7 +80,7 @@ def params(dtype: str) -> list[dict]:
         {"name": "q", "kind": "ptr", "dtype": dtype, "align": 16},            # (s_q, H, D_QK), row stride ld_q
         {"name": "kv", "kind": "ptr", "dtype": dtype, "align": 16},           # (n_kv, D_QK), row stride ld_kv
         {"name": "idx", "kind": "ptr", "dtype": "int32", "align": 4},         # (s_q, topk), row stride ld_idx
-        {"name": "topk_length", "kind": "ptr", "dtype": "int32", "align": 4},  # (s_q,), read when has_length
+        {"name": "win", "kind": "ptr", "dtype": "int32", "align": 4},         # (s_q, 2) slot windows
         {"name": "sink", "kind": "ptr", "dtype": "float32", "align": 4},      # (H,), read when has_sink
         {"name": "out", "kind": "ptr", "dtype": dtype, "align": 16},          # (s_q, H, D_V) contiguous
         {"name": "dout", "kind": "ptr", "dtype": dtype, "align": 16},         # (s_q, H, D_V) contiguous
@@ -95,8 +95,9 @@ def params(dtype: str) -> list[dict]:
         {"name": "ld_kv", "kind": "i64"},
         {"name": "ld_idx", "kind": "i64"},
         {"name": "softmax_scale", "kind": "f32"},
-        {"name": "has_length", "kind": "i32"},
         {"name": "has_sink", "kind": "i32"},
+        {"name": "counter", "kind": "ptr", "dtype": "int32", "align": 4},     # grid barrier count, zeroed
+        {"name": "sync_grid", "kind": "i32"},
         {"name": "n_ctas", "kind": "i32"},                  # the most CTAs to launch (each loops over items)
     ]
 
@@ -130,12 +131,36 @@ def st_global_v4_f32(dst: cute.Pointer, a: Float32, b: Float32, c: Float32, d: F
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def red_release_add_s32(dst: cute.Pointer, v: Int32, *, loc=None, ip=None) -> None:
+    """`red.release.gpu.global.add.s32 [dst], v`: an add that orders this thread's earlier memory operations
+    before it, GPU-wide."""
+    llvm.inline_asm(None, [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
+                    "red.release.gpu.global.add.s32 [$0], $1;", "l,r,~{memory}", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_acquire_s32(src: cute.Pointer, *, loc=None, ip=None) -> Int32:
+    """`ld.acquire.gpu.global.s32`: a load that orders this thread's later memory operations after it."""
+    return Int32(llvm.inline_asm(T.i32(), [src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
+                                 "ld.acquire.gpu.global.s32 $0, [$1];", "=r,l,~{memory}", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def nanosleep(ns: int, *, loc=None, ip=None) -> None:
+    """`nanosleep.u32 ns` (a hint: the warp sleeps for about ns nanoseconds)."""
+    llvm.inline_asm(None, [], f"nanosleep.u32 {int(ns)};", "~{memory}", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 class KernelArgs(NamedTuple):
     """The kernel's run-time arguments (its flat ABI but n_ctas), read by every role."""
     p_q: Any
     p_kv: Any
     p_idx: Any
-    p_len: Any
+    p_win: Any
     p_sink: Any
     p_out: Any
     p_dout: Any
@@ -150,8 +175,9 @@ class KernelArgs(NamedTuple):
     ld_kv: Any
     ld_idx: Any
     softmax_scale: Any
-    has_length: Any
     has_sink: Any
+    p_counter: Any
+    sync_grid: Any
 
 
 class Shared(NamedTuple):
@@ -174,13 +200,15 @@ class SparseMlaBwdSm90:
     @cute.jit launch: grid min(s_q * HB, n_ctas), 384 threads, `Smem` dynamic smem, min_blocks_per_mp=1).
 
     Arguments (pointers 16-byte aligned where vectors touch them): q (s_q, H, D_QK) with row stride ld_q (heads x
-    D_QK contiguous), kv (n_kv, D_QK) with row stride ld_kv, idx (s_q, topk) int32 with row stride ld_idx,
-    topk_length (s_q,) int32 (read when has_length), sink (H,) fp32 (read when has_sink), out and dout (s_q, H, D_V)
-    contiguous, lse (s_q, H) fp32 (KV-only, +inf for a row without a valid slot), dq (s_q, H, D_QK) contiguous
-    (written), dkv fp32: deterministic=False the (n_kv, D_QK) accumulator the kernel adds to (zeroed by the
-    caller), deterministic=True the (s_q * HB, topk, D_QK) per-slot rows the kernel stores (slot j of item i at row
-    i * topk + j, for every j < min(topk, 64 * ceil(kmax / 64)) with kmax the row's valid length; zeros at invalid
-    ids); delta (s_q, H) fp32 (written: rowsum(out * dout)).
+    D_QK contiguous), kv (n_kv, D_QK) with row stride ld_kv, idx (s_q, topk) int32 with row stride ld_idx, win
+    (s_q, 2) int32: row t's slots [win[t, 0], win[t, 1]), walked in 64-slot tiles (ids that are negative or >= n_kv
+    are skipped; the host orders each row's ids by KV window, so the CTAs add to one window's rows at a time),
+    sink (H,) fp32 (read when has_sink), out and dout (s_q, H, D_V) contiguous, lse (s_q, H) fp32 (KV-only, +inf
+    for a row without a valid slot), dq (s_q, H, D_QK) contiguous (written), dkv fp32: deterministic=False the
+    (n_kv, D_QK) accumulator the kernel adds to (zeroed by the caller), deterministic=True the (s_q * HB, topk, D_QK)
+    per-slot rows the kernel stores (slot j of item i at row i * topk + j, for every j inside the window; zeros at
+    invalid ids); delta (s_q, H) fp32 (written: rowsum(out * dout)); counter: an int32 the producers count their
+    rounds of items on when sync_grid (zeroed by the caller; the grid must fit the SMs).
 
     Constraints (SparseAttnBwdSpec.reasons): num_heads 64 or 128, d_qk 512 or 576, d_v 512, dtype "bfloat16" or
     "float16", register budgets multiples of 8 summing to at most 504.
@@ -196,6 +224,7 @@ class SparseMlaBwdSm90:
     BAR_DS = 2
     BAR_A_DONE = 3
     BAR_B_DONE = 4
+    BAR_PRODUCER = 5                # the producer warpgroup (128) after its grid barrier
 
     def __init__(self, num_heads: int, d_qk: int, d_v: int, dtype: str, deterministic: bool, regs_producer: int,
                  regs_a: int, regs_b: int):
@@ -237,22 +266,25 @@ class SparseMlaBwdSm90:
         bwd = self
 
         @cute.kernel
-        def kernel(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_len: cute.Pointer,
+        def kernel(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_win: cute.Pointer,
                    p_sink: cute.Pointer, p_out: cute.Pointer, p_dout: cute.Pointer, p_lse: cute.Pointer,
                    p_dq: cute.Pointer, p_dkv: cute.Pointer, p_delta: cute.Pointer,
                    s_q: Int32, n_kv: Int32, topk: Int32, ld_q: Int64, ld_kv: Int64, ld_idx: Int64,
-                   softmax_scale: Float32, has_length: Int32, has_sink: Int32, n_ctas: Int32):
-            bwd.body(KernelArgs(p_q, p_kv, p_idx, p_len, p_sink, p_out, p_dout, p_lse, p_dq, p_dkv, p_delta, s_q,
-                                n_kv, topk, ld_q, ld_kv, ld_idx, softmax_scale, has_length, has_sink))
+                   softmax_scale: Float32, has_sink: Int32, p_counter: cute.Pointer,
+                   sync_grid: Int32, n_ctas: Int32):
+            bwd.body(KernelArgs(p_q, p_kv, p_idx, p_win, p_sink, p_out, p_dout, p_lse, p_dq, p_dkv, p_delta, s_q,
+                                n_kv, topk, ld_q, ld_kv, ld_idx, softmax_scale, has_sink, p_counter,
+                                sync_grid))
 
         @cute.jit
-        def host(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_len: cute.Pointer,
+        def host(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_win: cute.Pointer,
                  p_sink: cute.Pointer, p_out: cute.Pointer, p_dout: cute.Pointer, p_lse: cute.Pointer,
                  p_dq: cute.Pointer, p_dkv: cute.Pointer, p_delta: cute.Pointer,
                  s_q: Int32, n_kv: Int32, topk: Int32, ld_q: Int64, ld_kv: Int64, ld_idx: Int64,
-                 softmax_scale: Float32, has_length: Int32, has_sink: Int32, n_ctas: Int32):
-            kernel(p_q, p_kv, p_idx, p_len, p_sink, p_out, p_dout, p_lse, p_dq, p_dkv, p_delta, s_q, n_kv, topk,
-                   ld_q, ld_kv, ld_idx, softmax_scale, has_length, has_sink, n_ctas).launch(
+                 softmax_scale: Float32, has_sink: Int32, p_counter: cute.Pointer,
+                   sync_grid: Int32, n_ctas: Int32):
+            kernel(p_q, p_kv, p_idx, p_win, p_sink, p_out, p_dout, p_lse, p_dq, p_dkv, p_delta, s_q, n_kv, topk,
+                   ld_q, ld_kv, ld_idx, softmax_scale, has_sink, p_counter, sync_grid, n_ctas).launch(
                 grid=(cutlass.min(s_q * bwd.HB, n_ctas), 1, 1), block=(bwd.THREADS, 1, 1),
                 smem=bwd.Smem.size_in_bytes(), min_blocks_per_mp=1)
 
@@ -304,14 +336,18 @@ class SparseMlaBwdSm90:
 
     @cute.jit
     def item_setup(self, a: KernelArgs, item: Int32):
-        """An item = (query row, 64 heads): (tok, head0, kmax, ntiles): its slots [0, kmax) and its BN-slot tiles."""
+        """An item = (query row, 64 heads): (tok, head0)."""
         tok = item // self.HB
         head0 = (item % self.HB) * self.M
-        kmax = a.topk
-        if a.has_length != 0:
-            kmax = cutlass.min(cutlass.max((a.p_len + tok).load(), Int32(0)), a.topk)
-        ntiles = (kmax + self.BN - 1) // self.BN
-        return tok, head0, kmax, ntiles
+        return tok, head0
+
+    @cute.jit
+    def window(self, a: KernelArgs, tok):
+        """The window of row tok: its slots [lo, hi) and their BN-slot tiles."""
+        w = a.p_win + Int64(tok) * 2
+        lo = w.load()
+        hi = (w + 1).load()
+        return lo, hi, (hi - lo + self.BN - 1) // self.BN
 
     # ------------------------------------------------------------------------------------------- producer (WG0)
     @cute.jit
@@ -332,7 +368,9 @@ class SparseMlaBwdSm90:
         gt = Int32(0)
         it = Int32(0)
         for item in cutlass.range(bidx, n_items, nctas, unroll=1):
-            tok, head0, kmax, ntiles = self.item_setup(a, item)
+            tok, head0 = self.item_setup(a, item)
+            if a.sync_grid != 0:
+                self.grid_barrier(a, tidx, bidx, it, n_items, nctas)
             cute.arch.mbarrier_wait(sh.qdo_free, (it % 2) ^ 1)
             q_rows = a.p_q + (Int64(tok) * a.ld_q + Int64(head0 * self.D_QK))
             do_rows = a.p_dout + (Int64(tok) * self.H + head0) * self.D_V
@@ -348,14 +386,15 @@ class SparseMlaBwdSm90:
                                        policy)
             cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_mbar)
             mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
-            # ids go one tile ahead: tile j + 1's loads are issued before tile j waits for the free stage, so their
-            # latency is off the path from kv_free to the gather
+            lo, hi, ntiles = self.window(a, tok)
+            # ids go one tile ahead: tile j + 1's loads are issued before tile j waits for the free stage, so
+            # their latency is off the path from kv_free to the gather
             if ntiles > 0:
-                self.load_ids(a, mIdx, ids, 0, grp, kmax)
+                self.load_ids(a, mIdx, ids, lo, grp, hi)
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 if j + 1 < ntiles:
-                    self.load_ids(a, mIdx, ids_next, j + 1, grp, kmax)
+                    self.load_ids(a, mIdx, ids_next, lo + (j + 1) * self.BN, grp, hi)
                 cute.arch.mbarrier_wait(sh.kv_free, (g % 2) ^ 1)
                 for i in cutlass.range_constexpr(RPG):
                     kv = ids[i]
@@ -380,12 +419,26 @@ class SparseMlaBwdSm90:
             it += 1
 
     @cute.jit
-    def load_ids(self, a, mIdx, ids, j, grp, kmax):
-        """The raw ids of the thread's rows of tile j (-1 past kmax); validity is checked where they are used."""
+    def grid_barrier(self, a, tidx, bidx, it, n_items, nctas):
+        """Hold this CTA's producer at the start of its item `it` until every CTA's producer got there (round it of
+        the persistent loop: min((it + 1) * nctas, n_items) arrivals in all), so that the CTAs walk the KV windows
+        together and the dKV rows they add to stay in L2. Needs every CTA resident (the host sets sync_grid only
+        when the grid fits the SMs)."""
+        if tidx == 0:
+            red_release_add_s32(a.p_counter, Int32(1))
+            target = cutlass.min((it + 1) * nctas, n_items)
+            while ld_acquire_s32(a.p_counter) < target:
+                nanosleep(256)
+        cute.arch.barrier(barrier_id=self.BAR_PRODUCER, number_of_threads=128)
+
+    @cute.jit
+    def load_ids(self, a, mIdx, ids, slot0, grp, hi):
+        """The raw ids of the thread's rows of the tile at slot0 (-1 at hi and past); validity is checked where they
+        are used."""
         for i in cutlass.range_constexpr(self.BN // 16):
-            slot = j * self.BN + grp + 16 * i
+            slot = slot0 + grp + 16 * i
             kv = Int32(-1)
-            if slot < kmax:
+            if slot < hi:
                 kv = mIdx[slot]
             ids[i] = kv
 
@@ -442,7 +495,7 @@ class SparseMlaBwdSm90:
         gt = Int32(0)
         it = Int32(0)
         for item in cutlass.range(bidx, n_items, nctas, unroll=1):
-            tok, head0, kmax, ntiles = self.item_setup(a, item)
+            tok, head0 = self.item_setup(a, item)
             accQ0.fill(0.0)
             accQ1.fill(0.0)
             # lse_s = logaddexp(lse, sink) of the thread's rows, log2 domain (+inf stays +inf: P = 0)
@@ -457,6 +510,7 @@ class SparseMlaBwdSm90:
                                                 + cute.math.exp2(s2 - m, fastmath=True), fastmath=False)
                 lse_l2[r] = l2
             cute.arch.mbarrier_wait(sh.q_mbar, it % 2)
+            lo, hi, ntiles = self.window(a, tok)
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 # S = Q K^T
@@ -492,15 +546,15 @@ class SparseMlaBwdSm90:
                 warpgroup.wait_group(0)
                 cute.arch.mbarrier_arrive(sh.kv_free)
                 # dKV chunks 0..3
-                self.dkv_chunks(a, sh, kvc, 0, self.CHUNKS_A, item, j, g, q4)
+                self.dkv_chunks(a, sh, kvc, 0, self.CHUNKS_A, item, lo + j * BN, hi, g, q4)
                 cute.arch.barrier_arrive(barrier_id=self.BAR_A_DONE, number_of_threads=256)
+            gt += ntiles
             cute.arch.mbarrier_arrive(sh.qdo_free)
             oq0 = acc_mn_view(accQ0)
             oq1 = acc_mn_view(accQ1)
             for r in cutlass.range_constexpr(NR):
                 self.store_dq_row(a, oq0, r, tok, head0 + cQ0[r, 0][0], c0, q4, dq_policy)
                 self.store_dq_row(a, oq1, r, tok, head0 + cQ1[r, 0][0], c1, q4, dq_policy)
-            gt += ntiles
             it += 1
         if gt > 0:
             cute.arch.barrier(barrier_id=self.BAR_B_DONE, number_of_threads=256)   # B's last arrival
@@ -556,7 +610,7 @@ class SparseMlaBwdSm90:
         gt = Int32(0)
         it = Int32(0)
         for item in cutlass.range(bidx, n_items, nctas, unroll=1):
-            tok, head0, kmax, ntiles = self.item_setup(a, item)
+            tok, head0 = self.item_setup(a, item)
             accQ.fill(0.0)
             # delta of the thread's rows: lane q of the quad sums columns 8 (4 i + q) .. + 8, then the quad
             for r in cutlass.range_constexpr(NR):
@@ -574,6 +628,7 @@ class SparseMlaBwdSm90:
                 if q4 == 0:
                     (a.p_delta + row).store(acc)
             cute.arch.mbarrier_wait(sh.q_mbar, it % 2)
+            lo, hi, ntiles = self.window(a, tok)
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 # dP = dO V^T
@@ -606,13 +661,13 @@ class SparseMlaBwdSm90:
                 warpgroup.wait_group(0)
                 cute.arch.mbarrier_arrive(sh.kv_free)
                 cute.arch.mbarrier_wait(sh.ids_mbar + (g % 2), (g // 2) % 2)
-                self.dkv_chunks(a, sh, kvc, self.CHUNKS_A, self.NKB, item, j, g, q4)
+                self.dkv_chunks(a, sh, kvc, self.CHUNKS_A, self.NKB, item, lo + j * BN, hi, g, q4)
                 cute.arch.barrier_arrive(barrier_id=self.BAR_B_DONE, number_of_threads=256)
+            gt += ntiles
             cute.arch.mbarrier_arrive(sh.qdo_free)
             oq = acc_mn_view(accQ)
             for r in cutlass.range_constexpr(NR):
                 self.store_dq_row(a, oq, r, tok, head0 + cQ[r, 0][0], 0, q4, dq_policy)
-            gt += ntiles
             it += 1
         if gt > 0:
             cute.arch.barrier(barrier_id=self.BAR_A_DONE, number_of_threads=256)   # A's last arrival
@@ -636,7 +691,7 @@ class SparseMlaBwdSm90:
                     cK=acc_mn_view(thr.partition_C(cute.make_identity_tensor((BN, 64)))))
 
     @cute.jit
-    def dkv_chunks(self, a, sh, kvc, first: int, end: int, item, j, g, q4):
+    def dkv_chunks(self, a, sh, kvc, first: int, end: int, item, slot0, slot_end, g, q4):
         """dKV chunks [first, end) of tile j of `item`. With two accumulators, chunk c + 1's wgmmas are issued
         before chunk c's atomics, so the tensor pipe works while the lanes exchange and send."""
         nb = len(kvc["accs"])
@@ -644,13 +699,15 @@ class SparseMlaBwdSm90:
             self.dkv_chunk_issue(kvc, ch, kvc["accs"][(ch - first) % nb])
             if const_expr(nb == 1):
                 warpgroup.wait_group(0)
-                self.dkv_chunk_send(a, sh, kvc, ch, kvc["accs"][0], item, j, g, q4)
+                self.dkv_chunk_send(a, sh, kvc, ch, kvc["accs"][0], item, slot0, slot_end, g, q4)
             elif const_expr(ch > first):
                 warpgroup.wait_group(1)
-                self.dkv_chunk_send(a, sh, kvc, ch - 1, kvc["accs"][(ch - 1 - first) % nb], item, j, g, q4)
+                self.dkv_chunk_send(a, sh, kvc, ch - 1, kvc["accs"][(ch - 1 - first) % nb], item, slot0, slot_end,
+                                    g, q4)
         if const_expr(nb > 1):
             warpgroup.wait_group(0)
-            self.dkv_chunk_send(a, sh, kvc, end - 1, kvc["accs"][(end - 1 - first) % nb], item, j, g, q4)
+            self.dkv_chunk_send(a, sh, kvc, end - 1, kvc["accs"][(end - 1 - first) % nb], item, slot0, slot_end,
+                                g, q4)
 
     @cute.jit
     def dkv_chunk_issue(self, kvc, ch: int, acc):
@@ -668,7 +725,7 @@ class SparseMlaBwdSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def dkv_chunk_send(self, a, sh, kvc, ch: int, acc, item, j, g, q4):
+    def dkv_chunk_send(self, a, sh, kvc, ch: int, acc, item, slot0, slot_end, g, q4):
         """Add the retired chunk `ch` in `acc` to the rows of the tile's ids (or store it per slot when
         deterministic). The lanes q, q ^ 1 of a quad swap one column pair per two 8-column groups, so that each
         lane holds 4 consecutive columns: lane q even keeps group 2k (columns 8 (2k) + 2q + 0..3), lane q odd
@@ -690,8 +747,8 @@ class SparseMlaBwdSm90:
                 v3 = kMN[r, 4 * k + 3] if q_odd else x1
                 col = base_col + cK[r, 4 * k][1] + (Int32(6) if q_odd else Int32(0))
                 if const_expr(self.deterministic):
-                    slot = j * self.BN + n
-                    if slot < a.topk:
+                    slot = slot0 + n
+                    if slot < slot_end:
                         dst = a.p_dkv + ((Int64(item) * Int64(a.topk) + slot) * self.D_QK + col)
                         st_global_v4_f32(dst, v0, v1, v2, v3)
                 else:

@@ -80,22 +80,43 @@ def chunk_rows(num_heads: int, topk: int, d_qk: int) -> int:
     return max(1, DETERMINISTIC_CHUNK_BYTES // per_row)
 
 
-def workspace_numel(s_q: int, num_heads: int, n_kv: int, topk: int, d_qk: int, deterministic: bool) -> int:
+def buckets(n_kv: int, bucket_rows: int | None) -> int:
+    """KV windows a call orders each row's ids by: ceil(n_kv / bucket_rows) (1, no ordering, without bucketing or
+    for a pool of at most bucket_rows rows)."""
+    if bucket_rows is None or n_kv <= bucket_rows:
+        return 1
+    return -(-n_kv // bucket_rows)
+
+
+def workspace_numel(s_q: int, num_heads: int, n_kv: int, topk: int, d_qk: int, deterministic: bool,
+                    config: SparseAttnBwdConfig | None = None) -> int:
     """FP32 elements of scratch a call needs (pass a CUDA float32 tensor of at least this many elements as
-    `workspace` to allocate no scratch in the call, e.g. inside a captured CUDA graph)."""
+    `workspace` to allocate no dsagen scratch in the call, e.g. inside a captured CUDA graph; torch's own sort
+    temporaries of a bucketed call still come from its caching allocator). `config`: the call's (None: the op's,
+    SparseAttnBwdConfig())."""
+    cfg = SparseAttnBwdConfig() if config is None else config
     hp = kernel_heads(num_heads)
-    n = (n_kv + 1) * d_qk + s_q * hp
+    nb = buckets(n_kv, cfg.bucket_rows)
+    n = (n_kv + 1) * d_qk + s_q * hp + 4 + _align4(s_q * 2)
+    if nb > 1:
+        n += _align4(s_q * topk)
     if deterministic:
         n += min(max(s_q, 1), chunk_rows(num_heads, topk, d_qk)) * (hp // 64) * max(topk, 1) * d_qk
     return n
+
+
+def _align4(n: int) -> int:
+    return (n + 3) // 4 * 4
 
 
 _launch_plans: dict = {}
 
 
 def _launch_plan(h: int, d_qk: int, dtype: torch.dtype, device: torch.device, deterministic: bool,
-                 config: SparseAttnBwdConfig | None = None) -> tuple[SparseAttnBwdSpec, LoadedKernel, int]:
-    """The spec, loaded kernel and n_ctas argument of a call (cached per call shape and config)."""
+                 config: SparseAttnBwdConfig | None = None
+                 ) -> tuple[SparseAttnBwdSpec, LoadedKernel, int, SparseAttnBwdConfig, bool]:
+    """The spec, loaded kernel, n_ctas argument, config and whether the grid may synchronise (every CTA resident:
+    at most one per SM) of a call (cached per call shape and config)."""
     key = (h, d_qk, dtype, device, deterministic, config)
     plan = _launch_plans.get(key)
     if plan is None:
@@ -103,7 +124,9 @@ def _launch_plan(h: int, d_qk: int, dtype: torch.dtype, device: torch.device, de
         num_sms = device_sm_count(device_index(device))
         cfg = config_for(kernel_heads(h), d_qk, dtype, arch, num_sms) if config is None else config
         spec = spec_for(h, d_qk, dtype, arch, deterministic, cfg)
-        plan = _launch_plans[key] = (spec, get_kernel(spec, device_index(device)), cfg.n_ctas(num_sms))
+        n_ctas = cfg.n_ctas(num_sms)
+        plan = _launch_plans[key] = (spec, get_kernel(spec, device_index(device)), n_ctas, cfg,
+                                     cfg.sync_grid and n_ctas <= num_sms)
     return plan
 
 
@@ -121,7 +144,7 @@ def _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_sc
     """Launch the kernel on flat-layout inputs that supported_reason accepted (its callers check)."""
     s_q, h, d_qk = q.shape
     n_kv, k_width = kv.shape[0], topk_idxs.shape[1]
-    spec, kernel, n_ctas = _launch_plan(h, d_qk, q.dtype, q.device, deterministic, config)
+    spec, kernel, n_ctas, cfg, sync_grid = _launch_plan(h, d_qk, q.dtype, q.device, deterministic, config)
     hp = spec.num_heads
     hb = hp // 64
     if s_q * hb > _MAX_GRID_X:
@@ -150,7 +173,8 @@ def _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_sc
         sink = sink.contiguous()
     length = None if topk_length is None else topk_length.to(torch.int32).contiguous()
 
-    need = workspace_numel(s_q, h, n_kv, k_width, d_qk, deterministic)
+    nb = buckets(n_kv, cfg.bucket_rows)
+    need = workspace_numel(s_q, h, n_kv, k_width, d_qk, deterministic, cfg)
     if workspace is None:
         ws = torch.empty(need, dtype=torch.float32, device=q.device)
     else:
@@ -160,36 +184,64 @@ def _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_sc
                              f"{q.device} with at least {need} elements (got {workspace.dtype} "
                              f"{tuple(workspace.shape)} on {workspace.device})")
         ws = workspace
-    acc = ws[:(n_kv + 1) * d_qk].view(n_kv + 1, d_qk)
-    delta = ws[(n_kv + 1) * d_qk:(n_kv + 1) * d_qk + s_q * hp].view(s_q, hp)
+    at = 0
+
+    def take(n: int) -> torch.Tensor:
+        nonlocal at
+        t = ws[at:at + n]
+        at += n
+        return t
+
+    acc = take((n_kv + 1) * d_qk).view(n_kv + 1, d_qk)
+    delta = take(s_q * hp).view(s_q, hp)
+    counter = take(4).view(torch.int32)
+    win = take(_align4(s_q * 2)).view(torch.int32)[:s_q * 2].view(s_q, 2)
     acc.zero_()
     dq = torch.empty((s_q, hp, d_qk), dtype=q.dtype, device=q.device)
 
+    # row t's window: its slots [win[t, 0], win[t, 1]). Without buckets, the row's first min(length, K) slots as
+    # given; with buckets, the row's valid ids ordered by KV window (a stable sort of their window numbers,
+    # invalid ones last), so that a tile's rows come from one or two windows and the CTAs, which walk their items
+    # in step, add into about one window's rows of the accumulator at a time
+    slots = torch.arange(k_width, device=q.device, dtype=torch.int32)
+    ids = topk_idxs
+    win[:, 0] = 0
+    if k_width == 0:
+        win[:, 1] = 0
+    elif nb == 1:
+        win[:, 1] = k_width if length is None else length.clamp(0, k_width)
+    elif s_q > 0:
+        valid = (topk_idxs >= 0) & (topk_idxs < n_kv)
+        if length is not None:
+            valid &= slots.view(1, -1) < length.view(-1, 1)
+        bucket = torch.where(valid, torch.div(topk_idxs, cfg.bucket_rows, rounding_mode="floor"), nb)
+        sorted_bucket, order = torch.sort(bucket, dim=1, stable=True)
+        ids = take(_align4(s_q * k_width)).view(torch.int32)[:s_q * k_width].view(s_q, k_width)
+        torch.gather(topk_idxs, 1, order, out=ids)
+        win[:, 1] = valid.sum(dim=1, dtype=torch.int32)
+
     def run(t0: int, t1: int, target: torch.Tensor) -> None:
-        kernel.launch(q[t0:t1], kv, topk_idxs[t0:t1], topk_idxs if length is None else length[t0:t1],
-                      lse_p if sink is None else sink, out_p[t0:t1], dout_p[t0:t1], lse_p[t0:t1], dq[t0:t1],
-                      target, delta[t0:t1], t1 - t0, n_kv, k_width, q.stride(0), kv.stride(0) if n_kv else d_qk,
-                      topk_idxs.stride(0) if k_width else 0, float(softmax_scale), int(length is not None),
-                      int(sink is not None), n_ctas)
+        if sync_grid:
+            counter.zero_()
+        kernel.launch(q[t0:t1], kv, ids[t0:t1], win[t0:t1], lse_p if sink is None else sink, out_p[t0:t1],
+                      dout_p[t0:t1], lse_p[t0:t1], dq[t0:t1], target, delta[t0:t1], t1 - t0, n_kv, k_width,
+                      q.stride(0), kv.stride(0) if n_kv else d_qk, ids.stride(0) if k_width else 0,
+                      float(softmax_scale), int(sink is not None), counter, int(sync_grid), n_ctas)
 
     if s_q > 0 and not deterministic:
         run(0, s_q, acc)
     elif s_q > 0:
         rows = min(s_q, chunk_rows(h, k_width, d_qk))
-        buf_start = (n_kv + 1) * d_qk + s_q * hp
-        buf = ws[buf_start:buf_start + rows * hb * max(k_width, 1) * d_qk]
-        slots = torch.arange(k_width, device=q.device, dtype=torch.int32)
+        buf = take(rows * hb * max(k_width, 1) * d_qk)
         for t0 in range(0, s_q, rows):
             t1 = min(s_q, t0 + rows)
-            ids = topk_idxs[t0:t1]
-            valid = (ids >= 0) & (ids < n_kv)
-            if length is not None:
-                valid &= slots.view(1, -1) < length[t0:t1].view(-1, 1)
-            target = ids.to(torch.int64).masked_fill(~valid, n_kv)                    # invalid -> the spare row
+            rid = ids[t0:t1]
+            valid = (rid >= 0) & (rid < n_kv) & (slots.view(1, -1) < win[t0:t1, 1:])
+            target = rid.to(torch.int64).masked_fill(~valid, n_kv)                    # invalid -> the spare row
             target = target.unsqueeze(1).expand(t1 - t0, hb, k_width).reshape(-1)
             chunk = buf[:(t1 - t0) * hb * k_width * d_qk].view(-1, d_qk)
-            if length is not None:
-                chunk.zero_()        # slots past a row's length are never written by the kernel
+            if length is not None or nb > 1:
+                chunk.zero_()        # slots past a row's window are never written by the kernel
             run(t0, t1, chunk)
             acc.index_put_((target,), chunk, accumulate=True)
     dkv = acc[:n_kv].to(kv.dtype)

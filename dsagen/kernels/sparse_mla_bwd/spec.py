@@ -97,17 +97,30 @@ class SparseAttnBwdConfig:
       Consumer A holds dQ[:, 256:] (160 FP32 at D576) next to its S / chunk accumulator, B dQ[:, :256] (128) next
       to dP and dS; the producer only computes addresses.
     grid: "persistent" (one CTA per SM, each looping over the items) or an int n (at most n CTAs).
+    bucket_rows: KV rows per window (None: no ordering). Each row's valid ids are ordered by the window of their id
+      (a stable sort on the host), so the CTAs, which walk their items in step, add into about one window's rows
+      of the FP32 dKV accumulator at a time: 4096 rows x 576 x 4 B = 9.4 MB stays in L2, where the whole
+      accumulator (75 MB at 32768 rows) does not (H200, 2026-12-01, T 4096 / H128 / D576 / KV 32768: 17.4 ms with
+      4096-row windows and the grid barrier, 17.5 with 8192, 18.2 with 16384, 20.4 unordered with the barrier,
+      22.0 unordered without it; notes/kernels/sparse_attention_backward.md).
+    sync_grid: hold every CTA's producer at the start of each round of items until all CTAs got there (a grid
+      barrier; used only when the grid fits the SMs), so the CTAs stay in the same window.
     """
 
     regs_producer: int = 40
     regs_a: int = 240
     regs_b: int = 224
     grid: str | int = "persistent"
+    bucket_rows: int | None = 4096
+    sync_grid: bool = True
 
     def __post_init__(self) -> None:
         g = self.grid
         if not (g == "persistent" or (isinstance(g, int) and not isinstance(g, bool) and g >= 1)):
             raise ValueError(f"SparseAttnBwdConfig.grid={g!r} must be 'persistent' or a positive int")
+        b = self.bucket_rows
+        if not (b is None or (isinstance(b, int) and not isinstance(b, bool) and b >= 1)):
+            raise ValueError(f"SparseAttnBwdConfig.bucket_rows={b!r} must be None or a positive int")
 
     def spec(self, num_heads: int, d_qk: int, dtype, arch: str = "sm_90a", d_v: int = 512,
              deterministic: bool = False) -> SparseAttnBwdSpec:

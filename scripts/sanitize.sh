@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # compute-sanitizer's four tools on small shapes of every fused kernel (tests/gpu/test_sanitize.py: the sparse
-# forward at H128 / D576 and H64 / D512 with a sink, the lightning indexer's score kernel and every top-k kernel of
+# forward and backward at H128 / D576 and H64 / D512 with a sink, the lightning indexer's score kernel and every top-k kernel of
 # its plan, invalid packed offsets, compactify, local_to_global, and the probe kernels of tests/gpu/sanitizer_probes.py).
 # memcheck, synccheck and initcheck must report 0 errors; racecheck's hazards must all be the one explained pattern
 # (its verdict, rc 0); what each tool reported before the fixes is in notes/kernels/sparse_attention.md ("Sanitizers").

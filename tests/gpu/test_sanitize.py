@@ -3,8 +3,9 @@ default kernels (plus every kernel of the indexer's top-k plan) and checks its r
 that a run under `compute-sanitizer --tool {memcheck,racecheck,synccheck,initcheck}` covers every fused kernel
 (scripts/sanitize.sh runs the four tools on this file; notes/kernels/*.md record what each reported).
 
-Shapes are small because racecheck instruments every shared-memory access: the sparse forward at H128 / D576 and
-H64 / D512 with a sink (3 CTAs looping over the items, tile counts 0..5, adversarial ids), the lightning indexer at
+Shapes are small because racecheck instruments every shared-memory access: the sparse forward and backward (atomic
+and deterministic) at H128 / D576 and H64 / D512 with a sink (3 CTAs looping over the items, tile counts 0..5,
+adversarial ids; the backward with its grid barrier and KV-window ordering), the lightning indexer at
 T = 300 / topk 64 (unpacked causal and packed documents), each top-k kernel of the plan on slab rows whose tail
 past the row's candidates is left unwritten (as the score kernel leaves it), invalid packed offsets (memcheck: no
 access out of bounds whatever the offsets), compactify and local_to_global.
@@ -23,6 +24,9 @@ from dsagen.reference.indexer import weighted_relu_scores
 from dsagen.spec import CompactifySpec, LocalToGlobalSpec
 from dsagen.kernels.lightning_indexer.spec import config_for as indexer_config
 from dsagen.kernels.sparse_mla.spec import SparseAttnFwdConfig, config_for
+from dsagen.kernels.sparse_mla_bwd import host as bwd_host
+from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
+from dsagen.kernels.sparse_mla_bwd.spec import config_for as bwd_config_for
 
 ARCH = "sm_90a"
 SPARSE_SHAPES = [(128, 576), (64, 512)]          # (H, D_qk) of the sparse forward, d_v 512
@@ -31,7 +35,9 @@ INDEXER_CONFIG = indexer_config(*INDEXER_SHAPE, "bfloat16", ARCH)   # the op's c
 TOPK_SPECS = INDEXER_CONFIG.topk.specs()         # every top-k kernel the fused indexer may pick
 REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfloat16", ARCH)
                   for h, d in SPARSE_SHAPES] + [
-    *INDEXER_CONFIG.specs(), CompactifySpec(arch=ARCH), LocalToGlobalSpec(arch=ARCH)]
+    *INDEXER_CONFIG.specs(), CompactifySpec(arch=ARCH), LocalToGlobalSpec(arch=ARCH)] + [
+    bwd_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH, deterministic=det)
+    for h, d in SPARSE_SHAPES for det in (False, True)]
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -71,6 +77,30 @@ def test_sparse_forward(h, d_qk):
     torch.testing.assert_close(lse, r_lse.float(), atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(m, r_m.float(), atol=1e-4, rtol=1e-5)
     assert (out[:2] == 0).all() and torch.isposinf(lse[:2]).all()      # topk_length 0; row 1 without a valid id
+
+
+@gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("h,d_qk", SPARSE_SHAPES, ids=[f"h{h}_d{d}" for h, d in SPARSE_SHAPES])
+def test_sparse_backward(h, d_qk, deterministic):
+    """The backward's kernel, 3 CTAs looping over 6 query rows' items with the grid barrier and ids ordered by
+    256-row KV windows (SparseAttnBwdConfig through the flat entry's config=), adversarial ids and lengths, against
+    the reference backward on the reference forward's out / lse."""
+    q, kv, ids, sink, tl = _sparse_inputs(6, h, d_qk, 320, 900, seed=h + d_qk + 1)
+    scale = d_qk ** -0.5
+    out, lse, _ = dsagen.sparse_attention(q, kv, ids, attn_sink=sink, topk_length=tl, softmax_scale=scale,
+                                          impl="reference")
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).bfloat16().to(DEV)
+    out = out.bfloat16()
+    dq, dkv, d_sink = bwd_host.sparse_attention_backward(
+        q, kv, out, dout, lse.float(), ids, attn_sink=sink, topk_length=tl, softmax_scale=scale, d_v=512,
+        deterministic=deterministic, config=SparseAttnBwdConfig(grid=3, bucket_rows=256))
+    r_dq, r_dkv, r_sink = dsagen.sparse_attention_backward(q, kv, out, dout, lse, ids, attn_sink=sink, topk_length=tl,
+                                                           softmax_scale=scale, impl="reference")
+    for got, want in ((dq, r_dq), (dkv, r_dkv), (d_sink, r_sink)):
+        err = (got.float() - want.float()).abs().max().item()
+        assert err <= 1e-2 * max(want.float().abs().max().item(), 1e-6)
+    assert (dq[:2] == 0).all()                       # topk_length 0; row 1 without a valid id
 
 
 # ---------------------------------------------------------------------------------------- lightning indexer

@@ -5,7 +5,7 @@ backward, in one run (GPU).
 
 Shapes: T = 4096 and 32768 query rows over a KV pool of 32768 and 131072 rows, H=128, D_qk 576, d_v 512, top-k
 2048, with sink; H=64 with D_qk 512 (--quick: T = 4096 only). Ids are distinct per row (start + i * odd stride mod
-pool), all valid; out / lse come from the fused forward, dout is random.
+pool), all valid; out / lse come from the fused forward, dout is random (q, kv, dout drawn on the GPU).
 
 FLOPs = 2 * T * H * topk * (3 * D_qk + 2 * d_v) (the five products: S, dP, dQ, and dKV's two). Columns: fused
 (atomic dKV) ms and TFLOP/s, the deterministic mode's ms and its cost (det / fused), the reference backward's ms
@@ -43,11 +43,12 @@ def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.
 
 def run_case(s_q, h, d_qk, n_kv, topk, reps, ref_max_t):
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn((s_q, h, d_qk), generator=gen).bfloat16().cuda()
-    kv = torch.randn((n_kv, d_qk), generator=gen).bfloat16().cuda()
     ids = distinct_ids(s_q, topk, n_kv, gen).cuda()
     sink = torch.randn(h, generator=gen).cuda()
-    dout = torch.randn((s_q, h, 512), generator=gen).bfloat16().cuda()
+    cgen = torch.Generator(device="cuda").manual_seed(0)           # the large tensors are drawn on the GPU
+    q = torch.randn((s_q, h, d_qk), generator=cgen, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn((n_kv, d_qk), generator=cgen, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn((s_q, h, 512), generator=cgen, device="cuda", dtype=torch.bfloat16)
     scale = d_qk ** -0.5
     out, lse, _ = dsagen.sparse_attention(q, kv, ids, attn_sink=sink, softmax_scale=scale, d_v=512, impl="fused")
     kw = dict(attn_sink=sink, topk_length=None, softmax_scale=scale, d_v=512)

@@ -21,11 +21,16 @@ from .indexer import fused_op, is_packed
 
 _INT32_MAX = 2**31 - 1
 _SINK_DTYPES = (torch.float32, torch.float64)
+# the fused forward snapshots its running softmax state after each pair of 64-slot tiles
+_FUSED_INDEXER_STEP = 128
 
 
-def _forward(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl):
-    """The flat-layout forward by `impl`, without autograd: (out, lse, max_logits)."""
+def _forward(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl, indexer_topk=0):
+    """The flat-layout forward by `impl`, without autograd: (out, lse, max_logits), plus lse_indexer when
+    indexer_topk > 0 (0 asks for none; the fused host takes the argument only then)."""
     kwargs = dict(attn_sink=attn_sink, topk_length=topk_length, softmax_scale=softmax_scale, d_v=d_v)
+    if indexer_topk:
+        kwargs["indexer_topk"] = indexer_topk
     if impl == "reference":
         return ref.sparse_attention_forward(q, kv, topk_idxs, **kwargs)
     return fused_impl("sparse_attention", q.device)(q, kv, topk_idxs, **kwargs)
@@ -43,13 +48,14 @@ def _backward(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_
         d_v=d_v, deterministic=deterministic, workspace=workspace)
 
 
-def _flat(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl):
+def _flat(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl, indexer_topk=0):
     """The flat-layout op: through the autograd Function when a gradient may be needed, else the forward alone
-    (inference and decode calls skip the Function's host cost, ~10 us)."""
+    (inference and decode calls skip the Function's host cost, ~10 us). Returns what `_forward` returns."""
     if torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad
                                     or (attn_sink is not None and attn_sink.requires_grad)):
-        return _SparseAttentionFunction.apply(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl)
-    return _forward(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl)
+        return _SparseAttentionFunction.apply(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl,
+                                              indexer_topk)
+    return _forward(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl, indexer_topk)
 
 
 class _SparseAttentionFunction(torch.autograd.Function):
@@ -58,25 +64,29 @@ class _SparseAttentionFunction(torch.autograd.Function):
     `torch.are_deterministic_algorithms_enabled()` (read when the backward runs eagerly; under torch.compile the
     value when the step was traced, guarded, so changing it recompiles); impl="reference" through the reference
     formula. Neither syncs with the host on
-    CUDA, so a forward + backward step is CUDA-graph capturable once the kernels are loaded."""
+    CUDA, so a forward + backward step is CUDA-graph capturable once the kernels are loaded.
+
+    With indexer_topk > 0 the forward also returns lse_indexer (a fourth output, non-differentiable like lse and
+    max_logits); gradients flow through out only."""
 
     @staticmethod
-    def forward(ctx, q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl):
-        out, lse, max_logits = _forward(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl)
+    def forward(ctx, q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl, indexer_topk):
+        outs = _forward(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl, indexer_topk)
+        out, lse = outs[0], outs[1]
         ctx.save_for_backward(q, kv, topk_idxs, attn_sink, topk_length, lse, out)
         ctx.softmax_scale, ctx.d_v, ctx.impl = softmax_scale, d_v, impl
-        ctx.mark_non_differentiable(lse, max_logits)
-        return out, lse, max_logits
+        ctx.mark_non_differentiable(*outs[1:])
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, dout, _dlse, _dmax_logits):
+    def backward(ctx, dout, *_stats_grads):
         q, kv, topk_idxs, attn_sink, topk_length, lse, out = ctx.saved_tensors
         deterministic = ctx.impl == "fused" and torch.are_deterministic_algorithms_enabled()
         dq, dkv, d_sink = _backward(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, ctx.softmax_scale,
                                     ctx.d_v, deterministic, None, ctx.impl)
         need = ctx.needs_input_grad
         return (dq if need[0] else None, dkv if need[1] else None, None,
-                d_sink if attn_sink is not None and need[3] else None, None, None, None, None)
+                d_sink if attn_sink is not None and need[3] else None, None, None, None, None, None)
 
 
 def _check_scale(softmax_scale, d_qk: int) -> float:
@@ -125,6 +135,22 @@ def _check_options(q, h, lead, batched, attn_sink, topk_length, softmax_scale, d
     return scale, d_v
 
 
+def _check_indexer_topk(indexer_topk, k: int, impl: str) -> int:
+    """indexer_topk (None or an int in [0, K]; for impl="fused" 0 or a multiple of 128) as an int, 0 for None."""
+    if indexer_topk is None:
+        return 0
+    check_int("indexer_topk", indexer_topk)
+    if not 0 <= indexer_topk <= k:
+        raise ValueError(f"indexer_topk must be in [0, K] = [0, {k}] (K: the width of topk_idxs), "
+                         f"got {indexer_topk}")
+    if impl == "fused" and indexer_topk % _FUSED_INDEXER_STEP:
+        raise NotImplementedError(
+            f"indexer_topk={indexer_topk}: impl='fused' takes 0 or a positive multiple of {_FUSED_INDEXER_STEP} "
+            f"(the fused kernel snapshots its running softmax state after each pair of 64-slot tiles); "
+            f"use impl='reference' for other prefix lengths")
+    return indexer_topk
+
+
 def _flat_ids(topk_idxs: torch.Tensor, b: int, n: int) -> torch.Tensor:
     """Batch-local ids `[B, T, K]` as flat int32 ids b * N + i `(B * T, K)`; -1 and ids outside [0, N) become -1,
     so no id can alias a neighbouring batch (device ops only: no host sync)."""
@@ -136,9 +162,12 @@ def _flat_ids(topk_idxs: torch.Tensor, b: int, n: int) -> torch.Tensor:
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *,
                      attn_sink: torch.Tensor | None = None, topk_length: torch.Tensor | None = None,
-                     softmax_scale: float | None = None, d_v: int | None = None, impl: str = "fused"
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DeepSeek sparse MQA with an optional per-head attention sink: `(out, lse, max_logits)`.
+                     softmax_scale: float | None = None, d_v: int | None = None, impl: str = "fused",
+                     indexer_topk: int | None = None
+                     ) -> (tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                           | tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]):
+    """DeepSeek sparse MQA with an optional per-head attention sink: `(out, lse, max_logits)`, plus `lse_indexer`
+    when `indexer_topk` is given.
 
     Two layouts, told apart by `q.dim()`:
 
@@ -165,14 +194,23 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
         d_v: V/output width, 1 <= d_v <= D_qk; default 512 when D_qk == 576 (the MLA latent: 512 +
             64 RoPE columns), otherwise D_qk.
         impl: "fused" (default; generated CUDA kernel) or "reference" (plain PyTorch, CPU or CUDA).
+        indexer_topk: None (default: three outputs, as without it) or an int N, 0 <= N <= K, the indexer prefix
+            of cuDNN frontend DSA §1 Sparse Attention Forward: a fourth output, lse_indexer. impl="fused" takes
+            N = 0 or a positive multiple of 128 (the kernel snapshots its running softmax state after each pair
+            of 64-slot tiles); impl="reference" any N in [0, K].
 
     Returns:
         out `(..., H, d_v)` in q.dtype; lse `(..., H)` KV-only log-sum-exp of the valid scaled scores
         (the sink is NOT included); max_logits `(..., H)` the largest valid scaled score. lse and
         max_logits are FP32 (FP64 for FP64 inputs). A row without a valid slot gives out = 0,
         lse = +inf, max_logits = -inf.
+        With indexer_topk=N also lse_indexer `(..., H)` (dtype of lse): lse over the first N slots only,
+        logsumexp of the scaled scores of the valid slots j < min(N, topk_length[t]) (natural log, no sink,
+        +inf where that prefix holds no valid slot: an empty row, or a row whose first N slots are all
+        invalid); None for N = 0. N = K gives lse. Rows with topk_length < N are allowed (their prefix is
+        their valid slots; cuDNN frontend DSA §1 requires topk_length >= N).
 
-    Gradients: q, kv and attn_sink are differentiable (lse and max_logits are not); the forward saves q, kv,
+    Gradients: q, kv and attn_sink are differentiable (lse, max_logits and lse_indexer are not); the forward saves q, kv,
     the ids, out and lse. impl="fused" differentiates through the fused backward kernel (`sparse_attention_backward`,
     cuDNN frontend DSA §2), deterministic (dkv and the sink gradient bitwise the same run to run) exactly when
     `torch.are_deterministic_algorithms_enabled()` is True when the backward runs (`torch.use_deterministic_algorithms`;
@@ -185,21 +223,26 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
         TypeError: a non-tensor argument, wrong dtypes (kv not q's dtype, ids/lengths not int32, sink
             not FP32/FP64), softmax_scale not a number, d_v not an int.
         ValueError: q not 3-D or 4-D, mismatched shapes or devices, non-finite softmax_scale, d_v out
-            of [1, D_qk], B * N > 2**31 - 1, unknown impl, or impl="fused" on CPU tensors.
-        NotImplementedError: impl="fused" where no generated kernel exists for the device.
+            of [1, D_qk], indexer_topk outside [0, K], B * N > 2**31 - 1, unknown impl, or impl="fused" on
+            CPU tensors.
+        NotImplementedError: impl="fused" where no generated kernel exists for the device, or with an
+            indexer_topk that is not 0 or a multiple of 128 (never a silent fallback to the reference).
     """
     check_impl(impl)
     batched, lead, h, d_qk = _check_qkv_ids(q, kv, topk_idxs)
     scale, d_v = _check_options(q, h, lead, batched, attn_sink, topk_length, softmax_scale, d_v)
+    n_idx = _check_indexer_topk(indexer_topk, topk_idxs.shape[-1], impl)
 
     if not batched:
-        return _flat(q, kv, topk_idxs, attn_sink, topk_length, scale, d_v, impl)
-
-    b, t, n = q.shape[0], q.shape[1], kv.shape[1]
-    out, lse, max_logits = _flat(
-        q.reshape(b * t, h, d_qk), kv.reshape(b * n, d_qk), _flat_ids(topk_idxs, b, n), attn_sink,
-        None if topk_length is None else topk_length.reshape(b * t), scale, d_v, impl)
-    return out.reshape(b, t, h, d_v), lse.reshape(b, t, h), max_logits.reshape(b, t, h)
+        outs = _flat(q, kv, topk_idxs, attn_sink, topk_length, scale, d_v, impl, n_idx)
+    else:
+        b, t, n = q.shape[0], q.shape[1], kv.shape[1]
+        outs = _flat(q.reshape(b * t, h, d_qk), kv.reshape(b * n, d_qk), _flat_ids(topk_idxs, b, n), attn_sink,
+                     None if topk_length is None else topk_length.reshape(b * t), scale, d_v, impl, n_idx)
+        outs = (outs[0].reshape(b, t, h, d_v),) + tuple(x.reshape(b, t, h) for x in outs[1:])
+    if indexer_topk is None:
+        return outs
+    return tuple(outs) if n_idx else (*outs, None)
 
 
 def sparse_attention_backward(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,

@@ -87,14 +87,19 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def sparse_attention_forward(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *,
                              attn_sink: torch.Tensor | None = None, topk_length: torch.Tensor | None = None,
-                             softmax_scale: float | None = None, d_v: int | None = None
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             softmax_scale: float | None = None, d_v: int | None = None,
+                             indexer_topk: int | None = None) -> tuple:
     """Sparse MQA forward on the flat layout (no validation; see dsagen.ops.sparse_attention).
 
     Shapes: q `(S_q, H, D_qk)`, kv `(S_kv, D_qk)`, topk_idxs `(S_q, K)` integer global ids,
     attn_sink `(H,)` or None (= a sink of -inf), topk_length `(S_q,)` or None.
     Returns out `(S_q, H, d_v)` in q.dtype, lse `(S_q, H)` and max_logits `(S_q, H)` in FP32
     (FP64 for FP64 inputs). max_logits is the largest valid scaled score s (sink excluded).
+
+    indexer_topk: None (default) returns the three values above. An int N >= 0 returns a fourth,
+    lse_indexer (cuDNN frontend DSA §1 Sparse Attention Forward's indexer prefix): lse restricted to
+    the valid slots at positions j < N (so j < min(N, topk_length[t])), `(S_q, H)` in lse's dtype,
+    +inf where the prefix holds no valid slot; None for N = 0. N >= K gives lse itself.
     """
     s_q, h, d_qk = q.shape
     s_kv, k = kv.shape[0], topk_idxs.shape[-1]
@@ -105,8 +110,17 @@ def sparse_attention_forward(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch
     out = torch.zeros(s_q, h, d_v, dtype=q.dtype, device=q.device)
     lse = torch.full((s_q, h), _INF, dtype=stats, device=q.device)
     max_logits = torch.full((s_q, h), -_INF, dtype=stats, device=q.device)
+    # the indexer prefix: positions [0, n) of each row; n = 0 is no prefix, n = K is lse itself
+    n = None if indexer_topk is None else min(int(indexer_topk), k)
+    lse_prefix = None if not n or n == k else torch.full((s_q, h), _INF, dtype=stats, device=q.device)
+
+    def result():
+        if n is None:
+            return out, lse, max_logits
+        return out, lse, max_logits, (lse.clone() if n and n == k else lse_prefix)
+
     if s_q == 0 or k == 0:
-        return out, lse, max_logits
+        return result()
     sink = None if attn_sink is None else attn_sink.to(acc)
     kv_padded = _padded(kv, acc)
 
@@ -118,6 +132,8 @@ def sparse_attention_forward(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch
         rows, _ = _gather(kv_padded, idx, valid)                                 # (C, K, D_qk)
         scores = torch.bmm(q[r0:r1].to(acc), rows.transpose(1, 2)).mul_(scale)  # (C, H, K)
         scores.masked_fill_(~valid.unsqueeze(1), -_INF)
+        if lse_prefix is not None:                                              # before scores turn into e
+            lse_prefix[r0:r1] = _masked_lse(scores[:, :, :n]).to(stats)
         m = scores.amax(dim=-1)                                                 # (C, H)
         m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         e = scores.sub_(m_safe.unsqueeze(-1)).exp_()                            # invalid -> 0
@@ -129,7 +145,17 @@ def sparse_attention_forward(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch
         out[r0:r1] = o.to(q.dtype)
         lse[r0:r1] = lse_c.to(stats)
         max_logits[r0:r1] = m.to(stats)
-    return out, lse, max_logits
+    return result()
+
+
+def _masked_lse(scores: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dim of scores whose invalid entries are -inf; +inf where none is valid (the
+    convention of lse). Its own max, so a prefix far below the row's maximum does not underflow."""
+    m = scores.amax(dim=-1)
+    finite = torch.isfinite(m)
+    m_safe = torch.where(finite, m, torch.zeros_like(m))
+    sumexp = (scores - m_safe.unsqueeze(-1)).exp_().sum(dim=-1)
+    return torch.where(sumexp > 0, m_safe + torch.log(sumexp), torch.full_like(m, _INF))
 
 
 def sparse_attention_backward(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -39,8 +40,9 @@ def test_deepseek_v32_kernels():
     assert [s.op for s in specs[:2]] == ["compactify", "local_to_global"]
     indexer = list(indexer_config(64, 128, "bfloat16", "sm_90a").specs())
     assert specs[2:2 + len(indexer)] == indexer
-    (fwd,) = [s for s in specs if isinstance(s, SparseAttnFwdSpec)]
-    assert (fwd.num_heads, fwd.d_qk, fwd.d_v, fwd.dtype) == (128, 576, 512, "bfloat16")
+    fwd = [s for s in specs if isinstance(s, SparseAttnFwdSpec)]
+    assert [(f.num_heads, f.d_qk, f.d_v, f.dtype, f.lse_prefix) for f in fwd] == [
+        (128, 576, 512, "bfloat16", False), (128, 576, 512, "bfloat16", True)]
     bwd = [s for s in specs if isinstance(s, SparseAttnBwdSpec)]
     assert [(b.num_heads, b.d_qk, b.d_v, b.dtype, b.deterministic) for b in bwd] == [
         (128, 576, 512, "bfloat16", False), (128, 576, 512, "bfloat16", True)]
@@ -54,18 +56,19 @@ def test_a_smaller_variant_gets_its_own_head_counts():
                                       torch_dtype="float16"))
     specs = specs_for_model(model, "sm_90a")
     (score,) = [s for s in specs if isinstance(s, IndexerScoreSpec)]
-    (fwd,) = [s for s in specs if isinstance(s, SparseAttnFwdSpec)]
+    fwd, fwd_prefix = [s for s in specs if isinstance(s, SparseAttnFwdSpec)]
     assert (score.num_heads, score.head_dim, score.dtype) == (32, 64, "float16")
     assert (fwd.num_heads, fwd.d_qk, fwd.dtype) == (64, 576, "float16")     # 32 heads run padded to 64
+    assert fwd_prefix == dataclasses.replace(fwd, lse_prefix=True)
     assert model_from_config(_config(qk_rope_head_dim=0)).d_qk == 512
     assert [s.num_heads for s in specs_for_model(model_from_config(_config(num_attention_heads=96)), "sm_90a")
-            if isinstance(s, SparseAttnFwdSpec)] == [128]
+            if isinstance(s, SparseAttnFwdSpec)] == [128, 128]
 
 
 def test_tensor_parallel_splits_the_mla_heads_only():
     model = model_from_config(_config(), tensor_parallel=8)
     assert (model.num_heads, model.index_n_heads) == (16, 64)
-    assert [s.num_heads for s in specs_for_model(model, "sm_90a") if isinstance(s, SparseAttnFwdSpec)] == [64]
+    assert [s.num_heads for s in specs_for_model(model, "sm_90a") if isinstance(s, SparseAttnFwdSpec)] == [64, 64]
     with pytest.raises(ModelConfigError, match="num_attention_heads=128 does not split evenly over --tp 3"):
         model_from_config(_config(), tensor_parallel=3)
     with pytest.raises(ModelConfigError, match="--tp 0"):
@@ -170,5 +173,5 @@ def test_build_model_builds_v32_and_a_smaller_variant(cache_env, tmp_path, capsy
     lines = capsys.readouterr().out.splitlines()
     assert all(line.split()[2] == "cached" and line.split()[-1] == "DSAGEN_CACHE_DIR" for line in lines[2:-1])
     n_small = len(specs_for_model(load_model_config(small), "sm_90a"))
-    assert n_small == 10                               # 2 index ops, 5 indexer, the MLA forward and 2 backwards
+    assert n_small == 11                               # 2 index ops, 5 indexer, 2 MLA forwards and 2 backwards
     assert lines[-1].endswith(f"{n_small} cached, 0 to build (dry run: nothing compiled)")

@@ -158,6 +158,9 @@ def specs_for_model(model: ModelAttention, arch: str) -> list[KernelSpec]:
         h = mla_kernel_heads(model.num_heads)
         out.append(sparse_mla_config(h, model.d_qk, model.dtype, None, arch, None)
                    .spec(h, model.d_qk, model.dtype, arch, d_v=model.d_v))
+        # ... and its lse_prefix kernel, which also returns lse_indexer (sparse_attention(..., indexer_topk=N))
+        out.append(sparse_mla_config(h, model.d_qk, model.dtype, None, arch, None)
+                   .spec(h, model.d_qk, model.dtype, arch, d_v=model.d_v, lse_prefix=True))
         # sparse MLA backward: the atomic kernel autograd runs by default and the deterministic one it runs under
         # torch.use_deterministic_algorithms
         for deterministic in (False, True):

@@ -74,8 +74,11 @@ class SparseMlaFwd(NamedTuple):
     host: Any
 
 
-def params(dtype: str) -> list[dict]:
-    """The kernel's flat ABI, in order (a new list on every call); `dtype`: "bfloat16" or "float16"."""
+def params(dtype: str, lse_prefix: bool = False) -> list[dict]:
+    """The kernel's flat ABI, in order (a new list on every call); `dtype`: "bfloat16" or "float16"; lse_prefix: the
+    kernel also writes the KV-only LSE over each row's first n_prefix slots (two more parameters at the end)."""
+    prefix = [{"name": "lse_prefix", "kind": "ptr", "dtype": "float32", "align": 4},   # (s_q, H)
+              {"name": "n_prefix", "kind": "i32"}] if lse_prefix else []              # a multiple of 128
     return [
         {"name": "q", "kind": "ptr", "dtype": dtype, "align": 16},            # (s_q, H, D_QK), row stride ld_q
         {"name": "kv", "kind": "ptr", "dtype": dtype, "align": 16},           # (n_kv, D_QK), row stride ld_kv
@@ -95,17 +98,17 @@ def params(dtype: str) -> list[dict]:
         {"name": "has_length", "kind": "i32"},
         {"name": "has_sink", "kind": "i32"},
         {"name": "n_ctas", "kind": "i32"},                  # the most CTAs to launch (each loops over items)
-    ]
+    ] + prefix
 
 
 def build(num_heads: int, d_qk: int, d_v: int, dtype: str, block_n: int, stages: int, regs_producer: int,
-          regs_qk: int, regs_pv: int) -> SparseMlaFwd:
+          regs_qk: int, regs_pv: int, lse_prefix: bool = False) -> SparseMlaFwd:
     """A new sparse MLA forward for one SparseAttnFwdSpec's values (SparseMlaFwdSm90 lists the constraints). Each
     call returns distinct function objects, so every rendered module names its own kernel."""
-    fwd = SparseMlaFwdSm90(num_heads, d_qk, d_v, dtype, block_n, stages, regs_producer, regs_qk, regs_pv)
+    fwd = SparseMlaFwdSm90(num_heads, d_qk, d_v, dtype, block_n, stages, regs_producer, regs_qk, regs_pv, lse_prefix)
     launch = {"grid": [f"min(s_q * {fwd.HB}, n_ctas)", 1, 1], "block": [fwd.THREADS, 1, 1], "cluster": [1, 1, 1],
               "smem": fwd.Smem.size_in_bytes()}
-    return SparseMlaFwd(params(dtype), launch, fwd.kernel, fwd.host)
+    return SparseMlaFwd(params(dtype, lse_prefix), launch, fwd.kernel, fwd.host)
 
 
 class KernelArgs(NamedTuple):
@@ -127,6 +130,8 @@ class KernelArgs(NamedTuple):
     softmax_scale: Any
     has_length: Any
     has_sink: Any
+    p_lsep: Any = None      # lse_prefix kernels: the prefix LSE output and the prefix length
+    n_prefix: Any = None
 
 
 class Barriers(NamedTuple):
@@ -173,6 +178,9 @@ class ConsumerState(NamedTuple):
     q_hi: Any
     q_odd: Any
     o_policy: Any
+    snap_max: Any = None    # lse_prefix kernels: the running max and row sum after the item's prefix pairs,
+    snap_sum: Any = None    # and B's prefix row sums [head row, item parity] for A
+    sSnap: Any = None
 
 
 class SparseMlaFwdSm90:
@@ -202,7 +210,8 @@ class SparseMlaFwdSm90:
     FILL_ORDER = ((0, 0), (1, 1), (0, 1), (1, 0))   # (stage, half) the producer fills per pair: V0L, V1R, V0R, V1L
 
     def __init__(self, num_heads: int, d_qk: int, d_v: int, dtype: str, block_n: int, stages: int,
-                 regs_producer: int, regs_qk: int, regs_pv: int):
+                 regs_producer: int, regs_qk: int, regs_pv: int, lse_prefix: bool = False):
+        self.LSE_PREFIX = lse_prefix            # also write the LSE over each row's first n_prefix slots
         self.H = num_heads                      # heads of the op; one item per 64
         self.HB = num_heads // self.M
         self.D_QK = d_qk
@@ -224,6 +233,7 @@ class SparseMlaFwdSm90:
         """The shared-memory struct (racecheck's explained window assumes the first six fields' sizes)."""
         DT, M, BN, D_QK, STAGES = self.dtype, self.M, self.BN, self.D_QK, self.STAGES
         p_elems = M * BN if self.P_IN_ROPE else 2 * M * BN
+        lse_prefix = self.LSE_PREFIX
 
         @cute.struct
         class Smem:
@@ -237,6 +247,8 @@ class SparseMlaFwdSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[DT, M * D_QK], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[DT, STAGES * BN * D_QK], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[DT, p_elems], 1024]   # P1 (and P0 unless in the RoPE tile)
+            if lse_prefix:
+                snap: cute.struct.MemRange[Float32, 2 * M]      # B's prefix row sums [head row, item parity]
 
         return Smem
 
@@ -244,23 +256,44 @@ class SparseMlaFwdSm90:
         """A new @cute.kernel and @cute.jit host of this instance."""
         fwd = self
 
-        @cute.kernel
-        def kernel(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_len: cute.Pointer,
-                   p_sink: cute.Pointer, p_out: cute.Pointer, p_lse: cute.Pointer, p_maxl: cute.Pointer,
-                   s_q: Int32, n_kv: Int32, topk: Int32, ld_q: Int64, ld_kv: Int64, ld_idx: Int64,
-                   softmax_scale: Float32, has_length: Int32, has_sink: Int32, n_ctas: Int32):
-            fwd.body(KernelArgs(p_q, p_kv, p_idx, p_len, p_sink, p_out, p_lse, p_maxl, s_q, n_kv, topk, ld_q, ld_kv,
-                                ld_idx, softmax_scale, has_length, has_sink))
+        if const_expr(not self.LSE_PREFIX):
+            @cute.kernel
+            def kernel(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_len: cute.Pointer,
+                       p_sink: cute.Pointer, p_out: cute.Pointer, p_lse: cute.Pointer, p_maxl: cute.Pointer,
+                       s_q: Int32, n_kv: Int32, topk: Int32, ld_q: Int64, ld_kv: Int64, ld_idx: Int64,
+                       softmax_scale: Float32, has_length: Int32, has_sink: Int32, n_ctas: Int32):
+                fwd.body(KernelArgs(p_q, p_kv, p_idx, p_len, p_sink, p_out, p_lse, p_maxl, s_q, n_kv, topk, ld_q,
+                                    ld_kv, ld_idx, softmax_scale, has_length, has_sink))
 
-        @cute.jit
-        def host(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_len: cute.Pointer,
-                 p_sink: cute.Pointer, p_out: cute.Pointer, p_lse: cute.Pointer, p_maxl: cute.Pointer,
-                 s_q: Int32, n_kv: Int32, topk: Int32, ld_q: Int64, ld_kv: Int64, ld_idx: Int64,
-                 softmax_scale: Float32, has_length: Int32, has_sink: Int32, n_ctas: Int32):
-            kernel(p_q, p_kv, p_idx, p_len, p_sink, p_out, p_lse, p_maxl, s_q, n_kv, topk, ld_q, ld_kv, ld_idx,
-                   softmax_scale, has_length, has_sink, n_ctas).launch(
-                grid=(cutlass.min(s_q * fwd.HB, n_ctas), 1, 1), block=(fwd.THREADS, 1, 1),
-                smem=fwd.Smem.size_in_bytes(), min_blocks_per_mp=1)
+            @cute.jit
+            def host(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_len: cute.Pointer,
+                     p_sink: cute.Pointer, p_out: cute.Pointer, p_lse: cute.Pointer, p_maxl: cute.Pointer,
+                     s_q: Int32, n_kv: Int32, topk: Int32, ld_q: Int64, ld_kv: Int64, ld_idx: Int64,
+                     softmax_scale: Float32, has_length: Int32, has_sink: Int32, n_ctas: Int32):
+                kernel(p_q, p_kv, p_idx, p_len, p_sink, p_out, p_lse, p_maxl, s_q, n_kv, topk, ld_q, ld_kv, ld_idx,
+                       softmax_scale, has_length, has_sink, n_ctas).launch(
+                    grid=(cutlass.min(s_q * fwd.HB, n_ctas), 1, 1), block=(fwd.THREADS, 1, 1),
+                    smem=fwd.Smem.size_in_bytes(), min_blocks_per_mp=1)
+        else:
+            @cute.kernel
+            def kernel(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_len: cute.Pointer,
+                       p_sink: cute.Pointer, p_out: cute.Pointer, p_lse: cute.Pointer, p_maxl: cute.Pointer,
+                       s_q: Int32, n_kv: Int32, topk: Int32, ld_q: Int64, ld_kv: Int64, ld_idx: Int64,
+                       softmax_scale: Float32, has_length: Int32, has_sink: Int32, n_ctas: Int32,
+                       p_lsep: cute.Pointer, n_prefix: Int32):
+                fwd.body(KernelArgs(p_q, p_kv, p_idx, p_len, p_sink, p_out, p_lse, p_maxl, s_q, n_kv, topk, ld_q,
+                                    ld_kv, ld_idx, softmax_scale, has_length, has_sink, p_lsep, n_prefix))
+
+            @cute.jit
+            def host(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_len: cute.Pointer,
+                     p_sink: cute.Pointer, p_out: cute.Pointer, p_lse: cute.Pointer, p_maxl: cute.Pointer,
+                     s_q: Int32, n_kv: Int32, topk: Int32, ld_q: Int64, ld_kv: Int64, ld_idx: Int64,
+                     softmax_scale: Float32, has_length: Int32, has_sink: Int32, n_ctas: Int32,
+                     p_lsep: cute.Pointer, n_prefix: Int32):
+                kernel(p_q, p_kv, p_idx, p_len, p_sink, p_out, p_lse, p_maxl, s_q, n_kv, topk, ld_q, ld_kv, ld_idx,
+                       softmax_scale, has_length, has_sink, n_ctas, p_lsep, n_prefix).launch(
+                    grid=(cutlass.min(s_q * fwd.HB, n_ctas), 1, 1), block=(fwd.THREADS, 1, 1),
+                    smem=fwd.Smem.size_in_bytes(), min_blocks_per_mp=1)
 
         return kernel, host
 
@@ -487,11 +520,17 @@ class SparseMlaFwdSm90:
         q_hi = q4 >= 2
         q_odd = q4 % 2 == 1
         o_policy = l2_evict_first_policy()              # O is written once
+        snap_max = snap_sum = sSnap = None
+        if const_expr(self.LSE_PREFIX):
+            snap_max = cute.make_rmem_tensor(NR, Float32)
+            snap_sum = cute.make_rmem_tensor(NR, Float32)
+            sSnap = st.snap.get_tensor(cute.make_layout((M, 2), stride=(1, M)))
         f = ConsumerState(ctid=ctid, mma_rs=mma_rs, mma_ss=mma_ss, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV, tCrV=tCrV,
                           tCrP=tCrP, accS=accS, accO=accO, rP=rP, tOrP=tOrP, stsm=stsm, tPsP_st=tPsP_st,
                           tPrP_st=tPrP_st, sMN=sMN, oMN=oMN, cS=cS, cO=cO, row_max=row_max, row_sum=row_sum,
                           fac=pair_rows, m_loc=pair_rows, keep=keep, sink_l2=sink_l2, scale_log2=scale_log2,
-                          sMax=sMax, sSum=sSum, q4=q4, q_hi=q_hi, q_odd=q_odd, o_policy=o_policy)
+                          sMax=sMax, sSum=sSum, q4=q4, q_hi=q_hi, q_odd=q_odd, o_policy=o_policy,
+                          snap_max=snap_max, snap_sum=snap_sum, sSnap=sSnap)
 
         gp = Int32(0)                                   # pairs of the CTA's earlier items (the barriers' phases)
         it = Int32(0)                                   # the CTA's earlier items
@@ -500,6 +539,11 @@ class SparseMlaFwdSm90:
             accO.fill(0.0)
             row_max.fill(self.MAX_INIT)
             row_sum.fill(0.0)
+            nsnap = npairs                                  # the pairs in the item's prefix (lse_prefix kernels)
+            if const_expr(self.LSE_PREFIX):
+                snap_max.fill(self.MAX_INIT)
+                snap_sum.fill(0.0)
+                nsnap = cutlass.min(npairs, a.n_prefix // (2 * BN))
             cute.arch.mbarrier_wait(bars.q_mbar, it % 2)     # this item's Q
             if const_expr(w == 0):
                 if npairs > 0:
@@ -511,10 +555,12 @@ class SparseMlaFwdSm90:
                 for k in cutlass.range(npairs - 1, unroll=1):
                     g = gp + k
                     mma_qk = self.pair_a(bars, f, mma_qk, g, False)
+                    self.snapshot(f, k, nsnap)
                 cute.arch.mbarrier_arrive(bars.q_free)       # the item's last QK^T retired (waited above): Q is free
                 if npairs > 0:                              # the last pair: no next QK^T
                     g = gp + npairs - 1
                     mma_qk = self.pair_a(bars, f, mma_qk, g, True)
+                    self.snapshot(f, npairs - 1, nsnap)
             else:
                 for k in cutlass.range(npairs, unroll=1):
                     g = gp + k
@@ -527,11 +573,22 @@ class SparseMlaFwdSm90:
                     if k == npairs - 1:
                         cute.arch.mbarrier_arrive(bars.q_free)       # the item's last QK^T retired: Q is free
                     self.pair_b_rest(bars, f, g)
+                    self.snapshot(f, k, nsnap)
                 if npairs == 0:
                     cute.arch.mbarrier_arrive(bars.q_free)       # an item without pairs: its Q is free at once
             self.epilogue(w, a, f, item, tok, head0, it % 2)
             gp += npairs
             it += 1
+
+    @cute.jit
+    def snapshot(self, f, k, nsnap):
+        """lse_prefix kernels: keep the running max and this consumer's row sum after pair k when it is the last pair
+        of the item's prefix (both consumers hold the pair max after a pair, and their row sums are relative to it)."""
+        if const_expr(self.LSE_PREFIX):
+            if k == nsnap - 1:
+                for r in cutlass.range_constexpr(self.rows(f)):
+                    f.snap_max[r] = f.row_max[r]
+                    f.snap_sum[r] = f.row_sum[r]
 
     @cute.jit
     def qk_half(self, bars, f, mma_qk, stage: int, h: int, phase, first: bool):
@@ -652,6 +709,14 @@ class SparseMlaFwdSm90:
             s += cute.arch.shuffle_sync_bfly(s, offset=2)
             if f.ctid % 4 == 0:
                 f.sSum[f.cO[r, 0][0], w, ip] = s
+            if const_expr(self.LSE_PREFIX):             # the prefix row sums: B hands its own to A like the sums
+                sp = f.snap_sum[r]
+                sp += cute.arch.shuffle_sync_bfly(sp, offset=1)
+                sp += cute.arch.shuffle_sync_bfly(sp, offset=2)
+                f.snap_sum[r] = sp
+                if const_expr(w == 1):
+                    if f.ctid % 4 == 0:
+                        f.sSnap[f.cO[r, 0][0], ip] = sp
         if const_expr(w == 0):
             # the row sums change hands like the maxima, each direction one barrier arrived by its writer and synced by
             # its reader (never one barrier synced by both consumers from their two code paths: notes, "Sanitizers");
@@ -678,6 +743,10 @@ class SparseMlaFwdSm90:
                     (a.p_lse + at).store(Float32.inf if s == Float32(0.0)
                                          else (m + cute.math.log2(s, fastmath=False)) * LN2)
                     (a.p_maxl + at).store(-Float32.inf if s == Float32(0.0) else m * LN2)
+                    if const_expr(self.LSE_PREFIX):       # KV-only LSE over the first n_prefix slots (+inf: none)
+                        sp = f.snap_sum[r] + f.sSnap[row, ip]
+                        (a.p_lsep + at).store(Float32.inf if sp == Float32(0.0)
+                                              else (f.snap_max[r] + cute.math.log2(sp, fastmath=False)) * LN2)
 
     @cute.jit
     def sink_of_row(self, f, r: int, item):

@@ -41,13 +41,13 @@ def kernel_heads(num_heads: int) -> int:
 
 
 def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a",
-             config: SparseAttnFwdConfig | None = None) -> SparseAttnFwdSpec:
+             config: SparseAttnFwdConfig | None = None, lse_prefix: bool = False) -> SparseAttnFwdSpec:
     """The kernel spec that serves `num_heads` query heads (after padding to 64 or 128) under `config` (default:
-    the op's, config_for)."""
+    the op's, config_for); lse_prefix: the kernel that also writes the LSE over each row's first slots."""
     hp = kernel_heads(num_heads)
     if config is None:
         config = config_for(hp, d_qk, dtype, None, arch, None)
-    return config.spec(hp, d_qk, _DTYPES[dtype], arch)
+    return config.spec(hp, d_qk, _DTYPES[dtype], arch, lse_prefix=lse_prefix)
 
 
 def supported_reason(q: torch.Tensor, d_v: int) -> str:
@@ -78,16 +78,17 @@ _launch_plans: dict[tuple, tuple[SparseAttnFwdSpec, LoadedKernel | None, int]] =
 
 
 def _launch_plan(h: int, d_qk: int, dtype: torch.dtype, device: torch.device, rows: int, want_kernel: bool,
-                 config: SparseAttnFwdConfig | None = None) -> tuple[SparseAttnFwdSpec, LoadedKernel | None, int]:
-    """The spec, loaded kernel (None unless want_kernel) and n_ctas argument of a call (cached per call shape and
-    config)."""
-    key = (h, d_qk, dtype, device, config, want_kernel)
+                 config: SparseAttnFwdConfig | None = None, lse_prefix: bool = False
+                 ) -> tuple[SparseAttnFwdSpec, LoadedKernel | None, int]:
+    """The spec, loaded kernel (None unless want_kernel) and n_ctas argument of a call (cached per call shape,
+    config and lse_prefix)."""
+    key = (h, d_qk, dtype, device, config, want_kernel, lse_prefix)
     plan = _launch_plans.get(key)
     if plan is None:
         arch = device_arch(device)
         num_sms = device_sm_count(device_index(device)) if device.type == "cuda" else None   # None: no launch
         cfg = config_for(kernel_heads(h), d_qk, dtype, rows, arch, num_sms) if config is None else config
-        spec = spec_for(h, d_qk, dtype, arch, cfg)
+        spec = spec_for(h, d_qk, dtype, arch, cfg, lse_prefix)
         kernel = get_kernel(spec, device_index(device)) if want_kernel else None
         ctas = cfg.n_ctas(num_sms) if num_sms is not None else 0
         plan = _launch_plans[key] = (spec, kernel, ctas)
@@ -96,11 +97,13 @@ def _launch_plan(h: int, d_qk: int, dtype: torch.dtype, device: torch.device, ro
 
 def _launch(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sink: torch.Tensor | None,
             topk_length: torch.Tensor | None, softmax_scale: float, d_v: int,
-            config: SparseAttnFwdConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the kernel on flat-layout inputs that supported_reason accepted (its callers check)."""
+            config: SparseAttnFwdConfig | None = None, indexer_topk: int = 0) -> tuple:
+    """Launch the kernel on flat-layout inputs that supported_reason accepted (its callers check); with
+    indexer_topk > 0 (a multiple of 128, at most K) the lse_prefix kernel, which also returns lse_indexer."""
     s_q, h, d_qk = q.shape
     n_kv, k_width = kv.shape[0], topk_idxs.shape[1]
-    spec, kernel, n_ctas = _launch_plan(h, d_qk, q.dtype, q.device, s_q, s_q > 0, config)
+    prefix = indexer_topk > 0
+    spec, kernel, n_ctas = _launch_plan(h, d_qk, q.dtype, q.device, s_q, s_q > 0, config, prefix)
     hp = spec.num_heads
     if s_q * (hp // 64) > _MAX_GRID_X:
         raise ValueError(f"sparse_attention: total_S_q={s_q} exceeds the fused kernel's grid limit")
@@ -137,16 +140,30 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sin
     out = torch.empty((s_q, hp, d_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((s_q, hp), dtype=torch.float32, device=q.device)
     max_logits = torch.empty((s_q, hp), dtype=torch.float32, device=q.device)
+    lse_indexer = torch.empty((s_q, hp), dtype=torch.float32, device=q.device) if prefix else None
     if s_q > 0:
         # absent optional inputs: pass a tensor of the right dtype that the kernel never reads
-        kernel.launch(q, kv, topk_idxs, topk_idxs if length is None else length,
-                      lse if sink is None else sink, out, lse, max_logits,
-                      s_q, n_kv, k_width, q_st[0], kv_st[0] if n_kv else d_qk,
-                      ids_st[0] if k_width else 0, float(softmax_scale),
-                      int(length is not None), int(sink is not None), n_ctas)
+        args = (q, kv, topk_idxs, topk_idxs if length is None else length,
+                lse if sink is None else sink, out, lse, max_logits,
+                s_q, n_kv, k_width, q_st[0], kv_st[0] if n_kv else d_qk,
+                ids_st[0] if k_width else 0, float(softmax_scale),
+                int(length is not None), int(sink is not None), n_ctas)
+        kernel.launch(*args, lse_indexer, int(indexer_topk)) if prefix else kernel.launch(*args)
     if hp != h:
         out, lse, max_logits = out[:, :h].contiguous(), lse[:, :h].contiguous(), max_logits[:, :h].contiguous()
-    return out, lse, max_logits
+        if prefix:
+            lse_indexer = lse_indexer[:, :h].contiguous()
+    return (out, lse, max_logits, lse_indexer) if prefix else (out, lse, max_logits)
+
+
+def _check_indexer_topk(indexer_topk: int, k_width: int) -> None:
+    """indexer_topk for the fused kernel: 0, or a positive multiple of 128 that is at most the top-k width."""
+    if not 0 <= indexer_topk <= k_width:
+        raise ValueError(f"sparse_attention: indexer_topk={indexer_topk} must be in [0, K={k_width}]")
+    if indexer_topk % 128:
+        raise NotImplementedError(f"sparse_attention: indexer_topk={indexer_topk}; the fused kernel takes a multiple "
+                                  f"of 128 (it keeps its softmax state after each pair of 64-slot tiles; use "
+                                  f"impl='reference')")
 
 
 @torch.library.custom_op("dsagen::sparse_attention_fwd", mutates_args=())
@@ -164,19 +181,50 @@ def _sparse_attention_fwd_fake(q, kv, topk_idxs, attn_sink, topk_length, softmax
             q.new_empty((s_q, h), dtype=torch.float32))
 
 
+@torch.library.custom_op("dsagen::sparse_attention_fwd_prefix", mutates_args=())
+def _sparse_attention_fwd_prefix(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
+                                 attn_sink: Optional[torch.Tensor], topk_length: Optional[torch.Tensor],
+                                 softmax_scale: float, d_v: int, indexer_topk: int
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward with lse_indexer (indexer_topk > 0): (out, lse, max_logits, lse_indexer)."""
+    _check_supported(q, d_v)
+    _check_indexer_topk(indexer_topk, topk_idxs.shape[1])
+    return _launch(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, None, indexer_topk)
+
+
+@_sparse_attention_fwd_prefix.register_fake
+def _sparse_attention_fwd_prefix_fake(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, indexer_topk):
+    s_q, h = q.shape[0], q.shape[1]
+    stats = [q.new_empty((s_q, h), dtype=torch.float32) for _ in range(3)]
+    return (q.new_empty((s_q, h, d_v)), *stats)
+
+
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *,
                      attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None,
-                     softmax_scale: float, d_v: int, config: SparseAttnFwdConfig | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     softmax_scale: float, d_v: int, config: SparseAttnFwdConfig | None = None,
+                     indexer_topk: int = 0) -> tuple:
     """Flat-layout fused forward (inputs already validated by dsagen.ops.sparse_attention).
 
     q `(S_q, H, D_qk)` bf16/fp16 CUDA, kv `(S_kv, D_qk)`, topk_idxs int32 `(S_q, K)` global ids,
     attn_sink `(H,)` FP32/FP64 or None, topk_length int32 `(S_q,)` or None.
     config: None (the op's, config_for) or another SparseAttnFwdConfig (eager calls only: benchmarks and tests).
-    Returns out `(S_q, H, d_v)` in q.dtype, lse and max_logits `(S_q, H)` FP32.
-    Raises NotImplementedError (with the reason) for inputs the kernel does not cover.
+    indexer_topk: 0, or N > 0 (a multiple of 128, at most K): also return lse_indexer `(S_q, H)` FP32, the KV-only
+    LSE over each row's first N slots (+inf where none is valid), from the lse_prefix kernel (cuDNN frontend DSA
+    §1's indexer prefix).
+    Returns out `(S_q, H, d_v)` in q.dtype, lse and max_logits `(S_q, H)` FP32 (and lse_indexer with N > 0).
+    Raises NotImplementedError (with the reason) for inputs the kernel does not cover, ValueError for N outside
+    [0, K].
     """
     _check_supported(q, d_v)
+    indexer_topk = int(indexer_topk)
+    _check_indexer_topk(indexer_topk, topk_idxs.shape[1])
+    if indexer_topk > 0:
+        if torch.compiler.is_compiling():
+            if config is not None:
+                raise NotImplementedError("sparse_attention: config= is for eager calls (the custom op runs the op's)")
+            return _sparse_attention_fwd_prefix(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale),
+                                                int(d_v), indexer_topk)
+        return _launch(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v), config, indexer_topk)
     if torch.compiler.is_compiling():     # torch.compile sees the custom op as one opaque node
         if config is not None:
             raise NotImplementedError("sparse_attention: config= is for eager calls (the custom op runs the op's)")

@@ -45,6 +45,10 @@ class SparseAttnFwdSpec(KernelSpec):
     stages: KV stages in shared memory (2; a 64 x 576 stage is 72 KiB).
     regs_producer / regs_qk / regs_pv: setmaxnreg budgets of the three warpgroups (producer, consumer A = WG1,
       consumer B = WG2). The defaults are the op's (SparseAttnFwdConfig).
+    lse_prefix: also write lse_prefix, the KV-only LSE over each row's first n_prefix slots (cuDNN frontend DSA §1's
+      lse_indexer; n_prefix a run-time multiple of 128: each consumer keeps its running max and row sum after the
+      prefix's last pair of tiles). Two more kernel parameters (lse_prefix, n_prefix); False builds the kernel
+      without them.
 
     Sequence lengths, top-k width, KV pool size, softmax scale and the CTA count are run-time arguments.
     """
@@ -61,6 +65,7 @@ class SparseAttnFwdSpec(KernelSpec):
     regs_producer: int = 48
     regs_qk: int = 232
     regs_pv: int = 224
+    lse_prefix: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -77,6 +82,8 @@ class SparseAttnFwdSpec(KernelSpec):
             out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
         if self.block_n != 64:
             out.append(f"block_n={self.block_n} must be 64 (the P tile aliases a 64 x 64 RoPE tile)")
+        if not isinstance(self.lse_prefix, bool):
+            out.append(f"lse_prefix={self.lse_prefix!r} must be a bool")
         if self.stages != 2:
             out.append(f"stages={self.stages} must be 2 (two 64-row stages plus Q fill shared memory)")
         regs = (self.regs_producer, self.regs_qk, self.regs_pv)
@@ -121,11 +128,13 @@ class SparseAttnFwdConfig:
         if not (g == "persistent" or (isinstance(g, int) and not isinstance(g, bool) and g >= 1)):
             raise ValueError(f"SparseAttnFwdConfig.grid={g!r} must be 'persistent' or a positive int")
 
-    def spec(self, num_heads: int, d_qk: int, dtype, arch: str = "sm_90a", d_v: int = 512) -> SparseAttnFwdSpec:
-        """The kernel spec of this config for a kernel of `num_heads` (64 or 128) heads."""
+    def spec(self, num_heads: int, d_qk: int, dtype, arch: str = "sm_90a", d_v: int = 512,
+             lse_prefix: bool = False) -> SparseAttnFwdSpec:
+        """The kernel spec of this config for a kernel of `num_heads` (64 or 128) heads; lse_prefix: the kernel that
+        also writes the LSE over each row's first n_prefix slots."""
         return SparseAttnFwdSpec(arch=arch, num_heads=num_heads, d_qk=d_qk, d_v=d_v, dtype=_dtype_name(dtype),
                                  block_n=self.block_n, stages=self.stages, regs_producer=self.regs_producer,
-                                 regs_qk=self.regs_qk, regs_pv=self.regs_pv)
+                                 regs_qk=self.regs_qk, regs_pv=self.regs_pv, lse_prefix=bool(lse_prefix))
 
     def n_ctas(self, num_sms: int) -> int:
         """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(items, n_ctas))."""

@@ -4,7 +4,8 @@ launch code (`host.py`). `_kernel_module.py.j2` is the base every kernel module 
 
     indices/            compactify, local_to_global
     lightning_indexer/  the indexer score kernel and its top-k plan
-    sparse_mla/         the sparse MLA attention forward
+    sparse_mla/         the sparse MLA attention forward (and its lse_prefix variant)
+    sparse_mla_bwd/     the sparse MLA attention backward (dq, dkv, delta)
     testing/            runtime probe kernels (the runtime's own GPU tests)
 
 Importing this package imports nothing: dsagen.spec imports each family's `spec` module (registering its

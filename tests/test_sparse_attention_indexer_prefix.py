@@ -72,6 +72,9 @@ def test_lse_indexer_matches_two_independent_formulations(n, sink, length):
     torch.testing.assert_close(lse_idx, prefix_lse(q, kv, idx, ln, n))
     torch.testing.assert_close(lse_idx, truncated_lse(q, kv, idx, ln, n))
     assert torch.all(lse_idx[2] == INF)                            # the all-invalid row
+    if length:                                                     # a row no longer than n: its prefix is the row
+        short = ln <= n
+        torch.testing.assert_close(lse_idx[short], lse[short])
     # a prefix can only lose slots: lse_indexer <= lse wherever the prefix has a valid slot
     finite = torch.isfinite(lse_idx)
     assert torch.all(lse_idx[finite] <= lse[finite] + 1e-12)

@@ -1,7 +1,7 @@
 """Public DeepSeek sparse-attention ops: `sparse_attention` (cuDNN frontend DSA §1/§2 flat MQA, DeepSeek-V4 inference kernel's batched
-inference layout) with its autograd backward, the explicit `sparse_attention_backward` (cuDNN frontend DSA §2 Sparse
-Attention Backward) with `sparse_attention_backward_workspace`, and the attention score recomputes (cuDNN frontend
-DSA §7, §8).
+inference layout; `indexer_topk` adds §1's lse_indexer) with its autograd backward, the explicit
+`sparse_attention_backward` (cuDNN frontend DSA §2 Sparse Attention Backward) with
+`sparse_attention_backward_workspace`, and the attention score recomputes (cuDNN frontend DSA §7, §8).
 
 `impl="fused"` (the default, as in attention-gym lightning_indexer) runs a generated CUDA kernel through
 `dsagen.ops._fused.fused_impl`, which raises ValueError for CPU tensors and NotImplementedError where no
@@ -210,8 +210,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
         invalid); None for N = 0. N = K gives lse. Rows with topk_length < N are allowed (their prefix is
         their valid slots; cuDNN frontend DSA §1 requires topk_length >= N).
 
-    Gradients: q, kv and attn_sink are differentiable (lse, max_logits and lse_indexer are not); the forward saves q, kv,
-    the ids, out and lse. impl="fused" differentiates through the fused backward kernel (`sparse_attention_backward`,
+    Gradients: q, kv and attn_sink are differentiable (lse, max_logits and lse_indexer are not); the forward saves
+    q, kv, the ids, out and lse. impl="fused" differentiates through the fused backward kernel (`sparse_attention_backward`,
     cuDNN frontend DSA §2), deterministic (dkv and the sink gradient bitwise the same run to run) exactly when
     `torch.are_deterministic_algorithms_enabled()` is True when the backward runs (`torch.use_deterministic_algorithms`;
     warn_only counts as enabled; under torch.compile the value when the step was traced, guarded); impl="reference"
@@ -221,7 +221,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
 
     Raises:
         TypeError: a non-tensor argument, wrong dtypes (kv not q's dtype, ids/lengths not int32, sink
-            not FP32/FP64), softmax_scale not a number, d_v not an int.
+            not FP32/FP64), softmax_scale not a number, d_v or indexer_topk not an int.
         ValueError: q not 3-D or 4-D, mismatched shapes or devices, non-finite softmax_scale, d_v out
             of [1, D_qk], indexer_topk outside [0, K], B * N > 2**31 - 1, unknown impl, or impl="fused" on
             CPU tensors.

@@ -30,7 +30,7 @@ for s in $steps; do case $s in
     step test_indexer 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_lightning_indexer.py
     step test_sparse_attention 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py
     step test_sparse_attention_backward 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/gpu/test_sparse_attention_backward.py tests/gpu/test_sparse_attention_backward_op.py
+      tests/gpu/test_sparse_attention_backward.py tests/gpu/test_sparse_attention_backward_public.py
     step test_reference_cuda 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_reference_indexer_cuda.py ;;
   memcheck)
     step memcheck 300 compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu \

@@ -7,8 +7,9 @@ Fragment ownership of a wgmma m64nN accumulator (one warpgroup, thread t = 32 w 
 and 16 w + l / 4 + 8; columns 8 j + 2 (l % 4) + {0, 1}. A row therefore lives in the 4 lanes of a quad.
 """
 
+import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -101,5 +102,36 @@ def st_global_v4_b32(dst: cute.Pointer, w0: Int32, w1: Int32, w2: Int32, w3: Int
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
-__all__ = ["sw128", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy",
+@cute.jit
+def store_row_v4(dst: cute.Pointer, oMN: cute.Tensor, r: int, scale, fp16: bool, q_hi, q_odd, policy) -> None:
+    """Row r of an accumulator view `oMN` (acc_mn_view) times `scale` (None: as is), as bf16 (fp16=True: fp16),
+    into 16-byte stores at dst + 32 J (dst: this lane's first column, the row's start + 8 q). Lane q of a quad
+    holds the row's columns 8 v + 2 q + {0, 1} (view column c = 2 v + e); per group of 4 v's the four packed words
+    are transposed over the quad (two butterfly rounds: lanes q, q ^ 2 swap the off-diagonal 2 x 2 blocks, then
+    lanes q, q ^ 1 the off-diagonal words of each block), after which lane q holds columns 8 (4 J + q) .. + 8 from
+    lanes 0..3 in order. q_hi = q >= 2, q_odd = q odd; policy: the stores' L2 cache policy."""
+    for jg in cutlass.range_constexpr(cute.size(oMN, mode=[1]) // 8):
+        v = [oMN[r, 8 * jg + i] for i in range(8)]
+        if const_expr(scale is not None):
+            v = [x * scale for x in v]
+        w0 = pack_f32x2(v[0], v[1], fp16)
+        w1 = pack_f32x2(v[2], v[3], fp16)
+        w2 = pack_f32x2(v[4], v[5], fp16)
+        w3 = pack_f32x2(v[6], v[7], fp16)
+        x = cute.arch.shuffle_sync_bfly(w0 if q_hi else w2, offset=2)
+        y = cute.arch.shuffle_sync_bfly(w1 if q_hi else w3, offset=2)
+        w0 = x if q_hi else w0
+        w1 = y if q_hi else w1
+        w2 = w2 if q_hi else x
+        w3 = w3 if q_hi else y
+        x = cute.arch.shuffle_sync_bfly(w0 if q_odd else w1, offset=1)
+        y = cute.arch.shuffle_sync_bfly(w2 if q_odd else w3, offset=1)
+        w0 = x if q_odd else w0
+        w2 = y if q_odd else w2
+        w1 = w1 if q_odd else x
+        w3 = w3 if q_odd else y
+        st_global_v4_b32(dst + 32 * jg, w0, w1, w2, w3, policy)
+
+
+__all__ = ["sw128", "store_row_v4", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy",
            "cp_async_16_policy", "pack_f32x2", "st_global_v4_b32"]

@@ -57,8 +57,7 @@ from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.experimental import primitives as prims
 
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_16_policy,
-                                                 l2_evict_first_policy, pack_f32x2, st_global_v4_b32, sw128,
-                                                 swizzled_byte_offset)
+                                                 l2_evict_first_policy, store_row_v4, sw128, swizzled_byte_offset)
 from dsagen.kernels.sparse_mla.softmax_sm90 import exp_and_rescale, masked_row_max
 
 LOG2E = math.log2(math.e)
@@ -759,28 +758,6 @@ class SparseMlaFwdSm90:
 
     @cute.jit
     def store_row(self, w: int, a, f, r: int, tok, head0, row, inv):
-        """out[tok, head0 + row, w * DV_HALF:][:DV_HALF] = O row r * inv as 16-byte stores. Lane q of a quad holds
-        the row's columns 8 v + 2 q + {0, 1} (accumulator column c = 2 v + e); per group of 4 v's the four packed
-        words are transposed over the quad (two butterfly rounds: lanes q, q ^ 2 swap the off-diagonal 2 x 2
-        blocks, then lanes q, q ^ 1 the off-diagonal words of each block), after which lane q holds columns
-        8 (4 J + q) .. + 8 from lanes 0..3 in order."""
-        oMN, q_hi, q_odd = f.oMN, f.q_hi, f.q_odd
+        """out[tok, head0 + row, w * DV_HALF:][:DV_HALF] = O row r * inv as 16-byte stores (attn_sm90.store_row_v4)."""
         o_row = a.p_out + ((Int64(tok) * self.H + head0 + row) * self.D_V + (w * self.DV_HALF + 8 * f.q4))
-        for jg in cutlass.range_constexpr(cute.size(oMN, mode=[1]) // 8):
-            w0 = pack_f32x2(oMN[r, 8 * jg + 0] * inv, oMN[r, 8 * jg + 1] * inv, self.fp16)
-            w1 = pack_f32x2(oMN[r, 8 * jg + 2] * inv, oMN[r, 8 * jg + 3] * inv, self.fp16)
-            w2 = pack_f32x2(oMN[r, 8 * jg + 4] * inv, oMN[r, 8 * jg + 5] * inv, self.fp16)
-            w3 = pack_f32x2(oMN[r, 8 * jg + 6] * inv, oMN[r, 8 * jg + 7] * inv, self.fp16)
-            x = cute.arch.shuffle_sync_bfly(w0 if q_hi else w2, offset=2)
-            y = cute.arch.shuffle_sync_bfly(w1 if q_hi else w3, offset=2)
-            w0 = x if q_hi else w0
-            w1 = y if q_hi else w1
-            w2 = w2 if q_hi else x
-            w3 = w3 if q_hi else y
-            x = cute.arch.shuffle_sync_bfly(w0 if q_odd else w1, offset=1)
-            y = cute.arch.shuffle_sync_bfly(w2 if q_odd else w3, offset=1)
-            w0 = x if q_odd else w0
-            w2 = y if q_odd else w2
-            w1 = w1 if q_odd else x
-            w3 = w3 if q_odd else y
-            st_global_v4_b32(o_row + 32 * jg, w0, w1, w2, w3, f.o_policy)
+        store_row_v4(o_row, f.oMN, r, inv, self.fp16, f.q_hi, f.q_odd, f.o_policy)

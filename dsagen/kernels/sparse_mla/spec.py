@@ -86,16 +86,31 @@ class SparseAttnFwdSpec(KernelSpec):
             out.append(f"lse_prefix={self.lse_prefix!r} must be a bool")
         if self.stages != 2:
             out.append(f"stages={self.stages} must be 2 (two 64-row stages plus Q fill shared memory)")
-        regs = (self.regs_producer, self.regs_qk, self.regs_pv)
-        if any(r % 8 or not 24 <= r <= 256 for r in regs):
-            out.append(f"regs_producer/regs_qk/regs_pv={regs} must each be a multiple of 8 in [24, 256]")
-        elif sum(regs) > _REG_TOTAL:
-            out.append(f"regs_producer + regs_qk + regs_pv = {sum(regs)} exceeds {_REG_TOTAL} "
-                       f"(3 warpgroups x {_REGS_AT_LAUNCH} registers at launch; setmaxnreg cannot grow the pool)")
+        out.extend(register_budget_reasons({"regs_producer": self.regs_producer, "regs_qk": self.regs_qk,
+                                            "regs_pv": self.regs_pv}))
         return out
 
 
-def _dtype_name(dtype) -> str:
+def register_budget_reasons(budgets: dict[str, int]) -> list[str]:
+    """Why the setmaxnreg budgets of a 3-warpgroup (384-thread) kernel are wrong ([] when they are right): each a
+    multiple of 8 in [24, 256], together at most the launch's 3 x 168 registers (setmaxnreg only moves registers
+    between warpgroups; asking for more makes setmaxnreg.inc wait forever)."""
+    names, regs = "/".join(budgets), tuple(budgets.values())
+    if any(r % 8 or not 24 <= r <= 256 for r in regs):
+        return [f"{names}={regs} must each be a multiple of 8 in [24, 256]"]
+    if sum(regs) > _REG_TOTAL:
+        return [f"{' + '.join(budgets)} = {sum(regs)} exceeds {_REG_TOTAL} (3 warpgroups x {_REGS_AT_LAUNCH} "
+                f"registers at launch; setmaxnreg cannot grow the pool)"]
+    return []
+
+
+def check_grid(grid, owner: str) -> None:
+    """A config's grid: "persistent" or a positive int (ValueError naming `owner` otherwise)."""
+    if not (grid == "persistent" or (isinstance(grid, int) and not isinstance(grid, bool) and grid >= 1)):
+        raise ValueError(f"{owner}.grid={grid!r} must be 'persistent' or a positive int")
+
+
+def dtype_name(dtype) -> str:
     """"bfloat16" / "float16" from a dtype name or a torch dtype (without importing torch)."""
     return str(dtype).removeprefix("torch.")
 
@@ -124,15 +139,13 @@ class SparseAttnFwdConfig:
     grid: str | int = "persistent"
 
     def __post_init__(self) -> None:
-        g = self.grid
-        if not (g == "persistent" or (isinstance(g, int) and not isinstance(g, bool) and g >= 1)):
-            raise ValueError(f"SparseAttnFwdConfig.grid={g!r} must be 'persistent' or a positive int")
+        check_grid(self.grid, "SparseAttnFwdConfig")
 
     def spec(self, num_heads: int, d_qk: int, dtype, arch: str = "sm_90a", d_v: int = 512,
              lse_prefix: bool = False) -> SparseAttnFwdSpec:
         """The kernel spec of this config for a kernel of `num_heads` (64 or 128) heads; lse_prefix: the kernel that
         also writes the LSE over each row's first n_prefix slots."""
-        return SparseAttnFwdSpec(arch=arch, num_heads=num_heads, d_qk=d_qk, d_v=d_v, dtype=_dtype_name(dtype),
+        return SparseAttnFwdSpec(arch=arch, num_heads=num_heads, d_qk=d_qk, d_v=d_v, dtype=dtype_name(dtype),
                                  block_n=self.block_n, stages=self.stages, regs_producer=self.regs_producer,
                                  regs_qk=self.regs_qk, regs_pv=self.regs_pv, lse_prefix=bool(lse_prefix))
 

@@ -59,8 +59,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.experimental import primitives as prims
 
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_16_policy,
-                                                 l2_evict_first_policy, pack_f32x2, st_global_v4_b32, sw128,
-                                                 swizzled_byte_offset)
+                                                 l2_evict_first_policy, store_row_v4, sw128, swizzled_byte_offset)
 
 LOG2E = math.log2(math.e)
 
@@ -113,22 +112,23 @@ def build(num_heads: int, d_qk: int, d_v: int, dtype: str, deterministic: bool, 
 
 
 # ------------------------------------------------------------------------------------------ PTX helpers
+def _v4_f32(ptx: str, dst: cute.Pointer, values, loc, ip) -> None:
+    """`ptx [dst], {a, b, c, d}` for four FP32 values (dst 16-byte aligned)."""
+    ops = [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
+    llvm.inline_asm(None, ops, f"{ptx} [$0], {{$1, $2, $3, $4}};", "l,f,f,f,f,~{memory}",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 @dsl_user_op
 def red_add_v4_f32(dst: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
     """`red.global.add.v4.f32 [dst], {a, b, c, d}` (dst 16-byte aligned): four FP32 atomic adds, one transaction."""
-    ops = [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)] + [Float32(v).ir_value(loc=loc, ip=ip)
-                                                                   for v in (a, b, c, d)]
-    llvm.inline_asm(None, ops, "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    _v4_f32("red.global.add.v4.f32", dst, (a, b, c, d), loc, ip)
 
 
 @dsl_user_op
 def st_global_v4_f32(dst: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
     """`st.global.v4.f32 [dst], {a, b, c, d}` (dst 16-byte aligned)."""
-    ops = [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)] + [Float32(v).ir_value(loc=loc, ip=ip)
-                                                                   for v in (a, b, c, d)]
-    llvm.inline_asm(None, ops, "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    _v4_f32("st.global.v4.f32", dst, (a, b, c, d), loc, ip)
 
 
 @dsl_user_op
@@ -758,26 +758,6 @@ class SparseMlaBwdSm90:
     # --------------------------------------------------------------------------------------------- dQ stores
     @cute.jit
     def store_dq_row(self, a, oMN, r: int, tok, head, col0: int, q4, policy):
-        """dq[tok, head, col0:][:width] = accumulator row r (bf16 / fp16) as 16-byte stores after a 4 x 4 word
-        transpose over the quad (lane q then holds columns 8 (4 J + q) .. + 8 of each group of 32)."""
-        q_hi = q4 >= 2
-        q_odd = q4 % 2 == 1
+        """dq[tok, head, col0:][:width] = accumulator row r (bf16 / fp16) as 16-byte stores (attn_sm90.store_row_v4)."""
         row = a.p_dq + ((Int64(tok) * self.H + head) * self.D_QK + (col0 + 8 * q4))
-        for jg in cutlass.range_constexpr(cute.size(oMN, mode=[1]) // 8):
-            w0 = pack_f32x2(oMN[r, 8 * jg + 0], oMN[r, 8 * jg + 1], self.fp16)
-            w1 = pack_f32x2(oMN[r, 8 * jg + 2], oMN[r, 8 * jg + 3], self.fp16)
-            w2 = pack_f32x2(oMN[r, 8 * jg + 4], oMN[r, 8 * jg + 5], self.fp16)
-            w3 = pack_f32x2(oMN[r, 8 * jg + 6], oMN[r, 8 * jg + 7], self.fp16)
-            x = cute.arch.shuffle_sync_bfly(w0 if q_hi else w2, offset=2)
-            y = cute.arch.shuffle_sync_bfly(w1 if q_hi else w3, offset=2)
-            w0 = x if q_hi else w0
-            w1 = y if q_hi else w1
-            w2 = w2 if q_hi else x
-            w3 = w3 if q_hi else y
-            x = cute.arch.shuffle_sync_bfly(w0 if q_odd else w1, offset=1)
-            y = cute.arch.shuffle_sync_bfly(w2 if q_odd else w3, offset=1)
-            w0 = x if q_odd else w0
-            w2 = y if q_odd else w2
-            w1 = w1 if q_odd else x
-            w3 = w3 if q_odd else y
-            st_global_v4_b32(row + 32 * jg, w0, w1, w2, w3, policy)
+        store_row_v4(row, oMN, r, None, self.fp16, q4 >= 2, q4 % 2 == 1, policy)

@@ -31,16 +31,12 @@ import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
+from ..sparse_mla.host import kernel_heads, supported_reason
 from .spec import SparseAttnBwdConfig, SparseAttnBwdSpec, config_for
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_GRID_X = 2**31 - 1
 DETERMINISTIC_CHUNK_BYTES = 256 * 2**20
-
-
-def kernel_heads(num_heads: int) -> int:
-    """The heads of the kernel that serves `num_heads` query heads: 64 (fewer are padded to it) or 128."""
-    return 64 if num_heads <= 64 else 128
 
 
 def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a", deterministic: bool = False,
@@ -51,20 +47,6 @@ def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a"
     if config is None:
         config = config_for(hp, d_qk, dtype, arch, None)
     return config.spec(hp, d_qk, _DTYPES[dtype], arch, deterministic=deterministic)
-
-
-def supported_reason(q: torch.Tensor, d_v: int) -> str:
-    """Why the fused backward cannot run these inputs ("" when it can)."""
-    h, d_qk = q.shape[-2], q.shape[-1]
-    if q.dtype not in _DTYPES:
-        return f"q has dtype {q.dtype}; the fused backward takes bfloat16 or float16 (use impl='reference')"
-    if d_qk not in (512, 576):
-        return f"D_qk={d_qk}; the fused backward takes 512 or 576 (use impl='reference')"
-    if d_v != 512:
-        return f"d_v={d_v}; the fused backward takes 512 (use impl='reference')"
-    if h > 128:
-        return f"H={h}; the fused backward takes at most 128 heads (use impl='reference')"
-    return ""
 
 
 def _check_supported(q: torch.Tensor, d_v: int) -> None:

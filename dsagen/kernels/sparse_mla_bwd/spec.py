@@ -16,12 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...spec.base import KernelSpec, register_spec
-
-# 3 warpgroups launch with floor(65536 / 384 / 8) * 8 = 168 registers per thread; setmaxnreg moves registers
-# between them inside that pool, so the three budgets sum to at most 3 * 168 = 504 (else setmaxnreg.inc hangs).
-_REGS_AT_LAUNCH = 65536 // 384 // 8 * 8
-_REG_TOTAL = 3 * _REGS_AT_LAUNCH
-
+from ..sparse_mla.spec import check_grid, dtype_name, register_budget_reasons
 
 @register_spec
 @dataclass(frozen=True)
@@ -73,18 +68,9 @@ class SparseAttnBwdSpec(KernelSpec):
             out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
         if not isinstance(self.deterministic, bool):
             out.append(f"deterministic={self.deterministic!r} must be a bool")
-        regs = (self.regs_producer, self.regs_a, self.regs_b)
-        if any(r % 8 or not 24 <= r <= 256 for r in regs):
-            out.append(f"regs_producer/regs_a/regs_b={regs} must each be a multiple of 8 in [24, 256]")
-        elif sum(regs) > _REG_TOTAL:
-            out.append(f"regs_producer + regs_a + regs_b = {sum(regs)} exceeds {_REG_TOTAL} "
-                       f"(3 warpgroups x {_REGS_AT_LAUNCH} registers at launch; setmaxnreg cannot grow the pool)")
+        out.extend(register_budget_reasons({"regs_producer": self.regs_producer, "regs_a": self.regs_a,
+                                            "regs_b": self.regs_b}))
         return out
-
-
-def _dtype_name(dtype) -> str:
-    """"bfloat16" / "float16" from a dtype name or a torch dtype (without importing torch)."""
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -115,9 +101,7 @@ class SparseAttnBwdConfig:
     sync_grid: bool = True
 
     def __post_init__(self) -> None:
-        g = self.grid
-        if not (g == "persistent" or (isinstance(g, int) and not isinstance(g, bool) and g >= 1)):
-            raise ValueError(f"SparseAttnBwdConfig.grid={g!r} must be 'persistent' or a positive int")
+        check_grid(self.grid, "SparseAttnBwdConfig")
         b = self.bucket_rows
         if not (b is None or (isinstance(b, int) and not isinstance(b, bool) and b >= 1)):
             raise ValueError(f"SparseAttnBwdConfig.bucket_rows={b!r} must be None or a positive int")
@@ -125,7 +109,7 @@ class SparseAttnBwdConfig:
     def spec(self, num_heads: int, d_qk: int, dtype, arch: str = "sm_90a", d_v: int = 512,
              deterministic: bool = False) -> SparseAttnBwdSpec:
         """The kernel spec of this config for a kernel of `num_heads` (64 or 128) heads."""
-        return SparseAttnBwdSpec(arch=arch, num_heads=num_heads, d_qk=d_qk, d_v=d_v, dtype=_dtype_name(dtype),
+        return SparseAttnBwdSpec(arch=arch, num_heads=num_heads, d_qk=d_qk, d_v=d_v, dtype=dtype_name(dtype),
                                  deterministic=bool(deterministic), regs_producer=self.regs_producer,
                                  regs_a=self.regs_a, regs_b=self.regs_b)
 

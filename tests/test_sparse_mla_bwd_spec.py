@@ -1,0 +1,112 @@
+"""CPU tests of the sparse MLA backward family (dsagen/kernels/sparse_mla_bwd) and of the forward's lse_prefix kernel:
+spec checks, config validation, the host's window count and scratch size, the rendered binding, and the compiled
+kernels' SASS (tensor cores for every product, the atomic / deterministic dkv path, the grid barrier, no deadlocking
+register budgets)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dsagen.jit.render import helper_modules, render
+from dsagen.kernels.sparse_mla.spec import SparseAttnFwdSpec
+from dsagen.kernels.sparse_mla.fwd_sm90 import params as fwd_params
+from dsagen.kernels.sparse_mla_bwd import host as bwd_host
+from dsagen.kernels.sparse_mla_bwd.bwd_sm90 import params as bwd_params
+from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig, SparseAttnBwdSpec, config_for
+from dsagen.spec import SpecError
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(num_heads=32), "num_heads=32 must be 64 or 128"),
+    (dict(d_qk=256), "d_qk=256 must be 512 or 576"),
+    (dict(d_v=256), "d_v=256 must be 512"),
+    (dict(dtype="float32"), "dtype='float32'"),
+    (dict(regs_a=244), "must each be a multiple of 8"),
+    (dict(regs_a=256, regs_b=256), "exceeds 504"),
+    (dict(arch="sm_100a"), "sm_90a only"),
+])
+def test_invalid_specs_say_why(kw, needle):
+    with pytest.raises(SpecError, match=re.escape(needle)):
+        SparseAttnBwdSpec(**{"arch": "sm_90a", **kw}).check()
+
+
+def test_config_and_its_spec():
+    cfg = config_for(128, 576, "bfloat16", "sm_90a", 132)
+    assert cfg == SparseAttnBwdConfig() and cfg.bucket_rows == 4096 and cfg.sync_grid
+    spec = cfg.spec(128, 576, "bfloat16", "sm_90a", deterministic=True)
+    assert spec == SparseAttnBwdSpec(arch="sm_90a", deterministic=True) and spec.check() is spec
+    assert spec.regs_producer + spec.regs_a + spec.regs_b == 504
+    assert cfg.n_ctas(132) == 132 and SparseAttnBwdConfig(grid=7).n_ctas(132) == 7
+    with pytest.raises(ValueError, match="grid=0"):
+        SparseAttnBwdConfig(grid=0)
+    with pytest.raises(ValueError, match="bucket_rows=0"):
+        SparseAttnBwdConfig(bucket_rows=0)
+
+
+def test_windows_and_scratch():
+    assert bwd_host.buckets(4096, 4096) == 1 and bwd_host.buckets(4097, 4096) == 2
+    assert bwd_host.buckets(10**6, None) == 1
+    # accumulator + delta + barrier count + windows, then the ordered ids once the pool needs more than one window
+    assert bwd_host.workspace_numel(3, 64, 100, 10, 576, False) == 101 * 576 + 3 * 64 + 4 + 8
+    assert bwd_host.workspace_numel(3, 64, 5000, 10, 576, False) == 5001 * 576 + 3 * 64 + 4 + 8 + 32
+    one_row = 2 * 10 * 576                                               # H 128: two 64-head blocks per row
+    assert (bwd_host.workspace_numel(3, 128, 100, 10, 576, True)
+            == bwd_host.workspace_numel(3, 128, 100, 10, 576, False) + 3 * one_row)
+
+
+def test_the_template_only_binds():
+    src = render(SparseAttnBwdSpec(arch="sm_90a", num_heads=64, d_qk=512, deterministic=True))
+    compile(src, "kernel.py", "exec")
+    assert "from dsagen.kernels.sparse_mla_bwd.bwd_sm90 import build" in src and "deterministic=True" in src
+    assert len(src.split("SYMBOL = ")[1].splitlines()) <= 12
+    assert {"dsagen.kernels.sparse_mla_bwd.bwd_sm90", "dsagen.kernels.sparse_mla.attn_sm90"} <= set(helper_modules(src))
+
+
+def test_abi():
+    names = [p["name"] for p in bwd_params("bfloat16")]
+    assert names[:11] == ["q", "kv", "idx", "win", "sink", "out", "dout", "lse", "dq", "dkv", "delta"]
+    assert names[-3:] == ["counter", "sync_grid", "n_ctas"]
+    base = fwd_params("bfloat16")
+    with_prefix = fwd_params("bfloat16", lse_prefix=True)
+    assert with_prefix[:len(base)] == base and [p["name"] for p in with_prefix[len(base):]] == ["lse_prefix", "n_prefix"]
+
+
+def _sass(spec, tmp_path):
+    from dsagen.jit.build import compile_module
+    from dsagen.jit.sass import disassemble, find_nvdisasm
+
+    ck = compile_module(spec, render(spec), tmp_path)
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    return ck.record, disassemble(ck.cubin)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_compiles_to_tensor_cores_and_its_dkv_path(deterministic, tmp_path):
+    spec = SparseAttnBwdSpec(arch="sm_90a", num_heads=64, d_qk=512, deterministic=deterministic)
+    rec, sass = _sass(spec, tmp_path)
+    assert rec["launch"]["block"] == [384, 1, 1] and rec["launch"]["smem"] <= 227 * 1024
+    budgets = [int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass)]
+    assert sorted(budgets) == sorted([spec.regs_producer, spec.regs_a, spec.regs_b])
+    # S (32 k-steps at D512), dP (32) and the dkv chunks (A: 4 x 8, B: 4 x 8) as m64n64; dQ as 128 / 256 wide
+    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 ", sass)) == 32 + 32 + 64
+    assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16 ", sass)) == 8
+    assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)) == 4      # B's RS dQ
+    reds = re.findall(r"REDG\.E\.ADD\.F32x4\S* ", sass)
+    stores = re.findall(r"STG\.E\.128 ", sass)
+    if deterministic:
+        assert not reds and len(stores) >= 8 * 8           # 8 chunks x 8 16-byte stores per thread, plus dq's
+    else:
+        assert len(reds) == 8 * 8                           # 8 chunks x 8 16-byte atomics per thread
+    assert "LDSM" in sass and "STSM" in sass and "LDGSTS" in sass      # P via ldmatrix, P / dS via stmatrix
+    assert re.search(r"REDG\.E\.ADD\.S32\.STRONG\.GPU", sass)           # the grid barrier's count
+
+
+@pytest.mark.compile
+def test_forward_lse_prefix_kernel_fits(tmp_path):
+    rec, sass = _sass(SparseAttnFwdSpec(arch="sm_90a", lse_prefix=True), tmp_path)
+    assert rec["launch"]["smem"] <= 227 * 1024
+    assert len(re.findall(r"STG\.E ", sass)) == 2 * 3          # per head row of the thread: lse, max_logits, lse_prefix

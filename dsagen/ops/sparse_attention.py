@@ -294,7 +294,7 @@ def sparse_attention_backward(q: torch.Tensor, kv: torch.Tensor, out: torch.Tens
             (total_S_kv + 1) * D_qk (the dkv accumulator) + total_S_q * H_k (delta) + 4 (a grid barrier count)
             + a4(2 * total_S_q) (each row's slot window), plus a4(total_S_q * K) (the rows' ids ordered by KV
             window) when total_S_kv > 4096, plus with deterministic min(total_S_q, R) * (H_k / 64) * max(K, 1) *
-            D_qk (the per-slot terms of R rows at a time, R chosen so that this part stays within 256 MiB, at least
+            D_qk (the per-slot terms of R rows at a time, R chosen so that this part stays within 1 GiB, at least
             one row); a4(n) rounds n up to a multiple of 4.
         impl: "fused" (default; the sm_90a kernel: bf16/fp16, D_qk 512 or 576 with d_v 512, H <= 128 (64 and 128
             natively, fewer padded)) or "reference" (plain PyTorch, CPU or CUDA, any shape and float dtype).
@@ -378,7 +378,7 @@ def sparse_attention_backward_workspace(q: torch.Tensor, kv: torch.Tensor, topk_
 
         (total_S_kv + 1) * D_qk + total_S_q * H_k + 4 + a4(2 * total_S_q)
         + total_S_kv > 4096 only: a4(total_S_q * K)         (the ids ordered by KV window; a4: up to a multiple of 4)
-        + deterministic only: min(total_S_q, R) * (H_k / 64) * max(K, 1) * D_qk, R rows per 256 MiB chunk (>= 1)
+        + deterministic only: min(total_S_q, R) * (H_k / 64) * max(K, 1) * D_qk, R rows per 1 GiB chunk (>= 1)
 
     The deterministic part holds each slot's dkv term before the fixed-order sum; a workspace sized for
     deterministic=True also serves deterministic=False calls of the same shape, and one sized for larger inputs

@@ -19,7 +19,7 @@ Scratch (FP32), all of it in `workspace` when the caller passes one (`workspace_
   * the accumulator: (total_S_kv + 1) * D_qk (one spare row takes the deterministic mode's invalid slots);
   * delta: total_S_q * H_kernel;
   * deterministic only: the per-slot buffer, rows_per_chunk * (H_kernel / 64) * K * D_qk, rows_per_chunk chosen so
-    that it stays within DETERMINISTIC_CHUNK_BYTES (256 MiB) and at least one query row.
+    that it stays within SparseAttnBwdConfig.deterministic_chunk_bytes (1 GiB) and at least one query row.
 Heads: 64 and 128 natively; 1..63 are zero-padded to 64 and 65..127 to 128 (padded heads get lse = +inf: P = 0).
 """
 
@@ -36,7 +36,6 @@ from .spec import SparseAttnBwdConfig, SparseAttnBwdSpec, config_for
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_GRID_X = 2**31 - 1
-DETERMINISTIC_CHUNK_BYTES = 256 * 2**20
 
 
 def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a", deterministic: bool = False,
@@ -55,11 +54,11 @@ def _check_supported(q: torch.Tensor, d_v: int) -> None:
         raise NotImplementedError(f"sparse_attention_backward: {reason}")
 
 
-def chunk_rows(num_heads: int, topk: int, d_qk: int) -> int:
-    """Query rows per launch in deterministic mode: the per-slot buffer of that many rows fits
-    DETERMINISTIC_CHUNK_BYTES (at least one row)."""
+def chunk_rows(num_heads: int, topk: int, d_qk: int, chunk_bytes: int = 2**30) -> int:
+    """Query rows per launch in deterministic mode: the per-slot buffer of that many rows fits chunk_bytes
+    (SparseAttnBwdConfig.deterministic_chunk_bytes; at least one row)."""
     per_row = (kernel_heads(num_heads) // 64) * max(topk, 1) * d_qk * 4
-    return max(1, DETERMINISTIC_CHUNK_BYTES // per_row)
+    return max(1, chunk_bytes // per_row)
 
 
 def buckets(n_kv: int, bucket_rows: int | None) -> int:
@@ -83,7 +82,8 @@ def workspace_numel(s_q: int, num_heads: int, n_kv: int, topk: int, d_qk: int, d
     if nb > 1:
         n += _align4(s_q * topk)
     if deterministic:
-        n += min(max(s_q, 1), chunk_rows(num_heads, topk, d_qk)) * (hp // 64) * max(topk, 1) * d_qk
+        n += (min(max(s_q, 1), chunk_rows(num_heads, topk, d_qk, cfg.deterministic_chunk_bytes))
+              * (hp // 64) * max(topk, 1) * d_qk)
     return n
 
 
@@ -213,7 +213,7 @@ def _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_sc
     if s_q > 0 and not deterministic:
         run(0, s_q, acc)
     elif s_q > 0:
-        rows = min(s_q, chunk_rows(h, k_width, d_qk))
+        rows = min(s_q, chunk_rows(h, k_width, d_qk, cfg.deterministic_chunk_bytes))
         buf = take(rows * hb * max(k_width, 1) * d_qk)
         for t0 in range(0, s_q, rows):
             t1 = min(s_q, t0 + rows)

@@ -89,6 +89,9 @@ class SparseAttnBwdConfig:
       accumulator (75 MB at 32768 rows) does not (H200, 2026-12-01, T 4096 / H128 / D576 / KV 32768: 17.4 ms with
       4096-row windows and the grid barrier, 17.5 with 8192, 18.2 with 16384, 20.4 unordered with the barrier,
       22.0 unordered without it; notes/kernels/sparse_attention_backward.md).
+    deterministic_chunk_bytes: the most bytes of the deterministic mode's per-slot buffer (query rows per launch
+      follow from it, at least one). 1 GiB: T 4096 / H128 / D576 / KV 32768 in 69.4 ms against 101.5 with 256 MiB
+      and 65.7 with 4 GiB (H200, 2026-12-01; a launch of fewer rows leaves SMs idle).
     sync_grid: hold every CTA's producer at the start of each round of items until all CTAs got there (a grid
       barrier; used only when the grid fits the SMs), so the CTAs stay in the same window.
     """
@@ -99,6 +102,7 @@ class SparseAttnBwdConfig:
     grid: str | int = "persistent"
     bucket_rows: int | None = 4096
     sync_grid: bool = True
+    deterministic_chunk_bytes: int = 2**30
 
     def __post_init__(self) -> None:
         check_grid(self.grid, "SparseAttnBwdConfig")

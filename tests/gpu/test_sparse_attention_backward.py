@@ -22,25 +22,27 @@ from test_sparse_attention import make_ids
 
 ARCH = "sm_90a"
 REQUIRED_SPECS = [config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH, deterministic=det)
-                  for h in (64, 128) for d in (512, 576) for det in (False, True)]
+                  for h in (64, 128) for d in (512, 576) for det in (False, True)] + [
+    config_for(64, 576, "float16", ARCH, None).spec(64, 576, "float16", ARCH)]
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
-def make_case(s_q, h, d_qk, n_kv, k, *, sink=True, adversarial=False, length=False, seed=0):
-    """Random bf16 inputs and the reference forward's out / lse (FP32 on the GPU, out rounded to bf16)."""
+def make_case(s_q, h, d_qk, n_kv, k, *, sink=True, adversarial=False, length=False, seed=0, dtype=torch.bfloat16):
+    """Random bf16 (or `dtype`) inputs and the reference forward's out / lse (FP32 on the GPU, out rounded to the
+    inputs' dtype)."""
     gen = torch.Generator().manual_seed(seed)
-    q = (torch.randn((s_q, h, d_qk), generator=gen) * 0.5).bfloat16().to(DEV)
-    kv = (torch.randn((n_kv, d_qk), generator=gen) * 0.5).bfloat16().to(DEV)
+    q = (torch.randn((s_q, h, d_qk), generator=gen) * 0.5).to(dtype).to(DEV)
+    kv = (torch.randn((n_kv, d_qk), generator=gen) * 0.5).to(dtype).to(DEV)
     ids = make_ids(s_q, k, n_kv, gen, adversarial=adversarial).to(DEV)
     attn_sink = (torch.randn(h, generator=gen)).to(DEV) if sink else None
     topk_length = torch.randint(0, k + 1, (s_q,), generator=gen, dtype=torch.int32).to(DEV) if length else None
-    dout = torch.randn((s_q, h, 512), generator=gen).bfloat16().to(DEV)
+    dout = torch.randn((s_q, h, 512), generator=gen).to(dtype).to(DEV)
     scale = d_qk ** -0.5
     out, lse, _ = ref.sparse_attention_forward(q.float(), kv.float(), ids, attn_sink=attn_sink,
                                                topk_length=topk_length, softmax_scale=scale, d_v=512)
-    return dict(q=q, kv=kv, out=out.bfloat16(), dout=dout, lse=lse.float(), topk_idxs=ids, attn_sink=attn_sink,
+    return dict(q=q, kv=kv, out=out.to(dtype), dout=dout, lse=lse.float(), topk_idxs=ids, attn_sink=attn_sink,
                 topk_length=topk_length, softmax_scale=scale)
 
 
@@ -129,6 +131,17 @@ def test_deterministic_bitwise_adversarial():
     a = check(c, deterministic=True)
     b = fused(c, deterministic=True)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+
+
+def test_float16():
+    check(make_case(13, 64, 576, 400, 192, adversarial=True, length=True, seed=13, dtype=torch.float16))
+
+
+def test_grid_larger_than_the_sms():
+    """More CTAs than SMs (the host leaves the grid barrier off then: not every CTA is resident at once)."""
+    c = make_case(400, 64, 512, 5000, 128, length=True, seed=14)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    check(c, config=SparseAttnBwdConfig(grid=2 * sms, bucket_rows=1024))
 
 
 def test_workspace():

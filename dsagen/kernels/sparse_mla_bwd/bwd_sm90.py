@@ -225,6 +225,7 @@ class SparseMlaBwdSm90:
     BAR_A_DONE = 3
     BAR_B_DONE = 4
     BAR_PRODUCER = 5                # the producer warpgroup (128) after its grid barrier
+    BARRIER_SPINS = 4096            # the grid barrier's bound: 4096 sleeps of ~256 ns
 
     def __init__(self, num_heads: int, d_qk: int, d_v: int, dtype: str, deterministic: bool, regs_producer: int,
                  regs_a: int, regs_b: int):
@@ -422,13 +423,17 @@ class SparseMlaBwdSm90:
     def grid_barrier(self, a, tidx, bidx, it, n_items, nctas):
         """Hold this CTA's producer at the start of its item `it` until every CTA's producer got there (round it of
         the persistent loop: min((it + 1) * nctas, n_items) arrivals in all), so that the CTAs walk the KV windows
-        together and the dKV rows they add to stay in L2. Needs every CTA resident (the host sets sync_grid only
-        when the grid fits the SMs)."""
+        together and the dKV rows they add to stay in L2. The barrier only orders work for the cache, never for
+        correctness, so the wait is bounded: after BARRIER_SPINS sleeps (~1 ms) the CTA goes on, which keeps a grid
+        that is not all resident at once (another kernel on some SMs, an MPS or green-context SM limit) from
+        waiting forever."""
         if tidx == 0:
             red_release_add_s32(a.p_counter, Int32(1))
             target = cutlass.min((it + 1) * nctas, n_items)
-            while ld_acquire_s32(a.p_counter) < target:
+            spins = Int32(0)
+            while ld_acquire_s32(a.p_counter) < target and spins < self.BARRIER_SPINS:
                 nanosleep(256)
+                spins += 1
         cute.arch.barrier(barrier_id=self.BAR_PRODUCER, number_of_threads=128)
 
     @cute.jit

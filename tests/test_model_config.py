@@ -48,7 +48,8 @@ def test_deepseek_v32_kernels():
         (128, 576, 512, "bfloat16", False), (128, 576, 512, "bfloat16", True)]
     assert [s.op for s in specs_for_model(DEEPSEEK_V32, "sm_100a")] == ["compactify", "local_to_global"]
     assert missing_ops_for_model(DEEPSEEK_V32, "sm_100a") == [
-        "lightning_indexer_score", "lightning_indexer_topk", "sparse_attention_bwd", "sparse_attention_fwd"]
+        "lightning_indexer_score", "lightning_indexer_topk", "sparse_attention_bwd", "sparse_attention_fwd",
+        "sparse_attn_score_recompute"]
 
 
 def test_a_smaller_variant_gets_its_own_head_counts():
@@ -173,5 +174,6 @@ def test_build_model_builds_v32_and_a_smaller_variant(cache_env, tmp_path, capsy
     lines = capsys.readouterr().out.splitlines()
     assert all(line.split()[2] == "cached" and line.split()[-1] == "DSAGEN_CACHE_DIR" for line in lines[2:-1])
     n_small = len(specs_for_model(load_model_config(small), "sm_90a"))
-    assert n_small == 11                               # 2 index ops, 5 indexer, 2 MLA forwards and 2 backwards
+    assert n_small == 12                               # 2 index ops, 5 indexer, 2 MLA forwards, 2 backwards,
+    #                                                    the score recompute
     assert lines[-1].endswith(f"{n_small} cached, 0 to build (dry run: nothing compiled)")

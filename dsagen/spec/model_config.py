@@ -32,6 +32,7 @@ from typing import Any
 from ..kernels.indices.spec import CompactifySpec, LocalToGlobalSpec
 from ..kernels.lightning_indexer.spec import INDEXER_DTYPES, INDEXER_HEAD_DIMS, INDEXER_HEADS
 from ..kernels.lightning_indexer.spec import config_for as indexer_config
+from ..kernels.attn_score_recompute.spec import config_for as attn_score_recompute_config
 from ..kernels.sparse_mla.spec import config_for as sparse_mla_config
 from ..kernels.sparse_mla_bwd.spec import config_for as sparse_mla_bwd_config
 from .arch import ARCHES, get_arch
@@ -166,6 +167,9 @@ def specs_for_model(model: ModelAttention, arch: str) -> list[KernelSpec]:
         for deterministic in (False, True):
             out.append(sparse_mla_bwd_config(h, model.d_qk, model.dtype, arch, None)
                        .spec(h, model.d_qk, model.dtype, arch, d_v=model.d_v, deterministic=deterministic))
+        # sparse attention score recompute (the indexer's training target)
+        out.append(attn_score_recompute_config(h, model.d_qk, model.dtype, arch, None)
+                   .spec(h, model.d_qk, model.dtype, arch))
     return [s.check() for s in dict.fromkeys(out)]
 
 

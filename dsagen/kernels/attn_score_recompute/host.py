@@ -1,0 +1,105 @@
+"""Fused (generated-kernel) sparse attention score recompute (cuDNN frontend DSA §7), called by
+dsagen.ops.sparse_attention.sparse_attn_score_recompute with validated inputs.
+
+`sparse_attn_score_recompute(q_attn, k_attn, lse, topk_indices, softmax_scale, *, topk_length, topk_indices_global)`
+flattens the batch (local ids are range-checked against S_k and moved to their batch's rows, so no id aliases another
+batch), pads 1..63 heads to 64 and 65..127 to 128 (padded heads get lse = +inf: P = 0), runs the sm_90a kernel of
+AttnScoreRecomputeSpec, which writes each slot's head sum S[t, j], and divides by each row's sum over its slots (a
+fixed-order torch reduction; all zeros where that sum is 0). Returns `(B, S_q, topk)` FP32. Nothing in it
+synchronizes with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...jit import get_kernel
+from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
+from ..sparse_mla.host import kernel_heads
+from .spec import AttnScoreRecomputeConfig, AttnScoreRecomputeSpec, config_for
+
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_MAX_GRID_X = 2**31 - 1
+
+
+def supported_reason(q_attn: torch.Tensor) -> str:
+    """Why the fused kernel cannot run these inputs ("" when it can)."""
+    h, d = q_attn.shape[-2], q_attn.shape[-1]
+    if q_attn.dtype not in _DTYPES:
+        return f"q_attn has dtype {q_attn.dtype}; the fused kernel takes bfloat16 or float16 (use impl='reference')"
+    if d not in (512, 576):
+        return f"D={d}; the fused kernel takes 512 or 576 (use impl='reference')"
+    if not 1 <= h <= 128:
+        return f"H={h}; the fused kernel takes 1..128 heads (64 and 128 natively, fewer padded)"
+    return ""
+
+
+_launch_plans: dict = {}
+
+
+def _launch_plan(h: int, d: int, dtype: torch.dtype, device: torch.device,
+                 config: AttnScoreRecomputeConfig | None) -> tuple[AttnScoreRecomputeSpec, LoadedKernel, int]:
+    """The spec, loaded kernel and n_ctas argument of a call (cached per call shape and config)."""
+    key = (h, d, dtype, device, config)
+    plan = _launch_plans.get(key)
+    if plan is None:
+        arch = device_arch(device)
+        num_sms = device_sm_count(device_index(device))
+        hp = kernel_heads(h)
+        cfg = config_for(hp, d, dtype, arch, num_sms) if config is None else config
+        spec = cfg.spec(hp, d, _DTYPES[dtype], arch)
+        plan = _launch_plans[key] = (spec, get_kernel(spec, device_index(device)), cfg.n_ctas(num_sms))
+    return plan
+
+
+def sparse_attn_score_recompute(q_attn: torch.Tensor, k_attn: torch.Tensor, lse: torch.Tensor,
+                                topk_indices: torch.Tensor, softmax_scale: float, *,
+                                topk_length: torch.Tensor | None = None, topk_indices_global: bool = False,
+                                config: AttnScoreRecomputeConfig | None = None) -> torch.Tensor:
+    """The fused score recompute on inputs that dsagen.ops.sparse_attention validated: q_attn `(B, S_q, H, D)`
+    bf16/fp16 CUDA, k_attn `(B, S_k, D)`, lse `(B, S_q, H)` FP32/FP64, topk_indices int32 `(B, S_q, topk)`,
+    topk_length int32 `(B, S_q)` or None. config: None (the op's) or another AttnScoreRecomputeConfig. Returns the
+    target `(B, S_q, topk)` FP32. Raises NotImplementedError (with the reason) for inputs the kernel does not cover.
+    """
+    reason = supported_reason(q_attn)
+    if reason:
+        raise NotImplementedError(f"sparse_attn_score_recompute: {reason}")
+    b, s_q, h, d = q_attn.shape
+    s_k, topk = k_attn.shape[1], topk_indices.shape[-1]
+    rows, n_kv = b * s_q, b * s_k
+    out = torch.zeros((rows, topk), dtype=torch.float32, device=q_attn.device)
+    if rows == 0 or topk == 0:
+        return out.view(b, s_q, topk)
+    if rows > _MAX_GRID_X or n_kv > 2**31 - 1:
+        raise ValueError(f"sparse_attn_score_recompute: {rows} query rows / {n_kv} key rows exceed the kernel's "
+                         f"int32 limits")
+    spec, kernel, n_ctas = _launch_plan(h, d, q_attn.dtype, q_attn.device, config)
+    hp = spec.num_heads
+    q = q_attn.reshape(rows, h, d)
+    lse_f = lse.reshape(rows, h).to(torch.float32)
+    if hp != h:
+        qp = q.new_zeros((rows, hp, d))
+        qp[:, :h] = q
+        q = qp
+        lp = lse_f.new_full((rows, hp), float("inf"))
+        lp[:, :h] = lse_f
+        lse_f = lp
+    elif not q.is_contiguous() or q.data_ptr() % 16:
+        q = q.clone(memory_format=torch.contiguous_format)
+    lse_f = lse_f.contiguous()
+    keys = k_attn.reshape(n_kv, d)
+    if keys.stride(1) != 1 or keys.stride(0) % 8 or keys.data_ptr() % 16:
+        keys = keys.clone(memory_format=torch.contiguous_format)
+    ids = topk_indices.reshape(rows, topk)
+    if not topk_indices_global and b > 1:
+        # local ids: range-check against S_k, then move to the batch's rows (never aliasing another batch)
+        batch = torch.arange(b, device=ids.device, dtype=torch.int32).repeat_interleave(s_q).view(rows, 1)
+        ids = torch.where((ids >= 0) & (ids < s_k), ids + batch * s_k, -1).to(torch.int32)
+    elif ids.stride(1) != 1:
+        ids = ids.contiguous()
+    length = None if topk_length is None else topk_length.reshape(rows).to(torch.int32).contiguous()
+    kernel.launch(q, keys, ids, ids if length is None else length, lse_f, out, rows, n_kv, topk, q.stride(0),
+                  keys.stride(0), ids.stride(0), float(softmax_scale), int(length is not None), n_ctas)
+    z = out.sum(dim=-1, keepdim=True)
+    target = torch.where(z > 0, out / torch.where(z > 0, z, 1.0), 0.0)
+    return target.view(b, s_q, topk)

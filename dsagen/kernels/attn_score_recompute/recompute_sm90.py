@@ -1,0 +1,356 @@
+"""Fused sparse attention score recompute for Hopper (sm_90a): `AttnScoreRecomputeSm90`, and `build(...)`, which
+returns a fresh kernel and host entry of it with a spec's values bound as Python constants, plus the flat ABI
+(`params`) and the launch declaration of the rendered kernel module.
+
+An item is one query row t with all its H heads; the grid has min(rows, n_ctas) CTAs and CTA b runs rows b, b + grid,
+... Per row, Q (H x D_QK) is loaded once into shared memory and the row's slots [0, kmax) go by in tiles of BN = 64
+gathered rows (one KV stage). Per tile, with the tile's rows K:
+    P[h, n]  = exp2(scale * log2 e * (Q K^T)[h, n] - lse[t, h] * log2 e), 0 where the slot's id is invalid
+    out[t, j] = sum_h P[h, n]                 (j = 64 * tile + n; the host divides by the row's sum over j)
+
+Warpgroups (384 threads):
+  WG0  producer   per row: Q (cp.async, once both consumers finished the previous row: q_free); per tile: the ids
+                  into sIds[g % 2] (-1 where invalid or past the row's length; ids_mbar[g % 2], 16 arrivals) and the
+                  64 rows into the KV stage once it is free (kv_free), cp.async 16-byte chunks zero-filled for
+                  invalid ids, completing kv_ready (noinc arrivals).
+  WG1, WG2 consumers w = 0, 1, the same code: at 128 heads, w takes heads [64 w, 64 w + 64) of every tile; at 64
+                  heads, w takes the tile's rows [32 w, 32 w + 32). S on wgmma (SS), then the stage is freed; P; the
+                  column sums of the thread's rows, then over the warp's 8 row groups (shuffles), then the warps'
+                  partial sums go to sRed[g % 2] and, after the named barrier BAR_RED (256: both consumers, the same
+                  instruction), threads 0..63 of WG1 each add one column's partial sums in a fixed order and write it.
+  mbarriers (g = the tile's index over the CTA's rows, it = the row's index among them): kv_ready (128 noinc) waited
+  with parity g % 2; kv_free (256: every consumer thread once per tile, after its S retired) waited by the producer
+  with parity (g % 2) ^ 1; ids_mbar[g % 2] (16) waited with parity (g // 2) % 2; q_mbar (128 noinc) waited with
+  parity it % 2; q_free (256: every consumer thread once per row) waited by the producer with parity (it % 2) ^ 1.
+  sRed is double-buffered by tile parity: tile g + 2 writes buffer g % 2 only after BAR_RED of tile g + 1, which
+  WG1's summing threads reach after their reads of tile g.
+
+Every value of the spec is a Python constant of the instance (configuration branches are `cutlass.const_expr`).
+"""
+
+import math
+from typing import Any, NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int8, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.experimental import primitives as prims
+
+from dsagen.kernels.sparse_mla.attn_sm90 import (acc_mn_view, cp_async_16_policy, l2_evict_first_policy, sw128,
+                                                 swizzled_byte_offset)
+
+LOG2E = math.log2(math.e)
+
+
+class AttnScoreRecompute(NamedTuple):
+    """A built score recompute: the rendered module's PARAMS, LAUNCH, kernel and host, in that order."""
+
+    params: list[dict]
+    launch: dict
+    kernel: Any
+    host: Any
+
+
+def params(dtype: str) -> list[dict]:
+    """The kernel's flat ABI, in order (a new list on every call); `dtype`: "bfloat16" or "float16"."""
+    return [
+        {"name": "q", "kind": "ptr", "dtype": dtype, "align": 16},            # (rows, H, D_QK), row stride ld_q
+        {"name": "kv", "kind": "ptr", "dtype": dtype, "align": 16},           # (n_kv, D_QK), row stride ld_kv
+        {"name": "idx", "kind": "ptr", "dtype": "int32", "align": 4},         # (rows, topk), row stride ld_idx
+        {"name": "topk_length", "kind": "ptr", "dtype": "int32", "align": 4},  # (rows,), read when has_length
+        {"name": "lse", "kind": "ptr", "dtype": "float32", "align": 4},       # (rows, H) contiguous
+        {"name": "out", "kind": "ptr", "dtype": "float32", "align": 4},       # (rows, topk) contiguous, zeroed
+        {"name": "rows", "kind": "i32"},
+        {"name": "n_kv", "kind": "i32"},
+        {"name": "topk", "kind": "i32"},
+        {"name": "ld_q", "kind": "i64"},
+        {"name": "ld_kv", "kind": "i64"},
+        {"name": "ld_idx", "kind": "i64"},
+        {"name": "softmax_scale", "kind": "f32"},
+        {"name": "has_length", "kind": "i32"},
+        {"name": "n_ctas", "kind": "i32"},
+    ]
+
+
+def build(num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int) -> AttnScoreRecompute:
+    """A new score recompute kernel for one AttnScoreRecomputeSpec's values. Each call returns distinct function
+    objects, so every rendered module names its own kernel."""
+    k = AttnScoreRecomputeSm90(num_heads, d_qk, dtype, regs_producer, regs_consumer)
+    launch = {"grid": ["min(rows, n_ctas)", 1, 1], "block": [k.THREADS, 1, 1], "cluster": [1, 1, 1],
+              "smem": k.Smem.size_in_bytes()}
+    return AttnScoreRecompute(params(dtype), launch, k.kernel, k.host)
+
+
+class KernelArgs(NamedTuple):
+    """The kernel's run-time arguments (its flat ABI but n_ctas)."""
+    p_q: Any
+    p_kv: Any
+    p_idx: Any
+    p_len: Any
+    p_lse: Any
+    p_out: Any
+    rows: Any
+    n_kv: Any
+    topk: Any
+    ld_q: Any
+    ld_kv: Any
+    ld_idx: Any
+    softmax_scale: Any
+    has_length: Any
+
+
+class Shared(NamedTuple):
+    """The CTA's shared tiles and barriers (AttnScoreRecomputeSm90 docstring)."""
+    sQ: Any
+    sKV: Any
+    sIds: Any        # [tile parity][row]: the tile's ids, -1 where invalid
+    sRed: Any        # [tile parity][consumer warp (8)][column (64)]: partial column sums
+    kv_ready: Any
+    kv_free: Any
+    ids_mbar: Any
+    q_mbar: Any
+    q_free: Any
+
+
+class AttnScoreRecomputeSm90:
+    """The kernel of one AttnScoreRecomputeSpec: `kernel` (the @cute.kernel, flat ABI in `params`) and `host` (the
+    @cute.jit launch: grid min(rows, n_ctas), 384 threads, `Smem` dynamic smem, min_blocks_per_mp=1).
+
+    Constraints (AttnScoreRecomputeSpec.reasons): num_heads 64 or 128, d_qk 512 or 576, dtype "bfloat16" or
+    "float16", register budgets multiples of 8 summing to at most 504. `out` must be zeroed by the caller: slots
+    past the row's last tile are not written.
+    """
+
+    BN = 64                          # gathered rows per tile
+    THREADS = 384
+    BAR_RED = 1                      # both consumers' partial column sums are in sRed (256 threads)
+
+    def __init__(self, num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int):
+        self.H = num_heads
+        self.SPLIT_HEADS = num_heads == 128      # else each consumer takes 32 of a tile's 64 rows
+        self.MC = 64                             # heads per consumer wgmma (M)
+        self.NC = self.BN if self.SPLIT_HEADS else self.BN // 2   # tile rows per consumer wgmma (N)
+        self.D_QK = d_qk
+        self.NKB = d_qk // 64
+        self.fp16 = dtype == "float16"
+        self.dtype = cutlass.Float16 if self.fp16 else cutlass.BFloat16
+        self.regs = (regs_producer, regs_consumer)
+        self.Smem = self._smem_struct()
+        self.kernel, self.host = self._entry_points()
+
+    def _smem_struct(self):
+        DT, H, BN, D_QK = self.dtype, self.H, self.BN, self.D_QK
+
+        @cute.struct
+        class Smem:
+            kv_ready: cute.struct.MemRange[Int64, 1]
+            kv_free: cute.struct.MemRange[Int64, 1]
+            ids_mbar: cute.struct.MemRange[Int64, 2]
+            q_mbar: cute.struct.MemRange[Int64, 1]
+            q_free: cute.struct.MemRange[Int64, 1]
+            ids: cute.struct.MemRange[Int32, 2 * BN]
+            red: cute.struct.MemRange[Float32, 2 * 8 * BN]
+            sQ: cute.struct.Align[cute.struct.MemRange[DT, H * D_QK], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[DT, BN * D_QK], 1024]
+
+        return Smem
+
+    def _entry_points(self):
+        k = self
+
+        @cute.kernel
+        def kernel(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_len: cute.Pointer,
+                   p_lse: cute.Pointer, p_out: cute.Pointer, rows: Int32, n_kv: Int32, topk: Int32, ld_q: Int64,
+                   ld_kv: Int64, ld_idx: Int64, softmax_scale: Float32, has_length: Int32, n_ctas: Int32):
+            k.body(KernelArgs(p_q, p_kv, p_idx, p_len, p_lse, p_out, rows, n_kv, topk, ld_q, ld_kv, ld_idx,
+                              softmax_scale, has_length))
+
+        @cute.jit
+        def host(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_len: cute.Pointer,
+                 p_lse: cute.Pointer, p_out: cute.Pointer, rows: Int32, n_kv: Int32, topk: Int32, ld_q: Int64,
+                 ld_kv: Int64, ld_idx: Int64, softmax_scale: Float32, has_length: Int32, n_ctas: Int32):
+            kernel(p_q, p_kv, p_idx, p_len, p_lse, p_out, rows, n_kv, topk, ld_q, ld_kv, ld_idx, softmax_scale,
+                   has_length, n_ctas).launch(grid=(cutlass.min(rows, n_ctas), 1, 1), block=(k.THREADS, 1, 1),
+                                              smem=k.Smem.size_in_bytes(), min_blocks_per_mp=1)
+
+        return kernel, host
+
+    @cute.jit
+    def body(self, a: KernelArgs):
+        """Shared views and barriers, then the roles: WG0 producer, WG1 and WG2 consumers."""
+        DT, H, BN, D_QK = self.dtype, self.H, self.BN, self.D_QK
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp // 4
+        st = cutlass.memory.SmemAllocator().allocate(self.Smem)
+        lay_q = sw128(DT, (H, D_QK))
+        lay_kv = sw128(DT, (BN, D_QK))
+        sh = Shared(sQ=st.sQ.get_tensor(lay_q.outer, swizzle=lay_q.inner),
+                    sKV=st.sKV.get_tensor(lay_kv.outer, swizzle=lay_kv.inner),
+                    sIds=st.ids.get_tensor(cute.make_layout(2 * BN)),
+                    sRed=st.red.get_tensor(cute.make_layout((BN, 8, 2), stride=(1, BN, 8 * BN))),
+                    kv_ready=st.kv_ready.data_ptr(), kv_free=st.kv_free.data_ptr(), ids_mbar=st.ids_mbar.data_ptr(),
+                    q_mbar=st.q_mbar.data_ptr(), q_free=st.q_free.data_ptr())
+        nctas, _, _ = cute.arch.grid_dim()
+        if warp == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(sh.kv_ready, 128)
+                cute.arch.mbarrier_init(sh.kv_free, 256)
+                cute.arch.mbarrier_init(sh.ids_mbar, 16)
+                cute.arch.mbarrier_init(sh.ids_mbar + 1, 16)
+                cute.arch.mbarrier_init(sh.q_mbar, 128)
+                cute.arch.mbarrier_init(sh.q_free, 256)
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+        if wg == 0:
+            self.producer(a, sh, st, lay_q, lay_kv, tidx, bidx, nctas)
+        else:
+            self.consumer(a, sh, tidx, bidx, nctas)
+
+    @cute.jit
+    def row_setup(self, a: KernelArgs, tok):
+        """Row tok's valid slots [0, kmax) and its BN-slot tiles."""
+        kmax = a.topk
+        if a.has_length != 0:
+            kmax = cutlass.min(cutlass.max((a.p_len + tok).load(), Int32(0)), a.topk)
+        return kmax, (kmax + self.BN - 1) // self.BN
+
+    # ------------------------------------------------------------------------------------------- producer (WG0)
+    @cute.jit
+    def producer(self, a, sh, st, lay_q, lay_kv, tidx, bidx, nctas):
+        """cp.async gathers (16 groups of 8 threads; group g owns rows g, g + 16, g + 32, g + 48 of a tile and a
+        thread one 16-byte chunk of each 64-column block)."""
+        cute.arch.setmaxregister_decrease(self.regs[0])
+        grp = tidx // 8
+        col0 = (tidx % 8) * 8
+        sQb = cute.recast_ptr(st.sQ.data_ptr(), dtype=Int8)
+        sKVb = cute.recast_ptr(st.sKV.data_ptr(), dtype=Int8)
+        sw_kv = swizzled_byte_offset(lay_kv.outer((grp, col0)) * 2)
+        RPG = self.BN // 16
+        ids = cute.make_rmem_tensor(RPG, Int32)
+        policy = l2_evict_first_policy()          # Q is read once
+        gt = Int32(0)
+        it = Int32(0)
+        for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
+            kmax, ntiles = self.row_setup(a, tok)
+            cute.arch.mbarrier_wait(sh.q_free, (it % 2) ^ 1)
+            q_rows = a.p_q + Int64(tok) * a.ld_q
+            for i in cutlass.range_constexpr(self.H // 16):
+                r = grp + 16 * i
+                for kb in cutlass.range_constexpr(self.NKB):
+                    b = lay_q.outer((r, kb * 64 + col0)) * 2
+                    cp_async_16_policy(sQb + swizzled_byte_offset(b), q_rows + (r * self.D_QK + kb * 64 + col0),
+                                       policy)
+            cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_mbar)
+            mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
+            for j in cutlass.range(ntiles, unroll=1):
+                g = gt + j
+                for i in cutlass.range_constexpr(RPG):
+                    slot = j * self.BN + grp + 16 * i
+                    kv = Int32(-1)
+                    if slot < kmax:
+                        kv = mIdx[slot]
+                    valid = kv >= 0 and kv < a.n_kv
+                    ids[i] = kv if valid else Int32(-1)
+                cute.arch.mbarrier_wait(sh.kv_free, (g % 2) ^ 1)
+                if tidx % 8 == 0:
+                    for i in cutlass.range_constexpr(RPG):
+                        sh.sIds[(g % 2) * self.BN + grp + 16 * i] = ids[i]
+                    cute.arch.mbarrier_arrive(sh.ids_mbar + (g % 2))
+                for i in cutlass.range_constexpr(RPG):
+                    kv = ids[i]
+                    ok = kv >= 0
+                    src = a.p_kv + Int64(kv if ok else 0) * a.ld_kv
+                    nbytes = Int32(16) if ok else Int32(0)
+                    for kb in cutlass.range_constexpr(self.NKB):
+                        dst = sKVb + (sw_kv + lay_kv.outer((16 * i, kb * 64)) * 2)
+                        prims.cp_async_shared_global(dst, src + (kb * 64 + col0), 16, "cg", cp_size=nbytes)
+                cute.arch.cp_async_mbarrier_arrive_noinc(sh.kv_ready)
+            gt += ntiles
+            it += 1
+
+    # ------------------------------------------------------------------------------------- consumers (WG1, WG2)
+    @cute.jit
+    def consumer(self, a, sh, tidx, bidx, nctas):
+        """S = Q K^T of this consumer's part of a tile, P, the column sums; WG1's threads 0..63 finish each column."""
+        DT, BN, D_QK, MC, NC = self.dtype, self.BN, self.D_QK, self.MC, self.NC
+        cute.arch.setmaxregister_increase(self.regs[1])
+        w = tidx // 128 - 1                       # 0: WG1, 1: WG2 (run-time: both execute the same code)
+        ctid = tidx % 128
+        cwarp = ctid // 32                        # the warp in the consumer
+        lane = ctid % 32
+        mma = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                                (1, 1, 1), tiler_mn=(MC, NC))
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+        thr = mma.get_slice(ctid)
+        head0 = Int32(0)
+        col0 = Int32(0)
+        if const_expr(self.SPLIT_HEADS):
+            head0 = w * MC
+            sQw = cute.local_tile(sh.sQ, (MC, D_QK), (w, 0))
+            sKw = sh.sKV
+        else:
+            col0 = w * NC
+            sQw = sh.sQ
+            sKw = cute.local_tile(sh.sKV, (NC, D_QK), (w, 0))
+        tSrQ = mma.make_fragment_A(thr.partition_A(sQw))
+        tSrK = mma.make_fragment_B(thr.partition_B(sKw))
+        accS = cute.make_rmem_tensor(thr.partition_shape_C((MC, NC)), Float32)
+        sMN = acc_mn_view(accS)
+        cS = acc_mn_view(thr.partition_C(cute.make_identity_tensor((MC, NC))))
+        NR = cute.size(sMN, mode=[0])
+        NCOL = cute.size(sMN, mode=[1])
+        lse_l2 = cute.make_rmem_tensor(NR, Float32)
+        keep = cute.make_rmem_tensor(NCOL, cutlass.Boolean)
+        scale_log2 = a.softmax_scale * LOG2E
+        # the warps' partial sums: consumer warp 4 w + cwarp; at 64 heads each column has one consumer's 4 warps
+        rwarp = 4 * w + cwarp if self.SPLIT_HEADS else cwarp
+        nparts = 8 if self.SPLIT_HEADS else 4
+
+        gt = Int32(0)
+        it = Int32(0)
+        for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
+            kmax, ntiles = self.row_setup(a, tok)
+            for r in cutlass.range_constexpr(NR):
+                lse_l2[r] = (a.p_lse + (Int64(tok) * self.H + head0 + cS[r, 0][0])).load() * LOG2E
+            cute.arch.mbarrier_wait(sh.q_mbar, it % 2)
+            for j in cutlass.range(ntiles, unroll=1):
+                g = gt + j
+                cute.arch.mbarrier_wait(sh.kv_ready, g % 2)
+                cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
+                accS.fill(0.0)
+                warpgroup.fence()
+                for ks in cutlass.range_constexpr(D_QK // 16):
+                    cute.gemm(mma, accS, tSrQ[None, None, ks], tSrK[None, None, ks], accS)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                cute.arch.mbarrier_arrive(sh.kv_free)
+                cute.arch.mbarrier_wait(sh.ids_mbar + (g % 2), (g // 2) % 2)
+                for c in cutlass.range_constexpr(NCOL):
+                    keep[c] = sh.sIds[(g % 2) * BN + col0 + cS[0, c][1]] >= 0
+                # P, summed over the thread's rows, then over the warp's 8 row groups (lanes 4 apart)
+                for c in cutlass.range_constexpr(NCOL):
+                    s = Float32(0.0)
+                    for r in cutlass.range_constexpr(NR):
+                        s += cute.math.exp2(sMN[r, c] * scale_log2 - lse_l2[r], fastmath=True)
+                    s = s if keep[c] else Float32(0.0)
+                    s += cute.arch.shuffle_sync_bfly(s, offset=4)
+                    s += cute.arch.shuffle_sync_bfly(s, offset=8)
+                    s += cute.arch.shuffle_sync_bfly(s, offset=16)
+                    if lane < 4:
+                        sh.sRed[col0 + cS[0, c][1], rwarp, g % 2] = s
+                cute.arch.barrier(barrier_id=self.BAR_RED, number_of_threads=256)
+                if w == 0 and ctid < BN:
+                    slot = j * BN + ctid
+                    total = Float32(0.0)
+                    for part in cutlass.range_constexpr(nparts):
+                        total += sh.sRed[ctid, part, g % 2]
+                    if slot < a.topk:
+                        (a.p_out + (Int64(tok) * a.topk + slot)).store(total)
+            cute.arch.mbarrier_arrive(sh.q_free)
+            gt += ntiles
+            it += 1

@@ -1,0 +1,83 @@
+"""Spec family of the fused sparse attention score recompute (cuDNN frontend DSA §7).
+
+For query row t and slot j of its top-k (valid: 0 <= id < total_S_kv and j < topk_length[t]):
+    S[t, j]      = sum_h exp(scale * q[t, h] . kv[id] - lse[t, h])      (0 at invalid slots)
+    target[t, j] = S[t, j] / sum_j S[t, j]                              (all zeros when that sum is 0)
+The kernel writes S; the host divides by the row sums (a fixed-order torch reduction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...spec.base import KernelSpec, register_spec
+from ..sparse_mla.spec import check_grid, dtype_name, register_budget_reasons
+
+
+@register_spec
+@dataclass(frozen=True)
+class AttnScoreRecomputeSpec(KernelSpec):
+    """Fused sparse attention score recompute for Hopper (kernel: attn_score_recompute/recompute_sm90.py, bound by
+    recompute_sm90.py.j2). An item is one query row with all its heads; a persistent grid of CTAs loops over the
+    rows; per row Q (num_heads x d_qk) stays in shared memory and the row's slots go by in 64-row tiles gathered by a
+    producer warpgroup into one KV stage. Two consumer warpgroups compute S = Q K^T on wgmma: at 128 heads each
+    takes 64 heads of every tile, at 64 heads each takes 32 rows of every tile; then P = exp2(S scale log2 e - lse
+    log2 e), masked, summed over the heads (warp shuffles, then the warps' partial sums in shared memory).
+
+    num_heads: query heads the kernel is built for (64 or 128; other counts are padded by the host).
+    d_qk: query/key width (512 or 576). dtype: q and kv dtype ("bfloat16" or "float16").
+    regs_producer / regs_consumer: setmaxnreg budgets of WG0 and of each consumer warpgroup.
+    """
+
+    op = "sparse_attn_score_recompute"
+    template = "attn_score_recompute/recompute_{arch}.py.j2"
+
+    num_heads: int = 128
+    d_qk: int = 576
+    dtype: str = "bfloat16"
+    regs_producer: int = 40
+    regs_consumer: int = 232
+
+    def reasons(self) -> list[str]:
+        out = super().reasons()
+        if self.arch != "sm_90a":
+            out.append(f"arch {self.arch!r}: the fused score recompute exists for sm_90a only (Hopper wgmma); use "
+                       f"impl='reference' elsewhere")
+        if self.num_heads not in (64, 128):
+            out.append(f"num_heads={self.num_heads} must be 64 or 128 (pad 16/32 heads to 64 in the op)")
+        if self.d_qk not in (512, 576):
+            out.append(f"d_qk={self.d_qk} must be 512 or 576")
+        if self.dtype not in ("bfloat16", "float16"):
+            out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
+        out.extend(register_budget_reasons({"regs_producer": self.regs_producer,
+                                            "regs_consumer (WG1)": self.regs_consumer,
+                                            "regs_consumer (WG2)": self.regs_consumer}))
+        return out
+
+
+@dataclass(frozen=True)
+class AttnScoreRecomputeConfig:
+    """The launch choices of the fused score recompute: register budgets (spec fields) and the grid ("persistent",
+    one CTA per SM, or an int n: at most n CTAs)."""
+
+    regs_producer: int = 40
+    regs_consumer: int = 232
+    grid: str | int = "persistent"
+
+    def __post_init__(self) -> None:
+        check_grid(self.grid, "AttnScoreRecomputeConfig")
+
+    def spec(self, num_heads: int, d_qk: int, dtype, arch: str = "sm_90a") -> AttnScoreRecomputeSpec:
+        """The kernel spec of this config for a kernel of `num_heads` (64 or 128) heads."""
+        return AttnScoreRecomputeSpec(arch=arch, num_heads=num_heads, d_qk=d_qk, dtype=dtype_name(dtype),
+                                      regs_producer=self.regs_producer, regs_consumer=self.regs_consumer)
+
+    def n_ctas(self, num_sms: int) -> int:
+        """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(rows, n_ctas))."""
+        return num_sms if self.grid == "persistent" else self.grid
+
+
+def config_for(num_heads: int, d_qk: int, dtype, arch: str, num_sms: int | None) -> AttnScoreRecomputeConfig:
+    """The config the op runs for `num_heads` (padded to 64 or 128), `d_qk`, `dtype` on `arch`: one for every
+    shape so far."""
+    return AttnScoreRecomputeConfig()

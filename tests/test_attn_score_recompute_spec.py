@@ -1,0 +1,56 @@
+"""CPU tests of the sparse attention score recompute family (dsagen/kernels/attn_score_recompute): spec checks, the
+binding, and the compiled kernels' SASS (wgmma for S, the gather, no deadlocking register budgets)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dsagen.jit.render import helper_modules, render
+from dsagen.kernels.attn_score_recompute.spec import AttnScoreRecomputeConfig, AttnScoreRecomputeSpec, config_for
+from dsagen.spec import SpecError
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(num_heads=32), "num_heads=32 must be 64 or 128"),
+    (dict(d_qk=128), "d_qk=128 must be 512 or 576"),
+    (dict(dtype="float32"), "dtype='float32'"),
+    (dict(regs_consumer=240), "exceeds 504"),
+    (dict(arch="sm_100a"), "sm_90a only"),
+])
+def test_invalid_specs_say_why(kw, needle):
+    with pytest.raises(SpecError, match=re.escape(needle)):
+        AttnScoreRecomputeSpec(**{"arch": "sm_90a", **kw}).check()
+
+
+def test_config_and_binding():
+    cfg = config_for(128, 576, "bfloat16", "sm_90a", 132)
+    assert cfg == AttnScoreRecomputeConfig() and cfg.n_ctas(132) == 132
+    assert cfg.spec(128, 576, "bfloat16") == AttnScoreRecomputeSpec(arch="sm_90a")
+    with pytest.raises(ValueError, match="grid=-1"):
+        AttnScoreRecomputeConfig(grid=-1)
+    src = render(AttnScoreRecomputeSpec(arch="sm_90a", num_heads=64, d_qk=512))
+    compile(src, "kernel.py", "exec")
+    assert "from dsagen.kernels.attn_score_recompute.recompute_sm90 import build" in src
+    assert len(src.split("SYMBOL = ")[1].splitlines()) <= 12
+    assert "dsagen.kernels.attn_score_recompute.recompute_sm90" in helper_modules(src)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("h,d,n", [(128, 576, 64), (64, 512, 32)])
+def test_compiles_to_wgmma(h, d, n, tmp_path):
+    from dsagen.jit.build import compile_module
+    from dsagen.jit.sass import disassemble, find_nvdisasm
+
+    spec = AttnScoreRecomputeSpec(arch="sm_90a", num_heads=h, d_qk=d)
+    ck = compile_module(spec, render(spec), tmp_path)
+    assert ck.record["launch"]["block"] == [384, 1, 1] and ck.record["launch"]["smem"] <= 227 * 1024
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    sass = disassemble(ck.cubin)
+    # both consumers run the same code: one chain of D / 16 wgmmas per tile, 64 heads x n tile rows each
+    assert len(re.findall(rf"HGMMA\.64x{n}x16\.F32\.BF16 ", sass)) == d // 16
+    assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x1, 0x100", sass)) == 1      # one place, both consumers
+    budgets = sorted(int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass))
+    assert budgets == sorted([spec.regs_producer, spec.regs_consumer])

@@ -31,6 +31,7 @@ for s in $steps; do case $s in
     step test_sparse_attention 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sparse_attention.py
     step test_sparse_attention_backward 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/gpu/test_sparse_attention_backward.py tests/gpu/test_sparse_attention_backward_public.py
+    step test_attn_score_recompute 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_attn_score_recompute.py
     step test_reference_cuda 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_reference_indexer_cuda.py ;;
   memcheck)
     step memcheck 300 compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu \
@@ -43,7 +44,8 @@ for s in $steps; do case $s in
     step bench_first_launch 60 bash -c 'for i in 1 2 3; do python3 bench/first_launch.py; done'
     step bench_indexer 300 python3 bench/indexer.py --reps 3 --json "$out/indexer.json"
     step bench_sparse_attention 300 python3 bench/sparse_attention.py --json "$out/sparse_attention.json"
-    step bench_sparse_attention_backward 300 python3 bench/sparse_attention_backward.py ;;
+    step bench_sparse_attention_backward 300 python3 bench/sparse_attention_backward.py
+    step bench_attn_score_recompute 200 python3 bench/attn_score_recompute.py ;;
   bench_kernels)
     step bench_indexer 300 python3 bench/indexer.py --reps 3 --json "$out/indexer.json"
     step bench_sparse_attention 300 python3 bench/sparse_attention.py --json "$out/sparse_attention.json" ;;

@@ -6,6 +6,7 @@ launch code (`host.py`). `_kernel_module.py.j2` is the base every kernel module 
     lightning_indexer/  the indexer score kernel and its top-k plan
     sparse_mla/         the sparse MLA attention forward (and its lse_prefix variant)
     sparse_mla_bwd/     the sparse MLA attention backward (dq, dkv, delta)
+    attn_score_recompute/  the sparse attention score recompute (the indexer's training target)
     testing/            runtime probe kernels (the runtime's own GPU tests)
 
 Importing this package imports nothing: dsagen.spec imports each family's `spec` module (registering its

@@ -5,7 +5,8 @@ that a run under `compute-sanitizer --tool {memcheck,racecheck,synccheck,initche
 
 Shapes are small because racecheck instruments every shared-memory access: the sparse forward and backward (atomic
 and deterministic) at H128 / D576 and H64 / D512 with a sink (3 CTAs looping over the items, tile counts 0..5,
-adversarial ids; the backward with its grid barrier and KV-window ordering), the lightning indexer at
+adversarial ids; the backward with its grid barrier and KV-window ordering), the score recompute at the same
+shapes, the lightning indexer at
 T = 300 / topk 64 (unpacked causal and packed documents), each top-k kernel of the plan on slab rows whose tail
 past the row's candidates is left unwritten (as the score kernel leaves it), invalid packed offsets (memcheck: no
 access out of bounds whatever the offsets), compactify and local_to_global.
@@ -24,6 +25,9 @@ from dsagen.reference.indexer import weighted_relu_scores
 from dsagen.spec import CompactifySpec, LocalToGlobalSpec
 from dsagen.kernels.lightning_indexer.spec import config_for as indexer_config
 from dsagen.kernels.sparse_mla.spec import SparseAttnFwdConfig, config_for
+from dsagen.kernels.attn_score_recompute import host as rc_host
+from dsagen.kernels.attn_score_recompute.spec import AttnScoreRecomputeConfig
+from dsagen.kernels.attn_score_recompute.spec import config_for as rc_config_for
 from dsagen.kernels.sparse_mla_bwd import host as bwd_host
 from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
 from dsagen.kernels.sparse_mla_bwd.spec import config_for as bwd_config_for
@@ -37,7 +41,8 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
                   for h, d in SPARSE_SHAPES] + [
     *INDEXER_CONFIG.specs(), CompactifySpec(arch=ARCH), LocalToGlobalSpec(arch=ARCH)] + [
     bwd_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH, deterministic=det)
-    for h, d in SPARSE_SHAPES for det in (False, True)]
+    for h, d in SPARSE_SHAPES for det in (False, True)] + [
+    rc_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH) for h, d in SPARSE_SHAPES]
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -101,6 +106,21 @@ def test_sparse_backward(h, d_qk, deterministic):
         err = (got.float() - want.float()).abs().max().item()
         assert err <= 1e-2 * max(want.float().abs().max().item(), 1e-6)
     assert (dq[:2] == 0).all()                       # topk_length 0; row 1 without a valid id
+
+
+@gpu
+@pytest.mark.parametrize("h,d_qk", SPARSE_SHAPES, ids=[f"h{h}_d{d}" for h, d in SPARSE_SHAPES])
+def test_attn_score_recompute(h, d_qk):
+    """The score recompute's kernel, 3 CTAs looping over 6 query rows, adversarial ids and lengths, against the
+    reference."""
+    q, kv, ids, sink, tl = _sparse_inputs(6, h, d_qk, 320, 900, seed=h + d_qk + 2)
+    scale = d_qk ** -0.5
+    _, lse, _ = dsagen.sparse_attention(q, kv, ids, topk_length=tl, softmax_scale=scale, impl="reference")
+    args = (q[None], kv[None], lse[None].float(), ids[None], scale)
+    got = rc_host.sparse_attn_score_recompute(*args, topk_length=tl[None], config=AttnScoreRecomputeConfig(grid=3))
+    want = dsagen.sparse_attn_score_recompute(*args, topk_length=tl[None], impl="reference")
+    assert (got - want).abs().max().item() <= 1e-2 * max(want.abs().max().item(), 1e-6)
+    assert (got[0, :2] == 0).all()                   # topk_length 0; row 1 without a valid id
 
 
 # ---------------------------------------------------------------------------------------- lightning indexer

@@ -171,7 +171,7 @@ def test_render(d_qk):
     # the P tiles: P0 in stage 0's RoPE tile when D_QK > D_V (one extra tile for P1), two tiles otherwise
     assert "p_elems = M * BN if self.P_IN_ROPE else 2 * M * BN" in kern and "self.P_IN_ROPE = d_qk > d_v" in kern
     # Q loads and O stores carry the evict_first policy; O goes out as 16-byte stores after the quad transpose
-    assert kern.count("cp_async_16_policy(") == 1 and kern.count("store_row_v4(") == 1          # both consumers
+    assert kern.count("cp_async_rows(") == 1 and kern.count("store_row_v4(") == 1               # both consumers
     assert kern.count("l2_evict_first_policy()") == 2                          # producer (Q), consumers (O)
 
 

@@ -37,10 +37,9 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int8, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
-from cutlass.experimental import primitives as prims
 
-from dsagen.kernels.sparse_mla.attn_sm90 import (acc_mn_view, cp_async_16_policy, l2_evict_first_policy, sw128,
-                                                 swizzled_byte_offset)
+from dsagen.kernels.sparse_mla.attn_sm90 import (acc_mn_view, cp_async_rows, gather_tile_rows, l2_evict_first_policy,
+                                                 sw128, swizzled_byte_offset)
 
 LOG2E = math.log2(math.e)
 
@@ -238,13 +237,7 @@ class AttnScoreRecomputeSm90:
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
             kmax, ntiles = self.row_setup(a, tok)
             cute.arch.mbarrier_wait(sh.q_free, (it % 2) ^ 1)
-            q_rows = a.p_q + Int64(tok) * a.ld_q
-            for i in cutlass.range_constexpr(self.H // 16):
-                r = grp + 16 * i
-                for kb in cutlass.range_constexpr(self.NKB):
-                    b = lay_q.outer((r, kb * 64 + col0)) * 2
-                    cp_async_16_policy(sQb + swizzled_byte_offset(b), q_rows + (r * self.D_QK + kb * 64 + col0),
-                                       policy)
+            cp_async_rows(sQb, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D_QK, grp, col0, policy)
             cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_mbar)
             mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
             for j in cutlass.range(ntiles, unroll=1):
@@ -261,14 +254,7 @@ class AttnScoreRecomputeSm90:
                     for i in cutlass.range_constexpr(RPG):
                         sh.sIds[(g % 2) * self.BN + grp + 16 * i] = ids[i]
                     cute.arch.mbarrier_arrive(sh.ids_mbar + (g % 2))
-                for i in cutlass.range_constexpr(RPG):
-                    kv = ids[i]
-                    ok = kv >= 0
-                    src = a.p_kv + Int64(kv if ok else 0) * a.ld_kv
-                    nbytes = Int32(16) if ok else Int32(0)
-                    for kb in cutlass.range_constexpr(self.NKB):
-                        dst = sKVb + (sw_kv + lay_kv.outer((16 * i, kb * 64)) * 2)
-                        prims.cp_async_shared_global(dst, src + (kb * 64 + col0), 16, "cg", cp_size=nbytes)
+                gather_tile_rows(sKVb, sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, col0, (0, self.NKB))
                 cute.arch.cp_async_mbarrier_arrive_noinc(sh.kv_ready)
             gt += ntiles
             it += 1

@@ -13,6 +13,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.experimental import primitives as prims
 
 
 def sw128(dtype, shape):
@@ -133,5 +134,38 @@ def store_row_v4(dst: cute.Pointer, oMN: cute.Tensor, r: int, scale, fp16: bool,
         st_global_v4_b32(dst + 32 * jg, w0, w1, w2, w3, policy)
 
 
-__all__ = ["sw128", "store_row_v4", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy",
+@cute.jit
+def cp_async_rows(dst: cute.Pointer, lay, src: cute.Pointer, rows: int, width: int, grp, col0, policy) -> None:
+    """cp.async `rows` rows of `width` elements (16-bit) from `src` (row-major, row stride `width`) into the SW128
+    tile at byte pointer `dst` whose layout is `lay` (sw128's), with L2 cache policy `policy`: the 128 threads of a
+    warpgroup in 16 groups of 8, group `grp` taking rows grp + 16 i and thread `col0` / 8 of the group one 16-byte
+    chunk of each 64-column block (a 64 x D Q tile of the attention kernels)."""
+    for i in cutlass.range_constexpr(rows // 16):
+        r = grp + 16 * i
+        for kb in cutlass.range_constexpr(width // 64):
+            b = lay.outer((r, kb * 64 + col0)) * 2
+            cp_async_16_policy(dst + swizzled_byte_offset(b), src + (r * width + kb * 64 + col0), policy)
+
+
+@cute.jit
+def gather_tile_rows(dst: cute.Pointer, sw_base, lay, p_rows: cute.Pointer, ld, ids, col0, blocks: tuple[int, int],
+                     stage: int = 0) -> None:
+    """cp.async the gathered rows grp + 16 i (i < len(ids)) of a KV tile: row i is p_rows[ids[i]] (row stride `ld`),
+    zero-filled (nothing read, from a legal address) when ids[i] < 0; column blocks [blocks[0], blocks[1]) of 64;
+    `stage`: the tile's stage in `lay` (a (rows, D[, stages]) sw128 layout). `dst` is the tile's byte pointer and
+    `sw_base` the thread's swizzled byte offset of (grp, col0): the 128B swizzle XORs byte bits 4-6 with bits 7-9 =
+    row % 8, which is grp % 8 for every row grp + 16 i, and the row-group, column-block and stage offsets only touch
+    bits >= 10, so each chunk lies at a constant offset from it."""
+    for i in cutlass.range_constexpr(cute.size(ids)):
+        kv = ids[i]
+        ok = kv >= 0
+        src = p_rows + Int64(kv if ok else 0) * ld
+        nbytes = Int32(16) if ok else Int32(0)
+        for kb in cutlass.range_constexpr(*blocks):
+            coord = (16 * i, kb * 64) if const_expr(len(lay.outer.shape) == 2) else (16 * i, kb * 64, stage)
+            prims.cp_async_shared_global(dst + (sw_base + lay.outer(coord) * 2), src + (kb * 64 + col0), 16, "cg",
+                                         cp_size=nbytes)
+
+
+__all__ = ["sw128", "store_row_v4", "cp_async_rows", "gather_tile_rows", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy",
            "cp_async_16_policy", "pack_f32x2", "st_global_v4_b32"]

@@ -56,7 +56,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.experimental import primitives as prims
 
-from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_16_policy,
+from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_rows,
                                                  l2_evict_first_policy, store_row_v4, sw128, swizzled_byte_offset)
 from dsagen.kernels.sparse_mla.softmax_sm90 import exp_and_rescale, masked_row_max
 
@@ -433,11 +433,7 @@ class SparseMlaFwdSm90:
         """cp.async of the 64 heads x D_QK of Q of (tok, head0) into sQ (16-byte chunks, 4 rows per thread),
         completing q_mbar with a noinc arrival; `policy`: the L2 cache policy of the loads."""
         q_rows = a.p_q + (Int64(tok) * a.ld_q + Int64(head0 * self.D_QK))
-        for i in cutlass.range_constexpr(self.M // 16):
-            r = grp + 16 * i
-            for kb in cutlass.range_constexpr(self.NKB):
-                b = lay_q.outer((r, kb * 64 + col0)) * 2
-                cp_async_16_policy(sQb + swizzled_byte_offset(b), q_rows + (r * self.D_QK + kb * 64 + col0), policy)
+        cp_async_rows(sQb, lay_q, q_rows, self.M, self.D_QK, grp, col0, policy)
         cute.arch.cp_async_mbarrier_arrive_noinc(bars.q_mbar)
 
     @cute.jit

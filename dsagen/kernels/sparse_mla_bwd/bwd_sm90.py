@@ -56,9 +56,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
 from cutlass.cutlass_dsl import T, dsl_user_op
-from cutlass.experimental import primitives as prims
 
-from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_16_policy,
+from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_16_policy, gather_tile_rows,
                                                  l2_evict_first_policy, store_row_v4, sw128, swizzled_byte_offset)
 
 LOG2E = math.log2(math.e)
@@ -405,14 +404,7 @@ class SparseMlaBwdSm90:
                     for i in cutlass.range_constexpr(RPG):
                         sh.sIds[(g % 2) * self.BN + grp + 16 * i] = ids[i]
                     cute.arch.mbarrier_arrive(sh.ids_mbar + (g % 2))
-                for i in cutlass.range_constexpr(RPG):
-                    kv = ids[i]
-                    ok = kv >= 0
-                    src = a.p_kv + Int64(kv if ok else 0) * a.ld_kv
-                    nbytes = Int32(16) if ok else Int32(0)
-                    for kb in cutlass.range_constexpr(self.NKB):
-                        dst = sKVb + (sw_kv + lay_kv.outer((16 * i, kb * 64)) * 2)
-                        prims.cp_async_shared_global(dst, src + (kb * 64 + col0), 16, "cg", cp_size=nbytes)
+                gather_tile_rows(sKVb, sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, col0, (0, self.NKB))
                 cute.arch.cp_async_mbarrier_arrive_noinc(sh.kv_ready)
                 for i in cutlass.range_constexpr(RPG):
                     ids[i] = ids_next[i]

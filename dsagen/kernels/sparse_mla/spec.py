@@ -104,6 +104,12 @@ def register_budget_reasons(budgets: dict[str, int]) -> list[str]:
     return []
 
 
+def grid_ctas(grid, num_sms: int) -> int:
+    """A config's n_ctas kernel argument: one CTA per SM for "persistent", else the int (the launch's grid is the
+    smaller of it and the work items)."""
+    return num_sms if grid == "persistent" else grid
+
+
 def check_grid(grid, owner: str) -> None:
     """A config's grid: "persistent" or a positive int (ValueError naming `owner` otherwise)."""
     if not (grid == "persistent" or (isinstance(grid, int) and not isinstance(grid, bool) and grid >= 1)):
@@ -151,7 +157,7 @@ class SparseAttnFwdConfig:
 
     def n_ctas(self, num_sms: int) -> int:
         """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(items, n_ctas))."""
-        return num_sms if self.grid == "persistent" else self.grid
+        return grid_ctas(self.grid, num_sms)
 
 
 def config_for(num_heads: int, d_qk: int, dtype, rows: int | None, arch: str, num_sms: int | None

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...spec.base import KernelSpec, register_spec
-from ..sparse_mla.spec import check_grid, dtype_name, register_budget_reasons
+from ..sparse_mla.spec import check_grid, dtype_name, grid_ctas, register_budget_reasons
 
 @register_spec
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class SparseAttnBwdConfig:
 
     def n_ctas(self, num_sms: int) -> int:
         """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(items, n_ctas))."""
-        return num_sms if self.grid == "persistent" else self.grid
+        return grid_ctas(self.grid, num_sms)
 
 
 def config_for(num_heads: int, d_qk: int, dtype, arch: str, num_sms: int | None) -> SparseAttnBwdConfig:

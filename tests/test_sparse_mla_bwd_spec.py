@@ -110,3 +110,71 @@ def test_forward_lse_prefix_kernel_fits(tmp_path):
     rec, sass = _sass(SparseAttnFwdSpec(arch="sm_90a", lse_prefix=True), tmp_path)
     assert rec["launch"]["smem"] <= 227 * 1024
     assert len(re.findall(r"STG\.E ", sass)) == 2 * 3          # per head row of the thread: lse, max_logits, lse_prefix
+
+
+def test_slot_windows_order_each_rows_valid_ids_by_kv_window():
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    s_q, k, n_kv, rows = 7, 50, 100, 16
+    idx = torch.randint(-20, n_kv + 20, (s_q, k), generator=gen, dtype=torch.int32)
+    idx[2] = -1                                                   # a row without a valid id
+    length = torch.tensor([0, 50, 13, 60, -3, 1, 49], dtype=torch.int32)
+    ids = torch.empty_like(idx)
+    win = torch.empty((s_q, 2), dtype=torch.int32)
+    bwd_host.slot_windows(idx, n_kv, length, rows, ids_out=ids, win_out=win)
+    for t in range(s_q):
+        n = max(0, min(int(length[t]), k))
+        want = [int(v) for v in idx[t, :n] if 0 <= v < n_kv]
+        want = sorted(want, key=lambda v: v // rows)             # stable: ties keep their slot order
+        assert win[t].tolist() == [0, len(want)]
+        assert ids[t, :len(want)].tolist() == want
+        assert sorted(ids[t].tolist()) == sorted(idx[t].tolist())  # a permutation of the row
+
+
+def test_slot_windows_without_buckets_keep_the_ids():
+    import torch
+
+    idx = torch.tensor([[3, -1, 7], [1, 2, 99]], dtype=torch.int32)
+    win = torch.empty((2, 2), dtype=torch.int32)
+    bwd_host.slot_windows(idx, 10, torch.tensor([2, 5], dtype=torch.int32), None, ids_out=idx, win_out=win)
+    assert idx.tolist() == [[3, -1, 7], [1, 2, 99]] and win.tolist() == [[0, 2], [0, 3]]
+    bwd_host.slot_windows(idx, 10, None, None, ids_out=idx, win_out=win)
+    assert win.tolist() == [[0, 3], [0, 3]]
+
+
+def test_host_launch_arguments_on_the_cpu(monkeypatch):
+    """The host's launch path with a stand-in kernel (CPU tensors): the ids the kernel gets are each row's valid ids
+    ordered by KV window, its windows count them, the accumulator and counter are zeroed, heads are padded with lse
+    = +inf, and deterministic mode launches per chunk of rows."""
+    import torch
+
+    calls = []
+
+    class Kernel:
+        def launch(self, *args):
+            calls.append(args)
+
+    spec = SparseAttnBwdSpec(arch="sm_90a", num_heads=64, d_qk=512)
+    cfg = SparseAttnBwdConfig(bucket_rows=8, deterministic_chunk_bytes=1)
+    monkeypatch.setattr(bwd_host, "_launch_plan", lambda *a, **k: (spec, Kernel(), 5, cfg, True))
+    gen = torch.Generator().manual_seed(1)
+    s_q, h, n_kv, k = 3, 16, 30, 20
+    q = torch.randn(s_q, h, 512, generator=gen).bfloat16()
+    kv = torch.randn(n_kv, 512, generator=gen).bfloat16()
+    out = torch.randn(s_q, h, 512, generator=gen).bfloat16()
+    lse = torch.randn(s_q, h, generator=gen)
+    idx = torch.randint(-3, n_kv + 3, (s_q, k), generator=gen, dtype=torch.int32)
+    length = torch.tensor([20, 7, 0], dtype=torch.int32)
+    dq, dkv, d_sink = bwd_host._launch(q, kv, out, out, lse, idx, None, length, 0.1, 512, False, None)
+    (args,) = calls
+    ids, win, lse_p, counter, sync = args[2], args[3], args[7], args[19], args[20]
+    assert dq.shape == q.shape and dkv.shape == kv.shape and d_sink is None
+    assert args[11:14] == (s_q, n_kv, k) and sync == 1 and args[-1] == 5 and (counter == 0).all()
+    assert torch.isinf(lse_p[:, h:]).all() and torch.equal(lse_p[:, :h], lse)      # padded heads: P = 0
+    for t in range(s_q):
+        want = sorted((int(v) for v in idx[t, :int(length[t])] if 0 <= v < n_kv), key=lambda v: v // 8)
+        assert win[t].tolist() == [0, len(want)] and ids[t, :len(want)].tolist() == want
+    calls.clear()
+    bwd_host._launch(q, kv, out, out, lse, idx, None, length, 0.1, 512, True, None)
+    assert [c[11] for c in calls] == [1, 1, 1]                   # 1-byte chunks: one query row per launch

@@ -91,6 +91,37 @@ def _align4(n: int) -> int:
     return (n + 3) // 4 * 4
 
 
+def slot_windows(topk_idxs: torch.Tensor, n_kv: int, length: torch.Tensor | None, bucket_rows: int | None, *,
+                 ids_out: torch.Tensor, win_out: torch.Tensor) -> None:
+    """The ids and the slot window [win[t, 0], win[t, 1]) the kernel walks for each row t.
+
+    bucket_rows None: the ids as given (ids_out may be topk_idxs itself) and each row's first min(length, K) slots.
+    Else each row's valid ids (0 <= id < n_kv, slot < length) ordered by KV window id // bucket_rows (a stable sort:
+    ties keep their slot order), the invalid ones after them and outside the window, so that a tile's rows come
+    from one or two windows and the CTAs, which walk their rows in step, add into about one window's rows of the
+    dkv accumulator at a time. topk_idxs int32 (S_q, K); length int32 (S_q,) or None; ids_out int32 (S_q, K);
+    win_out int32 (S_q, 2)."""
+    s_q, k_width = topk_idxs.shape
+    win_out[:, 0] = 0
+    if k_width == 0 or s_q == 0:
+        win_out[:, 1] = 0
+        return
+    if bucket_rows is None:
+        if ids_out.data_ptr() != topk_idxs.data_ptr():
+            ids_out.copy_(topk_idxs)
+        win_out[:, 1] = k_width if length is None else length.clamp(0, k_width)
+        return
+    valid = (topk_idxs >= 0) & (topk_idxs < n_kv)
+    if length is not None:
+        slots = torch.arange(k_width, device=topk_idxs.device, dtype=torch.int32)
+        valid &= slots.view(1, -1) < length.view(-1, 1)
+    n_windows = -(-n_kv // bucket_rows)
+    window = torch.where(valid, torch.div(topk_idxs, bucket_rows, rounding_mode="floor"), n_windows)
+    _, order = torch.sort(window, dim=1, stable=True)
+    torch.gather(topk_idxs, 1, order, out=ids_out)
+    win_out[:, 1] = valid.sum(dim=1, dtype=torch.int32)
+
+
 _launch_plans: dict = {}
 
 
@@ -181,26 +212,11 @@ def _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_sc
     acc.zero_()
     dq = torch.empty((s_q, hp, d_qk), dtype=q.dtype, device=q.device)
 
-    # row t's window: its slots [win[t, 0], win[t, 1]). Without buckets, the row's first min(length, K) slots as
-    # given; with buckets, the row's valid ids ordered by KV window (a stable sort of their window numbers,
-    # invalid ones last), so that a tile's rows come from one or two windows and the CTAs, which walk their items
-    # in step, add into about one window's rows of the accumulator at a time
-    slots = torch.arange(k_width, device=q.device, dtype=torch.int32)
     ids = topk_idxs
-    win[:, 0] = 0
-    if k_width == 0:
-        win[:, 1] = 0
-    elif nb == 1:
-        win[:, 1] = k_width if length is None else length.clamp(0, k_width)
-    elif s_q > 0:
-        valid = (topk_idxs >= 0) & (topk_idxs < n_kv)
-        if length is not None:
-            valid &= slots.view(1, -1) < length.view(-1, 1)
-        bucket = torch.where(valid, torch.div(topk_idxs, cfg.bucket_rows, rounding_mode="floor"), nb)
-        sorted_bucket, order = torch.sort(bucket, dim=1, stable=True)
+    if nb > 1 and s_q > 0 and k_width > 0:
         ids = take(_align4(s_q * k_width)).view(torch.int32)[:s_q * k_width].view(s_q, k_width)
-        torch.gather(topk_idxs, 1, order, out=ids)
-        win[:, 1] = valid.sum(dim=1, dtype=torch.int32)
+    slot_windows(topk_idxs, n_kv, length, cfg.bucket_rows if nb > 1 else None, ids_out=ids, win_out=win)
+    slots = torch.arange(k_width, device=q.device, dtype=torch.int32)
 
     def run(t0: int, t1: int, target: torch.Tensor) -> None:
         if sync_grid:

@@ -54,3 +54,39 @@ def test_compiles_to_wgmma(h, d, n, tmp_path):
     assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x1, 0x100", sass)) == 1      # one place, both consumers
     budgets = sorted(int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass))
     assert budgets == sorted([spec.regs_producer, spec.regs_consumer])
+
+
+def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
+    """The host's batch flattening (local ids range-checked per batch), head padding (lse = +inf) and row
+    normalisation, with a stand-in for the kernel that computes its contract in torch (out[t, j] = the head sum of
+    exp(scale q.k - lse) over valid slots j < length), against the reference op."""
+    import torch
+
+    import dsagen
+    from dsagen.kernels.attn_score_recompute import host as rc_host
+
+    class Kernel:
+        def launch(self, q, keys, ids, length, lse, out, rows, n_kv, topk, ld_q, ld_kv, ld_idx, scale, has_length,
+                   n_ctas):
+            valid = (ids >= 0) & (ids < n_kv)
+            if has_length:
+                valid &= torch.arange(topk).view(1, -1) < length.view(-1, 1)
+            rows_k = keys.float()[ids.clamp(0, n_kv - 1).long()]                        # (rows, topk, D)
+            s = torch.einsum("rhd,rkd->rhk", q.float(), rows_k) * scale
+            p = torch.exp(s - lse.view(rows, -1, 1)).sum(1)
+            out.copy_(torch.where(valid, p, 0.0))
+
+    spec = AttnScoreRecomputeSpec(arch="sm_90a", num_heads=64, d_qk=512)
+    monkeypatch.setattr(rc_host, "_launch_plan", lambda *a, **k: (spec, Kernel(), 3))
+    gen = torch.Generator().manual_seed(2)
+    b, s_q, h, d, s_k, k = 2, 3, 16, 512, 9, 6
+    q = torch.randn(b, s_q, h, d, generator=gen).bfloat16()
+    kv = torch.randn(b, s_k, d, generator=gen).bfloat16()
+    ids = torch.randint(-2, s_k + 2, (b, s_q, k), generator=gen, dtype=torch.int32)
+    lse = torch.randn(b, s_q, h, generator=gen) + 20.0
+    length = torch.tensor([[6, 2, 0], [5, 6, 1]], dtype=torch.int32)
+    got = rc_host.sparse_attn_score_recompute(q, kv, lse, ids, 0.05, topk_length=length)
+    want = dsagen.sparse_attn_score_recompute(q, kv, lse, ids, 0.05, topk_length=length, impl="reference")
+    assert got.shape == (b, s_q, k) and got.dtype == torch.float32
+    assert torch.allclose(got, want.float(), atol=1e-5)
+    assert (got[0, 2] == 0).all()                                               # topk_length 0

@@ -263,3 +263,36 @@ def test_split_halves_wgmma_not_serialised(fields, tmp_path):
     (measured 2026-11-29: a violation made ptxas serialise every wgmma, 0.73-0.81x)."""
     spec = SparseAttnFwdSpec(arch="sm_90a", **fields)
     assert _ptxas_wgmma_serialisation(spec, tmp_path) == []
+
+
+def test_host_passes_the_prefix_arguments_only_to_the_lse_prefix_kernel(monkeypatch):
+    """The fused host with a stand-in kernel (CPU tensors): indexer_topk > 0 plans the lse_prefix spec and appends
+    (lse_indexer, n_prefix) to the launch; 0 launches the plain kernel with its 18 arguments; other values are
+    refused before anything runs."""
+    import torch
+
+    import dsagen.kernels.sparse_mla.host as fwd_host
+
+    calls, plans = [], []
+
+    class Kernel:
+        def launch(self, *args):
+            calls.append(args)
+
+    def plan(h, d_qk, dtype, device, rows, want_kernel, config=None, lse_prefix=False):
+        plans.append(lse_prefix)
+        return SparseAttnFwdSpec(arch="sm_90a", num_heads=64, lse_prefix=lse_prefix), Kernel(), 4
+
+    monkeypatch.setattr(fwd_host, "_launch_plan", plan)
+    q = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(10, 576, dtype=torch.bfloat16)
+    ids = torch.zeros(2, 256, dtype=torch.int32)
+    kw = dict(attn_sink=None, topk_length=None, softmax_scale=0.1, d_v=512)
+    out, lse, m, lse_ix = fwd_host._launch(q, kv, ids, **kw, indexer_topk=128)
+    assert plans == [True] and len(calls[0]) == 20 and calls[0][-1] == 128 and calls[0][-2].shape == (2, 64)
+    assert lse_ix.shape == (2, 16)                                  # padded heads sliced back
+    assert len(fwd_host._launch(q, kv, ids, **kw)) == 3 and plans[-1] is False and len(calls[-1]) == 18
+    with pytest.raises(NotImplementedError, match="multiple of 128"):
+        fwd_host.sparse_attention(q, kv, ids, **kw, indexer_topk=100)
+    with pytest.raises(ValueError, match="indexer_topk=512"):
+        fwd_host.sparse_attention(q, kv, ids, **kw, indexer_topk=512)

@@ -124,3 +124,19 @@ def test_the_model_config_builds_specs_through_the_families_spec_modules_only():
     imps = _modules()["dsagen.spec.model_config"]
     kernels = sorted({i.rsplit(".", 1)[0] if i.count(".") > 3 else i for i in imps if i.startswith("dsagen.kernels.")})
     assert kernels and all(k.endswith(".spec") or k.split(".")[-2] == "spec" for k in kernels), kernels
+
+
+def test_every_spec_module_imports_first_in_a_fresh_interpreter():
+    """A family's spec.py (or the presets, or the model config) as the first dsagen import of a program: the spec
+    layer loads every family while that module is half-initialised, so no family may import another's spec.py
+    and the spec package may not re-export family names at import time."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    families = sorted(p.parent.name for p in (root / "dsagen" / "kernels").glob("*/spec.py"))
+    modules = [f"dsagen.kernels.{f}.spec" for f in families] + ["dsagen.spec.presets", "dsagen.spec.model_config"]
+    assert len(families) >= 6
+    for m in modules:
+        r = subprocess.run([sys.executable, "-c", f"import {m}"], cwd=root, capture_output=True, text=True)
+        assert r.returncode == 0, f"import {m} first fails:\n{r.stderr[-2000:]}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...spec.base import KernelSpec, register_spec
-from ..sparse_mla.spec import check_grid, dtype_name, grid_ctas, register_budget_reasons
+from ..sparse_mla.checks import check_grid, dtype_name, grid_ctas, mla_shape_reasons, register_budget_reasons
 
 
 @register_spec
@@ -39,14 +39,7 @@ class AttnScoreRecomputeSpec(KernelSpec):
     regs_consumer: int = 232
 
     def reasons(self) -> list[str]:
-        out = super().reasons()
-        if self.arch != "sm_90a":
-            out.append(f"arch {self.arch!r}: the fused score recompute exists for sm_90a only (Hopper wgmma); use "
-                       f"impl='reference' elsewhere")
-        if self.num_heads not in (64, 128):
-            out.append(f"num_heads={self.num_heads} must be 64 or 128 (pad 16/32 heads to 64 in the op)")
-        if self.d_qk not in (512, 576):
-            out.append(f"d_qk={self.d_qk} must be 512 or 576")
+        out = super().reasons() + mla_shape_reasons("score recompute", self.arch, self.num_heads, self.d_qk)
         if self.dtype not in ("bfloat16", "float16"):
             out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
         out.extend(register_budget_reasons({"regs_producer": self.regs_producer,

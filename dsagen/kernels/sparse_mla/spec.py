@@ -13,14 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...spec.base import KernelSpec, register_spec
-
-# Register budget of the 3-warpgroup kernel: a producer warpgroup that gathers rows with cp.async and two
-# consumer warpgroups (QK^T + softmax + left half of O; right half of O). The CTA launches with
-# floor(65536 / 384 / 8) * 8 = 168 registers per thread (64512 in all) and setmaxnreg only moves registers
-# between warpgroups inside that pool: the three budgets must sum to at most 3 * 168 = 504, or the
-# increasing warpgroups spin in setmaxnreg.inc forever (a hang, not an error).
-_REGS_AT_LAUNCH = 65536 // 384 // 8 * 8
-_REG_TOTAL = 3 * _REGS_AT_LAUNCH
+from .checks import check_grid, dtype_name, grid_ctas, mla_shape_reasons, register_budget_reasons
 
 
 @register_spec
@@ -68,14 +61,7 @@ class SparseAttnFwdSpec(KernelSpec):
     lse_prefix: bool = False
 
     def reasons(self) -> list[str]:
-        out = super().reasons()
-        if self.arch != "sm_90a":
-            out.append(f"arch {self.arch!r}: the fused sparse attention forward exists for sm_90a only "
-                       f"(Hopper wgmma); use impl='reference' elsewhere")
-        if self.num_heads not in (64, 128):
-            out.append(f"num_heads={self.num_heads} must be 64 or 128 (pad 16/32 heads to 64 in the op)")
-        if self.d_qk not in (512, 576):
-            out.append(f"d_qk={self.d_qk} must be 512 or 576")
+        out = super().reasons() + mla_shape_reasons("sparse attention forward", self.arch, self.num_heads, self.d_qk)
         if self.d_v != 512:
             out.append(f"d_v={self.d_v} must be 512 (two 256-column halves, one per consumer warpgroup)")
         if self.dtype not in ("bfloat16", "float16"):
@@ -89,36 +75,6 @@ class SparseAttnFwdSpec(KernelSpec):
         out.extend(register_budget_reasons({"regs_producer": self.regs_producer, "regs_qk": self.regs_qk,
                                             "regs_pv": self.regs_pv}))
         return out
-
-
-def register_budget_reasons(budgets: dict[str, int]) -> list[str]:
-    """Why the setmaxnreg budgets of a 3-warpgroup (384-thread) kernel are wrong ([] when they are right): each a
-    multiple of 8 in [24, 256], together at most the launch's 3 x 168 registers (setmaxnreg only moves registers
-    between warpgroups; asking for more makes setmaxnreg.inc wait forever)."""
-    names, regs = "/".join(budgets), tuple(budgets.values())
-    if any(r % 8 or not 24 <= r <= 256 for r in regs):
-        return [f"{names}={regs} must each be a multiple of 8 in [24, 256]"]
-    if sum(regs) > _REG_TOTAL:
-        return [f"{' + '.join(budgets)} = {sum(regs)} exceeds {_REG_TOTAL} (3 warpgroups x {_REGS_AT_LAUNCH} "
-                f"registers at launch; setmaxnreg cannot grow the pool)"]
-    return []
-
-
-def grid_ctas(grid, num_sms: int) -> int:
-    """A config's n_ctas kernel argument: one CTA per SM for "persistent", else the int (the launch's grid is the
-    smaller of it and the work items)."""
-    return num_sms if grid == "persistent" else grid
-
-
-def check_grid(grid, owner: str) -> None:
-    """A config's grid: "persistent" or a positive int (ValueError naming `owner` otherwise)."""
-    if not (grid == "persistent" or (isinstance(grid, int) and not isinstance(grid, bool) and grid >= 1)):
-        raise ValueError(f"{owner}.grid={grid!r} must be 'persistent' or a positive int")
-
-
-def dtype_name(dtype) -> str:
-    """"bfloat16" / "float16" from a dtype name or a torch dtype (without importing torch)."""
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...spec.base import KernelSpec, register_spec
-from ..sparse_mla.spec import check_grid, dtype_name, grid_ctas, register_budget_reasons
+from ..sparse_mla.checks import check_grid, dtype_name, grid_ctas, mla_shape_reasons, register_budget_reasons
 
 @register_spec
 @dataclass(frozen=True)
@@ -54,14 +54,8 @@ class SparseAttnBwdSpec(KernelSpec):
     regs_b: int = 224
 
     def reasons(self) -> list[str]:
-        out = super().reasons()
-        if self.arch != "sm_90a":
-            out.append(f"arch {self.arch!r}: the fused sparse attention backward exists for sm_90a only "
-                       f"(Hopper wgmma); use impl='reference' elsewhere")
-        if self.num_heads not in (64, 128):
-            out.append(f"num_heads={self.num_heads} must be 64 or 128 (pad 16/32 heads to 64 in the op)")
-        if self.d_qk not in (512, 576):
-            out.append(f"d_qk={self.d_qk} must be 512 or 576")
+        out = super().reasons() + mla_shape_reasons("sparse attention backward", self.arch, self.num_heads,
+                                                    self.d_qk)
         if self.d_v != 512:
             out.append(f"d_v={self.d_v} must be 512")
         if self.dtype not in ("bfloat16", "float16"):

@@ -216,7 +216,6 @@ def _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_sc
     if nb > 1 and s_q > 0 and k_width > 0:
         ids = take(_align4(s_q * k_width)).view(torch.int32)[:s_q * k_width].view(s_q, k_width)
     slot_windows(topk_idxs, n_kv, length, cfg.bucket_rows if nb > 1 else None, ids_out=ids, win_out=win)
-    slots = torch.arange(k_width, device=q.device, dtype=torch.int32)
 
     def run(t0: int, t1: int, target: torch.Tensor) -> None:
         if sync_grid:
@@ -231,6 +230,7 @@ def _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_sc
     elif s_q > 0:
         rows = min(s_q, chunk_rows(h, k_width, d_qk, cfg.deterministic_chunk_bytes))
         buf = take(rows * hb * max(k_width, 1) * d_qk)
+        slots = torch.arange(k_width, device=q.device, dtype=torch.int32)
         for t0 in range(0, s_q, rows):
             t1 = min(s_q, t0 + rows)
             rid = ids[t0:t1]

@@ -33,6 +33,8 @@ from ..kernels.indices.spec import CompactifySpec, LocalToGlobalSpec
 from ..kernels.lightning_indexer.spec import INDEXER_DTYPES, INDEXER_HEAD_DIMS, INDEXER_HEADS
 from ..kernels.lightning_indexer.spec import config_for as indexer_config
 from ..kernels.attn_score_recompute.spec import config_for as attn_score_recompute_config
+from ..kernels.indexer_score_recompute.spec import config_for as indexer_score_recompute_config
+from ..kernels.indexer_score_recompute.spec import kernel_heads as indexer_recompute_heads
 from ..kernels.sparse_mla.spec import config_for as sparse_mla_config
 from ..kernels.sparse_mla_bwd.spec import config_for as sparse_mla_bwd_config
 from .arch import ARCHES, get_arch
@@ -154,6 +156,10 @@ def specs_for_model(model: ModelAttention, arch: str) -> list[KernelSpec]:
     if hopper:
         # lightning indexer: one score kernel + the top-k plan's kernels serve every topk and compress ratio
         out.extend(indexer_config(model.index_n_heads, model.index_head_dim, model.dtype, arch).specs())
+        # sparse indexer score recompute (the indexer's distribution over the selected slots, for its KL loss)
+        hi = indexer_recompute_heads(model.index_n_heads)
+        out.append(indexer_score_recompute_config(hi, model.index_head_dim, model.dtype, arch, None)
+                   .spec(hi, model.index_head_dim, model.dtype, arch))
     if hopper:
         # sparse MLA forward: one kernel for prefill and decode (config_for: one config for every call size)
         h = mla_kernel_heads(model.num_heads)

@@ -28,6 +28,9 @@ from dsagen.kernels.sparse_mla.spec import SparseAttnFwdConfig, config_for
 from dsagen.kernels.attn_score_recompute import host as rc_host
 from dsagen.kernels.attn_score_recompute.spec import AttnScoreRecomputeConfig
 from dsagen.kernels.attn_score_recompute.spec import config_for as rc_config_for
+from dsagen.kernels.indexer_score_recompute import host as isr_host
+from dsagen.kernels.indexer_score_recompute.spec import IndexerScoreRecomputeConfig
+from dsagen.kernels.indexer_score_recompute.spec import config_for as isr_config_for
 from dsagen.kernels.sparse_mla_bwd import host as bwd_host
 from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
 from dsagen.kernels.sparse_mla_bwd.spec import config_for as bwd_config_for
@@ -42,7 +45,8 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     *INDEXER_CONFIG.specs(), CompactifySpec(arch=ARCH), LocalToGlobalSpec(arch=ARCH)] + [
     bwd_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH, deterministic=det)
     for h, d in SPARSE_SHAPES for det in (False, True)] + [
-    rc_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH) for h, d in SPARSE_SHAPES]
+    rc_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH) for h, d in SPARSE_SHAPES] + [
+    isr_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, None).spec(*INDEXER_SHAPE, "bfloat16", ARCH)]
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -120,6 +124,25 @@ def test_attn_score_recompute(h, d_qk):
     got = rc_host.sparse_attn_score_recompute(*args, topk_length=tl[None], config=AttnScoreRecomputeConfig(grid=3))
     want = dsagen.sparse_attn_score_recompute(*args, topk_length=tl[None], impl="reference")
     assert (got - want).abs().max().item() <= 1e-2 * max(want.abs().max().item(), 1e-6)
+    assert (got[0, :2] == 0).all()                   # topk_length 0; row 1 without a valid id
+
+
+@gpu
+def test_indexer_score_recompute():
+    """The indexer score recompute's kernel at the DeepSeek-V3.2 indexer shape, 3 CTAs looping over 6 query rows,
+    adversarial ids (-1, other negatives, >= S_k, duplicates; row 1 all invalid) and lengths, against the
+    reference."""
+    h, d = INDEXER_SHAPE
+    gen = torch.Generator().manual_seed(17)
+    _, _, ids, _, tl = _sparse_inputs(6, 64, 512, 320, 900, seed=19)
+    q = torch.randn((1, 6, h, d), generator=gen).bfloat16().to(DEV)
+    k = torch.randn((1, 900, d), generator=gen).bfloat16().to(DEV)
+    w = (torch.randn((1, 6, h), generator=gen) * h ** -0.5).bfloat16().to(DEV)
+    args = (q, k, w, ids[None])
+    kw = dict(topk_length=tl[None], sm_scale=d ** -0.5)
+    got = isr_host.sparse_indexer_score_recompute(*args, **kw, config=IndexerScoreRecomputeConfig(grid=3))
+    want = dsagen.sparse_indexer_score_recompute(*args, **kw, impl="reference")
+    assert (got - want).abs().max().item() <= 2e-3 * max(want.abs().max().item(), 1e-6)
     assert (got[0, :2] == 0).all()                   # topk_length 0; row 1 without a valid id
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dsagen.cli import main
+from dsagen.kernels.indexer_bwd.spec import IndexerBwdSpec
 from dsagen.kernels.indexer_score_recompute.spec import IndexerScoreRecomputeSpec
 from dsagen.kernels.lightning_indexer.spec import IndexerScoreSpec
 from dsagen.kernels.lightning_indexer.spec import config_for as indexer_config
@@ -43,6 +44,8 @@ def test_deepseek_v32_kernels():
     assert specs[2:2 + len(indexer)] == indexer
     (isr,) = [s for s in specs if isinstance(s, IndexerScoreRecomputeSpec)]
     assert (isr.num_heads, isr.head_dim, isr.dtype) == (64, 128, "bfloat16")
+    ibwd = [s for s in specs if isinstance(s, IndexerBwdSpec)]
+    assert [(x.head_dim, x.dtype, x.deterministic) for x in ibwd] == [(128, "bfloat16", False), (128, "bfloat16", True)]
     fwd = [s for s in specs if isinstance(s, SparseAttnFwdSpec)]
     assert [(f.num_heads, f.d_qk, f.d_v, f.dtype, f.lse_prefix) for f in fwd] == [
         (128, 576, 512, "bfloat16", False), (128, 576, 512, "bfloat16", True)]
@@ -51,8 +54,8 @@ def test_deepseek_v32_kernels():
         (128, 576, 512, "bfloat16", False), (128, 576, 512, "bfloat16", True)]
     assert [s.op for s in specs_for_model(DEEPSEEK_V32, "sm_100a")] == ["compactify", "local_to_global"]
     assert missing_ops_for_model(DEEPSEEK_V32, "sm_100a") == [
-        "lightning_indexer_score", "lightning_indexer_topk", "sparse_attention_bwd", "sparse_attention_fwd",
-        "sparse_attn_score_recompute", "sparse_indexer_score_recompute"]
+        "indexer_backward", "lightning_indexer_score", "lightning_indexer_topk", "sparse_attention_bwd",
+        "sparse_attention_fwd", "sparse_attn_score_recompute", "sparse_indexer_score_recompute"]
 
 
 def test_a_smaller_variant_gets_its_own_head_counts():
@@ -156,7 +159,7 @@ def test_dry_run_lists_and_compiles_nothing(cache_env, capsys):
     assert [line.split()[0] for line in lines[2:-1]] == names
     assert all(line.split()[2:4] == ["to", "build"] for line in lines[2:-1])
     assert lines[-1] == f"{len(names)} kernel(s): 0 cached, {len(names)} to build (dry run: nothing compiled)"
-    assert "has no sm_100a kernels yet for: lightning_indexer_score" in cap.err
+    assert "has no sm_100a kernels yet for: indexer_backward, lightning_indexer_score" in cap.err
     assert all(len(line) <= 100 for line in lines)
     assert not cache_env.exists()                      # nothing written, not even the cache root
 
@@ -177,6 +180,6 @@ def test_build_model_builds_v32_and_a_smaller_variant(cache_env, tmp_path, capsy
     lines = capsys.readouterr().out.splitlines()
     assert all(line.split()[2] == "cached" and line.split()[-1] == "DSAGEN_CACHE_DIR" for line in lines[2:-1])
     n_small = len(specs_for_model(load_model_config(small), "sm_90a"))
-    assert n_small == 13                               # 2 index ops, 5 indexer, the indexer score recompute,
-    #                                                    2 MLA forwards, 2 backwards, the attention score recompute
+    assert n_small == 15                               # 2 index ops, 5 indexer, the indexer score recompute,
+    #                         2 indexer backwards, 2 MLA forwards, 2 MLA backwards, the attention score recompute
     assert lines[-1].endswith(f"{n_small} cached, 0 to build (dry run: nothing compiled)")

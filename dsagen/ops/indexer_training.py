@@ -169,7 +169,7 @@ def _check_backward_common(index_q, weights, index_k, grad_loss, sm_scale, loss_
 def indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, attn_score: torch.Tensor,
                      index_score: torch.Tensor, topk_indices: torch.Tensor, *, grad_loss: torch.Tensor | None = None,
                      sm_scale: float = 1.0, loss_coeff: float = 1.0, topk_indices_global: bool = False,
-                     impl: str = "fused") -> IndexerGrads:
+                     deterministic: bool = False, impl: str = "fused") -> IndexerGrads:
     """Gradients of the sparse indexer KL loss (cuDNN frontend DSA §9, Indexer Backward).
 
     The loss (module docstring), with J = the row's valid top-k slots:
@@ -194,11 +194,14 @@ def indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: torc
             read on the device, never on the host.
         sm_scale: > 0 (default 1). loss_coeff: finite float (default 1).
         topk_indices_global: ids are flat b * S_k + local (default False: per-batch local ids).
+        deterministic: d_index_k bitwise the same run to run (default False: the fused kernel adds FP32 atomics
+            and the reference uses index_add_, whose order on CUDA is not fixed). d_index_q and d_weights are
+            always deterministic.
         impl: "fused" (default) or "reference".
 
     Returns:
         IndexerGrads(d_index_q, d_weights, d_index_k), each in the dtype of its input (accumulated in FP32,
-        FP64 for FP64). d_index_k accumulates with index_add_, whose order is not deterministic on CUDA.
+        FP64 for FP64).
 
     Raises:
         TypeError / ValueError naming the argument for wrong types, dtypes, ranks, shapes, devices,
@@ -212,16 +215,17 @@ def indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: torc
     _check_score("attn_score", attn_score, tuple(topk_indices.shape), "[B, S_q, topk]", device)
     _check_score("index_score", index_score, tuple(topk_indices.shape), "[B, S_q, topk]", device)
     check_bool("topk_indices_global", topk_indices_global)
+    check_bool("deterministic", deterministic)
     kwargs = dict(grad_loss=grad_loss, sm_scale=float(sm_scale), loss_coeff=float(loss_coeff),
-                  topk_indices_global=topk_indices_global)
+                  topk_indices_global=topk_indices_global, deterministic=deterministic)
     if impl == "reference":
         from ..reference.indexer_training import indexer_backward as reference
 
         return reference(index_q, weights, index_k, attn_score, index_score, topk_indices, **kwargs)
     from ._fused import fused_impl
 
-    return fused_impl("indexer_backward", device)(index_q, weights, index_k, attn_score, index_score,
-                                                  topk_indices, **kwargs)
+    return IndexerGrads(*fused_impl("indexer_backward", device)(index_q, weights, index_k, attn_score, index_score,
+                                                                topk_indices, **kwargs))
 
 
 def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,

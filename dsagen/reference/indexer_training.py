@@ -156,8 +156,9 @@ def _kl_score_grad(target: torch.Tensor, predict: torch.Tensor, valid: torch.Ten
 def indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
                      attn_score: torch.Tensor, index_score: torch.Tensor, topk_indices: torch.Tensor, *,
                      grad_loss: torch.Tensor | None = None, sm_scale: float = 1.0, loss_coeff: float = 1.0,
-                     topk_indices_global: bool = False) -> IndexerGrads:
-    """Sparse (top-k) indexer KL-loss gradients. See dsagen.indexer_backward."""
+                     topk_indices_global: bool = False, deterministic: bool = False) -> IndexerGrads:
+    """Sparse (top-k) indexer KL-loss gradients. See dsagen.indexer_backward. deterministic: d_index_k by
+    index_put_(accumulate=True) (a fixed summation order) instead of index_add_."""
     acc = accumulate_dtype(index_q, weights, index_k, attn_score, index_score)
     b, sq, h, d = index_q.shape
     sk = index_k.shape[1]
@@ -185,7 +186,10 @@ def indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: torc
             d_q[:, r0:r1] = torch.einsum("brhk,brkd->brhd", d_dots, kg)
             d_kg = torch.einsum("brhk,brhd->brkd", d_dots, q_c)                     # [B, R, K, D]
             flat = (local[:, r0:r1] + batch_base).reshape(-1)
-            d_k.view(b * sk, d).index_add_(0, flat, d_kg.reshape(-1, d))
+            if deterministic:
+                d_k.view(b * sk, d).index_put_((flat,), d_kg.reshape(-1, d), accumulate=True)
+            else:
+                d_k.view(b * sk, d).index_add_(0, flat, d_kg.reshape(-1, d))
     return IndexerGrads(d_q.to(index_q.dtype), d_w.to(weights.dtype), d_k.to(index_k.dtype))
 
 

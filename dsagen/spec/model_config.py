@@ -33,6 +33,7 @@ from ..kernels.indices.spec import CompactifySpec, LocalToGlobalSpec
 from ..kernels.lightning_indexer.spec import INDEXER_DTYPES, INDEXER_HEAD_DIMS, INDEXER_HEADS
 from ..kernels.lightning_indexer.spec import config_for as indexer_config
 from ..kernels.attn_score_recompute.spec import config_for as attn_score_recompute_config
+from ..kernels.indexer_bwd.spec import config_for as indexer_bwd_config
 from ..kernels.indexer_score_recompute.spec import config_for as indexer_score_recompute_config
 from ..kernels.indexer_score_recompute.spec import kernel_heads as indexer_recompute_heads
 from ..kernels.sparse_mla.spec import config_for as sparse_mla_config
@@ -160,6 +161,11 @@ def specs_for_model(model: ModelAttention, arch: str) -> list[KernelSpec]:
         hi = indexer_recompute_heads(model.index_n_heads)
         out.append(indexer_score_recompute_config(hi, model.index_head_dim, model.dtype, arch, None)
                    .spec(hi, model.index_head_dim, model.dtype, arch))
+        # sparse indexer backward (64 heads natively, fewer padded): atomic d_index_k and the deterministic kernel
+        if model.index_n_heads <= 64:
+            for deterministic in (False, True):
+                out.append(indexer_bwd_config(model.index_head_dim, model.dtype, arch, None)
+                           .spec(model.index_head_dim, model.dtype, arch, deterministic=deterministic))
     if hopper:
         # sparse MLA forward: one kernel for prefill and decode (config_for: one config for every call size)
         h = mla_kernel_heads(model.num_heads)

@@ -28,6 +28,9 @@ from dsagen.kernels.sparse_mla.spec import SparseAttnFwdConfig, config_for
 from dsagen.kernels.attn_score_recompute import host as rc_host
 from dsagen.kernels.attn_score_recompute.spec import AttnScoreRecomputeConfig
 from dsagen.kernels.attn_score_recompute.spec import config_for as rc_config_for
+from dsagen.kernels.indexer_bwd import host as ib_host
+from dsagen.kernels.indexer_bwd.spec import IndexerBwdConfig
+from dsagen.kernels.indexer_bwd.spec import config_for as ib_config_for
 from dsagen.kernels.indexer_score_recompute import host as isr_host
 from dsagen.kernels.indexer_score_recompute.spec import IndexerScoreRecomputeConfig
 from dsagen.kernels.indexer_score_recompute.spec import config_for as isr_config_for
@@ -46,7 +49,9 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     bwd_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH, deterministic=det)
     for h, d in SPARSE_SHAPES for det in (False, True)] + [
     rc_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH) for h, d in SPARSE_SHAPES] + [
-    isr_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, None).spec(*INDEXER_SHAPE, "bfloat16", ARCH)]
+    isr_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, None).spec(*INDEXER_SHAPE, "bfloat16", ARCH)] + [
+    ib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH,
+                                                                 deterministic=det) for det in (False, True)]
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -144,6 +149,28 @@ def test_indexer_score_recompute():
     want = dsagen.sparse_indexer_score_recompute(*args, **kw, impl="reference")
     assert (got - want).abs().max().item() <= 2e-3 * max(want.abs().max().item(), 1e-6)
     assert (got[0, :2] == 0).all()                   # topk_length 0; row 1 without a valid id
+
+
+@gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_indexer_backward(deterministic):
+    """The indexer backward's kernel at the DeepSeek-V3.2 indexer shape, 3 CTAs looping over 6 query rows,
+    adversarial ids (-1, other negatives, >= S_k, duplicates; row 1 all invalid), against the reference."""
+    h, d = INDEXER_SHAPE
+    gen = torch.Generator().manual_seed(23)
+    _, _, ids, _, _ = _sparse_inputs(6, 64, 512, 320, 900, seed=29)
+    q = torch.randn((1, 6, h, d), generator=gen).bfloat16().to(DEV)
+    k = torch.randn((1, 900, d), generator=gen).bfloat16().to(DEV)
+    w = (torch.randn((1, 6, h), generator=gen) * h ** -0.5).bfloat16().to(DEV)
+    tgt = torch.softmax(torch.randn((1, 6, 320), generator=gen), -1).to(DEV)
+    p = torch.softmax(torch.randn((1, 6, 320), generator=gen), -1).to(DEV)
+    args = (q, w, k, tgt, p, ids[None])
+    got = ib_host.indexer_backward(*args, sm_scale=0.1, deterministic=deterministic,
+                                   config=IndexerBwdConfig(grid=3, chunk_bytes=1 << 20))
+    want = dsagen.indexer_backward(*args, sm_scale=0.1, impl="reference")
+    for g_, w_ in zip(got, want):
+        assert (g_.float() - w_.float()).abs().max().item() <= 1e-2 * max(w_.float().abs().max().item(), 1e-30)
+    assert (got[0][0, 1] == 0).all()                   # d_index_q of row 1, which has no valid id
 
 
 # ---------------------------------------------------------------------------------------- lightning indexer

@@ -1,7 +1,7 @@
 """Device helpers for the Hopper attention kernels: SW128 shared-memory layouts, views of a wgmma
 accumulator fragment, the SW128 swizzle of a byte offset (for cp.async gathers into a swizzled tile), an L2
 evict_first cache policy with the cp.async and 16-byte store that carry it (CuTe-DSL's cp_async_shared_global has
-no cache hint) and a bf16 / fp16 pair pack.
+no cache hint), a bf16 / fp16 pair pack and the 16-byte FP32 atomic add and store (red / st .global.v4.f32).
 
 Fragment ownership of a wgmma m64nN accumulator (one warpgroup, thread t = 32 w + l): rows 16 w + l / 4
 and 16 w + l / 4 + 8; columns 8 j + 2 (l % 4) + {0, 1}. A row therefore lives in the 4 lanes of a quad.
@@ -103,6 +103,42 @@ def st_global_v4_b32(dst: cute.Pointer, w0: Int32, w1: Int32, w2: Int32, w3: Int
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+def _v4_f32(ptx: str, dst: cute.Pointer, values, loc, ip) -> None:
+    """`ptx [dst], {a, b, c, d}` for four FP32 values (dst 16-byte aligned)."""
+    ops = [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
+    llvm.inline_asm(None, ops, f"{ptx} [$0], {{$1, $2, $3, $4}};", "l,f,f,f,f,~{memory}",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def red_add_v4_f32(dst: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
+    """`red.global.add.v4.f32 [dst], {a, b, c, d}` (dst 16-byte aligned): four FP32 atomic adds, one transaction."""
+    _v4_f32("red.global.add.v4.f32", dst, (a, b, c, d), loc, ip)
+
+
+@dsl_user_op
+def st_global_v4_f32(dst: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
+    """`st.global.v4.f32 [dst], {a, b, c, d}` (dst 16-byte aligned)."""
+    _v4_f32("st.global.v4.f32", dst, (a, b, c, d), loc, ip)
+
+
+@cute.jit
+def quad_v4_columns(kMN: cute.Tensor, r: int, k: int, q_odd):
+    """Four consecutive columns of row r of an accumulator view `kMN` (acc_mn_view) for one 16-byte FP32 store or
+    atomic add: the lanes q, q ^ 1 of a quad swap one column pair of the view's columns 4k .. 4k + 3 (8-column
+    groups 2k and 2k + 1), so lane q even holds columns 8 (2k) + 2q + 0..3 and lane q odd 8 (2k + 1) + 2 (q - 1) +
+    0..3. Returns (v0, v1, v2, v3, offset): the values in column order and the offset (0 or 6) to add to the
+    view column 4k's coordinate for the first one's column."""
+    x0 = cute.arch.shuffle_sync_bfly(kMN[r, 4 * k + 0] if q_odd else kMN[r, 4 * k + 2], offset=1)
+    x1 = cute.arch.shuffle_sync_bfly(kMN[r, 4 * k + 1] if q_odd else kMN[r, 4 * k + 3], offset=1)
+    # q even: own group-2k pair, then the partner's; q odd: the partner's group-2k+1 pair, then own
+    v0 = x0 if q_odd else kMN[r, 4 * k + 0]
+    v1 = x1 if q_odd else kMN[r, 4 * k + 1]
+    v2 = kMN[r, 4 * k + 2] if q_odd else x0
+    v3 = kMN[r, 4 * k + 3] if q_odd else x1
+    return v0, v1, v2, v3, (Int32(6) if q_odd else Int32(0))
+
+
 @cute.jit
 def store_row_v4(dst: cute.Pointer, oMN: cute.Tensor, r: int, scale, fp16: bool, q_hi, q_odd, policy) -> None:
     """Row r of an accumulator view `oMN` (acc_mn_view) times `scale` (None: as is), as bf16 (fp16=True: fp16),
@@ -167,5 +203,5 @@ def gather_tile_rows(dst: cute.Pointer, sw_base, lay, p_rows: cute.Pointer, ld, 
                                          cp_size=nbytes)
 
 
-__all__ = ["sw128", "store_row_v4", "cp_async_rows", "gather_tile_rows", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy",
+__all__ = ["sw128", "store_row_v4", "red_add_v4_f32", "st_global_v4_f32", "quad_v4_columns", "cp_async_rows", "gather_tile_rows", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy",
            "cp_async_16_policy", "pack_f32x2", "st_global_v4_b32"]

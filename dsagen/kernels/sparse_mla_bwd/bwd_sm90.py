@@ -58,7 +58,8 @@ from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_16_policy, gather_tile_rows,
-                                                 l2_evict_first_policy, store_row_v4, sw128, swizzled_byte_offset)
+                                                 l2_evict_first_policy, quad_v4_columns, red_add_v4_f32,
+                                                 st_global_v4_f32, store_row_v4, sw128, swizzled_byte_offset)
 
 LOG2E = math.log2(math.e)
 
@@ -111,25 +112,6 @@ def build(num_heads: int, d_qk: int, d_v: int, dtype: str, deterministic: bool, 
 
 
 # ------------------------------------------------------------------------------------------ PTX helpers
-def _v4_f32(ptx: str, dst: cute.Pointer, values, loc, ip) -> None:
-    """`ptx [dst], {a, b, c, d}` for four FP32 values (dst 16-byte aligned)."""
-    ops = [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
-    llvm.inline_asm(None, ops, f"{ptx} [$0], {{$1, $2, $3, $4}};", "l,f,f,f,f,~{memory}",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def red_add_v4_f32(dst: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
-    """`red.global.add.v4.f32 [dst], {a, b, c, d}` (dst 16-byte aligned): four FP32 atomic adds, one transaction."""
-    _v4_f32("red.global.add.v4.f32", dst, (a, b, c, d), loc, ip)
-
-
-@dsl_user_op
-def st_global_v4_f32(dst: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
-    """`st.global.v4.f32 [dst], {a, b, c, d}` (dst 16-byte aligned)."""
-    _v4_f32("st.global.v4.f32", dst, (a, b, c, d), loc, ip)
-
-
 @dsl_user_op
 def red_release_add_s32(dst: cute.Pointer, v: Int32, *, loc=None, ip=None) -> None:
     """`red.release.gpu.global.add.s32 [dst], v`: an add that orders this thread's earlier memory operations
@@ -724,9 +706,7 @@ class SparseMlaBwdSm90:
     @cute.jit
     def dkv_chunk_send(self, a, sh, kvc, ch: int, acc, item, slot0, slot_end, g, q4):
         """Add the retired chunk `ch` in `acc` to the rows of the tile's ids (or store it per slot when
-        deterministic). The lanes q, q ^ 1 of a quad swap one column pair per two 8-column groups, so that each
-        lane holds 4 consecutive columns: lane q even keeps group 2k (columns 8 (2k) + 2q + 0..3), lane q odd
-        group 2k + 1 (columns 8 (2k + 1) + 2 (q - 1) + 0..3)."""
+        deterministic), 4 consecutive columns per lane and transaction (attn_sm90.quad_v4_columns)."""
         kMN, cK = acc_mn_view(acc), kvc["cK"]
         q_odd = q4 % 2 == 1
         base_col = ch * 64
@@ -734,15 +714,8 @@ class SparseMlaBwdSm90:
             n = cK[r, 0][0]
             kv = sh.sIds[(g % 2) * self.BN + n]
             for k in cutlass.range_constexpr(cute.size(kMN, mode=[1]) // 4):
-                # this lane's columns: group 2k: kMN[r, 4k], [4k + 1]; group 2k + 1: kMN[r, 4k + 2], [4k + 3]
-                x0 = cute.arch.shuffle_sync_bfly(kMN[r, 4 * k + 0] if q_odd else kMN[r, 4 * k + 2], offset=1)
-                x1 = cute.arch.shuffle_sync_bfly(kMN[r, 4 * k + 1] if q_odd else kMN[r, 4 * k + 3], offset=1)
-                # q even: own group-2k pair, then the partner's; q odd: the partner's group-2k+1 pair, then own
-                v0 = x0 if q_odd else kMN[r, 4 * k + 0]
-                v1 = x1 if q_odd else kMN[r, 4 * k + 1]
-                v2 = kMN[r, 4 * k + 2] if q_odd else x0
-                v3 = kMN[r, 4 * k + 3] if q_odd else x1
-                col = base_col + cK[r, 4 * k][1] + (Int32(6) if q_odd else Int32(0))
+                v0, v1, v2, v3, col_off = quad_v4_columns(kMN, r, k, q_odd)
+                col = base_col + cK[r, 4 * k][1] + col_off
                 if const_expr(self.deterministic):
                     slot = slot0 + n
                     if slot < slot_end:

@@ -1,0 +1,108 @@
+"""Spec family of the fused sparse indexer backward (cuDNN frontend DSA §9, Indexer Backward).
+
+For query row t and slot j of its top-k (valid: 0 <= local id < S_k), with the score gradient
+dI[t, j] = c * sm_scale * (p_j * sum_J tgt - tgt_j) of the indexer KL loss (c = grad_loss * loss_coeff / (B S_q)):
+    d_weights[t, h] = sum_j dI[t, j] relu(q[t, h] . k[id_j])
+    G[j, h]         = dI[t, j] w[t, h] [q[t, h] . k[id_j] > 0]
+    d_index_q[t]    = G^T K          d_index_k[id_j] += (G Q)[j]
+The host computes dI (a fixed-order torch reduction per row); the kernel the three products.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...spec.base import KernelSpec, register_spec
+
+_SMEM_PER_SM = 228 * 1024
+
+
+@register_spec
+@dataclass(frozen=True)
+class IndexerBwdSpec(KernelSpec):
+    """Fused sparse indexer backward for Hopper (kernel: indexer_bwd/bwd_sm90.py, bound by bwd_sm90.py.j2). An item is
+    one query row; a persistent grid of 256-thread CTAs, two per SM, loops over the rows. Per row, Q (64 heads x
+    head_dim) stays in shared memory and the row's slots go by in 64-row tiles that a producer warpgroup gathers with
+    cp.async into a ring of `stages` buffers; the consumer warpgroup recomputes S = K Q^T, forms G and runs
+    dQ += G^T K and dK = G Q on wgmma, adding dK into an FP32 accumulator with 16-byte atomics (deterministic: storing
+    each slot's row for a fixed-order reduction on the host).
+
+    num_heads: 64 (fewer are padded by the host with zero weights). head_dim: 64 or 128.
+    dtype: index_q / index_k dtype ("bfloat16" or "float16"). deterministic: store per-slot dK rows instead of atomics.
+    stages: gathered tiles in flight per CTA (2..4). regs_producer / regs_consumer: setmaxnreg budgets (two CTAs of
+    256 threads per SM launch with 128 registers per thread; the two budgets sum to at most 256).
+    """
+
+    op = "indexer_backward"
+    template = "indexer_bwd/bwd_{arch}.py.j2"
+
+    num_heads: int = 64
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    deterministic: bool = False
+    stages: int = 4
+    regs_producer: int = 40
+    regs_consumer: int = 216
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one CTA (upper bound): Q, G, the tile ring, ids, dI, dW partials, barriers."""
+        return (2 * (self.num_heads + 64 * self.stages) * self.head_dim + 2 * 64 * self.num_heads
+                + 8 * 64 * self.stages + 32 * self.num_heads + 3 * 1024)
+
+    def reasons(self) -> list[str]:
+        out = super().reasons()
+        if self.arch != "sm_90a":
+            out.append(f"arch {self.arch!r}: the fused sparse indexer backward exists for sm_90a only (Hopper wgmma); "
+                       f"use impl='reference' elsewhere")
+        if self.num_heads != 64:
+            out.append(f"num_heads={self.num_heads} must be 64 (the op pads fewer heads)")
+        if self.head_dim not in (64, 128):
+            out.append(f"head_dim={self.head_dim} must be 64 or 128")
+        if self.dtype not in ("bfloat16", "float16"):
+            out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
+        if not 2 <= self.stages <= 4:
+            out.append(f"stages={self.stages} must be in 2..4")
+        elif self.num_heads == 64 and self.head_dim in (64, 128) and 2 * (self.smem_bytes() + 1024) > _SMEM_PER_SM:
+            out.append(f"stages={self.stages}: two CTAs of {self.smem_bytes()} bytes of shared memory do not fit an SM")
+        regs = (self.regs_producer, self.regs_consumer)
+        if any(r % 8 or not 24 <= r <= 256 for r in regs):
+            out.append(f"regs_producer/regs_consumer={regs} must each be a multiple of 8 in [24, 256]")
+        elif sum(regs) > 256:
+            out.append(f"regs_producer + regs_consumer = {sum(regs)} exceeds 256 (2 warpgroups x 128 registers at "
+                       f"launch; setmaxnreg cannot grow the pool)")
+        return out
+
+
+@dataclass(frozen=True)
+class IndexerBwdConfig:
+    """The launch choices of the fused indexer backward: the ring depth and register budgets (spec fields), the grid
+    ("persistent": two CTAs per SM, or an int n: at most n CTAs) and, for deterministic mode, the most bytes of
+    per-slot dK rows one launch stores (the rows of a launch are chosen so that it fits)."""
+
+    stages: int = 4
+    regs_producer: int = 40
+    regs_consumer: int = 216
+    grid: str | int = "persistent"
+    chunk_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if not (self.grid == "persistent" or (isinstance(self.grid, int) and not isinstance(self.grid, bool)
+                                              and self.grid >= 1)):
+            raise ValueError(f"IndexerBwdConfig.grid={self.grid!r} must be 'persistent' or a positive int")
+        if not (isinstance(self.chunk_bytes, int) and self.chunk_bytes >= 1 << 20):
+            raise ValueError(f"IndexerBwdConfig.chunk_bytes={self.chunk_bytes!r} must be an int >= 1 MiB")
+
+    def spec(self, head_dim: int, dtype, arch: str = "sm_90a", deterministic: bool = False) -> IndexerBwdSpec:
+        """The kernel spec of this config (64 heads)."""
+        return IndexerBwdSpec(arch=arch, num_heads=64, head_dim=head_dim, dtype=str(dtype).removeprefix("torch."),
+                              deterministic=deterministic, stages=self.stages, regs_producer=self.regs_producer,
+                              regs_consumer=self.regs_consumer)
+
+    def n_ctas(self, num_sms: int) -> int:
+        """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(rows, n_ctas))."""
+        return 2 * num_sms if self.grid == "persistent" else self.grid
+
+
+def config_for(head_dim: int, dtype, arch: str, num_sms: int | None) -> IndexerBwdConfig:
+    """The config the op runs for `head_dim` and `dtype` on `arch`: one for every shape so far."""
+    return IndexerBwdConfig()

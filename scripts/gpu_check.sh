@@ -35,6 +35,7 @@ for s in $steps; do case $s in
     step test_indexer_score_recompute 120 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/gpu/test_indexer_score_recompute.py
     step test_indexer_backward 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_indexer_backward.py
+    step test_indexer_topk 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_indexer_topk.py
     step test_reference_cuda 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_reference_indexer_cuda.py ;;
   memcheck)
     step memcheck 300 compute-sanitizer --tool memcheck --report-api-errors no python3 -m pytest -q -m gpu \
@@ -50,7 +51,8 @@ for s in $steps; do case $s in
     step bench_sparse_attention_backward 300 python3 bench/sparse_attention_backward.py
     step bench_attn_score_recompute 200 python3 bench/attn_score_recompute.py
     step bench_indexer_score_recompute 200 python3 bench/indexer_score_recompute.py
-    step bench_indexer_backward 200 python3 bench/indexer_backward.py ;;
+    step bench_indexer_backward 200 python3 bench/indexer_backward.py
+    step bench_indexer_topk_rows 200 python3 bench/indexer_topk_rows.py ;;
   bench_kernels)
     step bench_indexer 300 python3 bench/indexer.py --reps 3 --json "$out/indexer.json"
     step bench_sparse_attention 300 python3 bench/sparse_attention.py --json "$out/sparse_attention.json" ;;

@@ -54,8 +54,8 @@ def test_deepseek_v32_kernels():
         (128, 576, 512, "bfloat16", False), (128, 576, 512, "bfloat16", True)]
     assert [s.op for s in specs_for_model(DEEPSEEK_V32, "sm_100a")] == ["compactify", "local_to_global"]
     assert missing_ops_for_model(DEEPSEEK_V32, "sm_100a") == [
-        "indexer_backward", "lightning_indexer_score", "lightning_indexer_topk", "sparse_attention_bwd",
-        "sparse_attention_fwd", "sparse_attn_score_recompute", "sparse_indexer_score_recompute"]
+        "indexer_backward", "indexer_topk", "lightning_indexer_score", "lightning_indexer_topk",
+        "sparse_attention_bwd", "sparse_attention_fwd", "sparse_attn_score_recompute", "sparse_indexer_score_recompute"]
 
 
 def test_a_smaller_variant_gets_its_own_head_counts():
@@ -159,7 +159,7 @@ def test_dry_run_lists_and_compiles_nothing(cache_env, capsys):
     assert [line.split()[0] for line in lines[2:-1]] == names
     assert all(line.split()[2:4] == ["to", "build"] for line in lines[2:-1])
     assert lines[-1] == f"{len(names)} kernel(s): 0 cached, {len(names)} to build (dry run: nothing compiled)"
-    assert "has no sm_100a kernels yet for: indexer_backward, lightning_indexer_score" in cap.err
+    assert "has no sm_100a kernels yet for: indexer_backward, indexer_topk, lightning_indexer_score" in cap.err
     assert all(len(line) <= 100 for line in lines)
     assert not cache_env.exists()                      # nothing written, not even the cache root
 
@@ -180,6 +180,6 @@ def test_build_model_builds_v32_and_a_smaller_variant(cache_env, tmp_path, capsy
     lines = capsys.readouterr().out.splitlines()
     assert all(line.split()[2] == "cached" and line.split()[-1] == "DSAGEN_CACHE_DIR" for line in lines[2:-1])
     n_small = len(specs_for_model(load_model_config(small), "sm_90a"))
-    assert n_small == 15                               # 2 index ops, 5 indexer, the indexer score recompute,
-    #                         2 indexer backwards, 2 MLA forwards, 2 MLA backwards, the attention score recompute
+    assert n_small == 19                               # 2 index ops, 5 indexer, 4 indexer top-k, the indexer score
+    #         recompute, 2 indexer backwards, 2 MLA forwards, 2 MLA backwards, the attention score recompute
     assert lines[-1].endswith(f"{n_small} cached, 0 to build (dry run: nothing compiled)")

@@ -26,6 +26,7 @@ FUSED: dict[str, str] = {
     "sparse_attn_score_recompute": "dsagen.kernels.attn_score_recompute.host:sparse_attn_score_recompute",
     "sparse_indexer_score_recompute": "dsagen.kernels.indexer_score_recompute.host:sparse_indexer_score_recompute",
     "indexer_backward": "dsagen.kernels.indexer_bwd.host:indexer_backward",
+    "indexer_topk": "dsagen.kernels.indexer_topk.host:indexer_topk",
     # the scratch size of sparse_attention_backward's workspace (FP32 elements)
     "sparse_attention_backward_workspace_numel": "dsagen.kernels.sparse_mla_bwd.host:workspace_numel",
 }

@@ -198,8 +198,8 @@ def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int,
         input_values: [n_rows, num_cols], fp16/bf16/fp32 (fp64 accepted by the reference).
         seq_lens: [G] int32 on the same device. next_n = 1: G >= 1 must divide n_rows (G = 0 only when
             n_rows = 0). next_n > 1: n_rows must equal G * next_n.
-        top_k: >= 0 and <= 2**31 - 1. The reference has no other limit (cuDNN's kernel limit, 2048, is the fused
-            path's to enforce); top_k > num_cols pads with -1.
+        top_k: >= 0 and <= 2**31 - 1; no other limit on either path (cuDNN's kernel stops at 2048); top_k >
+            num_cols pads with -1.
         return_values: also return the selected values.
         next_n: rows per sequence for the speculative-decoding stagger, int >= 1 (default 1: no
             stagger, today's grouping). The fused path receives the staggered per-row lengths
@@ -208,9 +208,11 @@ def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int,
 
     Returns:
         TopK(indices, values): indices int32 [n_rows, top_k]; values [n_rows, top_k] in the input dtype,
-        or None when return_values=False. The reference orders a row by descending value, ties toward
-        the lower column index; slots past the row's valid count hold index -1 and value -inf. NaN
-        ordering is unspecified.
+        or None when return_values=False. Both paths select the same set: the top_k largest values, ties at
+        the k-th value toward the lower column index. The reference orders a row by descending value (ties
+        toward the lower index); the fused kernel (sm_90a, fp32/fp16/bf16, any top_k) returns the selected
+        ids in ascending order, each with its value. Slots past the row's valid count hold index -1 and value
+        -inf. NaN ordering is unspecified, and the fused path ranks -0.0 below +0.0 (bitwise order).
 
     Raises:
         TypeError: wrong tensor types or dtypes, top_k or next_n not an int, return_values not a bool.
@@ -245,7 +247,7 @@ def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int,
     if next_n > 1:
         # The kernel contract is one length per group; the stagger becomes one length per row.
         seq_lens = staggered_row_lengths(seq_lens, n_rows, input_values.shape[1], next_n).to(torch.int32)
-    return fn(input_values, seq_lens, top_k, return_values=return_values)
+    return TopK(*fn(input_values, seq_lens, top_k, return_values=return_values))
 
 
 def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor, top_k: int, *,

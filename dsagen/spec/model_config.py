@@ -35,6 +35,7 @@ from ..kernels.lightning_indexer.spec import config_for as indexer_config
 from ..kernels.attn_score_recompute.spec import config_for as attn_score_recompute_config
 from ..kernels.indexer_bwd.spec import config_for as indexer_bwd_config
 from ..kernels.indexer_score_recompute.spec import config_for as indexer_score_recompute_config
+from ..kernels.indexer_topk.spec import config_for as indexer_topk_config
 from ..kernels.indexer_score_recompute.spec import kernel_heads as indexer_recompute_heads
 from ..kernels.sparse_mla.spec import config_for as sparse_mla_config
 from ..kernels.sparse_mla_bwd.spec import config_for as sparse_mla_bwd_config
@@ -157,6 +158,8 @@ def specs_for_model(model: ModelAttention, arch: str) -> list[KernelSpec]:
     if hopper:
         # lightning indexer: one score kernel + the top-k plan's kernels serve every topk and compress ratio
         out.extend(indexer_config(model.index_n_heads, model.index_head_dim, model.dtype, arch).specs())
+        # standalone indexer top-k (any width; its plan's kernels serve every row length)
+        out.extend(indexer_topk_config(arch).specs())
         # sparse indexer score recompute (the indexer's distribution over the selected slots, for its KL loss)
         hi = indexer_recompute_heads(model.index_n_heads)
         out.append(indexer_score_recompute_config(hi, model.index_head_dim, model.dtype, arch, None)

@@ -32,6 +32,7 @@ from dsagen.kernels.indexer_bwd import host as ib_host
 from dsagen.kernels.indexer_bwd.spec import IndexerBwdConfig
 from dsagen.kernels.indexer_bwd.spec import config_for as ib_config_for
 from dsagen.kernels.indexer_score_recompute import host as isr_host
+from dsagen.kernels.indexer_topk.spec import config_for as topk_rows_plan
 from dsagen.kernels.indexer_score_recompute.spec import IndexerScoreRecomputeConfig
 from dsagen.kernels.indexer_score_recompute.spec import config_for as isr_config_for
 from dsagen.kernels.sparse_mla_bwd import host as bwd_host
@@ -51,7 +52,8 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     rc_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH) for h, d in SPARSE_SHAPES] + [
     isr_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, None).spec(*INDEXER_SHAPE, "bfloat16", ARCH)] + [
     ib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH,
-                                                                 deterministic=det) for det in (False, True)]
+                                                                 deterministic=det) for det in (False, True)] + [
+    *topk_rows_plan(ARCH).specs()]
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -171,6 +173,24 @@ def test_indexer_backward(deterministic):
     for g_, w_ in zip(got, want):
         assert (g_.float() - w_.float()).abs().max().item() <= 1e-2 * max(w_.float().abs().max().item(), 1e-30)
     assert (got[0][0, 1] == 0).all()                   # d_index_q of row 1, which has no valid id
+
+
+@gpu
+@pytest.mark.parametrize("n_cols", [301, 5000, 20000, 70000])
+def test_indexer_topk(n_cols):
+    """Every kernel of the standalone top-k's plan (3 rows: one wave, so the wide entries; and 140 rows past one
+    wave for the narrow ones), ties, lengths 0 / short / past the width, a width that is not a multiple of 4,
+    against the reference's sets."""
+    gen = torch.Generator().manual_seed(n_cols)
+    for n_rows in (3, 140):
+        x = torch.randint(0, 50, (n_rows, n_cols), generator=gen).float().to(DEV)
+        lens = torch.randint(0, n_cols + 10, (n_rows,), generator=gen, dtype=torch.int32)
+        lens[0] = 0
+        got = dsagen.indexer_topk(x, lens.to(DEV), 2048)
+        want = dsagen.indexer_topk(x, lens.to(DEV), 2048, impl="reference")
+        big = 2**31 - 1
+        assert torch.equal(torch.where(got.indices < 0, big, got.indices).sort(-1).values,
+                           torch.where(want.indices < 0, big, want.indices).sort(-1).values)
 
 
 # ---------------------------------------------------------------------------------------- lightning indexer

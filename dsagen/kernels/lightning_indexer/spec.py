@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...spec.base import KernelSpec, register_spec
+from .topk_limits import INDEXER_TOPK_THREADS, TOPK_COMPACT_CAP  # the top-k kernels' limits (shared with indexer_topk)
 
 #: Heads the score kernel implements. The wgmma N tile is 128 (token, head) columns, i.e. 128 // H
 #: query tokens per CTA, so H must divide 128 and be a multiple of 8 (one 8-column accumulator block).
@@ -35,17 +36,6 @@ INDEXER_MAX_T = 2 ** 20
 def tokens_per_cta(num_heads: int) -> int:
     """Query tokens one score work item covers: the wgmma N tile (128 columns) holds tokens x heads."""
     return 128 // num_heads
-
-
-#: Threads of the top-k kernel (each one in some entry of the plan, config_for). Registers are budgeted for 2 CTAs per
-#: SM at 512 threads (64 registers), for 1 CTA per SM at 1024 (64 registers; the plan uses it when a slab's rows fit
-#: one wave, and for the longest rows) and for 8 CTAs per SM at 128 (64 registers: 8 rows in flight per SM; each
-#: thread then scans 2 bins of the block histogram).
-INDEXER_TOPK_THREADS = (128, 512, 1024)
-#: IndexerTopkSpec(sample=True): (key, id) entries of shared memory per row, by threads. Sized so that the CTAs per SM
-#: of the register budget still fit (2 x 115,712 B of 233,472 B at 512 threads, 1 at 1024): 8 B per entry next to
-#: the 1 KiB-per-warp histograms.
-TOPK_COMPACT_CAP = {512: 12288, 1024: 24576}
 
 
 @register_spec

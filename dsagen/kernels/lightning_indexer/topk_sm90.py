@@ -1,9 +1,11 @@
-"""Lightning-indexer radix top-k over the fp32 score slab (sm_90a): `build(threads, sample, compact_cap)` makes the
-kernel of one IndexerTopkSpec.
+"""Radix top-k over fp32 rows (sm_90a): `build(threads, sample, compact_cap)` makes the kernel of one IndexerTopkSpec
+(the lightning indexer's score slab), `build(..., rows=True)` that of one IndexerTopkRowsSpec (the standalone
+`indexer_topk` over a matrix with per-row lengths). Both run the same per-row selection (`select`).
 
 For slab row r (query token (b, t) of the slab's token blocks) with n = hi - lo valid candidates, the kernel writes
 the ids of its `topk` largest scores to out[b, t, :] in ascending order (ties at the threshold resolved toward lower
-ids), or 0..n-1 followed by -1 when n <= topk.
+ids), or 0..n-1 followed by -1 when n <= topk. The rows kernel does the same for row r of the matrix over its first
+n = clamp(lens[r // rows_per_len], 0, n_cols) columns, into out[r, :].
 
 One CTA of `threads` threads per row; warp w owns one contiguous segment of the row (a multiple of 128 keys, read
 with 128-bit loads, 4 loads in flight per thread). Scores become order-preserving uint32 keys (negative floats: all
@@ -27,7 +29,9 @@ passes histogram those entries and the emit walks them instead of the row. Rows 
 global memory throughout.
 
 The slab words of a row past its n candidates up to the next 16-byte boundary (never written by the score kernel,
-read by the row's last vector load) are zeroed by the thread that loads them, so no load reads unwritten memory.
+read by the row's last vector load) are zeroed by the thread that loads them, so no load reads unwritten memory. The
+rows kernel never writes its input: the host gives it rows whose stride covers n rounded up to 4 words of readable
+memory (masked keys).
 """
 import cutlass
 import cutlass.cute as cute
@@ -145,10 +149,24 @@ def global_emit(frag, mV, mOut, nsteps, w0, lane, n, shift, prefix, k_eq, below,
         s0 += UNROLL
 
 
-def build(threads: int, sample: bool, compact_cap: int):
-    """The top-k kernel of IndexerTopkSpec(threads, sample): returns (kernel, host, LAUNCH).
+PARAMS_ROWS = [
+    {"name": "x", "kind": "ptr", "dtype": "float32", "align": 16},      # (n_rows, ld_x) fp32 scores
+    {"name": "out", "kind": "ptr", "dtype": "int32", "align": 4},       # (n_rows, topk) int32
+    {"name": "lens", "kind": "ptr", "dtype": "int32", "align": 4},      # (n_rows / rows_per_len,) int32
+    {"name": "n_rows", "kind": "i32"},
+    {"name": "n_cols", "kind": "i32"},
+    {"name": "rows_per_len", "kind": "i32"},                            # rows sharing one length (>= 1)
+    {"name": "topk", "kind": "i32"},
+    {"name": "ld_x", "kind": "i64"},                                    # a multiple of 4 (16-byte rows)
+]
 
-    threads: 128, 512 or 1024 (CTA size; one CTA per slab row).  sample: the sampled threshold and the compacted
+
+def build(threads: int, sample: bool, compact_cap: int, rows: bool = False):
+    """The top-k kernel of IndexerTopkSpec(threads, sample) (rows=False: over the slab rows, ABI PARAMS) or of
+    IndexerTopkRowsSpec(threads, sample) (rows=True: row r of an (n_rows, ld_x) fp32 matrix over its first
+    clamp(lens[r // rows_per_len], 0, n_cols) columns into out[r], ABI PARAMS_ROWS): returns (kernel, host, LAUNCH).
+
+    threads: 128, 512 or 1024 (CTA size; one CTA per row).  sample: the sampled threshold and the compacted
     candidates in shared memory.  compact_cap: (key, id) entries of shared memory per row (sample only).
     Each call makes new kernel and host functions (every rendered module names its own kernel)."""
     THREADS = threads
@@ -171,7 +189,8 @@ def build(threads: int, sample: bool, compact_cap: int):
             cid: cute.struct.Align[cute.struct.MemRange[Int32, CAP], 16]     # their ids (row-relative)
 
     SMEM_BYTES = Smem.size_in_bytes()
-    LAUNCH = {"grid": ["nrows", 1, 1], "block": [THREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
+    LAUNCH = {"grid": ["n_rows" if rows else "nrows", 1, 1], "block": [THREADS, 1, 1], "cluster": [1, 1, 1],
+              "smem": SMEM_BYTES}
 
     @cute.jit
     def bin_scan(k, pre, sWh, sWsum, sSel, tidx, warp, lane):
@@ -207,6 +226,308 @@ def build(threads: int, sample: bool, compact_cap: int):
             run += cb[j]
         cute.arch.sync_threads()
 
+    @cute.jit
+    def smem_views():
+        """The CTA's shared tensors of `select`: (warp histograms, bin-scan totals, per-warp counts, the pass
+        result, compacted keys, their ids); the last two are None without sample."""
+        st = cutlass.memory.SmemAllocator().allocate(Smem)
+        sKey = None
+        sId = None
+        if cutlass.const_expr(SAMPLE):
+            sKey = st.ckey.get_tensor(cute.make_layout(CAP))
+            sId = st.cid.get_tensor(cute.make_layout(CAP))
+        return (st.whist.get_tensor(cute.make_layout(NWARPS * NBINS)), st.wsum.get_tensor(cute.make_layout(NBINS // 32)),
+                st.cnt.get_tensor(cute.make_layout(2 * NWARPS)), st.sel.get_tensor(cute.make_layout(3)), sKey, sId)
+
+    @cute.jit
+    def select(sh, p_row_f32: cute.Pointer, n: Int32, mOut: cute.Tensor, topk: Int32, tidx, warp, lane,
+               zero_tail: cutlass.Constexpr):
+        """The top-k of one row of n fp32 scores at p_row_f32 (16-byte aligned; one CTA): mOut[0, topk) = the ids
+        of its topk largest in ascending order, or 0..n-1 and -1 when n <= topk (module docstring). zero_tail: the
+        row's words [n, n rounded up to 4) are unwritten scratch that the loading thread zeroes first (the slab);
+        else they are readable memory (masked, never written). sh: smem_views()."""
+        sWh, sWsum, sCnt, sSel, sKey, sId = sh
+        if n <= topk:
+            for i in cutlass.range(tidx, topk, THREADS, unroll=1):
+                v = Int32(-1)
+                if i < n:
+                    v = i
+                mOut[i] = v
+        else:
+            # the row as (VEC, n / VEC) 16-byte vectors: p_row_f32 is 16-byte aligned
+            p_row = cute.make_ptr(Uint32, p_row_f32.toint(), cute.AddressSpace.gmem, assumed_align=16)
+            mV = cute.make_tensor(p_row, cute.make_layout((VEC, (n + VEC - 1) // VEC)))
+            frag = cute.make_rmem_tensor(cute.make_layout((VEC, UNROLL)), Uint32)
+            for u in cutlass.range_constexpr(UNROLL):
+                for j in cutlass.range_constexpr(VEC):
+                    frag[j, u] = Uint32(0)
+            # warp w owns keys [w0, w0 + seg) (clipped to n): nsteps warp-wide 128-key steps
+            seg = (n + NWARPS * STEP - 1) // (NWARPS * STEP) * STEP
+            w0 = warp * seg
+            nsteps = (cutlass.max(cutlass.min(w0 + seg, n) - w0, Int32(0)) + STEP - 1) // STEP
+            # the row's last 16-byte vector [a, a + 4) reaches past n when n % 4 != 0: the score kernel never
+            # writes those slab words (the keys are masked, i < n, but a load of unwritten memory is still a read
+            # of it). The one thread that loads that vector in every pass (warp a // seg, lane a % STEP / VEC:
+            # seg and w0 are multiples of STEP) zeroes them first; its own later loads see its stores (program
+            # order), and no other thread reads them. Once per row, outside the passes.
+            tail = n % VEC
+            if cutlass.const_expr(zero_tail) and tail != 0:
+                a = n - tail
+                if a // seg == warp and (a % STEP) // VEC == lane:
+                    mTail = cute.make_tensor(p_row, cute.make_layout(n + VEC))
+                    for j in cutlass.range_constexpr(VEC - 1):
+                        if tail + j < VEC:
+                            mTail[n + j] = Uint32(0)
+            hbase = warp * NBINS                            # this warp's histogram
+            prefix = Uint32(0)                              # key bits above `shift` found so far
+            k_rem = topk                                    # keys still to take among those matching prefix
+            shift = Uint32(32)                              # prefix = key >> shift (32: nothing found yet)
+            n_gt = Int32(0)                                 # this warp's keys above the prefix (warp-uniform)
+            cand = nsteps                                   # this warp's keys matching the prefix (0: skip)
+            active = Int32(1)                               # CTA-uniform: another pass is needed
+            if cutlass.const_expr(SAMPLE):
+                cmode = Int32(0)                            # CTA-uniform: 1 once the candidates are in smem
+                coff = Int32(0)                             # this warp's first entry in sKey / sId
+                ccnt = Int32(0)                             # this warp's entries
+                c_cross = Int32(0)                          # keys of the row matching prefix (crossing bin)
+                # ---- sampled threshold: the 16-bit prefix tau of the srank-th largest of THREADS evenly spaced
+                # keys; then ONE read of the row stores every key with key >> 16 >= tau in its warp's REG
+                # entries. With >= topk of them and no warp past REG, the row's topk largest keys (and every key
+                # tied with the k-th) are among them: all radix passes and the emit then run on the entries
+                # (cmode from pass 0).
+                skip0 = Int32(0)                            # CTA-uniform: pass 0's result is known (entries)
+                m = (topk * THREADS + n - 1) // n           # sample keys expected among the row's top-k
+                srank = 2 * m + 16                          # entries expected: srank * n / THREADS (~2 topk + margin)
+                if n >= 4 * topk and Int64(srank) * Int64(n) * Int64(5) <= Int64(3 * CAP * THREADS):   # CTA-uniform
+                    mS = cute.make_tensor(p_row, cute.make_layout(n))
+                    skey = f32_key(mS[(tidx * n) // THREADS])
+                    sp = Uint32(0)
+                    for j in cutlass.range_constexpr(NBINS // 32):
+                        sWh[hbase + lane * (NBINS // 32) + j] = 0
+                    cute.arch.sync_warp()
+                    cute.arch.atomic_add((sWh.iterator + (hbase + Int32(skey >> Uint32(24)))).llvm_ptr, Int32(1))
+                    bin_scan(srank, sp, sWh, sWsum, sSel, tidx, warp, lane)
+                    sp = Uint32(sSel[0])                        # the sample's crossing top byte
+                    srem = sSel[1]
+                    for j in cutlass.range_constexpr(NBINS // 32):
+                        sWh[hbase + lane * (NBINS // 32) + j] = 0
+                    cute.arch.sync_warp()
+                    if (skey >> Uint32(24)) == sp:
+                        cute.arch.atomic_add(
+                            (sWh.iterator + (hbase + Int32((skey >> Uint32(16)) & Uint32(0xFF)))).llvm_ptr, Int32(1))
+                    bin_scan(srem, sp, sWh, sWsum, sSel, tidx, warp, lane)
+                    tau = Uint32(sSel[0])                       # 16-bit key prefix
+                    coff = warp * REG
+                    lt_mask = cute.arch.lanemask_lt()
+                    ktop = Int32(0)                             # largest top byte (key >> 24) this thread stored
+                    for s0 in cutlass.range(0, nsteps, UNROLL, unroll=1):
+                        load_group(frag, mV, s0, nsteps, w0, lane, n)
+                        for u in cutlass.range_constexpr(UNROLL):
+                            i0 = w0 + (s0 + u) * STEP + lane * VEC
+                            ok = s0 + u < nsteps
+                            m_before = Int32(0)
+                            m_tot = Int32(0)
+                            for j in cutlass.range_constexpr(VEC):   # ballots first: no branch between
+                                bm = cute.arch.vote_ballot_sync(
+                                    ok and i0 + j < n and (f32_key(frag[j, u]) >> Uint32(16)) >= tau)
+                                m_before += cute.arch.popc(bm & lt_mask)
+                                m_tot += cute.arch.popc(bm)
+                            e = coff + ccnt + m_before                  # lane-major = id order
+                            for j in cutlass.range_constexpr(VEC):
+                                key = f32_key(frag[j, u])
+                                if ok and i0 + j < n and (key >> Uint32(16)) >= tau:
+                                    if e < coff + REG:
+                                        sKey[e] = key
+                                        sId[e] = i0 + j
+                                        ktop = cutlass.max(ktop, Int32(key >> Uint32(24)))
+                                    e += 1
+                            ccnt += m_tot
+                    ktop = cute.arch.warp_reduction_max(ktop)
+                    if lane == 0:
+                        sCnt[warp] = ccnt
+                        sCnt[NWARPS + warp] = ktop
+                    cute.arch.sync_threads()
+                    cw = Int32(0)
+                    tw = Int32(0)
+                    if lane < NWARPS:
+                        cw = sCnt[lane]
+                        tw = sCnt[NWARPS + lane]
+                    total = cute.arch.warp_reduction_sum(cw)
+                    most = cute.arch.warp_reduction_max(cw)
+                    rtop = cute.arch.warp_reduction_max(tw)
+                    if total >= topk and most <= REG:           # CTA-uniform: the entries hold the top-k
+                        cmode = Int32(1)
+                        cand = ccnt
+                        if rtop == Int32(tau >> Uint32(8)):
+                            # every entry has key >> 16 >= tau and key >> 24 <= rtop = tau >> 8: they all share
+                            # the top byte, so pass 0's result is known (crossing bin rtop, nothing above it)
+                            skip0 = Int32(1)
+                            prefix = Uint32(rtop)
+                            shift = Uint32(24)
+                    else:
+                        ccnt = Int32(0)
+            for p in cutlass.range_constexpr(4):
+                if cutlass.const_expr(SAMPLE):
+                    run_pass = active != 0 and (p != 0 or skip0 == 0)
+                else:
+                    run_pass = active != 0
+                if run_pass:
+                    for j in cutlass.range_constexpr(NBINS // 32):
+                        sWh[hbase + lane * (NBINS // 32) + j] = 0
+                    cute.arch.sync_warp()
+                    if cutlass.const_expr(not SAMPLE):
+                        global_pass(p, frag, mV, cand, nsteps, w0, lane, n, sWh, hbase, prefix)
+                    elif cutlass.const_expr(p == 0):
+                        if cmode != 0:
+                            # ---- pass 0 over this warp's sampled entries (every key with key >> 16 >= tau)
+                            if cand != 0:
+                                for e in cutlass.range(coff + lane, coff + ccnt, 32, unroll=2):
+                                    cute.arch.atomic_add(
+                                        (sWh.iterator + (hbase + Int32(sKey[e] >> Uint32(24)))).llvm_ptr, Int32(1))
+                        else:
+                            global_pass(p, frag, mV, cand, nsteps, w0, lane, n, sWh, hbase, prefix)
+                    else:
+                        if cmode != 0:
+                            # ---- radix pass over this warp's smem entries (its keys >= the prefix of the compaction)
+                            if cand != 0:
+                                for e in cutlass.range(coff + lane, coff + ccnt, 32, unroll=2):
+                                    key = sKey[e]
+                                    if (key >> Uint32(32 - 8 * p)) == prefix:
+                                        cute.arch.atomic_add(
+                                            (sWh.iterator + (hbase + Int32((key >> Uint32(24 - 8 * p)) & Uint32(0xFF)))).llvm_ptr,
+                                            Int32(1))
+                        elif (topk - k_rem) + c_cross <= CAP:
+                            # ---- compaction pass: the row's keys >= prefix (all that can still be selected:
+                            # topk - k_rem above it, c_cross in it) fit CAP. Read the segment as a global pass
+                            # does and also store them as (key, id) in id order; warp w's entries start after
+                            # those of the warps before it. Later passes and the emit read these entries.
+                            ccnt = n_gt + cand
+                            if lane == 0:
+                                sCnt[warp] = ccnt
+                            cute.arch.sync_threads()
+                            cw = Int32(0)
+                            if lane < warp:
+                                cw = sCnt[lane]
+                            coff = cute.arch.warp_reduction_sum(cw)
+                            lt_mask = cute.arch.lanemask_lt()
+                            if ccnt != 0:
+                                pos = coff                              # next free entry (warp-uniform)
+                                for s0 in cutlass.range(0, nsteps, UNROLL, unroll=1):
+                                    load_group(frag, mV, s0, nsteps, w0, lane, n)
+                                    for u in cutlass.range_constexpr(UNROLL):
+                                        i0 = w0 + (s0 + u) * STEP + lane * VEC
+                                        ok = s0 + u < nsteps
+                                        m_before = Int32(0)
+                                        m_tot = Int32(0)
+                                        for j in cutlass.range_constexpr(VEC):   # ballots first: no branch between
+                                            bm = cute.arch.vote_ballot_sync(
+                                                ok and i0 + j < n and (f32_key(frag[j, u]) >> Uint32(32 - 8 * p)) >= prefix)
+                                            m_before += cute.arch.popc(bm & lt_mask)
+                                            m_tot += cute.arch.popc(bm)
+                                        e = pos + m_before                  # lane-major = id order
+                                        for j in cutlass.range_constexpr(VEC):
+                                            key = f32_key(frag[j, u])
+                                            hi8 = key >> Uint32(32 - 8 * p)
+                                            if ok and i0 + j < n and hi8 >= prefix:
+                                                sKey[e] = key
+                                                sId[e] = i0 + j
+                                                e += 1
+                                                if hi8 == prefix:
+                                                    cute.arch.atomic_add(
+                                                        (sWh.iterator + (hbase + Int32((key >> Uint32(24 - 8 * p)) & Uint32(0xFF)))).llvm_ptr,
+                                                        Int32(1))
+                                        pos += m_tot
+                            cmode = Int32(1)
+                        else:
+                            global_pass(p, frag, mV, cand, nsteps, w0, lane, n, sWh, hbase, prefix)
+                    bin_scan(k_rem, prefix, sWh, sWsum, sSel, tidx, warp, lane)
+                    prefix = Uint32(sSel[0])
+                    k_rem = sSel[1]
+                    shift = Uint32(24 - 8 * p)
+                    if cutlass.const_expr(SAMPLE):
+                        c_cross = sSel[2]
+                    if k_rem == sSel[2]:                       # the crossing bin is taken whole: done
+                        active = Int32(0)
+                    # this warp: keys above the crossing digit join n_gt; the crossing bin's are the candidates
+                    digit = Int32(prefix & Uint32(0xFF))
+                    above = Int32(0)
+                    for j in cutlass.range_constexpr(NBINS // 32):
+                        if lane * (NBINS // 32) + j > digit:
+                            above += sWh[hbase + lane * (NBINS // 32) + j]
+                    n_gt += cute.arch.warp_reduction_sum(above)
+                    cand = sWh[hbase + digit]
+                    cute.arch.sync_warp()
+            # ---- ordered emit: selected = key > thr, or key == thr among the first k_eq of the row (by id),
+            # thr = the prefix at `shift`. Warp w's slots start after all selected keys of warps < w.
+            k_eq = k_rem
+            if lane == 0:
+                sCnt[warp] = n_gt
+                sCnt[NWARPS + warp] = cand
+            cute.arch.sync_threads()
+            gt_run = Int32(0)                               # selected-greater keys before this point (row)
+            eq_run = Int32(0)                               # keys == thr before this point (row)
+            if lane < warp:
+                gt_run = sCnt[lane]
+                eq_run = sCnt[NWARPS + lane]
+            gt_run = cute.arch.warp_reduction_sum(gt_run)
+            eq_run = cute.arch.warp_reduction_sum(eq_run)
+            gt_end = gt_run + n_gt
+            eq_end = cutlass.min(eq_run + cand, k_eq)
+            below = cute.arch.lanemask_lt()
+            if cutlass.const_expr(not SAMPLE):
+                global_emit(frag, mV, mOut, nsteps, w0, lane, n, shift, prefix, k_eq, below, gt_run, gt_end,
+                            eq_run, eq_end)
+            elif cmode != 0:
+                # from this warp's smem entries, 32 per step in id order (they hold every selected key)
+                e0 = coff
+                cend = coff + ccnt
+                while e0 < cend and (gt_run < gt_end or eq_run < eq_end):   # warp-uniform
+                    e = e0 + lane
+                    kk = Uint32(0)
+                    idx = Int32(0)
+                    if e < cend:
+                        kk = sKey[e] >> shift
+                        idx = sId[e]
+                    g = e < cend and kk > prefix
+                    q = e < cend and kk == prefix
+                    bg = cute.arch.vote_ballot_sync(g)
+                    be = cute.arch.vote_ballot_sync(q)
+                    g_pos = gt_run + cute.arch.popc(bg & below)
+                    e_pos = eq_run + cute.arch.popc(be & below)
+                    if g:
+                        mOut[g_pos + cutlass.min(e_pos, k_eq)] = idx
+                    if q:
+                        if e_pos < k_eq:
+                            mOut[g_pos + e_pos] = idx
+                    gt_run += cute.arch.popc(bg)
+                    eq_run += cute.arch.popc(be)
+                    e0 += 32
+            else:
+                global_emit(frag, mV, mOut, nsteps, w0, lane, n, shift, prefix, k_eq, below, gt_run, gt_end,
+                            eq_run, eq_end)
+
+    if rows:
+        @cute.kernel
+        def rows_kernel(p_x: cute.Pointer, p_out: cute.Pointer, p_len: cute.Pointer, n_rows: Int32, n_cols: Int32,
+                        rows_per_len: Int32, topk: Int32, ld_x: Int64):
+            tidx, _, _ = cute.arch.thread_idx()
+            row, _, _ = cute.arch.block_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            lane = cute.arch.lane_idx()
+            sh = smem_views()
+            n = cutlass.min(cutlass.max((p_len + row // rows_per_len).load(), Int32(0)), n_cols)
+            mOut = cute.make_tensor(p_out + Int64(row) * Int64(topk), cute.make_layout(topk))
+            select(sh, p_x + Int64(row) * ld_x, n, mOut, topk, tidx, warp, lane, False)
+
+        @cute.jit
+        def rows_host(p_x: cute.Pointer, p_out: cute.Pointer, p_len: cute.Pointer, n_rows: Int32, n_cols: Int32,
+                      rows_per_len: Int32, topk: Int32, ld_x: Int64):
+            rows_kernel(p_x, p_out, p_len, n_rows, n_cols, rows_per_len, topk, ld_x).launch(
+                grid=(n_rows, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=MIN_CTAS,
+                preferred_smem_carveout=-1)
+
+        return rows_kernel, rows_host, LAUNCH
+
     @cute.kernel
     def kernel(p_slab: cute.Pointer, p_out: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
                n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, qc: Int32, nrows: Int32,
@@ -219,276 +540,11 @@ def build(threads: int, sample: bool, compact_cap: int):
         b = blk // n_tblk
         t = (blk - b * n_tblk) * qc + (row - (row // qc) * qc)
         if t < T:                                          # CTA-uniform: padding rows of a last block exit
-            st = cutlass.memory.SmemAllocator().allocate(Smem)
-            sWh = st.whist.get_tensor(cute.make_layout(NWARPS * NBINS))
-            sWsum = st.wsum.get_tensor(cute.make_layout(NBINS // 32))
-            sCnt = st.cnt.get_tensor(cute.make_layout(2 * NWARPS))
-            sSel = st.sel.get_tensor(cute.make_layout(3))
-            if cutlass.const_expr(SAMPLE):
-                sKey = st.ckey.get_tensor(cute.make_layout(CAP))
-                sId = st.cid.get_tensor(cute.make_layout(CAP))
+            sh = smem_views()
             lo, hi = row_bounds(p_cu_q, p_cu_k, n_docs, t, T, S, causal, ratio)
             n = hi - lo
             mOut = cute.make_tensor(p_out + (Int64(b) * Int64(T) + Int64(t)) * Int64(topk), cute.make_layout(topk))
-            if n <= topk:
-                for i in cutlass.range(tidx, topk, THREADS, unroll=1):
-                    v = Int32(-1)
-                    if i < n:
-                        v = i
-                    mOut[i] = v
-            else:
-                # the row as (VEC, n / VEC) 16-byte vectors: the slab base is 16-byte aligned, ld_slab a multiple of 4
-                p_row = cute.make_ptr(Uint32, (p_slab + Int64(row) * ld_slab).toint(), cute.AddressSpace.gmem,
-                                      assumed_align=16)
-                mV = cute.make_tensor(p_row, cute.make_layout((VEC, (n + VEC - 1) // VEC)))
-                frag = cute.make_rmem_tensor(cute.make_layout((VEC, UNROLL)), Uint32)
-                for u in cutlass.range_constexpr(UNROLL):
-                    for j in cutlass.range_constexpr(VEC):
-                        frag[j, u] = Uint32(0)
-                # warp w owns keys [w0, w0 + seg) (clipped to n): nsteps warp-wide 128-key steps
-                seg = (n + NWARPS * STEP - 1) // (NWARPS * STEP) * STEP
-                w0 = warp * seg
-                nsteps = (cutlass.max(cutlass.min(w0 + seg, n) - w0, Int32(0)) + STEP - 1) // STEP
-                # the row's last 16-byte vector [a, a + 4) reaches past n when n % 4 != 0: the score kernel never
-                # writes those slab words (the keys are masked, i < n, but a load of unwritten memory is still a read
-                # of it). The one thread that loads that vector in every pass (warp a // seg, lane a % STEP / VEC:
-                # seg and w0 are multiples of STEP) zeroes them first; its own later loads see its stores (program
-                # order), and no other thread reads them. Once per row, outside the passes.
-                tail = n % VEC
-                if tail != 0:
-                    a = n - tail
-                    if a // seg == warp and (a % STEP) // VEC == lane:
-                        mTail = cute.make_tensor(p_row, cute.make_layout(n + VEC))
-                        for j in cutlass.range_constexpr(VEC - 1):
-                            if tail + j < VEC:
-                                mTail[n + j] = Uint32(0)
-                hbase = warp * NBINS                            # this warp's histogram
-                prefix = Uint32(0)                              # key bits above `shift` found so far
-                k_rem = topk                                    # keys still to take among those matching prefix
-                shift = Uint32(32)                              # prefix = key >> shift (32: nothing found yet)
-                n_gt = Int32(0)                                 # this warp's keys above the prefix (warp-uniform)
-                cand = nsteps                                   # this warp's keys matching the prefix (0: skip)
-                active = Int32(1)                               # CTA-uniform: another pass is needed
-                if cutlass.const_expr(SAMPLE):
-                    cmode = Int32(0)                            # CTA-uniform: 1 once the candidates are in smem
-                    coff = Int32(0)                             # this warp's first entry in sKey / sId
-                    ccnt = Int32(0)                             # this warp's entries
-                    c_cross = Int32(0)                          # keys of the row matching prefix (crossing bin)
-                    # ---- sampled threshold: the 16-bit prefix tau of the srank-th largest of THREADS evenly spaced
-                    # keys; then ONE read of the row stores every key with key >> 16 >= tau in its warp's REG
-                    # entries. With >= topk of them and no warp past REG, the row's topk largest keys (and every key
-                    # tied with the k-th) are among them: all radix passes and the emit then run on the entries
-                    # (cmode from pass 0).
-                    skip0 = Int32(0)                            # CTA-uniform: pass 0's result is known (entries)
-                    m = (topk * THREADS + n - 1) // n           # sample keys expected among the row's top-k
-                    srank = 2 * m + 16                          # entries expected: srank * n / THREADS (~2 topk + margin)
-                    if n >= 4 * topk and Int64(srank) * Int64(n) * Int64(5) <= Int64(3 * CAP * THREADS):   # CTA-uniform
-                        mS = cute.make_tensor(p_row, cute.make_layout(n))
-                        skey = f32_key(mS[(tidx * n) // THREADS])
-                        sp = Uint32(0)
-                        for j in cutlass.range_constexpr(NBINS // 32):
-                            sWh[hbase + lane * (NBINS // 32) + j] = 0
-                        cute.arch.sync_warp()
-                        cute.arch.atomic_add((sWh.iterator + (hbase + Int32(skey >> Uint32(24)))).llvm_ptr, Int32(1))
-                        bin_scan(srank, sp, sWh, sWsum, sSel, tidx, warp, lane)
-                        sp = Uint32(sSel[0])                        # the sample's crossing top byte
-                        srem = sSel[1]
-                        for j in cutlass.range_constexpr(NBINS // 32):
-                            sWh[hbase + lane * (NBINS // 32) + j] = 0
-                        cute.arch.sync_warp()
-                        if (skey >> Uint32(24)) == sp:
-                            cute.arch.atomic_add(
-                                (sWh.iterator + (hbase + Int32((skey >> Uint32(16)) & Uint32(0xFF)))).llvm_ptr, Int32(1))
-                        bin_scan(srem, sp, sWh, sWsum, sSel, tidx, warp, lane)
-                        tau = Uint32(sSel[0])                       # 16-bit key prefix
-                        coff = warp * REG
-                        lt_mask = cute.arch.lanemask_lt()
-                        ktop = Int32(0)                             # largest top byte (key >> 24) this thread stored
-                        for s0 in cutlass.range(0, nsteps, UNROLL, unroll=1):
-                            load_group(frag, mV, s0, nsteps, w0, lane, n)
-                            for u in cutlass.range_constexpr(UNROLL):
-                                i0 = w0 + (s0 + u) * STEP + lane * VEC
-                                ok = s0 + u < nsteps
-                                m_before = Int32(0)
-                                m_tot = Int32(0)
-                                for j in cutlass.range_constexpr(VEC):   # ballots first: no branch between
-                                    bm = cute.arch.vote_ballot_sync(
-                                        ok and i0 + j < n and (f32_key(frag[j, u]) >> Uint32(16)) >= tau)
-                                    m_before += cute.arch.popc(bm & lt_mask)
-                                    m_tot += cute.arch.popc(bm)
-                                e = coff + ccnt + m_before                  # lane-major = id order
-                                for j in cutlass.range_constexpr(VEC):
-                                    key = f32_key(frag[j, u])
-                                    if ok and i0 + j < n and (key >> Uint32(16)) >= tau:
-                                        if e < coff + REG:
-                                            sKey[e] = key
-                                            sId[e] = i0 + j
-                                            ktop = cutlass.max(ktop, Int32(key >> Uint32(24)))
-                                        e += 1
-                                ccnt += m_tot
-                        ktop = cute.arch.warp_reduction_max(ktop)
-                        if lane == 0:
-                            sCnt[warp] = ccnt
-                            sCnt[NWARPS + warp] = ktop
-                        cute.arch.sync_threads()
-                        cw = Int32(0)
-                        tw = Int32(0)
-                        if lane < NWARPS:
-                            cw = sCnt[lane]
-                            tw = sCnt[NWARPS + lane]
-                        total = cute.arch.warp_reduction_sum(cw)
-                        most = cute.arch.warp_reduction_max(cw)
-                        rtop = cute.arch.warp_reduction_max(tw)
-                        if total >= topk and most <= REG:           # CTA-uniform: the entries hold the top-k
-                            cmode = Int32(1)
-                            cand = ccnt
-                            if rtop == Int32(tau >> Uint32(8)):
-                                # every entry has key >> 16 >= tau and key >> 24 <= rtop = tau >> 8: they all share
-                                # the top byte, so pass 0's result is known (crossing bin rtop, nothing above it)
-                                skip0 = Int32(1)
-                                prefix = Uint32(rtop)
-                                shift = Uint32(24)
-                        else:
-                            ccnt = Int32(0)
-                for p in cutlass.range_constexpr(4):
-                    if cutlass.const_expr(SAMPLE):
-                        run_pass = active != 0 and (p != 0 or skip0 == 0)
-                    else:
-                        run_pass = active != 0
-                    if run_pass:
-                        for j in cutlass.range_constexpr(NBINS // 32):
-                            sWh[hbase + lane * (NBINS // 32) + j] = 0
-                        cute.arch.sync_warp()
-                        if cutlass.const_expr(not SAMPLE):
-                            global_pass(p, frag, mV, cand, nsteps, w0, lane, n, sWh, hbase, prefix)
-                        elif cutlass.const_expr(p == 0):
-                            if cmode != 0:
-                                # ---- pass 0 over this warp's sampled entries (every key with key >> 16 >= tau)
-                                if cand != 0:
-                                    for e in cutlass.range(coff + lane, coff + ccnt, 32, unroll=2):
-                                        cute.arch.atomic_add(
-                                            (sWh.iterator + (hbase + Int32(sKey[e] >> Uint32(24)))).llvm_ptr, Int32(1))
-                            else:
-                                global_pass(p, frag, mV, cand, nsteps, w0, lane, n, sWh, hbase, prefix)
-                        else:
-                            if cmode != 0:
-                                # ---- radix pass over this warp's smem entries (its keys >= the prefix of the compaction)
-                                if cand != 0:
-                                    for e in cutlass.range(coff + lane, coff + ccnt, 32, unroll=2):
-                                        key = sKey[e]
-                                        if (key >> Uint32(32 - 8 * p)) == prefix:
-                                            cute.arch.atomic_add(
-                                                (sWh.iterator + (hbase + Int32((key >> Uint32(24 - 8 * p)) & Uint32(0xFF)))).llvm_ptr,
-                                                Int32(1))
-                            elif (topk - k_rem) + c_cross <= CAP:
-                                # ---- compaction pass: the row's keys >= prefix (all that can still be selected:
-                                # topk - k_rem above it, c_cross in it) fit CAP. Read the segment as a global pass
-                                # does and also store them as (key, id) in id order; warp w's entries start after
-                                # those of the warps before it. Later passes and the emit read these entries.
-                                ccnt = n_gt + cand
-                                if lane == 0:
-                                    sCnt[warp] = ccnt
-                                cute.arch.sync_threads()
-                                cw = Int32(0)
-                                if lane < warp:
-                                    cw = sCnt[lane]
-                                coff = cute.arch.warp_reduction_sum(cw)
-                                lt_mask = cute.arch.lanemask_lt()
-                                if ccnt != 0:
-                                    pos = coff                              # next free entry (warp-uniform)
-                                    for s0 in cutlass.range(0, nsteps, UNROLL, unroll=1):
-                                        load_group(frag, mV, s0, nsteps, w0, lane, n)
-                                        for u in cutlass.range_constexpr(UNROLL):
-                                            i0 = w0 + (s0 + u) * STEP + lane * VEC
-                                            ok = s0 + u < nsteps
-                                            m_before = Int32(0)
-                                            m_tot = Int32(0)
-                                            for j in cutlass.range_constexpr(VEC):   # ballots first: no branch between
-                                                bm = cute.arch.vote_ballot_sync(
-                                                    ok and i0 + j < n and (f32_key(frag[j, u]) >> Uint32(32 - 8 * p)) >= prefix)
-                                                m_before += cute.arch.popc(bm & lt_mask)
-                                                m_tot += cute.arch.popc(bm)
-                                            e = pos + m_before                  # lane-major = id order
-                                            for j in cutlass.range_constexpr(VEC):
-                                                key = f32_key(frag[j, u])
-                                                hi8 = key >> Uint32(32 - 8 * p)
-                                                if ok and i0 + j < n and hi8 >= prefix:
-                                                    sKey[e] = key
-                                                    sId[e] = i0 + j
-                                                    e += 1
-                                                    if hi8 == prefix:
-                                                        cute.arch.atomic_add(
-                                                            (sWh.iterator + (hbase + Int32((key >> Uint32(24 - 8 * p)) & Uint32(0xFF)))).llvm_ptr,
-                                                            Int32(1))
-                                            pos += m_tot
-                                cmode = Int32(1)
-                            else:
-                                global_pass(p, frag, mV, cand, nsteps, w0, lane, n, sWh, hbase, prefix)
-                        bin_scan(k_rem, prefix, sWh, sWsum, sSel, tidx, warp, lane)
-                        prefix = Uint32(sSel[0])
-                        k_rem = sSel[1]
-                        shift = Uint32(24 - 8 * p)
-                        if cutlass.const_expr(SAMPLE):
-                            c_cross = sSel[2]
-                        if k_rem == sSel[2]:                       # the crossing bin is taken whole: done
-                            active = Int32(0)
-                        # this warp: keys above the crossing digit join n_gt; the crossing bin's are the candidates
-                        digit = Int32(prefix & Uint32(0xFF))
-                        above = Int32(0)
-                        for j in cutlass.range_constexpr(NBINS // 32):
-                            if lane * (NBINS // 32) + j > digit:
-                                above += sWh[hbase + lane * (NBINS // 32) + j]
-                        n_gt += cute.arch.warp_reduction_sum(above)
-                        cand = sWh[hbase + digit]
-                        cute.arch.sync_warp()
-                # ---- ordered emit: selected = key > thr, or key == thr among the first k_eq of the row (by id),
-                # thr = the prefix at `shift`. Warp w's slots start after all selected keys of warps < w.
-                k_eq = k_rem
-                if lane == 0:
-                    sCnt[warp] = n_gt
-                    sCnt[NWARPS + warp] = cand
-                cute.arch.sync_threads()
-                gt_run = Int32(0)                               # selected-greater keys before this point (row)
-                eq_run = Int32(0)                               # keys == thr before this point (row)
-                if lane < warp:
-                    gt_run = sCnt[lane]
-                    eq_run = sCnt[NWARPS + lane]
-                gt_run = cute.arch.warp_reduction_sum(gt_run)
-                eq_run = cute.arch.warp_reduction_sum(eq_run)
-                gt_end = gt_run + n_gt
-                eq_end = cutlass.min(eq_run + cand, k_eq)
-                below = cute.arch.lanemask_lt()
-                if cutlass.const_expr(not SAMPLE):
-                    global_emit(frag, mV, mOut, nsteps, w0, lane, n, shift, prefix, k_eq, below, gt_run, gt_end,
-                                eq_run, eq_end)
-                elif cmode != 0:
-                    # from this warp's smem entries, 32 per step in id order (they hold every selected key)
-                    e0 = coff
-                    cend = coff + ccnt
-                    while e0 < cend and (gt_run < gt_end or eq_run < eq_end):   # warp-uniform
-                        e = e0 + lane
-                        kk = Uint32(0)
-                        idx = Int32(0)
-                        if e < cend:
-                            kk = sKey[e] >> shift
-                            idx = sId[e]
-                        g = e < cend and kk > prefix
-                        q = e < cend and kk == prefix
-                        bg = cute.arch.vote_ballot_sync(g)
-                        be = cute.arch.vote_ballot_sync(q)
-                        g_pos = gt_run + cute.arch.popc(bg & below)
-                        e_pos = eq_run + cute.arch.popc(be & below)
-                        if g:
-                            mOut[g_pos + cutlass.min(e_pos, k_eq)] = idx
-                        if q:
-                            if e_pos < k_eq:
-                                mOut[g_pos + e_pos] = idx
-                        gt_run += cute.arch.popc(bg)
-                        eq_run += cute.arch.popc(be)
-                        e0 += 32
-                else:
-                    global_emit(frag, mV, mOut, nsteps, w0, lane, n, shift, prefix, k_eq, below, gt_run, gt_end,
-                                eq_run, eq_end)
+            select(sh, p_slab + Int64(row) * ld_slab, n, mOut, topk, tidx, warp, lane, True)
 
     @cute.jit
     def host(p_slab: cute.Pointer, p_out: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,

@@ -1,0 +1,79 @@
+"""Spec family of the fused standalone indexer top-k (cuDNN frontend DSA §5, Indexer Top-K): the radix top-k of the
+lightning indexer (lightning_indexer/topk_sm90.py, `build(..., rows=True)`) over the rows of an FP32 matrix, row r
+over its first clamp(lens[r // rows_per_len], 0, n_cols) columns, writing the ids of its topk largest values in
+ascending order (ties at the k-th value toward the lower ids), -1 padded. Deterministic; no topk limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ...spec.base import KernelSpec, register_spec
+from ..lightning_indexer.topk_limits import INDEXER_TOPK_THREADS, TOPK_COMPACT_CAP
+
+
+@register_spec
+@dataclass(frozen=True)
+class IndexerTopkRowsSpec(KernelSpec):
+    """Radix top-k over the rows of a matrix with per-row lengths (sm_90a): one CTA of `threads` threads per row, the
+    lightning indexer's selection (its IndexerTopkSpec docstring describes the passes, the sampled threshold and the
+    compaction into shared memory).
+
+    threads: one of INDEXER_TOPK_THREADS (the plan picks it per call: config_for).
+    sample: the sampled threshold and the candidates in shared memory (threads in TOPK_COMPACT_CAP).
+    """
+
+    op = "indexer_topk"
+    template = "indexer_topk/topk_rows_{arch}.py.j2"
+
+    threads: int = 512
+    sample: bool = False
+
+    def reasons(self) -> list[str]:
+        out = super().reasons()
+        if self.arch != "sm_90a":
+            out.append(f"the indexer top-k kernel is implemented for sm_90a only, not {self.arch}; use "
+                       f"impl='reference' elsewhere")
+        if self.threads not in INDEXER_TOPK_THREADS:
+            out.append(f"threads={self.threads} must be one of {INDEXER_TOPK_THREADS}")
+        elif self.sample and self.threads not in TOPK_COMPACT_CAP:
+            out.append(f"sample=True needs threads in {tuple(TOPK_COMPACT_CAP)}")
+        return out
+
+    def template_context(self) -> dict[str, Any]:
+        """The fields plus `compact_cap` (TOPK_COMPACT_CAP of this thread count with sample, else 0)."""
+        return {**super().template_context(), "compact_cap": TOPK_COMPACT_CAP.get(self.threads, 0) if self.sample else 0}
+
+
+@dataclass(frozen=True)
+class IndexerTopkRowsPlan:
+    """The kernels of a fused indexer_topk call and the per-call choice among them.
+
+    narrow / wide: ((max_columns or None, spec), ...): the first entry whose max_columns is None or >= the call's
+    column count wins; `wide` applies when the rows fit one wave (rows <= SMs)."""
+
+    narrow: tuple[tuple[int | None, IndexerTopkRowsSpec], ...]
+    wide: tuple[tuple[int | None, IndexerTopkRowsSpec], ...]
+
+    def specs(self) -> tuple[IndexerTopkRowsSpec, ...]:
+        """Every distinct spec of the plan, in plan order (what a build must compile)."""
+        return tuple(dict.fromkeys(spec for _, spec in (*self.narrow, *self.wide)))
+
+    def pick(self, n_cols: int, rows: int, num_sms: int) -> IndexerTopkRowsSpec:
+        """The spec for `rows` rows of `n_cols` columns on a GPU of `num_sms` SMs."""
+        for limit, spec in (self.wide if rows <= num_sms else self.narrow):
+            if limit is None or n_cols <= limit:
+                return spec
+        raise AssertionError("a top-k plan ends with an entry for any length")
+
+
+def config_for(arch: str) -> IndexerTopkRowsPlan:
+    """The plan of the fused indexer_topk on `arch`: the lightning indexer's top-k plan (lightning_indexer/spec.py
+    config_for; measured on its slab rows, 2026-11-29): 128 threads up to 12288 columns, then 512 threads with the
+    sampled threshold up to 65536, then 1024 sampled; rows that fit one wave take 1024 threads."""
+    def topk(threads: int, sample: bool = False) -> IndexerTopkRowsSpec:
+        return IndexerTopkRowsSpec(arch=arch, threads=threads, sample=sample)
+
+    return IndexerTopkRowsPlan(narrow=((12288, topk(128)), (65536, topk(512, True)), (None, topk(1024, True))),
+                               wide=((12288, topk(1024)), (None, topk(1024, True))))

@@ -39,7 +39,7 @@ from cutlass import Float32, Int8, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_mn_view, cp_async_rows, gather_tile_rows, l2_evict_first_policy,
-                                                 sw128, swizzled_byte_offset)
+                                                 load_tile_ids, sw128, swizzled_byte_offset)
 
 LOG2E = math.log2(math.e)
 
@@ -242,13 +242,7 @@ class AttnScoreRecomputeSm90:
             mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
-                for i in cutlass.range_constexpr(RPG):
-                    slot = j * self.BN + grp + 16 * i
-                    kv = Int32(-1)
-                    if slot < kmax:
-                        kv = mIdx[slot]
-                    valid = kv >= 0 and kv < a.n_kv
-                    ids[i] = kv if valid else Int32(-1)
+                load_tile_ids(ids, mIdx, j * self.BN, kmax, a.n_kv, grp)
                 cute.arch.mbarrier_wait(sh.kv_free, (g % 2) ^ 1)
                 if tidx % 8 == 0:
                     for i in cutlass.range_constexpr(RPG):

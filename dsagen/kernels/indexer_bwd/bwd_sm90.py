@@ -46,7 +46,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_rows, gather_tile_rows,
-                                                 l2_evict_first_policy, quad_v4_columns, red_add_v4_f32,
+                                                 l2_evict_first_policy, load_tile_ids, quad_v4_columns, red_add_v4_f32,
                                                  st_global_v4_f32, store_row_v4, sw128, swizzled_byte_offset)
 
 
@@ -240,17 +240,12 @@ class IndexerBwdSm90:
             cute.arch.mbarrier_wait(sh.q_free, (it % 2) ^ 1)
             cp_async_rows(sQb, lay_q, a.p_q + Int64(tok) * (self.H * self.D), self.H, self.D, grp, col0, policy)
             cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_full)
-            row_idx = a.p_idx + Int64(tok) * a.topk
+            mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.topk, cute.make_layout(a.topk))
             row_di = a.p_di + Int64(tok) * a.topk
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 s = g % self.STAGES
-                for i in cutlass.range_constexpr(RPG):
-                    slot = j * self.BN + grp + 16 * i
-                    kv = Int32(-1)
-                    if slot < a.topk:
-                        kv = (row_idx + slot).load()
-                    ids[i] = kv if kv >= 0 and kv < a.n_k else Int32(-1)
+                load_tile_ids(ids, mIdx, j * self.BN, a.topk, a.n_k, grp)
                 cute.arch.mbarrier_wait(sh.kv_free + s, ((g // self.STAGES) % 2) ^ 1)
                 gather_tile_rows(sKb, sw_k, lay_k, a.p_k, a.ld_k, ids, col0, (0, self.NKB), stage=s)
                 cute.arch.cp_async_mbarrier_arrive_noinc(sh.kv_ready + s)

@@ -22,6 +22,7 @@ import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
+from ..indices.host import batch_flat_ids
 from .spec import IndexerBwdConfig, IndexerBwdSpec, config_for
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -60,17 +61,6 @@ def _launch_plan(d: int, dtype: torch.dtype, device: torch.device, deterministic
     return plan
 
 
-def flat_ids(topk_indices: torch.Tensor, s_k: int, topk_indices_global: bool) -> torch.Tensor:
-    """(B * S_q, topk) int32 ids into the flattened (B * S_k) keys: each id range-checked against its own batch's
-    rows (local ids, or global ids b * S_k + local), -1 where invalid."""
-    b, s_q, topk = topk_indices.shape
-    rows = b * s_q
-    ids = topk_indices.reshape(rows, topk)
-    base = torch.arange(b, device=ids.device, dtype=torch.int32).repeat_interleave(s_q).view(rows, 1) * s_k
-    local = ids - base if topk_indices_global else ids
-    return torch.where((local >= 0) & (local < s_k), local + base, -1).to(torch.int32).contiguous()
-
-
 def score_grad(attn_score: torch.Tensor, index_score: torch.Tensor, valid: torch.Tensor, grad_loss, loss_coeff: float,
                rows: int, sm_scale: float) -> torch.Tensor:
     """dI = c * sm_scale * (p * sum_J tgt - tgt) over the valid slots of (rows, topk) FP32 scores, 0 elsewhere,
@@ -100,7 +90,7 @@ def run(index_q, weights, index_k, attn_score, index_score, topk_indices, grad_l
     if rows > _INT32_MAX or n_k > _INT32_MAX:
         raise ValueError(f"indexer_backward: {rows} query rows / {n_k} key rows exceed the kernel's int32 limits")
     spec, kernel, n_ctas, cfg = _launch_plan(d, index_q.dtype, dev, deterministic, config)
-    ids = flat_ids(topk_indices, s_k, topk_indices_global)
+    ids = batch_flat_ids(topk_indices, s_k, topk_indices_global)
     valid = ids >= 0
     d_i = score_grad(attn_score, index_score, valid, grad_loss, loss_coeff, rows, sm_scale)
     q = index_q.reshape(rows, h, d)

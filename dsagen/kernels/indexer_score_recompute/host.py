@@ -17,6 +17,7 @@ import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
+from ..indices.host import batch_flat_ids
 from .spec import IndexerScoreRecomputeConfig, IndexerScoreRecomputeSpec, config_for, kernel_heads
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -91,11 +92,7 @@ def run(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor,
         keys = keys.clone(memory_format=torch.contiguous_format)
     ids = topk_indices.reshape(rows, topk)
     if b > 1:
-        # range-check each id against its own batch's S_k rows (local ids, or global ids b * S_k + local), then
-        # address the batch's rows of the flattened keys: an id never aliases another batch
-        base = torch.arange(b, device=ids.device, dtype=torch.int32).repeat_interleave(s_q).view(rows, 1) * s_k
-        local = ids - base if topk_indices_global else ids
-        ids = torch.where((local >= 0) & (local < s_k), local + base, -1).to(torch.int32)
+        ids = batch_flat_ids(topk_indices, s_k, topk_indices_global)   # an id never aliases another batch
     elif ids.stride(1) != 1:
         ids = ids.contiguous()
     length = None if topk_length is None else topk_length.reshape(rows).to(torch.int32).contiguous()

@@ -45,7 +45,7 @@ from cutlass import Float32, Int8, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_mn_view, cp_async_rows, gather_tile_rows, l2_evict_first_policy,
-                                                 sw128, swizzled_byte_offset)
+                                                 load_tile_ids, sw128, swizzled_byte_offset)
 
 NEG_INF = -math.inf
 
@@ -241,13 +241,7 @@ class IndexerScoreRecomputeSm90:
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 s = g % self.STAGES
-                for i in cutlass.range_constexpr(RPG):
-                    slot = j * self.BN + grp + 16 * i
-                    kv = Int32(-1)
-                    if slot < kmax:
-                        kv = mIdx[slot]
-                    valid = kv >= 0 and kv < a.n_k
-                    ids[i] = kv if valid else Int32(-1)
+                load_tile_ids(ids, mIdx, j * self.BN, kmax, a.n_k, grp)
                 cute.arch.mbarrier_wait(sh.kv_free + s, ((g // self.STAGES) % 2) ^ 1)
                 gather_tile_rows(sKb, sw_k, lay_k, a.p_k, a.ld_k, ids, col0, (0, self.NKB), stage=s)
                 cute.arch.cp_async_mbarrier_arrive_noinc(sh.kv_ready + s)

@@ -1,5 +1,6 @@
 """Fused (generated-kernel) compactify and local_to_global. Called by dsagen.ops.indices after the
-generic validation; these add the layout checks the kernels rely on."""
+generic validation; these add the layout checks the kernels rely on. Also `batch_flat_ids`, the top-k ids of a
+batch as ids into the flattened keys, which the sparse indexer kernels' host code shares."""
 
 from __future__ import annotations
 
@@ -54,3 +55,15 @@ def local_to_global(topk_idxs: torch.Tensor, seqlen_k: int) -> torch.Tensor:
     kernel = _kernel("local_to_global", src.get_device())
     kernel.launch(src, out, per_batch, b, seqlen_k)
     return out
+
+
+def batch_flat_ids(topk_indices: torch.Tensor, s_k: int, topk_indices_global: bool) -> torch.Tensor:
+    """(B * S_q, topk) int32 ids into the flattened (B * S_k) keys of `topk_indices` (B, S_q, topk): each id
+    range-checked against its own batch's rows (local ids, or global ids b * S_k + local), -1 where invalid, so no id
+    aliases another batch (cuDNN frontend DSA §6 / §9)."""
+    b, s_q, topk = topk_indices.shape
+    rows = b * s_q
+    ids = topk_indices.reshape(rows, topk)
+    base = torch.arange(b, device=ids.device, dtype=torch.int32).repeat_interleave(s_q).view(rows, 1) * s_k
+    local = ids - base if topk_indices_global else ids
+    return torch.where((local >= 0) & (local < s_k), local + base, -1).to(torch.int32).contiguous()

@@ -184,6 +184,19 @@ def cp_async_rows(dst: cute.Pointer, lay, src: cute.Pointer, rows: int, width: i
 
 
 @cute.jit
+def load_tile_ids(ids, mIdx: cute.Tensor, slot0, limit, n_rows, grp) -> None:
+    """The ids of a gathered tile's rows grp + 16 i (i < len(ids)): ids[i] = mIdx[slot0 + grp + 16 i] where that slot
+    is below `limit` and the id lies in [0, n_rows), else -1 (a row gather_tile_rows zero-fills). mIdx: the query
+    row's ids (slots)."""
+    for i in cutlass.range_constexpr(cute.size(ids)):
+        slot = slot0 + grp + 16 * i
+        kv = Int32(-1)
+        if slot < limit:
+            kv = mIdx[slot]
+        ids[i] = kv if kv >= 0 and kv < n_rows else Int32(-1)
+
+
+@cute.jit
 def gather_tile_rows(dst: cute.Pointer, sw_base, lay, p_rows: cute.Pointer, ld, ids, col0, blocks: tuple[int, int],
                      stage: int = 0) -> None:
     """cp.async the gathered rows grp + 16 i (i < len(ids)) of a KV tile: row i is p_rows[ids[i]] (row stride `ld`),
@@ -203,5 +216,5 @@ def gather_tile_rows(dst: cute.Pointer, sw_base, lay, p_rows: cute.Pointer, ld, 
                                          cp_size=nbytes)
 
 
-__all__ = ["sw128", "store_row_v4", "red_add_v4_f32", "st_global_v4_f32", "quad_v4_columns", "cp_async_rows", "gather_tile_rows", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy",
+__all__ = ["sw128", "store_row_v4", "load_tile_ids", "red_add_v4_f32", "st_global_v4_f32", "quad_v4_columns", "cp_async_rows", "gather_tile_rows", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy",
            "cp_async_16_policy", "pack_f32x2", "st_global_v4_b32"]

@@ -90,3 +90,24 @@ def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
     assert got.shape == (b, s_q, k) and got.dtype == torch.float32
     assert torch.allclose(got, want.float(), atol=1e-5)
     assert (got[0, 2] == 0).all()                                               # topk_length 0
+
+
+def test_the_custom_op_and_its_fake(monkeypatch):
+    """torch.library.opcheck of dsagen::sparse_attn_score_recompute_fused (schema, fake tensor, AOT dispatch) on the
+    CPU, the kernel a stand-in that writes its contract's shape: the fake's output matches the op's."""
+    import torch
+
+    from dsagen.kernels.attn_score_recompute import host as rc_host
+
+    class Kernel:
+        def launch(self, q, keys, ids, length, lse, out, rows, *rest):
+            out.copy_(torch.rand(out.shape, generator=torch.Generator().manual_seed(1)))
+
+    spec = AttnScoreRecomputeSpec(arch="sm_90a", num_heads=64, d_qk=512)
+    monkeypatch.setattr(rc_host, "_launch_plan", lambda *a, **k: (spec, Kernel(), 3))
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 3, 64, 512, generator=gen).bfloat16()
+    kv = torch.randn(1, 9, 512, generator=gen).bfloat16()
+    ids = torch.randint(-1, 9, (1, 3, 6), generator=gen, dtype=torch.int32)
+    lse = torch.randn(1, 3, 64, generator=gen) + 20.0
+    torch.library.opcheck(rc_host._fused_op, (q, kv, lse, ids, 0.05, None, False))

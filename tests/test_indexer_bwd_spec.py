@@ -149,3 +149,24 @@ def test_fused_refuses_what_it_does_not_cover():
     assert "D=96" in supported_reason(torch.zeros(1, 2, 64, 96, dtype=bf), torch.zeros(1, 3, 96, dtype=bf))
     assert "float32" in supported_reason(torch.zeros(1, 2, 64, 128), torch.zeros(1, 3, 128))
     assert supported_reason(torch.zeros(1, 2, 64, 128, dtype=bf), torch.zeros(1, 3, 128, dtype=bf)) == ""
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_custom_op_and_its_fake(monkeypatch, deterministic):
+    """torch.library.opcheck of dsagen::indexer_backward_fused (schema, fake tensor, AOT dispatch) on the CPU, the
+    kernel a stand-in: the fake's outputs match the op's."""
+    import torch
+
+    from dsagen.kernels.indexer_bwd import host as ib_host
+
+    cfg = IndexerBwdConfig(chunk_bytes=1 << 20)
+    spec = cfg.spec(128, "bfloat16", deterministic=deterministic)
+    monkeypatch.setattr(ib_host, "_launch_plan", lambda *a, **k: (spec, _StandInKernel(deterministic), 3, cfg))
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 4, 64, 128, generator=gen).bfloat16()
+    w = torch.randn(1, 4, 64, generator=gen).bfloat16()
+    k = torch.randn(1, 7, 128, generator=gen).bfloat16()
+    ids = torch.randint(-1, 7, (1, 4, 5), generator=gen, dtype=torch.int32)
+    tgt, p = torch.rand(1, 4, 5, generator=gen), torch.rand(1, 4, 5, generator=gen)
+    torch.library.opcheck(ib_host._fused_op, (q, w, k, tgt, p, ids, torch.tensor(0.5), 0.3, 1.0, False,
+                                              deterministic))

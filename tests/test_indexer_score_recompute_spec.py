@@ -141,3 +141,21 @@ def test_fused_refuses_what_it_does_not_cover():
     assert "k_indexer has dtype torch.float16" in supported_reason(q, torch.zeros(1, 3, 128, dtype=torch.float16),
                                                                  torch.zeros(1, 2, 64))
     assert supported_reason(q, torch.zeros(1, 3, 128, dtype=torch.bfloat16), torch.zeros(1, 2, 64)) == ""
+
+
+def test_the_custom_op_and_its_fake(monkeypatch):
+    """torch.library.opcheck of dsagen::sparse_indexer_score_recompute_fused (schema, fake tensor, AOT dispatch) on
+    the CPU, the kernel a stand-in: the fake's output matches the op's."""
+    import torch
+
+    from dsagen.kernels.indexer_score_recompute import host as isr_host
+
+    spec = IndexerScoreRecomputeSpec(arch="sm_90a", num_heads=64, head_dim=128)
+    monkeypatch.setattr(isr_host, "_launch_plan", lambda *a, **k: (spec, _StandInKernel(), 3))
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 3, 16, 128, generator=gen).bfloat16()
+    k = torch.randn(2, 9, 128, generator=gen).bfloat16()
+    w = torch.randn(2, 3, 16, generator=gen).bfloat16()
+    ids = torch.randint(-1, 9, (2, 3, 6), generator=gen, dtype=torch.int32)
+    for length in (None, torch.tensor([[6, 2, 0], [5, 6, 1]], dtype=torch.int32)):
+        torch.library.opcheck(isr_host._fused_op, (q, k, w, ids, length, False, 0.3))

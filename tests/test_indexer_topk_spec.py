@@ -117,3 +117,22 @@ def test_fused_refuses_float64():
 
     assert "float64" in supported_reason(torch.zeros(2, 3, dtype=torch.float64))
     assert supported_reason(torch.zeros(2, 3)) == ""
+
+
+@pytest.mark.parametrize("return_values", [True, False])
+def test_the_custom_op_and_its_fake(monkeypatch, return_values):
+    """torch.library.opcheck of dsagen::indexer_topk_fused (schema, fake tensor, AOT dispatch) on the CPU, the kernel
+    a stand-in: the fake's outputs match the op's."""
+    import torch
+
+    from dsagen.kernels.indexer_topk import host as tk_host
+
+    kernel = _StandInKernel()
+
+    class Plan:
+        def kernel(self, n, rows):
+            return kernel
+
+    monkeypatch.setattr(tk_host, "_device_plan", lambda *a: Plan())
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(9))
+    torch.library.opcheck(tk_host._fused_op, (x, torch.tensor([12, 5], dtype=torch.int32), 3, return_values))

@@ -92,3 +92,18 @@ def test_single_row_and_looping_grid():
 
 def test_float16():
     check(*make_case(1, 13, 64, 576, 400, 192, adversarial=True, seed=8, dtype=torch.float16))
+
+
+def test_torch_compile_and_cuda_graph():
+    q, kv, lse, ids, lens = make_case(1, 33, 128, 576, 500, 256, adversarial=True, length=True, seed=9)
+    scale = 576 ** -0.5
+    eager = dsagen.sparse_attn_score_recompute(q, kv, lse, ids, scale, topk_length=lens)
+    compiled = torch.compile(lambda *a: dsagen.sparse_attn_score_recompute(*a, scale, topk_length=lens),
+                             fullgraph=True)
+    assert torch.equal(compiled(q, kv, lse, ids), eager)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = dsagen.sparse_attn_score_recompute(q, kv, lse, ids, scale, topk_length=lens)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)

@@ -6,7 +6,8 @@ flattens the batch (local ids are range-checked against S_k and moved to their b
 batch), pads 1..63 heads to 64 and 65..127 to 128 (padded heads get lse = +inf: P = 0), runs the sm_90a kernel of
 AttnScoreRecomputeSpec, which writes each slot's head sum S[t, j], and divides by each row's sum over its slots (a
 fixed-order torch reduction; all zeros where that sum is 0). Returns `(B, S_q, topk)` FP32. Nothing in it
-synchronizes with the host.
+synchronizes with the host; it is the custom op `dsagen::sparse_attn_score_recompute_fused` (a fake gives
+torch.compile the output).
 """
 
 from __future__ import annotations
@@ -58,9 +59,36 @@ def sparse_attn_score_recompute(q_attn: torch.Tensor, k_attn: torch.Tensor, lse:
                                 config: AttnScoreRecomputeConfig | None = None) -> torch.Tensor:
     """The fused score recompute on inputs that dsagen.ops.sparse_attention validated: q_attn `(B, S_q, H, D)`
     bf16/fp16 CUDA, k_attn `(B, S_k, D)`, lse `(B, S_q, H)` FP32/FP64, topk_indices int32 `(B, S_q, topk)`,
-    topk_length int32 `(B, S_q)` or None. config: None (the op's) or another AttnScoreRecomputeConfig. Returns the
-    target `(B, S_q, topk)` FP32. Raises NotImplementedError (with the reason) for inputs the kernel does not cover.
+    topk_length int32 `(B, S_q)` or None. config: None (the op's, through the custom op
+    `dsagen::sparse_attn_score_recompute_fused`) or another AttnScoreRecomputeConfig (a direct launch, for benchmarks
+    and tests). Returns the target `(B, S_q, topk)` FP32. Raises NotImplementedError (with the reason) for inputs
+    the kernel does not cover.
     """
+    reason = supported_reason(q_attn)
+    if reason:
+        raise NotImplementedError(f"sparse_attn_score_recompute: {reason}")
+    if config is not None:
+        return run(q_attn, k_attn, lse, topk_indices, softmax_scale, topk_length, topk_indices_global, config)
+    return _fused_op(q_attn, k_attn, lse, topk_indices, float(softmax_scale), topk_length, bool(topk_indices_global))
+
+
+@torch.library.custom_op("dsagen::sparse_attn_score_recompute_fused", mutates_args=())
+def _fused_op(q_attn: torch.Tensor, k_attn: torch.Tensor, lse: torch.Tensor, topk_indices: torch.Tensor,
+              softmax_scale: float, topk_length: torch.Tensor | None, topk_indices_global: bool) -> torch.Tensor:
+    """The fused kernel as a custom op (opaque to torch.compile; CUDA-graph capturable once the kernel is loaded)."""
+    return run(q_attn, k_attn, lse, topk_indices, softmax_scale, topk_length, topk_indices_global)
+
+
+@_fused_op.register_fake
+def _(q_attn, k_attn, lse, topk_indices, softmax_scale, topk_length, topk_indices_global):
+    b, s_q = q_attn.shape[0], q_attn.shape[1]
+    return q_attn.new_empty((b, s_q, topk_indices.shape[-1]), dtype=torch.float32)
+
+
+def run(q_attn: torch.Tensor, k_attn: torch.Tensor, lse: torch.Tensor, topk_indices: torch.Tensor,
+        softmax_scale: float, topk_length: torch.Tensor | None = None, topk_indices_global: bool = False,
+        config: AttnScoreRecomputeConfig | None = None) -> torch.Tensor:
+    """The launch on validated inputs (see sparse_attn_score_recompute)."""
     reason = supported_reason(q_attn)
     if reason:
         raise NotImplementedError(f"sparse_attn_score_recompute: {reason}")

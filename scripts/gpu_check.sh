@@ -52,7 +52,8 @@ for s in $steps; do case $s in
     step bench_attn_score_recompute 200 python3 bench/attn_score_recompute.py
     step bench_indexer_score_recompute 200 python3 bench/indexer_score_recompute.py
     step bench_indexer_backward 200 python3 bench/indexer_backward.py
-    step bench_indexer_topk_rows 200 python3 bench/indexer_topk_rows.py ;;
+    step bench_indexer_topk_rows 200 python3 bench/indexer_topk_rows.py
+    step bench_dsa_training_step 300 python3 bench/dsa_training_step.py ;;
   bench_kernels)
     step bench_indexer 300 python3 bench/indexer.py --reps 3 --json "$out/indexer.json"
     step bench_sparse_attention 300 python3 bench/sparse_attention.py --json "$out/sparse_attention.json" ;;

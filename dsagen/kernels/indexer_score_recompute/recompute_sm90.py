@@ -44,8 +44,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int8, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from dsagen.kernels.sparse_mla.attn_sm90 import (acc_mn_view, cp_async_rows, gather_tile_rows, l2_evict_first_policy,
-                                                 load_tile_ids, sw128, swizzled_byte_offset)
+from dsagen.kernels.sparse_mla.attn_sm90 import (acc_mn_view, cp_async_rows, gather_ring_tile, init_gather_ring,
+                                                 l2_evict_first_policy, load_tile_ids, sw128, swizzled_byte_offset)
 
 NEG_INF = -math.inf
 
@@ -197,11 +197,7 @@ class IndexerScoreRecomputeSm90:
         nctas, _, _ = cute.arch.grid_dim()
         if warp == 0:
             with cute.arch.elect_one():
-                for s in cutlass.range_constexpr(STAGES):
-                    cute.arch.mbarrier_init(sh.kv_ready + s, 128 + 16)
-                    cute.arch.mbarrier_init(sh.kv_free + s, 128)
-                cute.arch.mbarrier_init(sh.q_full, 128)
-                cute.arch.mbarrier_init(sh.q_free, 128)
+                init_gather_ring(sh.kv_ready, sh.kv_free, STAGES, sh.q_full, sh.q_free, 128 + 16, 128, 128)
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
         if wg == 0:
@@ -242,9 +238,8 @@ class IndexerScoreRecomputeSm90:
                 g = gt + j
                 s = g % self.STAGES
                 load_tile_ids(ids, mIdx, j * self.BN, kmax, a.n_k, grp)
-                cute.arch.mbarrier_wait(sh.kv_free + s, ((g // self.STAGES) % 2) ^ 1)
-                gather_tile_rows(sKb, sw_k, lay_k, a.p_k, a.ld_k, ids, col0, (0, self.NKB), stage=s)
-                cute.arch.cp_async_mbarrier_arrive_noinc(sh.kv_ready + s)
+                gather_ring_tile(sKb, sw_k, lay_k, a.p_k, a.ld_k, ids, col0, (0, self.NKB), g, self.STAGES,
+                                 sh.kv_ready, sh.kv_free)
                 if tidx % 8 == 0:
                     for i in cutlass.range_constexpr(RPG):
                         sh.sIds[s * self.BN + grp + 16 * i] = ids[i]

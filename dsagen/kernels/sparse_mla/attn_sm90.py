@@ -216,5 +216,30 @@ def gather_tile_rows(dst: cute.Pointer, sw_base, lay, p_rows: cute.Pointer, ld, 
                                          cp_size=nbytes)
 
 
-__all__ = ["sw128", "store_row_v4", "load_tile_ids", "red_add_v4_f32", "st_global_v4_f32", "quad_v4_columns", "cp_async_rows", "gather_tile_rows", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy",
+@cute.jit
+def init_gather_ring(kv_ready, kv_free, stages: int, q_full, q_free, ready_count: int, free_count: int,
+                     q_count: int) -> None:
+    """The mbarriers of a gather ring of `stages` stages and its per-row Q buffer (one thread calls it): kv_ready[s]
+    (ready_count arrivals: the producer's noinc cp.async arrivals plus any of its metadata arrivals), kv_free[s]
+    (free_count: the consumer threads), q_full and q_free (q_count each)."""
+    for s in cutlass.range_constexpr(stages):
+        cute.arch.mbarrier_init(kv_ready + s, ready_count)
+        cute.arch.mbarrier_init(kv_free + s, free_count)
+    cute.arch.mbarrier_init(q_full, q_count)
+    cute.arch.mbarrier_init(q_free, q_count)
+
+
+@cute.jit
+def gather_ring_tile(dst: cute.Pointer, sw_base, lay, p_rows: cute.Pointer, ld, ids, col0, blocks: tuple[int, int],
+                     g, stages: int, kv_ready, kv_free) -> None:
+    """Tile g of a gather ring (stage g % stages): wait until the consumers freed the stage (kv_free, parity of the
+    ring's round), cp.async the tile's rows into it (gather_tile_rows; ids -1: zero-filled) and make kv_ready of the
+    stage track their arrival (a noinc arrival per thread)."""
+    s = g % stages
+    cute.arch.mbarrier_wait(kv_free + s, ((g // stages) % 2) ^ 1)
+    gather_tile_rows(dst, sw_base, lay, p_rows, ld, ids, col0, blocks, stage=s)
+    cute.arch.cp_async_mbarrier_arrive_noinc(kv_ready + s)
+
+
+__all__ = ["sw128", "store_row_v4", "load_tile_ids", "init_gather_ring", "gather_ring_tile", "red_add_v4_f32", "st_global_v4_f32", "quad_v4_columns", "cp_async_rows", "gather_tile_rows", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy",
            "cp_async_16_policy", "pack_f32x2", "st_global_v4_b32"]

@@ -68,3 +68,11 @@ def report(meta: dict, rows: dict[str, float], json_path: str | None, fmt: str =
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"meta": meta, "results": rows}, f, indent=1)
+
+
+def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.Tensor:
+    """(s_q, topk) int32 top-k ids, distinct within each row when n_kv is a power of two (>= topk): row r walks
+    start_r + j * stride_r mod n_kv with an odd stride, a cycle through all n_kv ids. `gen`: a CPU generator."""
+    start = torch.randint(0, n_kv, (s_q, 1), generator=gen, dtype=torch.int64)
+    stride = torch.randint(0, n_kv // 2, (s_q, 1), generator=gen, dtype=torch.int64) * 2 + 1  # odd: a cycle
+    return ((start + torch.arange(topk).view(1, -1) * stride) % n_kv).to(torch.int32)

@@ -21,18 +21,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cuda_time_ms  # noqa: E402
+from common import cuda_time_ms, distinct_ids  # noqa: E402
 
 import dsagen  # noqa: E402
 
 CASES = [(4096, 32768), (4096, 131072), (32768, 32768)]
 H, D = 64, 128
-
-
-def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.Tensor:
-    start = torch.randint(0, n_kv, (s_q, 1), generator=gen, dtype=torch.int64)
-    stride = torch.randint(0, n_kv // 2, (s_q, 1), generator=gen, dtype=torch.int64) * 2 + 1  # odd: a cycle
-    return ((start + torch.arange(topk).view(1, -1) * stride) % n_kv).to(torch.int32)
 
 
 def main() -> None:

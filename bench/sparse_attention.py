@@ -34,17 +34,11 @@ import json
 import sys
 
 import torch
-from common import cuda_time_ms, paired_time_ms
+from common import cuda_time_ms, paired_time_ms, distinct_ids
 
 import dsagen
 import dsagen.kernels.sparse_mla.host as fused_sa
 from dsagen.kernels.sparse_mla.spec import SparseAttnFwdConfig
-
-
-def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.Tensor:
-    start = torch.randint(0, n_kv, (s_q, 1), generator=gen, dtype=torch.int64)
-    stride = torch.randint(0, n_kv // 2, (s_q, 1), generator=gen, dtype=torch.int64) * 2 + 1  # odd: a cycle
-    return ((start + torch.arange(topk).view(1, -1) * stride) % n_kv).to(torch.int32)
 
 
 def case_inputs(s_q: int, h: int, d_qk: int, n_kv: int, topk: int, seed: int = 0):

@@ -25,7 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cuda_time_ms, paired_time_ms  # noqa: E402
+from common import cuda_time_ms, paired_time_ms, distinct_ids  # noqa: E402
 
 import dsagen  # noqa: E402
 from dsagen.kernels.sparse_mla_bwd import host as bwd_host  # noqa: E402
@@ -33,12 +33,6 @@ from dsagen.reference import sparse_attention as ref  # noqa: E402
 
 CASES = [(4096, 128, 576, 32768), (4096, 128, 576, 131072), (32768, 128, 576, 32768), (32768, 128, 576, 131072),
          (4096, 64, 512, 32768)]
-
-
-def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.Tensor:
-    start = torch.randint(0, n_kv, (s_q, 1), generator=gen, dtype=torch.int64)
-    stride = torch.randint(0, n_kv // 2, (s_q, 1), generator=gen, dtype=torch.int64) * 2 + 1  # odd: a cycle
-    return ((start + torch.arange(topk).view(1, -1) * stride) % n_kv).to(torch.int32)
 
 
 def run_case(s_q, h, d_qk, n_kv, topk, reps, ref_max_t):

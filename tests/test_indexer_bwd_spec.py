@@ -170,3 +170,20 @@ def test_the_custom_op_and_its_fake(monkeypatch, deterministic):
     tgt, p = torch.rand(1, 4, 5, generator=gen), torch.rand(1, 4, 5, generator=gen)
     torch.library.opcheck(ib_host._fused_op, (q, w, k, tgt, p, ids, torch.tensor(0.5), 0.3, 1.0, False,
                                               deterministic))
+
+
+def test_empty_shapes_give_zero_gradients_without_a_launch(monkeypatch):
+    import torch
+
+    from dsagen.kernels.indexer_bwd import host as ib_host
+
+    monkeypatch.setattr(ib_host, "_launch_plan", lambda *a, **k: pytest.fail("no launch for an empty call"))
+    bf = torch.bfloat16
+    for b, s_q, s_k, k in ((1, 0, 5, 4), (1, 3, 5, 0), (2, 3, 0, 4)):
+        q, w = torch.randn(b, s_q, 64, 128).to(bf), torch.randn(b, s_q, 64).to(bf)
+        kk = torch.randn(b, s_k, 128).to(bf)
+        ids = torch.zeros(b, s_q, k, dtype=torch.int32)
+        sc = torch.rand(b, s_q, k)
+        dq, dw, dk = ib_host.run(q, w, kk, sc, sc, ids, None, 1.0, 1.0, False, False)
+        assert dq.shape == q.shape and dw.shape == w.shape and dk.shape == kk.shape
+        assert not dq.any() and not dw.any() and not dk.any()

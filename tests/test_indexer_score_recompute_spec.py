@@ -159,3 +159,17 @@ def test_the_custom_op_and_its_fake(monkeypatch):
     ids = torch.randint(-1, 9, (2, 3, 6), generator=gen, dtype=torch.int32)
     for length in (None, torch.tensor([[6, 2, 0], [5, 6, 1]], dtype=torch.int32)):
         torch.library.opcheck(isr_host._fused_op, (q, k, w, ids, length, False, 0.3))
+
+
+def test_empty_shapes_give_zeros_without_a_launch(monkeypatch):
+    import torch
+
+    from dsagen.kernels.indexer_score_recompute import host as isr_host
+
+    monkeypatch.setattr(isr_host, "_launch_plan", lambda *a, **k: pytest.fail("no launch for an empty call"))
+    bf = torch.bfloat16
+    for b, s_q, s_k, k in ((1, 0, 5, 4), (1, 3, 5, 0), (2, 3, 0, 4)):
+        q, w = torch.randn(b, s_q, 64, 128).to(bf), torch.randn(b, s_q, 64).to(bf)
+        out = isr_host.run(q, torch.randn(b, s_k, 128).to(bf), w, torch.zeros(b, s_q, k, dtype=torch.int32), None,
+                           False, 1.0)
+        assert out.shape == (b, s_q, k) and out.dtype == torch.float32 and not out.any()

@@ -16,7 +16,8 @@ import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
-from .spec import IndexerTopkRowsPlan, IndexerTopkRowsSpec, config_for
+from ..lightning_indexer.topk_limits import TopkPlan
+from .spec import IndexerTopkRowsSpec, config_for
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_ROWS = 2**31 - 1
@@ -34,7 +35,7 @@ class _Plan:
     """The loaded kernels of one device's plan (every kernel loaded at the first call, so a later call with other
     sizes can be captured in a CUDA graph)."""
 
-    def __init__(self, plan: IndexerTopkRowsPlan, device: torch.device):
+    def __init__(self, plan: TopkPlan, device: torch.device):
         self.plan = plan
         self.num_sms = device_sm_count(device_index(device))
         self.kernels: dict[IndexerTopkRowsSpec, LoadedKernel] = {
@@ -47,7 +48,7 @@ class _Plan:
 _plans: dict = {}
 
 
-def _device_plan(device: torch.device, plan: IndexerTopkRowsPlan | None) -> _Plan:
+def _device_plan(device: torch.device, plan: TopkPlan | None) -> _Plan:
     key = (device, plan)
     p = _plans.get(key)
     if p is None:
@@ -69,8 +70,8 @@ def fp32_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def run(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int, return_values: bool,
-        plan: IndexerTopkRowsPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The launch on validated inputs (see indexer_topk); `plan`: None (the op's) or another IndexerTopkRowsPlan."""
+        plan: TopkPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The launch on validated inputs (see indexer_topk); `plan`: None (the op's) or another TopkPlan."""
     reason = supported_reason(input_values)
     if reason:
         raise NotImplementedError(f"indexer_topk: {reason}")
@@ -112,10 +113,10 @@ def _(input_values, seq_lens, top_k, return_values):
 
 
 def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int, *, return_values: bool = True,
-                 plan: IndexerTopkRowsPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 plan: TopkPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fused top-k on inputs that dsagen.ops.indexer validated: input_values `(n_rows, n_cols)` FP32 / FP16 / BF16
     CUDA, seq_lens int32 `(G,)` with G dividing n_rows (one length per n_rows // G consecutive rows), top_k >= 0.
-    plan: None (the op's, through the custom op) or another IndexerTopkRowsPlan (a direct launch, for benchmarks).
+    plan: None (the op's, through the custom op) or another TopkPlan (a direct launch, for benchmarks).
     Returns (indices int32 `(n_rows, top_k)` ascending per row and -1 padded, values in the input dtype or None).
     Raises NotImplementedError (with the reason) for inputs the kernel does not cover."""
     reason = supported_reason(input_values)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...spec.base import KernelSpec, register_spec
-from ..lightning_indexer.topk_limits import INDEXER_TOPK_THREADS, TOPK_COMPACT_CAP
+from ..lightning_indexer.topk_limits import INDEXER_TOPK_THREADS, TOPK_COMPACT_CAP, TopkPlan, measured_plan
 
 
 @register_spec
@@ -46,34 +46,7 @@ class IndexerTopkRowsSpec(KernelSpec):
         return {**super().template_context(), "compact_cap": TOPK_COMPACT_CAP.get(self.threads, 0) if self.sample else 0}
 
 
-@dataclass(frozen=True)
-class IndexerTopkRowsPlan:
-    """The kernels of a fused indexer_topk call and the per-call choice among them.
-
-    narrow / wide: ((max_columns or None, spec), ...): the first entry whose max_columns is None or >= the call's
-    column count wins; `wide` applies when the rows fit one wave (rows <= SMs)."""
-
-    narrow: tuple[tuple[int | None, IndexerTopkRowsSpec], ...]
-    wide: tuple[tuple[int | None, IndexerTopkRowsSpec], ...]
-
-    def specs(self) -> tuple[IndexerTopkRowsSpec, ...]:
-        """Every distinct spec of the plan, in plan order (what a build must compile)."""
-        return tuple(dict.fromkeys(spec for _, spec in (*self.narrow, *self.wide)))
-
-    def pick(self, n_cols: int, rows: int, num_sms: int) -> IndexerTopkRowsSpec:
-        """The spec for `rows` rows of `n_cols` columns on a GPU of `num_sms` SMs."""
-        for limit, spec in (self.wide if rows <= num_sms else self.narrow):
-            if limit is None or n_cols <= limit:
-                return spec
-        raise AssertionError("a top-k plan ends with an entry for any length")
-
-
-def config_for(arch: str) -> IndexerTopkRowsPlan:
-    """The plan of the fused indexer_topk on `arch`: the lightning indexer's top-k plan (lightning_indexer/spec.py
-    config_for; measured on its slab rows, 2026-11-29): 128 threads up to 12288 columns, then 512 threads with the
-    sampled threshold up to 65536, then 1024 sampled; rows that fit one wave take 1024 threads."""
-    def topk(threads: int, sample: bool = False) -> IndexerTopkRowsSpec:
-        return IndexerTopkRowsSpec(arch=arch, threads=threads, sample=sample)
-
-    return IndexerTopkRowsPlan(narrow=((12288, topk(128)), (65536, topk(512, True)), (None, topk(1024, True))),
-                               wide=((12288, topk(1024)), (None, topk(1024, True))))
+def config_for(arch: str) -> TopkPlan:
+    """The plan of the fused indexer_topk on `arch` (the launch's rows and columns pick the kernel): the lightning
+    indexer's top-k plan (topk_limits.measured_plan, measured on its slab rows, 2026-11-29)."""
+    return measured_plan(lambda threads, sample: IndexerTopkRowsSpec(arch=arch, threads=threads, sample=sample))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...spec.base import KernelSpec, register_spec
-from .topk_limits import INDEXER_TOPK_THREADS, TOPK_COMPACT_CAP  # the top-k kernels' limits (shared with indexer_topk)
+from .topk_limits import INDEXER_TOPK_THREADS, TOPK_COMPACT_CAP, TopkPlan, measured_plan  # shared with indexer_topk
 
 #: Heads the score kernel implements. The wgmma N tile is 128 (token, head) columns, i.e. 128 // H
 #: query tokens per CTA, so H must divide 128 and be a multiple of 8 (one 8-column accumulator block).
@@ -134,33 +134,6 @@ class IndexerTopkSpec(KernelSpec):
 
 
 @dataclass(frozen=True)
-class TopkPlan:
-    """The top-k kernels of a fused lightning_indexer call and the host's per-slab choice among them.
-
-    narrow / wide: ((max_candidates or None, spec), ...): the first entry whose max_candidates is None or >= the
-    slab's longest possible row wins; `wide` applies when the slab's rows fit one wave (rows <= SMs)."""
-
-    narrow: tuple[tuple[int | None, IndexerTopkSpec], ...]
-    wide: tuple[tuple[int | None, IndexerTopkSpec], ...]
-
-    @classmethod
-    def single(cls, narrow: IndexerTopkSpec, wide: IndexerTopkSpec | None = None) -> "TopkPlan":
-        """One kernel for every slab (`wide`, when given, for slabs whose rows fit one wave): benchmark baselines."""
-        return cls(((None, narrow),), ((None, wide or narrow),))
-
-    def specs(self) -> tuple[IndexerTopkSpec, ...]:
-        """Every distinct top-k spec of the plan, in plan order (what a build must compile)."""
-        return tuple(dict.fromkeys(spec for _, spec in (*self.narrow, *self.wide)))
-
-    def pick(self, max_candidates: int, rows: int, num_sms: int) -> IndexerTopkSpec:
-        """The spec for a slab of `rows` rows of at most `max_candidates` candidates on a GPU of `num_sms` SMs."""
-        for limit, spec in (self.wide if rows <= num_sms else self.narrow):
-            if limit is None or max_candidates <= limit:
-                return spec
-        raise AssertionError("a top-k plan ends with an entry for any length")
-
-
-@dataclass(frozen=True)
 class IndexerConfig:
     """Every measured choice of a fused lightning_indexer call (config_for picks it; a benchmark passes a variant
     to dsagen.kernels.lightning_indexer.host.lightning_indexer(..., config=...)).
@@ -196,11 +169,7 @@ def config_for(num_heads: int, head_dim: int, dtype: str, arch: str) -> IndexerC
     - Slab: at most 128 MiB (the best of 8 / 16 / 32 / 64 / 128 MiB: T=131072 312 -> 268 ms against 32 MiB) and
       1024 rows; work items of 4096 candidates (2048 / 8192 / 16384: within the noise).
     """
-    def topk(threads: int, sample: bool = False) -> IndexerTopkSpec:
-        return IndexerTopkSpec(arch=arch, threads=threads, sample=sample)
-
-    plan = TopkPlan(narrow=((12288, topk(128)), (65536, topk(512, True)), (None, topk(1024, True))),
-                    wide=((12288, topk(1024)), (None, topk(1024, True))))
+    plan = measured_plan(lambda threads, sample: IndexerTopkSpec(arch=arch, threads=threads, sample=sample))
     return IndexerConfig(score=IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
                                                 stages=4),
                          topk=plan, chunk_rows=4096, slab_bytes=128 * 2 ** 20, slab_max_rows=1024)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...spec.base import KernelSpec, register_spec
-from ..lightning_indexer.topk_limits import INDEXER_TOPK_THREADS, TOPK_COMPACT_CAP, TopkPlan, measured_plan
+from ..lightning_indexer.topk_limits import TopkPlan, compact_cap, measured_plan, topk_kernel_reasons
 
 
 @register_spec
@@ -35,15 +35,11 @@ class IndexerTopkRowsSpec(KernelSpec):
         if self.arch != "sm_90a":
             out.append(f"the indexer top-k kernel is implemented for sm_90a only, not {self.arch}; use "
                        f"impl='reference' elsewhere")
-        if self.threads not in INDEXER_TOPK_THREADS:
-            out.append(f"threads={self.threads} must be one of {INDEXER_TOPK_THREADS}")
-        elif self.sample and self.threads not in TOPK_COMPACT_CAP:
-            out.append(f"sample=True needs threads in {tuple(TOPK_COMPACT_CAP)}")
-        return out
+        return out + topk_kernel_reasons(self.threads, self.sample)
 
     def template_context(self) -> dict[str, Any]:
         """The fields plus `compact_cap` (TOPK_COMPACT_CAP of this thread count with sample, else 0)."""
-        return {**super().template_context(), "compact_cap": TOPK_COMPACT_CAP.get(self.threads, 0) if self.sample else 0}
+        return {**super().template_context(), "compact_cap": compact_cap(self.threads, self.sample)}
 
 
 def config_for(arch: str) -> TopkPlan:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...spec.base import KernelSpec, register_spec
-from .topk_limits import INDEXER_TOPK_THREADS, TOPK_COMPACT_CAP, TopkPlan, measured_plan  # shared with indexer_topk
+from .topk_limits import (  # the top-k kernels' limits and plan, shared with indexer_topk
+    INDEXER_TOPK_THREADS, TOPK_COMPACT_CAP, TopkPlan, compact_cap, measured_plan, topk_kernel_reasons)
 
 #: Heads the score kernel implements. The wgmma N tile is 128 (token, head) columns, i.e. 128 // H
 #: query tokens per CTA, so H must divide 128 and be a multiple of 8 (one 8-column accumulator block).
@@ -122,15 +123,11 @@ class IndexerTopkSpec(KernelSpec):
         out = super().reasons()
         if self.arch != "sm_90a":
             out.append(f"the lightning-indexer top-k kernel is implemented for sm_90a only, not {self.arch}")
-        if self.threads not in INDEXER_TOPK_THREADS:
-            out.append(f"threads={self.threads} must be one of {INDEXER_TOPK_THREADS}")
-        elif self.sample and self.threads not in TOPK_COMPACT_CAP:
-            out.append(f"sample=True needs threads in {tuple(TOPK_COMPACT_CAP)}")
-        return out
+        return out + topk_kernel_reasons(self.threads, self.sample)
 
     def template_context(self) -> dict[str, Any]:
         """The fields plus `compact_cap` (TOPK_COMPACT_CAP of this thread count with sample, else 0)."""
-        return {**super().template_context(), "compact_cap": TOPK_COMPACT_CAP.get(self.threads, 0) if self.sample else 0}
+        return {**super().template_context(), "compact_cap": compact_cap(self.threads, self.sample)}
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,21 @@ INDEXER_TOPK_THREADS = (128, 512, 1024)
 TOPK_COMPACT_CAP = {512: 12288, 1024: 24576}
 
 
+
+def topk_kernel_reasons(threads: int, sample: bool) -> list[str]:
+    """Why a top-k kernel of `threads` threads (sample: the sampled threshold) cannot be built ([] when it can)."""
+    if threads not in INDEXER_TOPK_THREADS:
+        return [f"threads={threads} must be one of {INDEXER_TOPK_THREADS}"]
+    if sample and threads not in TOPK_COMPACT_CAP:
+        return [f"sample=True needs threads in {tuple(TOPK_COMPACT_CAP)}"]
+    return []
+
+
+def compact_cap(threads: int, sample: bool) -> int:
+    """The (key, id) shared-memory entries per row a top-k kernel is built with: TOPK_COMPACT_CAP[threads] with
+    sample, else 0."""
+    return TOPK_COMPACT_CAP.get(threads, 0) if sample else 0
+
 @dataclass(frozen=True)
 class TopkPlan:
     """Top-k kernels and the per-launch choice among them (the lightning indexer's per slab, indexer_topk's per call).

@@ -70,6 +70,15 @@ def test_a_smaller_variant_gets_its_own_head_counts():
     assert model_from_config(_config(qk_rope_head_dim=0)).d_qk == 512
     assert [s.num_heads for s in specs_for_model(model_from_config(_config(num_attention_heads=96)), "sm_90a")
             if isinstance(s, SparseAttnFwdSpec)] == [128, 128]
+    # the indexer's training kernels follow its heads and head dim: 32 heads run padded to 64
+    (isr,) = [s for s in specs if isinstance(s, IndexerScoreRecomputeSpec)]
+    assert (isr.num_heads, isr.head_dim, isr.dtype) == (64, 64, "float16")
+    assert [(b.head_dim, b.dtype, b.deterministic) for b in specs if isinstance(b, IndexerBwdSpec)] == [
+        (64, "float16", False), (64, "float16", True)]
+    # a 128-head indexer has a 128-head score recompute and no fused backward (64 heads at most)
+    wide = specs_for_model(model_from_config(_config(index_n_heads=128)), "sm_90a")
+    assert [s.num_heads for s in wide if isinstance(s, IndexerScoreRecomputeSpec)] == [128]
+    assert not [s for s in wide if isinstance(s, IndexerBwdSpec)]
 
 
 def test_tensor_parallel_splits_the_mla_heads_only():

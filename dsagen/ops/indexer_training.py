@@ -79,7 +79,7 @@ def sparse_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Ten
         topk_indices_global: ids are flat b * S_k + local (default False: per-batch local ids, as cuDNN frontend DSA).
         sm_scale: positive scale applied to the head-reduced score before the softmax (default 1; the
             document's formula has none, cuDNN's kernels take it; it must match indexer_backward's sm_scale).
-        impl: "fused" (default) or "reference".
+        impl: "fused" (default; sm_90a: bf16/fp16 q and k, D 64/128, H <= 128, any topk) or "reference".
 
     Returns:
         predict [B, S_q, topk], FP32 (FP64 for FP64 inputs); 0 on invalid slots and all-invalid rows.
@@ -197,7 +197,8 @@ def indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: torc
         deterministic: d_index_k bitwise the same run to run (default False: the fused kernel adds FP32 atomics
             and the reference uses index_add_, whose order on CUDA is not fixed). d_index_q and d_weights are
             always deterministic.
-        impl: "fused" (default) or "reference".
+        impl: "fused" (default; sm_90a: bf16/fp16 index_q and index_k, D 64/128, H <= 64, any topk) or
+            "reference".
 
     Returns:
         IndexerGrads(d_index_q, d_weights, d_index_k), each in the dtype of its input (accumulated in FP32,

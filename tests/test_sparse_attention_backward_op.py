@@ -342,22 +342,27 @@ def test_reference_autograd_never_calls_the_fused_backward(monkeypatch):
 # torch.compile finds the fused host modules without an eager call
 
 
-def test_fused_impl_resolves_the_sparse_mla_hosts_while_dynamo_traces():
+def test_fused_impl_resolves_the_compiled_ops_hosts_while_dynamo_traces():
     """A fresh process: nothing resolved yet, and importlib cannot be traced; the static imports can."""
     code = """
 import torch
 from dsagen.ops import _fused
 dev = torch.device("cuda")          # fused_impl only reads device.type: no CUDA needed
+ops = ("sparse_attention", "sparse_attention_backward", "sparse_attn_score_recompute",
+       "sparse_indexer_score_recompute", "indexer_backward", "indexer_topk")
 def f(x):
-    _fused.fused_impl("sparse_attention", dev)
-    _fused.fused_impl("sparse_attention_backward", dev)
+    for op in ops:
+        _fused.fused_impl(op, dev)
     return x + 1
 assert not _fused._resolved
 y = torch.compile(f, fullgraph=True, backend="eager")(torch.ones(2))
 assert y.tolist() == [2.0, 2.0]
-from dsagen.kernels.sparse_mla.host import sparse_attention
-from dsagen.kernels.sparse_mla_bwd.host import sparse_attention_backward
-assert _fused._resolved == {"sparse_attention": sparse_attention, "sparse_attention_backward": sparse_attention_backward}
+import importlib
+want = {}
+for op in ops:
+    mod, name = _fused.FUSED[op].split(":")
+    want[op] = getattr(importlib.import_module(mod), name)
+assert _fused._resolved == want, _fused._resolved
 print("ok")
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

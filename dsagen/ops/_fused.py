@@ -4,8 +4,9 @@ FUSED maps an op name to "module:function" of its fused implementation. An op wi
 fused kernel yet: `fused_impl` raises NotImplementedError naming the op and the arch, never falling back
 to the reference silently.
 
-Ops that run under `torch.compile` (the sparse MLA forward and backward, and the autograd backward that calls the
-latter) may be resolved for the first time while Dynamo traces: `importlib.import_module` cannot be traced, so
+Ops that run under `torch.compile` (the sparse MLA forward and backward, the autograd backward that calls the
+latter, both score recomputes, the indexer backward and the standalone top-k) may be resolved for the first time while
+Dynamo traces: `importlib.import_module` cannot be traced, so
 their host modules are also listed in `_TRACEABLE_IMPORTS`, whose loaders are plain `from ... import` statements
 that Dynamo executes. A `torch.compile(fullgraph=True)` program therefore needs no eager warm-up call to find them.
 """
@@ -42,10 +43,34 @@ def _sparse_mla_bwd_host():
     return host
 
 
+def _attn_score_recompute_host():
+    from ..kernels.attn_score_recompute import host
+    return host
+
+
+def _indexer_score_recompute_host():
+    from ..kernels.indexer_score_recompute import host
+    return host
+
+
+def _indexer_bwd_host():
+    from ..kernels.indexer_bwd import host
+    return host
+
+
+def _indexer_topk_host():
+    from ..kernels.indexer_topk import host
+    return host
+
+
 # host module -> a loader Dynamo can trace (static imports), for the ops reachable from a compiled program
 _TRACEABLE_IMPORTS: dict[str, Callable] = {
     "dsagen.kernels.sparse_mla.host": _sparse_mla_host,
     "dsagen.kernels.sparse_mla_bwd.host": _sparse_mla_bwd_host,
+    "dsagen.kernels.attn_score_recompute.host": _attn_score_recompute_host,
+    "dsagen.kernels.indexer_score_recompute.host": _indexer_score_recompute_host,
+    "dsagen.kernels.indexer_bwd.host": _indexer_bwd_host,
+    "dsagen.kernels.indexer_topk.host": _indexer_topk_host,
 }
 
 

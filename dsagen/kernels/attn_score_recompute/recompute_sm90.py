@@ -38,19 +38,11 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int8, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
+from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_mn_view, cp_async_rows, gather_tile_rows, l2_evict_first_policy,
                                                  load_tile_ids, sw128, swizzled_byte_offset)
 
 LOG2E = math.log2(math.e)
-
-
-class AttnScoreRecompute(NamedTuple):
-    """A built score recompute: the rendered module's PARAMS, LAUNCH, kernel and host, in that order."""
-
-    params: list[dict]
-    launch: dict
-    kernel: Any
-    host: Any
 
 
 def params(dtype: str) -> list[dict]:
@@ -74,13 +66,13 @@ def params(dtype: str) -> list[dict]:
     ]
 
 
-def build(num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int) -> AttnScoreRecompute:
+def build(num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int) -> BuiltKernel:
     """A new score recompute kernel for one AttnScoreRecomputeSpec's values. Each call returns distinct function
     objects, so every rendered module names its own kernel."""
     k = AttnScoreRecomputeSm90(num_heads, d_qk, dtype, regs_producer, regs_consumer)
     launch = {"grid": ["min(rows, n_ctas)", 1, 1], "block": [k.THREADS, 1, 1], "cluster": [1, 1, 1],
               "smem": k.Smem.size_in_bytes()}
-    return AttnScoreRecompute(params(dtype), launch, k.kernel, k.host)
+    return BuiltKernel(params(dtype), launch, k.kernel, k.host)
 
 
 class KernelArgs(NamedTuple):

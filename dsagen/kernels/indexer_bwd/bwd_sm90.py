@@ -45,19 +45,11 @@ from cutlass import Float32, Int8, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 
+from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_rows, gather_ring_tile,
                                                  init_gather_ring, l2_evict_first_policy, load_tile_ids,
                                                  quad_v4_columns, red_add_v4_f32, st_global_v4_f32, store_row_v4,
                                                  sw128, swizzled_byte_offset)
-
-
-class IndexerBwd(NamedTuple):
-    """A built indexer backward: the rendered module's PARAMS, LAUNCH, kernel and host, in that order."""
-
-    params: list[dict]
-    launch: dict
-    kernel: Any
-    host: Any
 
 
 def params(dtype: str) -> list[dict]:
@@ -80,13 +72,13 @@ def params(dtype: str) -> list[dict]:
 
 
 def build(num_heads: int, head_dim: int, dtype: str, deterministic: bool, stages: int, regs_producer: int,
-          regs_consumer: int) -> IndexerBwd:
+          regs_consumer: int) -> BuiltKernel:
     """A new indexer backward kernel for one IndexerBwdSpec's values. Each call returns distinct function objects,
     so every rendered module names its own kernel."""
     k = IndexerBwdSm90(num_heads, head_dim, dtype, deterministic, stages, regs_producer, regs_consumer)
     launch = {"grid": ["min(rows, n_ctas)", 1, 1], "block": [k.THREADS, 1, 1], "cluster": [1, 1, 1],
               "smem": k.Smem.size_in_bytes()}
-    return IndexerBwd(params(dtype), launch, k.kernel, k.host)
+    return BuiltKernel(params(dtype), launch, k.kernel, k.host)
 
 
 class KernelArgs(NamedTuple):

@@ -44,19 +44,11 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int8, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
+from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_mn_view, cp_async_rows, gather_ring_tile, init_gather_ring,
                                                  l2_evict_first_policy, load_tile_ids, sw128, swizzled_byte_offset)
 
 NEG_INF = -math.inf
-
-
-class IndexerScoreRecompute(NamedTuple):
-    """A built indexer score recompute: the rendered module's PARAMS, LAUNCH, kernel and host, in that order."""
-
-    params: list[dict]
-    launch: dict
-    kernel: Any
-    host: Any
 
 
 def params(dtype: str) -> list[dict]:
@@ -79,13 +71,13 @@ def params(dtype: str) -> list[dict]:
     ]
 
 
-def build(num_heads: int, head_dim: int, dtype: str, stages: int, ctas_per_sm: int) -> IndexerScoreRecompute:
+def build(num_heads: int, head_dim: int, dtype: str, stages: int, ctas_per_sm: int) -> BuiltKernel:
     """A new indexer score recompute kernel for one IndexerScoreRecomputeSpec's values. Each call returns distinct
     function objects, so every rendered module names its own kernel."""
     k = IndexerScoreRecomputeSm90(num_heads, head_dim, dtype, stages, ctas_per_sm)
     launch = {"grid": ["min(rows, n_ctas)", 1, 1], "block": [k.THREADS, 1, 1], "cluster": [1, 1, 1],
               "smem": k.Smem.size_in_bytes()}
-    return IndexerScoreRecompute(params(dtype), launch, k.kernel, k.host)
+    return BuiltKernel(params(dtype), launch, k.kernel, k.host)
 
 
 class KernelArgs(NamedTuple):

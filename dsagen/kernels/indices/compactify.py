@@ -9,20 +9,12 @@ run-time arguments.
 plus the flat ABI (`params`) and the launch declaration (`launch`) of the rendered kernel module.
 """
 
-from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-
-class Compactify(NamedTuple):
-    """A built compactify kernel: the rendered module's PARAMS, LAUNCH, kernel and host, in that order."""
-
-    params: list[dict]
-    launch: dict
-    kernel: Any
-    host: Any
+from dsagen.kernels.built import BuiltKernel
 
 
 def params() -> list[dict]:
@@ -45,7 +37,7 @@ def launch(warps_per_cta: int) -> dict:
             "cluster": [1, 1, 1], "smem": 0}
 
 
-def build(warps_per_cta: int) -> Compactify:
+def build(warps_per_cta: int) -> BuiltKernel:
     """A new compactify kernel for `warps_per_cta` (a power of two in 1..32) warps, i.e. rows, per CTA.
 
     Arguments of `kernel` and `host` (the PARAMS order): idx (n_rows, ld_idx) int32, length (n_rows,) int32
@@ -92,4 +84,4 @@ def build(warps_per_cta: int) -> Compactify:
         kernel(p_idx, p_len, p_out, p_out_len, n_rows, k, ld_idx, has_length).launch(
             grid=((n_rows + warps - 1) // warps, 1, 1), block=(warps * 32, 1, 1))
 
-    return Compactify(params(), launch(warps_per_cta), kernel, host)
+    return BuiltKernel(params(), launch(warps_per_cta), kernel, host)

@@ -9,20 +9,12 @@ run-time arguments.
 constants, plus the flat ABI (`params`) and the launch declaration (`launch`) of the rendered kernel module.
 """
 
-from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-
-class LocalToGlobal(NamedTuple):
-    """A built local_to_global kernel: the rendered module's PARAMS, LAUNCH, kernel and host, in that order."""
-
-    params: list[dict]
-    launch: dict
-    kernel: Any
-    host: Any
+from dsagen.kernels.built import BuiltKernel
 
 
 def params() -> list[dict]:
@@ -42,7 +34,7 @@ def launch(threads: int, items_per_thread: int) -> dict:
             "cluster": [1, 1, 1], "smem": 0}
 
 
-def build(threads: int, items_per_thread: int) -> LocalToGlobal:
+def build(threads: int, items_per_thread: int) -> BuiltKernel:
     """A new local_to_global kernel for `threads` (64..1024, a power of two) threads per CTA, each handling
     `items_per_thread` (1, 2, 4 or 8) ids.
 
@@ -75,4 +67,4 @@ def build(threads: int, items_per_thread: int) -> LocalToGlobal:
         kernel(p_idx, p_out, per_batch, batch, seqlen_k).launch(
             grid=((per_batch + threads * items - 1) // (threads * items), batch, 1), block=(threads, 1, 1))
 
-    return LocalToGlobal(params(), launch(threads, items_per_thread), kernel, host)
+    return BuiltKernel(params(), launch(threads, items_per_thread), kernel, host)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...spec.base import KernelSpec, register_spec
-from .topk_limits import (  # the top-k kernels' limits and plan, shared with indexer_topk
+from .topk_limits import (  # noqa: F401 (the limits are re-exported): the top-k kernels' limits and plan
     INDEXER_TOPK_THREADS, TOPK_COMPACT_CAP, TopkPlan, compact_cap, measured_plan, topk_kernel_reasons)
 
 #: Heads the score kernel implements. The wgmma N tile is 128 (token, head) columns, i.e. 128 // H

@@ -56,21 +56,13 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.experimental import primitives as prims
 
+from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_rows,
                                                  l2_evict_first_policy, store_row_v4, sw128, swizzled_byte_offset)
 from dsagen.kernels.sparse_mla.softmax_sm90 import exp_and_rescale, masked_row_max
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-
-
-class SparseMlaFwd(NamedTuple):
-    """A built sparse MLA forward: the rendered module's PARAMS, LAUNCH, kernel and host, in that order."""
-
-    params: list[dict]
-    launch: dict
-    kernel: Any
-    host: Any
 
 
 def params(dtype: str, lse_prefix: bool = False) -> list[dict]:
@@ -101,13 +93,13 @@ def params(dtype: str, lse_prefix: bool = False) -> list[dict]:
 
 
 def build(num_heads: int, d_qk: int, d_v: int, dtype: str, block_n: int, stages: int, regs_producer: int,
-          regs_qk: int, regs_pv: int, lse_prefix: bool = False) -> SparseMlaFwd:
+          regs_qk: int, regs_pv: int, lse_prefix: bool = False) -> BuiltKernel:
     """A new sparse MLA forward for one SparseAttnFwdSpec's values (SparseMlaFwdSm90 lists the constraints). Each
     call returns distinct function objects, so every rendered module names its own kernel."""
     fwd = SparseMlaFwdSm90(num_heads, d_qk, d_v, dtype, block_n, stages, regs_producer, regs_qk, regs_pv, lse_prefix)
     launch = {"grid": [f"min(s_q * {fwd.HB}, n_ctas)", 1, 1], "block": [fwd.THREADS, 1, 1], "cluster": [1, 1, 1],
               "smem": fwd.Smem.size_in_bytes()}
-    return SparseMlaFwd(params(dtype, lse_prefix), launch, fwd.kernel, fwd.host)
+    return BuiltKernel(params(dtype, lse_prefix), launch, fwd.kernel, fwd.host)
 
 
 class KernelArgs(NamedTuple):

@@ -57,20 +57,12 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_16_policy, gather_tile_rows,
                                                  l2_evict_first_policy, quad_v4_columns, red_add_v4_f32,
                                                  st_global_v4_f32, store_row_v4, sw128, swizzled_byte_offset)
 
 LOG2E = math.log2(math.e)
-
-
-class SparseMlaBwd(NamedTuple):
-    """A built sparse MLA backward: the rendered module's PARAMS, LAUNCH, kernel and host, in that order."""
-
-    params: list[dict]
-    launch: dict
-    kernel: Any
-    host: Any
 
 
 def params(dtype: str) -> list[dict]:
@@ -102,13 +94,13 @@ def params(dtype: str) -> list[dict]:
 
 
 def build(num_heads: int, d_qk: int, d_v: int, dtype: str, deterministic: bool, regs_producer: int, regs_a: int,
-          regs_b: int) -> SparseMlaBwd:
+          regs_b: int) -> BuiltKernel:
     """A new sparse MLA backward for one SparseAttnBwdSpec's values (SparseMlaBwdSm90 lists the constraints). Each
     call returns distinct function objects, so every rendered module names its own kernel."""
     bwd = SparseMlaBwdSm90(num_heads, d_qk, d_v, dtype, deterministic, regs_producer, regs_a, regs_b)
     launch = {"grid": [f"min(s_q * {bwd.HB}, n_ctas)", 1, 1], "block": [bwd.THREADS, 1, 1], "cluster": [1, 1, 1],
               "smem": bwd.Smem.size_in_bytes()}
-    return SparseMlaBwd(params(dtype), launch, bwd.kernel, bwd.host)
+    return BuiltKernel(params(dtype), launch, bwd.kernel, bwd.host)
 
 
 # ------------------------------------------------------------------------------------------ PTX helpers

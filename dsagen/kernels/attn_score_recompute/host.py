@@ -16,7 +16,7 @@ import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
-from ..sparse_mla.host import kernel_heads
+from ..sparse_mla.host import kernel_heads, padded_heads
 from .spec import AttnScoreRecomputeConfig, AttnScoreRecomputeSpec, config_for
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -103,18 +103,8 @@ def run(q_attn: torch.Tensor, k_attn: torch.Tensor, lse: torch.Tensor, topk_indi
                          f"int32 limits")
     spec, kernel, n_ctas = _launch_plan(h, d, q_attn.dtype, q_attn.device, config)
     hp = spec.num_heads
-    q = q_attn.reshape(rows, h, d)
-    lse_f = lse.reshape(rows, h).to(torch.float32)
-    if hp != h:
-        qp = q.new_zeros((rows, hp, d))
-        qp[:, :h] = q
-        q = qp
-        lp = lse_f.new_full((rows, hp), float("inf"))
-        lp[:, :h] = lse_f
-        lse_f = lp
-    elif not q.is_contiguous() or q.data_ptr() % 16:
-        q = q.clone(memory_format=torch.contiguous_format)
-    lse_f = lse_f.contiguous()
+    q = padded_heads(q_attn.reshape(rows, h, d), hp)
+    lse_f = padded_heads(lse.reshape(rows, h).to(torch.float32), hp, float("inf"))
     keys = k_attn.reshape(n_kv, d)
     if keys.stride(1) != 1 or keys.stride(0) % 8 or keys.data_ptr() % 16:
         keys = keys.clone(memory_format=torch.contiguous_format)

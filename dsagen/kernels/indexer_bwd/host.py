@@ -23,6 +23,7 @@ import torch
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
 from ..indices.host import batch_flat_ids
+from ..sparse_mla.host import padded_heads
 from .spec import IndexerBwdConfig, IndexerBwdSpec, config_for
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -93,18 +94,8 @@ def run(index_q, weights, index_k, attn_score, index_score, topk_indices, grad_l
     ids = batch_flat_ids(topk_indices, s_k, topk_indices_global)
     valid = ids >= 0
     d_i = score_grad(attn_score, index_score, valid, grad_loss, loss_coeff, rows, sm_scale)
-    q = index_q.reshape(rows, h, d)
-    w = weights.reshape(rows, h).to(torch.float32)
-    if h != HEADS:
-        qp = q.new_zeros((rows, HEADS, d))
-        qp[:, :h] = q
-        q = qp
-        wp = w.new_zeros((rows, HEADS))
-        wp[:, :h] = w
-        w = wp
-    elif not q.is_contiguous() or q.data_ptr() % 16:
-        q = q.contiguous()
-    w = w.contiguous()
+    q = padded_heads(index_q.reshape(rows, h, d), HEADS)
+    w = padded_heads(weights.reshape(rows, h).to(torch.float32), HEADS)
     keys = index_k.reshape(n_k, d)
     if keys.stride(1) != 1 or keys.stride(0) % 8 or keys.data_ptr() % 16:
         keys = keys.contiguous()

@@ -18,6 +18,7 @@ import torch
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
 from ..indices.host import batch_flat_ids
+from ..sparse_mla.host import padded_heads
 from .spec import IndexerScoreRecomputeConfig, IndexerScoreRecomputeSpec, config_for, kernel_heads
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -70,23 +71,13 @@ def run(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor,
     rows, n_k = b * s_q, b * s_k
     if rows == 0 or topk == 0 or s_k == 0:
         return torch.zeros((b, s_q, topk), dtype=torch.float32, device=q_indexer.device)
-    if rows > _INT32_MAX or n_k > _INT32_MAX or rows * topk > 2**62:
+    if rows > _INT32_MAX or n_k > _INT32_MAX:
         raise ValueError(f"sparse_indexer_score_recompute: {rows} query rows / {n_k} key rows exceed the kernel's "
                          f"int32 limits")
     spec, kernel, n_ctas = _launch_plan(h, d, q_indexer.dtype, q_indexer.device, config)
     hp = spec.num_heads
-    q = q_indexer.reshape(rows, h, d)
-    w = weights.reshape(rows, h).to(torch.float32) * (float(sm_scale) * math.log2(math.e))
-    if hp != h:
-        qp = q.new_zeros((rows, hp, d))
-        qp[:, :h] = q
-        q = qp
-        wp = w.new_zeros((rows, hp))
-        wp[:, :h] = w
-        w = wp
-    elif not q.is_contiguous() or q.data_ptr() % 16:
-        q = q.clone(memory_format=torch.contiguous_format)
-    w = w.contiguous()
+    q = padded_heads(q_indexer.reshape(rows, h, d), hp)
+    w = padded_heads(weights.reshape(rows, h).to(torch.float32) * (float(sm_scale) * math.log2(math.e)), hp)
     keys = k_indexer.reshape(n_k, d)
     if keys.stride(1) != 1 or keys.stride(0) % 8 or keys.data_ptr() % 16:
         keys = keys.clone(memory_format=torch.contiguous_format)

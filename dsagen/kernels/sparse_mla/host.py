@@ -40,6 +40,16 @@ def kernel_heads(num_heads: int) -> int:
     return 64 if num_heads <= 64 else 128
 
 
+def padded_heads(t: torch.Tensor, hp: int, fill: float = 0.0) -> torch.Tensor:
+    """t `(rows, H, ...)` with heads padded to hp by `fill` (t itself, or a contiguous 16-byte-aligned copy, when
+    H == hp): the head-padded inputs of the attention and indexer kernels (q, lse, weights, out, dout)."""
+    if t.shape[1] == hp:
+        return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+    out = t.new_full((t.shape[0], hp, *t.shape[2:]), fill)
+    out[:, :t.shape[1]] = t
+    return out
+
+
 def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a",
              config: SparseAttnFwdConfig | None = None, lse_prefix: bool = False) -> SparseAttnFwdSpec:
     """The kernel spec that serves `num_heads` query heads (after padding to 64 or 128) under `config` (default:

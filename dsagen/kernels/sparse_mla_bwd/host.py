@@ -31,7 +31,7 @@ import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
-from ..sparse_mla.host import kernel_heads, supported_reason
+from ..sparse_mla.host import kernel_heads, padded_heads, supported_reason
 from .spec import SparseAttnBwdConfig, SparseAttnBwdSpec, config_for
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -143,15 +143,6 @@ def _launch_plan(h: int, d_qk: int, dtype: torch.dtype, device: torch.device, de
     return plan
 
 
-def _padded_heads(t: torch.Tensor, hp: int, fill: float = 0.0) -> torch.Tensor:
-    """t `(S_q, H, ...)` with heads padded to hp by `fill` (t itself, made contiguous, when H == hp)."""
-    if t.shape[1] == hp:
-        return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
-    out = t.new_full((t.shape[0], hp, *t.shape[2:]), fill)
-    out[:, :t.shape[1]] = t
-    return out
-
-
 def _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_scale: float, d_v: int,
             deterministic: bool, workspace: torch.Tensor | None, config: SparseAttnBwdConfig | None = None):
     """Launch the kernel on flat-layout inputs that supported_reason accepted (its callers check)."""
@@ -167,7 +158,7 @@ def _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_sc
 
     q_st = q.stride()
     if hp != h:
-        q = _padded_heads(q, hp)
+        q = padded_heads(q, hp)
     elif q_st[2] != 1 or q_st[1] != d_qk or q_st[0] % 8 or q.data_ptr() % 16:
         q = q.clone(memory_format=torch.contiguous_format)
     kv_st = kv.stride()
@@ -175,9 +166,9 @@ def _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_sc
         kv = kv.clone(memory_format=torch.contiguous_format)
     if topk_idxs.stride(1) != 1 and k_width > 1:
         topk_idxs = topk_idxs.contiguous()
-    out_p = _padded_heads(out, hp)
-    dout_p = _padded_heads(dout, hp)
-    lse_p = _padded_heads(lse.to(torch.float32), hp, float("inf"))
+    out_p = padded_heads(out, hp)
+    dout_p = padded_heads(dout, hp)
+    lse_p = padded_heads(lse.to(torch.float32), hp, float("inf"))
     sink = None
     if attn_sink is not None:
         sink = attn_sink.to(torch.float32)

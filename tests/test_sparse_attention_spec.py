@@ -164,7 +164,8 @@ def test_render(d_qk):
         assert name in kern
     # the CTAs loop over the items: grid min(items, n_ctas), the Q hand-over barrier, phases from the pair count
     assert kern.count("for item in cutlass.range(bidx, n_items, nctas, unroll=1):") == 2     # producer, consumers
-    assert '"grid": [f"min(s_q * {fwd.HB}, n_ctas)", 1, 1]' in kern and "q_free" in kern and "g = gp + k" in kern
+    assert 'BuiltKernel.of(params(dtype, lse_prefix), fwd, f"min(s_q * {fwd.HB}, n_ctas)")' in kern
+    assert "q_free" in kern and "g = gp + k" in kern
     # the producer fills the halves V0L, V1R, V0R, V1L: free[0][L], free[1][R], free[0][R], free[1][L]
     assert "mbarrier_wait(bars.hbar + (4 + 2 * s + h), free_phase)" in kern
     assert [4 + 2 * s + h for s, h in _class_constant(kern, "FILL_ORDER")] == [4, 7, 5, 6]

@@ -13,3 +13,11 @@ class BuiltKernel(NamedTuple):
     launch: dict
     kernel: Any
     host: Any
+
+    @classmethod
+    def of(cls, params: list[dict], k: Any, grid: str) -> "BuiltKernel":
+        """The built kernel of a kernel object `k` (its THREADS, Smem struct, kernel and host) launched on a 1-D grid
+        of `grid` CTAs (an expression over scalar params), no cluster, dynamic smem k.Smem's size."""
+        launch = {"grid": [grid, 1, 1], "block": [k.THREADS, 1, 1], "cluster": [1, 1, 1],
+                  "smem": k.Smem.size_in_bytes()}
+        return cls(params, launch, k.kernel, k.host)

@@ -70,9 +70,7 @@ def build(num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consum
     """A new score recompute kernel for one AttnScoreRecomputeSpec's values. Each call returns distinct function
     objects, so every rendered module names its own kernel."""
     k = AttnScoreRecomputeSm90(num_heads, d_qk, dtype, regs_producer, regs_consumer)
-    launch = {"grid": ["min(rows, n_ctas)", 1, 1], "block": [k.THREADS, 1, 1], "cluster": [1, 1, 1],
-              "smem": k.Smem.size_in_bytes()}
-    return BuiltKernel(params(dtype), launch, k.kernel, k.host)
+    return BuiltKernel.of(params(dtype), k, "min(rows, n_ctas)")
 
 
 class KernelArgs(NamedTuple):

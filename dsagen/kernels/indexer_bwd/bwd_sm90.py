@@ -76,9 +76,7 @@ def build(num_heads: int, head_dim: int, dtype: str, deterministic: bool, stages
     """A new indexer backward kernel for one IndexerBwdSpec's values. Each call returns distinct function objects,
     so every rendered module names its own kernel."""
     k = IndexerBwdSm90(num_heads, head_dim, dtype, deterministic, stages, regs_producer, regs_consumer)
-    launch = {"grid": ["min(rows, n_ctas)", 1, 1], "block": [k.THREADS, 1, 1], "cluster": [1, 1, 1],
-              "smem": k.Smem.size_in_bytes()}
-    return BuiltKernel(params(dtype), launch, k.kernel, k.host)
+    return BuiltKernel.of(params(dtype), k, "min(rows, n_ctas)")
 
 
 class KernelArgs(NamedTuple):

@@ -75,9 +75,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, ctas_per_sm: i
     """A new indexer score recompute kernel for one IndexerScoreRecomputeSpec's values. Each call returns distinct
     function objects, so every rendered module names its own kernel."""
     k = IndexerScoreRecomputeSm90(num_heads, head_dim, dtype, stages, ctas_per_sm)
-    launch = {"grid": ["min(rows, n_ctas)", 1, 1], "block": [k.THREADS, 1, 1], "cluster": [1, 1, 1],
-              "smem": k.Smem.size_in_bytes()}
-    return BuiltKernel(params(dtype), launch, k.kernel, k.host)
+    return BuiltKernel.of(params(dtype), k, "min(rows, n_ctas)")
 
 
 class KernelArgs(NamedTuple):

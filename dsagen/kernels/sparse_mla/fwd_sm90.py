@@ -97,9 +97,7 @@ def build(num_heads: int, d_qk: int, d_v: int, dtype: str, block_n: int, stages:
     """A new sparse MLA forward for one SparseAttnFwdSpec's values (SparseMlaFwdSm90 lists the constraints). Each
     call returns distinct function objects, so every rendered module names its own kernel."""
     fwd = SparseMlaFwdSm90(num_heads, d_qk, d_v, dtype, block_n, stages, regs_producer, regs_qk, regs_pv, lse_prefix)
-    launch = {"grid": [f"min(s_q * {fwd.HB}, n_ctas)", 1, 1], "block": [fwd.THREADS, 1, 1], "cluster": [1, 1, 1],
-              "smem": fwd.Smem.size_in_bytes()}
-    return BuiltKernel(params(dtype, lse_prefix), launch, fwd.kernel, fwd.host)
+    return BuiltKernel.of(params(dtype, lse_prefix), fwd, f"min(s_q * {fwd.HB}, n_ctas)")
 
 
 class KernelArgs(NamedTuple):

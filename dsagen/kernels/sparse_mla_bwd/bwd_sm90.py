@@ -98,9 +98,7 @@ def build(num_heads: int, d_qk: int, d_v: int, dtype: str, deterministic: bool, 
     """A new sparse MLA backward for one SparseAttnBwdSpec's values (SparseMlaBwdSm90 lists the constraints). Each
     call returns distinct function objects, so every rendered module names its own kernel."""
     bwd = SparseMlaBwdSm90(num_heads, d_qk, d_v, dtype, deterministic, regs_producer, regs_a, regs_b)
-    launch = {"grid": [f"min(s_q * {bwd.HB}, n_ctas)", 1, 1], "block": [bwd.THREADS, 1, 1], "cluster": [1, 1, 1],
-              "smem": bwd.Smem.size_in_bytes()}
-    return BuiltKernel(params(dtype), launch, bwd.kernel, bwd.host)
+    return BuiltKernel.of(params(dtype), bwd, f"min(s_q * {bwd.HB}, n_ctas)")
 
 
 # ------------------------------------------------------------------------------------------ PTX helpers

@@ -46,8 +46,8 @@ def test_compiles(tmp_path):
     for spec in config_for("sm_90a").specs():
         ck = compile_module(spec, render(spec), tmp_path / f"{spec.threads}{spec.sample}")
         assert ck.record["launch"]["grid"][0] == "n_rows" and ck.record["launch"]["block"][0] == spec.threads
-        assert [p["name"] for p in ck.record["params"]] == ["x", "out", "lens", "n_rows", "n_cols", "rows_per_len",
-                                                             "topk", "ld_x"]
+        assert [p["name"] for p in ck.record["params"]] == ["x", "out", "values", "lens", "n_rows", "n_cols",
+                                                             "rows_per_len", "topk", "ld_x", "has_values"]
 
 
 class _StandInKernel:
@@ -57,7 +57,7 @@ class _StandInKernel:
     def __init__(self):
         self.inputs = []
 
-    def launch(self, x, out, lens, n_rows, n_cols, rpl, topk, ld):
+    def launch(self, x, out, values, lens, n_rows, n_cols, rpl, topk, ld, has_values):
         import torch
 
         assert x.dtype == torch.float32 and ld % 4 == 0 and x.shape[1] % 4 == 0 and x.data_ptr() % 16 == 0
@@ -68,6 +68,8 @@ class _StandInKernel:
             order = sorted(range(n), key=lambda i: (-vals[i].item(), i))[:topk]
             ids = sorted(order) + [-1] * (topk - len(order))
             out[r] = torch.tensor(ids[:topk], dtype=torch.int32)
+            if has_values:
+                values[r] = torch.where(out[r] >= 0, x[r].gather(0, out[r].clamp_min(0).long()), float("-inf"))
 
 
 @pytest.mark.parametrize("dtype,n_cols", [("float32", 40), ("float32", 37), ("bfloat16", 40), ("float16", 9)])

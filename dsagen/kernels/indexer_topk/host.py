@@ -6,8 +6,8 @@ its first clamp(seq_lens[r // (n_rows // G)], 0, n_cols) columns. FP32 rows are 
 aligned with a column count that is a multiple of 4 (the kernel reads whole 16-byte vectors and masks the keys past
 the row's length); otherwise, and for FP16 / BF16 (exact in FP32, so order and ties are unchanged), the scores are
 copied into a zero-padded FP32 matrix of round_up(n_cols, 4) columns. The kernel the plan picks (by columns and
-whether the rows fit one wave) writes each row's ids in ascending order, -1 padded; the values are gathered from the
-input (-inf where the id is -1). Nothing synchronizes with the host; it is the custom op `dsagen::indexer_topk_fused`.
+whether the rows fit one wave) writes each row's ids in ascending order, -1 padded, and with return_values each one's
+score beside it (-inf where the id is -1; cast back to FP16 / BF16 inputs' dtype, exactly). Nothing synchronizes with the host; it is the custom op `dsagen::indexer_topk_fused`.
 """
 
 from __future__ import annotations
@@ -80,18 +80,20 @@ def run(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int, return_v
     if n_rows > _MAX_ROWS:
         raise ValueError(f"indexer_topk: {n_rows} rows exceed the kernel's grid limit ({_MAX_ROWS})")
     indices = torch.empty((n_rows, top_k), dtype=torch.int32, device=dev)
+    values = torch.empty((n_rows, top_k), dtype=torch.float32, device=dev) if return_values else None
     if n_rows == 0 or top_k == 0 or n_cols == 0:
         indices.fill_(-1)
+        if values is not None:
+            values.fill_(float("-inf"))
     else:
         x = fp32_rows(input_values)
         lens = seq_lens.contiguous()
         kernel = _device_plan(dev, plan).kernel(n_cols, n_rows)
-        kernel.launch(x, indices, lens, n_rows, n_cols, n_rows // lens.numel(), top_k, x.stride(0))
-    if not return_values:
-        return indices, None
-    picked = input_values.gather(1, indices.clamp_min(0).long()) if n_cols else \
-        input_values.new_zeros((n_rows, top_k))
-    return indices, torch.where(indices >= 0, picked, float("-inf"))
+        kernel.launch(x, indices, indices if values is None else values, lens, n_rows, n_cols,
+                      n_rows // lens.numel(), top_k, x.stride(0), int(values is not None))
+    if values is not None and input_values.dtype != torch.float32:
+        values = values.to(input_values.dtype)            # exact: the scores came from this dtype
+    return indices, values
 
 
 @torch.library.custom_op("dsagen::indexer_topk_fused", mutates_args=())

@@ -5,7 +5,8 @@
 For slab row r (query token (b, t) of the slab's token blocks) with n = hi - lo valid candidates, the kernel writes
 the ids of its `topk` largest scores to out[b, t, :] in ascending order (ties at the threshold resolved toward lower
 ids), or 0..n-1 followed by -1 when n <= topk. The rows kernel does the same for row r of the matrix over its first
-n = clamp(lens[r // rows_per_len], 0, n_cols) columns, into out[r, :].
+n = clamp(lens[r // rows_per_len], 0, n_cols) columns, into out[r, :], and writes each selected id's score beside it
+(values[r, :], -inf past the valid count).
 
 One CTA of `threads` threads per row; warp w owns one contiguous segment of the row (a multiple of 128 keys, read
 with 128-bit loads, 4 loads in flight per thread). Scores become order-preserving uint32 keys (negative floats: all
@@ -70,6 +71,12 @@ def f32_key(bits: Uint32) -> Uint32:
 
 
 @cute.jit
+def f32_bits(key: Uint32) -> Uint32:
+    """The fp32 bits of an order-preserving key (the inverse of f32_key)."""
+    return key ^ Uint32(0x80000000) if (key >> Uint32(31)) != Uint32(0) else ~key
+
+
+@cute.jit
 def warp_inclusive_scan(v: Int32, lane: Int32) -> Int32:
     for d in cutlass.range_constexpr(5):
         o = cute.arch.shuffle_sync_up(v, offset=1 << d)
@@ -111,9 +118,11 @@ def global_pass(p: cutlass.Constexpr, frag, mV, cand, nsteps, w0, lane, n, sWh, 
 
 
 @cute.jit
-def global_emit(frag, mV, mOut, nsteps, w0, lane, n, shift, prefix, k_eq, below, gt_run, gt_end, eq_run, eq_end):
+def global_emit(frag, mV, mOut, nsteps, w0, lane, n, shift, prefix, k_eq, below, gt_run, gt_end, eq_run, eq_end,
+                mVal=None, has_vals=None):
     """The ordered emit from this warp's segment in global memory: selected = key > thr, or key == thr among the
-    first k_eq of the row (by id); gt_run / eq_run: the row's selected-greater / tied keys before this warp."""
+    first k_eq of the row (by id); gt_run / eq_run: the row's selected-greater / tied keys before this warp. mVal
+    (None: no values): the selected scores' bits, slot by slot beside mOut, written when has_vals is not 0."""
     s0 = Int32(0)
     while s0 < nsteps and (gt_run < gt_end or eq_run < eq_end):   # warp-uniform
         load_group(frag, mV, s0, nsteps, w0, lane, n)
@@ -139,10 +148,16 @@ def global_emit(frag, mV, mOut, nsteps, w0, lane, n, shift, prefix, k_eq, below,
                 if ok and i0 + j < n:
                     if kk > prefix:
                         mOut[g_pos + cutlass.min(e_pos, k_eq)] = i0 + j
+                        if cutlass.const_expr(mVal is not None):
+                            if has_vals != 0:
+                                mVal[g_pos + cutlass.min(e_pos, k_eq)] = frag[j, u]
                         g_pos += 1
                     if kk == prefix:
                         if e_pos < k_eq:
                             mOut[g_pos + e_pos] = i0 + j
+                            if cutlass.const_expr(mVal is not None):
+                                if has_vals != 0:
+                                    mVal[g_pos + e_pos] = frag[j, u]
                         e_pos += 1
             gt_run += g_tot
             eq_run += e_tot
@@ -152,19 +167,22 @@ def global_emit(frag, mV, mOut, nsteps, w0, lane, n, shift, prefix, k_eq, below,
 PARAMS_ROWS = [
     {"name": "x", "kind": "ptr", "dtype": "float32", "align": 16},      # (n_rows, ld_x) fp32 scores
     {"name": "out", "kind": "ptr", "dtype": "int32", "align": 4},       # (n_rows, topk) int32
+    {"name": "values", "kind": "ptr", "dtype": "float32", "align": 4},  # (n_rows, topk) fp32 scores (has_values)
     {"name": "lens", "kind": "ptr", "dtype": "int32", "align": 4},      # (n_rows / rows_per_len,) int32
     {"name": "n_rows", "kind": "i32"},
     {"name": "n_cols", "kind": "i32"},
     {"name": "rows_per_len", "kind": "i32"},                            # rows sharing one length (>= 1)
     {"name": "topk", "kind": "i32"},
     {"name": "ld_x", "kind": "i64"},                                    # a multiple of 4 (16-byte rows)
+    {"name": "has_values", "kind": "i32"},                              # 0: values is not written
 ]
 
 
 def build(threads: int, sample: bool, compact_cap: int, rows: bool = False):
     """The top-k kernel of IndexerTopkSpec(threads, sample) (rows=False: over the slab rows, ABI PARAMS) or of
     IndexerTopkRowsSpec(threads, sample) (rows=True: row r of an (n_rows, ld_x) fp32 matrix over its first
-    clamp(lens[r // rows_per_len], 0, n_cols) columns into out[r], ABI PARAMS_ROWS): returns (kernel, host, LAUNCH).
+    clamp(lens[r // rows_per_len], 0, n_cols) columns into out[r] and its scores into values[r], ABI PARAMS_ROWS):
+    returns (kernel, host, LAUNCH).
 
     threads: 128, 512 or 1024 (CTA size; one CTA per row).  sample: the sampled threshold and the compacted
     candidates in shared memory.  compact_cap: (key, id) entries of shared memory per row (sample only).
@@ -241,11 +259,13 @@ def build(threads: int, sample: bool, compact_cap: int, rows: bool = False):
 
     @cute.jit
     def select(sh, p_row_f32: cute.Pointer, n: Int32, mOut: cute.Tensor, topk: Int32, tidx, warp, lane,
-               zero_tail: cutlass.Constexpr):
+               zero_tail: cutlass.Constexpr, mVal=None, has_vals=None):
         """The top-k of one row of n fp32 scores at p_row_f32 (16-byte aligned; one CTA): mOut[0, topk) = the ids
         of its topk largest in ascending order, or 0..n-1 and -1 when n <= topk (module docstring). zero_tail: the
         row's words [n, n rounded up to 4) are unwritten scratch that the loading thread zeroes first (the slab);
-        else they are readable memory (masked, never written). sh: smem_views()."""
+        else they are readable memory (masked, never written). sh: smem_views(). mVal (None: no values): a Uint32
+        tensor beside mOut that receives the selected scores' bits (-inf past the row's valid count) when the
+        run-time has_vals is not 0."""
         sWh, sWsum, sCnt, sSel, sKey, sId = sh
         if n <= topk:
             for i in cutlass.range(tidx, topk, THREADS, unroll=1):
@@ -253,6 +273,12 @@ def build(threads: int, sample: bool, compact_cap: int, rows: bool = False):
                 if i < n:
                     v = i
                 mOut[i] = v
+                if cutlass.const_expr(mVal is not None):
+                    if has_vals != 0:
+                        bits = Uint32(0xFF800000)               # -inf
+                        if i < n:
+                            bits = Uint32((cute.recast_ptr(p_row_f32, dtype=Uint32) + i).load())
+                        mVal[i] = bits
         else:
             # the row as (VEC, n / VEC) 16-byte vectors: p_row_f32 is 16-byte aligned
             p_row = cute.make_ptr(Uint32, p_row_f32.toint(), cute.AddressSpace.gmem, assumed_align=16)
@@ -476,7 +502,7 @@ def build(threads: int, sample: bool, compact_cap: int, rows: bool = False):
             below = cute.arch.lanemask_lt()
             if cutlass.const_expr(not SAMPLE):
                 global_emit(frag, mV, mOut, nsteps, w0, lane, n, shift, prefix, k_eq, below, gt_run, gt_end,
-                            eq_run, eq_end)
+                            eq_run, eq_end, mVal, has_vals)
             elif cmode != 0:
                 # from this warp's smem entries, 32 per step in id order (they hold every selected key)
                 e0 = coff
@@ -496,20 +522,27 @@ def build(threads: int, sample: bool, compact_cap: int, rows: bool = False):
                     e_pos = eq_run + cute.arch.popc(be & below)
                     if g:
                         mOut[g_pos + cutlass.min(e_pos, k_eq)] = idx
+                        if cutlass.const_expr(mVal is not None):
+                            if has_vals != 0:
+                                mVal[g_pos + cutlass.min(e_pos, k_eq)] = f32_bits(sKey[e])
                     if q:
                         if e_pos < k_eq:
                             mOut[g_pos + e_pos] = idx
+                            if cutlass.const_expr(mVal is not None):
+                                if has_vals != 0:
+                                    mVal[g_pos + e_pos] = f32_bits(sKey[e])
                     gt_run += cute.arch.popc(bg)
                     eq_run += cute.arch.popc(be)
                     e0 += 32
             else:
                 global_emit(frag, mV, mOut, nsteps, w0, lane, n, shift, prefix, k_eq, below, gt_run, gt_end,
-                            eq_run, eq_end)
+                            eq_run, eq_end, mVal, has_vals)
 
     if rows:
         @cute.kernel
-        def rows_kernel(p_x: cute.Pointer, p_out: cute.Pointer, p_len: cute.Pointer, n_rows: Int32, n_cols: Int32,
-                        rows_per_len: Int32, topk: Int32, ld_x: Int64):
+        def rows_kernel(p_x: cute.Pointer, p_out: cute.Pointer, p_val: cute.Pointer, p_len: cute.Pointer,
+                        n_rows: Int32, n_cols: Int32, rows_per_len: Int32, topk: Int32, ld_x: Int64,
+                        has_values: Int32):
             tidx, _, _ = cute.arch.thread_idx()
             row, _, _ = cute.arch.block_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -517,12 +550,15 @@ def build(threads: int, sample: bool, compact_cap: int, rows: bool = False):
             sh = smem_views()
             n = cutlass.min(cutlass.max((p_len + row // rows_per_len).load(), Int32(0)), n_cols)
             mOut = cute.make_tensor(p_out + Int64(row) * Int64(topk), cute.make_layout(topk))
-            select(sh, p_x + Int64(row) * ld_x, n, mOut, topk, tidx, warp, lane, False)
+            mVal = cute.make_tensor(cute.recast_ptr(p_val, dtype=Uint32) + Int64(row) * Int64(topk),
+                                    cute.make_layout(topk))
+            select(sh, p_x + Int64(row) * ld_x, n, mOut, topk, tidx, warp, lane, False, mVal, has_values)
 
         @cute.jit
-        def rows_host(p_x: cute.Pointer, p_out: cute.Pointer, p_len: cute.Pointer, n_rows: Int32, n_cols: Int32,
-                      rows_per_len: Int32, topk: Int32, ld_x: Int64):
-            rows_kernel(p_x, p_out, p_len, n_rows, n_cols, rows_per_len, topk, ld_x).launch(
+        def rows_host(p_x: cute.Pointer, p_out: cute.Pointer, p_val: cute.Pointer, p_len: cute.Pointer,
+                      n_rows: Int32, n_cols: Int32, rows_per_len: Int32, topk: Int32, ld_x: Int64,
+                      has_values: Int32):
+            rows_kernel(p_x, p_out, p_val, p_len, n_rows, n_cols, rows_per_len, topk, ld_x, has_values).launch(
                 grid=(n_rows, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=MIN_CTAS,
                 preferred_smem_carveout=-1)
 

@@ -4,24 +4,33 @@ returns a fresh kernel and host entry of it with a spec's values bound as Python
 
 An item is one query row t with all its H heads; the grid has min(rows, n_ctas) CTAs and CTA b runs rows b, b + grid,
 ... Per row, Q (H x D_QK) is loaded once into shared memory and the row's slots [0, kmax) go by in tiles of BN = 64
-gathered rows (one KV stage). Per tile, with the tile's rows K:
+gathered rows, tile g in KV stage g % STAGES (STAGES = 1 at 128 heads, 2 at 64: what fits beside Q). A stage is
+NKB = D_QK / 64 column blocks of 64 rows x 64 columns (8 KB each), and each block has its own ready / free
+mbarriers: the consumers release block kb as soon as their S k-steps over it retired, so the gather of the next tile
+runs block by block under the current tile's later k-steps and its epilogue. Q has a ready mbarrier per column block
+too, so the first tile of a row starts on its first blocks. Per tile, with the tile's rows K:
     P[h, n]  = exp2(scale * log2 e * (Q K^T)[h, n] - lse[t, h] * log2 e), 0 where the slot's id is invalid
     out[t, j] = sum_h P[h, n]                 (j = 64 * tile + n; the host divides by the row's sum over j)
 
 Warpgroups (384 threads):
-  WG0  producer   per row: Q (cp.async, once both consumers finished the previous row: q_free); per tile: the ids
-                  into sIds[g % 2] (-1 where invalid or past the row's length; ids_mbar[g % 2], 16 arrivals) and the
-                  64 rows into the KV stage once it is free (kv_free), cp.async 16-byte chunks zero-filled for
-                  invalid ids, completing kv_ready (noinc arrivals).
+  WG0  producer   per row: Q block by block (cp.async, once both consumers finished the previous row: q_free, then
+                  q_ready[kb] per block); per tile and column block kb: wait until the block of its stage is free
+                  (kv_free), before block 0 the ids into sIds[g % NIDS] (-1 where invalid or past the row's length;
+                  ids_mbar[g % NIDS], 16 arrivals), then the block's 64 x 64 gather, cp.async 16-byte chunks
+                  zero-filled for invalid ids, completing kv_ready of the block (noinc arrivals).
   WG1, WG2 consumers w = 0, 1, the same code: at 128 heads, w takes heads [64 w, 64 w + 64) of every tile; at 64
-                  heads, w takes the tile's rows [32 w, 32 w + 32). S on wgmma (SS), then the stage is freed; P; the
-                  column sums of the thread's rows, then over the warp's 8 row groups (shuffles), then the warps'
-                  partial sums go to sRed[g % 2] and, after the named barrier BAR_RED (256: both consumers, the same
-                  instruction), threads 0..63 of WG1 each add one column's partial sums in a fixed order and write it.
-  mbarriers (g = the tile's index over the CTA's rows, it = the row's index among them): kv_ready (128 noinc) waited
-  with parity g % 2; kv_free (256: every consumer thread once per tile, after its S retired) waited by the producer
-  with parity (g % 2) ^ 1; ids_mbar[g % 2] (16) waited with parity (g // 2) % 2; q_mbar (128 noinc) waited with
-  parity it % 2; q_free (256: every consumer thread once per row) waited by the producer with parity (it % 2) ^ 1.
+                  heads, w takes the tile's rows [32 w, 32 w + 32). S on wgmma (SS), one commit group per column
+                  block; block kb - 1 is freed once only block kb's group is in flight; P; the column sums of the
+                  thread's rows, then over the warp's 8 row groups (shuffles), then the warps' partial sums go to
+                  sRed[g % 2] and, after the named barrier BAR_RED (256: both consumers, the same instruction),
+                  threads 0..63 of WG1 each add one column's partial sums in a fixed order and write it.
+  mbarriers (g = the tile's index over the CTA's rows, it = the row's index among them, u = g // STAGES the
+  stage's use): kv_ready[s][kb] (128 noinc) waited with parity u % 2; kv_free[s][kb] (256: every consumer thread once
+  per use, after its S k-steps over the block retired) waited by the producer with parity (u % 2) ^ 1;
+  ids_mbar[g % NIDS] (16) waited with parity (g // NIDS) % 2; q_ready[kb] (128 noinc) waited with parity it % 2;
+  q_free (256: every consumer thread once per row) waited by the producer with parity (it % 2) ^ 1.
+  sIds has NIDS = STAGES + 1 buffers: the producer writes tile g's ids after block 0 of its stage was freed by tile
+  g - STAGES, which every consumer thread does after reading the ids of tiles up to g - STAGES - 1.
   sRed is double-buffered by tile parity: tile g + 2 writes buffer g % 2 only after BAR_RED of tile g + 1, which
   WG1's summing threads reach after their reads of tile g.
 
@@ -95,12 +104,12 @@ class Shared(NamedTuple):
     """The CTA's shared tiles and barriers (AttnScoreRecomputeSm90 docstring)."""
     sQ: Any
     sKV: Any
-    sIds: Any        # [tile parity][row]: the tile's ids, -1 where invalid
+    sIds: Any        # [g % NIDS][row]: the tile's ids, -1 where invalid
     sRed: Any        # [tile parity][consumer warp (8)][column (64)]: partial column sums
-    kv_ready: Any
-    kv_free: Any
-    ids_mbar: Any
-    q_mbar: Any
+    kv_ready: Any    # [stage * NKB + column block]
+    kv_free: Any     # [stage * NKB + column block]
+    ids_mbar: Any    # [g % NIDS]
+    q_ready: Any     # [column block]
     q_free: Any
 
 
@@ -124,6 +133,8 @@ class AttnScoreRecomputeSm90:
         self.NC = self.BN if self.SPLIT_HEADS else self.BN // 2   # tile rows per consumer wgmma (N)
         self.D_QK = d_qk
         self.NKB = d_qk // 64
+        self.STAGES = 1 if num_heads == 128 else 2   # KV stages beside Q in 227 KB of shared memory
+        self.NIDS = self.STAGES + 1                  # sIds buffers (class docstring)
         self.fp16 = dtype == "float16"
         self.dtype = cutlass.Float16 if self.fp16 else cutlass.BFloat16
         self.regs = (regs_producer, regs_consumer)
@@ -131,19 +142,19 @@ class AttnScoreRecomputeSm90:
         self.kernel, self.host = self._entry_points()
 
     def _smem_struct(self):
-        DT, H, BN, D_QK = self.dtype, self.H, self.BN, self.D_QK
+        DT, H, BN, D_QK, NKB, STAGES = self.dtype, self.H, self.BN, self.D_QK, self.NKB, self.STAGES
 
         @cute.struct
         class Smem:
-            kv_ready: cute.struct.MemRange[Int64, 1]
-            kv_free: cute.struct.MemRange[Int64, 1]
-            ids_mbar: cute.struct.MemRange[Int64, 2]
-            q_mbar: cute.struct.MemRange[Int64, 1]
+            kv_ready: cute.struct.MemRange[Int64, STAGES * NKB]
+            kv_free: cute.struct.MemRange[Int64, STAGES * NKB]
+            ids_mbar: cute.struct.MemRange[Int64, self.NIDS]
+            q_ready: cute.struct.MemRange[Int64, NKB]
             q_free: cute.struct.MemRange[Int64, 1]
-            ids: cute.struct.MemRange[Int32, 2 * BN]
+            ids: cute.struct.MemRange[Int32, self.NIDS * BN]
             red: cute.struct.MemRange[Float32, 2 * 8 * BN]
             sQ: cute.struct.Align[cute.struct.MemRange[DT, H * D_QK], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[DT, BN * D_QK], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[DT, STAGES * BN * D_QK], 1024]
 
         return Smem
 
@@ -177,21 +188,23 @@ class AttnScoreRecomputeSm90:
         wg = warp // 4
         st = cutlass.memory.SmemAllocator().allocate(self.Smem)
         lay_q = sw128(DT, (H, D_QK))
-        lay_kv = sw128(DT, (BN, D_QK))
+        lay_kv = sw128(DT, (BN, D_QK, self.STAGES))
         sh = Shared(sQ=st.sQ.get_tensor(lay_q.outer, swizzle=lay_q.inner),
                     sKV=st.sKV.get_tensor(lay_kv.outer, swizzle=lay_kv.inner),
-                    sIds=st.ids.get_tensor(cute.make_layout(2 * BN)),
+                    sIds=st.ids.get_tensor(cute.make_layout(self.NIDS * BN)),
                     sRed=st.red.get_tensor(cute.make_layout((BN, 8, 2), stride=(1, BN, 8 * BN))),
                     kv_ready=st.kv_ready.data_ptr(), kv_free=st.kv_free.data_ptr(), ids_mbar=st.ids_mbar.data_ptr(),
-                    q_mbar=st.q_mbar.data_ptr(), q_free=st.q_free.data_ptr())
+                    q_ready=st.q_ready.data_ptr(), q_free=st.q_free.data_ptr())
         nctas, _, _ = cute.arch.grid_dim()
         if warp == 0:
             with cute.arch.elect_one():
-                cute.arch.mbarrier_init(sh.kv_ready, 128)
-                cute.arch.mbarrier_init(sh.kv_free, 256)
-                cute.arch.mbarrier_init(sh.ids_mbar, 16)
-                cute.arch.mbarrier_init(sh.ids_mbar + 1, 16)
-                cute.arch.mbarrier_init(sh.q_mbar, 128)
+                for b in cutlass.range_constexpr(self.STAGES * self.NKB):
+                    cute.arch.mbarrier_init(sh.kv_ready + b, 128)
+                    cute.arch.mbarrier_init(sh.kv_free + b, 256)
+                for b in cutlass.range_constexpr(self.NIDS):
+                    cute.arch.mbarrier_init(sh.ids_mbar + b, 16)
+                for kb in cutlass.range_constexpr(self.NKB):
+                    cute.arch.mbarrier_init(sh.q_ready + kb, 128)
                 cute.arch.mbarrier_init(sh.q_free, 256)
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
@@ -218,7 +231,7 @@ class AttnScoreRecomputeSm90:
         col0 = (tidx % 8) * 8
         sQb = cute.recast_ptr(st.sQ.data_ptr(), dtype=Int8)
         sKVb = cute.recast_ptr(st.sKV.data_ptr(), dtype=Int8)
-        sw_kv = swizzled_byte_offset(lay_kv.outer((grp, col0)) * 2)
+        sw_kv = swizzled_byte_offset(lay_kv.outer((grp, col0, 0)) * 2)
         RPG = self.BN // 16
         ids = cute.make_rmem_tensor(RPG, Int32)
         policy = l2_evict_first_policy()          # Q is read once
@@ -227,19 +240,25 @@ class AttnScoreRecomputeSm90:
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
             kmax, ntiles = self.row_setup(a, tok)
             cute.arch.mbarrier_wait(sh.q_free, (it % 2) ^ 1)
-            cp_async_rows(sQb, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D_QK, grp, col0, policy)
-            cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_mbar)
+            for kb in cutlass.range_constexpr(self.NKB):
+                cp_async_rows(sQb, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D_QK, grp, col0, policy,
+                              blocks=(kb, kb + 1))
+                cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_ready + kb)
             mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
+                s = g % self.STAGES
+                free_phase = ((g // self.STAGES) % 2) ^ 1
                 load_tile_ids(ids, mIdx, j * self.BN, kmax, a.n_kv, grp)
-                cute.arch.mbarrier_wait(sh.kv_free, (g % 2) ^ 1)
-                if tidx % 8 == 0:
-                    for i in cutlass.range_constexpr(RPG):
-                        sh.sIds[(g % 2) * self.BN + grp + 16 * i] = ids[i]
-                    cute.arch.mbarrier_arrive(sh.ids_mbar + (g % 2))
-                gather_tile_rows(sKVb, sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, col0, (0, self.NKB))
-                cute.arch.cp_async_mbarrier_arrive_noinc(sh.kv_ready)
+                for kb in cutlass.range_constexpr(self.NKB):
+                    cute.arch.mbarrier_wait(sh.kv_free + (s * self.NKB + kb), free_phase)
+                    if const_expr(kb == 0):
+                        if tidx % 8 == 0:
+                            for i in cutlass.range_constexpr(RPG):
+                                sh.sIds[(g % self.NIDS) * self.BN + grp + 16 * i] = ids[i]
+                            cute.arch.mbarrier_arrive(sh.ids_mbar + (g % self.NIDS))
+                    gather_tile_rows(sKVb, sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, col0, (kb, kb + 1), stage=s)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(sh.kv_ready + (s * self.NKB + kb))
             gt += ntiles
             it += 1
 
@@ -266,9 +285,9 @@ class AttnScoreRecomputeSm90:
         else:
             col0 = w * NC
             sQw = sh.sQ
-            sKw = cute.local_tile(sh.sKV, (NC, D_QK), (w, 0))
+            sKw = cute.local_tile(sh.sKV, (NC, D_QK, self.STAGES), (w, 0, 0))
         tSrQ = mma.make_fragment_A(thr.partition_A(sQw))
-        tSrK = mma.make_fragment_B(thr.partition_B(sKw))
+        tSrK = mma.make_fragment_B(thr.partition_B(sKw))          # [.., .., k-step, stage]
         accS = cute.make_rmem_tensor(thr.partition_shape_C((MC, NC)), Float32)
         sMN = acc_mn_view(accS)
         cS = acc_mn_view(thr.partition_C(cute.make_identity_tensor((MC, NC))))
@@ -287,21 +306,27 @@ class AttnScoreRecomputeSm90:
             kmax, ntiles = self.row_setup(a, tok)
             for r in cutlass.range_constexpr(NR):
                 lse_l2[r] = (a.p_lse + (Int64(tok) * self.H + head0 + cS[r, 0][0])).load() * LOG2E
-            cute.arch.mbarrier_wait(sh.q_mbar, it % 2)
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
-                cute.arch.mbarrier_wait(sh.kv_ready, g % 2)
-                cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
+                s = g % self.STAGES
+                ready_phase = (g // self.STAGES) % 2
                 accS.fill(0.0)
                 warpgroup.fence()
-                for ks in cutlass.range_constexpr(D_QK // 16):
-                    cute.gemm(mma, accS, tSrQ[None, None, ks], tSrK[None, None, ks], accS)
-                warpgroup.commit_group()
+                for kb in cutlass.range_constexpr(self.NKB):
+                    cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)         # at once after the row's first tile
+                    cute.arch.mbarrier_wait(sh.kv_ready + (s * self.NKB + kb), ready_phase)
+                    cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
+                    for kk in cutlass.range_constexpr(4):
+                        cute.gemm(mma, accS, tSrQ[None, None, 4 * kb + kk], tSrK[None, None, 4 * kb + kk, s], accS)
+                    warpgroup.commit_group()
+                    if const_expr(kb > 0):
+                        warpgroup.wait_group(1)                            # block kb - 1 retired
+                        cute.arch.mbarrier_arrive(sh.kv_free + (s * self.NKB + kb - 1))
                 warpgroup.wait_group(0)
-                cute.arch.mbarrier_arrive(sh.kv_free)
-                cute.arch.mbarrier_wait(sh.ids_mbar + (g % 2), (g // 2) % 2)
+                cute.arch.mbarrier_arrive(sh.kv_free + (s * self.NKB + self.NKB - 1))
+                cute.arch.mbarrier_wait(sh.ids_mbar + (g % self.NIDS), (g // self.NIDS) % 2)
                 for c in cutlass.range_constexpr(NCOL):
-                    keep[c] = sh.sIds[(g % 2) * BN + col0 + cS[0, c][1]] >= 0
+                    keep[c] = sh.sIds[(g % self.NIDS) * BN + col0 + cS[0, c][1]] >= 0
                 # P, summed over the thread's rows, then over the warp's 8 row groups (lanes 4 apart)
                 for c in cutlass.range_constexpr(NCOL):
                     s = Float32(0.0)
@@ -321,6 +346,8 @@ class AttnScoreRecomputeSm90:
                         total += sh.sRed[ctid, part, g % 2]
                     if slot < a.topk:
                         (a.p_out + (Int64(tok) * a.topk + slot)).store(total)
+            for kb in cutlass.range_constexpr(self.NKB):
+                cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)   # Q's writes are done (rows without a tile too)
             cute.arch.mbarrier_arrive(sh.q_free)
             gt += ntiles
             it += 1

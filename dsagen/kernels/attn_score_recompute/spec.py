@@ -35,8 +35,8 @@ class AttnScoreRecomputeSpec(KernelSpec):
     num_heads: int = 128
     d_qk: int = 576
     dtype: str = "bfloat16"
-    regs_producer: int = 40
-    regs_consumer: int = 232
+    regs_producer: int = 72
+    regs_consumer: int = 216
 
     def reasons(self) -> list[str]:
         out = super().reasons() + mla_shape_reasons("score recompute", self.arch, self.num_heads, self.d_qk)
@@ -53,8 +53,8 @@ class AttnScoreRecomputeConfig:
     """The launch choices of the fused score recompute: register budgets (spec fields) and the grid ("persistent",
     one CTA per SM, or an int n: at most n CTAs)."""
 
-    regs_producer: int = 40
-    regs_consumer: int = 232
+    regs_producer: int = 72
+    regs_consumer: int = 216
     grid: str | int = "persistent"
 
     def __post_init__(self) -> None:

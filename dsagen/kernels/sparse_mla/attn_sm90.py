@@ -171,14 +171,17 @@ def store_row_v4(dst: cute.Pointer, oMN: cute.Tensor, r: int, scale, fp16: bool,
 
 
 @cute.jit
-def cp_async_rows(dst: cute.Pointer, lay, src: cute.Pointer, rows: int, width: int, grp, col0, policy) -> None:
+def cp_async_rows(dst: cute.Pointer, lay, src: cute.Pointer, rows: int, width: int, grp, col0, policy,
+                  blocks: tuple[int, int] | None = None) -> None:
     """cp.async `rows` rows of `width` elements (16-bit) from `src` (row-major, row stride `width`) into the SW128
     tile at byte pointer `dst` whose layout is `lay` (sw128's), with L2 cache policy `policy`: the 128 threads of a
     warpgroup in 16 groups of 8, group `grp` taking rows grp + 16 i and thread `col0` / 8 of the group one 16-byte
-    chunk of each 64-column block (a 64 x D Q tile of the attention kernels)."""
+    chunk of each 64-column block (a 64 x D Q tile of the attention kernels); `blocks`: only the 64-column blocks
+    [blocks[0], blocks[1]) (None: all)."""
+    kb0, kb1 = (0, width // 64) if const_expr(blocks is None) else blocks
     for i in cutlass.range_constexpr(rows // 16):
         r = grp + 16 * i
-        for kb in cutlass.range_constexpr(width // 64):
+        for kb in cutlass.range_constexpr(kb0, kb1):
             b = lay.outer((r, kb * 64 + col0)) * 2
             cp_async_16_policy(dst + swizzled_byte_offset(b), src + (r * width + kb * 64 + col0), policy)
 

@@ -4,35 +4,38 @@ returns a fresh kernel and host entry of it with a spec's values bound as Python
 
 An item is one query row t with all its H heads; the grid has min(rows, n_ctas) CTAs and CTA b runs rows b, b + grid,
 ... Per row, Q (H x D_QK) is loaded once into shared memory and the row's slots [0, kmax) go by in tiles of BN = 64
-gathered rows, tile g in KV stage g % STAGES (STAGES = 1 at 128 heads, 2 at 64: what fits beside Q). A stage is
-NKB = D_QK / 64 column blocks of 64 rows x 64 columns (8 KB each), and each block has its own ready / free
-mbarriers: the consumers release block kb as soon as their S k-steps over it retired, so the gather of the next tile
-runs block by block under the current tile's later k-steps and its epilogue. Q has a ready mbarrier per column block
-too, so the first tile of a row starts on its first blocks. Per tile, with the tile's rows K:
+gathered rows, numbered g over the CTA's rows; tile g goes to KV stage g % STAGES (STAGES = 1 at 128 heads, 2 at
+64: what fits beside Q) and to consumer g % 2, which computes it for all H heads while the other consumer runs the
+epilogue of its own previous tile (the tensor cores stay busy through the exp2 and the column sums). A stage is NKB
+= D_QK / 64 column blocks of 64 rows x 64 columns (8 KB each), each with its own ready / free mbarriers: a consumer
+releases block kb as soon as its S k-steps over it retired, so the next tile's gather runs block by block under the
+current tile's later k-steps. Q has a ready mbarrier per column block too, so a row's first tile starts on its
+first blocks. Per tile, with the tile's rows K:
     P[h, n]  = exp2(scale * log2 e * (Q K^T)[h, n] - lse[t, h] * log2 e), 0 where the slot's id is invalid
     out[t, j] = sum_h P[h, n]                 (j = 64 * tile + n; the host divides by the row's sum over j)
 
 Warpgroups (384 threads):
   WG0  producer   per row: Q block by block (cp.async, once both consumers finished the previous row: q_free, then
                   q_ready[kb] per block); per tile and column block kb: wait until the block of its stage is free
-                  (kv_free), before block 0 the ids into sIds[g % NIDS] (-1 where invalid or past the row's length;
-                  ids_mbar[g % NIDS], 16 arrivals), then the block's 64 x 64 gather, cp.async 16-byte chunks
+                  (kv_free), before block 0 the ids into sIds[g % 2] (-1 where invalid or past the row's length;
+                  ids_mbar[g % 2], 16 arrivals), then the block's 64 x 64 gather, cp.async 16-byte chunks
                   zero-filled for invalid ids, completing kv_ready of the block (noinc arrivals).
-  WG1, WG2 consumers w = 0, 1, the same code: at 128 heads, w takes heads [64 w, 64 w + 64) of every tile; at 64
-                  heads, w takes the tile's rows [32 w, 32 w + 32). S on wgmma (SS), one commit group per column
-                  block; block kb - 1 is freed once only block kb's group is in flight; P; the column sums of the
-                  thread's rows, then over the warp's 8 row groups (shuffles), then the warps' partial sums go to
-                  sRed[g % 2] and, after the named barrier BAR_RED (256: both consumers, the same instruction),
-                  threads 0..63 of WG1 each add one column's partial sums in a fixed order and write it.
-  mbarriers (g = the tile's index over the CTA's rows, it = the row's index among them, u = g // STAGES the
-  stage's use): kv_ready[s][kb] (128 noinc) waited with parity u % 2; kv_free[s][kb] (256: every consumer thread once
-  per use, after its S k-steps over the block retired) waited by the producer with parity (u % 2) ^ 1;
-  ids_mbar[g % NIDS] (16) waited with parity (g // NIDS) % 2; q_ready[kb] (128 noinc) waited with parity it % 2;
-  q_free (256: every consumer thread once per row) waited by the producer with parity (it % 2) ^ 1.
-  sIds has NIDS = STAGES + 1 buffers: the producer writes tile g's ids after block 0 of its stage was freed by tile
-  g - STAGES, which every consumer thread does after reading the ids of tiles up to g - STAGES - 1.
-  sRed is double-buffered by tile parity: tile g + 2 writes buffer g % 2 only after BAR_RED of tile g + 1, which
-  WG1's summing threads reach after their reads of tile g.
+  WG1, WG2 consumers w = 0, 1, the same code, on the tiles g = w mod 2: the tile's ids, then S on wgmma (SS, one
+                  64 x 64 accumulator per 64 heads), one commit group per column block; block kb - 1 is freed once
+                  only block kb's group is in flight; P; the column sums of the thread's rows, then over the warp's
+                  8 row groups (shuffles), then the 4 warps' partial sums go to sRed[.., (g // 2) % 2, w] and, after
+                  the consumer's named barrier BAR_RED + w (128 threads), its threads 0..63 each add one column's 4
+                  partial sums in a fixed order and write it.
+  mbarriers (it = the row's index among the CTA's rows, u = g // STAGES the stage's use): kv_ready[s][kb] (128
+  noinc) waited with parity u % 2; kv_free[s][kb] (128: the tile's consumer, once per use, after its S k-steps over
+  the block retired) waited by the producer with parity (u % 2) ^ 1; ids_mbar[g % 2] (16) waited with parity
+  (g // 2) % 2; q_ready[kb] (128 noinc) waited with parity it % 2; q_free (256: every consumer thread once per row)
+  waited by the producer with parity (it % 2) ^ 1.
+  sIds is double-buffered (NIDS = 2): a consumer reads its tile's ids before it frees any of the tile's blocks, and
+  the producer writes tile g's ids only after block 0 of tile g's stage was freed by tile g - STAGES, whose gather in
+  turn waited for tile g - 2 (STAGES = 1: through tile g - 1) to free its block 0, after its ids were read.
+  sRed is double-buffered per consumer: the consumer's tile g + 4 writes buffer (g // 2) % 2 only after its barrier
+  of tile g + 2, which its summing threads reach after their reads of tile g.
 
 Every value of the spec is a Python constant of the instance (configuration branches are `cutlass.const_expr`).
 """
@@ -105,7 +108,7 @@ class Shared(NamedTuple):
     sQ: Any
     sKV: Any
     sIds: Any        # [g % NIDS][row]: the tile's ids, -1 where invalid
-    sRed: Any        # [tile parity][consumer warp (8)][column (64)]: partial column sums
+    sRed: Any        # [column (64)][consumer warp (4)][(g // 2) % 2][consumer]: partial column sums
     kv_ready: Any    # [stage * NKB + column block]
     kv_free: Any     # [stage * NKB + column block]
     ids_mbar: Any    # [g % NIDS]
@@ -124,17 +127,15 @@ class AttnScoreRecomputeSm90:
 
     BN = 64                          # gathered rows per tile
     THREADS = 384
-    BAR_RED = 1                      # both consumers' partial column sums are in sRed (256 threads)
+    BAR_RED = 1                      # + w: consumer w's partial column sums are in sRed (128 threads)
 
     def __init__(self, num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int):
         self.H = num_heads
-        self.SPLIT_HEADS = num_heads == 128      # else each consumer takes 32 of a tile's 64 rows
-        self.MC = 64                             # heads per consumer wgmma (M)
-        self.NC = self.BN if self.SPLIT_HEADS else self.BN // 2   # tile rows per consumer wgmma (N)
+        self.NMB = num_heads // 64               # 64-head blocks: one wgmma accumulator (M = 64) each
         self.D_QK = d_qk
         self.NKB = d_qk // 64
         self.STAGES = 1 if num_heads == 128 else 2   # KV stages beside Q in 227 KB of shared memory
-        self.NIDS = self.STAGES + 1                  # sIds buffers (class docstring)
+        self.NIDS = 2                                # sIds buffers (class docstring)
         self.fp16 = dtype == "float16"
         self.dtype = cutlass.Float16 if self.fp16 else cutlass.BFloat16
         self.regs = (regs_producer, regs_consumer)
@@ -152,7 +153,7 @@ class AttnScoreRecomputeSm90:
             q_ready: cute.struct.MemRange[Int64, NKB]
             q_free: cute.struct.MemRange[Int64, 1]
             ids: cute.struct.MemRange[Int32, self.NIDS * BN]
-            red: cute.struct.MemRange[Float32, 2 * 8 * BN]
+            red: cute.struct.MemRange[Float32, 2 * 2 * 4 * BN]
             sQ: cute.struct.Align[cute.struct.MemRange[DT, H * D_QK], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[DT, STAGES * BN * D_QK], 1024]
 
@@ -192,7 +193,7 @@ class AttnScoreRecomputeSm90:
         sh = Shared(sQ=st.sQ.get_tensor(lay_q.outer, swizzle=lay_q.inner),
                     sKV=st.sKV.get_tensor(lay_kv.outer, swizzle=lay_kv.inner),
                     sIds=st.ids.get_tensor(cute.make_layout(self.NIDS * BN)),
-                    sRed=st.red.get_tensor(cute.make_layout((BN, 8, 2), stride=(1, BN, 8 * BN))),
+                    sRed=st.red.get_tensor(cute.make_layout((BN, 4, 2, 2), stride=(1, BN, 4 * BN, 8 * BN))),
                     kv_ready=st.kv_ready.data_ptr(), kv_free=st.kv_free.data_ptr(), ids_mbar=st.ids_mbar.data_ptr(),
                     q_ready=st.q_ready.data_ptr(), q_free=st.q_free.data_ptr())
         nctas, _, _ = cute.arch.grid_dim()
@@ -200,7 +201,7 @@ class AttnScoreRecomputeSm90:
             with cute.arch.elect_one():
                 for b in cutlass.range_constexpr(self.STAGES * self.NKB):
                     cute.arch.mbarrier_init(sh.kv_ready + b, 128)
-                    cute.arch.mbarrier_init(sh.kv_free + b, 256)
+                    cute.arch.mbarrier_init(sh.kv_free + b, 128)
                 for b in cutlass.range_constexpr(self.NIDS):
                     cute.arch.mbarrier_init(sh.ids_mbar + b, 16)
                 for kb in cutlass.range_constexpr(self.NKB):
@@ -265,88 +266,84 @@ class AttnScoreRecomputeSm90:
     # ------------------------------------------------------------------------------------- consumers (WG1, WG2)
     @cute.jit
     def consumer(self, a, sh, tidx, bidx, nctas):
-        """S = Q K^T of this consumer's part of a tile, P, the column sums; WG1's threads 0..63 finish each column."""
-        DT, BN, D_QK, MC, NC = self.dtype, self.BN, self.D_QK, self.MC, self.NC
+        """Consumer w takes the tiles g = w mod 2 with all H heads: S = Q K^T (one 64 x 64 accumulator per 64 heads),
+        P, its column sums, written by its threads 0..63."""
+        DT, BN, D_QK, NKB = self.dtype, self.BN, self.D_QK, self.NKB
         cute.arch.setmaxregister_increase(self.regs[1])
         w = tidx // 128 - 1                       # 0: WG1, 1: WG2 (run-time: both execute the same code)
         ctid = tidx % 128
         cwarp = ctid // 32                        # the warp in the consumer
         lane = ctid % 32
         mma = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                                (1, 1, 1), tiler_mn=(MC, NC))
+                                                (1, 1, 1), tiler_mn=(64, BN))
         mma.set(warpgroup.Field.ACCUMULATE, True)
         thr = mma.get_slice(ctid)
-        head0 = Int32(0)
-        col0 = Int32(0)
-        if const_expr(self.SPLIT_HEADS):
-            head0 = w * MC
-            sQw = cute.local_tile(sh.sQ, (MC, D_QK), (w, 0))
-            sKw = sh.sKV
-        else:
-            col0 = w * NC
-            sQw = sh.sQ
-            sKw = cute.local_tile(sh.sKV, (NC, D_QK, self.STAGES), (w, 0, 0))
-        tSrQ = mma.make_fragment_A(thr.partition_A(sQw))
-        tSrK = mma.make_fragment_B(thr.partition_B(sKw))          # [.., .., k-step, stage]
-        accS = cute.make_rmem_tensor(thr.partition_shape_C((MC, NC)), Float32)
-        sMN = acc_mn_view(accS)
-        cS = acc_mn_view(thr.partition_C(cute.make_identity_tensor((MC, NC))))
-        NR = cute.size(sMN, mode=[0])
-        NCOL = cute.size(sMN, mode=[1])
-        lse_l2 = cute.make_rmem_tensor(NR, Float32)
+        tSrQ = [mma.make_fragment_A(thr.partition_A(cute.local_tile(sh.sQ, (64, D_QK), (mb, 0))))
+                for mb in range(self.NMB)]                               # per head block: [.., .., k-step]
+        tSrK = mma.make_fragment_B(thr.partition_B(sh.sKV))              # [.., .., k-step, stage]
+        accS = [cute.make_rmem_tensor(thr.partition_shape_C((64, BN)), Float32) for _ in range(self.NMB)]
+        sMN = [acc_mn_view(acc) for acc in accS]
+        cS = acc_mn_view(thr.partition_C(cute.make_identity_tensor((64, BN))))
+        NR = cute.size(sMN[0], mode=[0])
+        NCOL = cute.size(sMN[0], mode=[1])
+        lse_l2 = cute.make_rmem_tensor((NR, self.NMB), Float32)
         keep = cute.make_rmem_tensor(NCOL, cutlass.Boolean)
         scale_log2 = a.softmax_scale * LOG2E
-        # the warps' partial sums: consumer warp 4 w + cwarp; at 64 heads each column has one consumer's 4 warps
-        rwarp = 4 * w + cwarp if self.SPLIT_HEADS else cwarp
-        nparts = 8 if self.SPLIT_HEADS else 4
 
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
             kmax, ntiles = self.row_setup(a, tok)
-            for r in cutlass.range_constexpr(NR):
-                lse_l2[r] = (a.p_lse + (Int64(tok) * self.H + head0 + cS[r, 0][0])).load() * LOG2E
-            for j in cutlass.range(ntiles, unroll=1):
+            for mb in cutlass.range_constexpr(self.NMB):
+                for r in cutlass.range_constexpr(NR):
+                    lse_l2[r, mb] = (a.p_lse + (Int64(tok) * self.H + 64 * mb + cS[r, 0][0])).load() * LOG2E
+            for j in cutlass.range((gt + w) % 2, ntiles, 2, unroll=1):     # this consumer's tiles of the row
                 g = gt + j
                 s = g % self.STAGES
                 ready_phase = (g // self.STAGES) % 2
-                accS.fill(0.0)
+                # the tile's ids first: sIds[g % 2] is rewritten after this consumer frees the tile's block 0
+                cute.arch.mbarrier_wait(sh.ids_mbar + (g % self.NIDS), (g // self.NIDS) % 2)
+                for c in cutlass.range_constexpr(NCOL):
+                    keep[c] = sh.sIds[(g % self.NIDS) * BN + cS[0, c][1]] >= 0
+                for mb in cutlass.range_constexpr(self.NMB):
+                    accS[mb].fill(0.0)
                 warpgroup.fence()
-                for kb in cutlass.range_constexpr(self.NKB):
+                for kb in cutlass.range_constexpr(NKB):
                     cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)         # at once after the row's first tile
-                    cute.arch.mbarrier_wait(sh.kv_ready + (s * self.NKB + kb), ready_phase)
+                    cute.arch.mbarrier_wait(sh.kv_ready + (s * NKB + kb), ready_phase)
                     cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
                     for kk in cutlass.range_constexpr(4):
-                        cute.gemm(mma, accS, tSrQ[None, None, 4 * kb + kk], tSrK[None, None, 4 * kb + kk, s], accS)
+                        for mb in cutlass.range_constexpr(self.NMB):
+                            cute.gemm(mma, accS[mb], tSrQ[mb][None, None, 4 * kb + kk],
+                                      tSrK[None, None, 4 * kb + kk, s], accS[mb])
                     warpgroup.commit_group()
                     if const_expr(kb > 0):
                         warpgroup.wait_group(1)                            # block kb - 1 retired
-                        cute.arch.mbarrier_arrive(sh.kv_free + (s * self.NKB + kb - 1))
+                        cute.arch.mbarrier_arrive(sh.kv_free + (s * NKB + kb - 1))
                 warpgroup.wait_group(0)
-                cute.arch.mbarrier_arrive(sh.kv_free + (s * self.NKB + self.NKB - 1))
-                cute.arch.mbarrier_wait(sh.ids_mbar + (g % self.NIDS), (g // self.NIDS) % 2)
+                cute.arch.mbarrier_arrive(sh.kv_free + (s * NKB + NKB - 1))
+                # P, summed over the thread's rows of every head block, then over the warp's 8 row groups
+                buf = (g // 2) % 2
                 for c in cutlass.range_constexpr(NCOL):
-                    keep[c] = sh.sIds[(g % self.NIDS) * BN + col0 + cS[0, c][1]] >= 0
-                # P, summed over the thread's rows, then over the warp's 8 row groups (lanes 4 apart)
-                for c in cutlass.range_constexpr(NCOL):
-                    s = Float32(0.0)
-                    for r in cutlass.range_constexpr(NR):
-                        s += cute.math.exp2(sMN[r, c] * scale_log2 - lse_l2[r], fastmath=True)
-                    s = s if keep[c] else Float32(0.0)
-                    s += cute.arch.shuffle_sync_bfly(s, offset=4)
-                    s += cute.arch.shuffle_sync_bfly(s, offset=8)
-                    s += cute.arch.shuffle_sync_bfly(s, offset=16)
+                    t = Float32(0.0)
+                    for mb in cutlass.range_constexpr(self.NMB):
+                        for r in cutlass.range_constexpr(NR):
+                            t += cute.math.exp2(sMN[mb][r, c] * scale_log2 - lse_l2[r, mb], fastmath=True)
+                    t = t if keep[c] else Float32(0.0)
+                    t += cute.arch.shuffle_sync_bfly(t, offset=4)
+                    t += cute.arch.shuffle_sync_bfly(t, offset=8)
+                    t += cute.arch.shuffle_sync_bfly(t, offset=16)
                     if lane < 4:
-                        sh.sRed[col0 + cS[0, c][1], rwarp, g % 2] = s
-                cute.arch.barrier(barrier_id=self.BAR_RED, number_of_threads=256)
-                if w == 0 and ctid < BN:
+                        sh.sRed[cS[0, c][1], cwarp, buf, w] = t
+                cute.arch.barrier(barrier_id=self.BAR_RED + w, number_of_threads=128)
+                if ctid < BN:
                     slot = j * BN + ctid
                     total = Float32(0.0)
-                    for part in cutlass.range_constexpr(nparts):
-                        total += sh.sRed[ctid, part, g % 2]
+                    for part in cutlass.range_constexpr(4):
+                        total += sh.sRed[ctid, part, buf, w]
                     if slot < a.topk:
                         (a.p_out + (Int64(tok) * a.topk + slot)).store(total)
-            for kb in cutlass.range_constexpr(self.NKB):
+            for kb in cutlass.range_constexpr(NKB):
                 cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)   # Q's writes are done (rows without a tile too)
             cute.arch.mbarrier_arrive(sh.q_free)
             gt += ntiles

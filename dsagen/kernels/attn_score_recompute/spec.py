@@ -20,9 +20,10 @@ class AttnScoreRecomputeSpec(KernelSpec):
     """Fused sparse attention score recompute for Hopper (kernel: attn_score_recompute/recompute_sm90.py, bound by
     recompute_sm90.py.j2). An item is one query row with all its heads; a persistent grid of CTAs loops over the
     rows; per row Q (num_heads x d_qk) stays in shared memory and the row's slots go by in 64-row tiles gathered by a
-    producer warpgroup into one KV stage. Two consumer warpgroups compute S = Q K^T on wgmma: at 128 heads each
-    takes 64 heads of every tile, at 64 heads each takes 32 rows of every tile; then P = exp2(S scale log2 e - lse
-    log2 e), masked, summed over the heads (warp shuffles, then the warps' partial sums in shared memory).
+    producer warpgroup, block by block of 64 columns, into the KV stages (one at 128 heads, two at 64). Two consumer
+    warpgroups take alternate tiles, each for all heads: S = Q K^T on wgmma, then P = exp2(S scale log2 e - lse
+    log2 e), masked, summed over the heads (warp shuffles, then the warps' partial sums in shared memory), while the
+    other consumer's wgmmas run.
 
     num_heads: query heads the kernel is built for (64 or 128; other counts are padded by the host).
     d_qk: query/key width (512 or 576). dtype: q and kv dtype ("bfloat16" or "float16").
@@ -35,8 +36,8 @@ class AttnScoreRecomputeSpec(KernelSpec):
     num_heads: int = 128
     d_qk: int = 576
     dtype: str = "bfloat16"
-    regs_producer: int = 72
-    regs_consumer: int = 216
+    regs_producer: int = 88
+    regs_consumer: int = 208
 
     def reasons(self) -> list[str]:
         out = super().reasons() + mla_shape_reasons("score recompute", self.arch, self.num_heads, self.d_qk)
@@ -53,8 +54,8 @@ class AttnScoreRecomputeConfig:
     """The launch choices of the fused score recompute: register budgets (spec fields) and the grid ("persistent",
     one CTA per SM, or an int n: at most n CTAs)."""
 
-    regs_producer: int = 72
-    regs_consumer: int = 216
+    regs_producer: int = 88
+    regs_consumer: int = 208
     grid: str | int = "persistent"
 
     def __post_init__(self) -> None:

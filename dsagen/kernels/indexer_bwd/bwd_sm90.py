@@ -48,7 +48,7 @@ from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_rows, gather_ring_tile,
                                                  init_gather_ring, l2_evict_first_policy, load_tile_ids,
-                                                 quad_v4_columns, red_add_v4_f32, st_global_v4_f32, store_row_v4,
+                                                 pair_v4_segments, red_add_v4_f32, st_global_v4_f32, store_row_v4,
                                                  sw128, swizzled_byte_offset)
 
 
@@ -382,17 +382,26 @@ class IndexerBwdSm90:
     @cute.jit
     def send_dk(self, a, accK, cK, kv, tok, j, c: int, q4):
         """dK half c of the tile's two rows of this thread: 16-byte FP32 atomic adds into dk[id] (deterministic:
-        stores into dk[tok, slot]); invalid ids are skipped."""
+        stores into dk[tok, slot]); invalid ids are skipped. The quads of two adjacent rows write 128-byte segments
+        of one row per transaction (attn_sm90.pair_v4_segments)."""
         kMN = acc_mn_view(accK)
         for r in cutlass.range_constexpr(2):
-            n = cK[r, 0][0]
-            for kk in cutlass.range_constexpr(cute.size(kMN, mode=[1]) // 4):
-                v0, v1, v2, v3, col_off = quad_v4_columns(kMN, r, kk, q4 % 2 == 1)
-                col = c * 64 + cK[r, 4 * kk][1] + col_off
+            n_even = cK[r, 0][0] - cK[r, 0][0] % 2                  # the pair's rows: n_even, n_even + 1
+            kv_other = cute.arch.shuffle_sync_bfly(kv[r], offset=4)  # the other row's id (lane l ^ 4)
+            odd_row = cK[r, 0][0] % 2 == 1
+            kv_even = kv_other if odd_row else kv[r]
+            kv_odd = kv[r] if odd_row else kv_other
+            for kp in cutlass.range_constexpr(cute.size(kMN, mode=[1]) // 8):
+                va, vb, col_in = pair_v4_segments(kMN, cK, r, kp, q4 % 2 == 1)
+                col = c * 64 + col_in
                 if const_expr(self.deterministic):
-                    slot = j * self.BN + n
+                    slot = j * self.BN + n_even
                     if slot < a.topk:
-                        st_global_v4_f32(a.p_dk + ((Int64(tok) * a.topk + slot) * self.D + col), v0, v1, v2, v3)
+                        st_global_v4_f32(a.p_dk + ((Int64(tok) * a.topk + slot) * self.D + col), *va)
+                    if slot + 1 < a.topk:
+                        st_global_v4_f32(a.p_dk + ((Int64(tok) * a.topk + slot + 1) * self.D + col), *vb)
                 else:
-                    if kv[r] >= 0:
-                        red_add_v4_f32(a.p_dk + (Int64(kv[r]) * self.D + col), v0, v1, v2, v3)
+                    if kv_even >= 0:
+                        red_add_v4_f32(a.p_dk + (Int64(kv_even) * self.D + col), *va)
+                    if kv_odd >= 0:
+                        red_add_v4_f32(a.p_dk + (Int64(kv_odd) * self.D + col), *vb)

@@ -59,7 +59,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_16_policy, gather_tile_rows,
-                                                 l2_evict_first_policy, quad_v4_columns, red_add_v4_f32,
+                                                 l2_evict_first_policy, pair_v4_segments, red_add_v4_f32,
                                                  st_global_v4_f32, store_row_v4, sw128, swizzled_byte_offset)
 
 LOG2E = math.log2(math.e)
@@ -696,24 +696,31 @@ class SparseMlaBwdSm90:
     @cute.jit
     def dkv_chunk_send(self, a, sh, kvc, ch: int, acc, item, slot0, slot_end, g, q4):
         """Add the retired chunk `ch` in `acc` to the rows of the tile's ids (or store it per slot when
-        deterministic), 4 consecutive columns per lane and transaction (attn_sm90.quad_v4_columns)."""
+        deterministic): the quads of two adjacent rows write 128-byte segments of one row per transaction
+        (attn_sm90.pair_v4_segments), 4 consecutive columns per lane."""
         kMN, cK = acc_mn_view(acc), kvc["cK"]
         q_odd = q4 % 2 == 1
         base_col = ch * 64
         for r in cutlass.range_constexpr(cute.size(kMN, mode=[0])):
-            n = cK[r, 0][0]
-            kv = sh.sIds[(g % 2) * self.BN + n]
-            for k in cutlass.range_constexpr(cute.size(kMN, mode=[1]) // 4):
-                v0, v1, v2, v3, col_off = quad_v4_columns(kMN, r, k, q_odd)
-                col = base_col + cK[r, 4 * k][1] + col_off
+            n_even = cK[r, 0][0] - cK[r, 0][0] % 2                  # the pair's rows: n_even, n_even + 1
+            kv_even = sh.sIds[(g % 2) * self.BN + n_even]
+            kv_odd = sh.sIds[(g % 2) * self.BN + n_even + 1]
+            for kp in cutlass.range_constexpr(cute.size(kMN, mode=[1]) // 8):
+                va, vb, col_in = pair_v4_segments(kMN, cK, r, kp, q_odd)
+                col = base_col + col_in
                 if const_expr(self.deterministic):
-                    slot = slot0 + n
+                    slot = slot0 + n_even
                     if slot < slot_end:
                         dst = a.p_dkv + ((Int64(item) * Int64(a.topk) + slot) * self.D_QK + col)
-                        st_global_v4_f32(dst, v0, v1, v2, v3)
+                        st_global_v4_f32(dst, *va)
+                    if slot + 1 < slot_end:
+                        dst = a.p_dkv + ((Int64(item) * Int64(a.topk) + slot + 1) * self.D_QK + col)
+                        st_global_v4_f32(dst, *vb)
                 else:
-                    if kv >= 0:
-                        red_add_v4_f32(a.p_dkv + (Int64(kv) * self.D_QK + col), v0, v1, v2, v3)
+                    if kv_even >= 0:
+                        red_add_v4_f32(a.p_dkv + (Int64(kv_even) * self.D_QK + col), *va)
+                    if kv_odd >= 0:
+                        red_add_v4_f32(a.p_dkv + (Int64(kv_odd) * self.D_QK + col), *vb)
 
     # --------------------------------------------------------------------------------------------- dQ stores
     @cute.jit

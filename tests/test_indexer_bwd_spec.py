@@ -19,7 +19,7 @@ from dsagen.spec import SpecError
     (dict(head_dim=96), "head_dim=96 must be 64 or 128"),
     (dict(dtype="float32"), "dtype='float32'"),
     (dict(stages=5), "stages=5 must be in 2..4"),
-    (dict(regs_consumer=224), "exceeds 256"),
+    (dict(regs_consumer=240), "exceeds 256"),
     (dict(regs_producer=20), "multiple of 8 in [24, 256]"),
     (dict(arch="sm_100a"), "sm_90a only"),
 ])

@@ -41,8 +41,8 @@ class IndexerBwdSpec(KernelSpec):
     dtype: str = "bfloat16"
     deterministic: bool = False
     stages: int = 4
-    regs_producer: int = 40
-    regs_consumer: int = 216
+    regs_producer: int = 24
+    regs_consumer: int = 232
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA (upper bound): Q, G, the tile ring, ids, dI, dW partials, barriers."""
@@ -80,8 +80,8 @@ class IndexerBwdConfig:
     per-slot dK rows one launch stores (the rows of a launch are chosen so that it fits)."""
 
     stages: int = 4
-    regs_producer: int = 40
-    regs_consumer: int = 216
+    regs_producer: int = 24
+    regs_consumer: int = 232
     grid: str | int = "persistent"
     chunk_bytes: int = 1 << 30
 

@@ -1,7 +1,8 @@
 """Sparse MLA backward: the fused sm_90a kernel (atomic and deterministic modes) against the plain-PyTorch reference
 backward, in one run (GPU).
 
-    python bench/sparse_attention_backward.py [--quick] [--reps N] [--ref-max-T T] [--json FILE] [--cases 0,2]
+    python bench/sparse_attention_backward.py [--quick] [--reps N] [--ref-max-T T] [--cases 0,2] [--kv N]
+    python bench/sparse_attention_backward.py --cases 0 --bucket-rows 2048 4096 8192     # KV window sizes
 
 Shapes: T = 4096 and 32768 query rows over a KV pool of 32768 and 131072 rows, H=128, D_qk 576, d_v 512, top-k
 2048, with sink; H=64 with D_qk 512 (--quick: T = 4096 only). Ids are distinct per row (start + i * odd stride mod
@@ -33,6 +34,27 @@ from dsagen.reference import sparse_attention as ref  # noqa: E402
 
 CASES = [(4096, 128, 576, 32768), (4096, 128, 576, 131072), (32768, 128, 576, 32768), (32768, 128, 576, 131072),
          (4096, 64, 512, 32768)]
+
+
+def window_sweep(s_q, h, d_qk, n_kv, topk, reps, bucket_rows):
+    """The atomic mode's ms for each KV window size of `bucket_rows` (SparseAttnBwdConfig.bucket_rows; 0: no
+    ordering), timed interleaved round by round on the same inputs."""
+    import dataclasses
+
+    from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
+    gen = torch.Generator().manual_seed(0)
+    ids = distinct_ids(s_q, topk, n_kv, gen).cuda()
+    sink = torch.randn(h, generator=gen).cuda()
+    cgen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn((s_q, h, d_qk), generator=cgen, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn((n_kv, d_qk), generator=cgen, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn((s_q, h, 512), generator=cgen, device="cuda", dtype=torch.bfloat16)
+    scale = d_qk ** -0.5
+    out, lse, _ = dsagen.sparse_attention(q, kv, ids, attn_sink=sink, softmax_scale=scale, d_v=512, impl="fused")
+    configs = [dataclasses.replace(SparseAttnBwdConfig(), bucket_rows=b or None) for b in bucket_rows]
+    fns = [lambda c=c: bwd_host.sparse_attention_backward(q, kv, out, dout, lse, ids, attn_sink=sink, topk_length=None,
+                                                          softmax_scale=scale, d_v=512, config=c) for c in configs]
+    return paired_time_ms(fns, calls=reps)
 
 
 def run_case(s_q, h, d_qk, n_kv, topk, reps, ref_max_t):
@@ -73,11 +95,20 @@ def main() -> None:
     ap.add_argument("--cases", help="comma list of case indices to run (default: all)")
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--kv", type=int, help="KV pool rows of every chosen case (default: each case's)")
+    ap.add_argument("--bucket-rows", type=int, nargs="+",
+                    help="instead of the table: the atomic mode's ms per KV window size (0: no ordering)")
     args = ap.parse_args()
     cases = CASES if args.cases is None else [CASES[int(i)] for i in args.cases.split(",")]
     if args.quick:
         cases = [c for c in cases if c[0] == 4096]
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  topk {args.topk}  sink")
+    if args.bucket_rows:
+        for s_q, h, d, n_kv in cases:
+            n_kv = args.kv or n_kv
+            ms = window_sweep(s_q, h, d, n_kv, args.topk, args.reps, args.bucket_rows)
+            print(f"T {s_q} H {h} D {d} KV {n_kv}: " + ", ".join(
+                f"windows {b or 'off'} {t:.3f} ms" for b, t in zip(args.bucket_rows, ms)), flush=True)
+        return
     print(f"{'T':>6} {'H':>4} {'D':>4} {'KV':>7} | {'fused ms':>9} {'TFLOP/s':>8} | {'det ms':>8} {'cost':>5} | "
           f"{'ref ms':>8} {'x':>6} | {'step ms':>8} {'ref step':>9}")
     for s_q, h, d, n_kv in cases:

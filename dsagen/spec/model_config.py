@@ -36,14 +36,14 @@ from ..kernels.attn_score_recompute.spec import config_for as attn_score_recompu
 from ..kernels.indexer_bwd.spec import config_for as indexer_bwd_config
 from ..kernels.indexer_score_recompute.spec import config_for as indexer_score_recompute_config
 from ..kernels.indexer_topk.spec import config_for as indexer_topk_config
-from ..kernels.indexer_score_recompute.spec import kernel_heads as indexer_recompute_heads
 from ..kernels.sparse_mla.spec import config_for as sparse_mla_config
+from ..kernels.sparse_mla.spec import kernel_heads
 from ..kernels.sparse_mla_bwd.spec import config_for as sparse_mla_bwd_config
 from .arch import ARCHES, get_arch
 from .base import KernelSpec, SpecError
 
 #: Query heads the fused sparse MLA serves: 64 and 128 natively, fewer zero-padded by the op's host code to 64 or
-#: 128 (dsagen.kernels.sparse_mla.host.kernel_heads; a test keeps the two in step).
+#: 128 (kernel_heads).
 MLA_MAX_HEADS = 128
 MLA_KV_LORA_RANKS = (512,)
 MLA_ROPE_DIMS = (0, 64)
@@ -67,9 +67,8 @@ class ModelConfigError(SpecError):
     type, or a value no kernel serves. The message names the config and the field."""
 
 
-def mla_kernel_heads(num_heads: int) -> int:
-    """The heads of the sparse MLA kernel that serves `num_heads` query heads: 64 (fewer are padded) or 128."""
-    return 64 if num_heads <= 64 else 128
+#: The heads of the sparse MLA kernel that serves `num_heads` query heads: 64 (fewer are padded) or 128.
+mla_kernel_heads = kernel_heads
 
 
 @dataclass(frozen=True)
@@ -161,7 +160,7 @@ def specs_for_model(model: ModelAttention, arch: str) -> list[KernelSpec]:
         # standalone indexer top-k (any width; its plan's kernels serve every row length)
         out.extend(indexer_topk_config(arch).specs())
         # sparse indexer score recompute (the indexer's distribution over the selected slots, for its KL loss)
-        hi = indexer_recompute_heads(model.index_n_heads)
+        hi = kernel_heads(model.index_n_heads)
         out.append(indexer_score_recompute_config(hi, model.index_head_dim, model.dtype, arch, None)
                    .spec(hi, model.index_head_dim, model.dtype, arch))
         # sparse indexer backward (64 heads natively, fewer padded): atomic d_index_k and the deterministic kernel

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...spec.base import KernelSpec, register_spec
+from ..sparse_mla.checks import kernel_heads  # noqa: F401  (the host's and the model config's head padding)
 
 #: Heads the kernel is built for; the op pads 1..63 heads to 64 and 65..127 to 128 (zero weights).
 NATIVE_HEADS = (64, 128)
@@ -101,8 +102,3 @@ def config_for(num_heads: int, head_dim: int, dtype, arch: str, num_sms: int | N
     """The config the op runs for `num_heads` (padded to 64 or 128), `head_dim`, `dtype` on `arch`: 4 stages and two
     CTAs per SM for every shape so far."""
     return IndexerScoreRecomputeConfig()
-
-
-def kernel_heads(h: int) -> int:
-    """The heads of the kernel that serves `h` query heads: 64 for 1..64, 128 for 65..128."""
-    return 64 if h <= 64 else 128

@@ -1,5 +1,5 @@
 """Spec checks and small config helpers shared by the MLA attention kernel families (sparse_mla, sparse_mla_bwd,
-attn_score_recompute). A leaf module: it imports no dsagen module, so each family's spec.py can use it while
+attn_score_recompute) and the head-padded indexer kernels. A leaf module: it imports no dsagen module, so each family's spec.py can use it while
 `dsagen.spec` is still loading the families (a family's spec.py importing another family's spec.py would meet it
 half-initialised)."""
 
@@ -25,6 +25,12 @@ def mla_shape_reasons(what: str, arch: str, num_heads: int, d_qk: int) -> list[s
     if d_qk not in (512, 576):
         out.append(f"d_qk={d_qk} must be 512 or 576")
     return out
+
+
+def kernel_heads(num_heads: int) -> int:
+    """The heads of the kernel that serves `num_heads` query heads: 64 for 1..64, 128 for 65..128 (the op's host
+    pads the heads in between)."""
+    return 64 if num_heads <= 64 else 128
 
 
 def register_budget_reasons(budgets: dict[str, int]) -> list[str]:

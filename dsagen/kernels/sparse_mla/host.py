@@ -29,15 +29,11 @@ import torch
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
 
 from ...jit import get_kernel
+from .checks import kernel_heads
 from .spec import SparseAttnFwdConfig, SparseAttnFwdSpec, config_for
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_GRID_X = 2**31 - 1
-
-
-def kernel_heads(num_heads: int) -> int:
-    """The heads of the kernel that serves `num_heads` query heads: 64 (fewer are padded to it) or 128."""
-    return 64 if num_heads <= 64 else 128
 
 
 def padded_heads(t: torch.Tensor, hp: int, fill: float = 0.0) -> torch.Tensor:

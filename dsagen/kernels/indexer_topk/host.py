@@ -7,7 +7,8 @@ aligned with a column count that is a multiple of 4 (the kernel reads whole 16-b
 the row's length); otherwise, and for FP16 / BF16 (exact in FP32, so order and ties are unchanged), the scores are
 copied into a zero-padded FP32 matrix of round_up(n_cols, 4) columns. The kernel the plan picks (by columns and
 whether the rows fit one wave) writes each row's ids in ascending order, -1 padded, and with return_values each one's
-score beside it (-inf where the id is -1; cast back to FP16 / BF16 inputs' dtype, exactly). Nothing synchronizes with the host; it is the custom op `dsagen::indexer_topk_fused`.
+score beside it (-inf where the id is -1; cast back to FP16 / BF16 inputs' dtype, exactly). Nothing synchronizes
+with the host; it is the custom op `dsagen::indexer_topk_fused`.
 """
 
 from __future__ import annotations

@@ -77,6 +77,17 @@ def f32_bits(key: Uint32) -> Uint32:
 
 
 @cute.jit
+def emit_slot(mOut, pos, idx, mVal, has_vals, src, at, from_key: cutlass.Constexpr = False):
+    """mOut[pos] = idx, and mVal[pos] = the selected score's fp32 bits when the values are wanted (mVal not None at
+    trace time, the run-time has_vals not 0), read from src[at] only then: score bits, or with from_key an
+    order-preserving key (f32_key's) that f32_bits converts back."""
+    mOut[pos] = idx
+    if cutlass.const_expr(mVal is not None):
+        if has_vals != 0:
+            mVal[pos] = f32_bits(src[at]) if from_key else src[at]
+
+
+@cute.jit
 def warp_inclusive_scan(v: Int32, lane: Int32) -> Int32:
     for d in cutlass.range_constexpr(5):
         o = cute.arch.shuffle_sync_up(v, offset=1 << d)
@@ -147,17 +158,11 @@ def global_emit(frag, mV, mOut, nsteps, w0, lane, n, shift, prefix, k_eq, below,
                 kk = f32_key(frag[j, u]) >> shift
                 if ok and i0 + j < n:
                     if kk > prefix:
-                        mOut[g_pos + cutlass.min(e_pos, k_eq)] = i0 + j
-                        if cutlass.const_expr(mVal is not None):
-                            if has_vals != 0:
-                                mVal[g_pos + cutlass.min(e_pos, k_eq)] = frag[j, u]
+                        emit_slot(mOut, g_pos + cutlass.min(e_pos, k_eq), i0 + j, mVal, has_vals, frag, (j, u))
                         g_pos += 1
                     if kk == prefix:
                         if e_pos < k_eq:
-                            mOut[g_pos + e_pos] = i0 + j
-                            if cutlass.const_expr(mVal is not None):
-                                if has_vals != 0:
-                                    mVal[g_pos + e_pos] = frag[j, u]
+                            emit_slot(mOut, g_pos + e_pos, i0 + j, mVal, has_vals, frag, (j, u))
                         e_pos += 1
             gt_run += g_tot
             eq_run += e_tot
@@ -521,16 +526,10 @@ def build(threads: int, sample: bool, compact_cap: int, rows: bool = False):
                     g_pos = gt_run + cute.arch.popc(bg & below)
                     e_pos = eq_run + cute.arch.popc(be & below)
                     if g:
-                        mOut[g_pos + cutlass.min(e_pos, k_eq)] = idx
-                        if cutlass.const_expr(mVal is not None):
-                            if has_vals != 0:
-                                mVal[g_pos + cutlass.min(e_pos, k_eq)] = f32_bits(sKey[e])
+                        emit_slot(mOut, g_pos + cutlass.min(e_pos, k_eq), idx, mVal, has_vals, sKey, e, True)
                     if q:
                         if e_pos < k_eq:
-                            mOut[g_pos + e_pos] = idx
-                            if cutlass.const_expr(mVal is not None):
-                                if has_vals != 0:
-                                    mVal[g_pos + e_pos] = f32_bits(sKey[e])
+                            emit_slot(mOut, g_pos + e_pos, idx, mVal, has_vals, sKey, e, True)
                     gt_run += cute.arch.popc(bg)
                     eq_run += cute.arch.popc(be)
                     e0 += 32

@@ -36,28 +36,9 @@ CASES = [(4096, 128, 576, 32768), (4096, 128, 576, 131072), (32768, 128, 576, 32
          (4096, 64, 512, 32768)]
 
 
-def window_sweep(s_q, h, d_qk, n_kv, topk, reps, bucket_rows):
-    """The atomic mode's ms for each KV window size of `bucket_rows` (SparseAttnBwdConfig.bucket_rows; 0: no
-    ordering), timed interleaved round by round on the same inputs."""
-    import dataclasses
-
-    from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
-    gen = torch.Generator().manual_seed(0)
-    ids = distinct_ids(s_q, topk, n_kv, gen).cuda()
-    sink = torch.randn(h, generator=gen).cuda()
-    cgen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn((s_q, h, d_qk), generator=cgen, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn((n_kv, d_qk), generator=cgen, device="cuda", dtype=torch.bfloat16)
-    dout = torch.randn((s_q, h, 512), generator=cgen, device="cuda", dtype=torch.bfloat16)
-    scale = d_qk ** -0.5
-    out, lse, _ = dsagen.sparse_attention(q, kv, ids, attn_sink=sink, softmax_scale=scale, d_v=512, impl="fused")
-    configs = [dataclasses.replace(SparseAttnBwdConfig(), bucket_rows=b or None) for b in bucket_rows]
-    fns = [lambda c=c: bwd_host.sparse_attention_backward(q, kv, out, dout, lse, ids, attn_sink=sink, topk_length=None,
-                                                          softmax_scale=scale, d_v=512, config=c) for c in configs]
-    return paired_time_ms(fns, calls=reps)
-
-
-def run_case(s_q, h, d_qk, n_kv, topk, reps, ref_max_t):
+def make_inputs(s_q, h, d_qk, n_kv, topk):
+    """One case's tensors (module docstring): q, kv, dout, ids, sink, the softmax scale, and out / lse from the fused
+    forward."""
     gen = torch.Generator().manual_seed(0)
     ids = distinct_ids(s_q, topk, n_kv, gen).cuda()
     sink = torch.randn(h, generator=gen).cuda()
@@ -67,6 +48,24 @@ def run_case(s_q, h, d_qk, n_kv, topk, reps, ref_max_t):
     dout = torch.randn((s_q, h, 512), generator=cgen, device="cuda", dtype=torch.bfloat16)
     scale = d_qk ** -0.5
     out, lse, _ = dsagen.sparse_attention(q, kv, ids, attn_sink=sink, softmax_scale=scale, d_v=512, impl="fused")
+    return q, kv, dout, ids, sink, scale, out, lse
+
+
+def window_sweep(s_q, h, d_qk, n_kv, topk, reps, bucket_rows):
+    """The atomic mode's ms for each KV window size of `bucket_rows` (SparseAttnBwdConfig.bucket_rows; 0: no
+    ordering), timed interleaved round by round on the same inputs."""
+    import dataclasses
+
+    from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
+    q, kv, dout, ids, sink, scale, out, lse = make_inputs(s_q, h, d_qk, n_kv, topk)
+    configs = [dataclasses.replace(SparseAttnBwdConfig(), bucket_rows=b or None) for b in bucket_rows]
+    fns = [lambda c=c: bwd_host.sparse_attention_backward(q, kv, out, dout, lse, ids, attn_sink=sink, topk_length=None,
+                                                          softmax_scale=scale, d_v=512, config=c) for c in configs]
+    return paired_time_ms(fns, calls=reps)
+
+
+def run_case(s_q, h, d_qk, n_kv, topk, reps, ref_max_t):
+    q, kv, dout, ids, sink, scale, out, lse = make_inputs(s_q, h, d_qk, n_kv, topk)
     kw = dict(attn_sink=sink, topk_length=None, softmax_scale=scale, d_v=512)
     fused = lambda det: bwd_host.sparse_attention_backward(q, kv, out, dout, lse, ids, deterministic=det, **kw)  # noqa
     flops = 2.0 * s_q * h * topk * (3 * d_qk + 2 * 512)

@@ -2,6 +2,7 @@
 torch.topk on the same rows, in one run (GPU).
 
     python bench/indexer_topk_rows.py [--rows 4096] [--cols 32768 131072] [--topk 2048]
+    python bench/indexer_topk_rows.py --kernels 128,0 512,1 1024,1     # one kernel (threads, sample) per row
 
 Rows: realistic indexer scores (bench/indexer_topk.realistic_rows: the weighted ReLU head sums of random bf16 q / k,
 H 64, D 128) and plain normal values, FP32, every row of full length. Timed: the whole op with return_values=True
@@ -26,13 +27,42 @@ from indexer_topk import realistic_rows  # noqa: E402
 import dsagen  # noqa: E402
 
 
+def kernel_sweep(args) -> None:
+    """The fused op with values, one kernel of `--kernels` (threads, sample) for every row in turn (a single-kernel
+    TopkPlan through dsagen.kernels.indexer_topk.host, the sets checked against torch.topk), on the indexer rows."""
+    from dsagen.kernels.indexer_topk.host import indexer_topk as fused_topk
+    from dsagen.kernels.indexer_topk.spec import IndexerTopkRowsSpec
+    from dsagen.kernels.lightning_indexer.topk_limits import TopkPlan
+
+    kernels = [tuple(int(v) for v in k.split(",")) for k in args.kernels]
+    print(f"{'cols':>7} | " + " | ".join(f"{t:>4} thr {'sampled' if s else 'passes':>7}" for t, s in kernels))
+    for n in args.cols:
+        gen = torch.Generator(device="cuda").manual_seed(n)
+        x = realistic_rows(args.rows, n, gen)
+        lens = torch.full((args.rows,), n, dtype=torch.int32, device="cuda")
+        kth = torch.topk(x, args.topk, dim=-1).values[:, -1:]
+        times = []
+        for threads, sample in kernels:
+            plan = TopkPlan.single(IndexerTopkRowsSpec(arch="sm_90a", threads=threads, sample=bool(sample)))
+            _, vals = fused_topk(x, lens, args.topk, plan=plan)
+            assert torch.equal(vals.min(-1, keepdim=True).values, kth)
+            times.append(cuda_time_ms(lambda: fused_topk(x, lens, args.topk, plan=plan), calls=5, rounds=5))
+        print(f"{n:7d} | " + " | ".join(f"{t:16.3f}" for t in times), flush=True)
+        del x
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--cols", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--kernels", nargs="+", help="instead of the table: the ms of each kernel THREADS,SAMPLE (0/1)")
     args = ap.parse_args()
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  rows {args.rows}  topk {args.topk}")
+    if args.kernels:
+        kernel_sweep(args)
+        return
     print(f"{'cols':>7} {'rows are':>9} | {'fused ms':>9} {'no values':>9} | {'torch.topk':>10} {'unsorted':>9} | "
           f"{'x sorted':>8} {'x unsorted':>10}")
     for n in args.cols:

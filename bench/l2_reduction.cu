@@ -8,7 +8,8 @@
 // is the sparse MLA's D_qk) FP32 values of 1.0 into row ids[slot] of an accumulator of `rows` rows (32768 and 131072:
 // 16 / 64 MB at 128 floats, in and out of L2), and over 32768 rows in 4096-row windows (rows "32768w"). Variants:
 //   seg<L>/<W> red.global.add.v4.f32 with L lanes per row segment (16 bytes each): L = 4 is the kernels' pattern (one
-//             warp instruction covers 8 rows x 64 bytes), L = 32 one 512-byte segment of one row; W warps per SM;
+//             warp instruction covers 8 rows x 64 bytes), L = 32 one 512-byte segment of one row; W warps per SM
+//             (seg8/8h: on half of the SMs, which tells a per-SM limit from one of the L2);
 //   bulk      the CTA writes 32 rows into a shared staging buffer (double-buffered), then one thread issues one bulk
 //             reduction per row (a whole row per instruction) and waits for the reads of the buffer before reuse;
 //   store     st.global.v4.f32 with 32 lanes per row segment (no reduction: the write path's rate).
@@ -104,8 +105,8 @@ int main(int argc, char** argv) {
         CK(cudaMemcpy(d_ids, ids.data(), slots * sizeof(int), cudaMemcpyHostToDevice));
         float* d_acc;
         CK(cudaMalloc(&d_acc, rows * row_floats * sizeof(float)));
-        for (const char* name : {"seg4/32", "seg8/32", "seg16/32", "seg32/32", "seg4/8", "seg8/8", "seg32/8",
-                                 "bulk", "store"}) {
+        for (const char* name : {"seg4/32", "seg8/32", "seg16/32", "seg32/32", "seg4/8", "seg8/8", "seg16/8",
+                                 "seg32/8", "seg8/8h", "bulk", "store"}) {
             const std::string v(name);
             auto launch = [&]() {
                 if (v == "seg4/32") red_seg<4, false><<<sms * 4, 256>>>(d_acc, d_ids, slots, row_floats);
@@ -114,6 +115,8 @@ int main(int argc, char** argv) {
                 else if (v == "seg32/32") red_seg<32, false><<<sms * 4, 256>>>(d_acc, d_ids, slots, row_floats);
                 else if (v == "seg4/8") red_seg<4, false><<<sms, 256>>>(d_acc, d_ids, slots, row_floats);
                 else if (v == "seg8/8") red_seg<8, false><<<sms, 256>>>(d_acc, d_ids, slots, row_floats);
+                else if (v == "seg16/8") red_seg<16, false><<<sms, 256>>>(d_acc, d_ids, slots, row_floats);
+                else if (v == "seg8/8h") red_seg<8, false><<<sms / 2, 256>>>(d_acc, d_ids, slots, row_floats);
                 else if (v == "seg32/8") red_seg<32, false><<<sms, 256>>>(d_acc, d_ids, slots, row_floats);
                 else if (v == "bulk") bulk<<<sms * 2, 128, stage_bytes>>>(d_acc, d_ids, slots, row_floats);
                 else red_seg<32, true><<<sms * 4, 256>>>(d_acc, d_ids, slots, row_floats);

@@ -23,8 +23,8 @@ config_for choice is persistent) through the flat entry's config=, next to the d
 regex:sparse_attention_fwd` (ncu flushes the caches before every replay pass, so a warm-up launch would change
 nothing).
 Time: CUDA events around `reps` back-to-back calls after a warm-up, median of 7 such rounds; the default, the
---grid column and FlashMLA run interleaved round by round, the order rotating (common.paired_time_ms), so GPU
-clock drift and the power cap hit them alike.
+--grid column and FlashMLA run interleaved round by round, the order shuffled every round (common.paired_time_ms),
+so GPU clock drift and the power cap hit them alike.
 """
 
 from __future__ import annotations

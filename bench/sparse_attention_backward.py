@@ -3,6 +3,7 @@ backward, in one run (GPU).
 
     python bench/sparse_attention_backward.py [--quick] [--reps N] [--ref-max-T T] [--cases 0,2] [--kv N]
     python bench/sparse_attention_backward.py --cases 0 --bucket-rows 2048 4096 8192     # KV window sizes
+    python bench/sparse_attention_backward.py --cases 0 --configs '[{}, {"late_send_b": false}]'   # configs
 
 Shapes: T = 4096 and 32768 query rows over a KV pool of 32768 and 131072 rows, H=128, D_qk 576, d_v 512, top-k
 2048, with sink; H=64 with D_qk 512 (--quick: T = 4096 only). Ids are distinct per row (start + i * odd stride mod
@@ -20,6 +21,7 @@ interleaved round by round (common.paired_time_ms).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -51,14 +53,14 @@ def make_inputs(s_q, h, d_qk, n_kv, topk):
     return q, kv, dout, ids, sink, scale, out, lse
 
 
-def window_sweep(s_q, h, d_qk, n_kv, topk, reps, bucket_rows):
-    """The atomic mode's ms for each KV window size of `bucket_rows` (SparseAttnBwdConfig.bucket_rows; 0: no
-    ordering), timed interleaved round by round on the same inputs."""
+def config_sweep(s_q, h, d_qk, n_kv, topk, reps, overrides):
+    """The atomic mode's ms for each dict of SparseAttnBwdConfig field overrides in `overrides` ({}: the op's
+    config), timed interleaved round by round on the same inputs."""
     import dataclasses
 
     from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
     q, kv, dout, ids, sink, scale, out, lse = make_inputs(s_q, h, d_qk, n_kv, topk)
-    configs = [dataclasses.replace(SparseAttnBwdConfig(), bucket_rows=b or None) for b in bucket_rows]
+    configs = [dataclasses.replace(SparseAttnBwdConfig(), **o) for o in overrides]
     fns = [lambda c=c: bwd_host.sparse_attention_backward(q, kv, out, dout, lse, ids, attn_sink=sink, topk_length=None,
                                                           softmax_scale=scale, d_v=512, config=c) for c in configs]
     return paired_time_ms(fns, calls=reps)
@@ -96,17 +98,26 @@ def main() -> None:
     ap.add_argument("--kv", type=int, help="KV pool rows of every chosen case (default: each case's)")
     ap.add_argument("--bucket-rows", type=int, nargs="+",
                     help="instead of the table: the atomic mode's ms per KV window size (0: no ordering)")
+    ap.add_argument("--configs", help="instead of the table: the atomic mode's ms per config, a JSON list of "
+                                      "SparseAttnBwdConfig field overrides ({}: the op's config)")
     args = ap.parse_args()
     cases = CASES if args.cases is None else [CASES[int(i)] for i in args.cases.split(",")]
     if args.quick:
         cases = [c for c in cases if c[0] == 4096]
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  topk {args.topk}  sink")
+    overrides = None
     if args.bucket_rows:
+        overrides = [dict(bucket_rows=b or None) for b in args.bucket_rows]
+    elif args.configs:
+        overrides = json.loads(args.configs)
+    if overrides is not None:
         for s_q, h, d, n_kv in cases:
             n_kv = args.kv or n_kv
-            ms = window_sweep(s_q, h, d, n_kv, args.topk, args.reps, args.bucket_rows)
-            print(f"T {s_q} H {h} D {d} KV {n_kv}: " + ", ".join(
-                f"windows {b or 'off'} {t:.3f} ms" for b, t in zip(args.bucket_rows, ms)), flush=True)
+            ms = config_sweep(s_q, h, d, n_kv, args.topk, args.reps, overrides)
+            print(f"T {s_q} H {h} D {d} KV {n_kv}:", flush=True)
+            for o, t in zip(overrides, ms):
+                print(f"  {t:8.3f} ms  {2.0 * s_q * h * args.topk * (3 * d + 1024) / t / 1e9:6.1f} TFLOP/s  "
+                      f"{json.dumps(o) if o else 'the op config'}", flush=True)
         return
     print(f"{'T':>6} {'H':>4} {'D':>4} {'KV':>7} | {'fused ms':>9} {'TFLOP/s':>8} | {'det ms':>8} {'cost':>5} | "
           f"{'ref ms':>8} {'x':>6} | {'step ms':>8} {'ref step':>9}")

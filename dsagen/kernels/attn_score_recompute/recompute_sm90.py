@@ -52,7 +52,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_mn_view, cp_async_rows, gather_tile_rows, l2_evict_first_policy,
-                                                 load_tile_ids, sw128, swizzled_byte_offset)
+                                                 load_tile_ids, row_slots, sw128, swizzled_byte_offset)
 
 LOG2E = math.log2(math.e)
 
@@ -214,14 +214,6 @@ class AttnScoreRecomputeSm90:
         else:
             self.consumer(a, sh, tidx, bidx, nctas)
 
-    @cute.jit
-    def row_setup(self, a: KernelArgs, tok):
-        """Row tok's valid slots [0, kmax) and its BN-slot tiles."""
-        kmax = a.topk
-        if a.has_length != 0:
-            kmax = cutlass.min(cutlass.max((a.p_len + tok).load(), Int32(0)), a.topk)
-        return kmax, (kmax + self.BN - 1) // self.BN
-
     # ------------------------------------------------------------------------------------------- producer (WG0)
     @cute.jit
     def producer(self, a, sh, st, lay_q, lay_kv, tidx, bidx, nctas):
@@ -239,7 +231,7 @@ class AttnScoreRecomputeSm90:
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
-            kmax, ntiles = self.row_setup(a, tok)
+            kmax, ntiles = row_slots(a.p_len, a.has_length, a.topk, tok, self.BN)
             cute.arch.mbarrier_wait(sh.q_free, (it % 2) ^ 1)
             for kb in cutlass.range_constexpr(self.NKB):
                 cp_async_rows(sQb, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D_QK, grp, col0, policy,
@@ -293,7 +285,7 @@ class AttnScoreRecomputeSm90:
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
-            kmax, ntiles = self.row_setup(a, tok)
+            kmax, ntiles = row_slots(a.p_len, a.has_length, a.topk, tok, self.BN)
             for mb in cutlass.range_constexpr(self.NMB):
                 for r in cutlass.range_constexpr(NR):
                     lse_l2[r, mb] = (a.p_lse + (Int64(tok) * self.H + 64 * mb + cS[r, 0][0])).load() * LOG2E

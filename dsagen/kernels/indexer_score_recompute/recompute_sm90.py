@@ -46,7 +46,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_mn_view, cp_async_rows, gather_ring_tile, init_gather_ring,
-                                                 l2_evict_first_policy, load_tile_ids, sw128, swizzled_byte_offset)
+                                                 l2_evict_first_policy, load_tile_ids, row_slots, sw128,
+                                                 swizzled_byte_offset)
 
 NEG_INF = -math.inf
 
@@ -195,14 +196,6 @@ class IndexerScoreRecomputeSm90:
         else:
             self.consumer(a, sh, tidx, bidx, nctas)
 
-    @cute.jit
-    def row_setup(self, a: KernelArgs, tok):
-        """Row tok's valid slots [0, kmax) and its BN-slot tiles."""
-        kmax = a.topk
-        if a.has_length != 0:
-            kmax = cutlass.min(cutlass.max((a.p_len + tok).load(), Int32(0)), a.topk)
-        return kmax, (kmax + self.BN - 1) // self.BN
-
     # ------------------------------------------------------------------------------------------- producer (WG0)
     @cute.jit
     def producer(self, a, sh, st, lay_q, lay_k, tidx, bidx, nctas):
@@ -219,7 +212,7 @@ class IndexerScoreRecomputeSm90:
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
-            kmax, ntiles = self.row_setup(a, tok)
+            kmax, ntiles = row_slots(a.p_len, a.has_length, a.topk, tok, self.BN)
             cute.arch.mbarrier_wait(sh.q_free, (it % 2) ^ 1)
             cp_async_rows(sQb, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D, grp, col0, policy)
             cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_full)
@@ -266,7 +259,7 @@ class IndexerScoreRecomputeSm90:
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
-            kmax, ntiles = self.row_setup(a, tok)
+            kmax, ntiles = row_slots(a.p_len, a.has_length, a.topk, tok, self.BN)
             for c in cutlass.range_constexpr(NCOL):
                 wreg[c] = (a.p_w + (Int64(tok) * H + cMN[0, c][1])).load()
             m_run = Float32(NEG_INF)

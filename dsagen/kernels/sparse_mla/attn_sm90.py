@@ -244,6 +244,16 @@ def gather_tile_rows(dst: cute.Pointer, sw_base, lay, p_rows: cute.Pointer, ld, 
 
 
 @cute.jit
+def row_slots(p_len: cute.Pointer, has_length, topk, tok, bn: int):
+    """Row tok's valid slots [0, kmax) and its bn-slot tiles: kmax = clamp(p_len[tok], 0, topk) when has_length is
+    non-zero, else topk. Returns (kmax, ceil(kmax / bn))."""
+    kmax = topk
+    if has_length != 0:
+        kmax = cutlass.min(cutlass.max((p_len + tok).load(), Int32(0)), topk)
+    return kmax, (kmax + bn - 1) // bn
+
+
+@cute.jit
 def init_gather_ring(kv_ready, kv_free, stages: int, q_full, q_free, ready_count: int, free_count: int,
                      q_count: int) -> None:
     """The mbarriers of a gather ring of `stages` stages and its per-row Q buffer (one thread calls it): kv_ready[s]

@@ -114,3 +114,34 @@ def test_the_custom_op_and_its_fake(monkeypatch):
     ids = torch.randint(-1, 9, (1, 3, 6), generator=gen, dtype=torch.int32)
     lse = torch.randn(1, 3, 64, generator=gen) + 20.0
     torch.library.opcheck(rc_host._fused_op, (q, kv, lse, ids, 0.05, None, False))
+
+
+def test_launch_plans_of_both_score_recomputes(monkeypatch):
+    """Both score recomputes' _launch_plan (sparse_mla.host.head_padded_launch_plan), with the device queries and the
+    kernel loader stood in: the spec of the padded head count under the op's config or the caller's, the loaded
+    kernel of that spec, n_ctas from the device's SMs, and one load per call shape."""
+    import torch
+
+    from dsagen.kernels.attn_score_recompute import host as rc_host
+    from dsagen.kernels.indexer_score_recompute import host as isr_host
+    from dsagen.kernels.indexer_score_recompute.spec import IndexerScoreRecomputeConfig
+    from dsagen.kernels.sparse_mla import host as mla_host
+
+    loads = []
+    monkeypatch.setattr(mla_host, "device_arch", lambda dev: "sm_90a")
+    monkeypatch.setattr(mla_host, "device_index", lambda dev: 0)
+    monkeypatch.setattr(mla_host, "device_sm_count", lambda index: 132)
+    monkeypatch.setattr(mla_host, "get_kernel", lambda spec, index: loads.append(spec) or ("kernel", spec))
+    dev = torch.device("cuda", 0)
+    for host, d, cfg in ((rc_host, 576, AttnScoreRecomputeConfig(grid=5)),
+                         (isr_host, 128, IndexerScoreRecomputeConfig(grid=5))):
+        monkeypatch.setattr(host, "_launch_plans", {})
+        loads.clear()
+        op_cfg = host.config_for(128, d, torch.bfloat16, "sm_90a", 132)
+        spec, kernel, n_ctas = host._launch_plan(100, d, torch.bfloat16, dev, None)
+        assert spec == op_cfg.spec(128, d, "bfloat16", "sm_90a") and spec.num_heads == 128
+        assert kernel == ("kernel", spec) and n_ctas == op_cfg.n_ctas(132)
+        assert host._launch_plan(100, d, torch.bfloat16, dev, None) == (spec, kernel, n_ctas) and loads == [spec]
+        spec5, kernel5, n5 = host._launch_plan(40, d, torch.float16, dev, cfg)
+        assert spec5 == cfg.spec(64, d, "float16", "sm_90a") and spec5.num_heads == 64 and n5 == 5
+        assert kernel5 == ("kernel", spec5) and loads == [spec, spec5]

@@ -15,11 +15,10 @@ import math
 
 import torch
 
-from ...jit import get_kernel
-from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
+from ...runtime import LoadedKernel
 from ..indices.host import batch_flat_ids
-from ..sparse_mla.host import padded_heads
-from .spec import IndexerScoreRecomputeConfig, IndexerScoreRecomputeSpec, config_for, kernel_heads
+from ..sparse_mla.host import head_padded_launch_plan, padded_heads
+from .spec import IndexerScoreRecomputeConfig, IndexerScoreRecomputeSpec, config_for
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _INT32_MAX = 2**31 - 1
@@ -46,16 +45,7 @@ _launch_plans: dict = {}
 def _launch_plan(h: int, d: int, dtype: torch.dtype, device: torch.device,
                  config: IndexerScoreRecomputeConfig | None) -> tuple[IndexerScoreRecomputeSpec, LoadedKernel, int]:
     """The spec, loaded kernel and n_ctas argument of a call (cached per call shape and config)."""
-    key = (h, d, dtype, device, config)
-    plan = _launch_plans.get(key)
-    if plan is None:
-        arch = device_arch(device)
-        num_sms = device_sm_count(device_index(device))
-        hp = kernel_heads(h)
-        cfg = config_for(hp, d, dtype, arch, num_sms) if config is None else config
-        spec = cfg.spec(hp, d, _DTYPES[dtype], arch)
-        plan = _launch_plans[key] = (spec, get_kernel(spec, device_index(device)), cfg.n_ctas(num_sms))
-    return plan
+    return head_padded_launch_plan(_launch_plans, h, d, dtype, device, config, config_for, _DTYPES)
 
 
 def run(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor, topk_indices: torch.Tensor,

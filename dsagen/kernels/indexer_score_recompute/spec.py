@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...spec.base import KernelSpec, register_spec
-from ..sparse_mla.checks import kernel_heads  # noqa: F401  (the host's and the model config's head padding)
+from ..sparse_mla.checks import check_grid, dtype_name
+from ..sparse_mla.checks import kernel_heads  # noqa: F401  (the family's head padding, read here by its tests)
 
 #: Heads the kernel is built for; the op pads 1..63 heads to 64 and 65..127 to 128 (zero weights).
 NATIVE_HEADS = (64, 128)
@@ -83,14 +84,12 @@ class IndexerScoreRecomputeConfig:
     grid: str | int = "persistent"
 
     def __post_init__(self) -> None:
-        if not (self.grid == "persistent" or (isinstance(self.grid, int) and not isinstance(self.grid, bool)
-                                              and self.grid >= 1)):
-            raise ValueError(f"IndexerScoreRecomputeConfig.grid={self.grid!r} must be 'persistent' or a positive int")
+        check_grid(self.grid, "IndexerScoreRecomputeConfig")
 
     def spec(self, num_heads: int, head_dim: int, dtype, arch: str = "sm_90a") -> IndexerScoreRecomputeSpec:
         """The kernel spec of this config for a kernel of `num_heads` (64 or 128) heads."""
         return IndexerScoreRecomputeSpec(arch=arch, num_heads=num_heads, head_dim=head_dim,
-                                         dtype=str(dtype).removeprefix("torch."), stages=self.stages,
+                                         dtype=dtype_name(dtype), stages=self.stages,
                                          ctas_per_sm=self.ctas_per_sm)
 
     def n_ctas(self, num_sms: int) -> int:

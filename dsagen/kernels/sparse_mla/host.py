@@ -46,6 +46,24 @@ def padded_heads(t: torch.Tensor, hp: int, fill: float = 0.0) -> torch.Tensor:
     return out
 
 
+def head_padded_launch_plan(cache: dict, h: int, d: int, dtype: torch.dtype, device: torch.device, config,
+                            config_for, dtype_names: dict) -> tuple:
+    """(spec, loaded kernel, n_ctas argument) of a call of a family whose kernels serve kernel_heads(h) heads (64
+    or 128) and whose configs have spec(heads, d, dtype name, arch) and n_ctas(num_sms) (the score recomputes).
+    config: the call's, or None for config_for(heads, d, dtype, arch, num_sms); dtype_names maps the torch dtype to
+    the spec's name. Cached in `cache` per (h, d, dtype, device, config)."""
+    key = (h, d, dtype, device, config)
+    plan = cache.get(key)
+    if plan is None:
+        arch = device_arch(device)
+        num_sms = device_sm_count(device_index(device))
+        hp = kernel_heads(h)
+        cfg = config_for(hp, d, dtype, arch, num_sms) if config is None else config
+        spec = cfg.spec(hp, d, dtype_names[dtype], arch)
+        plan = cache[key] = (spec, get_kernel(spec, device_index(device)), cfg.n_ctas(num_sms))
+    return plan
+
+
 def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a",
              config: SparseAttnFwdConfig | None = None, lse_prefix: bool = False) -> SparseAttnFwdSpec:
     """The kernel spec that serves `num_heads` query heads (after padding to 64 or 128) under `config` (default:

@@ -41,7 +41,8 @@ from typing import Iterator
 from ..errors import DsagenError
 from ..log import get_logger
 from .store import (LAYOUT, MANIFEST, MAX_MANIFEST_BYTES, PYCACHE, CacheCorruption, CacheLockTimeout, CacheStore,
-                    _read_nofollow, entry_parts, load_entry, remove_path, staging_name, validate_entry_manifest)
+                    _read_nofollow, entry_parts, load_entry, remove_path, replaced_when_written, staging_name,
+                    validate_entry_manifest)
 
 _log = get_logger("store")
 
@@ -122,23 +123,15 @@ def pack(store: CacheStore, out: Path) -> int:
     out = Path(out)
     sums: dict[str, str] = {}
     n = 0
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    try:
-        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
-            for rel, _m, files in shippable_entries(store, "pack"):
-                n += 1
-                for name in sorted(files):
-                    data = files[name]
-                    sums[f"{rel}/{name}"] = hashlib.sha256(data).hexdigest()
-                    tar.addfile(_tar_info(f"{rel}/{name}", len(data)), io.BytesIO(data))
-            blob = json.dumps(sums, indent=1, sort_keys=True).encode()
-            tar.addfile(_tar_info(CHECKSUMS, len(blob)), io.BytesIO(blob))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with replaced_when_written(out) as tmp, tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+        for rel, _m, files in shippable_entries(store, "pack"):
+            n += 1
+            for name in sorted(files):
+                data = files[name]
+                sums[f"{rel}/{name}"] = hashlib.sha256(data).hexdigest()
+                tar.addfile(_tar_info(f"{rel}/{name}", len(data)), io.BytesIO(data))
+        blob = json.dumps(sums, indent=1, sort_keys=True).encode()
+        tar.addfile(_tar_info(CHECKSUMS, len(blob)), io.BytesIO(blob))
     _log.info("packed %d entries into %s", n, out)
     return n
 

@@ -27,7 +27,6 @@ import base64
 import hashlib
 import json
 import keyword
-import os
 import re
 import zipfile
 from pathlib import Path
@@ -37,7 +36,7 @@ from ..errors import ConfigError
 from ..log import get_logger
 from .installed import CACHE_FOLDER, GROUP
 from .pack import CHECKSUMS, shippable_entries
-from .store import CacheStore
+from .store import CacheStore, replaced_when_written
 
 DEFAULT_NAME = "dsagen-kernels"
 _NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
@@ -128,19 +127,11 @@ def write_wheel(store: CacheStore, out_dir: Path, name: str = DEFAULT_NAME, vers
     record += f"{record_path},,\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"{pkg}-{version.replace('-', '_')}-py3-none-any.whl"
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    try:
-        with zipfile.ZipFile(tmp, "w") as z:
-            # dist-info last (as wheel builders do): the package first, RECORD at the very end
-            for p in sorted(payload, key=lambda p: (p.startswith(dist_info), p)):
-                z.writestr(_zip_info(p), payload[p])
-            z.writestr(_zip_info(record_path), record.encode())
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with replaced_when_written(out) as tmp, zipfile.ZipFile(tmp, "w") as z:
+        # dist-info last (as wheel builders do): the package first, RECORD at the very end
+        for p in sorted(payload, key=lambda p: (p.startswith(dist_info), p)):
+            z.writestr(_zip_info(p), payload[p])
+        z.writestr(_zip_info(record_path), record.encode())
     _log.info("wrote kernel wheel %s (%d entries)", out, count)
     return out, count
 

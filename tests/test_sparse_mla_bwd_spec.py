@@ -112,11 +112,13 @@ def test_forward_lse_prefix_kernel_fits(tmp_path):
     assert len(re.findall(r"STG\.E ", sass)) == 2 * 3          # per head row of the thread: lse, max_logits, lse_prefix
 
 
-def test_slot_windows_order_each_rows_valid_ids_by_kv_window():
+@pytest.mark.parametrize("n_kv,rows", [(100, 16), (4000, 10), (80000, 2)], ids=["uint8", "int16", "int32"])
+def test_slot_windows_order_each_rows_valid_ids_by_kv_window(n_kv, rows):
+    """7, 400 and 40000 windows: each width of the sort key."""
     import torch
 
     gen = torch.Generator().manual_seed(0)
-    s_q, k, n_kv, rows = 7, 50, 100, 16
+    s_q, k = 7, 50
     idx = torch.randint(-20, n_kv + 20, (s_q, k), generator=gen, dtype=torch.int32)
     idx[2] = -1                                                   # a row without a valid id
     length = torch.tensor([0, 50, 13, 60, -3, 1, 49], dtype=torch.int32)

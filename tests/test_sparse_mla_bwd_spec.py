@@ -26,6 +26,7 @@ from dsagen.spec import SpecError
     (dict(regs_a=244), "must each be a multiple of 8"),
     (dict(regs_a=256, regs_b=256), "exceeds 504"),
     (dict(arch="sm_100a"), "sm_90a only"),
+    (dict(chunk_buffers_a=3), "chunk_buffers_a=3 must be 1 or 2"),
 ])
 def test_invalid_specs_say_why(kw, needle):
     with pytest.raises(SpecError, match=re.escape(needle)):
@@ -103,6 +104,20 @@ def test_backward_compiles_to_tensor_cores_and_its_dkv_path(deterministic, tmp_p
         assert len(reds) == 8 * 8                           # 8 chunks x 8 16-byte atomics per thread
     assert "LDSM" in sass and "STSM" in sass and "LDGSTS" in sass      # P via ldmatrix, P / dS via stmatrix
     assert re.search(r"REDG\.E\.ADD\.S32\.STRONG\.GPU", sass)           # the grid barrier's count
+
+
+@pytest.mark.compile
+def test_two_chunk_accumulators_in_consumer_a_keep_the_products_and_sends(tmp_path):
+    """chunk_buffers_a=2 (at budgets 24 / 256 / 224) issues the same wgmmas and atomics as the op's kernel, A's chunks
+    pipelined like B's."""
+    one = SparseAttnBwdSpec(arch="sm_90a", num_heads=128, d_qk=576)
+    two = SparseAttnBwdSpec(arch="sm_90a", num_heads=128, d_qk=576, chunk_buffers_a=2, regs_producer=24,
+                            regs_a=256, regs_b=224)
+    counts = []
+    for spec in (one, two):
+        _, sass = _sass(spec, tmp_path / str(spec.chunk_buffers_a))
+        counts.append((len(re.findall(r"HGMMA\.", sass)), len(re.findall(r"REDG\.E\.ADD\.F32x4\S* ", sass))))
+    assert counts[0] == counts[1] and counts[0][1] == 9 * 8
 
 
 @pytest.mark.compile

@@ -94,10 +94,11 @@ def params(dtype: str) -> list[dict]:
 
 
 def build(num_heads: int, d_qk: int, d_v: int, dtype: str, deterministic: bool, regs_producer: int, regs_a: int,
-          regs_b: int) -> BuiltKernel:
+          regs_b: int, chunk_buffers_a: int = 1) -> BuiltKernel:
     """A new sparse MLA backward for one SparseAttnBwdSpec's values (SparseMlaBwdSm90 lists the constraints). Each
     call returns distinct function objects, so every rendered module names its own kernel."""
-    bwd = SparseMlaBwdSm90(num_heads, d_qk, d_v, dtype, deterministic, regs_producer, regs_a, regs_b)
+    bwd = SparseMlaBwdSm90(num_heads, d_qk, d_v, dtype, deterministic, regs_producer, regs_a, regs_b,
+                           chunk_buffers_a)
     return BuiltKernel.of(params(dtype), bwd, f"min(s_q * {bwd.HB}, n_ctas)")
 
 
@@ -190,7 +191,6 @@ class SparseMlaBwdSm90:
     THREADS = 384
     DQ_B = 256                      # dQ columns of consumer B ([0, 256)); A has [256, D_QK)
     CHUNKS_A = 4                    # dKV column chunks of consumer A (0..3); B has 4..NKB-1
-    CHUNK_BUFFERS = (1, 2)          # dKV chunk accumulators of A and B (2: the next chunk's wgmmas overlap the sends)
     BAR_P = 1
     BAR_DS = 2
     BAR_A_DONE = 3
@@ -199,7 +199,7 @@ class SparseMlaBwdSm90:
     BARRIER_SPINS = 4096            # the grid barrier's bound: 4096 sleeps of ~256 ns
 
     def __init__(self, num_heads: int, d_qk: int, d_v: int, dtype: str, deterministic: bool, regs_producer: int,
-                 regs_a: int, regs_b: int):
+                 regs_a: int, regs_b: int, chunk_buffers_a: int = 1):
         self.H = num_heads
         self.HB = num_heads // self.M
         self.D_QK = d_qk
@@ -212,6 +212,8 @@ class SparseMlaBwdSm90:
         self.fp16 = dtype == "float16"
         self.dtype = cutlass.Float16 if self.fp16 else cutlass.BFloat16
         self.regs = (regs_producer, regs_a, regs_b)
+        # dKV chunk accumulators of A and B (2: the next chunk's wgmmas overlap the sends)
+        self.chunk_buffers = (chunk_buffers_a, 2)
         self.Smem = self._smem_struct()
         self.kernel, self.host = self._entry_points()
 
@@ -454,7 +456,7 @@ class SparseMlaBwdSm90:
         mma_s.set(warpgroup.Field.ACCUMULATE, True)
         mma_q0.set(warpgroup.Field.ACCUMULATE, True)
         mma_q1.set(warpgroup.Field.ACCUMULATE, True)
-        kvc = self.dkv_chunk_state(sh, ctid, self.CHUNK_BUFFERS[0])
+        kvc = self.dkv_chunk_state(sh, ctid, self.chunk_buffers[0])
         keep = cute.make_rmem_tensor(NC, cutlass.Boolean)
         lse_l2 = cute.make_rmem_tensor(NR, Float32)
         scale_log2 = a.softmax_scale * LOG2E
@@ -570,7 +572,7 @@ class SparseMlaBwdSm90:
         cQ = acc_mn_view(thr_q.partition_C(cute.make_identity_tensor((M, self.DQ_B))))
         mma_dp.set(warpgroup.Field.ACCUMULATE, True)
         mma_q.set(warpgroup.Field.ACCUMULATE, True)
-        kvc = self.dkv_chunk_state(sh, ctid, self.CHUNK_BUFFERS[1])
+        kvc = self.dkv_chunk_state(sh, ctid, self.chunk_buffers[1])
         delta = cute.make_rmem_tensor(NR, Float32)
         q4 = ctid % 4
         scale = a.softmax_scale

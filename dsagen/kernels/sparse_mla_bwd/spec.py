@@ -37,6 +37,8 @@ class SparseAttnBwdSpec(KernelSpec):
       True: no atomics; chunk rows are stored per (item, slot) into a (total_S_q * num_heads / 64, topk, d_qk)
       FP32 buffer that the host sums per id in a fixed order.
     regs_producer / regs_a / regs_b: setmaxnreg budgets of WG0, WG1 and WG2 (the op's: SparseAttnBwdConfig).
+    chunk_buffers_a: dKV chunk accumulators of consumer A, 1 or 2 (B has 2: the next chunk's wgmmas are issued
+      before the previous chunk's atomics).
 
     Sequence lengths, top-k width, KV pool size, softmax scale and the CTA count are run-time arguments.
     """
@@ -52,6 +54,7 @@ class SparseAttnBwdSpec(KernelSpec):
     regs_producer: int = 40
     regs_a: int = 240
     regs_b: int = 224
+    chunk_buffers_a: int = 1
 
     def reasons(self) -> list[str]:
         out = super().reasons() + mla_shape_reasons("sparse attention backward", self.arch, self.num_heads,
@@ -62,6 +65,8 @@ class SparseAttnBwdSpec(KernelSpec):
             out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
         if not isinstance(self.deterministic, bool):
             out.append(f"deterministic={self.deterministic!r} must be a bool")
+        if isinstance(self.chunk_buffers_a, bool) or self.chunk_buffers_a not in (1, 2):
+            out.append(f"chunk_buffers_a={self.chunk_buffers_a!r} must be 1 or 2")
         out.extend(register_budget_reasons({"regs_producer": self.regs_producer, "regs_a": self.regs_a,
                                             "regs_b": self.regs_b}))
         return out
@@ -76,6 +81,10 @@ class SparseAttnBwdConfig:
     regs_producer / regs_a / regs_b: setmaxnreg budgets, 40 + 240 + 224 = 504, the launch's 3 x 168 registers.
       Consumer A holds dQ[:, 256:] (160 FP32 at D576) next to its S / chunk accumulator, B dQ[:, :256] (128) next
       to dP and dS; the producer only computes addresses.
+    chunk_buffers_a: consumer A's dKV chunk accumulators (SparseAttnBwdSpec), 1 (the op's) or 2. Two spill at A's
+      240 registers (150 spill instructions, 23.14 ms at the headline shape); with budgets 24 / 256 / 224 they ran
+      15.86 against 16.33 ms (H200, 2026-12-01, separate processes), but their GPU suites and sanitizers are still
+      to run, so the op keeps 1.
     grid: "persistent" (one CTA per SM, each looping over the items) or an int n (at most n CTAs).
     bucket_rows: KV rows per window (None: no ordering). Each row's valid ids are ordered by the window of their id
       (a stable sort on the host), so the CTAs, which walk their items in step, add into about one window's rows
@@ -93,6 +102,7 @@ class SparseAttnBwdConfig:
     regs_producer: int = 40
     regs_a: int = 240
     regs_b: int = 224
+    chunk_buffers_a: int = 1
     grid: str | int = "persistent"
     bucket_rows: int | None = 4096
     sync_grid: bool = True
@@ -109,7 +119,7 @@ class SparseAttnBwdConfig:
         """The kernel spec of this config for a kernel of `num_heads` (64 or 128) heads."""
         return SparseAttnBwdSpec(arch=arch, num_heads=num_heads, d_qk=d_qk, d_v=d_v, dtype=dtype_name(dtype),
                                  deterministic=bool(deterministic), regs_producer=self.regs_producer,
-                                 regs_a=self.regs_a, regs_b=self.regs_b)
+                                 regs_a=self.regs_a, regs_b=self.regs_b, chunk_buffers_a=self.chunk_buffers_a)
 
     def n_ctas(self, num_sms: int) -> int:
         """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(items, n_ctas))."""

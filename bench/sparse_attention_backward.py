@@ -3,7 +3,7 @@ backward, in one run (GPU).
 
     python bench/sparse_attention_backward.py [--quick] [--reps N] [--ref-max-T T] [--cases 0,2] [--kv N]
     python bench/sparse_attention_backward.py --cases 0 --bucket-rows 2048 4096 8192     # KV window sizes
-    python bench/sparse_attention_backward.py --cases 0 --configs '[{}, {"late_send_b": false}]'   # configs
+    python bench/sparse_attention_backward.py --cases 0 --configs '[{}, {"regs_producer": 48, "regs_a": 232}]'
 
 Shapes: T = 4096 and 32768 query rows over a KV pool of 32768 and 131072 rows, H=128, D_qk 576, d_v 512, top-k
 2048, with sink; H=64 with D_qk 512 (--quick: T = 4096 only). Ids are distinct per row (start + i * odd stride mod
@@ -38,6 +38,11 @@ CASES = [(4096, 128, 576, 32768), (4096, 128, 576, 131072), (32768, 128, 576, 32
          (4096, 64, 512, 32768)]
 
 
+def backward_flops(s_q, h, d_qk, topk):
+    """The FLOPs of one backward (module docstring): S, dP, dQ and dKV's two products, d_v 512."""
+    return 2.0 * s_q * h * topk * (3 * d_qk + 2 * 512)
+
+
 def make_inputs(s_q, h, d_qk, n_kv, topk):
     """One case's tensors (module docstring): q, kv, dout, ids, sink, the softmax scale, and out / lse from the fused
     forward."""
@@ -70,7 +75,7 @@ def run_case(s_q, h, d_qk, n_kv, topk, reps, ref_max_t):
     q, kv, dout, ids, sink, scale, out, lse = make_inputs(s_q, h, d_qk, n_kv, topk)
     kw = dict(attn_sink=sink, topk_length=None, softmax_scale=scale, d_v=512)
     fused = lambda det: bwd_host.sparse_attention_backward(q, kv, out, dout, lse, ids, deterministic=det, **kw)  # noqa
-    flops = 2.0 * s_q * h * topk * (3 * d_qk + 2 * 512)
+    flops = backward_flops(s_q, h, d_qk, topk)
     ms, det_ms = paired_time_ms([lambda: fused(False), lambda: fused(True)], calls=reps)
     row = dict(T=s_q, H=h, d_qk=d_qk, kv=n_kv, topk=topk, fused_ms=ms, tflops=flops / ms / 1e9, det_ms=det_ms,
                det_cost=det_ms / ms)
@@ -116,7 +121,7 @@ def main() -> None:
             ms = config_sweep(s_q, h, d, n_kv, args.topk, args.reps, overrides)
             print(f"T {s_q} H {h} D {d} KV {n_kv}:", flush=True)
             for o, t in zip(overrides, ms):
-                print(f"  {t:8.3f} ms  {2.0 * s_q * h * args.topk * (3 * d + 1024) / t / 1e9:6.1f} TFLOP/s  "
+                print(f"  {t:8.3f} ms  {backward_flops(s_q, h, d, args.topk) / t / 1e9:6.1f} TFLOP/s  "
                       f"{json.dumps(o) if o else 'the op config'}", flush=True)
         return
     print(f"{'T':>6} {'H':>4} {'D':>4} {'KV':>7} | {'fused ms':>9} {'TFLOP/s':>8} | {'det ms':>8} {'cost':>5} | "

@@ -9,7 +9,6 @@ run-time arguments.
 plus the flat ABI (`params`) and the launch declaration (`launch`) of the rendered kernel module.
 """
 
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64

@@ -1,7 +1,7 @@
 """Spec checks and small config helpers shared by the MLA attention kernel families (sparse_mla, sparse_mla_bwd,
-attn_score_recompute) and the head-padded indexer kernels. A leaf module: it imports no dsagen module, so each family's spec.py can use it while
-`dsagen.spec` is still loading the families (a family's spec.py importing another family's spec.py would meet it
-half-initialised)."""
+attn_score_recompute) and the head-padded indexer kernels. A leaf module: it imports no dsagen module, so each
+family's spec.py can use it while `dsagen.spec` is still loading the families (a family's spec.py importing another
+family's spec.py would meet it half-initialised)."""
 
 from __future__ import annotations
 

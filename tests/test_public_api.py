@@ -115,4 +115,5 @@ def test_spec_preset_and_arch_errors_are_dsagen_errors():
     assert missing_ops("deepseek-v3.2", "sm_90a") == []
     assert missing_ops("deepseek-v3.2", "sm_100a") == [
         "indexer_backward", "indexer_topk", "lightning_indexer_score", "lightning_indexer_topk",
-        "sparse_attention_bwd", "sparse_attention_fwd", "sparse_attn_score_recompute", "sparse_indexer_score_recompute"]
+        "sparse_attention_bwd", "sparse_attention_bwd_order", "sparse_attention_fwd", "sparse_attn_score_recompute",
+        "sparse_indexer_score_recompute"]

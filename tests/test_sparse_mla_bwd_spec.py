@@ -14,7 +14,8 @@ from dsagen.kernels.sparse_mla.spec import SparseAttnFwdSpec
 from dsagen.kernels.sparse_mla.fwd_sm90 import params as fwd_params
 from dsagen.kernels.sparse_mla_bwd import host as bwd_host
 from dsagen.kernels.sparse_mla_bwd.bwd_sm90 import params as bwd_params
-from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig, SparseAttnBwdSpec, config_for
+from dsagen.kernels.sparse_mla_bwd.spec import (SparseAttnBwdConfig, SparseAttnBwdOrderSpec, SparseAttnBwdSpec,
+                                                config_for)
 from dsagen.spec import SpecError
 
 
@@ -127,26 +128,53 @@ def test_forward_lse_prefix_kernel_fits(tmp_path):
     assert len(re.findall(r"STG\.E ", sass)) == 2 * 3          # per head row of the thread: lse, max_logits, lse_prefix
 
 
-@pytest.mark.parametrize("n_kv,rows", [(100, 16), (4000, 10), (80000, 2)], ids=["uint8", "int16", "int32"])
-def test_slot_windows_order_each_rows_valid_ids_by_kv_window(n_kv, rows):
-    """7, 400 and 40000 windows: each width of the sort key."""
+@pytest.mark.parametrize("kw,needle", [
+    (dict(warps_per_cta=3), "warps_per_cta=3 must be one of"),
+    (dict(max_windows=100), "max_windows=100 must be a multiple of 32"),
+    (dict(max_windows=8192), "max_windows=8192 must be a multiple of 32 in 32..4096"),
+    (dict(warps_per_cta=32, max_windows=4096), "exceeds 48 KB"),
+])
+def test_invalid_order_specs_say_why(kw, needle):
+    with pytest.raises(SpecError, match=re.escape(needle)):
+        SparseAttnBwdOrderSpec(**{"arch": "sm_90a", **kw}).check()
+
+
+@pytest.mark.compile
+def test_order_kernel_compiles_to_warp_matches(tmp_path):
+    """The window ordering: one warp per row, match.sync per 32-slot step in both passes, a counter per window and
+    warp in shared memory."""
+    spec = SparseAttnBwdOrderSpec(arch="sm_90a")
+    rec, sass = _sass(spec, tmp_path)
+    assert rec["launch"]["block"] == [spec.warps_per_cta * 32, 1, 1]
+    assert rec["launch"]["smem"] == spec.warps_per_cta * spec.max_windows * 4
+    assert len(re.findall(r"MATCH\.ANY ", sass)) >= 2 and "POPC" in sass
+    assert not re.search(r"\b(STL|LDL)\b", sass)
+
+
+def test_order_kernel_launch_arguments_on_the_cpu(monkeypatch):
+    """slot_windows with buckets hands the ordering kernel the ids, the lengths, n_kv and the window size, widened
+    to ceil(n_kv / max_windows) rows for a pool of more windows."""
     import torch
 
-    gen = torch.Generator().manual_seed(0)
-    s_q, k = 7, 50
-    idx = torch.randint(-20, n_kv + 20, (s_q, k), generator=gen, dtype=torch.int32)
-    idx[2] = -1                                                   # a row without a valid id
-    length = torch.tensor([0, 50, 13, 60, -3, 1, 49], dtype=torch.int32)
-    ids = torch.empty_like(idx)
-    win = torch.empty((s_q, 2), dtype=torch.int32)
-    bwd_host.slot_windows(idx, n_kv, length, rows, ids_out=ids, win_out=win)
-    for t in range(s_q):
-        n = max(0, min(int(length[t]), k))
-        want = [int(v) for v in idx[t, :n] if 0 <= v < n_kv]
-        want = sorted(want, key=lambda v: v // rows)             # stable: ties keep their slot order
-        assert win[t].tolist() == [0, len(want)]
-        assert ids[t, :len(want)].tolist() == want
-        assert sorted(ids[t].tolist()) == sorted(idx[t].tolist())  # a permutation of the row
+    calls = []
+
+    class Kernel:
+        def launch(self, *args):
+            calls.append(args)
+
+    spec = SparseAttnBwdOrderSpec(arch="sm_90a")
+    monkeypatch.setattr(bwd_host, "_order_kernel", lambda index: (Kernel(), spec))
+    monkeypatch.setattr(bwd_host, "device_index", lambda device: 0)
+    idx = torch.zeros((4, 12), dtype=torch.int32)[:, :10]
+    length = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    ids = torch.empty((4, 10), dtype=torch.int32)
+    win = torch.empty((4, 2), dtype=torch.int32)
+    bwd_host.slot_windows(idx, 5000, length, 64, ids_out=ids, win_out=win)
+    bwd_host.slot_windows(idx, 5000, None, 8, ids_out=ids, win_out=win)
+    (a0, a1) = calls
+    assert a0[0] is idx and a0[1] is length and a0[2] is ids and a0[3] is win
+    assert a0[4:] == (4, 10, 12, 1, 5000, 64)
+    assert a1[5:] == (10, 12, 0, 5000, 20)                            # 625 windows of 8 rows: 256 of 20
 
 
 def test_slot_windows_without_buckets_keep_the_ids():
@@ -161,9 +189,9 @@ def test_slot_windows_without_buckets_keep_the_ids():
 
 
 def test_host_launch_arguments_on_the_cpu(monkeypatch):
-    """The host's launch path with a stand-in kernel (CPU tensors): the ids the kernel gets are each row's valid ids
-    ordered by KV window, its windows count them, the accumulator and counter are zeroed, heads are padded with lse
-    = +inf, and deterministic mode launches per chunk of rows."""
+    """The host's launch path with stand-in kernels (CPU tensors): the kernel gets the ordering's ids and windows,
+    the accumulator and counter are zeroed, heads are padded with lse = +inf, and deterministic mode launches per
+    chunk of rows."""
     import torch
 
     calls = []
@@ -175,6 +203,15 @@ def test_host_launch_arguments_on_the_cpu(monkeypatch):
     spec = SparseAttnBwdSpec(arch="sm_90a", num_heads=64, d_qk=512)
     cfg = SparseAttnBwdConfig(bucket_rows=8, deterministic_chunk_bytes=1)
     monkeypatch.setattr(bwd_host, "_launch_plan", lambda *a, **k: (spec, Kernel(), 5, cfg, True))
+    orders = []
+
+    def order(idx, n_kv, length, bucket_rows, *, ids_out, win_out):     # a stand-in for the ordering kernel
+        orders.append((idx, n_kv, length, bucket_rows))
+        ids_out.copy_(idx.flip(1))
+        win_out[:, 0] = 0
+        win_out[:, 1] = torch.arange(idx.shape[0])
+
+    monkeypatch.setattr(bwd_host, "slot_windows", order)
     gen = torch.Generator().manual_seed(1)
     s_q, h, n_kv, k = 3, 16, 30, 20
     q = torch.randn(s_q, h, 512, generator=gen).bfloat16()
@@ -189,9 +226,9 @@ def test_host_launch_arguments_on_the_cpu(monkeypatch):
     assert dq.shape == q.shape and dkv.shape == kv.shape and d_sink is None
     assert args[11:14] == (s_q, n_kv, k) and sync == 1 and args[-1] == 5 and (counter == 0).all()
     assert torch.isinf(lse_p[:, h:]).all() and torch.equal(lse_p[:, :h], lse)      # padded heads: P = 0
-    for t in range(s_q):
-        want = sorted((int(v) for v in idx[t, :int(length[t])] if 0 <= v < n_kv), key=lambda v: v // 8)
-        assert win[t].tolist() == [0, len(want)] and ids[t, :len(want)].tolist() == want
+    ((o_idx, o_kv, o_len, o_bucket),) = orders
+    assert o_idx is idx and o_kv == n_kv and torch.equal(o_len, length) and o_bucket == 8
+    assert torch.equal(ids, idx.flip(1)) and win[:, 1].tolist() == [0, 1, 2]    # the kernel gets the ordered ids
     calls.clear()
     bwd_host._launch(q, kv, out, out, lse, idx, None, length, 0.1, 512, True, None)
     assert [c[11] for c in calls] == [1, 1, 1]                   # 1-byte chunks: one query row per launch

@@ -38,6 +38,7 @@ from ..kernels.indexer_score_recompute.spec import config_for as indexer_score_r
 from ..kernels.indexer_topk.spec import config_for as indexer_topk_config
 from ..kernels.sparse_mla.spec import config_for as sparse_mla_config
 from ..kernels.sparse_mla.spec import kernel_heads
+from ..kernels.sparse_mla_bwd.spec import SparseAttnBwdOrderSpec
 from ..kernels.sparse_mla_bwd.spec import config_for as sparse_mla_bwd_config
 from .arch import ARCHES, get_arch
 from .base import KernelSpec, SpecError
@@ -181,6 +182,8 @@ def specs_for_model(model: ModelAttention, arch: str) -> list[KernelSpec]:
         for deterministic in (False, True):
             out.append(sparse_mla_bwd_config(h, model.d_qk, model.dtype, arch, None)
                        .spec(h, model.d_qk, model.dtype, arch, d_v=model.d_v, deterministic=deterministic))
+        # ... and the ordering of its ids by KV window
+        out.append(SparseAttnBwdOrderSpec(arch=arch))
         # sparse attention score recompute (the indexer's training target)
         out.append(attn_score_recompute_config(h, model.d_qk, model.dtype, arch, None)
                    .spec(h, model.d_qk, model.dtype, arch))

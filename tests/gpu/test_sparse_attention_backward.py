@@ -3,7 +3,8 @@ dsagen.kernels.sparse_mla_bwd.host.sparse_attention_backward) against the plain-
 FP64 on the same out / lse / dout: H 64/128 natively and 16/32 padded, D_qk 512/576 with d_v 512, top-k widths that
 are and are not multiples of 64, topk_length shorter than the width, -1, negative and out-of-range ids, duplicates,
 all-invalid rows, with and without sink, total_S_q = 1, grids smaller than the item count, and the deterministic
-mode (two runs compared bitwise).
+mode (two runs compared bitwise); and the window-ordering kernel (order.py) against a stable sort of each row's valid
+ids by window.
 
 Build what these need first (CPU, with CuTe-DSL):
     dsagen build --spec-file tests/gpu/required_specs.json
@@ -16,14 +17,14 @@ import pytest
 import torch
 
 from dsagen.kernels.sparse_mla_bwd import host as bwd_host
-from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig, config_for
+from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig, SparseAttnBwdOrderSpec, config_for
 from dsagen.reference import sparse_attention as ref
 from test_sparse_attention import make_ids
 
 ARCH = "sm_90a"
 REQUIRED_SPECS = [config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH, deterministic=det)
                   for h in (64, 128) for d in (512, 576) for det in (False, True)] + [
-    config_for(64, 576, "float16", ARCH, None).spec(64, 576, "float16", ARCH)]
+    config_for(64, 576, "float16", ARCH, None).spec(64, 576, "float16", ARCH), SparseAttnBwdOrderSpec(arch=ARCH)]
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -151,3 +152,47 @@ def test_workspace():
     check(c, workspace=ws)
     with pytest.raises(ValueError, match="workspace"):
         fused(c, workspace=ws[:10])
+
+
+def window_order_oracle(idx, n_kv, length, bucket):
+    """Per row: its valid ids (0 <= id < n_kv, slot < length) stably sorted by id // bucket."""
+    rows = []
+    for t in range(idx.shape[0]):
+        n = idx.shape[1] if length is None else max(0, min(int(length[t]), idx.shape[1]))
+        rows.append(sorted((int(v) for v in idx[t, :n] if 0 <= v < n_kv), key=lambda v: v // bucket))
+    return rows
+
+
+@pytest.mark.parametrize("n_kv,bucket,k", [(100, 16, 50), (4000, 10, 300), (32768, 4096, 2048), (300000, 64, 1000),
+                                           (5000, 1, 77)],
+                         ids=["7w", "400w-wider", "8w-model", "4688w-wider", "5000w-wider"])
+@pytest.mark.parametrize("with_length", [False, True], ids=["full", "length"])
+def test_window_order_kernel_adversarial(n_kv, bucket, k, with_length):
+    """Each row's valid ids in stable window order, then -1, and the window [0, count): -1, negative and
+    out-of-range ids, duplicates, an all-invalid row, lengths below 0 and past the width, row widths that are not
+    multiples of 32, a strided view; more windows than max_windows order by ceil(n_kv / max_windows)-row windows."""
+    gen = torch.Generator().manual_seed(n_kv + k)
+    s_q = 37
+    full = torch.randint(-50, n_kv + 50, (s_q, k + 3), generator=gen, dtype=torch.int32)
+    full[:, 7:17] = full[:, 0:10]                                # duplicates
+    full[3] = -1                                                 # a row without a valid id
+    idx = full[:, :k]                                            # row stride k + 3
+    length = torch.randint(-5, k + 20, (s_q,), generator=gen, dtype=torch.int32) if with_length else None
+    ids = torch.full((s_q, k), 12345, dtype=torch.int32, device=DEV)
+    win = torch.full((s_q, 2), 12345, dtype=torch.int32, device=DEV)
+    bwd_host.slot_windows(full.to(DEV)[:, :k], n_kv, None if length is None else length.to(DEV), bucket,
+                          ids_out=ids, win_out=win)
+    wide = max(bucket, -(-n_kv // SparseAttnBwdOrderSpec(arch=ARCH).max_windows))
+    ids, win = ids.cpu(), win.cpu()
+    for t, want in enumerate(window_order_oracle(idx, n_kv, length, wide)):
+        assert win[t].tolist() == [0, len(want)], t
+        assert ids[t, :len(want)].tolist() == want, t
+        assert (ids[t, len(want):] == -1).all(), t
+
+
+def test_window_ordered_backward_adversarial():
+    """The backward with 64-row KV windows (ordering on) and a grid smaller than the items, on adversarial ids and
+    lengths, at both head counts."""
+    for h in (64, 128):
+        c = make_case(21, h, 576, 900, 320, adversarial=True, length=True, seed=30 + h)
+        check(c, config=SparseAttnBwdConfig(grid=5, bucket_rows=64))

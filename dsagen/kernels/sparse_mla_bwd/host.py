@@ -8,6 +8,8 @@ deterministic, workspace[, config])` returns `(dq, dkv, d_sink)` and runs the sm
 synchronizes with the host, so a forward + backward step is CUDA-graph capturable once the kernels are loaded.
 
 Per call:
+  0. when the pool has more than one KV window (SparseAttnBwdConfig.bucket_rows), the ordering kernel (order.py)
+     writes each row's valid ids ordered by window and the row's slot window (slot_windows);
   1. the kernel writes dq, delta = rowsum(out * dout) and the dKV terms: deterministic=False adds them to an FP32
      (total_S_kv, D_qk) accumulator by atomics (zeroed first); deterministic=True stores them per (query row,
      64-head block, slot) into an FP32 buffer, a token chunk at a time, and `index_put_(accumulate=True)` (sorted
@@ -32,7 +34,7 @@ import torch
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
 from ..sparse_mla.host import kernel_heads, padded_heads, supported_reason
-from .spec import SparseAttnBwdConfig, SparseAttnBwdSpec, config_for
+from .spec import SparseAttnBwdConfig, SparseAttnBwdOrderSpec, SparseAttnBwdSpec, config_for
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_GRID_X = 2**31 - 1
@@ -96,33 +98,40 @@ def slot_windows(topk_idxs: torch.Tensor, n_kv: int, length: torch.Tensor | None
     """The ids and the slot window [win[t, 0], win[t, 1]) the kernel walks for each row t.
 
     bucket_rows None: the ids as given (ids_out may be topk_idxs itself) and each row's first min(length, K) slots.
-    Else each row's valid ids (0 <= id < n_kv, slot < length) ordered by KV window id // bucket_rows (a stable sort:
-    ties keep their slot order), the invalid ones after them and outside the window, so that a tile's rows come
-    from one or two windows and the CTAs, which walk their rows in step, add into about one window's rows of the
-    dkv accumulator at a time. topk_idxs int32 (S_q, K); length int32 (S_q,) or None; ids_out int32 (S_q, K);
-    win_out int32 (S_q, 2)."""
+    Else each row's valid ids (0 <= id < n_kv, slot < length) ordered by KV window id // bucket_rows (stable: ties
+    keep their slot order), then -1, and the window [0, count of valid ids): the ordering kernel (order.py), so that
+    a tile's rows come from one or two windows and the CTAs, which walk their rows in step, add into about one
+    window's rows of the dkv accumulator at a time. A pool of more than SparseAttnBwdOrderSpec.max_windows windows
+    is ordered by wider windows of ceil(n_kv / max_windows) rows. topk_idxs int32 (S_q, K), unit stride along K;
+    length int32 (S_q,) contiguous or None; ids_out int32 (S_q, K) contiguous, not topk_idxs when bucketed; win_out
+    int32 (S_q, 2) contiguous."""
     s_q, k_width = topk_idxs.shape
-    win_out[:, 0] = 0
     if k_width == 0 or s_q == 0:
+        win_out[:, 0] = 0
         win_out[:, 1] = 0
         return
     if bucket_rows is None:
         if ids_out.data_ptr() != topk_idxs.data_ptr():
             ids_out.copy_(topk_idxs)
+        win_out[:, 0] = 0
         win_out[:, 1] = k_width if length is None else length.clamp(0, k_width)
         return
-    valid = (topk_idxs >= 0) & (topk_idxs < n_kv)
-    if length is not None:
-        slots = torch.arange(k_width, device=topk_idxs.device, dtype=torch.int32)
-        valid &= slots.view(1, -1) < length.view(-1, 1)
-    n_windows = -(-n_kv // bucket_rows)
-    window = torch.where(valid, torch.div(topk_idxs, bucket_rows, rounding_mode="floor"), n_windows)
-    # the narrowest key that holds every window: the sort's time follows the key width (T 4096 / K 2048 on an
-    # H200, 2026-12-01: 0.244 ms with int32 keys, 0.170 with int16, 0.132 with uint8)
-    key_dtype = torch.uint8 if n_windows <= 255 else torch.int16 if n_windows <= 32767 else torch.int32
-    _, order = torch.sort(window.to(key_dtype), dim=1, stable=True)
-    torch.gather(topk_idxs, 1, order, out=ids_out)
-    win_out[:, 1] = valid.sum(dim=1, dtype=torch.int32)
+    kernel, spec = _order_kernel(device_index(topk_idxs.device))
+    bucket_rows = max(int(bucket_rows), -(-n_kv // spec.max_windows))
+    kernel.launch(topk_idxs, win_out if length is None else length, ids_out, win_out, s_q, k_width,
+                  topk_idxs.stride(0), int(length is not None), n_kv, bucket_rows)
+
+
+_order_kernels: dict[int, tuple[LoadedKernel, SparseAttnBwdOrderSpec]] = {}
+
+
+def _order_kernel(index: int) -> tuple[LoadedKernel, SparseAttnBwdOrderSpec]:
+    """The window-ordering kernel on CUDA device `index` and its spec, memoized."""
+    hit = _order_kernels.get(index)
+    if hit is None:
+        spec = SparseAttnBwdOrderSpec(arch=device_arch(index))
+        hit = _order_kernels[index] = (get_kernel(spec, index), spec)
+    return hit
 
 
 _launch_plans: dict = {}

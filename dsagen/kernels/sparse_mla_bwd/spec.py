@@ -72,6 +72,39 @@ class SparseAttnBwdSpec(KernelSpec):
         return out
 
 
+@register_spec
+@dataclass(frozen=True)
+class SparseAttnBwdOrderSpec(KernelSpec):
+    """The backward's window ordering (kernel: sparse_mla_bwd/order.py, bound by order.py.j2): each row's valid ids
+    ordered by their KV window id // bucket_rows (stable), then -1, and each row's slot window, on the device
+    (SparseAttnBwdConfig.bucket_rows says why; host.order_by_window launches it).
+
+    warps_per_cta: rows per CTA (one warp each; a power of two in 1..32). max_windows: the most windows a call may
+    use (a multiple of 32 in 32..4096: a counter per window and warp in shared memory); a pool of more windows gets
+    wider windows (host.order_by_window).
+
+    The row width, the row count, n_kv and bucket_rows are run-time arguments.
+    """
+
+    op = "sparse_attention_bwd_order"
+    template = "sparse_mla_bwd/order.py.j2"
+
+    warps_per_cta: int = 16
+    max_windows: int = 256
+
+    def reasons(self) -> list[str]:
+        out = super().reasons()
+        if self.warps_per_cta not in (1, 2, 4, 8, 16, 32):
+            out.append(f"warps_per_cta={self.warps_per_cta} must be one of 1, 2, 4, 8, 16, 32")
+        mw = self.max_windows
+        if isinstance(mw, bool) or not isinstance(mw, int) or mw % 32 or not 32 <= mw <= 4096:
+            out.append(f"max_windows={mw!r} must be a multiple of 32 in 32..4096")
+        elif self.warps_per_cta in (1, 2, 4, 8, 16, 32) and self.warps_per_cta * mw * 4 > 48 * 1024:
+            out.append(f"warps_per_cta * max_windows * 4 = {self.warps_per_cta * mw * 4} bytes of shared memory "
+                       f"exceeds 48 KB")
+        return out
+
+
 @dataclass(frozen=True)
 class SparseAttnBwdConfig:
     """Every launch choice of the fused sparse MLA backward: the register budgets become SparseAttnBwdSpec fields
@@ -82,13 +115,14 @@ class SparseAttnBwdConfig:
       Consumer A holds dQ[:, 256:] (160 FP32 at D576) next to its S / chunk accumulator, B dQ[:, :256] (128) next
       to dP and dS; the producer only computes addresses.
     chunk_buffers_a: consumer A's dKV chunk accumulators (SparseAttnBwdSpec), 1 (the op's) or 2. Two spill at A's
-      240 registers (150 spill instructions, 23.14 ms at the headline shape); with budgets 24 / 256 / 224 they ran
-      15.86 against 16.33 ms (H200, 2026-12-01, separate processes), but their GPU suites and sanitizers are still
-      to run, so the op keeps 1.
+      240 registers (150 spill instructions, 23.14 ms at the headline shape); with budgets 24 / 256 / 224 they pass
+      the GPU suites but gain nothing in one process: 16.33 against 16.40 ms at the headline shape, and 9.28 against
+      7.48 ms at H64 / D512 (H200, 2026-12-02), so the op keeps 1.
     grid: "persistent" (one CTA per SM, each looping over the items) or an int n (at most n CTAs).
     bucket_rows: KV rows per window (None: no ordering). Each row's valid ids are ordered by the window of their id
-      (a stable sort on the host), so the CTAs, which walk their items in step, add into about one window's rows
-      of the FP32 dKV accumulator at a time: 4096 rows x 576 x 4 B = 9.4 MB stays in L2, where the whole
+      (stable; the SparseAttnBwdOrderSpec kernel, at most 256 windows: a larger pool gets wider windows), so the
+      CTAs, which walk their items in step, add into about one window's rows of the FP32 dKV accumulator at a
+      time: 4096 rows x 576 x 4 B = 9.4 MB stays in L2, where the whole
       accumulator (75 MB at 32768 rows) does not (H200, 2026-12-01, T 4096 / H128 / D576 / KV 32768: 17.4 ms with
       4096-row windows and the grid barrier, 17.5 with 8192, 18.2 with 16384, 20.4 unordered with the barrier,
       22.0 unordered without it; notes/kernels/sparse_attention_backward.md).

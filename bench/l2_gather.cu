@@ -9,7 +9,7 @@
 // 131072) of `row_bytes` bytes (256: the indexer's D 128 bf16; 1024: D 512; 1152: D 576) in 64-row tiles into a ring
 // of `stages` (2..4) shared tiles per CTA, one CTA per SM. Variants:
 //   cpasync/<W>  W warps issue the tile's 16-byte cp.async (8 lanes per row, the kernels' pattern), commit, and wait
-//                for the tile `stages - 1` back (W = 4 is the kernels' producer warpgroup);
+//                for the tile `stages - 1` back (W = 4 is the kernels' producer warpgroup); 16x2: two such CTAs per SM;
 //   tma/<L>      L lanes of one warp issue the tile's box loads (row_bytes / 128 per row) on the stage's mbarrier and
 //                wait for it `stages` tiles later;
 //   ldg/<W>      W warps load the rows with ld.global.v4 into registers (no shared memory).
@@ -36,7 +36,7 @@ __device__ __forceinline__ uint32_t sw_off(int r, int kb, int c) {
 }
 
 template <int kWarps>
-__global__ void __launch_bounds__(kWarps * 32, 1)
+__global__ void __launch_bounds__(kWarps * 32, 2)
 gather_cpasync(const uint8_t* pool, const int* ids, long slots, int row_bytes, int stages, uint8_t* dump) {
     extern __shared__ __align__(1024) uint8_t smem[];
     const int tid = threadIdx.x, grp = tid / 8, c8 = tid % 8;
@@ -237,10 +237,11 @@ int main(int argc, char** argv) {
             CK(cudaMemcpy(d_ids, ids.data(), slots * sizeof(int), cudaMemcpyHostToDevice));
             const int max_stages = kMaxSmem / tile_bytes < 4 ? kMaxSmem / tile_bytes : 4;
             for (int stages = 2; stages <= max_stages; ++stages) {
-                for (const char* name : {"cpasync/4", "cpasync/8", "cpasync/16", "tma/1", "tma/32", "ldg/8",
-                                         "ldg/32"}) {
+                for (const char* name : {"cpasync/4", "cpasync/8", "cpasync/16", "cpasync/16x2", "tma/1", "tma/32",
+                                         "ldg/8", "ldg/32"}) {
                     const std::string v(name);
                     if ((v.rfind("ldg", 0) == 0 || v == "tma/1") && stages > 2) continue;
+                    if (v == "cpasync/16x2" && 2 * (size_t)stages * tile_bytes > (size_t)kMaxSmem) continue;
                     const size_t smem = (size_t)stages * tile_bytes;
                     auto launch = [&]() {
                         if (v == "cpasync/4")
@@ -249,6 +250,9 @@ int main(int argc, char** argv) {
                             gather_cpasync<8><<<sms, 256, smem>>>(d_pool, d_ids, slots, row_bytes, stages, nullptr);
                         else if (v == "cpasync/16")
                             gather_cpasync<16><<<sms, 512, smem>>>(d_pool, d_ids, slots, row_bytes, stages, nullptr);
+                        else if (v == "cpasync/16x2")   // two CTAs per SM
+                            gather_cpasync<16><<<2 * sms, 512, smem>>>(d_pool, d_ids, slots, row_bytes, stages,
+                                                                      nullptr);
                         else if (v == "tma/1")
                             gather_tma<1><<<sms, 32, smem>>>(map, d_ids, slots, row_bytes, stages, nullptr);
                         else if (v == "tma/32")

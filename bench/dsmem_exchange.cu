@@ -1,0 +1,136 @@
+// FP32 tiles exchanged between the two CTAs of a cluster through distributed shared memory, the way a 2-CTA sparse
+// MLA backward would sum the dKV chunks of a row's two head blocks before its atomics: the rate of remote 16-byte
+// stores (`st.shared::cluster.v4.f32`, then a release arrive on the partner's mbarrier) and of `st.async` (the
+// stores complete the partner's mbarrier themselves), against the FP32 atomics the exchange would replace (GPU,
+// sm_90a).
+//
+//     nvcc -O3 -arch=sm_90a -o /tmp/dsmem_exchange bench/dsmem_exchange.cu && /tmp/dsmem_exchange [chunks]
+//
+// Each CTA of a 2-CTA cluster (one cluster per 2 SMs, 256 threads = the backward's 8 consumer warps) sends
+// `chunks` (default 4096) 16 KB FP32 chunks (64 rows x 64 columns) into a 2-slot ring in its partner's shared memory
+// and receives as many: per chunk, every thread waits for the partner's slot to be free, stores its 64 bytes there,
+// and arrives on the partner's full barrier; the receiver waits for it, adds the slot into its registers and
+// frees it. Prints GB/s of exchanged bytes (both directions) and checks the received sums.
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
+    printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); exit(1); } } while (0)
+
+constexpr int kThreads = 256;
+constexpr int kChunkFloats = 64 * 64;                       // 16 KB
+constexpr int kPerThread = kChunkFloats / kThreads;        // 16 floats = 4 v4 stores
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ uint32_t mapa(uint32_t a, uint32_t rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ void wait_parity(uint32_t bar, int parity) {
+    asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+                 " @!p bra W;\n}" :: "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void arrive_remote(uint32_t remote_bar) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(remote_bar) : "memory");
+}
+
+// kAsync false: st.shared::cluster.v4 + a release arrive per thread (full barrier: kThreads arrivals);
+// true: st.async with complete_tx on the partner's full barrier, whose own threads expect the bytes.
+template <bool kAsync>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
+exchange(int chunks, float* out) {
+    __shared__ __align__(16) float slot[2][kChunkFloats];
+    __shared__ __align__(8) uint64_t full[2], empty[2];
+    const int tid = threadIdx.x;
+    uint32_t rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const uint32_t peer = rank ^ 1;
+    if (tid == 0) {
+        for (int s = 0; s < 2; ++s) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(&full[s])), "r"(kAsync ? 1 : kThreads));
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(&empty[s])), "r"(kThreads));
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    float acc[kPerThread];
+    for (int i = 0; i < kPerThread; ++i) acc[i] = 0.0f;
+    const float v = 1.0f + rank;                                  // what the partner sends: 1 or 2
+    for (int c = 0; c < chunks; ++c) {
+        const int s = c % 2, use = c / 2;
+        // send: the partner's slot s is free once the partner read the chunk that used it before
+        if (c >= 2) wait_parity(smem_addr(&empty[s]), (use - 1) & 1);
+        const uint32_t dst = mapa(smem_addr(&slot[s][tid * 4]), peer);
+        const uint32_t pfull = mapa(smem_addr(&full[s]), peer);
+        if (kAsync) {
+            if (tid == 0)   // this CTA's own full barrier expects the partner's bytes of this use
+                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                             :: "r"(smem_addr(&full[s])), "r"(kChunkFloats * 4) : "memory");
+            for (int j = 0; j < kPerThread / 4; ++j)
+                asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %1, %1, %1}, [%2];"
+                             :: "r"(dst + j * kThreads * 16), "f"(v), "r"(pfull) : "memory");
+        } else {
+            for (int j = 0; j < kPerThread / 4; ++j)
+                asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %1, %1, %1};"
+                             :: "r"(dst + j * kThreads * 16), "f"(v) : "memory");
+            arrive_remote(pfull);
+        }
+        // receive the partner's chunk c in this CTA's slot s, then free it for the partner
+        wait_parity(smem_addr(&full[s]), use & 1);
+        for (int j = 0; j < kPerThread / 4; ++j) {
+            const float4 x = *reinterpret_cast<const float4*>(&slot[s][tid * 4 + j * kThreads * 4]);
+            acc[4 * j] += x.x; acc[4 * j + 1] += x.y; acc[4 * j + 2] += x.z; acc[4 * j + 3] += x.w;
+        }
+        arrive_remote(mapa(smem_addr(&empty[s]), peer));
+    }
+    asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    float total = 0.0f;
+    for (int i = 0; i < kPerThread; ++i) total += acc[i];
+    out[blockIdx.x * kThreads + tid] = total;
+}
+
+int main(int argc, char** argv) {
+    const int chunks = argc > 1 ? atoi(argv[1]) : 4096;
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const int ctas = sms / 2 * 2;
+    float* d_out;
+    CK(cudaMalloc(&d_out, ctas * kThreads * sizeof(float)));
+    printf("# %d CTAs in 2-CTA clusters, 256 threads each, %d 16 KB chunks sent per CTA\n", ctas, chunks);
+    for (int variant = 0; variant < 2; ++variant) {
+        auto launch = [&]() {
+            if (variant == 0) exchange<false><<<ctas, kThreads>>>(chunks, d_out);
+            else exchange<true><<<ctas, kThreads>>>(chunks, d_out);
+        };
+        launch();
+        CK(cudaDeviceSynchronize());
+        float* h = (float*)malloc(ctas * kThreads * sizeof(float));
+        CK(cudaMemcpy(h, d_out, ctas * kThreads * sizeof(float), cudaMemcpyDeviceToHost));
+        bool ok = true;
+        for (int b = 0; b < ctas; ++b)
+            for (int t = 0; t < kThreads; ++t)   // CTA of rank r receives (1 + (r ^ 1)) per float
+                ok &= h[b * kThreads + t] == (float)chunks * kPerThread * (1 + ((b % 2) ^ 1));
+        free(h);
+        cudaEvent_t a, b;
+        CK(cudaEventCreate(&a));
+        CK(cudaEventCreate(&b));
+        float best = 1e30f;
+        for (int rep = 0; rep < 5; ++rep) {
+            CK(cudaEventRecord(a));
+            launch();
+            CK(cudaEventRecord(b));
+            CK(cudaEventSynchronize(b));
+            float ms;
+            CK(cudaEventElapsedTime(&ms, a, b));
+            best = ms < best ? ms : best;
+        }
+        CK(cudaGetLastError());
+        const double bytes = (double)ctas * chunks * kChunkFloats * 4;
+        printf("%-22s %8.3f ms %9.1f GB/s %s\n", variant == 0 ? "st.shared::cluster" : "st.async", best,
+               bytes / best / 1e6, ok ? "ok" : "WRONG");
+    }
+    return 0;
+}

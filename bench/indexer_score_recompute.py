@@ -8,8 +8,9 @@ bf16), top-k 2048, ids distinct per row and all valid. FLOPs = 2 * T * H * topk 
 bytes are what must be read or written once: q, weights, ids, the output and the key pool (2 * T * H * D + 2 * T *
 H + 4 * T * topk * 2 + 2 * S_k * D); floor = max(FLOPs / 780 TFLOP/s, bytes / 4.2 TB/s). "gather GB/s" is the key
 rows the kernel gathers (2 * T * topk * D bytes, mostly from L2) per second. Time: CUDA events around `reps`
-back-to-back calls after a warm-up, median of 7 rounds. `--variants` also times other configs (STAGESxCTAS_PER_SM)
-on the same inputs; they must be in the cache.
+back-to-back calls after a warm-up, median of 7 rounds; `--variants` also times other configs (STAGESxCTAS_PER_SM)
+on the same inputs (they must be in the cache), interleaved with the op's round by round in a shuffled order
+(common.paired_time_ms), and checks that they return the op's output bitwise.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cuda_time_ms, distinct_ids  # noqa: E402
+from common import cuda_time_ms, distinct_ids, paired_time_ms  # noqa: E402
 
 import dsagen  # noqa: E402
 from dsagen.kernels.indexer_score_recompute import host as isr_host  # noqa: E402
@@ -69,8 +70,8 @@ def main() -> None:
         want = runs[0][1]()
         for name, fn in runs[1:]:
             assert torch.equal(fn(), want), name
-        for name, fn in runs:
-            ms = cuda_time_ms(fn, calls=args.reps, rounds=7)
+        times = paired_time_ms([fn for _, fn in runs], calls=args.reps, rounds=7)
+        for (name, fn), ms in zip(runs, times):
             ref = "-        -"
             if name == "op" and s_q <= args.ref_max_T:
                 rms = cuda_time_ms(lambda: dsagen.sparse_indexer_score_recompute(q, k, w, ids, sm_scale=scale,

@@ -31,11 +31,11 @@ def test_invalid_specs_say_why(kw, needle):
 
 def test_config_and_binding():
     cfg = config_for(64, 128, "bfloat16", "sm_90a", 132)
-    assert cfg == IndexerScoreRecomputeConfig(stages=2, ctas_per_sm=4) and cfg.n_ctas(132) == 528
+    assert cfg == IndexerScoreRecomputeConfig(stages=2, ctas_per_sm=3) and cfg.n_ctas(132) == 396
     assert config_for(128, 128, "bfloat16", "sm_90a", 132) == IndexerScoreRecomputeConfig()
     assert IndexerScoreRecomputeConfig().n_ctas(132) == 264 and IndexerScoreRecomputeConfig(grid=5).n_ctas(132) == 5
-    assert cfg.spec(64, 128, "bfloat16") == IndexerScoreRecomputeSpec(arch="sm_90a", stages=2, ctas_per_sm=4)
-    assert cfg.spec(64, 128, "bfloat16").check().smem_bytes() * 4 <= 228 * 1024
+    assert cfg.spec(64, 128, "bfloat16") == IndexerScoreRecomputeSpec(arch="sm_90a", stages=2, ctas_per_sm=3)
+    assert cfg.spec(64, 128, "bfloat16").check().smem_bytes() * 3 <= 228 * 1024
     assert [kernel_heads(h) for h in (1, 16, 64, 65, 128)] == [64, 64, 64, 128, 128]
     with pytest.raises(ValueError, match="grid=0"):
         IndexerScoreRecomputeConfig(grid=0)

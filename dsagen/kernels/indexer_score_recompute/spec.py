@@ -99,10 +99,13 @@ class IndexerScoreRecomputeConfig:
 
 def config_for(num_heads: int, head_dim: int, dtype, arch: str, num_sms: int | None) -> IndexerScoreRecomputeConfig:
     """The config the op runs for `num_heads` (padded to 64 or 128), `head_dim`, `dtype` on `arch`. 64 heads: 2
-    stages and four CTAs per SM, whose 16 producer warps per SM gather more rows at once than two CTAs' 8 (H200,
-    2026-12-02, H64 / D128 / top-k 2048, timed interleaved, ms for 4 x 2 / 2 x 3 / 2 x 4 / 3 x 3: T 4096 0.470 /
-    0.411 / 0.413 / 0.417, with a 131072-row pool 0.485 / 0.422 / 0.436 / 0.448, T 32768 3.652 / 3.242 / 3.081 /
-    3.205). 128 heads: 4 stages and two CTAs per SM (its kernel takes 120 registers; three CTAs per SM leave 85)."""
+    stages and three CTAs per SM, whose 12 producer warps per SM gather more rows at once than two CTAs' 8. H200,
+    2026-12-02, H64 / D128 / top-k 2048, two runs timed interleaved, ms for 4 x 2 / 2 x 3 / 2 x 4 / 3 x 3: T 4096
+    0.470 / 0.411 / 0.413 / 0.417 and 0.462 / 0.397 / 0.413 / 0.405; with a 131072-row pool 0.485 / 0.422 / 0.436 /
+    0.448 and 0.475 / 0.422 / 0.446 / 0.443; T 32768 3.652 / 3.242 / 3.081 / 3.205 and 3.576 / 3.191 / 3.123 / 3.179.
+    In one causal training step (bench/dsa_training_step.py, T 4096) the stage took 0.489 ms at 2 x 3 and 0.669 at
+    2 x 4 (separate runs). 128 heads: 4 stages and two CTAs per SM (its kernel takes 120 registers; three CTAs per SM
+    leave 85)."""
     if num_heads == 64:
-        return IndexerScoreRecomputeConfig(stages=2, ctas_per_sm=4)
+        return IndexerScoreRecomputeConfig(stages=2, ctas_per_sm=3)
     return IndexerScoreRecomputeConfig()

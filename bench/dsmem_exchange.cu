@@ -15,9 +15,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cuda_runtime.h>
-
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
-    printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); exit(1); } } while (0)
+#include "probe_timing.cuh"
 
 constexpr int kThreads = 256;
 constexpr int kChunkFloats = 64 * 64;                       // 16 KB
@@ -114,20 +112,7 @@ int main(int argc, char** argv) {
             for (int t = 0; t < kThreads; ++t)   // CTA of rank r receives (1 + (r ^ 1)) per float
                 ok &= h[b * kThreads + t] == (float)chunks * kPerThread * (1 + ((b % 2) ^ 1));
         free(h);
-        cudaEvent_t a, b;
-        CK(cudaEventCreate(&a));
-        CK(cudaEventCreate(&b));
-        float best = 1e30f;
-        for (int rep = 0; rep < 5; ++rep) {
-            CK(cudaEventRecord(a));
-            launch();
-            CK(cudaEventRecord(b));
-            CK(cudaEventSynchronize(b));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, a, b));
-            best = ms < best ? ms : best;
-        }
-        CK(cudaGetLastError());
+        const float best = best_ms(launch);
         const double bytes = (double)ctas * chunks * kChunkFloats * 4;
         printf("%-22s %8.3f ms %9.1f GB/s %s\n", variant == 0 ? "st.shared::cluster" : "st.async", best,
                bytes / best / 1e6, ok ? "ok" : "WRONG");

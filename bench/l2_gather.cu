@@ -23,9 +23,7 @@
 #include <string>
 #include <cuda.h>
 #include <cuda_runtime.h>
-
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
-    printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); exit(1); } } while (0)
+#include "probe_timing.cuh"
 
 constexpr int kTileRows = 64;
 constexpr int kMaxSmem = 220 * 1024;         // dynamic shared memory of a CTA (the tma kernel has 32 B static)
@@ -264,20 +262,7 @@ int main(int argc, char** argv) {
                     };
                     launch();
                     CK(cudaDeviceSynchronize());
-                    cudaEvent_t a, b;
-                    CK(cudaEventCreate(&a));
-                    CK(cudaEventCreate(&b));
-                    float best = 1e30f;
-                    for (int rep = 0; rep < 5; ++rep) {
-                        CK(cudaEventRecord(a));
-                        launch();
-                        CK(cudaEventRecord(b));
-                        CK(cudaEventSynchronize(b));
-                        float ms;
-                        CK(cudaEventElapsedTime(&ms, a, b));
-                        best = ms < best ? ms : best;
-                    }
-                    CK(cudaGetLastError());
+                    const float best = best_ms(launch);
                     const char* check = v.rfind("cpasync", 0) == 0 ? (ok_cp ? "ok" : "WRONG")
                                       : v.rfind("tma", 0) == 0 ? (ok_tma ? "ok" : "WRONG") : "-";
                     printf("%7d %6ld %6d %-12s %8.3f %8.1f %s\n", row_bytes, rows, stages, name, best,

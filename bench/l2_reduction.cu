@@ -21,9 +21,7 @@
 #include <random>
 #include <string>
 #include <cuda_runtime.h>
-
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
-    printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); exit(1); } } while (0)
+#include "probe_timing.cuh"
 
 __device__ __forceinline__ void red_v4(float* p, float v) {
     asm volatile("red.global.add.v4.f32 [%0], {%1, %1, %1, %1};" :: "l"(p), "f"(v) : "memory");
@@ -130,20 +128,7 @@ int main(int argc, char** argv) {
             for (float x : h) total += x;
             const double want = v == "store" ? -1.0 : (double)slots * row_floats;
             const bool ok = v == "store" || total == want;
-            cudaEvent_t a, b;
-            CK(cudaEventCreate(&a));
-            CK(cudaEventCreate(&b));
-            float best = 1e30f;
-            for (int rep = 0; rep < 5; ++rep) {
-                CK(cudaEventRecord(a));
-                launch();
-                CK(cudaEventRecord(b));
-                CK(cudaEventSynchronize(b));
-                float ms;
-                CK(cudaEventElapsedTime(&ms, a, b));
-                best = ms < best ? ms : best;
-            }
-            CK(cudaGetLastError());
+            const float best = best_ms(launch);
             printf("%8ld%s %-9s %9.3f %9.1f %s\n", rows, mode == 2 ? "w" : " ", name, best, slots * row_floats * 4.0 / best / 1e6,
                    ok ? "ok" : "WRONG");
         }

@@ -74,9 +74,9 @@ def buckets(n_kv: int, bucket_rows: int | None) -> int:
 def workspace_numel(s_q: int, num_heads: int, n_kv: int, topk: int, d_qk: int, deterministic: bool,
                     config: SparseAttnBwdConfig | None = None) -> int:
     """FP32 elements of scratch a call needs (pass a CUDA float32 tensor of at least this many elements as
-    `workspace` to allocate no dsagen scratch in the call, e.g. inside a captured CUDA graph; torch's own sort
-    temporaries of a bucketed call still come from its caching allocator). `config`: the call's (None: the op's,
-    SparseAttnBwdConfig())."""
+    `workspace` to allocate no dsagen scratch in the call, e.g. inside a captured CUDA graph; the outputs, the
+    d_sink reduction's and the deterministic mode's index temporaries still come from torch's caching allocator).
+    `config`: the call's (None: the op's, SparseAttnBwdConfig())."""
     cfg = SparseAttnBwdConfig() if config is None else config
     hp = kernel_heads(num_heads)
     nb = buckets(n_kv, cfg.bucket_rows)

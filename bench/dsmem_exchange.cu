@@ -24,6 +24,7 @@
 
 constexpr int kThreads = 256;
 constexpr int kChunkFloats = 64 * 64;                       // 16 KB
+constexpr int kPerThread = kChunkFloats / kThreads;        // 16 floats = 4 v4 stores
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ uint32_t mapa(uint32_t a, uint32_t rank) {
@@ -39,8 +40,8 @@ __device__ __forceinline__ void arrive_remote(uint32_t remote_bar) {
     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(remote_bar) : "memory");
 }
 
-// kAsync false: st.shared::cluster.v4 + a release arrive per thread (full barrier: one arrival per exchanging
-// thread); true: st.async with complete_tx on the partner's full barrier, whose own thread 0 expects the bytes.
+// kAsync false: st.shared::cluster.v4 + a release arrive per thread (full barrier: kThreads arrivals);
+// true: st.async with complete_tx on the partner's full barrier, whose own thread 0 expects the bytes.
 // kExchange: exchange the chunks; kRed: also add each chunk (16 KB of ones) into the dKV-like accumulator `dkv`
 // (rows of kRowFloats FP32, 64-column block c % 9 of the 64 rows ids[64 c ..], 16 lanes per 256-byte row piece:
 // two 128-byte segments, as the backward's atomics), so that kExchange + kRed tells whether the two share a limit.
@@ -49,74 +50,70 @@ constexpr int kRowFloats = 576;
 template <bool kAsync, bool kExchange, bool kRed>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1)
 exchange(int chunks, float* out, float* dkv, const int* ids) {
-    constexpr int kXT = kThreads;                                 // exchanging threads
-    constexpr int kRT = kThreads;                                 // adding threads
-    constexpr int kXV = kChunkFloats / 4 / kXT, kRV = kChunkFloats / 4 / kRT;   // 16-byte vectors per thread
     __shared__ __align__(16) float slot[2][kChunkFloats];
     __shared__ __align__(8) uint64_t full[2], empty[2];
-    const int tid = threadIdx.x, xt = tid, rt = tid - (kThreads - kRT);
-    const bool exchanger = kExchange && tid < kXT, adder = kRed && rt >= 0;
+    const int tid = threadIdx.x;
     uint32_t rank;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
     const uint32_t peer = rank ^ 1;
     if (tid == 0) {
         for (int s = 0; s < 2; ++s) {
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(&full[s])), "r"(kAsync ? 1 : kXT));
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(&empty[s])), "r"(kXT));
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(&full[s])), "r"(kAsync ? 1 : kThreads));
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(&empty[s])), "r"(kThreads));
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
-    float acc[4 * kXV];
-    for (int i = 0; i < 4 * kXV; ++i) acc[i] = 0.0f;
+    float acc[kPerThread];
+    for (int i = 0; i < kPerThread; ++i) acc[i] = 0.0f;
     const float v = 1.0f + rank;                                  // what the partner sends: 1 or 2
-    // the adding thread's row ids of chunk c, loaded a chunk ahead (so that no atomic waits for its id's load)
-    int row_id[kRV], row_next[kRV];
+    // the thread's 4 row ids of chunk c, loaded a chunk ahead (so that no atomic waits for its id's load)
+    int row_id[kPerThread / 4], row_next[kPerThread / 4];
     auto load_rows = [&](int c, int* dst) {
-        for (int j = 0; j < kRV; ++j)
-            dst[j] = (adder && c < chunks) ? ids[((long)blockIdx.x * chunks + c) * 64 + (j * kRT + rt) / 16] : 0;
+        for (int j = 0; j < kPerThread / 4; ++j)
+            dst[j] = (kRed && c < chunks) ? ids[((long)blockIdx.x * chunks + c) * 64 + (j * kThreads + tid) / 16] : 0;
     };
     load_rows(0, row_id);
     for (int c = 0; c < chunks; ++c) {
-        if (adder) {
+        if (kRed) {
             load_rows(c + 1, row_next);
-            for (int j = 0; j < kRV; ++j) {
-                float* dst = dkv + (long)row_id[j] * kRowFloats + (c % 9) * 64 + ((j * kRT + rt) % 16) * 4;
+            for (int j = 0; j < kPerThread / 4; ++j) {
+                float* dst = dkv + (long)row_id[j] * kRowFloats + (c % 9) * 64 + ((j * kThreads + tid) % 16) * 4;
                 asm volatile("red.global.add.v4.f32 [%0], {%1, %1, %1, %1};" :: "l"(dst), "f"(1.0f) : "memory");
             }
-            for (int j = 0; j < kRV; ++j) row_id[j] = row_next[j];
+            for (int j = 0; j < kPerThread / 4; ++j) row_id[j] = row_next[j];
         }
-        if (!exchanger) continue;
+        if (!kExchange) continue;
         const int s = c % 2, use = c / 2;
         // send: the partner's slot s is free once the partner read the chunk that used it before
         if (c >= 2) wait_parity(smem_addr(&empty[s]), (use - 1) & 1);
-        const uint32_t dst = mapa(smem_addr(&slot[s][xt * 4]), peer);
+        const uint32_t dst = mapa(smem_addr(&slot[s][tid * 4]), peer);
         const uint32_t pfull = mapa(smem_addr(&full[s]), peer);
         if (kAsync) {
             if (tid == 0)   // this CTA's own full barrier expects the partner's bytes of this use
                 asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
                              :: "r"(smem_addr(&full[s])), "r"(kChunkFloats * 4) : "memory");
-            for (int j = 0; j < kXV; ++j)
+            for (int j = 0; j < kPerThread / 4; ++j)
                 asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %1, %1, %1}, [%2];"
-                             :: "r"(dst + j * kXT * 16), "f"(v), "r"(pfull) : "memory");
+                             :: "r"(dst + j * kThreads * 16), "f"(v), "r"(pfull) : "memory");
         } else {
-            for (int j = 0; j < kXV; ++j)
+            for (int j = 0; j < kPerThread / 4; ++j)
                 asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %1, %1, %1};"
-                             :: "r"(dst + j * kXT * 16), "f"(v) : "memory");
+                             :: "r"(dst + j * kThreads * 16), "f"(v) : "memory");
             arrive_remote(pfull);
         }
         // receive the partner's chunk c in this CTA's slot s, then free it for the partner
         wait_parity(smem_addr(&full[s]), use & 1);
-        for (int j = 0; j < kXV; ++j) {
-            const float4 x = *reinterpret_cast<const float4*>(&slot[s][xt * 4 + j * kXT * 4]);
+        for (int j = 0; j < kPerThread / 4; ++j) {
+            const float4 x = *reinterpret_cast<const float4*>(&slot[s][tid * 4 + j * kThreads * 4]);
             acc[4 * j] += x.x; acc[4 * j + 1] += x.y; acc[4 * j + 2] += x.z; acc[4 * j + 3] += x.w;
         }
         arrive_remote(mapa(smem_addr(&empty[s]), peer));
     }
     asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
-    if (!exchanger) return;
+    if (!kExchange) return;
     float total = 0.0f;
-    for (int i = 0; i < 4 * kXV; ++i) total += acc[i];
+    for (int i = 0; i < kPerThread; ++i) total += acc[i];
     out[blockIdx.x * kThreads + tid] = total;
 }
 
@@ -152,7 +149,6 @@ int main(int argc, char** argv) {
             }
         };
         const bool exchanges = variant != 2, reds = variant >= 2;
-        const int xt = kThreads;                                 // threads that exchange and write `out`
         CK(cudaMemset(d_dkv, 0, kPoolRows * kRowFloats * sizeof(float)));
         launch();
         CK(cudaDeviceSynchronize());
@@ -161,8 +157,8 @@ int main(int argc, char** argv) {
             std::vector<float> h(ctas * kThreads);
             CK(cudaMemcpy(h.data(), d_out, h.size() * sizeof(float), cudaMemcpyDeviceToHost));
             for (int b = 0; b < ctas; ++b)
-                for (int t = 0; t < xt; ++t)   // CTA of rank r receives (1 + (r ^ 1)) per float
-                    ok &= h[b * kThreads + t] == (float)chunks * (kChunkFloats / xt) * (1 + ((b % 2) ^ 1));
+                for (int t = 0; t < kThreads; ++t)   // CTA of rank r receives (1 + (r ^ 1)) per float
+                    ok &= h[b * kThreads + t] == (float)chunks * kPerThread * (1 + ((b % 2) ^ 1));
         }
         if (reds) {
             std::vector<float> h(kPoolRows * kRowFloats);

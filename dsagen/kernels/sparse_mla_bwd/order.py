@@ -1,6 +1,6 @@
 """The window ordering of the sparse MLA backward's ids: row t's valid ids (0 <= id < n_kv, slot < its length) in
 the order of their KV window id // bucket_rows, stable (ids of one window keep their slot order), then -1; and the
-row's slot window [0, count of valid ids), which the backward kernel walks (host.order_by_window).
+row's slot window [0, count of valid ids), which the backward kernel walks (host.slot_windows).
 
 One warp per row, `warps_per_cta` rows per CTA, a counter per window of its row in shared memory: pass 1 counts the
 row's valid ids per window (match.sync gives the lanes of a 32-slot step that share a window, and the first of them

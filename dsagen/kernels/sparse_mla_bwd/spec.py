@@ -72,16 +72,19 @@ class SparseAttnBwdSpec(KernelSpec):
         return out
 
 
+_POW2_WARPS = (1, 2, 4, 8, 16, 32)
+
+
 @register_spec
 @dataclass(frozen=True)
 class SparseAttnBwdOrderSpec(KernelSpec):
     """The backward's window ordering (kernel: sparse_mla_bwd/order.py, bound by order.py.j2): each row's valid ids
     ordered by their KV window id // bucket_rows (stable), then -1, and each row's slot window, on the device
-    (SparseAttnBwdConfig.bucket_rows says why; host.order_by_window launches it).
+    (SparseAttnBwdConfig.bucket_rows says why; host.slot_windows launches it).
 
     warps_per_cta: rows per CTA (one warp each; a power of two in 1..32). max_windows: the most windows a call may
     use (a multiple of 32 in 32..4096: a counter per window and warp in shared memory); a pool of more windows gets
-    wider windows (host.order_by_window).
+    wider windows (host.slot_windows).
 
     The row width, the row count, n_kv and bucket_rows are run-time arguments.
     """
@@ -94,12 +97,13 @@ class SparseAttnBwdOrderSpec(KernelSpec):
 
     def reasons(self) -> list[str]:
         out = super().reasons()
-        if self.warps_per_cta not in (1, 2, 4, 8, 16, 32):
+        warps_ok = self.warps_per_cta in _POW2_WARPS
+        if not warps_ok:
             out.append(f"warps_per_cta={self.warps_per_cta} must be one of 1, 2, 4, 8, 16, 32")
         mw = self.max_windows
         if isinstance(mw, bool) or not isinstance(mw, int) or mw % 32 or not 32 <= mw <= 4096:
             out.append(f"max_windows={mw!r} must be a multiple of 32 in 32..4096")
-        elif self.warps_per_cta in (1, 2, 4, 8, 16, 32) and self.warps_per_cta * mw * 4 > 48 * 1024:
+        elif warps_ok and self.warps_per_cta * mw * 4 > 48 * 1024:
             out.append(f"warps_per_cta * max_windows * 4 = {self.warps_per_cta * mw * 4} bytes of shared memory "
                        f"exceeds 48 KB")
         return out

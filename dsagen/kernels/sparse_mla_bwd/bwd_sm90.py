@@ -94,11 +94,11 @@ def params(dtype: str) -> list[dict]:
 
 
 def build(num_heads: int, d_qk: int, d_v: int, dtype: str, deterministic: bool, regs_producer: int, regs_a: int,
-          regs_b: int, chunk_buffers_a: int = 1, producer_fence: bool = False, stsm_fence: str = "full") -> BuiltKernel:
+          regs_b: int, chunk_buffers_a: int = 1) -> BuiltKernel:
     """A new sparse MLA backward for one SparseAttnBwdSpec's values (SparseMlaBwdSm90 lists the constraints). Each
     call returns distinct function objects, so every rendered module names its own kernel."""
     bwd = SparseMlaBwdSm90(num_heads, d_qk, d_v, dtype, deterministic, regs_producer, regs_a, regs_b,
-                           chunk_buffers_a, producer_fence, stsm_fence)
+                           chunk_buffers_a)
     return BuiltKernel.of(params(dtype), bwd, f"min(s_q * {bwd.HB}, n_ctas)")
 
 
@@ -125,14 +125,6 @@ def nanosleep(ns: int, *, loc=None, ip=None) -> None:
     """`nanosleep.u32 ns` (a hint: the warp sleeps for about ns nanoseconds)."""
     llvm.inline_asm(None, [], f"nanosleep.u32 {int(ns)};", "~{memory}", has_side_effects=True,
                     is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def fence_proxy_async_release(*, loc=None, ip=None) -> None:
-    """`fence.proxy.async::generic.release.sync_restrict::shared::cta.cluster` (ptxas 13 emits the same MEMBAR.ALL.CTA +
-    FENCE.VIEW.ASYNC.S as the bidirectional fence)."""
-    llvm.inline_asm(None, [], "fence.proxy.async::generic.release.sync_restrict::shared::cta.cluster;", "~{memory}",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 class KernelArgs(NamedTuple):
@@ -207,8 +199,7 @@ class SparseMlaBwdSm90:
     BARRIER_SPINS = 4096            # the grid barrier's bound: 4096 sleeps of ~256 ns
 
     def __init__(self, num_heads: int, d_qk: int, d_v: int, dtype: str, deterministic: bool, regs_producer: int,
-                 regs_a: int, regs_b: int, chunk_buffers_a: int = 1, producer_fence: bool = False,
-                 stsm_fence: str = "full"):
+                 regs_a: int, regs_b: int, chunk_buffers_a: int = 1):
         self.H = num_heads
         self.HB = num_heads // self.M
         self.D_QK = d_qk
@@ -223,8 +214,6 @@ class SparseMlaBwdSm90:
         self.regs = (regs_producer, regs_a, regs_b)
         # dKV chunk accumulators of A and B (2: the next chunk's wgmmas overlap the sends)
         self.chunk_buffers = (chunk_buffers_a, 2)
-        self.producer_fence = producer_fence
-        self.stsm_fence = stsm_fence
         self.Smem = self._smem_struct()
         self.kernel, self.host = self._entry_points()
 
@@ -390,15 +379,7 @@ class SparseMlaBwdSm90:
                         sh.sIds[(g % 2) * self.BN + grp + 16 * i] = ids[i]
                     cute.arch.mbarrier_arrive(sh.ids_mbar + (g % 2))
                 gather_tile_rows(sKVb, sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, col0, (0, self.NKB))
-                if const_expr(self.producer_fence):
-                    # wait for this thread's cp.async writes (the tile; at an item's first tile also Q and dO),
-                    # order them before the consumers' wgmma reads (async proxy), then release them by kv_ready
-                    cute.arch.cp_async_commit_group()
-                    cute.arch.cp_async_wait_group(0)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.mbarrier_arrive(sh.kv_ready)
-                else:
-                    cute.arch.cp_async_mbarrier_arrive_noinc(sh.kv_ready)
+                cute.arch.cp_async_mbarrier_arrive_noinc(sh.kv_ready)
                 for i in cutlass.range_constexpr(RPG):
                     ids[i] = ids_next[i]
             gt += ntiles
@@ -505,8 +486,7 @@ class SparseMlaBwdSm90:
                 g = gt + j
                 # S = Q K^T
                 cute.arch.mbarrier_wait(sh.kv_ready, g % 2)
-                if const_expr(not self.producer_fence):
-                    cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
+                cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
                 accS.fill(0.0)
                 warpgroup.fence()
                 for ks in cutlass.range_constexpr(self.D_QK // 16):
@@ -525,7 +505,7 @@ class SparseMlaBwdSm90:
                 if g > 0:
                     cute.arch.barrier(barrier_id=self.BAR_B_DONE, number_of_threads=256)   # B's reads of sP done
                 cute.copy(stsm, tPrP, tPsP)
-                self.stsm_proxy_fence()   # st.shared P -> wgmma reads (A and B)
+                cute.arch.fence_proxy("async.shared", space="cta")   # st.shared P -> wgmma reads (A and B)
                 cute.arch.barrier_arrive(barrier_id=self.BAR_P, number_of_threads=256)
                 # dQ[:, 256:] += dS K[:, 256:]
                 cute.arch.barrier(barrier_id=self.BAR_DS, number_of_threads=256)
@@ -624,8 +604,7 @@ class SparseMlaBwdSm90:
                 g = gt + j
                 # dP = dO V^T
                 cute.arch.mbarrier_wait(sh.kv_ready, g % 2)
-                if const_expr(not self.producer_fence):
-                    cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
+                cute.arch.fence_proxy("async.shared", space="cta")
                 accdP.fill(0.0)
                 warpgroup.fence()
                 for ks in cutlass.range_constexpr(self.D_V // 16):
@@ -643,7 +622,7 @@ class SparseMlaBwdSm90:
                 if g > 0:
                     cute.arch.barrier(barrier_id=self.BAR_A_DONE, number_of_threads=256)   # A's reads of sdS done
                 cute.copy(stsm, tSrdS, tSsdS)
-                self.stsm_proxy_fence()
+                cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier_arrive(barrier_id=self.BAR_DS, number_of_threads=256)
                 # dQ[:, :256] += dS K[:, :256] (dS from registers)
                 warpgroup.fence()
@@ -663,15 +642,6 @@ class SparseMlaBwdSm90:
             it += 1
         if gt > 0:
             cute.arch.barrier(barrier_id=self.BAR_A_DONE, number_of_threads=256)   # A's last arrival
-
-    @cute.jit
-    def stsm_proxy_fence(self):
-        """The proxy fence after a consumer's stmatrix of P or dS: "full" (fence.proxy.async.shared::cta), "release"
-        (the uni-directional release form) or "none" (timing only: the result is unordered)."""
-        if const_expr(self.stsm_fence == "full"):
-            cute.arch.fence_proxy("async.shared", space="cta")
-        elif const_expr(self.stsm_fence == "release"):
-            fence_proxy_async_release()
 
     # --------------------------------------------------------------------------------------------- dKV chunks
     def dkv_chunk_state(self, sh, ctid, buffers: int):

@@ -55,8 +55,6 @@ class SparseAttnBwdSpec(KernelSpec):
     regs_a: int = 240
     regs_b: int = 224
     chunk_buffers_a: int = 1
-    producer_fence: bool = False
-    stsm_fence: str = "full"
 
     def reasons(self) -> list[str]:
         out = super().reasons() + mla_shape_reasons("sparse attention backward", self.arch, self.num_heads,
@@ -69,8 +67,6 @@ class SparseAttnBwdSpec(KernelSpec):
             out.append(f"deterministic={self.deterministic!r} must be a bool")
         if isinstance(self.chunk_buffers_a, bool) or self.chunk_buffers_a not in (1, 2):
             out.append(f"chunk_buffers_a={self.chunk_buffers_a!r} must be 1 or 2")
-        if not isinstance(self.producer_fence, bool):
-            out.append(f"producer_fence={self.producer_fence!r} must be a bool")
         out.extend(register_budget_reasons({"regs_producer": self.regs_producer, "regs_a": self.regs_a,
                                             "regs_b": self.regs_b}))
         return out
@@ -145,8 +141,6 @@ class SparseAttnBwdConfig:
     regs_a: int = 240
     regs_b: int = 224
     chunk_buffers_a: int = 1
-    producer_fence: bool = False
-    stsm_fence: str = "full"
     grid: str | int = "persistent"
     bucket_rows: int | None = 4096
     sync_grid: bool = True
@@ -163,8 +157,7 @@ class SparseAttnBwdConfig:
         """The kernel spec of this config for a kernel of `num_heads` (64 or 128) heads."""
         return SparseAttnBwdSpec(arch=arch, num_heads=num_heads, d_qk=d_qk, d_v=d_v, dtype=dtype_name(dtype),
                                  deterministic=bool(deterministic), regs_producer=self.regs_producer,
-                                 regs_a=self.regs_a, regs_b=self.regs_b, chunk_buffers_a=self.chunk_buffers_a,
-                                 producer_fence=self.producer_fence, stsm_fence=self.stsm_fence)
+                                 regs_a=self.regs_a, regs_b=self.regs_b, chunk_buffers_a=self.chunk_buffers_a)
 
     def n_ctas(self, num_sms: int) -> int:
         """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(items, n_ctas))."""

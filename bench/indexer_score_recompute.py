@@ -1,15 +1,15 @@
 """Sparse indexer score recompute (cuDNN frontend DSA §6): the fused sm_90a kernel against the plain-PyTorch
 reference and against its floor, in one run (GPU).
 
-    python bench/indexer_score_recompute.py [--reps N] [--ref-max-T T] [--variants 4x2,6x2,8x1,2x2x2]
+    python bench/indexer_score_recompute.py [--reps N] [--ref-max-T T] [--variants 4x2,6x2,8x1]
 
 Shapes: T = 4096 and 32768 query rows (B = 1) over 32768 or 131072 key rows, the DeepSeek-V3.2 indexer (H 64, D 128,
 bf16), top-k 2048, ids distinct per row and all valid. FLOPs = 2 * T * H * topk * D (the S products). The floor's
 bytes are what must be read or written once: q, weights, ids, the output and the key pool (2 * T * H * D + 2 * T *
 H + 4 * T * topk * 2 + 2 * S_k * D); floor = max(FLOPs / 780 TFLOP/s, bytes / 4.2 TB/s). "gather GB/s" is the key
 rows the kernel gathers (2 * T * topk * D bytes, mostly from L2) per second. Time: CUDA events around `reps`
-back-to-back calls after a warm-up, median of 7 rounds; `--variants` also times other configs (STAGESxCTAS_PER_SM, or
-STAGESxCTAS_PER_SMxPRODUCER_WARPGROUPS) on the same inputs (they must be in the cache), interleaved with the op's round by round in a shuffled order
+back-to-back calls after a warm-up, median of 7 rounds; `--variants` also times other configs (STAGESxCTAS_PER_SM)
+on the same inputs (they must be in the cache), interleaved with the op's round by round in a shuffled order
 (common.paired_time_ms), and checks that they return the op's output bitwise.
 """
 
@@ -33,17 +33,11 @@ H, D = 64, 128
 
 
 def parse_variants(text: str) -> list[IndexerScoreRecomputeConfig]:
-    """Configs from "STAGESxCTAS_PER_SM[xPRODUCER_WARPGROUPS],..." (e.g. "4x2,2x2x2")."""
     out = []
     for v in filter(None, text.split(",")):
-        stages, ctas, *pw = (int(x) for x in v.split("x"))
-        out.append(IndexerScoreRecomputeConfig(stages=stages, ctas_per_sm=ctas, producer_warpgroups=pw[0] if pw else 1))
+        stages, ctas = (int(x) for x in v.split("x"))
+        out.append(IndexerScoreRecomputeConfig(stages=stages, ctas_per_sm=ctas))
     return out
-
-
-def config_name(cfg: IndexerScoreRecomputeConfig) -> str:
-    """The --variants spelling of `cfg`."""
-    return f"{cfg.stages}x{cfg.ctas_per_sm}" + (f"x{cfg.producer_warpgroups}" if cfg.producer_warpgroups > 1 else "")
 
 
 def main() -> None:
@@ -51,12 +45,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--ref-max-T", type=int, default=4096)
     ap.add_argument("--topk", type=int, default=2048)
-    ap.add_argument("--variants", default="", help="other configs to time, e.g. 4x2,6x2,2x2x2 "
-                                                   "(STAGESxCTAS_PER_SM[xPRODUCER_WARPGROUPS])")
+    ap.add_argument("--variants", default="", help="other configs to time, e.g. 4x2,6x2,8x1 (STAGESxCTAS_PER_SM)")
     args = ap.parse_args()
     variants = parse_variants(args.variants)
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  H {H}  D {D}  topk {args.topk}")
-    print(f"{'T':>6} {'KV':>6} {'config':>7} | {'fused ms':>9} {'TFLOP/s':>8} {'gather GB/s':>11} {'floor ms':>9} "
+    print(f"{'T':>6} {'KV':>6} {'config':>6} | {'fused ms':>9} {'TFLOP/s':>8} {'gather GB/s':>11} {'floor ms':>9} "
           f"{'of floor':>8} | {'ref ms':>8} {'x':>6}")
     for s_q, n_kv in CASES:
         gen = torch.Generator().manual_seed(0)
@@ -72,7 +65,7 @@ def main() -> None:
         gathered = 2.0 * s_q * args.topk * D
         runs = [("op", lambda: dsagen.sparse_indexer_score_recompute(q, k, w, ids, sm_scale=scale))]
         for cfg in variants:
-            runs.append((config_name(cfg), lambda cfg=cfg: isr_host.sparse_indexer_score_recompute(
+            runs.append((f"{cfg.stages}x{cfg.ctas_per_sm}", lambda cfg=cfg: isr_host.sparse_indexer_score_recompute(
                 q, k, w, ids, sm_scale=scale, config=cfg)))
         want = runs[0][1]()
         for name, fn in runs[1:]:
@@ -84,7 +77,7 @@ def main() -> None:
                 rms = cuda_time_ms(lambda: dsagen.sparse_indexer_score_recompute(q, k, w, ids, sm_scale=scale,
                                                                                  impl="reference"), rounds=3)
                 ref = f"{rms:8.2f} {rms / ms:6.1f}"
-            print(f"{s_q:6d} {n_kv:6d} {name:>7} | {ms:9.3f} {flops / ms / 1e9:8.1f} {gathered / ms / 1e6:11.0f} "
+            print(f"{s_q:6d} {n_kv:6d} {name:>6} | {ms:9.3f} {flops / ms / 1e9:8.1f} {gathered / ms / 1e6:11.0f} "
                   f"{floor:9.3f} {floor / ms:8.2f} | {ref}", flush=True)
         del q, k, w, ids
         torch.cuda.empty_cache()

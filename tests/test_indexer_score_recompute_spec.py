@@ -23,8 +23,6 @@ from dsagen.spec import SpecError
     (dict(ctas_per_sm=5), "ctas_per_sm=5 must be one of 1, 2, 3, 4"),
     (dict(num_heads=128, stages=8), "do not fit an SM"),
     (dict(arch="sm_100a"), "sm_90a only"),
-    (dict(producer_warpgroups=3), "producer_warpgroups=3 must be 1 or 2"),
-    (dict(producer_warpgroups=2, ctas_per_sm=4), "producer_warpgroups=2 takes at most 3 CTAs per SM"),
 ])
 def test_invalid_specs_say_why(kw, needle):
     with pytest.raises(SpecError, match=re.escape(needle)):
@@ -68,30 +66,6 @@ def test_compiles_to_wgmma(h, d, tmp_path):
     assert re.search(r"LDGSTS\.E\.BYPASS(\.\w+)*\.128", sass)                  # 16-byte cp.async gathers
     assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x1, 0x80", sass)) == 1  # the row statistics, one place
     assert not re.search(r"\b(LDL|STL)\b", sass)                               # no register spills
-
-
-@pytest.mark.compile
-def test_two_producer_warpgroups_compile(tmp_path):
-    """producer_warpgroups=2: 384 threads, each producer warpgroup gathering half of a tile's rows (the same 16-byte
-    cp.async per row chunk as one warpgroup), the registers moved to the consumer by setmaxnreg, the same wgmma chain
-    and no spills; two CTAs stay resident per SM."""
-    from dsagen.jit.build import compile_module
-    from dsagen.jit.sass import disassemble, find_nvdisasm
-
-    spec = IndexerScoreRecomputeSpec(arch="sm_90a", num_heads=64, head_dim=128, stages=3, ctas_per_sm=2,
-                                     producer_warpgroups=2)
-    ck = compile_module(spec, render(spec), tmp_path)
-    assert ck.record["launch"]["block"] == [384, 1, 1]
-    assert ck.record["regcount"] <= 65536 // (384 * spec.ctas_per_sm)
-    if find_nvdisasm() is None:
-        pytest.skip("nvdisasm not found")
-    sass = disassemble(ck.cubin)
-    budgets = [int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass)]
-    assert sorted(budgets) == [24, 192]          # (80 x 384 - 2 x 128 x 24) / 128 = 192 for the consumer
-    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 ", sass)) == 128 // 16
-    # a producer thread's share of a tile: 2 rows x 2 column blocks of 16-byte cp.async (one warpgroup: 4 x 2)
-    assert len(re.findall(r"LDGSTS\.E\.BYPASS(\.\w+)*\.128", sass)) >= 4
-    assert not re.search(r"\b(LDL|STL)\b", sass)
 
 
 class _StandInKernel:

@@ -72,11 +72,10 @@ def params(dtype: str) -> list[dict]:
     ]
 
 
-def build(num_heads: int, head_dim: int, dtype: str, stages: int, ctas_per_sm: int,
-          producer_warpgroups: int = 1) -> BuiltKernel:
+def build(num_heads: int, head_dim: int, dtype: str, stages: int, ctas_per_sm: int) -> BuiltKernel:
     """A new indexer score recompute kernel for one IndexerScoreRecomputeSpec's values. Each call returns distinct
     function objects, so every rendered module names its own kernel."""
-    k = IndexerScoreRecomputeSm90(num_heads, head_dim, dtype, stages, ctas_per_sm, producer_warpgroups)
+    k = IndexerScoreRecomputeSm90(num_heads, head_dim, dtype, stages, ctas_per_sm)
     return BuiltKernel.of(params(dtype), k, "min(rows, n_ctas)")
 
 
@@ -119,18 +118,10 @@ class IndexerScoreRecomputeSm90:
     """
 
     BN = 64                          # gathered rows (slots) per tile: wgmma M
+    THREADS = 256
     BAR_STAT = 1                     # the consumer's 4 warps have written their row statistics (128 threads)
-    REGS_PRODUCER = 24               # setmaxnreg budget of each producer warpgroup when there are two
 
-    def __init__(self, num_heads: int, head_dim: int, dtype: str, stages: int, ctas_per_sm: int,
-                 producer_warpgroups: int = 1):
-        self.PW = producer_warpgroups
-        self.THREADS = 128 * (producer_warpgroups + 1)
-        self.ROW_STEP = 16 * producer_warpgroups      # row groups of 8 producer threads: a tile's rows grp + ROW_STEP i
-        # with two producer warpgroups the launch's registers per thread (the launch bound's share of the 64K) are
-        # moved from the producers (REGS_PRODUCER each) to the consumer
-        launch_regs = 65536 // (self.THREADS * ctas_per_sm) // 8 * 8
-        self.REGS_CONSUMER = min(256, (launch_regs * self.THREADS - self.REGS_PRODUCER * 128 * self.PW) // 128 // 8 * 8)
+    def __init__(self, num_heads: int, head_dim: int, dtype: str, stages: int, ctas_per_sm: int):
         self.H = num_heads
         self.D = head_dim
         self.NKB = head_dim // 64
@@ -197,35 +188,25 @@ class IndexerScoreRecomputeSm90:
         nctas, _, _ = cute.arch.grid_dim()
         if warp == 0:
             with cute.arch.elect_one():
-                # kv_ready: a noinc cp.async arrival per producer thread and one per row group leader
-                init_gather_ring(sh.kv_ready, sh.kv_free, STAGES, sh.q_full, sh.q_free, 128 * self.PW + self.ROW_STEP,
-                                 128, 128 * self.PW, q_free_count=128)
+                init_gather_ring(sh.kv_ready, sh.kv_free, STAGES, sh.q_full, sh.q_free, 128 + 16, 128, 128)
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
-        if cutlass.const_expr(self.PW == 1):
-            if wg == 0:
-                self.producer(a, sh, st, lay_q, lay_k, tidx, bidx, nctas)
-            else:
-                self.consumer(a, sh, tidx, bidx, nctas)
+        if wg == 0:
+            self.producer(a, sh, st, lay_q, lay_k, tidx, bidx, nctas)
         else:
-            if wg < self.PW:
-                self.producer(a, sh, st, lay_q, lay_k, tidx, bidx, nctas)
-            else:
-                self.consumer(a, sh, tidx, bidx, nctas)
+            self.consumer(a, sh, tidx, bidx, nctas)
 
     # ------------------------------------------------------------------------------------------- producer (WG0)
     @cute.jit
     def producer(self, a, sh, st, lay_q, lay_k, tidx, bidx, nctas):
-        """cp.async gathers (ROW_STEP groups of 8 threads, 16 per producer warpgroup; group g owns rows g + ROW_STEP i
-        of a tile and a thread one 16-byte chunk of each 64-column block)."""
-        if cutlass.const_expr(self.PW > 1):
-            cute.arch.setmaxregister_decrease(self.REGS_PRODUCER)
+        """cp.async gathers (16 groups of 8 threads; group g owns rows g, g + 16, g + 32, g + 48 of a tile and a
+        thread one 16-byte chunk of each 64-column block)."""
         grp = tidx // 8
         col0 = (tidx % 8) * 8
         sQb = cute.recast_ptr(st.sQ.data_ptr(), dtype=Int8)
         sKb = cute.recast_ptr(st.sK.data_ptr(), dtype=Int8)
         sw_k = swizzled_byte_offset(lay_k.outer((grp, col0, 0)) * 2)
-        RPG = self.BN // self.ROW_STEP
+        RPG = self.BN // 16
         ids = cute.make_rmem_tensor(RPG, Int32)
         policy = l2_evict_first_policy()          # Q is read once
         gt = Int32(0)
@@ -233,19 +214,18 @@ class IndexerScoreRecomputeSm90:
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
             kmax, ntiles = row_slots(a.p_len, a.has_length, a.topk, tok, self.BN)
             cute.arch.mbarrier_wait(sh.q_free, (it % 2) ^ 1)
-            cp_async_rows(sQb, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D, grp, col0, policy,
-                          row_step=self.ROW_STEP)
+            cp_async_rows(sQb, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D, grp, col0, policy)
             cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_full)
             mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 s = g % self.STAGES
-                load_tile_ids(ids, mIdx, j * self.BN, kmax, a.n_k, grp, row_step=self.ROW_STEP)
+                load_tile_ids(ids, mIdx, j * self.BN, kmax, a.n_k, grp)
                 gather_ring_tile(sKb, sw_k, lay_k, a.p_k, a.ld_k, ids, col0, (0, self.NKB), g, self.STAGES,
-                                 sh.kv_ready, sh.kv_free, row_step=self.ROW_STEP)
+                                 sh.kv_ready, sh.kv_free)
                 if tidx % 8 == 0:
                     for i in cutlass.range_constexpr(RPG):
-                        sh.sIds[s * self.BN + grp + self.ROW_STEP * i] = ids[i]
+                        sh.sIds[s * self.BN + grp + 16 * i] = ids[i]
                     cute.arch.mbarrier_arrive(sh.kv_ready + s)
             gt += ntiles
             it += 1
@@ -256,9 +236,7 @@ class IndexerScoreRecomputeSm90:
         """S = K Q^T per tile, the slots' weighted ReLU head sums and the row's online max and sum; then the row's
         normalisation pass over the slots this thread wrote."""
         DT, BN, H, D = self.dtype, self.BN, self.H, self.D
-        if cutlass.const_expr(self.PW > 1):
-            cute.arch.setmaxregister_increase(self.REGS_CONSUMER)
-        ctid = tidx - 128 * self.PW
+        ctid = tidx - 128
         warp = ctid // 32
         lane = ctid % 32
         quad = lane % 4

@@ -36,9 +36,6 @@ class IndexerScoreRecomputeSpec(KernelSpec):
     head_dim: q / k width (64 or 128). dtype: q and k dtype ("bfloat16" or "float16").
     stages: gathered 64-row tiles in flight per CTA (2..8, within the shared memory of `ctas_per_sm` CTAs).
     ctas_per_sm: CTAs the launch bound asks to keep resident per SM (1..4; the grid is this many per SM).
-    producer_warpgroups: warpgroups that gather (1: 256-thread CTAs; 2: 384 threads, each producer warpgroup
-      gathering half of every tile's rows at 24 registers, the consumer taking the rest of the launch's registers
-      by setmaxnreg; with at most 3 CTAs per SM).
     """
 
     op = "sparse_indexer_score_recompute"
@@ -49,7 +46,6 @@ class IndexerScoreRecomputeSpec(KernelSpec):
     dtype: str = "bfloat16"
     stages: int = 4
     ctas_per_sm: int = 2
-    producer_warpgroups: int = 1
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA: Q, the tile ring, ids, barriers and row statistics (upper bound)."""
@@ -68,11 +64,6 @@ class IndexerScoreRecomputeSpec(KernelSpec):
             out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
         if not 2 <= self.stages <= 8:
             out.append(f"stages={self.stages} must be in 2..8")
-        if isinstance(self.producer_warpgroups, bool) or self.producer_warpgroups not in (1, 2):
-            out.append(f"producer_warpgroups={self.producer_warpgroups!r} must be 1 or 2")
-        elif self.producer_warpgroups == 2 and self.ctas_per_sm == 4:
-            out.append("producer_warpgroups=2 takes at most 3 CTAs per SM (4 CTAs of 384 threads leave the consumer "
-                       "72 registers)")
         if self.ctas_per_sm not in (1, 2, 3, 4):
             out.append(f"ctas_per_sm={self.ctas_per_sm} must be one of 1, 2, 3, 4")
         elif self.num_heads in NATIVE_HEADS and self.head_dim in HEAD_DIMS and 2 <= self.stages <= 8:
@@ -85,13 +76,12 @@ class IndexerScoreRecomputeSpec(KernelSpec):
 
 @dataclass(frozen=True)
 class IndexerScoreRecomputeConfig:
-    """The launch choices of the fused indexer score recompute: the tile ring depth, CTAs per SM and producer
-    warpgroups (spec fields), and the grid ("persistent": ctas_per_sm CTAs per SM, or an int n: at most n CTAs)."""
+    """The launch choices of the fused indexer score recompute: the tile ring depth and CTAs per SM (spec fields),
+    and the grid ("persistent": ctas_per_sm CTAs per SM, or an int n: at most n CTAs)."""
 
     stages: int = 4
     ctas_per_sm: int = 2
     grid: str | int = "persistent"
-    producer_warpgroups: int = 1
 
     def __post_init__(self) -> None:
         check_grid(self.grid, "IndexerScoreRecomputeConfig")
@@ -100,7 +90,7 @@ class IndexerScoreRecomputeConfig:
         """The kernel spec of this config for a kernel of `num_heads` (64 or 128) heads."""
         return IndexerScoreRecomputeSpec(arch=arch, num_heads=num_heads, head_dim=head_dim,
                                          dtype=dtype_name(dtype), stages=self.stages,
-                                         ctas_per_sm=self.ctas_per_sm, producer_warpgroups=self.producer_warpgroups)
+                                         ctas_per_sm=self.ctas_per_sm)
 
     def n_ctas(self, num_sms: int) -> int:
         """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(rows, n_ctas))."""

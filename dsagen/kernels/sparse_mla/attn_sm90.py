@@ -196,28 +196,27 @@ def store_row_v4(dst: cute.Pointer, oMN: cute.Tensor, r: int, scale, fp16: bool,
 
 @cute.jit
 def cp_async_rows(dst: cute.Pointer, lay, src: cute.Pointer, rows: int, width: int, grp, col0, policy,
-                  blocks: tuple[int, int] | None = None, row_step: int = 16) -> None:
+                  blocks: tuple[int, int] | None = None) -> None:
     """cp.async `rows` rows of `width` elements (16-bit) from `src` (row-major, row stride `width`) into the SW128
-    tile at byte pointer `dst` whose layout is `lay` (sw128's), with L2 cache policy `policy`: the threads in
-    `row_step` groups of 8 (16: the 128 threads of a warpgroup; 32: two warpgroups), group `grp` taking rows grp +
-    row_step i and thread `col0` / 8 of the group one 16-byte chunk of each 64-column block (a 64 x D Q tile of the
-    attention kernels); `blocks`: only the 64-column blocks [blocks[0], blocks[1]) (None: all). rows: a multiple of
-    row_step."""
+    tile at byte pointer `dst` whose layout is `lay` (sw128's), with L2 cache policy `policy`: the 128 threads of a
+    warpgroup in 16 groups of 8, group `grp` taking rows grp + 16 i and thread `col0` / 8 of the group one 16-byte
+    chunk of each 64-column block (a 64 x D Q tile of the attention kernels); `blocks`: only the 64-column blocks
+    [blocks[0], blocks[1]) (None: all)."""
     kb0, kb1 = (0, width // 64) if const_expr(blocks is None) else blocks
-    for i in cutlass.range_constexpr(rows // row_step):
-        r = grp + row_step * i
+    for i in cutlass.range_constexpr(rows // 16):
+        r = grp + 16 * i
         for kb in cutlass.range_constexpr(kb0, kb1):
             b = lay.outer((r, kb * 64 + col0)) * 2
             cp_async_16_policy(dst + swizzled_byte_offset(b), src + (r * width + kb * 64 + col0), policy)
 
 
 @cute.jit
-def load_tile_ids(ids, mIdx: cute.Tensor, slot0, limit, n_rows, grp, row_step: int = 16) -> None:
-    """The ids of a gathered tile's rows grp + row_step i (i < len(ids)): ids[i] = mIdx[slot0 + grp + row_step i]
-    where that slot is below `limit` and the id lies in [0, n_rows), else -1 (a row gather_tile_rows zero-fills). mIdx:
-    the query row's ids (slots); row_step: the row groups of 8 threads that share the tile (16 per warpgroup)."""
+def load_tile_ids(ids, mIdx: cute.Tensor, slot0, limit, n_rows, grp) -> None:
+    """The ids of a gathered tile's rows grp + 16 i (i < len(ids)): ids[i] = mIdx[slot0 + grp + 16 i] where that slot
+    is below `limit` and the id lies in [0, n_rows), else -1 (a row gather_tile_rows zero-fills). mIdx: the query
+    row's ids (slots)."""
     for i in cutlass.range_constexpr(cute.size(ids)):
-        slot = slot0 + grp + row_step * i
+        slot = slot0 + grp + 16 * i
         kv = Int32(-1)
         if slot < limit:
             kv = mIdx[slot]
@@ -226,13 +225,12 @@ def load_tile_ids(ids, mIdx: cute.Tensor, slot0, limit, n_rows, grp, row_step: i
 
 @cute.jit
 def gather_tile_rows(dst: cute.Pointer, sw_base, lay, p_rows: cute.Pointer, ld, ids, col0, blocks: tuple[int, int],
-                     stage: int = 0, row_step: int = 16) -> None:
-    """cp.async the gathered rows grp + row_step i (i < len(ids)) of a KV tile: row i is p_rows[ids[i]] (row stride
-    `ld`), zero-filled (nothing read, from a legal address) when ids[i] < 0; column blocks [blocks[0], blocks[1]) of
-    64; `stage`: the tile's stage in `lay` (a (rows, D[, stages]) sw128 layout); row_step: the row groups of 8
-    threads that share the tile (16 per warpgroup, a multiple of 8). `dst` is the tile's byte pointer and `sw_base`
-    the thread's swizzled byte offset of (grp, col0): the 128B swizzle XORs byte bits 4-6 with bits 7-9 = row % 8,
-    which is grp % 8 for every row grp + row_step i, and the row-group, column-block and stage offsets only touch
+                     stage: int = 0) -> None:
+    """cp.async the gathered rows grp + 16 i (i < len(ids)) of a KV tile: row i is p_rows[ids[i]] (row stride `ld`),
+    zero-filled (nothing read, from a legal address) when ids[i] < 0; column blocks [blocks[0], blocks[1]) of 64;
+    `stage`: the tile's stage in `lay` (a (rows, D[, stages]) sw128 layout). `dst` is the tile's byte pointer and
+    `sw_base` the thread's swizzled byte offset of (grp, col0): the 128B swizzle XORs byte bits 4-6 with bits 7-9 =
+    row % 8, which is grp % 8 for every row grp + 16 i, and the row-group, column-block and stage offsets only touch
     bits >= 10, so each chunk lies at a constant offset from it."""
     for i in cutlass.range_constexpr(cute.size(ids)):
         kv = ids[i]
@@ -240,8 +238,7 @@ def gather_tile_rows(dst: cute.Pointer, sw_base, lay, p_rows: cute.Pointer, ld, 
         src = p_rows + Int64(kv if ok else 0) * ld
         nbytes = Int32(16) if ok else Int32(0)
         for kb in cutlass.range_constexpr(*blocks):
-            r = row_step * i
-            coord = (r, kb * 64) if const_expr(len(lay.outer.shape) == 2) else (r, kb * 64, stage)
+            coord = (16 * i, kb * 64) if const_expr(len(lay.outer.shape) == 2) else (16 * i, kb * 64, stage)
             prims.cp_async_shared_global(dst + (sw_base + lay.outer(coord) * 2), src + (kb * 64 + col0), 16, "cg",
                                          cp_size=nbytes)
 
@@ -258,27 +255,26 @@ def row_slots(p_len: cute.Pointer, has_length, topk, tok, bn: int):
 
 @cute.jit
 def init_gather_ring(kv_ready, kv_free, stages: int, q_full, q_free, ready_count: int, free_count: int,
-                     q_count: int, q_free_count: int | None = None) -> None:
+                     q_count: int) -> None:
     """The mbarriers of a gather ring of `stages` stages and its per-row Q buffer (one thread calls it): kv_ready[s]
     (ready_count arrivals: the producer's noinc cp.async arrivals plus any of its metadata arrivals), kv_free[s]
-    (free_count: the consumer threads), q_full (q_count: the producer threads) and q_free (q_free_count: the
-    consumer threads; None: q_count)."""
+    (free_count: the consumer threads), q_full and q_free (q_count each)."""
     for s in cutlass.range_constexpr(stages):
         cute.arch.mbarrier_init(kv_ready + s, ready_count)
         cute.arch.mbarrier_init(kv_free + s, free_count)
     cute.arch.mbarrier_init(q_full, q_count)
-    cute.arch.mbarrier_init(q_free, q_count if q_free_count is None else q_free_count)
+    cute.arch.mbarrier_init(q_free, q_count)
 
 
 @cute.jit
 def gather_ring_tile(dst: cute.Pointer, sw_base, lay, p_rows: cute.Pointer, ld, ids, col0, blocks: tuple[int, int],
-                     g, stages: int, kv_ready, kv_free, row_step: int = 16) -> None:
+                     g, stages: int, kv_ready, kv_free) -> None:
     """Tile g of a gather ring (stage g % stages): wait until the consumers freed the stage (kv_free, parity of the
-    ring's round), cp.async the tile's rows into it (gather_tile_rows, with its row_step; ids -1: zero-filled) and
-    make kv_ready of the stage track their arrival (a noinc arrival per thread)."""
+    ring's round), cp.async the tile's rows into it (gather_tile_rows; ids -1: zero-filled) and make kv_ready of the
+    stage track their arrival (a noinc arrival per thread)."""
     s = g % stages
     cute.arch.mbarrier_wait(kv_free + s, ((g // stages) % 2) ^ 1)
-    gather_tile_rows(dst, sw_base, lay, p_rows, ld, ids, col0, blocks, stage=s, row_step=row_step)
+    gather_tile_rows(dst, sw_base, lay, p_rows, ld, ids, col0, blocks, stage=s)
     cute.arch.cp_async_mbarrier_arrive_noinc(kv_ready + s)
 
 

@@ -18,6 +18,7 @@ from dsagen.spec import SpecError
     (dict(dtype="float32"), "dtype='float32'"),
     (dict(regs_consumer=240), "exceeds 504"),
     (dict(arch="sm_100a"), "sm_90a only"),
+    (dict(prefetch_ids=1), "prefetch_ids=1 must be a bool"),
 ])
 def test_invalid_specs_say_why(kw, needle):
     with pytest.raises(SpecError, match=re.escape(needle)):
@@ -28,6 +29,8 @@ def test_config_and_binding():
     cfg = config_for(128, 576, "bfloat16", "sm_90a", 132)
     assert cfg == AttnScoreRecomputeConfig() and cfg.n_ctas(132) == 132
     assert cfg.spec(128, 576, "bfloat16") == AttnScoreRecomputeSpec(arch="sm_90a")
+    assert config_for(64, 512, "bfloat16", "sm_90a", 132) == AttnScoreRecomputeConfig(prefetch_ids=True)
+    assert config_for(64, 576, "bfloat16", "sm_90a", 132) == AttnScoreRecomputeConfig()
     with pytest.raises(ValueError, match="grid=-1"):
         AttnScoreRecomputeConfig(grid=-1)
     src = render(AttnScoreRecomputeSpec(arch="sm_90a", num_heads=64, d_qk=512))
@@ -38,12 +41,12 @@ def test_config_and_binding():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("h,d", [(128, 576), (64, 512)])
-def test_compiles_to_wgmma(h, d, tmp_path):
+@pytest.mark.parametrize("h,d,prefetch", [(128, 576, False), (64, 512, True)])
+def test_compiles_to_wgmma(h, d, prefetch, tmp_path):
     from dsagen.jit.build import compile_module
     from dsagen.jit.sass import disassemble, find_nvdisasm
 
-    spec = AttnScoreRecomputeSpec(arch="sm_90a", num_heads=h, d_qk=d)
+    spec = AttnScoreRecomputeSpec(arch="sm_90a", num_heads=h, d_qk=d, prefetch_ids=prefetch)
     ck = compile_module(spec, render(spec), tmp_path)
     assert ck.record["launch"]["block"] == [384, 1, 1] and ck.record["launch"]["smem"] <= 227 * 1024
     if find_nvdisasm() is None:

@@ -23,6 +23,7 @@ from dsagen.spec import SpecError
     (dict(ctas_per_sm=5), "ctas_per_sm=5 must be one of 1, 2, 3, 4"),
     (dict(num_heads=128, stages=8), "do not fit an SM"),
     (dict(arch="sm_100a"), "sm_90a only"),
+    (dict(prefetch_ids="yes"), "prefetch_ids='yes' must be a bool"),
 ])
 def test_invalid_specs_say_why(kw, needle):
     with pytest.raises(SpecError, match=re.escape(needle)):
@@ -31,10 +32,11 @@ def test_invalid_specs_say_why(kw, needle):
 
 def test_config_and_binding():
     cfg = config_for(64, 128, "bfloat16", "sm_90a", 132)
-    assert cfg == IndexerScoreRecomputeConfig(stages=2, ctas_per_sm=3) and cfg.n_ctas(132) == 396
+    assert cfg == IndexerScoreRecomputeConfig(stages=2, ctas_per_sm=3, prefetch_ids=True) and cfg.n_ctas(132) == 396
     assert config_for(128, 128, "bfloat16", "sm_90a", 132) == IndexerScoreRecomputeConfig()
     assert IndexerScoreRecomputeConfig().n_ctas(132) == 264 and IndexerScoreRecomputeConfig(grid=5).n_ctas(132) == 5
-    assert cfg.spec(64, 128, "bfloat16") == IndexerScoreRecomputeSpec(arch="sm_90a", stages=2, ctas_per_sm=3)
+    assert cfg.spec(64, 128, "bfloat16") == IndexerScoreRecomputeSpec(arch="sm_90a", stages=2, ctas_per_sm=3,
+                                                                      prefetch_ids=True)
     assert cfg.spec(64, 128, "bfloat16").check().smem_bytes() * 3 <= 228 * 1024
     assert [kernel_heads(h) for h in (1, 16, 64, 65, 128)] == [64, 64, 64, 128, 128]
     with pytest.raises(ValueError, match="grid=0"):
@@ -66,6 +68,31 @@ def test_compiles_to_wgmma(h, d, tmp_path):
     assert re.search(r"LDGSTS\.E\.BYPASS(\.\w+)*\.128", sass)                  # 16-byte cp.async gathers
     assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x1, 0x80", sass)) == 1  # the row statistics, one place
     assert not re.search(r"\b(LDL|STL)\b", sass)                               # no register spills
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_producer_id_loads(prefetch, tmp_path):
+    """The producer's per-tile id loads (4 rows per thread) are issued before its wait for a free stage (the SYNCS
+    try-wait that precedes the tile's cp.async gathers). With prefetch_ids nothing reads them before that wait, so
+    they stay in flight while it waits (they are the next tile's ids); without it the tile's own ids are range-checked
+    right after their loads, which stalls on them before the wait."""
+    from dsagen.jit.build import compile_module
+    from dsagen.jit.sass import disassemble, find_nvdisasm
+
+    spec = IndexerScoreRecomputeSpec(arch="sm_90a", num_heads=64, stages=2, ctas_per_sm=3, prefetch_ids=prefetch)
+    ck = compile_module(spec, render(spec), tmp_path)
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    ops = [op.strip() for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", disassemble(ck.cubin))]
+    gather = next(i for i, op in enumerate(ops) if re.search(r"LDGSTS.*, P\d$", op))    # the loop's first gather
+    wait = max(i for i in range(gather) if "SYNCS.PHASECHK.TRANS64.TRYWAIT" in ops[i])
+    loads = [i for i in range(wait) if re.match(r"@!?P\d LDG\.E R\d+, ", ops[i])][-4:]
+    assert len(loads) == 4
+    dests = {re.match(r"@!?P\d LDG\.E (R\d+),", ops[i]).group(1) for i in loads}
+    read_before_wait = any(re.search(rf"\b{r}\b", op.split(",", 1)[1]) for op in ops[loads[0] + 1:wait]
+                           if "," in op for r in dests)
+    assert read_before_wait is not prefetch
 
 
 class _StandInKernel:

@@ -10,12 +10,14 @@ Build what these need first (CPU, with CuTe-DSL):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import dsagen
 from dsagen.kernels.indexer_score_recompute import host as isr_host
-from dsagen.kernels.indexer_score_recompute.spec import IndexerScoreRecomputeConfig, config_for
+from dsagen.kernels.indexer_score_recompute.spec import config_for
 from test_sparse_attention import make_ids
 
 ARCH = "sm_90a"
@@ -92,8 +94,9 @@ def test_global_ids_of_another_batch_are_invalid():
 
 def test_single_row_looping_grid_and_long_rows():
     check(*make_case(1, 1, 64, 128, 100, 64, seed=6))
-    check(*make_case(2, 11, 64, 128, 300, 256, length=True, seed=7), config=IndexerScoreRecomputeConfig(grid=3))
-    check(*make_case(1, 5, 64, 128, 9000, 5000, seed=8), config=IndexerScoreRecomputeConfig(grid=2))
+    op = config_for(64, 128, "bfloat16", ARCH, None)               # the op's kernel on grids of 3 and 2 CTAs
+    check(*make_case(2, 11, 64, 128, 300, 256, length=True, seed=7), config=replace(op, grid=3))
+    check(*make_case(1, 5, 64, 128, 9000, 5000, seed=8), config=replace(op, grid=2))
 
 
 def test_float16_and_scales():

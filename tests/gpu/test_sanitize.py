@@ -16,6 +16,8 @@ Build first (CPU, with CuTe-DSL):  dsagen build --spec-file tests/gpu/required_s
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -26,14 +28,12 @@ from dsagen.spec import CompactifySpec, LocalToGlobalSpec
 from dsagen.kernels.lightning_indexer.spec import config_for as indexer_config
 from dsagen.kernels.sparse_mla.spec import SparseAttnFwdConfig, config_for
 from dsagen.kernels.attn_score_recompute import host as rc_host
-from dsagen.kernels.attn_score_recompute.spec import AttnScoreRecomputeConfig
 from dsagen.kernels.attn_score_recompute.spec import config_for as rc_config_for
 from dsagen.kernels.indexer_bwd import host as ib_host
 from dsagen.kernels.indexer_bwd.spec import IndexerBwdConfig
 from dsagen.kernels.indexer_bwd.spec import config_for as ib_config_for
 from dsagen.kernels.indexer_score_recompute import host as isr_host
 from dsagen.kernels.indexer_topk.spec import config_for as topk_rows_plan
-from dsagen.kernels.indexer_score_recompute.spec import IndexerScoreRecomputeConfig
 from dsagen.kernels.indexer_score_recompute.spec import config_for as isr_config_for
 from dsagen.kernels.sparse_mla_bwd import host as bwd_host
 from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
@@ -128,7 +128,8 @@ def test_attn_score_recompute(h, d_qk):
     scale = d_qk ** -0.5
     _, lse, _ = dsagen.sparse_attention(q, kv, ids, topk_length=tl, softmax_scale=scale, impl="reference")
     args = (q[None], kv[None], lse[None].float(), ids[None], scale)
-    got = rc_host.sparse_attn_score_recompute(*args, topk_length=tl[None], config=AttnScoreRecomputeConfig(grid=3))
+    op = rc_config_for(h, d_qk, "bfloat16", ARCH, None)             # the op's kernel on 3 CTAs
+    got = rc_host.sparse_attn_score_recompute(*args, topk_length=tl[None], config=replace(op, grid=3))
     want = dsagen.sparse_attn_score_recompute(*args, topk_length=tl[None], impl="reference")
     assert (got - want).abs().max().item() <= 1e-2 * max(want.abs().max().item(), 1e-6)
     assert (got[0, :2] == 0).all()                   # topk_length 0; row 1 without a valid id
@@ -147,7 +148,8 @@ def test_indexer_score_recompute():
     w = (torch.randn((1, 6, h), generator=gen) * h ** -0.5).bfloat16().to(DEV)
     args = (q, k, w, ids[None])
     kw = dict(topk_length=tl[None], sm_scale=d ** -0.5)
-    got = isr_host.sparse_indexer_score_recompute(*args, **kw, config=IndexerScoreRecomputeConfig(grid=3))
+    op = isr_config_for(h, d, "bfloat16", ARCH, None)                # the op's kernel on 3 CTAs
+    got = isr_host.sparse_indexer_score_recompute(*args, **kw, config=replace(op, grid=3))
     want = dsagen.sparse_indexer_score_recompute(*args, **kw, impl="reference")
     assert (got - want).abs().max().item() <= 2e-3 * max(want.abs().max().item(), 1e-6)
     assert (got[0, :2] == 0).all()                   # topk_length 0; row 1 without a valid id

@@ -52,7 +52,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_mn_view, cp_async_rows, gather_tile_rows, l2_evict_first_policy,
-                                                 load_tile_ids, row_slots, sw128, swizzled_byte_offset)
+                                                 load_tile_ids, load_tile_ids_raw, row_slots, sw128,
+                                                 swizzled_byte_offset, valid_tile_ids)
 
 LOG2E = math.log2(math.e)
 
@@ -78,10 +79,11 @@ def params(dtype: str) -> list[dict]:
     ]
 
 
-def build(num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int) -> BuiltKernel:
+def build(num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int,
+          prefetch_ids: bool = False) -> BuiltKernel:
     """A new score recompute kernel for one AttnScoreRecomputeSpec's values. Each call returns distinct function
     objects, so every rendered module names its own kernel."""
-    k = AttnScoreRecomputeSm90(num_heads, d_qk, dtype, regs_producer, regs_consumer)
+    k = AttnScoreRecomputeSm90(num_heads, d_qk, dtype, regs_producer, regs_consumer, prefetch_ids)
     return BuiltKernel.of(params(dtype), k, "min(rows, n_ctas)")
 
 
@@ -129,7 +131,9 @@ class AttnScoreRecomputeSm90:
     THREADS = 384
     BAR_RED = 1                      # + w: consumer w's partial column sums are in sRed (128 threads)
 
-    def __init__(self, num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int):
+    def __init__(self, num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int,
+                 prefetch_ids: bool = False):
+        self.PREFETCH_IDS = prefetch_ids
         self.H = num_heads
         self.NMB = num_heads // 64               # 64-head blocks: one wgmma accumulator (M = 64) each
         self.D_QK = d_qk
@@ -227,6 +231,7 @@ class AttnScoreRecomputeSm90:
         sw_kv = swizzled_byte_offset(lay_kv.outer((grp, col0, 0)) * 2)
         RPG = self.BN // 16
         ids = cute.make_rmem_tensor(RPG, Int32)
+        raw = cute.make_rmem_tensor(RPG, Int32)    # prefetch_ids: the next tile's ids, loaded before its stage is free
         policy = l2_evict_first_policy()          # Q is read once
         gt = Int32(0)
         it = Int32(0)
@@ -238,11 +243,19 @@ class AttnScoreRecomputeSm90:
                               blocks=(kb, kb + 1))
                 cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_ready + kb)
             mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
+            if const_expr(self.PREFETCH_IDS):
+                if ntiles > 0:
+                    load_tile_ids_raw(raw, mIdx, 0, kmax, grp)
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 s = g % self.STAGES
                 free_phase = ((g // self.STAGES) % 2) ^ 1
-                load_tile_ids(ids, mIdx, j * self.BN, kmax, a.n_kv, grp)
+                if const_expr(self.PREFETCH_IDS):
+                    valid_tile_ids(ids, raw, a.n_kv)
+                    if j + 1 < ntiles:
+                        load_tile_ids_raw(raw, mIdx, (j + 1) * self.BN, kmax, grp)
+                else:
+                    load_tile_ids(ids, mIdx, j * self.BN, kmax, a.n_kv, grp)
                 for kb in cutlass.range_constexpr(self.NKB):
                     cute.arch.mbarrier_wait(sh.kv_free + (s * self.NKB + kb), free_phase)
                     if const_expr(kb == 0):

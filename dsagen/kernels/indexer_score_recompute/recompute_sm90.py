@@ -46,8 +46,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_mn_view, cp_async_rows, gather_ring_tile, init_gather_ring,
-                                                 l2_evict_first_policy, load_tile_ids, row_slots, sw128,
-                                                 swizzled_byte_offset)
+                                                 l2_evict_first_policy, load_tile_ids, load_tile_ids_raw, row_slots,
+                                                 sw128, swizzled_byte_offset, valid_tile_ids)
 
 NEG_INF = -math.inf
 
@@ -72,10 +72,11 @@ def params(dtype: str) -> list[dict]:
     ]
 
 
-def build(num_heads: int, head_dim: int, dtype: str, stages: int, ctas_per_sm: int) -> BuiltKernel:
+def build(num_heads: int, head_dim: int, dtype: str, stages: int, ctas_per_sm: int,
+          prefetch_ids: bool = False) -> BuiltKernel:
     """A new indexer score recompute kernel for one IndexerScoreRecomputeSpec's values. Each call returns distinct
     function objects, so every rendered module names its own kernel."""
-    k = IndexerScoreRecomputeSm90(num_heads, head_dim, dtype, stages, ctas_per_sm)
+    k = IndexerScoreRecomputeSm90(num_heads, head_dim, dtype, stages, ctas_per_sm, prefetch_ids)
     return BuiltKernel.of(params(dtype), k, "min(rows, n_ctas)")
 
 
@@ -121,7 +122,9 @@ class IndexerScoreRecomputeSm90:
     THREADS = 256
     BAR_STAT = 1                     # the consumer's 4 warps have written their row statistics (128 threads)
 
-    def __init__(self, num_heads: int, head_dim: int, dtype: str, stages: int, ctas_per_sm: int):
+    def __init__(self, num_heads: int, head_dim: int, dtype: str, stages: int, ctas_per_sm: int,
+                 prefetch_ids: bool = False):
+        self.PREFETCH_IDS = prefetch_ids
         self.H = num_heads
         self.D = head_dim
         self.NKB = head_dim // 64
@@ -208,6 +211,7 @@ class IndexerScoreRecomputeSm90:
         sw_k = swizzled_byte_offset(lay_k.outer((grp, col0, 0)) * 2)
         RPG = self.BN // 16
         ids = cute.make_rmem_tensor(RPG, Int32)
+        raw = cute.make_rmem_tensor(RPG, Int32)    # prefetch_ids: the next tile's ids, loaded before its stage is free
         policy = l2_evict_first_policy()          # Q is read once
         gt = Int32(0)
         it = Int32(0)
@@ -217,10 +221,18 @@ class IndexerScoreRecomputeSm90:
             cp_async_rows(sQb, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D, grp, col0, policy)
             cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_full)
             mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
+            if cutlass.const_expr(self.PREFETCH_IDS):
+                if ntiles > 0:
+                    load_tile_ids_raw(raw, mIdx, 0, kmax, grp)
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 s = g % self.STAGES
-                load_tile_ids(ids, mIdx, j * self.BN, kmax, a.n_k, grp)
+                if cutlass.const_expr(self.PREFETCH_IDS):
+                    valid_tile_ids(ids, raw, a.n_k)
+                    if j + 1 < ntiles:
+                        load_tile_ids_raw(raw, mIdx, (j + 1) * self.BN, kmax, grp)
+                else:
+                    load_tile_ids(ids, mIdx, j * self.BN, kmax, a.n_k, grp)
                 gather_ring_tile(sKb, sw_k, lay_k, a.p_k, a.ld_k, ids, col0, (0, self.NKB), g, self.STAGES,
                                  sh.kv_ready, sh.kv_free)
                 if tidx % 8 == 0:

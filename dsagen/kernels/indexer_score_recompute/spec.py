@@ -36,6 +36,8 @@ class IndexerScoreRecomputeSpec(KernelSpec):
     head_dim: q / k width (64 or 128). dtype: q and k dtype ("bfloat16" or "float16").
     stages: gathered 64-row tiles in flight per CTA (2..8, within the shared memory of `ctas_per_sm` CTAs).
     ctas_per_sm: CTAs the launch bound asks to keep resident per SM (1..4; the grid is this many per SM).
+    prefetch_ids: the producer loads tile j + 1's ids before it waits for tile j's stage (False: each tile's ids
+      just before its gather).
     """
 
     op = "sparse_indexer_score_recompute"
@@ -46,6 +48,7 @@ class IndexerScoreRecomputeSpec(KernelSpec):
     dtype: str = "bfloat16"
     stages: int = 4
     ctas_per_sm: int = 2
+    prefetch_ids: bool = False
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA: Q, the tile ring, ids, barriers and row statistics (upper bound)."""
@@ -64,6 +67,8 @@ class IndexerScoreRecomputeSpec(KernelSpec):
             out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
         if not 2 <= self.stages <= 8:
             out.append(f"stages={self.stages} must be in 2..8")
+        if not isinstance(self.prefetch_ids, bool):
+            out.append(f"prefetch_ids={self.prefetch_ids!r} must be a bool")
         if self.ctas_per_sm not in (1, 2, 3, 4):
             out.append(f"ctas_per_sm={self.ctas_per_sm} must be one of 1, 2, 3, 4")
         elif self.num_heads in NATIVE_HEADS and self.head_dim in HEAD_DIMS and 2 <= self.stages <= 8:
@@ -82,6 +87,7 @@ class IndexerScoreRecomputeConfig:
     stages: int = 4
     ctas_per_sm: int = 2
     grid: str | int = "persistent"
+    prefetch_ids: bool = False
 
     def __post_init__(self) -> None:
         check_grid(self.grid, "IndexerScoreRecomputeConfig")
@@ -90,7 +96,7 @@ class IndexerScoreRecomputeConfig:
         """The kernel spec of this config for a kernel of `num_heads` (64 or 128) heads."""
         return IndexerScoreRecomputeSpec(arch=arch, num_heads=num_heads, head_dim=head_dim,
                                          dtype=dtype_name(dtype), stages=self.stages,
-                                         ctas_per_sm=self.ctas_per_sm)
+                                         ctas_per_sm=self.ctas_per_sm, prefetch_ids=self.prefetch_ids)
 
     def n_ctas(self, num_sms: int) -> int:
         """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(rows, n_ctas))."""
@@ -99,13 +105,17 @@ class IndexerScoreRecomputeConfig:
 
 def config_for(num_heads: int, head_dim: int, dtype, arch: str, num_sms: int | None) -> IndexerScoreRecomputeConfig:
     """The config the op runs for `num_heads` (padded to 64 or 128), `head_dim`, `dtype` on `arch`. 64 heads: 2
-    stages and three CTAs per SM, whose 12 producer warps per SM gather more rows at once than two CTAs' 8. H200,
-    2026-12-02, H64 / D128 / top-k 2048, two runs timed interleaved, ms for 4 x 2 / 2 x 3 / 2 x 4 / 3 x 3: T 4096
-    0.470 / 0.411 / 0.413 / 0.417 and 0.462 / 0.397 / 0.413 / 0.405; with a 131072-row pool 0.485 / 0.422 / 0.436 /
-    0.448 and 0.475 / 0.422 / 0.446 / 0.443; T 32768 3.652 / 3.242 / 3.081 / 3.205 and 3.576 / 3.191 / 3.123 / 3.179.
-    In one causal training step (bench/dsa_training_step.py, T 4096) the stage took 0.489 ms at 2 x 3 and 0.669 at
-    2 x 4 (separate runs). 128 heads: 4 stages and two CTAs per SM (its kernel takes 120 registers; three CTAs per SM
-    leave 85)."""
+    stages and three CTAs per SM, whose 12 producer warps per SM gather more rows at once than two CTAs' 8, and each
+    tile's ids loaded a tile ahead (prefetch_ids; two interleaved runs on an H200, 2026-12-02, ms without -> with it:
+    T 4096 0.434 -> 0.422 and 0.399 -> 0.400, with a 131072-row pool 0.427 -> 0.406 and 0.412 -> 0.410, T 32768
+    3.259 -> 3.157 and 3.133 -> 3.108). Two producer warpgroups per CTA at two CTAs per SM were 1.09-1.19x slower
+    than this (2026-12-02; at three CTAs per SM ptxas cannot fit the consumer's wgmma in the launch's 56 registers).
+    The stages and CTAs (H200, 2026-12-02, H64 / D128 / top-k 2048, two runs timed interleaved, ms for 4 x 2 / 2 x 3
+    / 2 x 4 / 3 x 3): T 4096 0.470 / 0.411 / 0.413 / 0.417 and 0.462 / 0.397 / 0.413 / 0.405; with a 131072-row pool
+    0.485 / 0.422 / 0.436 / 0.448 and 0.475 / 0.422 / 0.446 / 0.443; T 32768 3.652 / 3.242 / 3.081 / 3.205 and 3.576
+    / 3.191 / 3.123 / 3.179. In one causal training step (bench/dsa_training_step.py, T 4096) the stage took 0.489 ms
+    at 2 x 3 and 0.669 at 2 x 4 (separate runs). 128 heads: 4 stages and two CTAs per SM (its kernel takes 120
+    registers; three CTAs per SM leave 85)."""
     if num_heads == 64:
-        return IndexerScoreRecomputeConfig(stages=2, ctas_per_sm=3)
+        return IndexerScoreRecomputeConfig(stages=2, ctas_per_sm=3, prefetch_ids=True)
     return IndexerScoreRecomputeConfig()

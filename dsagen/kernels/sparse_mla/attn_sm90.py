@@ -224,6 +224,27 @@ def load_tile_ids(ids, mIdx: cute.Tensor, slot0, limit, n_rows, grp) -> None:
 
 
 @cute.jit
+def load_tile_ids_raw(ids, mIdx: cute.Tensor, slot0, limit, grp) -> None:
+    """The raw ids of a gathered tile's rows grp + 16 i (i < len(ids)): ids[i] = mIdx[slot0 + grp + 16 i] where that
+    slot is below `limit`, else -1. Nothing reads the loaded values here, so the loads stay in flight until
+    valid_tile_ids checks them: a producer issues the next tile's id loads before it waits for a free stage."""
+    for i in cutlass.range_constexpr(cute.size(ids)):
+        slot = slot0 + grp + 16 * i
+        kv = Int32(-1)
+        if slot < limit:
+            kv = mIdx[slot]
+        ids[i] = kv
+
+
+@cute.jit
+def valid_tile_ids(ids, raw, n_rows) -> None:
+    """ids[i] = raw[i] where it lies in [0, n_rows), else -1 (a row gather_tile_rows zero-fills)."""
+    for i in cutlass.range_constexpr(cute.size(ids)):
+        kv = raw[i]
+        ids[i] = kv if kv >= 0 and kv < n_rows else Int32(-1)
+
+
+@cute.jit
 def gather_tile_rows(dst: cute.Pointer, sw_base, lay, p_rows: cute.Pointer, ld, ids, col0, blocks: tuple[int, int],
                      stage: int = 0) -> None:
     """cp.async the gathered rows grp + 16 i (i < len(ids)) of a KV tile: row i is p_rows[ids[i]] (row stride `ld`),
@@ -278,5 +299,5 @@ def gather_ring_tile(dst: cute.Pointer, sw_base, lay, p_rows: cute.Pointer, ld, 
     cute.arch.cp_async_mbarrier_arrive_noinc(kv_ready + s)
 
 
-__all__ = ["sw128", "store_row_v4", "load_tile_ids", "init_gather_ring", "gather_ring_tile", "red_add_v4_f32", "st_global_v4_f32", "quad_v4_columns", "pair_v4_segments", "cp_async_rows", "gather_tile_rows", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy",
+__all__ = ["sw128", "store_row_v4", "load_tile_ids", "load_tile_ids_raw", "valid_tile_ids", "init_gather_ring", "gather_ring_tile", "red_add_v4_f32", "st_global_v4_f32", "quad_v4_columns", "pair_v4_segments", "cp_async_rows", "gather_tile_rows", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy",
            "cp_async_16_policy", "pack_f32x2", "st_global_v4_b32"]

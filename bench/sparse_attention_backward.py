@@ -4,6 +4,9 @@ backward, in one run (GPU).
     python bench/sparse_attention_backward.py [--quick] [--reps N] [--ref-max-T T] [--cases 0,2] [--kv N]
     python bench/sparse_attention_backward.py --cases 0 --bucket-rows 2048 4096 8192     # KV window sizes
     python bench/sparse_attention_backward.py --cases 0 --configs '[{}, {"regs_producer": 48, "regs_a": 232}]'
+    python bench/sparse_attention_backward.py --cases 0,4 --item-split        # the same work in items of 3 sizes
+    python bench/sparse_attention_backward.py --cases 0 --id-order            # each row's ids drawn / sorted / shuffled
+    python bench/sparse_attention_backward.py --cases 0 --clocks 4            # SM clock and power while it runs
 
 Shapes: T = 4096 and 32768 query rows over a KV pool of 32768 and 131072 rows, H=128, D_qk 576, d_v 512, top-k
 2048, with sink; H=64 with D_qk 512 (--quick: T = 4096 only). Ids are distinct per row (start + i * odd stride mod
@@ -71,6 +74,58 @@ def config_sweep(s_q, h, d_qk, n_kv, topk, reps, overrides):
     return paired_time_ms(fns, calls=reps)
 
 
+def op_call(inputs, ids=None):
+    """One atomic-mode call of the op on make_inputs' tensors (`ids`: other ids of the same shape)."""
+    q, kv, dout, ids0, sink, scale, out, lse = inputs
+    ids = ids0 if ids is None else ids
+    return lambda: bwd_host.sparse_attention_backward(q, kv, out, dout, lse, ids, attn_sink=sink, topk_length=None,
+                                                      softmax_scale=scale, d_v=512)
+
+
+def item_split(s_q, h, d_qk, n_kv, topk, reps):
+    """The atomic mode's ms for the same FLOPs in items of three sizes: (s_q, topk), (s_q / 2, 2 topk) and (2 s_q,
+    topk / 2) query rows x slots, timed interleaved. The differences are what the per-item work costs (the item's Q,
+    dO and delta loads, its first tile's gather, the grid barrier, the dq stores)."""
+    shapes = [(s_q, topk), (s_q // 2, topk * 2), (s_q * 2, topk // 2)]
+    fns = [op_call(make_inputs(t, h, d_qk, n_kv, k)) for t, k in shapes]
+    return shapes, paired_time_ms(fns, calls=reps)
+
+
+def id_orders(s_q, h, d_qk, n_kv, topk, reps):
+    """The atomic mode's ms with each row's ids as make_inputs draws them, sorted ascending (the lightning indexer's
+    order) and shuffled, the same sets, timed interleaved (the op orders them by KV window in every case)."""
+    inputs = make_inputs(s_q, h, d_qk, n_kv, topk)
+    ids = inputs[3]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    shuffled = torch.gather(ids, 1, torch.rand(ids.shape, generator=g, device="cuda").argsort(dim=1)).contiguous()
+    orders = {"as drawn": ids, "sorted": ids.sort(dim=1).values.contiguous(), "shuffled": shuffled}
+    return list(orders), paired_time_ms([op_call(inputs, o) for o in orders.values()], calls=reps)
+
+
+def clocks(s_q, h, d_qk, n_kv, topk, seconds):
+    """ms per call of the atomic mode run back to back for `seconds`, and nvidia-smi's SM clock, board power and
+    clock-event reasons sampled every 100 ms meanwhile (0x4: the software power cap)."""
+    import subprocess
+    import time
+
+    fn = op_call(make_inputs(s_q, h, d_qk, n_kv, topk))
+    fn()
+    torch.cuda.synchronize()
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active",
+                            "--format=csv,noheader", "-lms", "100"], stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    t0, n = time.time(), 0
+    while time.time() - t0 < seconds:
+        fn()
+        n += 1
+        if n % 20 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    elapsed = time.time() - t0
+    smi.terminate()
+    return elapsed / n * 1e3, smi.stdout.read().strip().splitlines()[3:-1]
+
+
 def run_case(s_q, h, d_qk, n_kv, topk, reps, ref_max_t):
     q, kv, dout, ids, sink, scale, out, lse = make_inputs(s_q, h, d_qk, n_kv, topk)
     kw = dict(attn_sink=sink, topk_length=None, softmax_scale=scale, d_v=512)
@@ -105,6 +160,12 @@ def main() -> None:
                     help="instead of the table: the atomic mode's ms per KV window size (0: no ordering)")
     ap.add_argument("--configs", help="instead of the table: the atomic mode's ms per config, a JSON list of "
                                       "SparseAttnBwdConfig field overrides ({}: the op's config)")
+    ap.add_argument("--item-split", action="store_true",
+                    help="instead of the table: the same work as (T, topk), (T/2, 2 topk) and (2T, topk/2)")
+    ap.add_argument("--id-order", action="store_true",
+                    help="instead of the table: each row's ids as drawn, sorted and shuffled")
+    ap.add_argument("--clocks", type=float, metavar="SECONDS",
+                    help="instead of the table: SM clock and board power while the op runs back to back")
     args = ap.parse_args()
     cases = CASES if args.cases is None else [CASES[int(i)] for i in args.cases.split(",")]
     if args.quick:
@@ -115,6 +176,26 @@ def main() -> None:
         overrides = [dict(bucket_rows=b or None) for b in args.bucket_rows]
     elif args.configs:
         overrides = json.loads(args.configs)
+    for s_q, h, d, n_kv in cases if (args.item_split or args.id_order or args.clocks) else []:
+        n_kv = args.kv or n_kv
+        print(f"T {s_q} H {h} D {d} KV {n_kv}:", flush=True)
+        if args.item_split:
+            shapes, ms = item_split(s_q, h, d, n_kv, args.topk, args.reps)
+            for (t, k), m in zip(shapes, ms):
+                print(f"  T {t:6d} topk {k:5d}: {m:8.3f} ms  {backward_flops(t, h, d, k) / m / 1e9:6.1f} TFLOP/s "
+                      f"({t * h // 64} items)", flush=True)
+        if args.id_order:
+            names, ms = id_orders(s_q, h, d, n_kv, args.topk, args.reps)
+            for name, m in zip(names, ms):
+                print(f"  ids {name:8s}: {m:8.3f} ms", flush=True)
+        if args.clocks:
+            ms, samples = clocks(s_q, h, d, n_kv, args.topk, args.clocks)
+            print(f"  {ms:.3f} ms per call back to back; nvidia-smi (SM clock, power, clock-event reasons):")
+            for line in samples:
+                print(f"    {line}")
+        torch.cuda.empty_cache()
+    if args.item_split or args.id_order or args.clocks:
+        return
     if overrides is not None:
         for s_q, h, d, n_kv in cases:
             n_kv = args.kv or n_kv

@@ -59,8 +59,9 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_16_policy, gather_tile_rows,
-                                                 l2_evict_first_policy, pair_v4_segments, red_add_v4_f32,
-                                                 st_global_v4_f32, store_row_v4, sw128, swizzled_byte_offset)
+                                                 l2_evict_first_policy, load_tile_ids_raw, pair_v4_segments,
+                                                 red_add_v4_f32, st_global_v4_f32, store_row_v4, sw128,
+                                                 swizzled_byte_offset)
 
 LOG2E = math.log2(math.e)
 
@@ -364,11 +365,11 @@ class SparseMlaBwdSm90:
             # ids go one tile ahead: tile j + 1's loads are issued before tile j waits for the free stage, so
             # their latency is off the path from kv_free to the gather
             if ntiles > 0:
-                self.load_ids(a, mIdx, ids, lo, grp, hi)
+                load_tile_ids_raw(ids, mIdx, lo, hi, grp)
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 if j + 1 < ntiles:
-                    self.load_ids(a, mIdx, ids_next, lo + (j + 1) * self.BN, grp, hi)
+                    load_tile_ids_raw(ids_next, mIdx, lo + (j + 1) * self.BN, hi, grp)
                 cute.arch.mbarrier_wait(sh.kv_free, (g % 2) ^ 1)
                 for i in cutlass.range_constexpr(RPG):
                     kv = ids[i]
@@ -401,17 +402,6 @@ class SparseMlaBwdSm90:
                 nanosleep(256)
                 spins += 1
         cute.arch.barrier(barrier_id=self.BAR_PRODUCER, number_of_threads=128)
-
-    @cute.jit
-    def load_ids(self, a, mIdx, ids, slot0, grp, hi):
-        """The raw ids of the thread's rows of the tile at slot0 (-1 at hi and past); validity is checked where they
-        are used."""
-        for i in cutlass.range_constexpr(self.BN // 16):
-            slot = slot0 + grp + 16 * i
-            kv = Int32(-1)
-            if slot < hi:
-                kv = mIdx[slot]
-            ids[i] = kv
 
     # ------------------------------------------------------------------------------------------- consumer A (WG1)
     @cute.jit

@@ -52,8 +52,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_mn_view, cp_async_rows, gather_tile_rows, l2_evict_first_policy,
-                                                 load_tile_ids, load_tile_ids_raw, row_slots, sw128,
-                                                 swizzled_byte_offset, valid_tile_ids)
+                                                 row_ids_ahead, row_slots, sw128, swizzled_byte_offset, tile_ids)
 
 LOG2E = math.log2(math.e)
 
@@ -243,19 +242,12 @@ class AttnScoreRecomputeSm90:
                               blocks=(kb, kb + 1))
                 cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_ready + kb)
             mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
-            if const_expr(self.PREFETCH_IDS):
-                if ntiles > 0:
-                    load_tile_ids_raw(raw, mIdx, 0, kmax, grp)
+            row_ids_ahead(raw, mIdx, ntiles, kmax, grp, self.PREFETCH_IDS)
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 s = g % self.STAGES
                 free_phase = ((g // self.STAGES) % 2) ^ 1
-                if const_expr(self.PREFETCH_IDS):
-                    valid_tile_ids(ids, raw, a.n_kv)
-                    if j + 1 < ntiles:
-                        load_tile_ids_raw(raw, mIdx, (j + 1) * self.BN, kmax, grp)
-                else:
-                    load_tile_ids(ids, mIdx, j * self.BN, kmax, a.n_kv, grp)
+                tile_ids(ids, raw, mIdx, j, ntiles, kmax, a.n_kv, grp, self.BN, self.PREFETCH_IDS)
                 for kb in cutlass.range_constexpr(self.NKB):
                     cute.arch.mbarrier_wait(sh.kv_free + (s * self.NKB + kb), free_phase)
                     if const_expr(kb == 0):

@@ -46,8 +46,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_mn_view, cp_async_rows, gather_ring_tile, init_gather_ring,
-                                                 l2_evict_first_policy, load_tile_ids, load_tile_ids_raw, row_slots,
-                                                 sw128, swizzled_byte_offset, valid_tile_ids)
+                                                 l2_evict_first_policy, row_ids_ahead, row_slots, sw128,
+                                                 swizzled_byte_offset, tile_ids)
 
 NEG_INF = -math.inf
 
@@ -221,18 +221,11 @@ class IndexerScoreRecomputeSm90:
             cp_async_rows(sQb, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D, grp, col0, policy)
             cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_full)
             mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
-            if cutlass.const_expr(self.PREFETCH_IDS):
-                if ntiles > 0:
-                    load_tile_ids_raw(raw, mIdx, 0, kmax, grp)
+            row_ids_ahead(raw, mIdx, ntiles, kmax, grp, self.PREFETCH_IDS)
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 s = g % self.STAGES
-                if cutlass.const_expr(self.PREFETCH_IDS):
-                    valid_tile_ids(ids, raw, a.n_k)
-                    if j + 1 < ntiles:
-                        load_tile_ids_raw(raw, mIdx, (j + 1) * self.BN, kmax, grp)
-                else:
-                    load_tile_ids(ids, mIdx, j * self.BN, kmax, a.n_k, grp)
+                tile_ids(ids, raw, mIdx, j, ntiles, kmax, a.n_k, grp, self.BN, self.PREFETCH_IDS)
                 gather_ring_tile(sKb, sw_k, lay_k, a.p_k, a.ld_k, ids, col0, (0, self.NKB), g, self.STAGES,
                                  sh.kv_ready, sh.kv_free)
                 if tidx % 8 == 0:

@@ -245,6 +245,28 @@ def valid_tile_ids(ids, raw, n_rows) -> None:
 
 
 @cute.jit
+def row_ids_ahead(raw, mIdx: cute.Tensor, ntiles, limit, grp, prefetch: bool) -> None:
+    """At a row's start, with prefetch: its first tile's raw ids into `raw` (load_tile_ids_raw), for tile_ids to check;
+    nothing without it."""
+    if const_expr(prefetch):
+        if ntiles > 0:
+            load_tile_ids_raw(raw, mIdx, 0, limit, grp)
+
+
+@cute.jit
+def tile_ids(ids, raw, mIdx: cute.Tensor, j, ntiles, limit, n_rows, grp, bn: int, prefetch: bool) -> None:
+    """The ids of tile j of a row (bn slots per tile) into `ids`, as load_tile_ids gives them. With prefetch they come
+    from `raw`, loaded by the previous call (or row_ids_ahead), and tile j + 1's raw ids are loaded into `raw`: their
+    loads are in flight while the producer then waits for tile j's stage. Without it they are loaded here."""
+    if const_expr(prefetch):
+        valid_tile_ids(ids, raw, n_rows)
+        if j + 1 < ntiles:
+            load_tile_ids_raw(raw, mIdx, (j + 1) * bn, limit, grp)
+    else:
+        load_tile_ids(ids, mIdx, j * bn, limit, n_rows, grp)
+
+
+@cute.jit
 def gather_tile_rows(dst: cute.Pointer, sw_base, lay, p_rows: cute.Pointer, ld, ids, col0, blocks: tuple[int, int],
                      stage: int = 0) -> None:
     """cp.async the gathered rows grp + 16 i (i < len(ids)) of a KV tile: row i is p_rows[ids[i]] (row stride `ld`),
@@ -299,5 +321,5 @@ def gather_ring_tile(dst: cute.Pointer, sw_base, lay, p_rows: cute.Pointer, ld, 
     cute.arch.cp_async_mbarrier_arrive_noinc(kv_ready + s)
 
 
-__all__ = ["sw128", "store_row_v4", "load_tile_ids", "load_tile_ids_raw", "valid_tile_ids", "init_gather_ring", "gather_ring_tile", "red_add_v4_f32", "st_global_v4_f32", "quad_v4_columns", "pair_v4_segments", "cp_async_rows", "gather_tile_rows", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy",
+__all__ = ["sw128", "store_row_v4", "load_tile_ids", "load_tile_ids_raw", "valid_tile_ids", "row_ids_ahead", "tile_ids", "init_gather_ring", "gather_ring_tile", "red_add_v4_f32", "st_global_v4_f32", "quad_v4_columns", "pair_v4_segments", "cp_async_rows", "gather_tile_rows", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy",
            "cp_async_16_policy", "pack_f32x2", "st_global_v4_b32"]

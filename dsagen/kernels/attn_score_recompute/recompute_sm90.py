@@ -16,10 +16,11 @@ first blocks. Per tile, with the tile's rows K:
 
 Warpgroups (384 threads):
   WG0  producer   per row: Q block by block (cp.async, once both consumers finished the previous row: q_free, then
-                  q_ready[kb] per block); per tile and column block kb: wait until the block of its stage is free
-                  (kv_free), before block 0 the ids into sIds[g % 2] (-1 where invalid or past the row's length;
-                  ids_mbar[g % 2], 16 arrivals), then the block's 64 x 64 gather, cp.async 16-byte chunks
-                  zero-filled for invalid ids, completing kv_ready of the block (noinc arrivals).
+                  q_ready[kb] per block); per tile the ids of its rows (with prefetch_ids loaded during the previous
+                  tile and range-checked now, the next tile's loads issued); per column block kb: wait until the
+                  block of its stage is free (kv_free), before block 0 the ids into sIds[g % 2] (-1 where invalid or
+                  past the row's length; ids_mbar[g % 2], 16 arrivals), then the block's 64 x 64 gather, cp.async
+                  16-byte chunks zero-filled for invalid ids, completing kv_ready of the block (noinc arrivals).
   WG1, WG2 consumers w = 0, 1, the same code, on the tiles g = w mod 2: the tile's ids, then S on wgmma (SS, one
                   64 x 64 accumulator per 64 heads), one commit group per column block; block kb - 1 is freed once
                   only block kb's group is in flight; P; the column sums of the thread's rows, then over the warp's

@@ -14,7 +14,8 @@ Warpgroups (256 threads; the launch asks for CTAS_PER_SM resident CTAs per SM, w
 gathers and epilogues):
   WG0  producer   per row: Q (cp.async, once the consumer's last MMA of the previous row retired: q_free, completing
                   q_full with noinc arrivals); per tile g of the CTA (stage s = g % STAGES): the ids of the tile's
-                  rows (-1 where invalid or past the row's length), and once the stage is free (kv_free[s]) the ids
+                  rows (-1 where invalid or past the row's length; with prefetch_ids loaded during tile g - 1 and
+                  range-checked now, tile g + 1's loads issued), and once the stage is free (kv_free[s]) the ids
                   into sIds[s] and the 64 rows into stage s (16-byte cp.async chunks, zero-filled for invalid ids).
                   kv_ready[s] completes on 128 noinc cp.async arrivals plus 16 arrivals of the group leaders after
                   their sIds stores.

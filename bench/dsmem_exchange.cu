@@ -4,7 +4,7 @@
 // stores complete the partner's mbarrier themselves), against the FP32 atomics the exchange would replace (GPU,
 // sm_90a).
 //
-//     nvcc -O3 -arch=sm_90a -o /tmp/dsmem_exchange bench/dsmem_exchange.cu && /tmp/dsmem_exchange [chunks]
+//     nvcc -O3 -arch=sm_90a -o /tmp/dsmem_exchange bench/dsmem_exchange.cu && /tmp/dsmem_exchange [chunks] [seconds]
 //
 // Each CTA of a 2-CTA cluster (one cluster per 2 SMs, 256 threads = the backward's 8 consumer warps) sends
 // `chunks` (default 4096) 16 KB FP32 chunks (64 rows x 64 columns) into a 2-slot ring in its partner's shared memory
@@ -13,14 +13,16 @@
 // frees it. "atomics only" instead adds each chunk into a 32768 x 576 FP32 accumulator with 16-byte atomics (rows in
 // 4096-row windows, as the backward orders them), and "st.async + atomics" does both, which tells whether the
 // exchange and the atomics share a limit. Prints ms and GB/s of exchanged (both directions) plus reduced bytes and
-// checks the received sums and the accumulator's total.
+// checks the received sums and the accumulator's total. With `seconds` > 0 each variant also runs back to back for
+// that long under the GPU's energy counter (probe_energy.cuh): J per launch, W, and pJ per moved byte, total and
+// above the idle board's power (measured first), since at the power cap a byte's energy sets its time.
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
 #include <random>
 #include <vector>
 #include <cuda_runtime.h>
-#include "probe_timing.cuh"
+#include "probe_energy.cuh"
 
 constexpr int kThreads = 256;
 constexpr int kChunkFloats = 64 * 64;                       // 16 KB
@@ -119,6 +121,7 @@ exchange(int chunks, float* out, float* dkv, const int* ids) {
 
 int main(int argc, char** argv) {
     const int chunks = argc > 1 ? atoi(argv[1]) : 4096;
+    const double energy_seconds = argc > 2 ? atof(argv[2]) : 0.0;
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     const int ctas = sms / 2 * 2;
@@ -137,7 +140,11 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&d_ids, n_ids * sizeof(int)));
     CK(cudaMemcpy(d_ids, ids.data(), n_ids * sizeof(int), cudaMemcpyHostToDevice));
     printf("# %d CTAs in 2-CTA clusters, 256 threads each, %d 16 KB chunks sent per CTA\n", ctas, chunks);
-    printf("%-34s %8s %10s %s\n", "variant", "ms", "GB/s", "check");
+    Nvml* nvml = energy_seconds > 0 ? new Nvml() : nullptr;
+    const double idle_w = nvml ? idle_watts(*nvml, 2.0) : 0.0;
+    if (nvml) printf("# idle board: %.1f W; energy: %.1f s of back-to-back launches per variant\n", idle_w, energy_seconds);
+    printf("%-34s %8s %10s %s%s\n", "variant", "ms", "GB/s", "check",
+           nvml ? "    J/launch      W   pJ/byte  pJ/byte above idle" : "");
     const char* names[] = {"st.shared::cluster", "st.async", "atomics only", "st.async + atomics"};
     for (int variant = 0; variant < 4; ++variant) {
         auto launch = [&]() {
@@ -170,7 +177,14 @@ int main(int argc, char** argv) {
         const float best = best_ms(launch);
         // exchanged bytes (both directions) plus reduced bytes
         const double bytes = (double)ctas * chunks * kChunkFloats * 4 * ((exchanges ? 1 : 0) + (reds ? 1 : 0));
-        printf("%-34s %8.3f %10.1f %s\n", names[variant], best, bytes / best / 1e6, ok ? "ok" : "WRONG");
+        printf("%-34s %8.3f %10.1f %s", names[variant], best, bytes / best / 1e6, ok ? "ok   " : "WRONG");
+        if (nvml) {
+            const EnergyRun e = energy_run(*nvml, launch, energy_seconds);
+            const double above = e.joules_per_launch - idle_w * e.ms_per_launch * 1e-3;
+            printf(" %10.4f %6.1f %9.2f %9.2f", e.joules_per_launch, e.watts, e.joules_per_launch / bytes * 1e12,
+                   above / bytes * 1e12);
+        }
+        printf("\n");
     }
     return 0;
 }

@@ -142,7 +142,8 @@ int main(int argc, char** argv) {
     printf("# %d CTAs in 2-CTA clusters, 256 threads each, %d 16 KB chunks sent per CTA\n", ctas, chunks);
     Nvml* nvml = energy_seconds > 0 ? new Nvml() : nullptr;
     const double idle_w = nvml ? idle_watts(*nvml, 2.0) : 0.0;
-    if (nvml) printf("# idle board: %.1f W; energy: %.1f s of back-to-back launches per variant\n", idle_w, energy_seconds);
+    if (nvml)
+        printf("# idle board: %.1f W; energy: %.1f s of back-to-back launches per variant\n", idle_w, energy_seconds);
     printf("%-34s %8s %10s %s%s\n", "variant", "ms", "GB/s", "check",
            nvml ? "    J/launch      W   pJ/byte  pJ/byte above idle" : "");
     const char* names[] = {"st.shared::cluster", "st.async", "atomics only", "st.async + atomics"};

@@ -321,5 +321,8 @@ def gather_ring_tile(dst: cute.Pointer, sw_base, lay, p_rows: cute.Pointer, ld, 
     cute.arch.cp_async_mbarrier_arrive_noinc(kv_ready + s)
 
 
-__all__ = ["sw128", "store_row_v4", "load_tile_ids", "load_tile_ids_raw", "valid_tile_ids", "row_ids_ahead", "tile_ids", "init_gather_ring", "gather_ring_tile", "red_add_v4_f32", "st_global_v4_f32", "quad_v4_columns", "pair_v4_segments", "cp_async_rows", "gather_tile_rows", "acc_mn_view", "acc_as_frg_a", "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy",
-           "cp_async_16_policy", "pack_f32x2", "st_global_v4_b32"]
+__all__ = ["sw128", "store_row_v4", "load_tile_ids", "load_tile_ids_raw", "valid_tile_ids", "row_ids_ahead",
+           "tile_ids", "init_gather_ring", "gather_ring_tile", "red_add_v4_f32", "st_global_v4_f32",
+           "quad_v4_columns", "pair_v4_segments", "cp_async_rows", "gather_tile_rows", "acc_mn_view", "acc_as_frg_a",
+           "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy", "cp_async_16_policy", "pack_f32x2",
+           "st_global_v4_b32"]

@@ -67,19 +67,18 @@ def config_sweep(s_q, h, d_qk, n_kv, topk, reps, overrides):
     import dataclasses
 
     from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
-    q, kv, dout, ids, sink, scale, out, lse = make_inputs(s_q, h, d_qk, n_kv, topk)
+    inputs = make_inputs(s_q, h, d_qk, n_kv, topk)
     configs = [dataclasses.replace(SparseAttnBwdConfig(), **o) for o in overrides]
-    fns = [lambda c=c: bwd_host.sparse_attention_backward(q, kv, out, dout, lse, ids, attn_sink=sink, topk_length=None,
-                                                          softmax_scale=scale, d_v=512, config=c) for c in configs]
-    return paired_time_ms(fns, calls=reps)
+    return paired_time_ms([op_call(inputs, config=c) for c in configs], calls=reps)
 
 
-def op_call(inputs, ids=None):
-    """One atomic-mode call of the op on make_inputs' tensors (`ids`: other ids of the same shape)."""
+def op_call(inputs, ids=None, config=None):
+    """One atomic-mode call of the op on make_inputs' tensors (`ids`: other ids of the same shape; `config`: a
+    SparseAttnBwdConfig, None for the op's)."""
     q, kv, dout, ids0, sink, scale, out, lse = inputs
     ids = ids0 if ids is None else ids
     return lambda: bwd_host.sparse_attention_backward(q, kv, out, dout, lse, ids, attn_sink=sink, topk_length=None,
-                                                      softmax_scale=scale, d_v=512)
+                                                      softmax_scale=scale, d_v=512, config=config)
 
 
 def item_split(s_q, h, d_qk, n_kv, topk, reps):
@@ -124,6 +123,28 @@ def clocks(s_q, h, d_qk, n_kv, topk, seconds):
     elapsed = time.time() - t0
     smi.terminate()
     return elapsed / n * 1e3, smi.stdout.read().strip().splitlines()[3:-1]
+
+
+def probes(cases, args) -> None:
+    """--item-split, --id-order and --clocks on each case, printed."""
+    for s_q, h, d, n_kv in cases:
+        n_kv = args.kv or n_kv
+        print(f"T {s_q} H {h} D {d} KV {n_kv}:", flush=True)
+        if args.item_split:
+            shapes, ms = item_split(s_q, h, d, n_kv, args.topk, args.reps)
+            for (t, k), m in zip(shapes, ms):
+                print(f"  T {t:6d} topk {k:5d}: {m:8.3f} ms  {backward_flops(t, h, d, k) / m / 1e9:6.1f} TFLOP/s "
+                      f"({t * h // 64} items)", flush=True)
+        if args.id_order:
+            names, ms = id_orders(s_q, h, d, n_kv, args.topk, args.reps)
+            for name, m in zip(names, ms):
+                print(f"  ids {name:8s}: {m:8.3f} ms", flush=True)
+        if args.clocks:
+            ms, samples = clocks(s_q, h, d, n_kv, args.topk, args.clocks)
+            print(f"  {ms:.3f} ms per call back to back; nvidia-smi (SM clock, power, clock-event reasons):")
+            for line in samples:
+                print(f"    {line}")
+        torch.cuda.empty_cache()
 
 
 def run_case(s_q, h, d_qk, n_kv, topk, reps, ref_max_t):
@@ -176,25 +197,8 @@ def main() -> None:
         overrides = [dict(bucket_rows=b or None) for b in args.bucket_rows]
     elif args.configs:
         overrides = json.loads(args.configs)
-    for s_q, h, d, n_kv in cases if (args.item_split or args.id_order or args.clocks) else []:
-        n_kv = args.kv or n_kv
-        print(f"T {s_q} H {h} D {d} KV {n_kv}:", flush=True)
-        if args.item_split:
-            shapes, ms = item_split(s_q, h, d, n_kv, args.topk, args.reps)
-            for (t, k), m in zip(shapes, ms):
-                print(f"  T {t:6d} topk {k:5d}: {m:8.3f} ms  {backward_flops(t, h, d, k) / m / 1e9:6.1f} TFLOP/s "
-                      f"({t * h // 64} items)", flush=True)
-        if args.id_order:
-            names, ms = id_orders(s_q, h, d, n_kv, args.topk, args.reps)
-            for name, m in zip(names, ms):
-                print(f"  ids {name:8s}: {m:8.3f} ms", flush=True)
-        if args.clocks:
-            ms, samples = clocks(s_q, h, d, n_kv, args.topk, args.clocks)
-            print(f"  {ms:.3f} ms per call back to back; nvidia-smi (SM clock, power, clock-event reasons):")
-            for line in samples:
-                print(f"    {line}")
-        torch.cuda.empty_cache()
     if args.item_split or args.id_order or args.clocks:
+        probes(cases, args)
         return
     if overrides is not None:
         for s_q, h, d, n_kv in cases:

@@ -61,7 +61,7 @@ from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_16_policy, gather_tile_rows,
                                                  l2_evict_first_policy, load_tile_ids_raw, pair_v4_segments,
                                                  red_add_v4_f32, st_global_v4_f32, store_row_v4, sw128,
-                                                 swizzled_byte_offset)
+                                                 swizzled_byte_offset, valid_tile_ids)
 
 LOG2E = math.log2(math.e)
 
@@ -371,10 +371,7 @@ class SparseMlaBwdSm90:
                 if j + 1 < ntiles:
                     load_tile_ids_raw(ids_next, mIdx, lo + (j + 1) * self.BN, hi, grp)
                 cute.arch.mbarrier_wait(sh.kv_free, (g % 2) ^ 1)
-                for i in cutlass.range_constexpr(RPG):
-                    kv = ids[i]
-                    valid = kv >= 0 and kv < a.n_kv
-                    ids[i] = kv if valid else Int32(-1)
+                valid_tile_ids(ids, ids, a.n_kv)
                 if tidx % 8 == 0:
                     for i in cutlass.range_constexpr(RPG):
                         sh.sIds[(g % 2) * self.BN + grp + 16 * i] = ids[i]

@@ -80,10 +80,10 @@ def params(dtype: str) -> list[dict]:
 
 
 def build(num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int,
-          prefetch_ids: bool = False, q_in_registers: bool = False) -> BuiltKernel:
+          prefetch_ids: bool = False) -> BuiltKernel:
     """A new score recompute kernel for one AttnScoreRecomputeSpec's values. Each call returns distinct function
     objects, so every rendered module names its own kernel."""
-    k = AttnScoreRecomputeSm90(num_heads, d_qk, dtype, regs_producer, regs_consumer, prefetch_ids, q_in_registers)
+    k = AttnScoreRecomputeSm90(num_heads, d_qk, dtype, regs_producer, regs_consumer, prefetch_ids)
     return BuiltKernel.of(params(dtype), k, "min(rows, n_ctas)")
 
 
@@ -132,9 +132,8 @@ class AttnScoreRecomputeSm90:
     BAR_RED = 1                      # + w: consumer w's partial column sums are in sRed (128 threads)
 
     def __init__(self, num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int,
-                 prefetch_ids: bool = False, q_in_registers: bool = False):
+                 prefetch_ids: bool = False):
         self.PREFETCH_IDS = prefetch_ids
-        self.Q_IN_REGS = q_in_registers          # 64 heads only: S on RS wgmma, A = Q from registers
         self.H = num_heads
         self.NMB = num_heads // 64               # 64-head blocks: one wgmma accumulator (M = 64) each
         self.D_QK = d_qk
@@ -273,19 +272,12 @@ class AttnScoreRecomputeSm90:
         ctid = tidx % 128
         cwarp = ctid // 32                        # the warp in the consumer
         lane = ctid % 32
-        a_source = warpgroup.OperandSource.RMEM if const_expr(self.Q_IN_REGS) else warpgroup.OperandSource.SMEM
         mma = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                                (1, 1, 1), tiler_mn=(64, BN), a_source=a_source)
+                                                (1, 1, 1), tiler_mn=(64, BN))
         mma.set(warpgroup.Field.ACCUMULATE, True)
         thr = mma.get_slice(ctid)
-        sQ_blocks = [cute.local_tile(sh.sQ, (64, D_QK), (mb, 0)) for mb in range(self.NMB)]
-        if const_expr(self.Q_IN_REGS):
-            # the thread's elements of Q as the register A operand ([.., .., k-step]), copied from sQ per row
-            tSsQ = thr.partition_A(sQ_blocks[0])
-            tSrQ = [mma.make_fragment_A(thr.partition_shape_A((64, D_QK)))]
-        else:
-            tSrQ = [mma.make_fragment_A(thr.partition_A(sQ_blocks[mb]))
-                    for mb in range(self.NMB)]                               # per head block: [.., .., k-step]
+        tSrQ = [mma.make_fragment_A(thr.partition_A(cute.local_tile(sh.sQ, (64, D_QK), (mb, 0))))
+                for mb in range(self.NMB)]                               # per head block: [.., .., k-step]
         tSrK = mma.make_fragment_B(thr.partition_B(sh.sKV))              # [.., .., k-step, stage]
         accS = [cute.make_rmem_tensor(thr.partition_shape_C((64, BN)), Float32) for _ in range(self.NMB)]
         sMN = [acc_mn_view(acc) for acc in accS]
@@ -303,13 +295,6 @@ class AttnScoreRecomputeSm90:
             for mb in cutlass.range_constexpr(self.NMB):
                 for r in cutlass.range_constexpr(NR):
                     lse_l2[r, mb] = (a.p_lse + (Int64(tok) * self.H + 64 * mb + cS[r, 0][0])).load() * LOG2E
-            if const_expr(self.Q_IN_REGS):
-                # the row's Q into registers, then sQ is free for the next row's (the previous row's last wgmma
-                # that read tSrQ retired at its tile's wait_group(0))
-                for kb in cutlass.range_constexpr(NKB):
-                    cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)
-                tSrQ[0].store(tSsQ.load())
-                cute.arch.mbarrier_arrive(sh.q_free)
             for j in cutlass.range((gt + w) % 2, ntiles, 2, unroll=1):     # this consumer's tiles of the row
                 g = gt + j
                 s = g % self.STAGES
@@ -322,8 +307,7 @@ class AttnScoreRecomputeSm90:
                     accS[mb].fill(0.0)
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(NKB):
-                    if const_expr(not self.Q_IN_REGS):
-                        cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)     # at once after the row's first tile
+                    cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)         # at once after the row's first tile
                     cute.arch.mbarrier_wait(sh.kv_ready + (s * NKB + kb), ready_phase)
                     cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
                     for kk in cutlass.range_constexpr(4):
@@ -357,9 +341,8 @@ class AttnScoreRecomputeSm90:
                         total += sh.sRed[ctid, part, buf, w]
                     if slot < a.topk:
                         (a.p_out + (Int64(tok) * a.topk + slot)).store(total)
-            if const_expr(not self.Q_IN_REGS):
-                for kb in cutlass.range_constexpr(NKB):
-                    cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)   # Q's writes are done (rows without a tile too)
-                cute.arch.mbarrier_arrive(sh.q_free)
+            for kb in cutlass.range_constexpr(NKB):
+                cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)   # Q's writes are done (rows without a tile too)
+            cute.arch.mbarrier_arrive(sh.q_free)
             gt += ntiles
             it += 1

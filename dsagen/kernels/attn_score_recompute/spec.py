@@ -30,9 +30,6 @@ class AttnScoreRecomputeSpec(KernelSpec):
     regs_producer / regs_consumer: setmaxnreg budgets of WG0 and of each consumer warpgroup.
     prefetch_ids: the producer loads tile j + 1's ids before it waits for tile j's stage (False: each tile's ids
       just before its gather).
-    q_in_registers: (64 heads only) each consumer copies the row's Q from shared memory into registers once and runs S
-      on register-A wgmma, so a tile's products read only the gathered rows from shared memory, and sQ is free for
-      the next row's Q as soon as both consumers copied it (False: S reads Q from shared memory, SS).
     """
 
     op = "sparse_attn_score_recompute"
@@ -44,7 +41,6 @@ class AttnScoreRecomputeSpec(KernelSpec):
     regs_producer: int = 88
     regs_consumer: int = 208
     prefetch_ids: bool = False
-    q_in_registers: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons() + mla_shape_reasons("score recompute", self.arch, self.num_heads, self.d_qk)
@@ -52,11 +48,6 @@ class AttnScoreRecomputeSpec(KernelSpec):
             out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
         if not isinstance(self.prefetch_ids, bool):
             out.append(f"prefetch_ids={self.prefetch_ids!r} must be a bool")
-        if not isinstance(self.q_in_registers, bool):
-            out.append(f"q_in_registers={self.q_in_registers!r} must be a bool")
-        elif self.q_in_registers and self.num_heads != 64:
-            out.append(f"q_in_registers=True needs num_heads=64 (Q of {self.num_heads} heads does not fit in "
-                       "registers)")
         out.extend(register_budget_reasons({"regs_producer": self.regs_producer,
                                             "regs_consumer (WG1)": self.regs_consumer,
                                             "regs_consumer (WG2)": self.regs_consumer}))
@@ -72,7 +63,6 @@ class AttnScoreRecomputeConfig:
     regs_consumer: int = 208
     grid: str | int = "persistent"
     prefetch_ids: bool = False
-    q_in_registers: bool = False
 
     def __post_init__(self) -> None:
         check_grid(self.grid, "AttnScoreRecomputeConfig")
@@ -81,7 +71,7 @@ class AttnScoreRecomputeConfig:
         """The kernel spec of this config for a kernel of `num_heads` (64 or 128) heads."""
         return AttnScoreRecomputeSpec(arch=arch, num_heads=num_heads, d_qk=d_qk, dtype=dtype_name(dtype),
                                       regs_producer=self.regs_producer, regs_consumer=self.regs_consumer,
-                                      prefetch_ids=self.prefetch_ids, q_in_registers=self.q_in_registers)
+                                      prefetch_ids=self.prefetch_ids)
 
     def n_ctas(self, num_sms: int) -> int:
         """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(rows, n_ctas))."""
@@ -93,5 +83,5 @@ def config_for(num_heads: int, d_qk: int, dtype, arch: str, num_sms: int | None)
     load each tile's ids a tile ahead (prefetch_ids): 1.414 -> 1.375 ms at T 4096 / KV 32768, where 128 heads at D 576
     were slower with it (2.407 -> 2.459 ms; H200, 2026-12-02, timed interleaved)."""
     if num_heads == 64 and d_qk == 512:
-        return AttnScoreRecomputeConfig(prefetch_ids=True, q_in_registers=True)
+        return AttnScoreRecomputeConfig(prefetch_ids=True)
     return AttnScoreRecomputeConfig()

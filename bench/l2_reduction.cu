@@ -2,7 +2,8 @@
 // of `red.global.add.v4.f32` against TMA bulk reductions (`cp.reduce.async.bulk.global.shared::cta.add.f32`) from a
 // shared-memory staging buffer, with random row ids (GPU, sm_90a).
 //
-//     nvcc -O3 -arch=sm_90a -o /tmp/l2_reduction bench/l2_reduction.cu && /tmp/l2_reduction [slots] [row_floats]
+//     nvcc -O3 -arch=sm_90a -o /tmp/l2_reduction bench/l2_reduction.cu && /tmp/l2_reduction [slots] [row_floats] \
+//         [energy_seconds] [variants]
 //
 // Each of `slots` (default 8M: T 4096 x top-k 2048) adds one row of `row_floats` (default 128: the indexer's D; 576
 // is the sparse MLA's D_qk) FP32 values of 1.0 into row ids[slot] of an accumulator of `rows` rows (32768 and 131072:
@@ -14,6 +15,10 @@
 //             reduction per row (a whole row per instruction) and waits for the reads of the buffer before reuse;
 //   store     st.global.v4.f32 with 32 lanes per row segment (no reduction: the write path's rate).
 // Prints ms and GB/s of reduced bytes (slots x row bytes); checks every accumulator's total against slots x row_floats.
+// With energy_seconds > 0, each variant also runs back to back for that long under the GPU's energy counter
+// (probe_energy.cuh): J per launch, W, and pJ per reduced byte, total and above the idle board's power (measured
+// first), since the sparse MLA backward runs at the power cap, where a byte's energy sets its time. `variants`: a
+// comma-separated subset to run (default all).
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
@@ -21,7 +26,7 @@
 #include <random>
 #include <string>
 #include <cuda_runtime.h>
-#include "probe_timing.cuh"
+#include "probe_energy.cuh"
 
 __device__ __forceinline__ void red_v4(float* p, float v) {
     asm volatile("red.global.add.v4.f32 [%0], {%1, %1, %1, %1};" :: "l"(p), "f"(v) : "memory");
@@ -81,6 +86,8 @@ __global__ void bulk(float* acc, const int* ids, long slots, int row_floats) {
 int main(int argc, char** argv) {
     const long slots = argc > 1 ? atol(argv[1]) : 4096L * 2048;
     const int row_floats = argc > 2 ? atoi(argv[2]) : 128;
+    const double energy_seconds = argc > 3 ? atof(argv[3]) : 0.0;
+    const std::string only = argc > 4 ? "," + std::string(argv[4]) + "," : "";
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     cudaDeviceProp prop;
@@ -91,7 +98,12 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&d_ids, slots * sizeof(int)));
     const size_t stage_bytes = 2ull * kStageRows * row_floats * 4;
     CK(cudaFuncSetAttribute(bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stage_bytes));
-    printf("%9s %-9s %9s %9s %s\n", "rows", "variant", "ms", "GB/s", "check");
+    Nvml* nvml = energy_seconds > 0 ? new Nvml() : nullptr;
+    const double idle_w = nvml ? idle_watts(*nvml, 2.0) : 0.0;
+    if (nvml)
+        printf("# idle board: %.1f W; energy: %.1f s of back-to-back launches per variant\n", idle_w, energy_seconds);
+    printf("%9s %-9s %9s %9s %s%s\n", "rows", "variant", "ms", "GB/s", "check",
+           nvml ? "    J/launch      W   pJ/byte  pJ/byte above idle" : "");
     for (int mode = 0; mode < 3; ++mode) {
         // 0, 1: ids uniform over 32768 / 131072 rows; 2: over 32768 rows, but slot s in the 4096-row window
         // s * 8 / slots (the sparse MLA backward's window ordering: every CTA adds into the same window at once)
@@ -106,6 +118,7 @@ int main(int argc, char** argv) {
         for (const char* name : {"seg4/32", "seg8/32", "seg16/32", "seg32/32", "seg4/8", "seg8/8", "seg16/8",
                                  "seg32/8", "seg8/8h", "bulk", "store"}) {
             const std::string v(name);
+            if (!only.empty() && only.find("," + v + ",") == std::string::npos) continue;
             auto launch = [&]() {
                 if (v == "seg4/32") red_seg<4, false><<<sms * 4, 256>>>(d_acc, d_ids, slots, row_floats);
                 else if (v == "seg8/32") red_seg<8, false><<<sms * 4, 256>>>(d_acc, d_ids, slots, row_floats);
@@ -129,8 +142,16 @@ int main(int argc, char** argv) {
             const double want = v == "store" ? -1.0 : (double)slots * row_floats;
             const bool ok = v == "store" || total == want;
             const float best = best_ms(launch);
-            printf("%8ld%s %-9s %9.3f %9.1f %s\n", rows, mode == 2 ? "w" : " ", name, best, slots * row_floats * 4.0 / best / 1e6,
-                   ok ? "ok" : "WRONG");
+            const double bytes = slots * row_floats * 4.0;
+            printf("%8ld%s %-9s %9.3f %9.1f %s", rows, mode == 2 ? "w" : " ", name, best, bytes / best / 1e6,
+                   ok ? "ok   " : "WRONG");
+            if (nvml) {
+                const EnergyRun e = energy_run(*nvml, launch, energy_seconds);
+                const double above = e.joules_per_launch - idle_w * e.ms_per_launch * 1e-3;
+                printf(" %10.4f %6.1f %9.2f %9.2f", e.joules_per_launch, e.watts, e.joules_per_launch / bytes * 1e12,
+                       above / bytes * 1e12);
+            }
+            printf("\n");
         }
         CK(cudaFree(d_acc));
     }

@@ -21,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cuda_time_ms, distinct_ids, paired_time_ms  # noqa: E402
+from common import distinct_ids, op_and_variants_ms  # noqa: E402
 
 import dsagen  # noqa: E402
 from dsagen.kernels.attn_score_recompute import host as asr_host  # noqa: E402
@@ -67,20 +67,10 @@ def main() -> None:
         floor = max(flops / 780e12, nbytes / 4.2e12) * 1e3
         runs = [("op", lambda: call("fused"))]
         for name, cfg in variants:
-            if cfg.q_in_registers and h != 64:
-                continue
             runs.append((name, lambda cfg=cfg: asr_host.sparse_attn_score_recompute(q, kv, lse, ids, scale,
                                                                                     config=cfg)))
-        want = runs[0][1]()
-        for name, fn in runs[1:]:
-            err = (fn() - want).abs().max().item() / want.abs().max().item()
-            print(f"# {name}: max |out - op's| / max |op's| = {err:.1e}")
-        times = paired_time_ms([fn for _, fn in runs], calls=args.reps, rounds=7)
-        for (name, fn), ms in zip(runs, times):
-            ref = "-        -"
-            if name == "op" and s_q <= args.ref_max_T:
-                rms = cuda_time_ms(lambda: call("reference"), rounds=3)
-                ref = f"{rms:8.2f} {rms / ms:6.1f}"
+        reference = (lambda: call("reference")) if s_q <= args.ref_max_T else None
+        for name, ms, ref in op_and_variants_ms(runs, args.reps, reference, exact=False):
             print(f"{s_q:6d} {h:4d} {d:4d} {n_kv:6d} {name:>10} | {ms:9.3f} {flops / ms / 1e9:8.1f} {floor:9.3f} "
                   f"{floor / ms:8.2f} | {ref}", flush=True)
         del q, kv, lse, ids

@@ -63,6 +63,32 @@ def paired_time_ms(fns: list[Callable[[], object]], calls: int = 1, rounds: int 
     return [statistics.median(t) for t in per_call]
 
 
+def op_and_variants_ms(runs: list[tuple[str, Callable[[], torch.Tensor]]], calls: int, reference=None,
+                       exact: bool = True) -> list[tuple[str, float, str]]:
+    """Time an op beside other configs of it. `runs`: (name, fn) pairs, the op's first. Every other run's output is
+    checked against the op's first: bitwise (`exact`; an AssertionError names the run) or, with exact=False, its
+    largest difference relative to the op's largest value is printed. Then all runs are timed interleaved
+    (paired_time_ms, `calls` calls per round, 7 rounds). `reference`: None, or a fn timed alone (cuda_time_ms, 3
+    rounds) for the op's speedup. Returns (name, ms per call, "ref ms  speedup" for the op's row, else "-  -")."""
+    want = runs[0][1]()
+    for name, fn in runs[1:]:
+        got = fn()
+        if exact:
+            assert torch.equal(got, want), name
+        else:
+            err = (got - want).abs().max().item() / want.abs().max().item()
+            print(f"# {name}: max |out - op's| / max |op's| = {err:.1e}")
+    times = paired_time_ms([fn for _, fn in runs], calls=calls, rounds=7)
+    out = []
+    for i, ((name, _), ms) in enumerate(zip(runs, times)):
+        ref = "-        -"
+        if i == 0 and reference is not None:
+            rms = cuda_time_ms(reference, rounds=3)
+            ref = f"{rms:8.2f} {rms / ms:6.1f}"
+        out.append((name, ms, ref))
+    return out
+
+
 def report(meta: dict, rows: dict[str, float], json_path: str | None, fmt: str = "8.2f") -> None:
     """Print `meta`, then one `name  value` line per entry of `rows` (names padded to the longest); write
     {"meta": meta, "results": rows} to `json_path` when given."""

@@ -140,12 +140,8 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&d_ids, n_ids * sizeof(int)));
     CK(cudaMemcpy(d_ids, ids.data(), n_ids * sizeof(int), cudaMemcpyHostToDevice));
     printf("# %d CTAs in 2-CTA clusters, 256 threads each, %d 16 KB chunks sent per CTA\n", ctas, chunks);
-    Nvml* nvml = energy_seconds > 0 ? new Nvml() : nullptr;
-    const double idle_w = nvml ? idle_watts(*nvml, 2.0) : 0.0;
-    if (nvml)
-        printf("# idle board: %.1f W; energy: %.1f s of back-to-back launches per variant\n", idle_w, energy_seconds);
-    printf("%-34s %8s %10s %s%s\n", "variant", "ms", "GB/s", "check",
-           nvml ? "    J/launch      W   pJ/byte  pJ/byte above idle" : "");
+    const EnergyProbe energy(energy_seconds);
+    printf("%-34s %8s %10s %s%s\n", "variant", "ms", "GB/s", "check", energy.columns());
     const char* names[] = {"st.shared::cluster", "st.async", "atomics only", "st.async + atomics"};
     for (int variant = 0; variant < 4; ++variant) {
         auto launch = [&]() {
@@ -179,12 +175,7 @@ int main(int argc, char** argv) {
         // exchanged bytes (both directions) plus reduced bytes
         const double bytes = (double)ctas * chunks * kChunkFloats * 4 * ((exchanges ? 1 : 0) + (reds ? 1 : 0));
         printf("%-34s %8.3f %10.1f %s", names[variant], best, bytes / best / 1e6, ok ? "ok   " : "WRONG");
-        if (nvml) {
-            const EnergyRun e = energy_run(*nvml, launch, energy_seconds);
-            const double above = e.joules_per_launch - idle_w * e.ms_per_launch * 1e-3;
-            printf(" %10.4f %6.1f %9.2f %9.2f", e.joules_per_launch, e.watts, e.joules_per_launch / bytes * 1e12,
-                   above / bytes * 1e12);
-        }
+        energy.print(launch, bytes);
         printf("\n");
     }
     return 0;

@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cuda_time_ms, distinct_ids, paired_time_ms  # noqa: E402
+from common import distinct_ids, op_and_variants_ms  # noqa: E402
 
 import dsagen  # noqa: E402
 from dsagen.kernels.indexer_score_recompute import host as isr_host  # noqa: E402
@@ -67,16 +67,11 @@ def main() -> None:
         for cfg in variants:
             runs.append((f"{cfg.stages}x{cfg.ctas_per_sm}", lambda cfg=cfg: isr_host.sparse_indexer_score_recompute(
                 q, k, w, ids, sm_scale=scale, config=cfg)))
-        want = runs[0][1]()
-        for name, fn in runs[1:]:
-            assert torch.equal(fn(), want), name
-        times = paired_time_ms([fn for _, fn in runs], calls=args.reps, rounds=7)
-        for (name, fn), ms in zip(runs, times):
-            ref = "-        -"
-            if name == "op" and s_q <= args.ref_max_T:
-                rms = cuda_time_ms(lambda: dsagen.sparse_indexer_score_recompute(q, k, w, ids, sm_scale=scale,
-                                                                                 impl="reference"), rounds=3)
-                ref = f"{rms:8.2f} {rms / ms:6.1f}"
+        reference = None
+        if s_q <= args.ref_max_T:
+            reference = lambda: dsagen.sparse_indexer_score_recompute(q, k, w, ids, sm_scale=scale,  # noqa: E731
+                                                                      impl="reference")
+        for name, ms, ref in op_and_variants_ms(runs, args.reps, reference):
             print(f"{s_q:6d} {n_kv:6d} {name:>6} | {ms:9.3f} {flops / ms / 1e9:8.1f} {gathered / ms / 1e6:11.0f} "
                   f"{floor:9.3f} {floor / ms:8.2f} | {ref}", flush=True)
         del q, k, w, ids

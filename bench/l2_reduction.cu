@@ -98,12 +98,8 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&d_ids, slots * sizeof(int)));
     const size_t stage_bytes = 2ull * kStageRows * row_floats * 4;
     CK(cudaFuncSetAttribute(bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stage_bytes));
-    Nvml* nvml = energy_seconds > 0 ? new Nvml() : nullptr;
-    const double idle_w = nvml ? idle_watts(*nvml, 2.0) : 0.0;
-    if (nvml)
-        printf("# idle board: %.1f W; energy: %.1f s of back-to-back launches per variant\n", idle_w, energy_seconds);
-    printf("%9s %-9s %9s %9s %s%s\n", "rows", "variant", "ms", "GB/s", "check",
-           nvml ? "    J/launch      W   pJ/byte  pJ/byte above idle" : "");
+    const EnergyProbe energy(energy_seconds);
+    printf("%9s %-9s %9s %9s %s%s\n", "rows", "variant", "ms", "GB/s", "check", energy.columns());
     for (int mode = 0; mode < 3; ++mode) {
         // 0, 1: ids uniform over 32768 / 131072 rows; 2: over 32768 rows, but slot s in the 4096-row window
         // s * 8 / slots (the sparse MLA backward's window ordering: every CTA adds into the same window at once)
@@ -145,12 +141,7 @@ int main(int argc, char** argv) {
             const double bytes = slots * row_floats * 4.0;
             printf("%8ld%s %-9s %9.3f %9.1f %s", rows, mode == 2 ? "w" : " ", name, best, bytes / best / 1e6,
                    ok ? "ok   " : "WRONG");
-            if (nvml) {
-                const EnergyRun e = energy_run(*nvml, launch, energy_seconds);
-                const double above = e.joules_per_launch - idle_w * e.ms_per_launch * 1e-3;
-                printf(" %10.4f %6.1f %9.2f %9.2f", e.joules_per_launch, e.watts, e.joules_per_launch / bytes * 1e12,
-                       above / bytes * 1e12);
-            }
+            energy.print(launch, bytes);
             printf("\n");
         }
         CK(cudaFree(d_acc));

@@ -70,3 +70,29 @@ inline double idle_watts(const Nvml& nvml, double seconds) {
     std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
     return (nvml.joules() - e0) / seconds;
 }
+
+// A probe's energy mode: with seconds > 0, NVML and the idle board's power (2 s, printed as a header line); with 0,
+// off (every function below then does nothing).
+struct EnergyProbe {
+    Nvml* nvml = nullptr;
+    double idle_w = 0.0, seconds = 0.0;
+
+    explicit EnergyProbe(double seconds_) : seconds(seconds_) {
+        if (seconds <= 0) return;
+        nvml = new Nvml();
+        idle_w = idle_watts(*nvml, 2.0);
+        printf("# idle board: %.1f W; energy: %.1f s of back-to-back launches per variant\n", idle_w, seconds);
+    }
+    // the header of the columns `print` adds to a row
+    const char* columns() const { return nvml ? "    J/launch      W   pJ/byte  pJ/byte above idle" : ""; }
+    // launch() back to back for `seconds` under the counter: J per launch, W, pJ per byte of `bytes` moved per launch,
+    // total and above the idle board, appended to the current row
+    template <typename Launch>
+    void print(Launch launch, double bytes) const {
+        if (!nvml) return;
+        const EnergyRun e = energy_run(*nvml, launch, seconds);
+        const double above = e.joules_per_launch - idle_w * e.ms_per_launch * 1e-3;
+        printf(" %10.4f %6.1f %9.2f %9.2f", e.joules_per_launch, e.watts, e.joules_per_launch / bytes * 1e12,
+               above / bytes * 1e12);
+    }
+};

@@ -35,3 +35,22 @@ def cache_env(tmp_path, monkeypatch):
     monkeypatch.setenv("DSAGEN_WHEEL_CACHES", "0")
     monkeypatch.setenv("DSAGEN_CACHE", "rw")
     return root
+
+
+class _RowScatterStandIn:
+    """The row scatter-add kernel's contract in torch (dsagen/kernels/row_scatter_add/scatter.py): acc[r] += rows[order[j]]
+    for j in ptr[r] .. ptr[r + 1] - 1, for every r < n_acc."""
+
+    def launch(self, acc, rows, order, ptr, n_acc):
+        counts = (ptr[1:n_acc + 1] - ptr[:n_acc]).long()
+        owner = torch.repeat_interleave(torch.arange(n_acc, device=acc.device), counts)
+        acc.index_add_(0, owner, rows[order[:int(ptr[n_acc])].long()])
+
+
+@pytest.fixture
+def cpu_row_scatter(monkeypatch):
+    """dsagen's row scatter-add (the deterministic backward modes' sum) on CPU tensors: its host code (the reverse
+    index) with a torch stand-in for the kernel, for host-path tests that run without a GPU."""
+    from dsagen.kernels.row_scatter_add import host as scatter_host
+
+    monkeypatch.setattr(scatter_host, "_kernel", lambda device, width: _RowScatterStandIn())

@@ -95,7 +95,7 @@ class _StandInKernel:
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("global_ids", [False, True])
-def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch, deterministic, global_ids):
+def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch, cpu_row_scatter, deterministic, global_ids):
     import torch
 
     import dsagen
@@ -152,7 +152,7 @@ def test_fused_refuses_what_it_does_not_cover():
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_the_custom_op_and_its_fake(monkeypatch, deterministic):
+def test_the_custom_op_and_its_fake(monkeypatch, cpu_row_scatter, deterministic):
     """torch.library.opcheck of dsagen::indexer_backward_fused (schema, fake tensor, AOT dispatch) on the CPU, the
     kernel a stand-in: the fake's outputs match the op's."""
     import torch

@@ -14,6 +14,7 @@ from dsagen.kernels.indexer_bwd.spec import IndexerBwdSpec
 from dsagen.kernels.indexer_score_recompute.spec import IndexerScoreRecomputeSpec
 from dsagen.kernels.lightning_indexer.spec import IndexerScoreSpec
 from dsagen.kernels.lightning_indexer.spec import config_for as indexer_config
+from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
 from dsagen.kernels.sparse_mla.spec import SparseAttnFwdSpec
 from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdOrderSpec, SparseAttnBwdSpec
 from dsagen.spec import ARCHES, SpecError, get_preset, missing_ops
@@ -53,9 +54,11 @@ def test_deepseek_v32_kernels():
     assert [(b.num_heads, b.d_qk, b.d_v, b.dtype, b.deterministic) for b in bwd] == [
         (128, 576, 512, "bfloat16", False), (128, 576, 512, "bfloat16", True)]
     assert [s for s in specs if isinstance(s, SparseAttnBwdOrderSpec)] == [SparseAttnBwdOrderSpec(arch="sm_90a")]
+    assert [s for s in specs if isinstance(s, RowScatterAddSpec)] == [RowScatterAddSpec(arch="sm_90a", width=128),
+                                                                       RowScatterAddSpec(arch="sm_90a", width=576)]
     assert [s.op for s in specs_for_model(DEEPSEEK_V32, "sm_100a")] == ["compactify", "local_to_global"]
     assert missing_ops_for_model(DEEPSEEK_V32, "sm_100a") == [
-        "indexer_backward", "indexer_topk", "lightning_indexer_score", "lightning_indexer_topk",
+        "indexer_backward", "indexer_topk", "lightning_indexer_score", "lightning_indexer_topk", "row_scatter_add",
         "sparse_attention_bwd", "sparse_attention_bwd_order", "sparse_attention_fwd", "sparse_attn_score_recompute",
         "sparse_indexer_score_recompute"]
 
@@ -195,7 +198,7 @@ def test_build_model_builds_v32_and_a_smaller_variant(cache_env, tmp_path, capsy
     lines = capsys.readouterr().out.splitlines()
     assert all(line.split()[2] == "cached" and line.split()[-1] == "DSAGEN_CACHE_DIR" for line in lines[2:-1])
     n_small = len(specs_for_model(load_model_config(small), "sm_90a"))
-    assert n_small == 20                               # 2 index ops, 5 indexer, 4 indexer top-k, the indexer score
+    assert n_small == 22                               # 2 index ops, 5 indexer, 4 indexer top-k, the indexer score
     #         recompute, 2 indexer backwards, 2 MLA forwards, 2 MLA backwards and their id ordering, the attention
-    #         score recompute
+    #         score recompute, and the row scatter-add of each deterministic backward (D 64 and 576)
     assert lines[-1].endswith(f"{n_small} cached, 0 to build (dry run: nothing compiled)")

@@ -235,7 +235,7 @@ def test_workspace_helper_validates_and_refuses_the_cpu():
 def test_workspace_numel_is_the_documented_formula(s_q, h, n_kv, k, d):
     hk = 64 if h <= 64 else 128
     a4 = lambda n: (n + 3) // 4 * 4  # noqa: E731
-    base = (n_kv + 1) * d + s_q * hk + 4 + a4(2 * s_q) + (a4(s_q * k) if n_kv > 4096 else 0)
+    base = n_kv * d + s_q * hk + 4 + a4(2 * s_q) + (a4(s_q * k) if n_kv > 4096 else 0)
     assert bwd_host.workspace_numel(s_q, h, n_kv, k, d, False) == base
     per_row = (hk // 64) * max(k, 1) * d
     rows = max(1, 2**30 // (4 * per_row))

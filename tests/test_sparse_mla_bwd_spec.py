@@ -51,8 +51,8 @@ def test_windows_and_scratch():
     assert bwd_host.buckets(4096, 4096) == 1 and bwd_host.buckets(4097, 4096) == 2
     assert bwd_host.buckets(10**6, None) == 1
     # accumulator + delta + barrier count + windows, then the ordered ids once the pool needs more than one window
-    assert bwd_host.workspace_numel(3, 64, 100, 10, 576, False) == 101 * 576 + 3 * 64 + 4 + 8
-    assert bwd_host.workspace_numel(3, 64, 5000, 10, 576, False) == 5001 * 576 + 3 * 64 + 4 + 8 + 32
+    assert bwd_host.workspace_numel(3, 64, 100, 10, 576, False) == 100 * 576 + 3 * 64 + 4 + 8
+    assert bwd_host.workspace_numel(3, 64, 5000, 10, 576, False) == 5000 * 576 + 3 * 64 + 4 + 8 + 32
     one_row = 2 * 10 * 576                                               # H 128: two 64-head blocks per row
     assert (bwd_host.workspace_numel(3, 128, 100, 10, 576, True)
             == bwd_host.workspace_numel(3, 128, 100, 10, 576, False) + 3 * one_row)
@@ -188,7 +188,7 @@ def test_slot_windows_without_buckets_keep_the_ids():
     assert win.tolist() == [[0, 3], [0, 3]]
 
 
-def test_host_launch_arguments_on_the_cpu(monkeypatch):
+def test_host_launch_arguments_on_the_cpu(monkeypatch, cpu_row_scatter):
     """The host's launch path with stand-in kernels (CPU tensors): the kernel gets the ordering's ids and windows,
     the accumulator and counter are zeroed, heads are padded with lse = +inf, and deterministic mode launches per
     chunk of rows."""

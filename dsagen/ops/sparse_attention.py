@@ -291,7 +291,7 @@ def sparse_attention_backward(q: torch.Tensor, kv: torch.Tensor, out: torch.Tens
             so a captured CUDA graph gets no scratch allocation. Its contents are overwritten; it may be reused
             by the next call once this one has run (same stream). Scratch, FP32 elements (total_S_q, total_S_kv
             flat; H_k = 64 for H <= 64, else 128):
-            (total_S_kv + 1) * D_qk (the dkv accumulator) + total_S_q * H_k (delta) + 4 (a grid barrier count)
+            total_S_kv * D_qk (the dkv accumulator) + total_S_q * H_k (delta) + 4 (a grid barrier count)
             + a4(2 * total_S_q) (each row's slot window), plus a4(total_S_q * K) (the rows' ids ordered by KV
             window) when total_S_kv > 4096, plus with deterministic min(total_S_q, R) * (H_k / 64) * max(K, 1) *
             D_qk (the per-slot terms of R rows at a time, R chosen so that this part stays within 1 GiB, at least
@@ -376,7 +376,7 @@ def sparse_attention_backward_workspace(q: torch.Tensor, kv: torch.Tensor, topk_
     allocates no scratch (only its outputs). The size depends on total_S_q, H, total_S_kv, the top-k width K,
     D_qk and `deterministic` (FP32 elements; H_k = 64 for H <= 64, else 128):
 
-        (total_S_kv + 1) * D_qk + total_S_q * H_k + 4 + a4(2 * total_S_q)
+        total_S_kv * D_qk + total_S_q * H_k + 4 + a4(2 * total_S_q)
         + total_S_kv > 4096 only: a4(total_S_q * K)         (the ids ordered by KV window; a4: up to a multiple of 4)
         + deterministic only: min(total_S_q, R) * (H_k / 64) * max(K, 1) * D_qk, R rows per 1 GiB chunk (>= 1)
 

@@ -36,6 +36,7 @@ from ..kernels.attn_score_recompute.spec import config_for as attn_score_recompu
 from ..kernels.indexer_bwd.spec import config_for as indexer_bwd_config
 from ..kernels.indexer_score_recompute.spec import config_for as indexer_score_recompute_config
 from ..kernels.indexer_topk.spec import config_for as indexer_topk_config
+from ..kernels.row_scatter_add.spec import RowScatterAddSpec
 from ..kernels.sparse_mla.spec import config_for as sparse_mla_config
 from ..kernels.sparse_mla.spec import kernel_heads
 from ..kernels.sparse_mla_bwd.spec import SparseAttnBwdOrderSpec
@@ -169,6 +170,8 @@ def specs_for_model(model: ModelAttention, arch: str) -> list[KernelSpec]:
             for deterministic in (False, True):
                 out.append(indexer_bwd_config(model.index_head_dim, model.dtype, arch, None)
                            .spec(model.index_head_dim, model.dtype, arch, deterministic=deterministic))
+            # ... whose deterministic d_index_k rows the row scatter-add sums
+            out.append(RowScatterAddSpec(arch=arch, width=model.index_head_dim))
     if hopper:
         # sparse MLA forward: one kernel for prefill and decode (config_for: one config for every call size)
         h = mla_kernel_heads(model.num_heads)
@@ -184,6 +187,8 @@ def specs_for_model(model: ModelAttention, arch: str) -> list[KernelSpec]:
                        .spec(h, model.d_qk, model.dtype, arch, d_v=model.d_v, deterministic=deterministic))
         # ... and the ordering of its ids by KV window
         out.append(SparseAttnBwdOrderSpec(arch=arch))
+        # ... and the row scatter-add that sums its deterministic dkv rows
+        out.append(RowScatterAddSpec(arch=arch, width=model.d_qk))
         # sparse attention score recompute (the indexer's training target)
         out.append(attn_score_recompute_config(h, model.d_qk, model.dtype, arch, None)
                    .spec(h, model.d_qk, model.dtype, arch))

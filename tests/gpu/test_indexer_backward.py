@@ -16,12 +16,13 @@ import torch
 import dsagen
 from dsagen.kernels.indexer_bwd import host as ib_host
 from dsagen.kernels.indexer_bwd.spec import IndexerBwdConfig, config_for
+from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
 from test_sparse_attention import make_ids
 
 ARCH = "sm_90a"
 REQUIRED_SPECS = [config_for(d, dt, ARCH, None).spec(d, dt, ARCH, deterministic=det)
                   for d, dt, det in [(128, "bfloat16", False), (128, "bfloat16", True), (64, "bfloat16", False),
-                                     (128, "float16", False)]]
+                                     (128, "float16", False)]] + [RowScatterAddSpec(arch=ARCH, width=128)]
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

@@ -38,6 +38,7 @@ from dsagen.kernels.indexer_score_recompute.spec import config_for as isr_config
 from dsagen.kernels.sparse_mla_bwd import host as bwd_host
 from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
 from dsagen.kernels.sparse_mla_bwd.spec import config_for as bwd_config_for
+from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
 
 ARCH = "sm_90a"
 SPARSE_SHAPES = [(128, 576), (64, 512)]          # (H, D_qk) of the sparse forward, d_v 512
@@ -53,7 +54,8 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     isr_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, None).spec(*INDEXER_SHAPE, "bfloat16", ARCH)] + [
     ib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH,
                                                                  deterministic=det) for det in (False, True)] + [
-    *topk_rows_plan(ARCH).specs()]
+    *topk_rows_plan(ARCH).specs()] + [
+    RowScatterAddSpec(arch=ARCH, width=w) for w in sorted({INDEXER_SHAPE[1], *(d for _, d in SPARSE_SHAPES)})]
 
 gpu = pytest.mark.gpu
 DEV = "cuda"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
 from dsagen.kernels.sparse_mla_bwd import host as bwd_host
 from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig, SparseAttnBwdOrderSpec, config_for
 from dsagen.reference import sparse_attention as ref
@@ -24,7 +25,8 @@ from test_sparse_attention import make_ids
 ARCH = "sm_90a"
 REQUIRED_SPECS = [config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH, deterministic=det)
                   for h in (64, 128) for d in (512, 576) for det in (False, True)] + [
-    config_for(64, 576, "float16", ARCH, None).spec(64, 576, "float16", ARCH), SparseAttnBwdOrderSpec(arch=ARCH)]
+    config_for(64, 576, "float16", ARCH, None).spec(64, 576, "float16", ARCH), SparseAttnBwdOrderSpec(arch=ARCH)] + [
+    RowScatterAddSpec(arch=ARCH, width=d) for d in (512, 576)]
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

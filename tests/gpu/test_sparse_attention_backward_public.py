@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import dsagen
+from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
 from dsagen.kernels.sparse_mla.spec import config_for as fwd_config_for
 from dsagen.kernels.sparse_mla_bwd import host as bwd_host
 from dsagen.kernels.sparse_mla_bwd.spec import config_for as bwd_config_for
@@ -34,7 +35,8 @@ ARCH = "sm_90a"
 _SHAPES = [(h, d) for h in (64, 128) for d in (512, 576)]           # 16 and 32 heads run the 64-head kernels
 REQUIRED_SPECS = ([fwd_config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfloat16", ARCH) for h, d in _SHAPES]
                   + [bwd_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH, deterministic=det)
-                     for h, d in _SHAPES for det in (False, True)])
+                     for h, d in _SHAPES for det in (False, True)]
+                  + [RowScatterAddSpec(arch=ARCH, width=d) for d in sorted({d for _, d in _SHAPES})])
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

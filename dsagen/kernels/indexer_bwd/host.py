@@ -10,8 +10,8 @@ topk_indices_global, deterministic)`:
    attn_score);
 3. pads 1..63 heads to 64 (zero q and weights) and runs the sm_90a kernel of IndexerBwdSpec: d_index_q in the input
    dtype, d_weights in FP32 (fixed order: deterministic), d_index_k into an FP32 accumulator by 16-byte atomics, or
-   with deterministic=True per-slot rows (launches of at most `chunk_bytes`) summed by index_put_(accumulate=True),
-   which adds each id's rows in slot order, the same every run;
+   with deterministic=True per-slot rows (launches of at most `chunk_bytes`) summed by the row scatter-add
+   (row_scatter_add.host.scatter_add_rows: each id's rows added in slot order, the same every run);
 4. casts the gradients to their inputs' dtypes.
 Nothing in it synchronizes with the host; it is the custom op `dsagen::indexer_backward_fused`.
 """
@@ -23,6 +23,7 @@ import torch
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
 from ..indices.host import batch_flat_ids
+from ..row_scatter_add.host import scatter_add_rows
 from ..sparse_mla.host import padded_heads
 from .spec import IndexerBwdConfig, IndexerBwdSpec, config_for
 
@@ -111,9 +112,7 @@ def run(index_q, weights, index_k, attn_score, index_score, topk_indices, grad_l
             r1 = min(rows, r0 + step)
             kernel.launch(q[r0:r1], keys, ids[r0:r1], d_i[r0:r1], w[r0:r1], dq[r0:r1], dw[r0:r1], buf, r1 - r0, n_k,
                           topk, keys.stride(0), n_ctas)
-            # invalid slots' rows are zero (dI = 0): they add nothing to row 0
-            dk.index_put_((ids[r0:r1].clamp_min(0).reshape(-1).long(),), buf[:r1 - r0].view(-1, d),
-                          accumulate=True)
+            scatter_add_rows(dk, buf[:r1 - r0].view(-1, d), ids[r0:r1])          # invalid slots (-1) skipped
     d_q = dq[:, :h].reshape(b, s_q, h, d)
     d_w = dw[:, :h].reshape(b, s_q, h).to(weights.dtype)
     return d_q, d_w, dk.view(b, s_k, d).to(index_k.dtype)

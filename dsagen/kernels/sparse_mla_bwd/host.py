@@ -12,13 +12,14 @@ Per call:
      writes each row's valid ids ordered by window and the row's slot window (slot_windows);
   1. the kernel writes dq, delta = rowsum(out * dout) and the dKV terms: deterministic=False adds them to an FP32
      (total_S_kv, D_qk) accumulator by atomics (zeroed first); deterministic=True stores them per (query row,
-     64-head block, slot) into an FP32 buffer, a token chunk at a time, and `index_put_(accumulate=True)` (sorted
-     ids, each id's rows summed in slot order) adds each chunk to the accumulator: bitwise the same run to run;
+     64-head block, slot) into an FP32 buffer, a token chunk at a time, and the row scatter-add
+     (row_scatter_add.host.scatter_add_rows: each id's rows added in (row, head block, slot) order) adds each chunk
+     to the accumulator: bitwise the same run to run;
   2. dkv = the accumulator cast to kv's dtype; d_sink[h] = -sum_t exp(sink[h] - logaddexp(lse, sink)) * delta
      (a fixed-order torch reduction).
 
 Scratch (FP32), all of it in `workspace` when the caller passes one (`workspace_numel` gives its size):
-  * the accumulator: (total_S_kv + 1) * D_qk (one spare row takes the deterministic mode's invalid slots);
+  * the accumulator: total_S_kv * D_qk;
   * delta: total_S_q * H_kernel;
   * deterministic only: the per-slot buffer, rows_per_chunk * (H_kernel / 64) * K * D_qk, rows_per_chunk chosen so
     that it stays within SparseAttnBwdConfig.deterministic_chunk_bytes (1 GiB) and at least one query row.
@@ -33,6 +34,7 @@ import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
+from ..row_scatter_add.host import scatter_add_rows
 from ..sparse_mla.host import kernel_heads, padded_heads, supported_reason
 from .spec import SparseAttnBwdConfig, SparseAttnBwdOrderSpec, SparseAttnBwdSpec, config_for
 
@@ -80,7 +82,7 @@ def workspace_numel(s_q: int, num_heads: int, n_kv: int, topk: int, d_qk: int, d
     cfg = SparseAttnBwdConfig() if config is None else config
     hp = kernel_heads(num_heads)
     nb = buckets(n_kv, cfg.bucket_rows)
-    n = (n_kv + 1) * d_qk + s_q * hp + 4 + _align4(s_q * 2)
+    n = n_kv * d_qk + s_q * hp + 4 + _align4(s_q * 2)
     if nb > 1:
         n += _align4(s_q * topk)
     if deterministic:
@@ -208,7 +210,7 @@ def _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_sc
         at += n
         return t
 
-    acc = take((n_kv + 1) * d_qk).view(n_kv + 1, d_qk)
+    acc = take(n_kv * d_qk).view(n_kv, d_qk)
     delta = take(s_q * hp).view(s_q, hp)
     counter = take(4).view(torch.int32)
     win = take(_align4(s_q * 2)).view(torch.int32)[:s_q * 2].view(s_q, 2)
@@ -238,14 +240,12 @@ def _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_sc
             t1 = min(s_q, t0 + rows)
             rid = ids[t0:t1]
             valid = (rid >= 0) & (rid < n_kv) & (slots.view(1, -1) < win[t0:t1, 1:])
-            target = rid.to(torch.int64).masked_fill(~valid, n_kv)                    # invalid -> the spare row
+            target = rid.masked_fill(~valid, -1)                                      # invalid: skipped
             target = target.unsqueeze(1).expand(t1 - t0, hb, k_width).reshape(-1)
             chunk = buf[:(t1 - t0) * hb * k_width * d_qk].view(-1, d_qk)
-            if length is not None or nb > 1:
-                chunk.zero_()        # slots past a row's window are never written by the kernel
-            run(t0, t1, chunk)
-            acc.index_put_((target,), chunk, accumulate=True)
-    dkv = acc[:n_kv].to(kv.dtype)
+            run(t0, t1, chunk)       # slots past a row's window are not written, and their targets are -1
+            scatter_add_rows(acc, chunk, target)
+    dkv = acc.to(kv.dtype)
     d_sink = None
     if sink is not None:
         lse_s = torch.logaddexp(lse_p, sink.view(1, -1))

@@ -21,6 +21,7 @@ from dsagen.spec import SpecError
     (dict(width=8192), "width=8192 must be"),
     (dict(width=True), "width=True must be"),
     (dict(warps_per_cta=3), "warps_per_cta=3 must be one of"),
+    (dict(unroll=3), "unroll=3 must be one of 1, 2, 4, 8"),
 ])
 def test_invalid_specs_say_why(kw, needle):
     with pytest.raises(SpecError, match=re.escape(needle)):
@@ -32,7 +33,7 @@ def test_binding():
     assert spec.name() == "row_scatter_add_width128_sm_90a"
     src = render(spec)
     compile(src, "kernel.py", "exec")
-    assert "build(width=128, warps_per_cta=8)" in src
+    assert "build(width=128, warps_per_cta=8, unroll=4)" in src
     assert "dsagen.kernels.row_scatter_add.scatter" in helper_modules(src)
 
 

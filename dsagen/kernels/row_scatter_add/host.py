@@ -28,11 +28,16 @@ def reverse_index(target: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Ten
     """The rows grouped by target: `order` int32 (m,), the row numbers i sorted by target[i] (stable, so each
     group keeps increasing i), and `ptr` int32 (n + 1,), group r = order[ptr[r]:ptr[r + 1]]. target: (m,) integer;
     values outside [0, n) belong to no group (they sort after the last one). Deterministic, on target's device."""
-    t = target.reshape(-1).to(torch.int64)
-    t = torch.where((t >= 0) & (t < n), t, n)
+    if n >= 2**31 - 1:
+        raise ValueError(f"reverse_index: {n} accumulator rows; at most 2**31 - 2")
+    t = target.reshape(-1)
+    if t.dtype != torch.int32:            # 32-bit keys: half the radix passes of 64-bit ones
+        t = torch.where((t >= 0) & (t < n), t, n).to(torch.int32)
+    else:
+        t = torch.where((t >= 0) & (t < n), t, n)
     keys, order = torch.sort(t, stable=True)
-    ptr = torch.searchsorted(keys, torch.arange(n + 1, device=t.device, dtype=torch.int64))
-    return order.to(torch.int32), ptr.to(torch.int32)
+    ptr = torch.searchsorted(keys, torch.arange(n + 1, device=t.device, dtype=torch.int32), out_int32=True)
+    return order.to(torch.int32), ptr
 
 
 def scatter_add_rows(acc: torch.Tensor, rows: torch.Tensor, target: torch.Tensor) -> None:

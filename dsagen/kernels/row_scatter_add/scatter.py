@@ -3,7 +3,7 @@ order, for every accumulator row r < n_acc (host.scatter_add_rows builds `order`
 
 One warp per accumulator row, `warps_per_cta` rows per CTA. The row's WIDTH FP32 values are WIDTH / 4 16-byte
 vectors; lane l holds vectors l, l + 32, ... in registers: it loads acc[r] once, adds each contributing row's
-vectors in j order, and stores the sum. The rows are loaded UNROLL at a time before they are added, so that
+vectors in j order, and stores the sum. The rows are loaded `unroll` at a time before they are added, so that
 several rows' loads are in flight at once. A row with no contribution (ptr[r] == ptr[r + 1]) is neither read nor written.
 
 `build(width, warps_per_cta)` returns a fresh kernel and host entry with those values bound as Python constants,
@@ -17,7 +17,6 @@ from cutlass import Float32, Int32, Int64
 from dsagen.kernels.built import BuiltKernel
 
 VEC = 4                    # FP32 values per 16-byte vector
-UNROLL = 4                 # contributing rows loaded before they are added
 
 
 def params() -> list[dict]:
@@ -37,16 +36,16 @@ def launch(warps_per_cta: int) -> dict:
             "cluster": [1, 1, 1], "smem": 0}
 
 
-def build(width: int, warps_per_cta: int) -> BuiltKernel:
-    """A new scatter-add kernel for rows of `width` FP32 values (a multiple of 4) and `warps_per_cta` (a power of
-    two in 1..32) accumulator rows per CTA.
+def build(width: int, warps_per_cta: int, unroll: int = 4) -> BuiltKernel:
+    """A new scatter-add kernel for rows of `width` FP32 values (a multiple of 4), `warps_per_cta` (a power of
+    two in 1..32) accumulator rows per CTA and `unroll` contributing rows loaded before they are added.
 
     Arguments of `kernel` and `host` (the PARAMS order): acc (n_acc, width) float32 contiguous, 16-byte aligned;
     rows (m, width) float32 contiguous, 16-byte aligned; order (m,) int32, each in [0, m); ptr (n_acc + 1,) int32,
     nondecreasing, ptr[n_acc] <= m; n_acc. Each call returns distinct function objects, so every rendered module
     names its own kernel.
     """
-    warps = warps_per_cta
+    warps, UNROLL = warps_per_cta, unroll
     nvec = width // VEC                           # 16-byte vectors per row
     per_lane = (nvec + 31) // 32                  # vectors per lane (the last one on the first nvec % 32 lanes)
 

@@ -22,7 +22,8 @@ class RowScatterAddSpec(KernelSpec):
     bitwise the same run to run (host.scatter_add_rows builds the reverse index).
 
     width: FP32 values per row (a multiple of 4 in 4..4096). warps_per_cta: accumulator rows per CTA (one warp
-    each; 1, 2, 4, 8, 16 or 32). The row counts are run-time arguments.
+    each; 1, 2, 4, 8, 16 or 32). unroll: contributing rows a warp loads before it adds them (1, 2, 4 or 8). The row
+    counts are run-time arguments.
     """
 
     op = "row_scatter_add"
@@ -30,6 +31,7 @@ class RowScatterAddSpec(KernelSpec):
 
     width: int = 576
     warps_per_cta: int = 8
+    unroll: int = 4
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -38,4 +40,6 @@ class RowScatterAddSpec(KernelSpec):
             out.append(f"width={w!r} must be a multiple of 4 in 4..{MAX_WIDTH}")
         if self.warps_per_cta not in _POW2_WARPS:
             out.append(f"warps_per_cta={self.warps_per_cta} must be one of {_POW2_WARPS}")
+        if self.unroll not in (1, 2, 4, 8):
+            out.append(f"unroll={self.unroll!r} must be one of 1, 2, 4, 8")
         return out

@@ -60,13 +60,16 @@ def test_compiles_to_16_byte_loads(width, tmp_path):
 
 def test_reverse_index_groups_rows_by_target_in_row_order():
     gen = torch.Generator().manual_seed(3)
-    for n, m in [(1, 1), (7, 50), (100, 5), (33, 1000)]:
+    for n, m in [(1, 1), (7, 50), (100, 5), (33, 1000), (70000, 300)]:
         target = torch.randint(-3, n + 3, (m,), generator=gen)
+        target[: m // 2] = target[: m // 2] % 5 + n - 5                   # the last rows, repeated
         order, ptr = scatter_host.reverse_index(target.to(torch.int32), n)
         assert order.dtype == ptr.dtype == torch.int32 and ptr.shape == (n + 1,) and order.shape == (m,)
-        for r in range(n):
+        assert ptr[0] == 0 and (ptr[1:] >= ptr[:-1]).all()
+        for r in sorted(set(target.tolist()) & set(range(n))):
             want = [i for i in range(m) if target[i] == r]
             assert order[ptr[r]:ptr[r + 1]].tolist() == want
+        assert ptr[n] == int(((target >= 0) & (target < n)).sum())         # empty groups hold nothing
         assert sorted(order.tolist()) == list(range(m))     # a permutation; invalid targets after the groups
 
 

@@ -32,7 +32,7 @@ CASES = [(4096, 128, 576, 32768), (32768, 128, 576, 32768), (4096, 64, 512, 3276
 
 def parse_variants(text: str) -> list[tuple[str, AttnScoreRecomputeConfig]]:
     """`--variants`: comma-separated configs, each '+'-joined flags of AttnScoreRecomputeConfig set to True
-    ('ss' for none), e.g. 'ss,prefetch_ids,prefetch_ids+q_in_registers'."""
+    ('ss' for none), e.g. 'ss,prefetch_ids'."""
     out = []
     for v in filter(None, text.split(",")):
         flags = [] if v == "ss" else v.split("+")
@@ -50,8 +50,8 @@ def main() -> None:
     args = ap.parse_args()
     variants = parse_variants(args.variants)
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  topk {args.topk}")
-    print(f"{'T':>6} {'H':>4} {'D':>4} {'KV':>6} {'config':>10} | {'fused ms':>9} {'TFLOP/s':>8} {'floor ms':>9} {'of floor':>8} | "
-          f"{'ref ms':>8} {'x':>6}")
+    print(f"{'T':>6} {'H':>4} {'D':>4} {'KV':>6} {'config':>10} | {'fused ms':>9} {'TFLOP/s':>8} {'floor ms':>9} "
+          f"{'of floor':>8} | {'ref ms':>8} {'x':>6}")
     for s_q, h, d, n_kv in CASES:
         gen = torch.Generator().manual_seed(0)
         ids = distinct_ids(s_q, args.topk, n_kv, gen).cuda().view(1, s_q, args.topk)

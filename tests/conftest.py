@@ -38,8 +38,8 @@ def cache_env(tmp_path, monkeypatch):
 
 
 class _RowScatterStandIn:
-    """The row scatter-add kernel's contract in torch (dsagen/kernels/row_scatter_add/scatter.py): acc[r] += rows[order[j]]
-    for j in ptr[r] .. ptr[r + 1] - 1, for every r < n_acc."""
+    """The row scatter-add kernel's contract in torch (dsagen/kernels/row_scatter_add/scatter.py): acc[r] +=
+    rows[order[j]] for j in ptr[r] .. ptr[r + 1] - 1, for every r < n_acc."""
 
     def launch(self, acc, rows, order, ptr, n_acc):
         counts = (ptr[1:n_acc + 1] - ptr[:n_acc]).long()

@@ -199,6 +199,8 @@ def test_host_launch_arguments_on_the_cpu(monkeypatch, cpu_row_scatter):
     class Kernel:
         def launch(self, *args):
             calls.append(args)
+            if args[9].shape != (n_kv, 512):       # deterministic: a per-slot chunk; every slot's row is 1.0
+                args[9].fill_(1.0)
 
     spec = SparseAttnBwdSpec(arch="sm_90a", num_heads=64, d_qk=512)
     cfg = SparseAttnBwdConfig(bucket_rows=8, deterministic_chunk_bytes=1)
@@ -230,5 +232,12 @@ def test_host_launch_arguments_on_the_cpu(monkeypatch, cpu_row_scatter):
     assert o_idx is idx and o_kv == n_kv and torch.equal(o_len, length) and o_bucket == 8
     assert torch.equal(ids, idx.flip(1)) and win[:, 1].tolist() == [0, 1, 2]    # the kernel gets the ordered ids
     calls.clear()
-    bwd_host._launch(q, kv, out, out, lse, idx, None, length, 0.1, 512, True, None)
+    _, dkv, _ = bwd_host._launch(q, kv, out, out, lse, idx, None, length, 0.1, 512, True, None)
     assert [c[11] for c in calls] == [1, 1, 1]                   # 1-byte chunks: one query row per launch
+    # only the slots inside each row's window with an id in [0, n_kv) are summed (row t's window: t slots)
+    want = torch.zeros(n_kv)
+    for t in range(s_q):
+        for slot_id in idx.flip(1)[t, :t].tolist():
+            if 0 <= slot_id < n_kv:
+                want[slot_id] += 1
+    assert torch.equal(dkv.float(), want.view(-1, 1).expand(n_kv, 512))

@@ -19,6 +19,16 @@ S = TypeVar("S", bound="KernelSpec")
 
 _SPEC_TYPES: dict[str, type["KernelSpec"]] = {}
 
+#: warps per CTA a one-warp-per-row kernel may be built with (its spec's `warps_per_cta`)
+WARPS_PER_CTA = (1, 2, 4, 8, 16, 32)
+
+
+def warps_per_cta_reasons(warps_per_cta: Any) -> list[str]:
+    """[] when `warps_per_cta` is one of WARPS_PER_CTA, else the sentence that says so (for a spec's reasons())."""
+    if warps_per_cta in WARPS_PER_CTA:
+        return []
+    return [f"warps_per_cta={warps_per_cta} must be one of {WARPS_PER_CTA}"]
+
 
 def register_spec(cls: type[S]) -> type[S]:
     """Class decorator: make `cls` reachable by its `op` name (for manifests, spec files, the CLI)."""

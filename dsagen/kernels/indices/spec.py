@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...spec.base import KernelSpec, register_spec
-
-_POW2_WARPS = (1, 2, 4, 8, 16, 32)
+from ...spec.base import KernelSpec, register_spec, warps_per_cta_reasons
 
 
 @register_spec
@@ -25,8 +23,7 @@ class CompactifySpec(KernelSpec):
 
     def reasons(self) -> list[str]:
         out = super().reasons()
-        if self.warps_per_cta not in _POW2_WARPS:
-            out.append(f"warps_per_cta={self.warps_per_cta} must be one of {_POW2_WARPS}")
+        out.extend(warps_per_cta_reasons(self.warps_per_cta))
         return out
 
 

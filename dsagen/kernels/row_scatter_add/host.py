@@ -31,10 +31,7 @@ def reverse_index(target: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Ten
     if n >= 2**31 - 1:
         raise ValueError(f"reverse_index: {n} accumulator rows; at most 2**31 - 2")
     t = target.reshape(-1)
-    if t.dtype != torch.int32:            # 32-bit keys: half the radix passes of 64-bit ones
-        t = torch.where((t >= 0) & (t < n), t, n).to(torch.int32)
-    else:
-        t = torch.where((t >= 0) & (t < n), t, n)
+    t = torch.where((t >= 0) & (t < n), t, n).to(torch.int32)     # 32-bit keys: half a 64-bit sort's radix passes
     keys, order = torch.sort(t, stable=True)
     ptr = torch.searchsorted(keys, torch.arange(n + 1, device=t.device, dtype=torch.int32), out_int32=True)
     return order.to(torch.int32), ptr

@@ -4,7 +4,8 @@ order, for every accumulator row r < n_acc (host.scatter_add_rows builds `order`
 One warp per accumulator row, `warps_per_cta` rows per CTA. The row's WIDTH FP32 values are WIDTH / 4 16-byte
 vectors; lane l holds vectors l, l + 32, ... in registers: it loads acc[r] once, adds each contributing row's
 vectors in j order, and stores the sum. The rows are loaded `unroll` at a time before they are added, so that
-several rows' loads are in flight at once. A row with no contribution (ptr[r] == ptr[r + 1]) is neither read nor written.
+several rows' loads are in flight at once. A row with no contribution (ptr[r] == ptr[r + 1]) is neither read nor
+written.
 
 `build(width, warps_per_cta)` returns a fresh kernel and host entry with those values bound as Python constants,
 plus the flat ABI (`params`) and the launch declaration (`launch`) of the rendered kernel module.

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...spec.base import KernelSpec, register_spec
+from ...spec.base import KernelSpec, register_spec, warps_per_cta_reasons
 
-_POW2_WARPS = (1, 2, 4, 8, 16, 32)
 MAX_WIDTH = 4096
 
 
@@ -38,8 +37,7 @@ class RowScatterAddSpec(KernelSpec):
         w = self.width
         if isinstance(w, bool) or not isinstance(w, int) or w % 4 or not 4 <= w <= MAX_WIDTH:
             out.append(f"width={w!r} must be a multiple of 4 in 4..{MAX_WIDTH}")
-        if self.warps_per_cta not in _POW2_WARPS:
-            out.append(f"warps_per_cta={self.warps_per_cta} must be one of {_POW2_WARPS}")
+        out.extend(warps_per_cta_reasons(self.warps_per_cta))
         if self.unroll not in (1, 2, 4, 8):
             out.append(f"unroll={self.unroll!r} must be one of 1, 2, 4, 8")
         return out

@@ -238,9 +238,8 @@ def _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_sc
         slots = torch.arange(k_width, device=q.device, dtype=torch.int32)
         for t0 in range(0, s_q, rows):
             t1 = min(s_q, t0 + rows)
-            rid = ids[t0:t1]
-            valid = (rid >= 0) & (rid < n_kv) & (slots.view(1, -1) < win[t0:t1, 1:])
-            target = rid.masked_fill(~valid, -1)                                      # invalid: skipped
+            # slots past a row's window get -1; ids outside [0, n_kv) are skipped by scatter_add_rows itself
+            target = ids[t0:t1].masked_fill(slots.view(1, -1) >= win[t0:t1, 1:], -1)
             target = target.unsqueeze(1).expand(t1 - t0, hb, k_width).reshape(-1)
             chunk = buf[:(t1 - t0) * hb * k_width * d_qk].view(-1, d_qk)
             run(t0, t1, chunk)       # slots past a row's window are not written, and their targets are -1

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...spec.base import KernelSpec, register_spec
+from ...spec.base import WARPS_PER_CTA, KernelSpec, register_spec
 from ..sparse_mla.checks import check_grid, dtype_name, grid_ctas, mla_shape_reasons, register_budget_reasons
 
 @register_spec
@@ -72,9 +72,6 @@ class SparseAttnBwdSpec(KernelSpec):
         return out
 
 
-_POW2_WARPS = (1, 2, 4, 8, 16, 32)
-
-
 @register_spec
 @dataclass(frozen=True)
 class SparseAttnBwdOrderSpec(KernelSpec):
@@ -97,7 +94,7 @@ class SparseAttnBwdOrderSpec(KernelSpec):
 
     def reasons(self) -> list[str]:
         out = super().reasons()
-        warps_ok = self.warps_per_cta in _POW2_WARPS
+        warps_ok = self.warps_per_cta in WARPS_PER_CTA
         if not warps_ok:
             out.append(f"warps_per_cta={self.warps_per_cta} must be one of 1, 2, 4, 8, 16, 32")
         mw = self.max_windows

@@ -21,7 +21,6 @@ from dsagen.spec import SpecError
     (dict(stages=5), "stages=5 must be in 2..4"),
     (dict(regs_consumer=240), "exceeds 256"),
     (dict(regs_producer=20), "multiple of 8 in [24, 256]"),
-    (dict(pipelined_sends=1), "pipelined_sends=1 must be a bool"),
     (dict(arch="sm_100a"), "sm_90a only"),
 ])
 def test_invalid_specs_say_why(kw, needle):
@@ -45,13 +44,12 @@ def test_config_and_binding():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("d,deterministic,pipelined", [(128, False, True), (128, True, True), (64, False, True),
-                                                       (128, False, False)])
-def test_compiles_to_wgmma(d, deterministic, pipelined, tmp_path):
+@pytest.mark.parametrize("d,deterministic", [(128, False), (128, True), (64, False)])
+def test_compiles_to_wgmma(d, deterministic, tmp_path):
     from dsagen.jit.build import compile_module
     from dsagen.jit.sass import disassemble, find_nvdisasm
 
-    spec = IndexerBwdSpec(arch="sm_90a", head_dim=d, deterministic=deterministic, pipelined_sends=pipelined)
+    spec = IndexerBwdSpec(arch="sm_90a", head_dim=d, deterministic=deterministic)
     ck = compile_module(spec, render(spec), tmp_path)
     assert ck.record["launch"]["block"] == [256, 1, 1] and 2 * ck.record["launch"]["smem"] <= 227 * 1024
     assert ck.record["regcount"] <= 128                                   # two CTAs of 256 threads per SM
@@ -63,12 +61,9 @@ def test_compiles_to_wgmma(d, deterministic, pipelined, tmp_path):
     want = {"64x64x16": d // 16 + 4 * halves + (4 if d == 64 else 0), "64x128x16": 4 if d == 128 else 0}
     for shape, n in want.items():
         assert len(re.findall(rf"HGMMA\.{shape}\.F32\.BF16 ", sass)) == n, shape
-    # a half's send is 8 instructions (2 rows x 4 column pieces); pipelined (D 128), half 1's send sits both under
-    # the next tile's S and after the row's last tile
-    sends = 8 * (1 + 2 * (halves - 1)) if spec.pipelined_sends else 8 * halves
-    assert len(re.findall(r"\bREDG\.E\.ADD\.F32x4", sass)) == (0 if deterministic else sends)
+    assert len(re.findall(r"\bREDG\.E\.ADD\.F32x4", sass)) == (0 if deterministic else 2 * halves * 4)
     if deterministic:
-        assert len(re.findall(r"\bSTG\.E\.128", sass)) >= sends
+        assert len(re.findall(r"\bSTG\.E\.128", sass)) >= 2 * halves * 4
     assert not re.search(r"\b(LDL|STL)\b", sass)                          # no register spills
     budgets = sorted(int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass))
     assert budgets == sorted([spec.regs_producer, spec.regs_consumer])

@@ -72,11 +72,10 @@ def params(dtype: str) -> list[dict]:
 
 
 def build(num_heads: int, head_dim: int, dtype: str, deterministic: bool, stages: int, regs_producer: int,
-          regs_consumer: int, pipelined_sends: bool = False) -> BuiltKernel:
+          regs_consumer: int) -> BuiltKernel:
     """A new indexer backward kernel for one IndexerBwdSpec's values. Each call returns distinct function objects,
     so every rendered module names its own kernel."""
-    k = IndexerBwdSm90(num_heads, head_dim, dtype, deterministic, stages, regs_producer, regs_consumer,
-                       pipelined_sends)
+    k = IndexerBwdSm90(num_heads, head_dim, dtype, deterministic, stages, regs_producer, regs_consumer)
     return BuiltKernel.of(params(dtype), k, "min(rows, n_ctas)")
 
 
@@ -127,7 +126,7 @@ class IndexerBwdSm90:
     BAR_DW = 2                       # the warps' dW partial sums are in sDW (128 consumer threads)
 
     def __init__(self, num_heads: int, head_dim: int, dtype: str, deterministic: bool, stages: int,
-                 regs_producer: int, regs_consumer: int, pipelined_sends: bool = False):
+                 regs_producer: int, regs_consumer: int):
         self.H = num_heads
         self.D = head_dim
         self.NKB = head_dim // 64        # 64-column halves of dK
@@ -136,7 +135,6 @@ class IndexerBwdSm90:
         self.fp16 = dtype == "float16"
         self.dtype = cutlass.Float16 if self.fp16 else cutlass.BFloat16
         self.regs = (regs_producer, regs_consumer)
-        self.pipelined_sends = pipelined_sends
         self.Smem = self._smem_struct()
         self.kernel, self.host = self._entry_points()
 
@@ -293,9 +291,6 @@ class IndexerBwdSm90:
         tKrQ = [mma_k.make_fragment_B(thr_k.partition_B(cute.local_tile(sQt, (64, H), (c, 0))))
                 for c in range(self.NKB)]
         accK = cute.make_rmem_tensor(thr_k.partition_shape_C((BN, 64)), Float32)
-        pipelined = self.pipelined_sends and self.NKB == 2
-        accK1 = cute.make_rmem_tensor(thr_k.partition_shape_C((BN, 64)), Float32)   # dK half 1 (pipelined)
-        kv_prev = cute.make_rmem_tensor(2, Int32)                                   # ... and its rows' ids
         cK = acc_mn_view(thr_k.partition_C(cute.make_identity_tensor((BN, 64))))
         mma_s.set(warpgroup.Field.ACCUMULATE, True)
         mma_q.set(warpgroup.Field.ACCUMULATE, True)
@@ -311,10 +306,8 @@ class IndexerBwdSm90:
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
-            w_row = a.p_w + Int64(tok) * H
             for c in cutlass.range_constexpr(NCOL):
-                if const_expr(not pipelined):
-                    wreg[c] = (w_row + cS[0, c][1]).load()
+                wreg[c] = (a.p_w + (Int64(tok) * H + cS[0, c][1])).load()
                 dw[c] = Float32(0.0)
             accQ.fill(0.0)
             cute.arch.mbarrier_wait(sh.q_full, it % 2)
@@ -328,9 +321,6 @@ class IndexerBwdSm90:
                 for ks in cutlass.range_constexpr(D // 16):
                     cute.gemm(mma_s, accS, tSrK[None, None, ks, s], tSrQ[None, None, ks], accS)
                 warpgroup.commit_group()
-                if const_expr(pipelined):
-                    if j > 0:
-                        self.send_dk(a, accK1, cK, kv_prev, tok, j - 1, 1, q4)   # the previous tile's half 1
                 warpgroup.wait_group(0)
                 for r in cutlass.range_constexpr(2):
                     di[r] = sh.sDI[s * BN + row0 + 8 * r]
@@ -341,9 +331,7 @@ class IndexerBwdSm90:
                         x = sMN[r, c]
                         pos = x > Float32(0.0)
                         dw[c] = dw[c] + di[r] * (x if pos else Float32(0.0))
-                        # pipelined: the weights come from L1 each tile, for the registers of dK half 1
-                        w_c = (w_row + cS[0, c][1]).load() if const_expr(pipelined) else wreg[c]
-                        sMN[r, c] = di[r] * w_c if pos else Float32(0.0)
+                        sMN[r, c] = di[r] * wreg[c] if pos else Float32(0.0)
                 rG.store(accS.load().to(DT))
                 cute.copy(stsm, tGrG, tGsG)
                 cute.arch.fence_proxy("async.shared", space="cta")   # st.shared G -> wgmma reads
@@ -356,34 +344,17 @@ class IndexerBwdSm90:
                 for kb in cutlass.range_constexpr(H // 16):
                     cute.gemm(mma_k, accK, tKrG[None, None, kb], tKrQ[0][None, None, kb], accK)
                 warpgroup.commit_group()
-                if const_expr(pipelined):
-                    # dK half 1 runs on the tensor cores while half 0 goes out; half 1 goes out under the next
-                    # tile's S (or after the row's last tile)
-                    accK1.fill(0.0)
-                    for kb in cutlass.range_constexpr(H // 16):
-                        cute.gemm(mma_k, accK1, tKrG[None, None, kb], tKrQ[1][None, None, kb], accK1)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(1)
-                else:
-                    warpgroup.wait_group(0)
+                warpgroup.wait_group(0)
                 cute.arch.mbarrier_arrive(sh.kv_free + s)
                 self.send_dk(a, accK, cK, kv, tok, j, 0, q4)
-                if const_expr(pipelined):
+                for c in cutlass.range_constexpr(1, self.NKB):
+                    accK.fill(0.0)
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(H // 16):
+                        cute.gemm(mma_k, accK, tKrG[None, None, kb], tKrQ[c][None, None, kb], accK)
+                    warpgroup.commit_group()
                     warpgroup.wait_group(0)
-                    for r in cutlass.range_constexpr(2):
-                        kv_prev[r] = kv[r]
-                else:
-                    for c in cutlass.range_constexpr(1, self.NKB):
-                        accK.fill(0.0)
-                        warpgroup.fence()
-                        for kb in cutlass.range_constexpr(H // 16):
-                            cute.gemm(mma_k, accK, tKrG[None, None, kb], tKrQ[c][None, None, kb], accK)
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(0)
-                        self.send_dk(a, accK, cK, kv, tok, j, c, q4)
-            if const_expr(pipelined):
-                if ntiles > 0:
-                    self.send_dk(a, accK1, cK, kv_prev, tok, ntiles - 1, 1, q4)
+                    self.send_dk(a, accK, cK, kv, tok, j, c, q4)
             cute.arch.mbarrier_arrive(sh.q_free)
             # dQ: 16-byte stores of the thread's two rows (heads)
             oq = acc_mn_view(accQ)

@@ -31,8 +31,6 @@ class IndexerBwdSpec(KernelSpec):
     dtype: index_q / index_k dtype ("bfloat16" or "float16"). deterministic: store per-slot dK rows instead of atomics.
     stages: gathered tiles in flight per CTA (2..4). regs_producer / regs_consumer: setmaxnreg budgets (two CTAs of
     256 threads per SM launch with 128 registers per thread; the two budgets sum to at most 256).
-    pipelined_sends: at head_dim 128, compute dK half 1 (a second accumulator) while half 0's atomics go out, and
-    send half 1 while the next tile's S runs on the tensor cores; False: each half is computed, then sent.
     """
 
     op = "indexer_backward"
@@ -45,7 +43,6 @@ class IndexerBwdSpec(KernelSpec):
     stages: int = 4
     regs_producer: int = 24
     regs_consumer: int = 232
-    pipelined_sends: bool = True
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA (upper bound): Q, G, the tile ring, ids, dI, dW partials, barriers."""
@@ -67,8 +64,6 @@ class IndexerBwdSpec(KernelSpec):
             out.append(f"stages={self.stages} must be in 2..4")
         elif self.num_heads == 64 and self.head_dim in (64, 128) and 2 * (self.smem_bytes() + 1024) > _SMEM_PER_SM:
             out.append(f"stages={self.stages}: two CTAs of {self.smem_bytes()} bytes of shared memory do not fit an SM")
-        if not isinstance(self.pipelined_sends, bool):
-            out.append(f"pipelined_sends={self.pipelined_sends!r} must be a bool")
         regs = (self.regs_producer, self.regs_consumer)
         if any(r % 8 or not 24 <= r <= 256 for r in regs):
             out.append(f"regs_producer/regs_consumer={regs} must each be a multiple of 8 in [24, 256]")
@@ -82,13 +77,11 @@ class IndexerBwdSpec(KernelSpec):
 class IndexerBwdConfig:
     """The launch choices of the fused indexer backward: the ring depth and register budgets (spec fields), the grid
     ("persistent": two CTAs per SM, or an int n: at most n CTAs) and, for deterministic mode, the most bytes of
-    per-slot dK rows one launch stores (the rows of a launch are chosen so that it fits), and pipelined_sends
-    (IndexerBwdSpec)."""
+    per-slot dK rows one launch stores (the rows of a launch are chosen so that it fits)."""
 
     stages: int = 4
     regs_producer: int = 24
     regs_consumer: int = 232
-    pipelined_sends: bool = True
     grid: str | int = "persistent"
     chunk_bytes: int = 1 << 30
 
@@ -103,7 +96,7 @@ class IndexerBwdConfig:
         """The kernel spec of this config (64 heads)."""
         return IndexerBwdSpec(arch=arch, num_heads=64, head_dim=head_dim, dtype=str(dtype).removeprefix("torch."),
                               deterministic=deterministic, stages=self.stages, regs_producer=self.regs_producer,
-                              regs_consumer=self.regs_consumer, pipelined_sends=self.pipelined_sends)
+                              regs_consumer=self.regs_consumer)
 
     def n_ctas(self, num_sms: int) -> int:
         """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(rows, n_ctas))."""

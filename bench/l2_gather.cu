@@ -3,7 +3,10 @@
 // 128-byte box per 64-column block, 128B-swizzled like the wgmma operand tiles) and against plain 16-byte loads into
 // registers (no shared memory: the L2 -> SM read ceiling), with random row ids (GPU, sm_90a).
 //
-//     nvcc -O3 -arch=sm_90a -o /tmp/l2_gather bench/l2_gather.cu && /tmp/l2_gather [slots]
+//     nvcc -O3 -arch=sm_90a -o /tmp/l2_gather bench/l2_gather.cu && /tmp/l2_gather [slots [seconds [variants [row_bytes]]]]
+//
+// seconds > 0 adds each variant's energy (probe_energy.cuh: J per launch, pJ per delivered byte, total and above
+// the idle board); variants (comma-separated names) and row_bytes restrict the run.
 //
 // Each of `slots` (default 8M: T 4096 x top-k 2048) gathers row ids[slot] of a pool of `rows` rows (32768 and
 // 131072) of `row_bytes` bytes (256: the indexer's D 128 bf16; 1024: D 512; 1152: D 576) in 64-row tiles into a ring
@@ -12,7 +15,12 @@
 //                for the tile `stages - 1` back (W = 4 is the kernels' producer warpgroup); 16x2: two such CTAs per SM;
 //   tma/<L>      L lanes of one warp issue the tile's box loads (row_bytes / 128 per row) on the stage's mbarrier and
 //                wait for it `stages` tiles later;
-//   ldg/<W>      W warps load the rows with ld.global.v4 into registers (no shared memory).
+//   ldg/<W>      W warps load the rows with ld.global.v4 into registers (no shared memory);
+//   pair/4       2-CTA clusters of 4 warps that share each tile: a CTA gathers half of the tile's rows with
+//                cp.async into its stage, waits for them and forwards them with st.async into the same place of
+//                its partner's stage (completing the partner's mbarrier), so that each row crosses from L2 once for
+//                both CTAs: how a 2-CTA sparse MLA backward (a row's two head blocks) could halve its gathered bytes.
+//                GB/s counts the rows delivered to both CTAs (2 x slots rows).
 // Prints ms and GB/s of gathered bytes; a one-tile run of cpasync/4 and tma/32 (with one invalid id: zero-filled) is
 // checked against the pool, swizzle included.
 #include <cstdio>
@@ -23,7 +31,7 @@
 #include <string>
 #include <cuda.h>
 #include <cuda_runtime.h>
-#include "probe_timing.cuh"
+#include "probe_energy.cuh"
 
 constexpr int kTileRows = 64;
 constexpr int kMaxSmem = 220 * 1024;         // dynamic shared memory of a CTA (the tma kernel has 32 B static)
@@ -85,6 +93,89 @@ __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
     asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}"
                  :: "r"(bar), "r"(parity) : "memory");
+}
+
+__device__ __forceinline__ uint32_t mapa_peer(uint32_t a, uint32_t rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, int parity) {
+    asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+                 " @!p bra W;\n}" :: "r"(bar), "r"(parity) : "memory");
+}
+
+// pair/4: cluster (2, 1, 1); both CTAs of a cluster walk the same tiles. Per tile and stage s: full[s] completes when
+// this CTA's 128 threads have their own half in place (one arrive each after cp.async.wait_group 0) and the
+// partner's half has landed (thread 0's expect_tx, the partner's st.async complete_tx); empty[s] completes when the
+// partner saw its full[s] of the stage's previous tile, i.e. may be written again.
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(128, 1)
+gather_pair(const uint8_t* pool, const int* ids, long slots, int row_bytes, int stages, uint8_t* dump) {
+    extern __shared__ __align__(1024) uint8_t smem[];
+    __shared__ __align__(8) uint64_t full[4], empty[4];
+    const int tid = threadIdx.x, grp = tid / 8, c8 = tid % 8;
+    uint32_t rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const uint32_t peer = rank ^ 1;
+    const int tile_bytes = kTileRows * row_bytes, nkb = row_bytes / 128;
+    const long ntiles = slots / kTileRows, cluster = blockIdx.x / 2, nclusters = gridDim.x / 2;
+    const uint32_t full0 = (uint32_t)__cvta_generic_to_shared(full), empty0 = (uint32_t)__cvta_generic_to_shared(empty);
+    if (tid == 0) {
+        for (int s = 0; s < stages; ++s) { mbar_init(full0 + 8 * s, 129); mbar_init(empty0 + 8 * s, 1); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    constexpr int kRows = kTileRows / 32;               // this CTA's rows of a tile per thread: grp + 16 (2 rank + i)
+    int id[kRows], id_next[kRows];
+    auto load_ids = [&](long t, int* dst) {
+        for (int i = 0; i < kRows; ++i) dst[i] = t < ntiles ? ids[t * kTileRows + grp + 16 * (2 * rank + i)] : -1;
+    };
+    load_ids(cluster, id);
+    int n = 0;
+    for (long t = cluster; t < ntiles; t += nclusters, ++n) {
+        load_ids(t + nclusters, id_next);
+        const int s = n % stages;
+        if (n >= stages) {
+            const int parity = ((n / stages) - 1) & 1;
+            mbar_wait_cluster(full0 + 8 * s, parity);              // this CTA's stage s holds the old tile whole
+            if (tid == 0)                                          // ... so the partner may write into it again
+                asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];"
+                             :: "r"(mapa_peer(empty0 + 8 * s, peer)) : "memory");
+            mbar_wait_cluster(empty0 + 8 * s, parity);             // the partner's stage s is free
+        }
+        if (tid == 0) mbar_expect_tx(full0 + 8 * s, tile_bytes / 2);
+        const uint32_t st = (uint32_t)__cvta_generic_to_shared(smem + s * tile_bytes);
+        for (int i = 0; i < kRows; ++i) {
+            const int r = grp + 16 * (2 * rank + i);
+            const bool ok = id[i] >= 0;
+            const uint8_t* src = pool + (long)(ok ? id[i] : 0) * row_bytes;
+            for (int kb = 0; kb < nkb; ++kb)
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                             :: "r"(st + sw_off(r, kb, c8)), "l"(src + kb * 128 + c8 * 16), "r"(ok ? 16 : 0)
+                             : "memory");
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+        const uint32_t pst = mapa_peer(st, peer), pfull = mapa_peer(full0 + 8 * s, peer);
+        for (int i = 0; i < kRows; ++i) {
+            const int r = grp + 16 * (2 * rank + i);
+            for (int kb = 0; kb < nkb; ++kb) {
+                const uint32_t off = sw_off(r, kb, c8);
+                uint32_t a, b, c, d;
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
+                             : "r"(st + off) : "memory");
+                asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+                             :: "r"(pst + off), "r"(a), "r"(b), "r"(c), "r"(d), "r"(pfull) : "memory");
+            }
+        }
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(full0 + 8 * s) : "memory");
+        for (int i = 0; i < kRows; ++i) id[i] = id_next[i];
+    }
+    for (int k = (n > stages ? n - stages : 0); k < n; ++k) mbar_wait_cluster(full0 + 8 * (k % stages), (k / stages) & 1);
+    // the partner may still be writing into this CTA's stages until it saw its own last tiles whole
+    asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    if (dump != nullptr && blockIdx.x == 0)
+        for (int i = tid; i < tile_bytes; i += blockDim.x) dump[i] = smem[i];
 }
 
 template <int kLanes>
@@ -189,6 +280,9 @@ static bool check_dump(const std::vector<uint8_t>& pool, const std::vector<int>&
 
 int main(int argc, char** argv) {
     const long slots = argc > 1 ? atol(argv[1]) : 4096L * 2048;
+    const double energy_seconds = argc > 2 ? atof(argv[2]) : 0.0;
+    const std::string only = argc > 3 ? "," + std::string(argv[3]) + "," : "";
+    const int only_row_bytes = argc > 4 ? atoi(argv[4]) : 0;
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     cudaDeviceProp prop;
@@ -198,6 +292,7 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(gather_cpasync<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
     CK(cudaFuncSetAttribute(gather_cpasync<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
     CK(cudaFuncSetAttribute(gather_cpasync<16>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
+    CK(cudaFuncSetAttribute(gather_pair, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
     CK(cudaFuncSetAttribute(gather_tma<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
     CK(cudaFuncSetAttribute(gather_tma<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
     int* d_ids;
@@ -206,8 +301,11 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&d_dump, kTileRows * 1152));
     uint32_t* d_sink;
     CK(cudaMalloc(&d_sink, 4));
-    printf("%7s %6s %6s %-12s %8s %8s %s\n", "row B", "rows", "stages", "variant", "ms", "GB/s", "check");
+    const EnergyProbe energy(energy_seconds);
+    printf("%7s %6s %6s %-12s %8s %8s %s%s\n", "row B", "rows", "stages", "variant", "ms", "GB/s", "check",
+           energy.columns());
     for (int row_bytes : {256, 1024, 1152}) {
+        if (only_row_bytes != 0 && row_bytes != only_row_bytes) continue;
         for (long rows : {32768L, 131072L}) {
             std::vector<uint8_t> pool((size_t)rows * row_bytes);
             std::mt19937 gen(7 + row_bytes);
@@ -232,12 +330,18 @@ int main(int argc, char** argv) {
             gather_tma<32><<<1, 32, 2 * tile_bytes>>>(map, d_ids, kTileRows, row_bytes, 2, d_dump);
             CK(cudaMemcpy(dump.data(), d_dump, tile_bytes, cudaMemcpyDeviceToHost));
             const bool ok_tma = check_dump(pool, check_ids, dump, row_bytes);
+            // pair/4 on one cluster and one tile: the dump is CTA 0's stage, whose odd row groups came from CTA 1
+            CK(cudaMemset(d_dump, 0xff, tile_bytes));
+            gather_pair<<<2, 128, 2 * tile_bytes>>>(d_pool, d_ids, kTileRows, row_bytes, 2, d_dump);
+            CK(cudaMemcpy(dump.data(), d_dump, tile_bytes, cudaMemcpyDeviceToHost));
+            const bool ok_pair = check_dump(pool, check_ids, dump, row_bytes);
             CK(cudaMemcpy(d_ids, ids.data(), slots * sizeof(int), cudaMemcpyHostToDevice));
             const int max_stages = kMaxSmem / tile_bytes < 4 ? kMaxSmem / tile_bytes : 4;
             for (int stages = 2; stages <= max_stages; ++stages) {
-                for (const char* name : {"cpasync/4", "cpasync/8", "cpasync/16", "cpasync/16x2", "tma/1", "tma/32",
-                                         "ldg/8", "ldg/32"}) {
+                for (const char* name : {"cpasync/4", "cpasync/8", "cpasync/16", "cpasync/16x2", "pair/4", "tma/1",
+                                         "tma/32", "ldg/8", "ldg/32"}) {
                     const std::string v(name);
+                    if (!only.empty() && only.find("," + v + ",") == std::string::npos) continue;
                     if ((v.rfind("ldg", 0) == 0 || v == "tma/1") && stages > 2) continue;
                     if (v == "cpasync/16x2" && 2 * (size_t)stages * tile_bytes > (size_t)kMaxSmem) continue;
                     const size_t smem = (size_t)stages * tile_bytes;
@@ -251,6 +355,8 @@ int main(int argc, char** argv) {
                         else if (v == "cpasync/16x2")   // two CTAs per SM
                             gather_cpasync<16><<<2 * sms, 512, smem>>>(d_pool, d_ids, slots, row_bytes, stages,
                                                                       nullptr);
+                        else if (v == "pair/4")
+                            gather_pair<<<sms / 2 * 2, 128, smem>>>(d_pool, d_ids, slots, row_bytes, stages, nullptr);
                         else if (v == "tma/1")
                             gather_tma<1><<<sms, 32, smem>>>(map, d_ids, slots, row_bytes, stages, nullptr);
                         else if (v == "tma/32")
@@ -264,9 +370,13 @@ int main(int argc, char** argv) {
                     CK(cudaDeviceSynchronize());
                     const float best = best_ms(launch);
                     const char* check = v.rfind("cpasync", 0) == 0 ? (ok_cp ? "ok" : "WRONG")
-                                      : v.rfind("tma", 0) == 0 ? (ok_tma ? "ok" : "WRONG") : "-";
-                    printf("%7d %6ld %6d %-12s %8.3f %8.1f %s\n", row_bytes, rows, stages, name, best,
-                           slots * (double)row_bytes / best / 1e6, check);
+                                      : v.rfind("tma", 0) == 0 ? (ok_tma ? "ok" : "WRONG")
+                                      : v == "pair/4" ? (ok_pair ? "ok" : "WRONG") : "-";
+                    const double bytes = slots * (double)row_bytes * (v == "pair/4" ? 2 : 1);
+                    printf("%7d %6ld %6d %-12s %8.3f %8.1f %s", row_bytes, rows, stages, name, best, bytes / best / 1e6,
+                           check);
+                    energy.print(launch, bytes);
+                    printf("\n");
                 }
             }
             CK(cudaFree(d_pool));

@@ -36,6 +36,12 @@ def test_config_and_binding():
         IndexerBwdConfig(grid=0)
     with pytest.raises(ValueError, match="chunk_bytes=1024"):
         IndexerBwdConfig(chunk_bytes=1024)
+    with pytest.raises(ValueError, match="bucket_rows=0"):
+        IndexerBwdConfig(bucket_rows=0)
+    with pytest.raises(ValueError, match="order_min_bytes=-1"):
+        IndexerBwdConfig(order_min_bytes=-1)
+    assert cfg.ordered(131072, 128) and not cfg.ordered(32768, 128) and not IndexerBwdConfig(bucket_rows=None).ordered(
+        1 << 20, 128)
     src = render(IndexerBwdSpec(arch="sm_90a", head_dim=64, dtype="float16", deterministic=True))
     compile(src, "kernel.py", "exec")
     assert "from dsagen.kernels.indexer_bwd.bwd_sm90 import build" in src and "deterministic=True" in src
@@ -76,11 +82,15 @@ class _StandInKernel:
         self.deterministic = deterministic
         self.calls = []
 
-    def launch(self, q, keys, ids, d_i, w, dq, dw, dk, rows, n_k, topk, ld_k, n_ctas):
+    def launch(self, q, keys, ids, d_i, w, dq, dw, dk, rows, n_k, topk, ld_k, perm, ordered, counter, sync_grid,
+               n_ctas):
         import torch
 
-        self.calls.append(dict(rows=rows, heads=q.shape[1], d_i=d_i.clone(), w=w.clone()))
+        self.calls.append(dict(rows=rows, heads=q.shape[1], d_i=d_i.clone(), w=w.clone(), ids=ids.clone(),
+                               ordered=ordered, sync_grid=sync_grid, counter=counter[0].item()))
         valid = ids >= 0
+        if ordered:                                     # slot j's dI is at perm[j]
+            d_i = torch.where(valid, d_i.gather(1, perm.clamp_min(0).long()), 0.0)
         kg = keys.float()[ids.clamp_min(0).long()] * valid[..., None]             # (rows, topk, D)
         dots = torch.einsum("rhd,rkd->rhk", q.float(), kg)
         dw.copy_(torch.einsum("rk,rhk->rh", d_i, dots.relu()))
@@ -104,7 +114,7 @@ def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch, cpu_row_scatte
     kernel = _StandInKernel(deterministic)
     cfg = IndexerBwdConfig(chunk_bytes=1 << 20)
     spec = cfg.spec(128, "bfloat16", deterministic=deterministic)
-    monkeypatch.setattr(ib_host, "_launch_plan", lambda *a, **k: (spec, kernel, 3, cfg))
+    monkeypatch.setattr(ib_host, "_launch_plan", lambda *a, **k: (spec, kernel, 3, cfg, True))
     gen = torch.Generator().manual_seed(4)
     b, s_q, h, d, s_k, k = 2, 5, 16, 128, 9, 700                          # 700 slots: 3 rows per 1 MiB chunk
     q = torch.randn(b, s_q, h, d, generator=gen).bfloat16()
@@ -139,6 +149,62 @@ def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch, cpu_row_scatte
     assert all(torch.equal(x, y) for x, y in zip(before, (q, w, kk, tgt, p, ids)))
 
 
+def _order_on_the_cpu(idx, n_kv, length, bucket_rows, *, ids_out, win_out, perm_out):
+    """The ordering kernel's contract (sparse_mla_bwd/order.py) in torch: each row's valid ids stable-sorted by
+    window, then -1; perm the input slot of each, -1 past them."""
+    import torch
+
+    valid = (idx >= 0) & (idx < n_kv)
+    key = torch.where(valid, idx // bucket_rows, torch.iinfo(torch.int32).max)
+    order = torch.sort(key, dim=1, stable=True).indices
+    count = valid.sum(1, keepdim=True)
+    past = torch.arange(idx.shape[1]).view(1, -1) >= count
+    ids_out.copy_(idx.gather(1, order).masked_fill(past, -1))
+    perm_out.copy_(order.to(torch.int32).masked_fill(past, -1))
+    win_out[:, 0] = 0
+    win_out[:, 1] = count[:, 0]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_ordered_ids_on_the_cpu_with_a_stand_in_kernel(monkeypatch, cpu_row_scatter, deterministic):
+    """A pool whose accumulator reaches order_min_bytes: the kernel gets each row's ids ordered by key window, the
+    input slot of each (so that its dI is the slot's own), a zeroed grid-barrier counter per launch and sync_grid,
+    and the gradients still match the reference; a smaller pool keeps the ids as given."""
+    import torch
+
+    import dsagen
+    from dsagen.kernels.indexer_bwd import host as ib_host
+
+    gen = torch.Generator().manual_seed(6)
+    b, s_q, h, d, s_k, k = 1, 6, 8, 64, 40, 2100
+    q = torch.randn(b, s_q, h, d, generator=gen).bfloat16()
+    kk = torch.randn(b, s_k, d, generator=gen).bfloat16()
+    w = torch.randn(b, s_q, h, generator=gen).bfloat16()
+    ids = torch.randint(-2, s_k + 2, (b, s_q, k), generator=gen, dtype=torch.int32)
+    tgt, p = torch.rand(b, s_q, k, generator=gen), torch.rand(b, s_q, k, generator=gen)
+    want = dsagen.indexer_backward(q.float(), w.float(), kk.float(), tgt, p, ids, sm_scale=0.3, impl="reference")
+    monkeypatch.setattr(ib_host, "slot_windows", _order_on_the_cpu)
+    for min_bytes, ordered in ((s_k * d * 4, True), (s_k * d * 4 + 1, False)):
+        cfg = IndexerBwdConfig(chunk_bytes=1 << 20, bucket_rows=8, order_min_bytes=min_bytes)
+        kernel = _StandInKernel(deterministic)
+        spec = cfg.spec(d, "bfloat16", deterministic=deterministic)
+        monkeypatch.setattr(ib_host, "_launch_plan", lambda *a, **kw: (spec, kernel, 3, cfg, True))
+        got = ib_host.run(q, w, kk, tgt, p, ids, None, 0.3, 1.0, False, deterministic, cfg)
+        for g_, w_ in zip(got, want):
+            assert (g_.float() - w_).abs().max() <= 2e-2 * w_.abs().max()
+        launched = torch.cat([c["ids"] for c in kernel.calls])
+        valid = (ids[0] >= 0) & (ids[0] < s_k)
+        if ordered:
+            windows = torch.where(launched >= 0, launched // 8, 99)
+            assert (windows[:, 1:] >= windows[:, :-1]).all()          # ascending windows, -1 after them
+            assert torch.equal(launched.sort(1).values, torch.where(valid, ids[0], -1).sort(1).values)
+        else:
+            assert torch.equal(launched, torch.where(valid, ids[0], -1))
+        assert all(c["ordered"] == int(ordered) and c["sync_grid"] == int(ordered) and c["counter"] == 0
+                   for c in kernel.calls)
+    assert len(kernel.calls) == (6 if deterministic else 1)         # 1 MiB chunks of 2100 x 64 FP32 rows: 1 row
+
+
 def test_fused_refuses_what_it_does_not_cover():
     import torch
 
@@ -161,7 +227,8 @@ def test_the_custom_op_and_its_fake(monkeypatch, cpu_row_scatter, deterministic)
 
     cfg = IndexerBwdConfig(chunk_bytes=1 << 20)
     spec = cfg.spec(128, "bfloat16", deterministic=deterministic)
-    monkeypatch.setattr(ib_host, "_launch_plan", lambda *a, **k: (spec, _StandInKernel(deterministic), 3, cfg))
+    monkeypatch.setattr(ib_host, "_launch_plan", lambda *a, **k: (spec, _StandInKernel(deterministic), 3, cfg,
+                                                                  True))
     gen = torch.Generator().manual_seed(8)
     q = torch.randn(1, 4, 64, 128, generator=gen).bfloat16()
     w = torch.randn(1, 4, 64, generator=gen).bfloat16()

@@ -169,12 +169,15 @@ def test_order_kernel_launch_arguments_on_the_cpu(monkeypatch):
     length = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
     ids = torch.empty((4, 10), dtype=torch.int32)
     win = torch.empty((4, 2), dtype=torch.int32)
+    perm = torch.empty((4, 10), dtype=torch.int32)
     bwd_host.slot_windows(idx, 5000, length, 64, ids_out=ids, win_out=win)
-    bwd_host.slot_windows(idx, 5000, None, 8, ids_out=ids, win_out=win)
+    bwd_host.slot_windows(idx, 5000, None, 8, ids_out=ids, win_out=win, perm_out=perm)
     (a0, a1) = calls
     assert a0[0] is idx and a0[1] is length and a0[2] is ids and a0[3] is win
-    assert a0[4:] == (4, 10, 12, 1, 5000, 64)
-    assert a1[5:] == (10, 12, 0, 5000, 20)                            # 625 windows of 8 rows: 256 of 20
+    assert a0[4:10] == (4, 10, 12, 1, 5000, 64) and a0[11] == 0                      # no perm written
+    assert a1[5:10] == (10, 12, 0, 5000, 20) and a1[10] is perm and a1[11] == 1     # 625 windows of 8: 256 of 20
+    with pytest.raises(ValueError, match="perm_out needs bucket_rows"):
+        bwd_host.slot_windows(idx, 5000, None, None, ids_out=ids, win_out=win, perm_out=perm)
 
 
 def test_slot_windows_without_buckets_keep_the_ids():

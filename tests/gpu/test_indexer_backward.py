@@ -2,7 +2,8 @@
 of IndexerBwdSpec) against the plain-PyTorch reference in FP64: H 64 natively and 16/32 padded, D 64/128, top-k
 widths that are and are not multiples of 64, -1, negative and out-of-range ids, duplicates, all-invalid rows, B > 1
 with local and global ids, grad_loss / sm_scale / loss_coeff, grids smaller than the rows, fp16, the deterministic
-mode (bitwise run to run), inputs left unmodified, torch.compile and CUDA-graph capture.
+mode (bitwise run to run), ids ordered by key window with the grid barrier, inputs left unmodified, torch.compile
+and CUDA-graph capture.
 
 Build what these need first (CPU, with CuTe-DSL):
     dsagen build --spec-file tests/gpu/required_specs.json
@@ -17,12 +18,14 @@ import dsagen
 from dsagen.kernels.indexer_bwd import host as ib_host
 from dsagen.kernels.indexer_bwd.spec import IndexerBwdConfig, config_for
 from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
+from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdOrderSpec
 from test_sparse_attention import make_ids
 
 ARCH = "sm_90a"
 REQUIRED_SPECS = [config_for(d, dt, ARCH, None).spec(d, dt, ARCH, deterministic=det)
                   for d, dt, det in [(128, "bfloat16", False), (128, "bfloat16", True), (64, "bfloat16", False),
-                                     (128, "float16", False)]] + [RowScatterAddSpec(arch=ARCH, width=128)]
+                                     (128, "float16", False)]] + [RowScatterAddSpec(arch=ARCH, width=128),
+                                                                  SparseAttnBwdOrderSpec(arch=ARCH)]
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -103,6 +106,20 @@ def test_deterministic_is_bitwise_and_matches():
     c = check(*case)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert torch.equal(a.d_index_q, c.d_index_q) and torch.equal(a.d_weights, c.d_weights)
+
+
+@pytest.mark.parametrize("grid", ["persistent", 3])
+def test_ordered_ids_and_grid_barrier(grid):
+    """Ids ordered by 64-row key windows (forced: order_min_bytes=0) with the grid barrier, on adversarial ids over
+    three batches of global ids: the gradients match the reference, and the deterministic d_index_k is bitwise the
+    one of the ids as given (each key's rows are still added in (query row, slot) order)."""
+    case = make_case(3, 9, 64, 128, 700, 200, adversarial=True, seed=12)
+    ordered = IndexerBwdConfig(grid=grid, bucket_rows=64, order_min_bytes=0)
+    assert ordered.ordered(700, 128)
+    check(*case, global_ids=True, config=ordered)
+    a = check(*case, deterministic=True, config=ordered)
+    b = check(*case, deterministic=True, config=IndexerBwdConfig(grid=grid, bucket_rows=None))
+    assert torch.equal(a.d_index_k, b.d_index_k)
 
 
 def test_torch_compile_and_cuda_graph():

@@ -159,9 +159,11 @@ def test_indexer_score_recompute():
 
 @gpu
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_indexer_backward(deterministic):
+@pytest.mark.parametrize("ordered", [False, True], ids=["as-given", "ordered"])
+def test_indexer_backward(deterministic, ordered):
     """The indexer backward's kernel at the DeepSeek-V3.2 indexer shape, 3 CTAs looping over 6 query rows,
-    adversarial ids (-1, other negatives, >= S_k, duplicates; row 1 all invalid), against the reference."""
+    adversarial ids (-1, other negatives, >= S_k, duplicates; row 1 all invalid), against the reference; ordered:
+    the ids ordered by 64-row key windows (the ordering kernel with its slot permutation) and the grid barrier."""
     h, d = INDEXER_SHAPE
     gen = torch.Generator().manual_seed(23)
     _, _, ids, _, _ = _sparse_inputs(6, 64, 512, 320, 900, seed=29)
@@ -171,8 +173,9 @@ def test_indexer_backward(deterministic):
     tgt = torch.softmax(torch.randn((1, 6, 320), generator=gen), -1).to(DEV)
     p = torch.softmax(torch.randn((1, 6, 320), generator=gen), -1).to(DEV)
     args = (q, w, k, tgt, p, ids[None])
+    order = dict(bucket_rows=64, order_min_bytes=0) if ordered else dict(bucket_rows=None)
     got = ib_host.indexer_backward(*args, sm_scale=0.1, deterministic=deterministic,
-                                   config=IndexerBwdConfig(grid=3, chunk_bytes=1 << 20))
+                                   config=IndexerBwdConfig(grid=3, chunk_bytes=1 << 20, **order))
     want = dsagen.indexer_backward(*args, sm_scale=0.1, impl="reference")
     for g_, w_ in zip(got, want):
         assert (g_.float() - w_.float()).abs().max().item() <= 1e-2 * max(w_.float().abs().max().item(), 1e-30)

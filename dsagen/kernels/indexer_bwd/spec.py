@@ -76,14 +76,26 @@ class IndexerBwdSpec(KernelSpec):
 @dataclass(frozen=True)
 class IndexerBwdConfig:
     """The launch choices of the fused indexer backward: the ring depth and register budgets (spec fields), the grid
-    ("persistent": two CTAs per SM, or an int n: at most n CTAs) and, for deterministic mode, the most bytes of
-    per-slot dK rows one launch stores (the rows of a launch are chosen so that it fits)."""
+    ("persistent": two CTAs per SM, or an int n: at most n CTAs), for deterministic mode the most bytes of per-slot
+    dK rows one launch stores (the rows of a launch are chosen so that it fits), and the key-window ordering.
+
+    bucket_rows: key rows per window (None: the ids as given). When the FP32 d_index_k accumulator (n_k x D x 4
+      bytes) is at least `order_min_bytes`, each row's valid ids are ordered by the window of their id (stable; the
+      sparse MLA backward's ordering kernel, sparse_mla_bwd/order.py, which also gives each ordered slot's input
+      slot for its dI) and, with `sync_grid`, the producers meet at a grid barrier at the start of every round of
+      rows (used only when every CTA of the grid is resident: at most two per SM), so that the CTAs add into about
+      one window's rows of the accumulator at a time and those stay in L2. A smaller accumulator stays in L2
+      anyway.
+    """
 
     stages: int = 4
     regs_producer: int = 24
     regs_consumer: int = 232
     grid: str | int = "persistent"
     chunk_bytes: int = 1 << 30
+    bucket_rows: int | None = 16384
+    order_min_bytes: int = 32 << 20
+    sync_grid: bool = True
 
     def __post_init__(self) -> None:
         if not (self.grid == "persistent" or (isinstance(self.grid, int) and not isinstance(self.grid, bool)
@@ -91,6 +103,15 @@ class IndexerBwdConfig:
             raise ValueError(f"IndexerBwdConfig.grid={self.grid!r} must be 'persistent' or a positive int")
         if not (isinstance(self.chunk_bytes, int) and self.chunk_bytes >= 1 << 20):
             raise ValueError(f"IndexerBwdConfig.chunk_bytes={self.chunk_bytes!r} must be an int >= 1 MiB")
+        b = self.bucket_rows
+        if not (b is None or (isinstance(b, int) and not isinstance(b, bool) and b >= 1)):
+            raise ValueError(f"IndexerBwdConfig.bucket_rows={b!r} must be None or a positive int")
+        if not (isinstance(self.order_min_bytes, int) and self.order_min_bytes >= 0):
+            raise ValueError(f"IndexerBwdConfig.order_min_bytes={self.order_min_bytes!r} must be an int >= 0")
+
+    def ordered(self, n_k: int, head_dim: int) -> bool:
+        """Whether a call over `n_k` key rows of `head_dim` orders its ids by key window."""
+        return self.bucket_rows is not None and n_k * head_dim * 4 >= self.order_min_bytes
 
     def spec(self, head_dim: int, dtype, arch: str = "sm_90a", deterministic: bool = False) -> IndexerBwdSpec:
         """The kernel spec of this config (64 heads)."""

@@ -1,7 +1,8 @@
 """Device helpers for the Hopper attention kernels: SW128 shared-memory layouts, views of a wgmma
 accumulator fragment, the SW128 swizzle of a byte offset (for cp.async gathers into a swizzled tile), an L2
 evict_first cache policy with the cp.async and 16-byte store that carry it (CuTe-DSL's cp_async_shared_global has
-no cache hint), a bf16 / fp16 pair pack and the 16-byte FP32 atomic add and store (red / st .global.v4.f32).
+no cache hint), a bf16 / fp16 pair pack, the 16-byte FP32 atomic add and store (red / st .global.v4.f32) and a
+bounded grid barrier (`grid_barrier`: the CTAs of a persistent grid walk their items in step, for the cache).
 
 Fragment ownership of a wgmma m64nN accumulator (one warpgroup, thread t = 32 w + l): rows 16 w + l / 4
 and 16 w + l / 4 + 8; columns 8 j + 2 (l % 4) + {0, 1}. A row therefore lives in the 4 lanes of a quad.
@@ -326,3 +327,49 @@ __all__ = ["sw128", "store_row_v4", "load_tile_ids", "load_tile_ids_raw", "valid
            "quad_v4_columns", "pair_v4_segments", "cp_async_rows", "gather_tile_rows", "acc_mn_view", "acc_as_frg_a",
            "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy", "cp_async_16_policy", "pack_f32x2",
            "st_global_v4_b32"]
+
+
+# ------------------------------------------------------------------------------------------------ grid barrier
+@dsl_user_op
+def red_release_add_s32(dst: cute.Pointer, v: Int32, *, loc=None, ip=None) -> None:
+    """`red.release.gpu.global.add.s32 [dst], v`: an add that orders this thread's earlier memory operations
+    before it, GPU-wide."""
+    llvm.inline_asm(None, [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
+                    "red.release.gpu.global.add.s32 [$0], $1;", "l,r,~{memory}", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_acquire_s32(src: cute.Pointer, *, loc=None, ip=None) -> Int32:
+    """`ld.acquire.gpu.global.s32`: a load that orders this thread's later memory operations after it."""
+    return Int32(llvm.inline_asm(T.i32(), [src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
+                                 "ld.acquire.gpu.global.s32 $0, [$1];", "=r,l,~{memory}", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def nanosleep(ns: int, *, loc=None, ip=None) -> None:
+    """`nanosleep.u32 ns` (a hint: the warp sleeps for about ns nanoseconds)."""
+    llvm.inline_asm(None, [], f"nanosleep.u32 {int(ns)};", "~{memory}", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+GRID_BARRIER_SPINS = 4096          # a grid barrier's bound: 4096 sleeps of ~256 ns (~1 ms)
+
+
+@cute.jit
+def grid_barrier(counter: cute.Pointer, tidx, it, n_items, nctas, bar_id: int, threads: int) -> None:
+    """Hold the `threads` threads of named barrier `bar_id` (the calling warpgroup; thread `tidx` 0 of the CTA
+    counts) at the start of the CTA's item `it` until every CTA got there: round it of a persistent loop over
+    `n_items` items, min((it + 1) * nctas, n_items) arrivals on the zeroed int32 `counter` in all. It only orders
+    work for the cache (the CTAs then walk the same KV windows together), never for correctness, so the wait is
+    bounded: after GRID_BARRIER_SPINS sleeps the CTA goes on, which keeps a grid that is not all resident at once
+    (another kernel on some SMs, an MPS or green-context SM limit) from waiting forever."""
+    if tidx == 0:
+        red_release_add_s32(counter, Int32(1))
+        target = cutlass.min((it + 1) * nctas, n_items)
+        spins = Int32(0)
+        while ld_acquire_s32(counter) < target and spins < GRID_BARRIER_SPINS:
+            nanosleep(256)
+            spins += 1
+    cute.arch.barrier(barrier_id=bar_id, number_of_threads=threads)

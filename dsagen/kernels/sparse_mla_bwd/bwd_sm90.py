@@ -52,16 +52,14 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int8, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_16_policy, gather_tile_rows,
-                                                 l2_evict_first_policy, load_tile_ids_raw, pair_v4_segments,
-                                                 red_add_v4_f32, st_global_v4_f32, store_row_v4, sw128,
-                                                 swizzled_byte_offset, valid_tile_ids)
+                                                 grid_barrier, l2_evict_first_policy, load_tile_ids_raw,
+                                                 pair_v4_segments, red_add_v4_f32, st_global_v4_f32, store_row_v4,
+                                                 sw128, swizzled_byte_offset, valid_tile_ids)
 
 LOG2E = math.log2(math.e)
 
@@ -101,31 +99,6 @@ def build(num_heads: int, d_qk: int, d_v: int, dtype: str, deterministic: bool, 
     bwd = SparseMlaBwdSm90(num_heads, d_qk, d_v, dtype, deterministic, regs_producer, regs_a, regs_b,
                            chunk_buffers_a)
     return BuiltKernel.of(params(dtype), bwd, f"min(s_q * {bwd.HB}, n_ctas)")
-
-
-# ------------------------------------------------------------------------------------------ PTX helpers
-@dsl_user_op
-def red_release_add_s32(dst: cute.Pointer, v: Int32, *, loc=None, ip=None) -> None:
-    """`red.release.gpu.global.add.s32 [dst], v`: an add that orders this thread's earlier memory operations
-    before it, GPU-wide."""
-    llvm.inline_asm(None, [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
-                    "red.release.gpu.global.add.s32 [$0], $1;", "l,r,~{memory}", has_side_effects=True,
-                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def ld_acquire_s32(src: cute.Pointer, *, loc=None, ip=None) -> Int32:
-    """`ld.acquire.gpu.global.s32`: a load that orders this thread's later memory operations after it."""
-    return Int32(llvm.inline_asm(T.i32(), [src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
-                                 "ld.acquire.gpu.global.s32 $0, [$1];", "=r,l,~{memory}", has_side_effects=True,
-                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def nanosleep(ns: int, *, loc=None, ip=None) -> None:
-    """`nanosleep.u32 ns` (a hint: the warp sleeps for about ns nanoseconds)."""
-    llvm.inline_asm(None, [], f"nanosleep.u32 {int(ns)};", "~{memory}", has_side_effects=True,
-                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 class KernelArgs(NamedTuple):
@@ -197,7 +170,6 @@ class SparseMlaBwdSm90:
     BAR_A_DONE = 3
     BAR_B_DONE = 4
     BAR_PRODUCER = 5                # the producer warpgroup (128) after its grid barrier
-    BARRIER_SPINS = 4096            # the grid barrier's bound: 4096 sleeps of ~256 ns
 
     def __init__(self, num_heads: int, d_qk: int, d_v: int, dtype: str, deterministic: bool, regs_producer: int,
                  regs_a: int, regs_b: int, chunk_buffers_a: int = 1):
@@ -344,8 +316,8 @@ class SparseMlaBwdSm90:
         it = Int32(0)
         for item in cutlass.range(bidx, n_items, nctas, unroll=1):
             tok, head0 = self.item_setup(a, item)
-            if a.sync_grid != 0:
-                self.grid_barrier(a, tidx, bidx, it, n_items, nctas)
+            if a.sync_grid != 0:     # the CTAs walk the KV windows together (attn_sm90.grid_barrier)
+                grid_barrier(a.p_counter, tidx, it, n_items, nctas, self.BAR_PRODUCER, 128)
             cute.arch.mbarrier_wait(sh.qdo_free, (it % 2) ^ 1)
             q_rows = a.p_q + (Int64(tok) * a.ld_q + Int64(head0 * self.D_QK))
             do_rows = a.p_dout + (Int64(tok) * self.H + head0) * self.D_V
@@ -382,23 +354,6 @@ class SparseMlaBwdSm90:
                     ids[i] = ids_next[i]
             gt += ntiles
             it += 1
-
-    @cute.jit
-    def grid_barrier(self, a, tidx, bidx, it, n_items, nctas):
-        """Hold this CTA's producer at the start of its item `it` until every CTA's producer got there (round it of
-        the persistent loop: min((it + 1) * nctas, n_items) arrivals in all), so that the CTAs walk the KV windows
-        together and the dKV rows they add to stay in L2. The barrier only orders work for the cache, never for
-        correctness, so the wait is bounded: after BARRIER_SPINS sleeps (~1 ms) the CTA goes on, which keeps a grid
-        that is not all resident at once (another kernel on some SMs, an MPS or green-context SM limit) from
-        waiting forever."""
-        if tidx == 0:
-            red_release_add_s32(a.p_counter, Int32(1))
-            target = cutlass.min((it + 1) * nctas, n_items)
-            spins = Int32(0)
-            while ld_acquire_s32(a.p_counter) < target and spins < self.BARRIER_SPINS:
-                nanosleep(256)
-                spins += 1
-        cute.arch.barrier(barrier_id=self.BAR_PRODUCER, number_of_threads=128)
 
     # ------------------------------------------------------------------------------------------- consumer A (WG1)
     @cute.jit

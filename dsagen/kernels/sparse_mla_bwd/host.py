@@ -96,7 +96,7 @@ def _align4(n: int) -> int:
 
 
 def slot_windows(topk_idxs: torch.Tensor, n_kv: int, length: torch.Tensor | None, bucket_rows: int | None, *,
-                 ids_out: torch.Tensor, win_out: torch.Tensor) -> None:
+                 ids_out: torch.Tensor, win_out: torch.Tensor, perm_out: torch.Tensor | None = None) -> None:
     """The ids and the slot window [win[t, 0], win[t, 1]) the kernel walks for each row t.
 
     bucket_rows None: the ids as given (ids_out may be topk_idxs itself) and each row's first min(length, K) slots.
@@ -106,13 +106,16 @@ def slot_windows(topk_idxs: torch.Tensor, n_kv: int, length: torch.Tensor | None
     window's rows of the dkv accumulator at a time. A pool of more than SparseAttnBwdOrderSpec.max_windows windows
     is ordered by wider windows of ceil(n_kv / max_windows) rows. topk_idxs int32 (S_q, K), unit stride along K;
     length int32 (S_q,) contiguous or None; ids_out int32 (S_q, K) contiguous, not topk_idxs when bucketed; win_out
-    int32 (S_q, 2) contiguous."""
+    int32 (S_q, 2) contiguous; perm_out None or int32 (S_q, K) contiguous, bucketed only: each ordered slot's slot in
+    topk_idxs (-1 past the row's valid ids)."""
     s_q, k_width = topk_idxs.shape
     if k_width == 0 or s_q == 0:
         win_out[:, 0] = 0
         win_out[:, 1] = 0
         return
     if bucket_rows is None:
+        if perm_out is not None:
+            raise ValueError("slot_windows: perm_out needs bucket_rows (ids as given keep their slots)")
         if ids_out.data_ptr() != topk_idxs.data_ptr():
             ids_out.copy_(topk_idxs)
         win_out[:, 0] = 0
@@ -121,7 +124,8 @@ def slot_windows(topk_idxs: torch.Tensor, n_kv: int, length: torch.Tensor | None
     kernel, spec = _order_kernel(device_index(topk_idxs.device))
     bucket_rows = max(int(bucket_rows), -(-n_kv // spec.max_windows))
     kernel.launch(topk_idxs, win_out if length is None else length, ids_out, win_out, s_q, k_width,
-                  topk_idxs.stride(0), int(length is not None), n_kv, bucket_rows)
+                  topk_idxs.stride(0), int(length is not None), n_kv, bucket_rows,
+                  ids_out if perm_out is None else perm_out, int(perm_out is not None))
 
 
 _order_kernels: dict[int, tuple[LoadedKernel, SparseAttnBwdOrderSpec]] = {}

@@ -1,6 +1,7 @@
 """The window ordering of the sparse MLA backward's ids: row t's valid ids (0 <= id < n_kv, slot < its length) in
 the order of their KV window id // bucket_rows, stable (ids of one window keep their slot order), then -1; and the
-row's slot window [0, count of valid ids), which the backward kernel walks (host.slot_windows).
+row's slot window [0, count of valid ids), which the backward kernel walks (host.slot_windows); with has_perm, also
+each ordered slot's slot in the input row (the indexer backward reads its per-slot score gradient through it).
 
 One warp per row, `warps_per_cta` rows per CTA, a counter per window of its row in shared memory: pass 1 counts the
 row's valid ids per window (match.sync gives the lanes of a 32-slot step that share a window, and the first of them
@@ -35,6 +36,8 @@ def params() -> list[dict]:
         {"name": "has_length", "kind": "i32"},                                # 0: `length` is not read
         {"name": "n_kv", "kind": "i32"},
         {"name": "bucket_rows", "kind": "i32"},                               # KV rows per window, >= 1
+        {"name": "perm", "kind": "ptr", "dtype": "int32", "align": 4},        # (n_rows, k) input slot of out
+        {"name": "has_perm", "kind": "i32"},                                  # 0: `perm` is not written
     ]
 
 
@@ -51,8 +54,9 @@ def build(warps_per_cta: int, max_windows: int) -> BuiltKernel:
     Arguments of `kernel` and `host` (the PARAMS order): idx (n_rows, ld_idx) int32, length (n_rows,) int32 (read
     only when has_length != 0), out (n_rows, k) int32 contiguous (every slot written: the ordered valid ids, then
     -1), win (n_rows, 2) int32 contiguous (written: 0 and the row's count of valid ids), n_rows, k, ld_idx
-    (elements, int64), has_length, n_kv, bucket_rows (ceil(n_kv / bucket_rows) <= max_windows). Each call returns
-    distinct function objects, so every rendered module names its own kernel.
+    (elements, int64), has_length, n_kv, bucket_rows (ceil(n_kv / bucket_rows) <= max_windows), perm (n_rows, k)
+    int32 contiguous (written when has_perm != 0: the input slot of each ordered valid id, -1 past them), has_perm.
+    Each call returns distinct function objects, so every rendered module names its own kernel.
     """
     warps, mw = warps_per_cta, max_windows
     per_lane = mw // 32                     # counters each lane scans
@@ -74,7 +78,8 @@ def build(warps_per_cta: int, max_windows: int) -> BuiltKernel:
 
     @cute.kernel
     def kernel(p_idx: cute.Pointer, p_len: cute.Pointer, p_out: cute.Pointer, p_win: cute.Pointer,
-               n_rows: Int32, k: Int32, ld_idx: Int64, has_length: Int32, n_kv: Int32, bucket_rows: Int32):
+               n_rows: Int32, k: Int32, ld_idx: Int64, has_length: Int32, n_kv: Int32, bucket_rows: Int32,
+               p_perm: cute.Pointer, has_perm: Int32):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -84,6 +89,7 @@ def build(warps_per_cta: int, max_windows: int) -> BuiltKernel:
         if row < n_rows:                       # warp-uniform: every lane of a warp has the same row
             src = cute.make_tensor(p_idx + Int64(row) * ld_idx, cute.make_layout(k))
             dst = cute.make_tensor(p_out + Int64(row) * Int64(k), cute.make_layout(k))
+            perm = cute.make_tensor(p_perm + Int64(row) * Int64(k), cute.make_layout(k))
             base = warp * mw
             limit = k
             if has_length != 0:
@@ -120,20 +126,26 @@ def build(warps_per_cta: int, max_windows: int) -> BuiltKernel:
                 if w >= 0:
                     at = cnt[base + w]
                     dst[at + rank] = v
+                    if has_perm != 0:
+                        perm[at + rank] = j0 + lane
                 cute.arch.sync_warp()
                 if w >= 0 and rank == 0:
                     cnt[base + w] = at + Int32(cute.arch.popc(peers))
                 cute.arch.sync_warp()
             for j in cutlass.range(total + lane, k, 32, unroll=1):
                 dst[j] = Int32(-1)
+                if has_perm != 0:
+                    perm[j] = Int32(-1)
             if lane == 0:
                 (p_win + Int64(row) * 2).store(Int32(0))
                 (p_win + (Int64(row) * 2 + 1)).store(total)
 
     @cute.jit
     def host(p_idx: cute.Pointer, p_len: cute.Pointer, p_out: cute.Pointer, p_win: cute.Pointer,
-             n_rows: Int32, k: Int32, ld_idx: Int64, has_length: Int32, n_kv: Int32, bucket_rows: Int32):
-        kernel(p_idx, p_len, p_out, p_win, n_rows, k, ld_idx, has_length, n_kv, bucket_rows).launch(
+             n_rows: Int32, k: Int32, ld_idx: Int64, has_length: Int32, n_kv: Int32, bucket_rows: Int32,
+             p_perm: cute.Pointer, has_perm: Int32):
+        kernel(p_idx, p_len, p_out, p_win, n_rows, k, ld_idx, has_length, n_kv, bucket_rows, p_perm,
+               has_perm).launch(
             grid=((n_rows + warps - 1) // warps, 1, 1), block=(warps * 32, 1, 1), smem=Smem.size_in_bytes())
 
     return BuiltKernel(params(), launch(warps_per_cta, max_windows), kernel, host)

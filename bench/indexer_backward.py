@@ -12,7 +12,7 @@ atomics (4 * T * topk * D) per second. Time: CUDA events around `reps` back-to-b
 of 7 rounds (the whole op: the score gradient in torch, the kernel, the casts). `--variants` also times other configs
 of the op, interleaved with it (bench/common.op_and_variants_ms; each prints its largest difference from the op's
 gradients): "as-given" without the key-window ordering, "ordered" with it at any pool size, "w8192" / "w32768"
-ordered by windows of that many key rows, "nosync" ordered without the grid barrier.
+ordered by windows of that many key rows.
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ from dsagen.kernels.indexer_bwd.spec import config_for  # noqa: E402
 CASES = [(4096, 32768), (4096, 131072), (32768, 32768)]
 H, D = 64, 128
 VARIANTS = {"as-given": dict(bucket_rows=None), "ordered": dict(order_min_bytes=0),
-            "w8192": dict(order_min_bytes=0, bucket_rows=8192), "w32768": dict(order_min_bytes=0, bucket_rows=32768),
-            "nosync": dict(order_min_bytes=0, sync_grid=False)}
+            "w8192": dict(order_min_bytes=0, bucket_rows=8192), "w32768": dict(order_min_bytes=0, bucket_rows=32768)}
 
 
 def flat(grads) -> torch.Tensor:

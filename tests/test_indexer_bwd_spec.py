@@ -40,8 +40,8 @@ def test_config_and_binding():
         IndexerBwdConfig(bucket_rows=0)
     with pytest.raises(ValueError, match="order_min_bytes=-1"):
         IndexerBwdConfig(order_min_bytes=-1)
-    assert cfg.ordered(131072, 128) and not cfg.ordered(32768, 128) and not IndexerBwdConfig(bucket_rows=None).ordered(
-        1 << 20, 128)
+    assert cfg.ordered(131072, 128, False) and not cfg.ordered(32768, 128, False)
+    assert not cfg.ordered(131072, 128, True) and not IndexerBwdConfig(bucket_rows=None).ordered(1 << 20, 128, False)
     src = render(IndexerBwdSpec(arch="sm_90a", head_dim=64, dtype="float16", deterministic=True))
     compile(src, "kernel.py", "exec")
     assert "from dsagen.kernels.indexer_bwd.bwd_sm90 import build" in src and "deterministic=True" in src
@@ -82,12 +82,11 @@ class _StandInKernel:
         self.deterministic = deterministic
         self.calls = []
 
-    def launch(self, q, keys, ids, d_i, w, dq, dw, dk, rows, n_k, topk, ld_k, perm, ordered, counter, sync_grid,
-               n_ctas):
+    def launch(self, q, keys, ids, d_i, w, dq, dw, dk, rows, n_k, topk, ld_k, perm, ordered, n_ctas):
         import torch
 
         self.calls.append(dict(rows=rows, heads=q.shape[1], d_i=d_i.clone(), w=w.clone(), ids=ids.clone(),
-                               ordered=ordered, sync_grid=sync_grid, counter=counter[0].item()))
+                               ordered=ordered))
         valid = ids >= 0
         if ordered:                                     # slot j's dI is at perm[j]
             d_i = torch.where(valid, d_i.gather(1, perm.clamp_min(0).long()), 0.0)
@@ -114,7 +113,7 @@ def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch, cpu_row_scatte
     kernel = _StandInKernel(deterministic)
     cfg = IndexerBwdConfig(chunk_bytes=1 << 20)
     spec = cfg.spec(128, "bfloat16", deterministic=deterministic)
-    monkeypatch.setattr(ib_host, "_launch_plan", lambda *a, **k: (spec, kernel, 3, cfg, True))
+    monkeypatch.setattr(ib_host, "_launch_plan", lambda *a, **k: (spec, kernel, 3, cfg))
     gen = torch.Generator().manual_seed(4)
     b, s_q, h, d, s_k, k = 2, 5, 16, 128, 9, 700                          # 700 slots: 3 rows per 1 MiB chunk
     q = torch.randn(b, s_q, h, d, generator=gen).bfloat16()
@@ -167,9 +166,9 @@ def _order_on_the_cpu(idx, n_kv, length, bucket_rows, *, ids_out, win_out, perm_
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_ordered_ids_on_the_cpu_with_a_stand_in_kernel(monkeypatch, cpu_row_scatter, deterministic):
-    """A pool whose accumulator reaches order_min_bytes: the kernel gets each row's ids ordered by key window, the
-    input slot of each (so that its dI is the slot's own), a zeroed grid-barrier counter per launch and sync_grid,
-    and the gradients still match the reference; a smaller pool keeps the ids as given."""
+    """A pool whose accumulator reaches order_min_bytes, atomic mode: the kernel gets each row's ids ordered by key
+    window and the input slot of each (so that its dI is the slot's own), and the gradients still match the
+    reference; a smaller pool, and the deterministic mode at any size, keep the ids as given."""
     import torch
 
     import dsagen
@@ -184,11 +183,13 @@ def test_ordered_ids_on_the_cpu_with_a_stand_in_kernel(monkeypatch, cpu_row_scat
     tgt, p = torch.rand(b, s_q, k, generator=gen), torch.rand(b, s_q, k, generator=gen)
     want = dsagen.indexer_backward(q.float(), w.float(), kk.float(), tgt, p, ids, sm_scale=0.3, impl="reference")
     monkeypatch.setattr(ib_host, "slot_windows", _order_on_the_cpu)
-    for min_bytes, ordered in ((s_k * d * 4, True), (s_k * d * 4 + 1, False)):
+    for min_bytes, big_pool in ((s_k * d * 4, True), (s_k * d * 4 + 1, False)):
+        ordered = big_pool and not deterministic
         cfg = IndexerBwdConfig(chunk_bytes=1 << 20, bucket_rows=8, order_min_bytes=min_bytes)
+        assert cfg.ordered(s_k, d, deterministic) == ordered
         kernel = _StandInKernel(deterministic)
         spec = cfg.spec(d, "bfloat16", deterministic=deterministic)
-        monkeypatch.setattr(ib_host, "_launch_plan", lambda *a, **kw: (spec, kernel, 3, cfg, True))
+        monkeypatch.setattr(ib_host, "_launch_plan", lambda *a, **kw: (spec, kernel, 3, cfg))
         got = ib_host.run(q, w, kk, tgt, p, ids, None, 0.3, 1.0, False, deterministic, cfg)
         for g_, w_ in zip(got, want):
             assert (g_.float() - w_).abs().max() <= 2e-2 * w_.abs().max()
@@ -200,9 +201,8 @@ def test_ordered_ids_on_the_cpu_with_a_stand_in_kernel(monkeypatch, cpu_row_scat
             assert torch.equal(launched.sort(1).values, torch.where(valid, ids[0], -1).sort(1).values)
         else:
             assert torch.equal(launched, torch.where(valid, ids[0], -1))
-        assert all(c["ordered"] == int(ordered) and c["sync_grid"] == int(ordered) and c["counter"] == 0
-                   for c in kernel.calls)
-    assert len(kernel.calls) == (6 if deterministic else 1)         # 1 MiB chunks of 2100 x 64 FP32 rows: 1 row
+        assert all(c["ordered"] == int(ordered) for c in kernel.calls)
+        assert len(kernel.calls) == (6 if deterministic else 1)     # 1 MiB chunks of 2100 x 64 FP32 rows: 1 row
 
 
 def test_fused_refuses_what_it_does_not_cover():
@@ -227,8 +227,7 @@ def test_the_custom_op_and_its_fake(monkeypatch, cpu_row_scatter, deterministic)
 
     cfg = IndexerBwdConfig(chunk_bytes=1 << 20)
     spec = cfg.spec(128, "bfloat16", deterministic=deterministic)
-    monkeypatch.setattr(ib_host, "_launch_plan", lambda *a, **k: (spec, _StandInKernel(deterministic), 3, cfg,
-                                                                  True))
+    monkeypatch.setattr(ib_host, "_launch_plan", lambda *a, **k: (spec, _StandInKernel(deterministic), 3, cfg))
     gen = torch.Generator().manual_seed(8)
     q = torch.randn(1, 4, 64, 128, generator=gen).bfloat16()
     w = torch.randn(1, 4, 64, generator=gen).bfloat16()

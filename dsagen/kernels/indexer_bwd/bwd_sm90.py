@@ -11,13 +11,11 @@ the host computes it from the two distributions), per tile of BN = 64 gathered r
     dQ[t]    += G^T K                                  (H x D)
     dK[id_n] += (G Q)[n]                               (FP32 atomics, 16 bytes each; invalid ids skipped)
 dQ is written in the input dtype and dW in FP32 once per row; dK is the caller's zeroed FP32 accumulator.
-With `ordered`, the row's ids come ordered by key window (host.run) and slot j's dI is dI[t, perm[t, j]];
-with `sync_grid`, the producers meet at a grid barrier at the start of every round of rows (attn_sm90.grid_barrier),
-so that the CTAs add into about one key window's rows of dK at a time, which then stay in L2.
+With `ordered`, the row's ids come ordered by key window (host.run) and slot j's dI is dI[t, perm[t, j]].
 
 Warpgroups (256 threads; the launch asks for CTAS_PER_SM = 2 resident CTAs per SM, which overlap each other's
 MMAs, gathers and atomics):
-  WG0  producer   per row: the grid barrier (sync_grid); Q (cp.async, once the consumer's last product of the previous row retired: q_free,
+  WG0  producer   per row: Q (cp.async, once the consumer's last product of the previous row retired: q_free,
                   completing q_full with noinc arrivals); per tile g of the CTA (stage s = g % STAGES): the ids of
                   the tile's rows (-1 where invalid), and once the stage is free (kv_free[s]) the 64 rows into stage s
                   (16-byte cp.async chunks, zero-filled for invalid ids) and, by the group leaders, the ids into
@@ -50,7 +48,7 @@ from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_rows, gather_ring_tile,
-                                                 grid_barrier, init_gather_ring, l2_evict_first_policy, load_tile_ids,
+                                                 init_gather_ring, l2_evict_first_policy, load_tile_ids,
                                                  pair_v4_segments, red_add_v4_f32, st_global_v4_f32, store_row_v4,
                                                  sw128, swizzled_byte_offset)
 
@@ -72,8 +70,6 @@ def params(dtype: str) -> list[dict]:
         {"name": "ld_k", "kind": "i64"},
         {"name": "perm", "kind": "ptr", "dtype": "int32", "align": 4},        # (rows, topk): dI's slot, if ordered
         {"name": "ordered", "kind": "i32"},
-        {"name": "counter", "kind": "ptr", "dtype": "int32", "align": 4},     # grid barrier count, zeroed
-        {"name": "sync_grid", "kind": "i32"},
         {"name": "n_ctas", "kind": "i32"},
     ]
 
@@ -102,8 +98,6 @@ class KernelArgs(NamedTuple):
     ld_k: Any
     p_perm: Any
     ordered: Any
-    p_counter: Any
-    sync_grid: Any
 
 
 class Shared(NamedTuple):
@@ -128,8 +122,7 @@ class IndexerBwdSm90:
     2 <= stages <= 4, register budgets multiples of 8 with regs_producer + regs_consumer <= 256. Ids must be -1 or in
     [0, n_k); dI must be 0 at invalid slots. Deterministic: dk is (rows, topk, D) FP32 and each slot's row of G Q is
     stored there (slots past the row's last tile are not written) instead of added. perm (rows, topk) int32 is read
-    at valid slots when ordered != 0 (dI's slot of each slot); counter is a zeroed int32, counted on when sync_grid
-    != 0 (then every CTA of the grid must be resident).
+    at valid slots when ordered != 0 (dI's slot of each slot).
     """
 
     BN = 64                          # gathered rows (slots) per tile: wgmma M of S and dK
@@ -137,7 +130,6 @@ class IndexerBwdSm90:
     CTAS_PER_SM = 2
     BAR_G = 1                        # sG holds the tile's G (128 consumer threads)
     BAR_DW = 2                       # the warps' dW partial sums are in sDW (128 consumer threads)
-    BAR_PRODUCER = 3                 # the producer warpgroup (128) after its grid barrier
 
     def __init__(self, num_heads: int, head_dim: int, dtype: str, deterministic: bool, stages: int,
                  regs_producer: int, regs_consumer: int):
@@ -176,18 +168,15 @@ class IndexerBwdSm90:
         @cute.kernel
         def kernel(p_q: cute.Pointer, p_k: cute.Pointer, p_idx: cute.Pointer, p_di: cute.Pointer,
                    p_w: cute.Pointer, p_dq: cute.Pointer, p_dw: cute.Pointer, p_dk: cute.Pointer, rows: Int32,
-                   n_k: Int32, topk: Int32, ld_k: Int64, p_perm: cute.Pointer, ordered: Int32,
-                   p_counter: cute.Pointer, sync_grid: Int32, n_ctas: Int32):
-            k.body(KernelArgs(p_q, p_k, p_idx, p_di, p_w, p_dq, p_dw, p_dk, rows, n_k, topk, ld_k, p_perm, ordered,
-                              p_counter, sync_grid))
+                   n_k: Int32, topk: Int32, ld_k: Int64, p_perm: cute.Pointer, ordered: Int32, n_ctas: Int32):
+            k.body(KernelArgs(p_q, p_k, p_idx, p_di, p_w, p_dq, p_dw, p_dk, rows, n_k, topk, ld_k, p_perm, ordered))
 
         @cute.jit
         def host(p_q: cute.Pointer, p_k: cute.Pointer, p_idx: cute.Pointer, p_di: cute.Pointer,
                  p_w: cute.Pointer, p_dq: cute.Pointer, p_dw: cute.Pointer, p_dk: cute.Pointer, rows: Int32,
-                 n_k: Int32, topk: Int32, ld_k: Int64, p_perm: cute.Pointer, ordered: Int32,
-                 p_counter: cute.Pointer, sync_grid: Int32, n_ctas: Int32):
-            kernel(p_q, p_k, p_idx, p_di, p_w, p_dq, p_dw, p_dk, rows, n_k, topk, ld_k, p_perm, ordered, p_counter,
-                   sync_grid, n_ctas).launch(
+                 n_k: Int32, topk: Int32, ld_k: Int64, p_perm: cute.Pointer, ordered: Int32, n_ctas: Int32):
+            kernel(p_q, p_k, p_idx, p_di, p_w, p_dq, p_dw, p_dk, rows, n_k, topk, ld_k, p_perm, ordered,
+                   n_ctas).launch(
                 grid=(cutlass.min(rows, n_ctas), 1, 1), block=(k.THREADS, 1, 1), smem=k.Smem.size_in_bytes(),
                 min_blocks_per_mp=k.CTAS_PER_SM, preferred_smem_carveout=100)
 
@@ -242,8 +231,6 @@ class IndexerBwdSm90:
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
-            if a.sync_grid != 0:     # the CTAs walk the key windows together (attn_sm90.grid_barrier)
-                grid_barrier(a.p_counter, tidx, it, a.rows, nctas, self.BAR_PRODUCER, 128)
             cute.arch.mbarrier_wait(sh.q_free, (it % 2) ^ 1)
             cp_async_rows(sQb, lay_q, a.p_q + Int64(tok) * (self.H * self.D), self.H, self.D, grp, col0, policy)
             cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_full)

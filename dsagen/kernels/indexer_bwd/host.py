@@ -8,9 +8,9 @@ topk_indices_global, deterministic)`:
 2. the score gradient dI = c * sm_scale * (p * sum_J tgt - tgt) on valid slots (0 elsewhere), c = grad_loss *
    loss_coeff / (B * S_q) read on the device (torch, a fixed-order row sum: cuDNN's kernel 1, without overwriting
    attn_score);
-3. for a key pool whose FP32 accumulator misses L2 (IndexerBwdConfig.ordered), orders each row's valid ids by key
-   window with the sparse MLA backward's ordering kernel (sparse_mla_bwd.host.slot_windows, which also gives the
-   kernel each ordered slot's input slot for its dI) and lets the CTAs meet at a grid barrier per round of rows;
+3. in atomic mode, for a key pool whose FP32 accumulator misses L2 (IndexerBwdConfig.ordered), orders each row's
+   valid ids by key window with the sparse MLA backward's ordering kernel (sparse_mla_bwd.host.slot_windows, which
+   also gives the kernel each ordered slot's input slot for its dI);
 4. pads 1..63 heads to 64 (zero q and weights) and runs the sm_90a kernel of IndexerBwdSpec: d_index_q in the input
    dtype, d_weights in FP32 (fixed order: deterministic), d_index_k into an FP32 accumulator by 16-byte atomics, or
    with deterministic=True per-slot rows (launches of at most `chunk_bytes`) summed by the row scatter-add
@@ -54,10 +54,8 @@ _launch_plans: dict = {}
 
 
 def _launch_plan(d: int, dtype: torch.dtype, device: torch.device, deterministic: bool,
-                 config: IndexerBwdConfig | None
-                 ) -> tuple[IndexerBwdSpec, LoadedKernel, int, IndexerBwdConfig, bool]:
-    """The spec, loaded kernel, n_ctas argument, config and whether the grid may synchronise (every CTA resident:
-    at most two per SM) of a call (cached per call shape and config)."""
+                 config: IndexerBwdConfig | None) -> tuple[IndexerBwdSpec, LoadedKernel, int, IndexerBwdConfig]:
+    """The spec, loaded kernel, n_ctas argument and config of a call (cached per call shape and config)."""
     key = (d, dtype, device, deterministic, config)
     plan = _launch_plans.get(key)
     if plan is None:
@@ -65,9 +63,7 @@ def _launch_plan(d: int, dtype: torch.dtype, device: torch.device, deterministic
         num_sms = device_sm_count(device_index(device))
         cfg = config_for(d, dtype, arch, num_sms) if config is None else config
         spec = cfg.spec(d, _DTYPES[dtype], arch, deterministic=deterministic)
-        n_ctas = cfg.n_ctas(num_sms)
-        plan = _launch_plans[key] = (spec, get_kernel(spec, device_index(device)), n_ctas, cfg,
-                                     cfg.sync_grid and n_ctas <= 2 * num_sms)
+        plan = _launch_plans[key] = (spec, get_kernel(spec, device_index(device)), cfg.n_ctas(num_sms), cfg)
     return plan
 
 
@@ -99,17 +95,16 @@ def run(index_q, weights, index_k, attn_score, index_score, topk_indices, grad_l
         return (torch.zeros_like(index_q), torch.zeros_like(weights), torch.zeros_like(index_k))
     if rows > _INT32_MAX or n_k > _INT32_MAX:
         raise ValueError(f"indexer_backward: {rows} query rows / {n_k} key rows exceed the kernel's int32 limits")
-    spec, kernel, n_ctas, cfg, grid_fits = _launch_plan(d, index_q.dtype, dev, deterministic, config)
+    spec, kernel, n_ctas, cfg = _launch_plan(d, index_q.dtype, dev, deterministic, config)
     flat_ids = batch_flat_ids(topk_indices, s_k, topk_indices_global)
     valid = flat_ids >= 0
     d_i = score_grad(attn_score, index_score, valid, grad_loss, loss_coeff, rows, sm_scale)
-    ordered = cfg.ordered(n_k, d)
+    ordered = cfg.ordered(n_k, d, deterministic)
     ids = perm = flat_ids                        # perm is not read unless ordered
     if ordered:                                  # the kernel reads slot j's dI at perm[j]
         ids, perm = torch.empty_like(flat_ids), torch.empty_like(flat_ids)
         slot_windows(flat_ids, n_k, None, cfg.bucket_rows, ids_out=ids, perm_out=perm,
                      win_out=torch.empty((rows, 2), dtype=torch.int32, device=dev))
-    sync = int(ordered and grid_fits)
     q = padded_heads(index_q.reshape(rows, h, d), HEADS)
     w = padded_heads(weights.reshape(rows, h).to(torch.float32), HEADS)
     keys = index_k.reshape(n_k, d)
@@ -118,14 +113,15 @@ def run(index_q, weights, index_k, attn_score, index_score, topk_indices, grad_l
     dq = torch.empty((rows, HEADS, d), dtype=index_q.dtype, device=dev)
     dw = torch.empty((rows, HEADS), dtype=torch.float32, device=dev)
     dk = torch.zeros((n_k, d), dtype=torch.float32, device=dev)
-    step = rows if not deterministic else max(1, min(rows, cfg.chunk_bytes // (topk * d * 4)))
-    counters = torch.zeros(-(-rows // step), dtype=torch.int32, device=dev)     # one grid barrier count a launch
-    buf = dk if not deterministic else torch.empty((step, topk, d), dtype=torch.float32, device=dev)
-    for i, r0 in enumerate(range(0, rows, step)):
-        r1 = min(rows, r0 + step)
-        kernel.launch(q[r0:r1], keys, ids[r0:r1], d_i[r0:r1], w[r0:r1], dq[r0:r1], dw[r0:r1], buf, r1 - r0, n_k,
-                      topk, keys.stride(0), perm[r0:r1], int(ordered), counters[i:], sync, n_ctas)
-        if deterministic:
+    if not deterministic:
+        kernel.launch(q, keys, ids, d_i, w, dq, dw, dk, rows, n_k, topk, keys.stride(0), perm, int(ordered), n_ctas)
+    else:
+        step = max(1, min(rows, cfg.chunk_bytes // (topk * d * 4)))
+        buf = torch.empty((step, topk, d), dtype=torch.float32, device=dev)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            kernel.launch(q[r0:r1], keys, ids[r0:r1], d_i[r0:r1], w[r0:r1], dq[r0:r1], dw[r0:r1], buf, r1 - r0, n_k,
+                          topk, keys.stride(0), perm[r0:r1], 0, n_ctas)
             scatter_add_rows(dk, buf[:r1 - r0].view(-1, d), ids[r0:r1])          # invalid slots (-1) skipped
     d_q = dq[:, :h].reshape(b, s_q, h, d)
     d_w = dw[:, :h].reshape(b, s_q, h).to(weights.dtype)

@@ -79,13 +79,13 @@ class IndexerBwdConfig:
     ("persistent": two CTAs per SM, or an int n: at most n CTAs), for deterministic mode the most bytes of per-slot
     dK rows one launch stores (the rows of a launch are chosen so that it fits), and the key-window ordering.
 
-    bucket_rows: key rows per window (None: the ids as given). When the FP32 d_index_k accumulator (n_k x D x 4
-      bytes) is at least `order_min_bytes`, each row's valid ids are ordered by the window of their id (stable; the
-      sparse MLA backward's ordering kernel, sparse_mla_bwd/order.py, which also gives each ordered slot's input
-      slot for its dI) and, with `sync_grid`, the producers meet at a grid barrier at the start of every round of
-      rows (used only when every CTA of the grid is resident: at most two per SM), so that the CTAs add into about
-      one window's rows of the accumulator at a time and those stay in L2. A smaller accumulator stays in L2
-      anyway.
+    bucket_rows: key rows per window (None: the ids as given). In atomic mode, when the FP32 d_index_k accumulator
+      (n_k x D x 4 bytes) is at least `order_min_bytes`, each row's valid ids are ordered by the window of their id
+      (stable; the sparse MLA backward's ordering kernel, sparse_mla_bwd/order.py, which also gives each ordered
+      slot's input slot for its dI). H200, 2026-12-02, T 4096 / topk 2048 / D 128, in one process: 2.937 against
+      3.239 ms at KV 131072 (a 67 MB accumulator), but 18.6-19.6 against 15.3 ms at T 32768 / KV 32768, whose 16 MB
+      accumulator stays in L2 anyway; a grid barrier per round of rows on top of the ordering (as the sparse MLA
+      backward has) took the gain away again (3.23 ms), and 8192 / 32768-row windows gave 3.27 / 3.19 with it.
     """
 
     stages: int = 4
@@ -95,7 +95,6 @@ class IndexerBwdConfig:
     chunk_bytes: int = 1 << 30
     bucket_rows: int | None = 16384
     order_min_bytes: int = 32 << 20
-    sync_grid: bool = True
 
     def __post_init__(self) -> None:
         if not (self.grid == "persistent" or (isinstance(self.grid, int) and not isinstance(self.grid, bool)
@@ -109,9 +108,10 @@ class IndexerBwdConfig:
         if not (isinstance(self.order_min_bytes, int) and self.order_min_bytes >= 0):
             raise ValueError(f"IndexerBwdConfig.order_min_bytes={self.order_min_bytes!r} must be an int >= 0")
 
-    def ordered(self, n_k: int, head_dim: int) -> bool:
-        """Whether a call over `n_k` key rows of `head_dim` orders its ids by key window."""
-        return self.bucket_rows is not None and n_k * head_dim * 4 >= self.order_min_bytes
+    def ordered(self, n_k: int, head_dim: int, deterministic: bool) -> bool:
+        """Whether a call over `n_k` key rows of `head_dim` orders its ids by key window (atomic mode only: the
+        deterministic mode adds no atomics)."""
+        return not deterministic and self.bucket_rows is not None and n_k * head_dim * 4 >= self.order_min_bytes
 
     def spec(self, head_dim: int, dtype, arch: str = "sm_90a", deterministic: bool = False) -> IndexerBwdSpec:
         """The kernel spec of this config (64 heads)."""

@@ -29,15 +29,6 @@ constexpr int kChunkFloats = 64 * 64;                       // 16 KB
 constexpr int kPerThread = kChunkFloats / kThreads;        // 16 floats = 4 v4 stores
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ uint32_t mapa(uint32_t a, uint32_t rank) {
-    uint32_t r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ void wait_parity(uint32_t bar, int parity) {
-    asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
-                 " @!p bra W;\n}" :: "r"(bar), "r"(parity) : "memory");
-}
 __device__ __forceinline__ void arrive_remote(uint32_t remote_bar) {
     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(remote_bar) : "memory");
 }
@@ -88,9 +79,9 @@ exchange(int chunks, float* out, float* dkv, const int* ids) {
         if (!kExchange) continue;
         const int s = c % 2, use = c / 2;
         // send: the partner's slot s is free once the partner read the chunk that used it before
-        if (c >= 2) wait_parity(smem_addr(&empty[s]), (use - 1) & 1);
-        const uint32_t dst = mapa(smem_addr(&slot[s][tid * 4]), peer);
-        const uint32_t pfull = mapa(smem_addr(&full[s]), peer);
+        if (c >= 2) mbar_wait_cluster(smem_addr(&empty[s]), (use - 1) & 1);
+        const uint32_t dst = mapa_peer(smem_addr(&slot[s][tid * 4]), peer);
+        const uint32_t pfull = mapa_peer(smem_addr(&full[s]), peer);
         if (kAsync) {
             if (tid == 0)   // this CTA's own full barrier expects the partner's bytes of this use
                 asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
@@ -105,12 +96,12 @@ exchange(int chunks, float* out, float* dkv, const int* ids) {
             arrive_remote(pfull);
         }
         // receive the partner's chunk c in this CTA's slot s, then free it for the partner
-        wait_parity(smem_addr(&full[s]), use & 1);
+        mbar_wait_cluster(smem_addr(&full[s]), use & 1);
         for (int j = 0; j < kPerThread / 4; ++j) {
             const float4 x = *reinterpret_cast<const float4*>(&slot[s][tid * 4 + j * kThreads * 4]);
             acc[4 * j] += x.x; acc[4 * j + 1] += x.y; acc[4 * j + 2] += x.z; acc[4 * j + 3] += x.w;
         }
-        arrive_remote(mapa(smem_addr(&empty[s]), peer));
+        arrive_remote(mapa_peer(smem_addr(&empty[s]), peer));
     }
     asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
     if (!kExchange) return;

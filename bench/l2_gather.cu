@@ -3,7 +3,8 @@
 // 128-byte box per 64-column block, 128B-swizzled like the wgmma operand tiles) and against plain 16-byte loads into
 // registers (no shared memory: the L2 -> SM read ceiling), with random row ids (GPU, sm_90a).
 //
-//     nvcc -O3 -arch=sm_90a -o /tmp/l2_gather bench/l2_gather.cu && /tmp/l2_gather [slots [seconds [variants [row_bytes]]]]
+//     nvcc -O3 -arch=sm_90a -o /tmp/l2_gather bench/l2_gather.cu && \
+//         /tmp/l2_gather [slots [seconds [variants [row_bytes]]]]
 //
 // seconds > 0 adds each variant's energy (probe_energy.cuh: J per launch, pJ per delivered byte, total and above
 // the idle board); variants (comma-separated names) and row_bytes restrict the run.
@@ -41,13 +42,23 @@ __device__ __forceinline__ uint32_t sw_off(int r, int kb, int c) {
     return kb * (kTileRows * 128) + r * 128 + ((c ^ (r % 8)) * 16);
 }
 
+// Chunk c8 of every 128-byte block of pool row `id` (zero-filled for id < 0) into row r of the swizzled tile at st.
+__device__ __forceinline__ void cp_async_row_chunks(uint32_t st, int r, const uint8_t* pool, int id, int row_bytes,
+                                                    int c8) {
+    const bool ok = id >= 0;
+    const uint8_t* src = pool + (long)(ok ? id : 0) * row_bytes;
+    for (int kb = 0; kb < row_bytes / 128; ++kb)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                     :: "r"(st + sw_off(r, kb, c8)), "l"(src + kb * 128 + c8 * 16), "r"(ok ? 16 : 0) : "memory");
+}
+
 template <int kWarps>
 __global__ void __launch_bounds__(kWarps * 32, 2)
 gather_cpasync(const uint8_t* pool, const int* ids, long slots, int row_bytes, int stages, uint8_t* dump) {
     extern __shared__ __align__(1024) uint8_t smem[];
     const int tid = threadIdx.x, grp = tid / 8, c8 = tid % 8;
     constexpr int kGroups = kWarps * 4;                 // rows per pass
-    const int tile_bytes = kTileRows * row_bytes, nkb = row_bytes / 128;
+    const int tile_bytes = kTileRows * row_bytes;
     const long ntiles = slots / kTileRows;
     constexpr int kRowsPerThread = (kTileRows + kGroups - 1) / kGroups;
     int id[kRowsPerThread], id_next[kRowsPerThread];
@@ -65,12 +76,7 @@ gather_cpasync(const uint8_t* pool, const int* ids, long slots, int row_bytes, i
         for (int i = 0; i < kRowsPerThread; ++i) {
             const int r = grp + kGroups * i;
             if (r >= kTileRows) break;
-            const bool ok = id[i] >= 0;
-            const uint8_t* src = pool + (long)(ok ? id[i] : 0) * row_bytes;
-            for (int kb = 0; kb < nkb; ++kb)
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                             :: "r"(st + sw_off(r, kb, c8)), "l"(src + kb * 128 + c8 * 16), "r"(ok ? 16 : 0)
-                             : "memory");
+            cp_async_row_chunks(st, r, pool, id[i], row_bytes, c8);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
         if (stages == 2) asm volatile("cp.async.wait_group 1;" ::: "memory");
@@ -93,16 +99,6 @@ __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
     asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}"
                  :: "r"(bar), "r"(parity) : "memory");
-}
-
-__device__ __forceinline__ uint32_t mapa_peer(uint32_t a, uint32_t rank) {
-    uint32_t r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, int parity) {
-    asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
-                 " @!p bra W;\n}" :: "r"(bar), "r"(parity) : "memory");
 }
 
 // pair/4: cluster (2, 1, 1); both CTAs of a cluster walk the same tiles. Per tile and stage s: full[s] completes when
@@ -145,15 +141,7 @@ gather_pair(const uint8_t* pool, const int* ids, long slots, int row_bytes, int 
         }
         if (tid == 0) mbar_expect_tx(full0 + 8 * s, tile_bytes / 2);
         const uint32_t st = (uint32_t)__cvta_generic_to_shared(smem + s * tile_bytes);
-        for (int i = 0; i < kRows; ++i) {
-            const int r = grp + 16 * (2 * rank + i);
-            const bool ok = id[i] >= 0;
-            const uint8_t* src = pool + (long)(ok ? id[i] : 0) * row_bytes;
-            for (int kb = 0; kb < nkb; ++kb)
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                             :: "r"(st + sw_off(r, kb, c8)), "l"(src + kb * 128 + c8 * 16), "r"(ok ? 16 : 0)
-                             : "memory");
-        }
+        for (int i = 0; i < kRows; ++i) cp_async_row_chunks(st, grp + 16 * (2 * rank + i), pool, id[i], row_bytes, c8);
         asm volatile("cp.async.commit_group;" ::: "memory");
         asm volatile("cp.async.wait_group 0;" ::: "memory");
         const uint32_t pst = mapa_peer(st, peer), pfull = mapa_peer(full0 + 8 * s, peer);
@@ -164,14 +152,16 @@ gather_pair(const uint8_t* pool, const int* ids, long slots, int row_bytes, int 
                 uint32_t a, b, c, d;
                 asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
                              : "r"(st + off) : "memory");
-                asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+                asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32"
+                             " [%0], {%1, %2, %3, %4}, [%5];"
                              :: "r"(pst + off), "r"(a), "r"(b), "r"(c), "r"(d), "r"(pfull) : "memory");
             }
         }
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(full0 + 8 * s) : "memory");
         for (int i = 0; i < kRows; ++i) id[i] = id_next[i];
     }
-    for (int k = (n > stages ? n - stages : 0); k < n; ++k) mbar_wait_cluster(full0 + 8 * (k % stages), (k / stages) & 1);
+    for (int k = (n > stages ? n - stages : 0); k < n; ++k)
+        mbar_wait_cluster(full0 + 8 * (k % stages), (k / stages) & 1);
     // the partner may still be writing into this CTA's stages until it saw its own last tiles whole
     asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
     if (dump != nullptr && blockIdx.x == 0)

@@ -1,5 +1,6 @@
 // What the CUDA probes in bench/ (l2_reduction.cu, l2_gather.cu, dsmem_exchange.cu) share: CK, which stops the probe
-// with the file and line of a failed CUDA call, and best_ms, the fastest of `reps` timed launches.
+// with the file and line of a failed CUDA call, best_ms, the fastest of `reps` timed launches, and the two cluster
+// helpers of the 2-CTA probes (mapa_peer, mbar_wait_cluster).
 #pragma once
 #include <cstdio>
 #include <cstdlib>
@@ -29,4 +30,17 @@ float best_ms(Launch launch, int reps = 5) {
     CK(cudaEventDestroy(b));
     CK(cudaGetLastError());
     return best;
+}
+
+// The shared::cluster address of shared address `a` in the CTA of cluster rank `rank`.
+__device__ __forceinline__ uint32_t mapa_peer(uint32_t a, uint32_t rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    return r;
+}
+
+// Wait until this CTA's mbarrier `bar` completed the phase of `parity`, acquiring what the cluster released into it.
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, int parity) {
+    asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+                 " @!p bra W;\n}" :: "r"(bar), "r"(parity) : "memory");
 }

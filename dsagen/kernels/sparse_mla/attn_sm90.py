@@ -119,8 +119,10 @@ def red_add_v4_f32(dst: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Flo
 
 @dsl_user_op
 def st_global_v4_f32(dst: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
-    """`st.global.v4.f32 [dst], {a, b, c, d}` (dst 16-byte aligned)."""
-    _v4_f32("st.global.v4.f32", dst, (a, b, c, d), loc, ip)
+    """`st.global.cs.v4.f32 [dst], {a, b, c, d}` (dst 16-byte aligned): a streaming store (evict-first in L2), for
+    the deterministic modes' per-slot rows, which are written once and read once by a later kernel and should not
+    push the gathered key pool out of L2."""
+    _v4_f32("st.global.cs.v4.f32", dst, (a, b, c, d), loc, ip)
 
 
 @cute.jit

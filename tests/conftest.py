@@ -38,13 +38,17 @@ def cache_env(tmp_path, monkeypatch):
 
 
 class _RowScatterStandIn:
-    """The row scatter-add kernel's contract in torch (dsagen/kernels/row_scatter_add/scatter.py): acc[r] +=
-    rows[order[j]] for j in ptr[r] .. ptr[r + 1] - 1, for every r < n_acc."""
+    """The row scatter-add kernel's contract in torch (dsagen/kernels/row_scatter_add/scatter.py): for every
+    r < n_acc, acc[r] += rows[order[j] - row0] for j from cursor[r] while j < ptr[r + 1] and order[j] < row1, in j
+    order; cursor[r] then holds the first j not taken."""
 
-    def launch(self, acc, rows, order, ptr, n_acc):
-        counts = (ptr[1:n_acc + 1] - ptr[:n_acc]).long()
-        owner = torch.repeat_interleave(torch.arange(n_acc, device=acc.device), counts)
-        acc.index_add_(0, owner, rows[order[:int(ptr[n_acc])].long()])
+    def launch(self, acc, rows, order, ptr, cursor, row0, row1, n_acc):
+        for r in range(n_acc):
+            j, end = int(cursor[r]), int(ptr[r + 1])
+            while j < end and int(order[j]) < row1:
+                acc[r] += rows[int(order[j]) - row0]
+                j += 1
+            cursor[r] = j
 
 
 @pytest.fixture

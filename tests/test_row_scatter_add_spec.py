@@ -52,8 +52,10 @@ def test_compiles_to_16_byte_loads(width, tmp_path):
     per_lane = -(-width // 128)                          # 16-byte vectors per lane and row
     # the accumulator row's loads, UNROLL (4) rows' loads per step, and its stores: all 16 bytes wide
     assert len(re.findall(r"\bLDG\.E\.128\b", sass)) == per_lane * 5
-    assert len(re.findall(r"\bSTG\b", sass)) == len(re.findall(r"\bSTG\.E\.128\b", sass)) == per_lane
-    assert len(re.findall(r"\bLDG\.E\s", sass)) == 2 + 4      # 4-byte loads: ptr[r], ptr[r + 1], 4 rows' order
+    assert len(re.findall(r"\bSTG\.E\.128\b", sass)) == per_lane
+    assert len(re.findall(r"\bSTG\.E\s", sass)) == 1          # the row's cursor
+    # 4-byte loads: cursor[r], ptr[r + 1], the slice's end search (one order entry per lane and step), 4 rows' order
+    assert len(re.findall(r"\bLDG\.E\s", sass)) == 2 + 1 + 4 and "VOTE.ANY" in sass
     assert not re.findall(r"\b(LDL|STL)\b", sass)
     assert not re.findall(r"\bRED\b|\bATOM", sass)         # no atomics: each row is its own warp's
 
@@ -103,3 +105,24 @@ def test_scatter_add_rows_refuses_bad_input():
             scatter_host.scatter_add_rows(*args)
     with pytest.raises(ValueError, match="contiguous and 16-byte aligned"):
         scatter_host.scatter_add_rows(torch.zeros(4, 8)[:, :4], torch.zeros(3, 4), target)
+
+
+def test_row_scatter_slices_add_as_one_call(cpu_row_scatter):
+    """A series added in uneven slices through one RowScatter (one reverse index) gives the sums of one call, each
+    accumulator row's rows in series order; a slice past the series' end is refused."""
+    gen = torch.Generator().manual_seed(7)
+    n, m, w = 11, 60, 8
+    acc = torch.randn(n, w, generator=gen)
+    rows = torch.randn(m, w, generator=gen)
+    target = torch.randint(-2, n + 2, (m,), generator=gen)
+    want = acc.clone()
+    scatter_host.scatter_add_rows(want, rows, target)
+    scatter = scatter_host.RowScatter(target, n)
+    for a, b in [(0, 7), (7, 7), (7, 30), (30, 31), (31, 60)]:
+        scatter.add(acc, rows[a:b])
+    assert torch.equal(acc, want)
+    assert torch.equal(scatter.cursor, scatter.ptr[1:])                 # every group consumed
+    with pytest.raises(ValueError, match="1 rows after 60 of a series of 60"):
+        scatter.add(acc, rows[:1])
+    with pytest.raises(ValueError, match="must be an integer tensor"):
+        scatter_host.RowScatter(torch.zeros(3), n)

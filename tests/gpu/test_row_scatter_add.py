@@ -1,6 +1,7 @@
 """GPU tests of the row scatter-add (dsagen.kernels.row_scatter_add.host.scatter_add_rows, the kernel of
 RowScatterAddSpec), the deterministic sum of the backward modes: bitwise equal to the same FP32 additions made one
-at a time in row order by torch, bitwise the same run to run and however the rows are split into calls; invalid
+at a time in row order by torch, bitwise the same run to run and however the rows are split into calls or into the
+slices of one RowScatter; invalid
 targets skipped; rows without a contribution untouched; widths 128 / 512 / 576; accumulator row counts that are not
 a multiple of the warps per CTA; an empty call.
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsagen.kernels.row_scatter_add.host import scatter_add_rows
+from dsagen.kernels.row_scatter_add.host import RowScatter, scatter_add_rows
 from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
 
 ARCH = "sm_90a"
@@ -77,7 +78,12 @@ def test_run_to_run_and_split_calls_are_bitwise_equal():
     split = acc.clone()
     for a, b in [(0, 777), (777, 150000), (150000, 200000)]:
         scatter_add_rows(split, rows[a:b], target[a:b])
-    assert torch.equal(first, again) and torch.equal(first, split)
+    series = acc.clone()
+    scatter = RowScatter(target, 4096)                      # one reverse index, the rows in slices (and one empty)
+    for a, b in [(0, 31), (31, 31), (31, 99999), (99999, 200000)]:
+        scatter.add(series, rows[a:b].contiguous())
+    assert torch.equal(first, again) and torch.equal(first, split) and torch.equal(first, series)
+    assert torch.equal(scatter.cursor, scatter.ptr[1:])     # every group's rows taken
     ref = acc.double().index_add_(0, target[(target >= 0) & (target < 4096)].long(),
                                   rows[(target >= 0) & (target < 4096)].double())
     assert ((first.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5

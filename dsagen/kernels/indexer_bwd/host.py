@@ -14,7 +14,8 @@ topk_indices_global, deterministic)`:
 4. pads 1..63 heads to 64 (zero q and weights) and runs the sm_90a kernel of IndexerBwdSpec: d_index_q in the input
    dtype, d_weights in FP32 (fixed order: deterministic), d_index_k into an FP32 accumulator by 16-byte atomics, or
    with deterministic=True per-slot rows (launches of at most `chunk_bytes`) summed by the row scatter-add
-   (row_scatter_add.host.scatter_add_rows: each id's rows added in slot order, the same every run);
+   (row_scatter_add.host.RowScatter, one reverse index for the launches of up to INDEX_SLOTS slots: each id's
+   rows added in slot order, the same every run);
 5. casts the gradients to their inputs' dtypes.
 Nothing in it synchronizes with the host; it is the custom op `dsagen::indexer_backward_fused`.
 """
@@ -26,7 +27,7 @@ import torch
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
 from ..indices.host import batch_flat_ids
-from ..row_scatter_add.host import scatter_add_rows
+from ..row_scatter_add.host import INDEX_SLOTS, RowScatter
 from ..sparse_mla.host import padded_heads
 from ..sparse_mla_bwd.host import slot_windows
 from .spec import IndexerBwdConfig, IndexerBwdSpec, config_for
@@ -118,11 +119,15 @@ def run(index_q, weights, index_k, attn_score, index_score, topk_indices, grad_l
     else:
         step = max(1, min(rows, cfg.chunk_bytes // (topk * d * 4)))
         buf = torch.empty((step, topk, d), dtype=torch.float32, device=dev)
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            kernel.launch(q[r0:r1], keys, ids[r0:r1], d_i[r0:r1], w[r0:r1], dq[r0:r1], dw[r0:r1], buf, r1 - r0, n_k,
-                          topk, keys.stride(0), perm[r0:r1], 0, n_ctas)
-            scatter_add_rows(dk, buf[:r1 - r0].view(-1, d), ids[r0:r1])          # invalid slots (-1) skipped
+        group = max(1, INDEX_SLOTS // (step * topk)) * step      # one reverse index per group of launches
+        for g0 in range(0, rows, group):
+            g1 = min(rows, g0 + group)
+            scatter = RowScatter(ids[g0:g1], n_k)                  # invalid slots (-1) skipped
+            for r0 in range(g0, g1, step):
+                r1 = min(g1, r0 + step)
+                kernel.launch(q[r0:r1], keys, ids[r0:r1], d_i[r0:r1], w[r0:r1], dq[r0:r1], dw[r0:r1], buf, r1 - r0,
+                              n_k, topk, keys.stride(0), perm[r0:r1], 0, n_ctas)
+                scatter.add(dk, buf[:r1 - r0].view(-1, d))
     d_q = dq[:, :h].reshape(b, s_q, h, d)
     d_w = dw[:, :h].reshape(b, s_q, h).to(weights.dtype)
     return d_q, d_w, dk.view(b, s_k, d).to(index_k.dtype)

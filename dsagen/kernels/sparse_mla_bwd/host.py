@@ -13,8 +13,8 @@ Per call:
   1. the kernel writes dq, delta = rowsum(out * dout) and the dKV terms: deterministic=False adds them to an FP32
      (total_S_kv, D_qk) accumulator by atomics (zeroed first); deterministic=True stores them per (query row,
      64-head block, slot) into an FP32 buffer, a token chunk at a time, and the row scatter-add
-     (row_scatter_add.host.scatter_add_rows: each id's rows added in (row, head block, slot) order) adds each chunk
-     to the accumulator: bitwise the same run to run;
+     (row_scatter_add.host.RowScatter: each id's rows added in (row, head block, slot) order, one reverse index for
+     the chunks of up to INDEX_SLOTS slots) adds each chunk to the accumulator: bitwise the same run to run;
   2. dkv = the accumulator cast to kv's dtype; d_sink[h] = -sum_t exp(sink[h] - logaddexp(lse, sink)) * delta
      (a fixed-order torch reduction).
 
@@ -34,7 +34,7 @@ import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
-from ..row_scatter_add.host import scatter_add_rows
+from ..row_scatter_add.host import INDEX_SLOTS, RowScatter
 from ..sparse_mla.host import kernel_heads, padded_heads, supported_reason
 from .spec import SparseAttnBwdConfig, SparseAttnBwdOrderSpec, SparseAttnBwdSpec, config_for
 
@@ -240,14 +240,18 @@ def _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_sc
         rows = min(s_q, chunk_rows(h, k_width, d_qk, cfg.deterministic_chunk_bytes))
         buf = take(rows * hb * max(k_width, 1) * d_qk)
         slots = torch.arange(k_width, device=q.device, dtype=torch.int32)
-        for t0 in range(0, s_q, rows):
-            t1 = min(s_q, t0 + rows)
-            # slots past a row's window get -1; ids outside [0, n_kv) are skipped by scatter_add_rows itself
-            target = ids[t0:t1].masked_fill(slots.view(1, -1) >= win[t0:t1, 1:], -1)
-            target = target.unsqueeze(1).expand(t1 - t0, hb, k_width).reshape(-1)
-            chunk = buf[:(t1 - t0) * hb * k_width * d_qk].view(-1, d_qk)
-            run(t0, t1, chunk)       # slots past a row's window are not written, and their targets are -1
-            scatter_add_rows(acc, chunk, target)
+        # one reverse index (RowScatter) per group of launches of at most INDEX_SLOTS slots in all
+        group = max(1, INDEX_SLOTS // (rows * hb * max(k_width, 1))) * rows
+        for g0 in range(0, s_q, group):
+            g1 = min(s_q, g0 + group)
+            # slots past a row's window get -1; ids outside [0, n_kv) are skipped by the scatter itself
+            target = ids[g0:g1].masked_fill(slots.view(1, -1) >= win[g0:g1, 1:], -1)
+            scatter = RowScatter(target.unsqueeze(1).expand(g1 - g0, hb, k_width).reshape(-1), n_kv)
+            for t0 in range(g0, g1, rows):
+                t1 = min(g1, t0 + rows)
+                chunk = buf[:(t1 - t0) * hb * k_width * d_qk].view(-1, d_qk)
+                run(t0, t1, chunk)       # slots past a row's window are not written, and their targets are -1
+                scatter.add(acc, chunk)
     dkv = acc.to(kv.dtype)
     d_sink = None
     if sink is not None:

@@ -1,9 +1,8 @@
-"""GPU tests of the row scatter-add (dsagen.kernels.row_scatter_add.host.scatter_add_rows, the kernel of
-RowScatterAddSpec), the deterministic sum of the backward modes: bitwise equal to the same FP32 additions made one
-at a time in row order by torch, bitwise the same run to run and however the rows are split into calls or into the
-slices of one RowScatter; invalid
-targets skipped; rows without a contribution untouched; widths 128 / 512 / 576; accumulator row counts that are not
-a multiple of the warps per CTA; an empty call.
+"""GPU tests of the row scatter-add (dsagen.kernels.row_scatter_add.host.scatter_add_rows and RowScatter, the kernel
+of RowScatterAddSpec), the deterministic sum of the backward modes: bitwise equal to the same FP32 additions made
+one at a time in row order by torch, bitwise the same run to run and however the rows are split into calls or into
+the slices of one RowScatter; invalid targets skipped; rows without a contribution untouched; widths 128 / 512 /
+576; accumulator row counts that are not a multiple of the warps per CTA; an empty call.
 
 Build what these need first (CPU, with CuTe-DSL):
     dsagen build --spec-file tests/gpu/required_specs.json

@@ -196,7 +196,9 @@ def indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: torc
         topk_indices_global: ids are flat b * S_k + local (default False: per-batch local ids).
         deterministic: d_index_k bitwise the same run to run (default False: the fused kernel adds FP32 atomics
             and the reference uses index_add_, whose order on CUDA is not fixed). d_index_q and d_weights are
-            always deterministic.
+            always deterministic. The fused deterministic mode stores each slot's FP32 row (up to 1 GiB at a
+            time) and sums them per key with a reverse index (about 24 bytes per slot while it is built, for at
+            most 2**24 slots at a time), all from torch's caching allocator.
         impl: "fused" (default; sm_90a: bf16/fp16 index_q and index_k, D 64/128, H <= 64, any topk) or
             "reference".
 

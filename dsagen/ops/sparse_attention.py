@@ -287,8 +287,10 @@ def sparse_attention_backward(q: torch.Tensor, kv: torch.Tensor, out: torch.Tens
         workspace: impl="fused" only: None (the call allocates its FP32 scratch) or a caller-owned contiguous
             float32 tensor on q's device with at least the scratch's elements, e.g. from
             `sparse_attention_backward_workspace(q, kv, topk_idxs, deterministic=...)`: then the call allocates
-            only its outputs (dq, dkv, d_sink and, for padded heads, the padded copies of q, out, dout and lse),
-            so a captured CUDA graph gets no scratch allocation. Its contents are overwritten; it may be reused
+            only its outputs (dq, dkv, d_sink and, for padded heads, the padded copies of q, out, dout and lse)
+            and, with deterministic=True, the sum's reverse index (torch's caching allocator, inside a capture the
+            graph's pool: about 24 bytes per (row, 64-head block, slot) while it is built, for at most 2**24 of
+            them at a time, ~400 MB), so a captured CUDA graph gets no other scratch allocation. Its contents are overwritten; it may be reused
             by the next call once this one has run (same stream). Scratch, FP32 elements (total_S_q, total_S_kv
             flat; H_k = 64 for H <= 64, else 128):
             total_S_kv * D_qk (the dkv accumulator) + total_S_q * H_k (delta) + 4 (a grid barrier count)

@@ -244,17 +244,3 @@ def test_host_launch_arguments_on_the_cpu(monkeypatch, cpu_row_scatter):
             if 0 <= slot_id < n_kv:
                 want[slot_id] += 1
     assert torch.equal(dkv.float(), want.view(-1, 1).expand(n_kv, 512))
-
-
-def test_deterministic_launches_take_whole_rounds_when_that_saves_rounds():
-    """launch_rows: 1 GiB fits 113 rows of T 4096 / H 128 (226 items: 1.7 rounds of 132 CTAs, 73 rounds in all);
-    66 rows (132 items, one round) need 63. At H 64 (256 rows = 1.9 rounds) whole rounds save nothing, so the
-    launches stay as large as fit; never more rows than fit or than the call has."""
-    from dsagen.kernels.sparse_mla_bwd.host import launch_rows
-
-    assert launch_rows(4096, 2, 113, 132) == 66
-    assert launch_rows(4096, 1, 256, 132) == 256
-    assert launch_rows(3, 2, 13107, 132) == 3 and launch_rows(100, 2, 113, 132) == 100
-    assert launch_rows(4096, 2, 1, 132) == 1 and launch_rows(0, 2, 113, 132) == 1
-    for s_q, hb, fit, n in [(4096, 2, 113, 132), (777, 2, 50, 7), (5000, 1, 300, 132)]:
-        assert 1 <= launch_rows(s_q, hb, fit, n) <= fit

@@ -65,22 +65,6 @@ def chunk_rows(num_heads: int, topk: int, d_qk: int, chunk_bytes: int = 2**30) -
     return max(1, chunk_bytes // per_row)
 
 
-def launch_rows(s_q: int, head_blocks: int, rows_fit: int, n_ctas: int) -> int:
-    """Query rows per deterministic launch: at most `rows_fit` (chunk_rows), chosen among rows_fit and the whole
-    rounds of the grid that fit (n_ctas items a round, `head_blocks` items a row) for the fewest rounds of items in
-    all, then the fewest launches. E.g. T 4096 / H 128 / 1 GiB: 113 rows (226 items, 1.7 rounds of 132 CTAs: 73
-    rounds in 37 launches) -> 66 rows (one round each: 63 rounds in 63 launches)."""
-    rows_fit = max(1, min(rows_fit, s_q))
-
-    def cost(rows: int) -> tuple[int, int]:
-        full, rest = divmod(s_q, rows)
-        per = -(-rows * head_blocks // n_ctas)
-        return full * per + -(-rest * head_blocks // n_ctas), full + (rest > 0)
-
-    candidates = [rows_fit] + [k * n_ctas // head_blocks for k in range(1, rows_fit * head_blocks // n_ctas + 1)]
-    return min((r for r in candidates if r >= 1), key=lambda r: (cost(r), -r))
-
-
 def buckets(n_kv: int, bucket_rows: int | None) -> int:
     """KV windows a call orders each row's ids by: ceil(n_kv / bucket_rows) (1, no ordering, without bucketing or
     for a pool of at most bucket_rows rows)."""
@@ -253,7 +237,7 @@ def _launch(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_sc
     if s_q > 0 and not deterministic:
         run(0, s_q, acc)
     elif s_q > 0:
-        rows = launch_rows(s_q, hb, chunk_rows(h, k_width, d_qk, cfg.deterministic_chunk_bytes), n_ctas)
+        rows = min(s_q, chunk_rows(h, k_width, d_qk, cfg.deterministic_chunk_bytes))
         buf = take(rows * hb * max(k_width, 1) * d_qk)
         slots = torch.arange(k_width, device=q.device, dtype=torch.int32)
         # one reverse index (RowScatter) per group of launches of at most INDEX_SLOTS slots in all

@@ -217,13 +217,9 @@ def cp_async_rows(dst: cute.Pointer, lay, src: cute.Pointer, rows: int, width: i
 def load_tile_ids(ids, mIdx: cute.Tensor, slot0, limit, n_rows, grp) -> None:
     """The ids of a gathered tile's rows grp + 16 i (i < len(ids)): ids[i] = mIdx[slot0 + grp + 16 i] where that slot
     is below `limit` and the id lies in [0, n_rows), else -1 (a row gather_tile_rows zero-fills). mIdx: the query
-    row's ids (slots)."""
-    for i in cutlass.range_constexpr(cute.size(ids)):
-        slot = slot0 + grp + 16 * i
-        kv = Int32(-1)
-        if slot < limit:
-            kv = mIdx[slot]
-        ids[i] = kv if kv >= 0 and kv < n_rows else Int32(-1)
+    row's ids (slots). It is load_tile_ids_raw followed by valid_tile_ids."""
+    load_tile_ids_raw(ids, mIdx, slot0, limit, grp)
+    valid_tile_ids(ids, ids, n_rows)
 
 
 @cute.jit
@@ -324,13 +320,6 @@ def gather_ring_tile(dst: cute.Pointer, sw_base, lay, p_rows: cute.Pointer, ld, 
     cute.arch.cp_async_mbarrier_arrive_noinc(kv_ready + s)
 
 
-__all__ = ["sw128", "store_row_v4", "load_tile_ids", "load_tile_ids_raw", "valid_tile_ids", "row_ids_ahead",
-           "tile_ids", "init_gather_ring", "gather_ring_tile", "red_add_v4_f32", "st_global_v4_f32",
-           "quad_v4_columns", "pair_v4_segments", "cp_async_rows", "gather_tile_rows", "acc_mn_view", "acc_as_frg_a",
-           "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy", "cp_async_16_policy", "pack_f32x2",
-           "st_global_v4_b32"]
-
-
 # ------------------------------------------------------------------------------------------------ grid barrier
 @dsl_user_op
 def red_release_add_s32(dst: cute.Pointer, v: Int32, *, loc=None, ip=None) -> None:
@@ -375,3 +364,11 @@ def grid_barrier(counter: cute.Pointer, tidx, it, n_items, nctas, bar_id: int, t
             nanosleep(256)
             spins += 1
     cute.arch.barrier(barrier_id=bar_id, number_of_threads=threads)
+
+
+__all__ = ["sw128", "store_row_v4", "load_tile_ids", "load_tile_ids_raw", "valid_tile_ids", "row_ids_ahead",
+           "tile_ids", "init_gather_ring", "gather_ring_tile", "red_add_v4_f32", "st_global_v4_f32",
+           "quad_v4_columns", "pair_v4_segments", "cp_async_rows", "gather_tile_rows", "acc_mn_view", "acc_as_frg_a",
+           "tree_reduce", "swizzled_byte_offset", "l2_evict_first_policy", "cp_async_16_policy", "pack_f32x2",
+           "st_global_v4_b32", "red_release_add_s32", "ld_acquire_s32", "nanosleep", "GRID_BARRIER_SPINS",
+           "grid_barrier"]

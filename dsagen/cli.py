@@ -128,6 +128,8 @@ def _spec_of(d, where: str, arch: str | None = None):
         d["fields"]["arch"] = arch
     try:
         return KernelSpec.from_canonical(d).check()
+    except SpecError as e:
+        raise SpecError(f"{where}: {e}") from None
     except TypeError as e:  # missing fields: the dataclass constructor's message names them
         raise SpecError(f"{where}: {e}") from None
 
@@ -144,6 +146,7 @@ def _json_of(text: str, where: str):
 def _specs_from_args(args) -> list:
     """Every spec the build options name, in order, without duplicates (see the build help for --arch)."""
     from .spec import get_preset, missing_ops
+    from .spec.base import read_capped
     from .spec.model_config import load_model_config, missing_ops_for_model, specs_for_model
 
     arches = _arches_of(args.arch)
@@ -171,7 +174,7 @@ def _specs_from_args(args) -> list:
         specs.extend(_spec_of(d, f"--spec {text!r}", a) for a in arches or [None])
     for path in args.spec_file or ():
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            text = read_capped(path, f"--spec-file {path}").decode("utf-8")
         except UnicodeDecodeError as e:
             raise ConfigError(f"--spec-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         data = _json_of(text, f"--spec-file {path}")
@@ -310,7 +313,7 @@ def cmd_build(args) -> int:
     if not dsl_available():
         raise ConfigError("dsagen build needs CuTe-DSL: pip install 'dsagen[gen]'")
     CacheStore.from_env().ensure_root()  # refuses an unusable cache root here, once, not in every worker
-    jobs = max(1, min(args.jobs or os.cpu_count() or 1, len(specs)))
+    jobs = max(1, min(args.jobs or os.cpu_count() or 1, len(specs)))  # args.jobs is None or >= 1
     print(f"building {len(specs)} kernel(s) for {', '.join(sorted({s.arch for s in specs}))} into "
           f"{env.CACHE_DIR.get()} with {jobs} job(s)", file=sys.stderr)
     _log.info("build of %d kernel(s) into %s with %d job(s)", len(specs), env.CACHE_DIR.get(), jobs)
@@ -668,7 +671,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="a JSON file with one spec or a list of specs (repeatable)")
     b.add_argument("--arch", help="comma-separated targets (default $DSAGEN_ARCH or sm_90a); re-targets "
                                   "--spec / --spec-file specs (see below)")
-    b.add_argument("--jobs", "-j", type=int, metavar="N", help="parallel compile processes (default: CPU count)")
+    b.add_argument("--jobs", "-j", type=_positive_int, metavar="N",
+                   help="parallel compile processes, >= 1 (default: CPU count)")
     b.add_argument("--dry-run", action="store_true",
                    help="list what would be built and what is already cached; compile nothing")
     b.set_defaults(fn=cmd_build)
@@ -710,6 +714,17 @@ def make_parser() -> argparse.ArgumentParser:
     be.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the benchmark")
     be.set_defaults(fn=cmd_bench)
     return p
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a count of processes), else a usage error that quotes the value."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer (>= 1), got {text}")
+    return n
 
 
 def _preset_names() -> list[str]:

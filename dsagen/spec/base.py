@@ -8,6 +8,7 @@ run-time kernel arguments, so a new sequence length never compiles a new kernel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from typing import Any, ClassVar, TypeVar
@@ -78,25 +79,38 @@ class KernelSpec:
     arch: str
 
     # ---- validation -------------------------------------------------------------------------------
-    def reasons(self) -> list[str]:
-        """Every reason this spec cannot be built, as sentences a person can act on; [] when valid."""
+    def type_reasons(self) -> list[str]:
+        """Every field whose value is not of its annotated type, as sentences naming the field; [] when all are.
+
+        The types are exact: 8.0 and true equal 8 and 1 in Python, but they are other canonical JSON and so
+        another cache key, and a family's own checks (`x in (1, 2)`) would take them."""
         out = []
-        if self.arch not in ARCHES:
-            out.append(f"arch {self.arch!r} is unknown; choose one of {', '.join(sorted(ARCHES))}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, (bool, int, float, str)):
-                out.append(f"field {f.name} must be a bool, int, float or str, got {type(v).__name__}")
+            allowed = _field_types(type(self), f.name)
+            if type(v) not in allowed:
+                out.append(f"field {f.name} must be {_type_words(allowed)}, got {_shown(v)}")
         return out
+
+    def reasons(self) -> list[str]:
+        """Every reason this spec cannot be built, as sentences a person can act on; [] when valid."""
+        out = self.type_reasons()
+        if isinstance(self.arch, str) and self.arch not in ARCHES:
+            out.append(f"arch {self.arch!r} is unknown; choose one of {', '.join(sorted(ARCHES))}")
+        return out
+
+    def _all_reasons(self) -> list[str]:
+        # mistyped fields alone: a family's reasons() may compute with its fields and fail on a wrong type
+        return self.type_reasons() or self.reasons()
 
     def can_implement(self) -> tuple[bool, str]:
         """(True, "") when the spec is buildable, else (False, all reasons joined)."""
-        r = self.reasons()
+        r = self._all_reasons()
         return (not r, "; ".join(r))
 
     def check(self: S) -> S:
         """Return self, or raise SpecError naming the spec and every reason it is invalid."""
-        r = self.reasons()
+        r = self._all_reasons()
         if r:
             raise SpecError(f"{self.name()}: " + "; ".join(r))
         return self
@@ -121,7 +135,7 @@ class KernelSpec:
             if f.default is not dataclasses.MISSING and v == f.default:
                 continue
             parts.append(f"{_short(f.name)}{_fmt(v)}")
-        parts.append(self.arch)
+        parts.append(_fmt(self.arch))  # a mistyped arch still names its spec in check()'s message
         return "_".join(parts)
 
     def symbol(self) -> str:
@@ -130,22 +144,86 @@ class KernelSpec:
 
     @classmethod
     def from_canonical(cls, d: dict[str, Any]) -> "KernelSpec":
-        """Rebuild a spec from canonical() output (any registered family)."""
+        """Rebuild a spec from canonical() output (any registered family): exactly the keys "op" and "fields".
+
+        A key beside those (an "arch" put at the top level, say) is an error: ignoring it would build
+        something other than what was asked for. Field types are checked by check()."""
+        if not isinstance(d, dict):
+            raise SpecError(f"a spec is a JSON object {{\"op\": ..., \"fields\": {{...}}}}, got {_shown(d)}")
+        extra_keys = sorted(set(d) - CANONICAL_KEYS, key=str)
+        if extra_keys:
+            raise SpecError(f"unknown top-level key{'s' if len(extra_keys) > 1 else ''} "
+                            f"{', '.join(map(repr, extra_keys))}: a spec has only \"op\" and \"fields\" "
+                            f"(arch and every other setting go in \"fields\")")
         types = spec_types()
         if d.get("op") not in types:
             raise SpecError(f"unknown op {d.get('op')!r}; known: {', '.join(sorted(types))}")
         kind = types[d["op"]]
+        fields = d.get("fields", {})
+        if not isinstance(fields, dict):
+            raise SpecError(f"{kind.__name__}: \"fields\" must be a JSON object, got {_shown(fields)}")
         names = {f.name for f in dataclasses.fields(kind)}
-        extra = set(d.get("fields", {})) - names
+        extra = set(fields) - names
         if extra:
             raise SpecError(f"{kind.__name__}: unknown fields {sorted(extra)}")
-        return kind(**d["fields"])
+        return kind(**fields)
 
     def template_context(self) -> dict[str, Any]:
         """Values the template renders with: every field plus `symbol` and `spec_name`."""
         ctx = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         ctx.update(symbol=self.symbol(), spec_name=self.name(), op=self.op)
         return ctx
+
+
+#: the most bytes dsagen reads from one spec file or model config (a real one is a few KiB)
+SPEC_FILE_MAX_BYTES = 16 << 20
+
+
+def read_capped(path, where: str, error: type[DsagenError] | None = None) -> bytes:
+    """The bytes of file `path`, read no further than SPEC_FILE_MAX_BYTES + 1 bytes: a larger file (or an endless
+    one, /dev/zero) is an `error` (SpecError by default) naming `where`, never read whole into memory."""
+    cap = SPEC_FILE_MAX_BYTES
+    with open(path, "rb") as f:
+        data = f.read(cap + 1)
+    if len(data) > cap:
+        size = f"{cap >> 20} MiB" if cap % (1 << 20) == 0 else f"{cap} bytes"
+        raise (error or SpecError)(f"{where}: larger than {size} (the most dsagen reads from one spec or "
+                                   f"config file)")
+    return data
+
+
+#: the keys of a spec's canonical dict
+CANONICAL_KEYS = frozenset({"op", "fields"})
+
+#: what a spec field may hold: JSON's scalars, by annotation name
+_SCALARS = {"bool": bool, "int": int, "float": float, "str": str, "None": type(None)}
+_WORDS = {bool: "a bool", int: "an int", float: "a float", str: "a str", type(None): "null"}
+
+
+@functools.lru_cache(maxsize=None)
+def _field_types(kind: type, name: str) -> tuple[type, ...]:
+    """The exact types field `name` of spec class `kind` may hold, from its annotation ("int", "str | int",
+    "int | None"); an annotation of anything else allows any JSON scalar."""
+    annotation = {f.name: f.type for f in dataclasses.fields(kind)}[name]
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    parts = [p.strip() for p in text.split("|")]
+    if parts and all(p in _SCALARS for p in parts):
+        return tuple(_SCALARS[p] for p in parts)
+    return (bool, int, float, str)
+
+
+def _type_words(types: tuple[type, ...]) -> str:
+    """'an int', 'a str or an int', ... for a message."""
+    return " or ".join(_WORDS[t] for t in types)
+
+
+def _shown(v: Any) -> str:
+    """`v` as JSON (as a spec file spells it) where it can be, else its repr; cut to 60 characters."""
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError):
+        text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 _SHORT = {"feature": "", "smem_bytes": "smem", "num_heads": "h", "head_dim": "d", "topk": "k", "compress_ratio": "r", "dtype": "",

@@ -25,7 +25,7 @@ Fields read from the config (every other field is ignored):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from ..kernels.sparse_mla.spec import kernel_heads
 from ..kernels.sparse_mla_bwd.spec import SparseAttnBwdOrderSpec
 from ..kernels.sparse_mla_bwd.spec import config_for as sparse_mla_bwd_config
 from .arch import ARCHES, get_arch
-from .base import KernelSpec, SpecError
+from .base import KernelSpec, SpecError, read_capped
 
 #: Query heads the fused sparse MLA serves: 64 and 128 natively, fewer zero-padded by the op's host code to 64 or
 #: 128 (kernel_heads).
@@ -102,9 +102,23 @@ class ModelAttention:
         """Value/output width of the absorbed sparse MLA (the latent width)."""
         return self.kv_lora_rank
 
-    def problems(self) -> list[str]:
-        """Every value no kernel serves, as 'field=value: why' sentences naming the config field; [] when fine."""
+    def type_problems(self) -> list[str]:
+        """Every field not of its exact type (an int field holding a bool or a float, a dtype that is not a str),
+        as sentences naming the field; [] when all are. 64.0 or True would pass the range checks below and then
+        reach the kernel specs, whose fields are exact ints."""
         out = []
+        for name, kind, words in _FIELD_TYPES:
+            v = getattr(self, name)
+            if type(v) is not kind:
+                out.append(f"{name} must be {words}, got {_shown(v)}")
+        return out
+
+    def problems(self) -> list[str]:
+        """Every value no kernel serves, as 'field=value: why' sentences naming the config field; [] when fine.
+        A mistyped field is reported alone (type_problems): the range checks compare values of the right type."""
+        out = self.type_problems()
+        if out:
+            return out
         if not 1 <= self.num_heads <= MLA_MAX_HEADS:
             out.append(f"num_attention_heads: {self.num_heads} query heads per GPU, but the sparse MLA kernels serve "
                        f"1..{MLA_MAX_HEADS} (64 and 128 natively, fewer padded); with tensor parallelism give the GPU "
@@ -133,6 +147,19 @@ class ModelAttention:
         if p:
             raise ModelConfigError(f"{where}: " + "; ".join(p))
         return self
+
+
+#: (field, exact type, words for a message) of every ModelAttention field
+_FIELD_TYPES = tuple((f.name, str, "a str") if f.name == "dtype" else (f.name, int, "an int")
+                     for f in fields(ModelAttention))
+
+
+def _shown(v: Any) -> str:
+    """`v` as JSON where it can be (as a config spells it), else its repr; cut to 40 characters."""
+    try:
+        return json.dumps(v)[:40]
+    except (TypeError, ValueError):
+        return repr(v)[:40]
 
 
 #: DeepSeek-V3.2 (DSA): MLA with 128 query heads, latent 512 + RoPE 64; indexer with 64 heads of 128, top-2048; bf16.
@@ -249,7 +276,7 @@ def load_model_config(path: str | Path, tensor_parallel: int = 1) -> ModelAttent
     """The checked ModelAttention of the config file `path` (see `model_from_config`); ModelConfigError when the
     file is not UTF-8 JSON, OSError when it cannot be read."""
     where = f"--model {path}"
-    raw = Path(path).read_bytes()
+    raw = read_capped(path, where, ModelConfigError)
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:

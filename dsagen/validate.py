@@ -21,9 +21,15 @@ def check_impl(impl: str) -> str:
 
 def check_tensor(name: str, t, *, dtypes: Iterable[torch.dtype] | None = None,
                  ndim: int | Sequence[int] | None = None, device: torch.device | None = None) -> torch.Tensor:
-    """`t` must be a torch.Tensor with one of `dtypes`, `ndim` dimensions and on `device` (when given)."""
+    """`t` must be a dense torch.Tensor with one of `dtypes`, `ndim` dimensions and on `device` (when given).
+
+    Every tensor argument of every public op passes through here first, so the layout is checked here once:
+    a sparse tensor (COO, CSR, CSC, BSR, BSC) has no strides, and the ops' indexing would otherwise fail deep
+    in torch with a message that names no argument."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     if dtypes is not None:
         dtypes = tuple(dtypes)
         if t.dtype not in dtypes:

@@ -235,10 +235,14 @@ def _worker_init(parent_pid: int) -> None:
 
 
 class _Terminated(SystemExit):
-    """SIGTERM during `dsagen build`: unwinds like Ctrl-C, so that the workers are terminated."""
+    """SIGTERM during `dsagen build`: unwinds like Ctrl-C, so that the workers are terminated and the compile and
+    staging folders of a build in this process are removed by their own cleanup."""
 
 
 def _raise_terminated(signum, frame) -> None:
+    # one unwinding: a second SIGTERM must not interrupt the cleanup the first one started (the build
+    # restores the previous handler when it has unwound)
+    signal.signal(signum, signal.SIG_IGN)
     raise _Terminated(128 + signum)
 
 
@@ -346,8 +350,10 @@ def cmd_build(args) -> int:
 
     pool = (ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init,
                                 initargs=(os.getpid(),)) if jobs > 1 else None)
+    # every build, with workers or not: the default SIGTERM would end this process at once, leaving the
+    # compile folder and the cache staging folder of a build running here
     main_thread = threading.current_thread() is threading.main_thread()
-    old_term = signal.signal(signal.SIGTERM, _raise_terminated) if pool is not None and main_thread else None
+    old_term = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         for i, (spec, row_of) in enumerate(outcomes(pool), 1):
             try:
@@ -511,8 +517,11 @@ def cmd_prune(args) -> int:
                           keep_generator=None if args.all else GENERATOR_VERSION)
     for p in removed:
         print(f"removed {p}")
-    print(f"pruned {len(removed)} item(s) from {store.writable.root if store.writable else '(none)'}")
-    return 0
+    for p, why in removed.failed:
+        print(f"dsagen: could not remove {p}: {why}", file=sys.stderr)
+    print(f"pruned {len(removed)} item(s) from {store.writable.root if store.writable else '(none)'}"
+          + (f"; {len(removed.failed)} could not be removed" if removed.failed else ""))
+    return 1 if removed.failed else 0
 
 
 def cmd_pack(args) -> int:
@@ -769,6 +778,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dsagen: interrupted", file=sys.stderr)
         return 130
+    except _Terminated as e:
+        print("dsagen: terminated", file=sys.stderr)
+        return e.code
     except (DsagenError, OSError) as e:
         if debug:
             traceback.print_exc()

@@ -158,7 +158,7 @@ def _specs_from_args(args) -> list:
 
     def say_missing(what: str, arch: str, missing: list[str]) -> None:
         if missing:
-            print(f"dsagen: {what} has no {arch} kernels yet for: {', '.join(missing)} "
+            print(f"dsagen: {_printable(what)} has no {arch} kernels yet for: {', '.join(missing)} "
                   f"(impl='fused' ops needing them raise NotImplementedError there); building the rest",
                   file=sys.stderr)
 
@@ -261,6 +261,25 @@ def _terminate_workers(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _printable(text) -> str:
+    """`text` (any value, as str()) with every character that is not printable written as an escape: controls as
+    `\\x1b`, `\\n`, ..., other non-printables as `\\u200b`, and the surrogate escapes of a file name that is not
+    UTF-8 as the byte they stand for (`\\xff`). Names, paths and values from a cache, a spec or the file system
+    are printed through this: they cannot move the cursor, retitle the terminal or forge lines, and they encode
+    on any stdout."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _escape(c) for c in text)
+
+
+def _escape(c: str) -> str:
+    """One non-printable character as a Python escape (a surrogate escape as its byte, as the file name has it)."""
+    if "\udc80" <= c <= "\udcff":
+        return f"\\x{ord(c) - 0xdc00:02x}"
+    return c.encode("unicode_escape").decode("ascii")
+
+
 def _fit(text: str, width: int) -> str:
     """`text` cut to `width` characters: its head and tail around '..' (paths and names keep both ends)."""
     text = str(text)
@@ -276,7 +295,8 @@ def _table(rows: list[dict], cols: list[str], shrink: tuple[str, ...] = (), widt
     """`rows` as a text table of `cols`, at most `width` columns wide: the widest column of `shrink` gives up a
     character at a time (down to its heading's width or 8) and its cells are cut with `_fit`; the last column is
     not padded."""
-    widths = {c: max(len(c), *(len(str(r.get(c, "") if r.get(c) is not None else "")) for r in rows)) for c in cols}
+    text = [{c: _printable("" if r.get(c) is None else r.get(c)) for c in cols} for r in rows]
+    widths = {c: max(len(c), *(len(t[c]) for t in text)) for c in cols}
     floor = {c: max(len(c), 8) for c in shrink}
     while sum(widths.values()) + 2 * (len(cols) - 1) > width:
         candidates = [c for c in shrink if widths[c] > floor[c]]
@@ -288,12 +308,8 @@ def _table(rows: list[dict], cols: list[str], shrink: tuple[str, ...] = (), widt
     def line(cells: list[str]) -> str:
         return "  ".join(cell.ljust(widths[c]) for c, cell in zip(cols, cells)).rstrip()
 
-    def cell(r: dict, c: str) -> str:
-        v = r.get(c)
-        return _fit("" if v is None else str(v), widths[c])
-
     out = [line(cols), line(["-" * widths[c] for c in cols])]
-    out += [line([cell(r, c) for c in cols]) for r in rows]
+    out += [line([_fit(t[c], widths[c]) for c in cols]) for t in text]
     return "\n".join(out)
 
 
@@ -319,7 +335,7 @@ def cmd_build(args) -> int:
     CacheStore.from_env().ensure_root()  # refuses an unusable cache root here, once, not in every worker
     jobs = max(1, min(args.jobs or os.cpu_count() or 1, len(specs)))  # args.jobs is None or >= 1
     print(f"building {len(specs)} kernel(s) for {', '.join(sorted({s.arch for s in specs}))} into "
-          f"{env.CACHE_DIR.get()} with {jobs} job(s)", file=sys.stderr)
+          f"{_printable(env.CACHE_DIR.get())} with {jobs} job(s)", file=sys.stderr)
     _log.info("build of %d kernel(s) into %s with %d job(s)", len(specs), env.CACHE_DIR.get(), jobs)
     rows, failed, t0 = [], [], time.perf_counter()
 
@@ -329,8 +345,8 @@ def cmd_build(args) -> int:
         _log.info("%s %s (%.2fs)", row["status"], row["name"], row["seconds"])
         bar = "#" * int(24 * i / len(specs))
         count = f"{i}/{len(specs)}"
-        line = f"[{bar:<24}] {count} {_fit(row['name'], 56 - len(count)):<{56 - len(count)}} {row['status']:>6} " \
-               f"{row['seconds']:6.2f}s"
+        name = _fit(_printable(row["name"]), 56 - len(count))
+        line = f"[{bar:<24}] {count} {name:<{56 - len(count)}} {row['status']:>6} {row['seconds']:6.2f}s"
         if tty:  # redraw one line; a log gets one line per kernel
             print("\r" + line, end="\n" if i == len(specs) else "", file=sys.stderr, flush=True)
         else:
@@ -380,7 +396,7 @@ def cmd_build(args) -> int:
           f"{len(failed)} failed in {time.perf_counter() - t0:.1f}s")
     for name, e in failed:
         _log.error("FAILED %s: %s: %s", name, type(e).__name__, e)
-        print(f"FAILED {name}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(_printable(f"FAILED {name}: {type(e).__name__}: {e}"), file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -468,7 +484,7 @@ def cmd_show(args) -> int:
             manifests.append(check_entry(Path(r["path"]), verify_hashes=False, bytecode_ok=r["bytecode_ok"]))
         except CacheCorruption as e:
             bad += 1
-            print(f"dsagen: invalid entry: {e}", file=sys.stderr)
+            print(f"dsagen: invalid entry: {_printable(e)}", file=sys.stderr)
     if manifests:
         print(json.dumps(manifests[0] if len(hits) == 1 else manifests, indent=1))
     return 1 if bad else 0
@@ -488,7 +504,7 @@ def cmd_verify(args) -> int:
             check_entry(path, verify_hashes=True, bytecode_ok=layer.bytecode_ok)
         except CacheCorruption as e:
             bad += 1
-            print(f"MISMATCH {e}")
+            print(f"MISMATCH {_printable(e)}")
     for layer in store.layers:  # a kernel wheel's tree is also exactly its checksum list
         if layer.wheel is None:
             continue
@@ -500,7 +516,7 @@ def cmd_verify(args) -> int:
             problems = checksums_problems(layer.root, sums, bytecode_ok=True)
         for p in problems:
             sums_bad += 1
-            print(f"MISMATCH {layer.origin}: {p}")
+            print(_printable(f"MISMATCH {layer.origin}: {p}"))
     print(f"verified {n} entr{'y' if n == 1 else 'ies'}: {n - bad} ok, {bad} bad"
           + (f"; {sums_bad} kernel-wheel checksum problem(s)" if sums_bad else ""))
     return 1 if bad or sums_bad else 0
@@ -516,10 +532,10 @@ def cmd_prune(args) -> int:
     removed = store.prune(everything=args.all, keep_toolchain=keep_tc,
                           keep_generator=None if args.all else GENERATOR_VERSION)
     for p in removed:
-        print(f"removed {p}")
+        print(f"removed {_printable(p)}")
     for p, why in removed.failed:
-        print(f"dsagen: could not remove {p}: {why}", file=sys.stderr)
-    print(f"pruned {len(removed)} item(s) from {store.writable.root if store.writable else '(none)'}"
+        print(_printable(f"dsagen: could not remove {p}: {why}"), file=sys.stderr)
+    print(f"pruned {len(removed)} item(s) from {_printable(store.writable.root) if store.writable else '(none)'}"
           + (f"; {len(removed.failed)} could not be removed" if removed.failed else ""))
     return 1 if removed.failed else 0
 
@@ -536,14 +552,14 @@ def cmd_pack(args) -> int:
         from .store.wheel import DEFAULT_NAME, write_wheel
 
         path, n = write_wheel(CacheStore.from_env(), Path(args.out), args.name or DEFAULT_NAME, args.wheel_version)
-        print(f"packed {n} entr{'y' if n == 1 else 'ies'} into {path}\n"
-              f"install it with: pip install {path}")
+        print(f"packed {n} entr{'y' if n == 1 else 'ies'} into {_printable(path)}\n"
+              f"install it with: pip install {_printable(path)}")
         return 0
     out = Path(args.out)
     if not out.name or out.name in (".", "..") or out.is_dir():
         raise ConfigError(f"--out {args.out!r}: give a file name for the pack")
     n = pack(CacheStore.from_env(), out)
-    print(f"packed {n} entr{'y' if n == 1 else 'ies'} into {args.out}")
+    print(f"packed {n} entr{'y' if n == 1 else 'ies'} into {_printable(args.out)}")
     return 0
 
 
@@ -558,7 +574,7 @@ def cmd_unpack(args) -> int:
         n = unpack(CacheStore.from_env(), Path(args.file))
     except tarfile.TarError as e:
         raise DsagenError(f"{args.file}: not a dsagen pack (not a readable tar file)") from e
-    print(f"unpacked {n} entr{'y' if n == 1 else 'ies'} into {env.CACHE_DIR.get()}")
+    print(f"unpacked {n} entr{'y' if n == 1 else 'ies'} into {_printable(env.CACHE_DIR.get())}")
     return 0
 
 
@@ -616,7 +632,7 @@ def cmd_env(args) -> int:
     print(_table(rows, ["variable", "value", "effective", "meaning"], shrink=("meaning", "effective", "value")))
     for v in variables:
         if not v["valid"]:
-            print(textwrap.fill(v["effective"], WIDTH, subsequent_indent="  ", break_on_hyphens=False))
+            print(textwrap.fill(_printable(v["effective"]), WIDTH, subsequent_indent="  ", break_on_hyphens=False))
     print()
     print(_table(layers, ["source", "writable", "root"], shrink=("root", "source")))
     tc = ", ".join(f"{d} {v}" for d, v in info["toolchain"].items()) or "CuTe-DSL not installed (runtime only)"
@@ -640,16 +656,43 @@ def cmd_bench(args) -> int:
     sys.path.insert(0, str(target.parent))  # as `python bench/<name>.py` would: the benches import `common`
     try:
         runpy.run_path(str(target), run_name="__main__")
+    except Exception as e:
+        _raise_if_no_cuda(args.which, e)
+        raise  # with CUDA, a failing benchmark is a bug to see in full
     finally:
         sys.path.remove(str(target.parent))
     return 0
+
+
+def _raise_if_no_cuda(which: str, e: Exception) -> None:
+    """ConfigError (one line; the traceback with --debug) when benchmark `which` failed with `e` on a machine where
+    torch sees no CUDA device: most benchmarks time GPU kernels, and the traceback of their first CUDA call says
+    less than this. A CPU-only benchmark (cold_jit) runs as usual and never gets here unless it fails."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"benchmark {which!r} needs a CUDA device, and torch sees none "
+                          f"(torch {torch.__version__}; it failed with {type(e).__name__}: {e})") from e
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, except that help, version and usage text that cannot be written is an error: argparse
+    ignores a failed write (and sends help to stderr when stdout is closed), so `dsagen --help > /dev/full` would
+    exit 0 with its output lost."""
+
+    def _print_message(self, message: str, file=None) -> None:
+        if not message:
+            return
+        if file is None and sys.stdout is None:  # argparse passes sys.stdout, None when it is closed
+            raise ConfigError("standard output is closed")
+        (file or sys.stderr).write(message)
 
 
 def make_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand; `--debug` goes before or after the subcommand."""
     debug_help = "print the traceback of an error instead of one line (also DSAGEN_DEBUG=1)"
     raw = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="dsagen", formatter_class=raw,
         description=__doc__.split("\n\n")[0] + "\n\n" + "\n".join(__doc__.split("\n\n")[1].splitlines()),
         epilog=_refill(_SPEC_FORMAT) + "\n`dsagen COMMAND --help` describes a command; python -m dsagen is the same program.\n"
@@ -754,20 +797,71 @@ def _quiet_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
 
 
+def _settle_stdout() -> None:
+    """After an error: flush what the command printed; where stdout cannot take it (a full disk, a closed pipe), drop
+    it, so that the interpreter's final flush does not fail again (which prints a warning and exits 120)."""
+    try:
+        if sys.stdout is not None:
+            sys.stdout.flush()
+    except (OSError, ValueError):
+        _quiet_stdout()
+
+
+@contextlib.contextmanager
+def _unencodable_escaped():
+    """stdout and stderr write what their encoding cannot (a strict UTF-8 stdout and a path with surrogate escapes,
+    say) as backslash escapes instead of raising UnicodeEncodeError after the work is done; restored afterwards,
+    for a program that calls main()."""
+    saved = []
+    for stream in (sys.stdout, sys.stderr):
+        errors = getattr(stream, "errors", None)
+        with contextlib.suppress(Exception):  # not a TextIOWrapper (a test's capture), or a broken stream
+            stream.reconfigure(errors="backslashreplace")
+            saved.append((stream, errors))
+    try:
+        yield
+    finally:
+        for stream, errors in saved:
+            with contextlib.suppress(Exception):
+                stream.reconfigure(errors=errors)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace | int:
+    """The parsed arguments, or the exit status where argparse ends the command: 2 after a usage error (printed on
+    stderr), 0 after --help or --version, whose output is flushed here so that output that is lost (a closed
+    pipe, a full disk) raises OSError instead of exiting 0."""
+    try:
+        return make_parser().parse_args(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    if code == 0 and sys.stdout is not None:
+        sys.stdout.flush()
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the `dsagen` command line on `argv` (default sys.argv[1:]); returns the exit status.
 
     0 success; 1 a command's own failure (a kernel not built, a hash mismatch, no such entry); 2 a
     usage, configuration, cache, pack or spec error (dsagen.DsagenError, OSError), printed as one line
     `dsagen: error: ...` (with --debug or DSAGEN_DEBUG=1: the traceback); 130 / 143 after Ctrl-C /
-    SIGTERM. A closed stdout (`dsagen list | head -1`) ends the command quietly with status 1.
+    SIGTERM. A closed stdout (`dsagen list | head -1`, `dsagen --help | true`) ends the command quietly
+    with status 1; output that cannot be written otherwise (a full disk) is an error, status 2, --help
+    and --version included. Names and paths are printed with non-printable characters escaped (`_printable`).
     """
-    args = make_parser().parse_args(argv)
-    debug = args.debug
-    if sys.stdout is None:  # started with stdout closed (`dsagen list >&-`): nowhere to print results
-        print("dsagen: error: standard output is closed", file=sys.stderr)
-        return 2
+    with _unencodable_escaped():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    debug = False
     try:
+        args = _parse(argv)
+        if isinstance(args, int):
+            return args
+        debug = args.debug
+        if sys.stdout is None:  # started with stdout closed (`dsagen list >&-`): nowhere to print results
+            raise ConfigError("standard output is closed")
         debug = debug or env.DEBUG.get()
         code = args.fn(args)
         sys.stdout.flush()  # a closed pipe shows up here, not in the interpreter's exit
@@ -784,9 +878,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DsagenError, OSError) as e:
         if debug:
             traceback.print_exc()
-        print(f"dsagen: error: {_one_line(e)}", file=sys.stderr)
+        print(f"dsagen: error: {_printable(_one_line(e))}", file=sys.stderr)
+        _settle_stdout()
         return 2
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -39,7 +39,9 @@ WIDTH = 100  # every table fits this many columns
 _SPEC_FORMAT = """\
 Spec JSON (--spec, --spec-file; the "spec" that `dsagen show` and `dsagen list --json` print): one kernel
 is an object {"op": OP, "fields": {FIELD: VALUE, ...}}; a field left out takes its default, an unknown
-op or field is an error, and a spec file holds one such object or a JSON list of them. Example:
+op, field or top-level key is an error, and so is a value of another JSON type than the field's (8.0 or
+true for an int field, 1 for a bool); a spec file holds one such object or a JSON list of them (16 MiB at
+most). Example:
   dsagen build --spec '{"op": "compactify", "fields": {"arch": "sm_90a"}}'
 """
 

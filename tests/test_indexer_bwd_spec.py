@@ -46,7 +46,7 @@ def test_config_and_binding():
     compile(src, "kernel.py", "exec")
     assert "from dsagen.kernels.indexer_bwd.bwd_sm90 import build" in src and "deterministic=True" in src
     assert len(src.split("SYMBOL = ")[1].splitlines()) <= 12
-    assert {"dsagen.kernels.indexer_bwd.bwd_sm90", "dsagen.kernels.sparse_mla.attn_sm90"} <= set(helper_modules(src))
+    assert {"dsagen.kernels.indexer_bwd.bwd_sm90", "dsagen.kernels.common.sm90.epilogue"} <= set(helper_modules(src))
 
 
 @pytest.mark.compile

@@ -43,7 +43,9 @@ def test_rendered_modules_import_their_kernel_modules():
     for spec in _specs():
         own = SCORE if isinstance(spec, IndexerScoreSpec) else TOPK
         helpers = key_material(spec, render(spec), TC)["helpers"]
-        assert set(helpers) == {own, COMMON}, (spec.name(), helpers)
+        family = {m for m in helpers if not m.startswith("dsagen.kernels.common.sm90.")}
+        assert family == {own, COMMON}, (spec.name(), helpers)
+        assert "dsagen.kernels.common.sm90.reduce" in helpers or "dsagen.kernels.common.sm90.layout" in helpers
         assert identity_material(spec)["helpers"] == helpers
 
 

@@ -46,7 +46,7 @@ def test_config_and_binding():
     assert "from dsagen.kernels.indexer_score_recompute.recompute_sm90 import build" in src
     assert len(src.split("SYMBOL = ")[1].splitlines()) <= 12
     assert "dsagen.kernels.indexer_score_recompute.recompute_sm90" in helper_modules(src)
-    assert "dsagen.kernels.sparse_mla.attn_sm90" in helper_modules(src)
+    assert "dsagen.kernels.common.sm90.gather" in helper_modules(src)
 
 
 @pytest.mark.compile

@@ -63,7 +63,7 @@ def test_the_template_only_binds():
     compile(src, "kernel.py", "exec")
     assert "from dsagen.kernels.sparse_mla_bwd.bwd_sm90 import build" in src and "deterministic=True" in src
     assert len(src.split("SYMBOL = ")[1].splitlines()) <= 12
-    assert {"dsagen.kernels.sparse_mla_bwd.bwd_sm90", "dsagen.kernels.sparse_mla.attn_sm90"} <= set(helper_modules(src))
+    assert {"dsagen.kernels.sparse_mla_bwd.bwd_sm90", "dsagen.kernels.common.sm90.epilogue"} <= set(helper_modules(src))
 
 
 def test_abi():

@@ -1,5 +1,6 @@
 """The sparse MLA forward's kernel is plain Python (dsagen/kernels/sparse_mla/fwd_sm90.py and the device helpers it
-imports, attn_sm90.py and softmax_sm90.py); its template only binds a spec. Editing any of these modules changes the
+imports from the shared Hopper toolkit, dsagen/kernels/common/sm90/); its template only binds a spec. Editing any of
+these modules changes the
 key and the identity of every spec of the op; editing another family's kernel module changes neither."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dsagen.kernels.sparse_mla.spec import SparseAttnFwdSpec
 
 TC = {"nvidia-cutlass-dsl": "4.8.1"}
 SPECS = [SparseAttnFwdSpec(arch="sm_90a"), SparseAttnFwdSpec(arch="sm_90a", num_heads=64, d_qk=512, dtype="float16")]
-MODULES = ["fwd_sm90", "attn_sm90", "softmax_sm90"]
+MODULES = ["sparse_mla/fwd_sm90", "common/sm90/gather", "common/sm90/softmax", "common/sm90/ptx"]
 
 
 def test_template_only_binds_a_spec():
@@ -31,7 +32,7 @@ def test_template_only_binds_a_spec():
 def test_key_and_identity_follow_the_kernel_modules(module, monkeypatch, tmp_path):
     import dsagen.jit.render as r
 
-    name = f"dsagen.kernels.sparse_mla.{module}"
+    name = "dsagen.kernels." + module.replace("/", ".")
     sources = [render(s) for s in SPECS]
     for spec, src in zip(SPECS, sources):
         assert name in key_material(spec, src, TC)["helpers"] and name in identity_material(spec)["helpers"]
@@ -47,7 +48,7 @@ def test_key_and_identity_follow_the_kernel_modules(module, monkeypatch, tmp_pat
     other.write_text(other.read_text() + "# edited\n")
     assert [(key_of(key_material(s, src, TC)), identity_of(s)) for s, src in zip(SPECS, sources)] == before
 
-    path = lib / "sparse_mla" / f"{module}.py"
+    path = lib / f"{module}.py"
     path.write_text(path.read_text() + "# edited\n")
     after = [(key_of(key_material(s, src, TC)), identity_of(s)) for s, src in zip(SPECS, sources)]
     assert all(k != k0 and i != i0 for (k, i), (k0, i0) in zip(after, before))

@@ -2,6 +2,8 @@
 its kernels (jinja2 CuTe-DSL modules `*_<arch family>.py.j2` and hand-written device helpers) and its host
 launch code (`host.py`). `_kernel_module.py.j2` is the base every kernel module extends.
 
+    common/sm90/        the Hopper toolkit every sm_90a family builds from (layouts, gathers, rings, TMA, ids,
+                        reductions, softmax steps, epilogue stores, the grid barrier)
     indices/            compactify, local_to_global
     lightning_indexer/  the indexer score kernel and its top-k plan
     sparse_mla/         the sparse MLA attention forward (and its lse_prefix variant)

@@ -46,14 +46,19 @@ from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int8, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from dsagen.kernels.built import BuiltKernel
-from dsagen.kernels.sparse_mla.attn_sm90 import (acc_mn_view, cp_async_rows, gather_tile_rows, l2_evict_first_policy,
-                                                 row_ids_ahead, row_slots, sw128, swizzled_byte_offset, tile_ids)
+from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers
+from dsagen.kernels.common.sm90.gather import (gather_base, gather_lanes, gather_tile_rows, load_row_tile,
+                                               publish_tile_ids, smem_bytes)
+from dsagen.kernels.common.sm90.ids import row_ids_ahead, row_slots, tile_ids, tile_keep_mask
+from dsagen.kernels.common.sm90.layout import acc_mn_view, sw128
+from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
+from dsagen.kernels.common.sm90.reduce import row_group_sum
+from dsagen.kernels.common.sm90.ring import ring_mbarriers
 
 LOG2E = math.log2(math.e)
 
@@ -187,10 +192,7 @@ class AttnScoreRecomputeSm90:
     def body(self, a: KernelArgs):
         """Shared views and barriers, then the roles: WG0 producer, WG1 and WG2 consumers."""
         DT, H, BN, D_QK = self.dtype, self.H, self.BN, self.D_QK
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        wg = warp // 4
+        c = cta_coords()
         st = cutlass.memory.SmemAllocator().allocate(self.Smem)
         lay_q = sw128(DT, (H, D_QK))
         lay_kv = sw128(DT, (BN, D_QK, self.STAGES))
@@ -200,23 +202,14 @@ class AttnScoreRecomputeSm90:
                     sRed=st.red.get_tensor(cute.make_layout((BN, 4, 2, 2), stride=(1, BN, 4 * BN, 8 * BN))),
                     kv_ready=st.kv_ready.data_ptr(), kv_free=st.kv_free.data_ptr(), ids_mbar=st.ids_mbar.data_ptr(),
                     q_ready=st.q_ready.data_ptr(), q_free=st.q_free.data_ptr())
-        nctas, _, _ = cute.arch.grid_dim()
-        if warp == 0:
-            with cute.arch.elect_one():
-                for b in cutlass.range_constexpr(self.STAGES * self.NKB):
-                    cute.arch.mbarrier_init(sh.kv_ready + b, 128)
-                    cute.arch.mbarrier_init(sh.kv_free + b, 128)
-                for b in cutlass.range_constexpr(self.NIDS):
-                    cute.arch.mbarrier_init(sh.ids_mbar + b, 16)
-                for kb in cutlass.range_constexpr(self.NKB):
-                    cute.arch.mbarrier_init(sh.q_ready + kb, 128)
-                cute.arch.mbarrier_init(sh.q_free, 256)
-        pipeline.pipeline_init_arrive()
-        pipeline.pipeline_init_wait()
-        if wg == 0:
-            self.producer(a, sh, st, lay_q, lay_kv, tidx, bidx, nctas)
+        # one ready / free pair per column block of every stage (the ring's stages are the blocks)
+        init_mbarriers(c.warp, ring_mbarriers(sh.kv_ready, sh.kv_free, self.STAGES * self.NKB, 128, 128)
+                       + [(sh.ids_mbar + b, 16) for b in range(self.NIDS)]
+                       + [(sh.q_ready + kb, 128) for kb in range(self.NKB)] + [(sh.q_free, 256)])
+        if c.wg == 0:
+            self.producer(a, sh, st, lay_q, lay_kv, c.tidx, c.bidx, c.nctas)
         else:
-            self.consumer(a, sh, tidx, bidx, nctas)
+            self.consumer(a, sh, c.tidx, c.bidx, c.nctas)
 
     # ------------------------------------------------------------------------------------------- producer (WG0)
     @cute.jit
@@ -224,11 +217,10 @@ class AttnScoreRecomputeSm90:
         """cp.async gathers (16 groups of 8 threads; group g owns rows g, g + 16, g + 32, g + 48 of a tile and a
         thread one 16-byte chunk of each 64-column block)."""
         cute.arch.setmaxregister_decrease(self.regs[0])
-        grp = tidx // 8
-        col0 = (tidx % 8) * 8
-        sQb = cute.recast_ptr(st.sQ.data_ptr(), dtype=Int8)
-        sKVb = cute.recast_ptr(st.sKV.data_ptr(), dtype=Int8)
-        sw_kv = swizzled_byte_offset(lay_kv.outer((grp, col0, 0)) * 2)
+        lanes = gather_lanes(tidx)
+        sQb = smem_bytes(st.sQ)
+        sKVb = smem_bytes(st.sKV)
+        sw_kv = gather_base(lay_kv, lanes)
         RPG = self.BN // 16
         ids = cute.make_rmem_tensor(RPG, Int32)
         raw = cute.make_rmem_tensor(RPG, Int32)    # prefetch_ids: the next tile's ids, loaded before its stage is free
@@ -237,26 +229,20 @@ class AttnScoreRecomputeSm90:
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
             kmax, ntiles = row_slots(a.p_len, a.has_length, a.topk, tok, self.BN)
-            cute.arch.mbarrier_wait(sh.q_free, (it % 2) ^ 1)
-            for kb in cutlass.range_constexpr(self.NKB):
-                cp_async_rows(sQb, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D_QK, grp, col0, policy,
-                              blocks=(kb, kb + 1))
-                cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_ready + kb)
+            load_row_tile(sQb, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D_QK, lanes, policy, it, sh.q_free,
+                          sh.q_ready, per_block=True)
             mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
-            row_ids_ahead(raw, mIdx, ntiles, kmax, grp, self.PREFETCH_IDS)
+            row_ids_ahead(raw, mIdx, ntiles, kmax, lanes.grp, self.PREFETCH_IDS)
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 s = g % self.STAGES
                 free_phase = ((g // self.STAGES) % 2) ^ 1
-                tile_ids(ids, raw, mIdx, j, ntiles, kmax, a.n_kv, grp, self.BN, self.PREFETCH_IDS)
+                tile_ids(ids, raw, mIdx, j, ntiles, kmax, a.n_kv, lanes.grp, self.BN, self.PREFETCH_IDS)
                 for kb in cutlass.range_constexpr(self.NKB):
                     cute.arch.mbarrier_wait(sh.kv_free + (s * self.NKB + kb), free_phase)
                     if const_expr(kb == 0):
-                        if tidx % 8 == 0:
-                            for i in cutlass.range_constexpr(RPG):
-                                sh.sIds[(g % self.NIDS) * self.BN + grp + 16 * i] = ids[i]
-                            cute.arch.mbarrier_arrive(sh.ids_mbar + (g % self.NIDS))
-                    gather_tile_rows(sKVb, sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, col0, (kb, kb + 1), stage=s)
+                        publish_tile_ids(sh.sIds, (g % self.NIDS) * self.BN, ids, lanes, sh.ids_mbar + (g % self.NIDS))
+                    gather_tile_rows(sKVb, sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, lanes.col0, (kb, kb + 1), stage=s)
                     cute.arch.cp_async_mbarrier_arrive_noinc(sh.kv_ready + (s * self.NKB + kb))
             gt += ntiles
             it += 1
@@ -301,8 +287,7 @@ class AttnScoreRecomputeSm90:
                 ready_phase = (g // self.STAGES) % 2
                 # the tile's ids first: sIds[g % 2] is rewritten after this consumer frees the tile's block 0
                 cute.arch.mbarrier_wait(sh.ids_mbar + (g % self.NIDS), (g // self.NIDS) % 2)
-                for c in cutlass.range_constexpr(NCOL):
-                    keep[c] = sh.sIds[(g % self.NIDS) * BN + cS[0, c][1]] >= 0
+                tile_keep_mask(keep, sh.sIds, (g % self.NIDS) * BN, cS)
                 for mb in cutlass.range_constexpr(self.NMB):
                     accS[mb].fill(0.0)
                 warpgroup.fence()
@@ -327,10 +312,7 @@ class AttnScoreRecomputeSm90:
                     for mb in cutlass.range_constexpr(self.NMB):
                         for r in cutlass.range_constexpr(NR):
                             t += cute.math.exp2(sMN[mb][r, c] * scale_log2 - lse_l2[r, mb], fastmath=True)
-                    t = t if keep[c] else Float32(0.0)
-                    t += cute.arch.shuffle_sync_bfly(t, offset=4)
-                    t += cute.arch.shuffle_sync_bfly(t, offset=8)
-                    t += cute.arch.shuffle_sync_bfly(t, offset=16)
+                    t = row_group_sum(t if keep[c] else Float32(0.0))
                     if lane < 4:
                         sh.sRed[cS[0, c][1], cwarp, buf, w] = t
                 cute.arch.barrier(barrier_id=self.BAR_RED + w, number_of_threads=128)

@@ -40,17 +40,21 @@ from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int8, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 
 from dsagen.kernels.built import BuiltKernel
-from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_rows, gather_ring_tile,
-                                                 init_gather_ring, l2_evict_first_policy, load_tile_ids,
-                                                 pair_v4_segments, red_add_v4_f32, st_global_v4_f32, store_row_v4,
-                                                 sw128, swizzled_byte_offset)
+from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers
+from dsagen.kernels.common.sm90.epilogue import send_row_pair_v4, store_row_v4
+from dsagen.kernels.common.sm90.gather import (gather_base, gather_lanes, gather_ring_tile, load_row_tile,
+                                               smem_bytes)
+from dsagen.kernels.common.sm90.ids import load_tile_ids
+from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
+from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
+from dsagen.kernels.common.sm90.reduce import row_group_sum
+from dsagen.kernels.common.sm90.ring import ring_mbarriers, ring_wait_ready
 
 
 def params(dtype: str) -> list[dict]:
@@ -186,10 +190,7 @@ class IndexerBwdSm90:
     def body(self, a: KernelArgs):
         """Shared views and barriers, then the roles: WG0 producer, WG1 consumer."""
         DT, H, BN, D, STAGES = self.dtype, self.H, self.BN, self.D, self.STAGES
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        wg = warp // 4
+        c = cta_coords()
         st = cutlass.memory.SmemAllocator().allocate(self.Smem)
         lay_q = sw128(DT, (H, D))
         lay_k = sw128(DT, (BN, D, STAGES))
@@ -202,16 +203,13 @@ class IndexerBwdSm90:
                     sDW=st.dw.get_tensor(cute.make_layout((H, 4, 2), stride=(1, H, 4 * H))),
                     kv_ready=st.kv_ready.data_ptr(), kv_free=st.kv_free.data_ptr(), q_full=st.q_full.data_ptr(),
                     q_free=st.q_free.data_ptr())
-        nctas, _, _ = cute.arch.grid_dim()
-        if warp == 0:
-            with cute.arch.elect_one():
-                init_gather_ring(sh.kv_ready, sh.kv_free, STAGES, sh.q_full, sh.q_free, 128 + 16, 128, 128)
-        pipeline.pipeline_init_arrive()
-        pipeline.pipeline_init_wait()
-        if wg == 0:
-            self.producer(a, sh, st, lay_q, lay_k, tidx, bidx, nctas)
+        # kv_ready: 128 noinc cp.async arrivals + 16 group leaders after their sIds / sDI stores
+        init_mbarriers(c.warp, ring_mbarriers(sh.kv_ready, sh.kv_free, STAGES, 128 + 16, 128)
+                       + [(sh.q_full, 128), (sh.q_free, 128)])
+        if c.wg == 0:
+            self.producer(a, sh, st, lay_q, lay_k, c.tidx, c.bidx, c.nctas)
         else:
-            self.consumer(a, sh, tidx, bidx, nctas)
+            self.consumer(a, sh, c.tidx, c.bidx, c.nctas)
 
     # ------------------------------------------------------------------------------------------- producer (WG0)
     @cute.jit
@@ -219,11 +217,11 @@ class IndexerBwdSm90:
         """cp.async gathers (16 groups of 8 threads; group g owns rows g, g + 16, g + 32, g + 48 of a tile and a
         thread one 16-byte chunk of each 64-column block)."""
         cute.arch.setmaxregister_decrease(self.regs[0])
-        grp = tidx // 8
-        col0 = (tidx % 8) * 8
-        sQb = cute.recast_ptr(st.sQ.data_ptr(), dtype=Int8)
-        sKb = cute.recast_ptr(st.sK.data_ptr(), dtype=Int8)
-        sw_k = swizzled_byte_offset(lay_k.outer((grp, col0, 0)) * 2)
+        lanes = gather_lanes(tidx)
+        grp = lanes.grp
+        sQb = smem_bytes(st.sQ)
+        sKb = smem_bytes(st.sK)
+        sw_k = gather_base(lay_k, lanes)
         RPG = self.BN // 16
         ids = cute.make_rmem_tensor(RPG, Int32)
         policy = l2_evict_first_policy()          # Q is read once
@@ -231,9 +229,8 @@ class IndexerBwdSm90:
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
-            cute.arch.mbarrier_wait(sh.q_free, (it % 2) ^ 1)
-            cp_async_rows(sQb, lay_q, a.p_q + Int64(tok) * (self.H * self.D), self.H, self.D, grp, col0, policy)
-            cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_full)
+            load_row_tile(sQb, lay_q, a.p_q + Int64(tok) * (self.H * self.D), self.H, self.D, lanes, policy, it,
+                          sh.q_free, sh.q_full)
             mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.topk, cute.make_layout(a.topk))
             row_di = a.p_di + Int64(tok) * a.topk
             row_perm = a.p_perm + Int64(tok) * a.topk
@@ -241,7 +238,7 @@ class IndexerBwdSm90:
                 g = gt + j
                 s = g % self.STAGES
                 load_tile_ids(ids, mIdx, j * self.BN, a.topk, a.n_k, grp)
-                gather_ring_tile(sKb, sw_k, lay_k, a.p_k, a.ld_k, ids, col0, (0, self.NKB), g, self.STAGES,
+                gather_ring_tile(sKb, sw_k, lay_k, a.p_k, a.ld_k, ids, lanes.col0, (0, self.NKB), g, self.STAGES,
                                  sh.kv_ready, sh.kv_free)
                 if tidx % 8 == 0:
                     for i in cutlass.range_constexpr(RPG):
@@ -325,7 +322,7 @@ class IndexerBwdSm90:
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 s = g % STAGES
-                cute.arch.mbarrier_wait(sh.kv_ready + s, (g // STAGES) % 2)
+                ring_wait_ready(sh.kv_ready, g, STAGES)
                 cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
                 accS.fill(0.0)
                 warpgroup.fence()
@@ -375,10 +372,7 @@ class IndexerBwdSm90:
                 store_row_v4(dst, oq, r, None, self.fp16, q4 >= 2, q4 % 2 == 1, policy)
             # dW: over the warp's 8 row groups (lanes 4 apart), then the 4 warps in a fixed order
             for c in cutlass.range_constexpr(NCOL):
-                v = dw[c]
-                v += cute.arch.shuffle_sync_bfly(v, offset=4)
-                v += cute.arch.shuffle_sync_bfly(v, offset=8)
-                v += cute.arch.shuffle_sync_bfly(v, offset=16)
+                v = row_group_sum(dw[c])
                 if lane < 4:
                     sh.sDW[cS[0, c][1], warp, it % 2] = v
             cute.arch.barrier(barrier_id=self.BAR_DW, number_of_threads=128)
@@ -394,25 +388,19 @@ class IndexerBwdSm90:
     def send_dk(self, a, accK, cK, kv, tok, j, c: int, q4):
         """dK half c of the tile's two rows of this thread: 16-byte FP32 atomic adds into dk[id] (deterministic:
         stores into dk[tok, slot]); invalid ids are skipped. The quads of two adjacent rows write 128-byte segments
-        of one row per transaction (attn_sm90.pair_v4_segments)."""
+        of one row per transaction (epilogue.send_row_pair_v4)."""
         kMN = acc_mn_view(accK)
         for r in cutlass.range_constexpr(2):
             n_even = cK[r, 0][0] - cK[r, 0][0] % 2                  # the pair's rows: n_even, n_even + 1
-            kv_other = cute.arch.shuffle_sync_bfly(kv[r], offset=4)  # the other row's id (lane l ^ 4)
-            odd_row = cK[r, 0][0] % 2 == 1
-            kv_even = kv_other if odd_row else kv[r]
-            kv_odd = kv[r] if odd_row else kv_other
-            for kp in cutlass.range_constexpr(cute.size(kMN, mode=[1]) // 8):
-                va, vb, col_in = pair_v4_segments(kMN, cK, r, kp, q4 % 2 == 1)
-                col = c * 64 + col_in
-                if const_expr(self.deterministic):
-                    slot = j * self.BN + n_even
-                    if slot < a.topk:
-                        st_global_v4_f32(a.p_dk + ((Int64(tok) * a.topk + slot) * self.D + col), *va)
-                    if slot + 1 < a.topk:
-                        st_global_v4_f32(a.p_dk + ((Int64(tok) * a.topk + slot + 1) * self.D + col), *vb)
-                else:
-                    if kv_even >= 0:
-                        red_add_v4_f32(a.p_dk + (Int64(kv_even) * self.D + col), *va)
-                    if kv_odd >= 0:
-                        red_add_v4_f32(a.p_dk + (Int64(kv_odd) * self.D + col), *vb)
+            if const_expr(self.deterministic):
+                slot = j * self.BN + n_even
+                row = Int64(tok) * a.topk + slot
+                send_row_pair_v4(kMN, cK, r, q4 % 2 == 1, a.p_dk, row, row + 1, self.D, slot < a.topk,
+                                 slot + 1 < a.topk, c * 64, streaming=True)
+            else:
+                kv_other = cute.arch.shuffle_sync_bfly(kv[r], offset=4)  # the other row's id (lane l ^ 4)
+                odd_row = cK[r, 0][0] % 2 == 1
+                kv_even = kv_other if odd_row else kv[r]
+                kv_odd = kv[r] if odd_row else kv_other
+                send_row_pair_v4(kMN, cK, r, q4 % 2 == 1, a.p_dk, kv_even, kv_odd, self.D, kv_even >= 0, kv_odd >= 0,
+                                 c * 64, streaming=False)

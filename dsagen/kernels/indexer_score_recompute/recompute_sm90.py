@@ -40,15 +40,20 @@ from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int8, Int32, Int64
+from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from dsagen.kernels.built import BuiltKernel
-from dsagen.kernels.sparse_mla.attn_sm90 import (acc_mn_view, cp_async_rows, gather_ring_tile, init_gather_ring,
-                                                 l2_evict_first_policy, row_ids_ahead, row_slots, sw128,
-                                                 swizzled_byte_offset, tile_ids)
+from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers
+from dsagen.kernels.common.sm90.gather import (gather_base, gather_lanes, gather_ring_tile, load_row_tile,
+                                               publish_tile_ids, smem_bytes)
+from dsagen.kernels.common.sm90.ids import row_ids_ahead, row_slots, tile_ids
+from dsagen.kernels.common.sm90.layout import acc_mn_view, sw128
+from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
+from dsagen.kernels.common.sm90.reduce import quad_sum
+from dsagen.kernels.common.sm90.ring import ring_mbarriers, ring_wait_ready
+from dsagen.kernels.common.sm90.softmax import merge_softmax_stats
 
 NEG_INF = -math.inf
 
@@ -176,10 +181,7 @@ class IndexerScoreRecomputeSm90:
     def body(self, a: KernelArgs):
         """Shared views and barriers, then the roles: WG0 producer, WG1 consumer."""
         DT, H, BN, D, STAGES = self.dtype, self.H, self.BN, self.D, self.STAGES
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        wg = warp // 4
+        c = cta_coords()
         st = cutlass.memory.SmemAllocator().allocate(self.Smem)
         lay_q = sw128(DT, (H, D))
         lay_k = sw128(DT, (BN, D, STAGES))
@@ -189,27 +191,23 @@ class IndexerScoreRecomputeSm90:
                     sStat=st.stat.get_tensor(cute.make_layout((4, 2, 2), stride=(1, 4, 8))),
                     kv_ready=st.kv_ready.data_ptr(), kv_free=st.kv_free.data_ptr(), q_full=st.q_full.data_ptr(),
                     q_free=st.q_free.data_ptr())
-        nctas, _, _ = cute.arch.grid_dim()
-        if warp == 0:
-            with cute.arch.elect_one():
-                init_gather_ring(sh.kv_ready, sh.kv_free, STAGES, sh.q_full, sh.q_free, 128 + 16, 128, 128)
-        pipeline.pipeline_init_arrive()
-        pipeline.pipeline_init_wait()
-        if wg == 0:
-            self.producer(a, sh, st, lay_q, lay_k, tidx, bidx, nctas)
+        # kv_ready: 128 noinc cp.async arrivals + 16 group leaders after their sIds stores
+        init_mbarriers(c.warp, ring_mbarriers(sh.kv_ready, sh.kv_free, STAGES, 128 + 16, 128)
+                       + [(sh.q_full, 128), (sh.q_free, 128)])
+        if c.wg == 0:
+            self.producer(a, sh, st, lay_q, lay_k, c.tidx, c.bidx, c.nctas)
         else:
-            self.consumer(a, sh, tidx, bidx, nctas)
+            self.consumer(a, sh, c.tidx, c.bidx, c.nctas)
 
     # ------------------------------------------------------------------------------------------- producer (WG0)
     @cute.jit
     def producer(self, a, sh, st, lay_q, lay_k, tidx, bidx, nctas):
         """cp.async gathers (16 groups of 8 threads; group g owns rows g, g + 16, g + 32, g + 48 of a tile and a
         thread one 16-byte chunk of each 64-column block)."""
-        grp = tidx // 8
-        col0 = (tidx % 8) * 8
-        sQb = cute.recast_ptr(st.sQ.data_ptr(), dtype=Int8)
-        sKb = cute.recast_ptr(st.sK.data_ptr(), dtype=Int8)
-        sw_k = swizzled_byte_offset(lay_k.outer((grp, col0, 0)) * 2)
+        lanes = gather_lanes(tidx)
+        sQb = smem_bytes(st.sQ)
+        sKb = smem_bytes(st.sK)
+        sw_k = gather_base(lay_k, lanes)
         RPG = self.BN // 16
         ids = cute.make_rmem_tensor(RPG, Int32)
         raw = cute.make_rmem_tensor(RPG, Int32)    # prefetch_ids: the next tile's ids, loaded before its stage is free
@@ -218,21 +216,17 @@ class IndexerScoreRecomputeSm90:
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
             kmax, ntiles = row_slots(a.p_len, a.has_length, a.topk, tok, self.BN)
-            cute.arch.mbarrier_wait(sh.q_free, (it % 2) ^ 1)
-            cp_async_rows(sQb, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D, grp, col0, policy)
-            cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_full)
+            load_row_tile(sQb, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D, lanes, policy, it, sh.q_free,
+                          sh.q_full)
             mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
-            row_ids_ahead(raw, mIdx, ntiles, kmax, grp, self.PREFETCH_IDS)
+            row_ids_ahead(raw, mIdx, ntiles, kmax, lanes.grp, self.PREFETCH_IDS)
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 s = g % self.STAGES
-                tile_ids(ids, raw, mIdx, j, ntiles, kmax, a.n_k, grp, self.BN, self.PREFETCH_IDS)
-                gather_ring_tile(sKb, sw_k, lay_k, a.p_k, a.ld_k, ids, col0, (0, self.NKB), g, self.STAGES,
+                tile_ids(ids, raw, mIdx, j, ntiles, kmax, a.n_k, lanes.grp, self.BN, self.PREFETCH_IDS)
+                gather_ring_tile(sKb, sw_k, lay_k, a.p_k, a.ld_k, ids, lanes.col0, (0, self.NKB), g, self.STAGES,
                                  sh.kv_ready, sh.kv_free)
-                if tidx % 8 == 0:
-                    for i in cutlass.range_constexpr(RPG):
-                        sh.sIds[s * self.BN + grp + 16 * i] = ids[i]
-                    cute.arch.mbarrier_arrive(sh.kv_ready + s)
+                publish_tile_ids(sh.sIds, s * self.BN, ids, lanes, sh.kv_ready + s)
             gt += ntiles
             it += 1
 
@@ -275,7 +269,7 @@ class IndexerScoreRecomputeSm90:
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 s = g % self.STAGES
-                cute.arch.mbarrier_wait(sh.kv_ready + s, (g // self.STAGES) % 2)
+                ring_wait_ready(sh.kv_ready, g, self.STAGES)
                 cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
                 acc.fill(0.0)
                 warpgroup.fence()
@@ -290,10 +284,7 @@ class IndexerScoreRecomputeSm90:
                     part = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
                     for c in cutlass.range_constexpr(NCOL):
                         part[c % 4] = part[c % 4] + wreg[c] * cute.arch.fmax(aMN[r, c], Float32(0.0))
-                    v = (part[0] + part[1]) + (part[2] + part[3])
-                    v += cute.arch.shuffle_sync_bfly(v, offset=1)
-                    v += cute.arch.shuffle_sync_bfly(v, offset=2)
-                    lsum[r] = v
+                    lsum[r] = quad_sum((part[0] + part[1]) + (part[2] + part[3]))
                 if own:
                     logit = lsum[0] if quad == 0 else lsum[1]
                     if id_own < 0:
@@ -311,7 +302,7 @@ class IndexerScoreRecomputeSm90:
             for sh_off in cutlass.range_constexpr(5):
                 m_o = cute.arch.shuffle_sync_bfly(m_run, offset=1 << sh_off)
                 s_o = cute.arch.shuffle_sync_bfly(s_run, offset=1 << sh_off)
-                m_run, s_run = self.merge(m_run, s_run, m_o, s_o)
+                m_run, s_run = merge_softmax_stats(m_run, s_run, m_o, s_o)
             if lane == 0:
                 sh.sStat[warp, 0, it % 2] = m_run
                 sh.sStat[warp, 1, it % 2] = s_run
@@ -319,7 +310,7 @@ class IndexerScoreRecomputeSm90:
             m_row = sh.sStat[0, 0, it % 2]
             s_row = sh.sStat[0, 1, it % 2]
             for w in cutlass.range_constexpr(1, 4):
-                m_row, s_row = self.merge(m_row, s_row, sh.sStat[w, 0, it % 2], sh.sStat[w, 1, it % 2])
+                m_row, s_row = merge_softmax_stats(m_row, s_row, sh.sStat[w, 0, it % 2], sh.sStat[w, 1, it % 2])
             inv = Float32(0.0)
             if s_row > Float32(0.0):
                 inv = cute.arch.rcp_approx(s_row)
@@ -334,11 +325,3 @@ class IndexerScoreRecomputeSm90:
                         (out_row + slot).store(p)
             gt += ntiles
             it += 1
-
-    @cute.jit
-    def merge(self, m1, s1, m2, s2):
-        """(max, sum) of two partial softmax statistics (m, s = sum of exp2(x - m)); (-inf, 0) for two empty ones."""
-        m = cute.arch.fmax(m1, m2)
-        m_sub = m if m > Float32(NEG_INF) else Float32(0.0)
-        s = s1 * cute.math.exp2(m1 - m_sub, fastmath=True) + s2 * cute.math.exp2(m2 - m_sub, fastmath=True)
-        return m, s

@@ -27,6 +27,9 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.experimental import primitives as prims
 
+from dsagen.kernels.common.sm90.layout import acc_mn_view, sw128
+from dsagen.kernels.common.sm90.ring import ring_wait_free
+from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
 from dsagen.kernels.lightning_indexer.common_sm90 import row_bounds
 
 BN = 128                      # wgmma N: QC tokens x H heads
@@ -49,17 +52,6 @@ def hdr_word(sHdr: cute.Tensor, i: Int32, lane: Int32) -> Int32:
     return cute.arch.shuffle_sync(v, 0)
 
 
-def acc_mn_view(t):
-    """A wgmma accumulator ((2,2,V),1,1) viewed as (rows=(2,1), cols=(2,V,1)): for thread l of a warp,
-    row i is 8*i + l//4 of its warp's 16 rows and column c = e + 2*j is 8*j + 2*(l%4) + e."""
-    s, d = t.layout.shape, t.layout.stride
-    if len(s[0]) == 2:                             # N = 8: ((2, 2), 1, 1), one 8-column block
-        return cute.make_tensor(t.iterator, cute.make_layout(
-            ((s[0][1], s[1]), (s[0][0], s[2])), stride=((d[0][1], d[1]), (d[0][0], d[2]))))
-    return cute.make_tensor(t.iterator, cute.make_layout(
-        ((s[0][1], s[1]), (s[0][0], s[0][2], s[2])), stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2]))))
-
-
 def build(num_heads: int, head_dim: int, dtype: str, stages: int):
     """The score kernel of IndexerScoreSpec(num_heads, head_dim, dtype, stages): returns
     (kernel, host, PARAMS, HOST_ARGS, LAUNCH). Each call makes new kernel and host functions (every rendered module
@@ -78,13 +70,9 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int):
     K_TILE_BYTES = BM * D * 2
     NK = D // 16                  # k16 wgmmas per tile
 
-    def _tma(box):
-        return {"dtype": dtype, "box": box, "element_strides": [1] * len(box), "interleave": "NONE",
-                "swizzle": "128B", "l2_promotion": "L2_128B", "oob_fill": "NONE"}
-
     PARAMS = [
-        {"name": "q_map", "kind": "tensormap", "encode": _tma([64, H, QC, 1])},   # q [B, T, H, D] -> (D, H, T, B)
-        {"name": "k_map", "kind": "tensormap", "encode": _tma([64, BM, 1])},      # k [B, S, D] -> (D, S, B)
+        {"name": "q_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, H, QC, 1])},   # q [B, T, H, D] -> (D, H, T, B)
+        {"name": "k_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, BM, 1])},      # k [B, S, D] -> (D, S, B)
         {"name": "w", "kind": "ptr", "dtype": dtype, "align": 2},                # weights [B, T, H], any strides
         {"name": "slab", "kind": "ptr", "dtype": "float32", "align": 16},        # (nblk * ITEM_TOK, ld_slab) fp32
         {"name": "cu_q", "kind": "ptr", "dtype": "int32", "align": 4},           # [n_docs + 1] (packed only)
@@ -116,12 +104,6 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int):
         {"name": "k_ss", "kind": "i64"},
         {"name": "k_sb", "kind": "i64"},
     ] + PARAMS[2:]
-
-    def sw128(shape):
-        """K-major 128-byte-swizzle layout: 8 x 64-element atoms tiled rows first, then 64-column blocks,
-        then the remaining modes -- a 64-column block of R rows is exactly one TMA box of R rows."""
-        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, DT)
-        return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
 
     @cute.struct
     class Smem:
@@ -160,7 +142,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int):
         sHdr = st.hdr.get_tensor(cute.make_layout(2 * HDR))
         sBounds = st.bounds.get_tensor(cute.make_layout((2 * ITEM_TOK, 2), stride=(1, 2 * ITEM_TOK)))  # (lo/hi x token, slot)
         sW = st.wts.get_tensor(cute.make_layout((NQ * BN, 2), stride=(1, NQ * BN)))                  # (column, slot)
-        lq, lk = sw128((BN, D, 2 * NQ)), sw128((BM, D, KSLOTS))
+        lq, lk = sw128(DT, (BN, D, 2 * NQ)), sw128(DT, (BM, D, KSLOTS))
         sQ = st.sQ.get_tensor(lq.outer, swizzle=lq.inner)            # (BN (token, head), D, item slot x Q tile)
         sK = st.sK.get_tensor(lk.outer, swizzle=lk.inner)            # (64 rows, D, slot)
 
@@ -246,22 +228,14 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int):
                     b = hdr_word(sHdr, slot * HDR + 2, lane)
                     t0 = hdr_word(sHdr, slot * HDR + 3, lane)
                     kv_lo = hdr_word(sHdr, slot * HDR + 4, lane)
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(q_full + slot, NQ * Q_BYTES)
-                        for hf in cutlass.range_constexpr(NQ):
-                            for kb in cutlass.range_constexpr(KB):
-                                prims.cp_async_bulk_tensor_shared_cta_global(
-                                    sQ[None, None, slot * NQ + hf].iterator + kb * BN * 64, q_map.get_ptr(),
-                                    (kb * 64, 0, t0 + hf * QC, b), q_full + slot)
+                    tma_load_tile(q_map.get_ptr(), tuple((sQ[None, None, slot * NQ + hf].iterator, BN * 64, KB,
+                                                          (0, t0 + hf * QC, b)) for hf in range(NQ)),
+                                  q_full + slot, NQ * Q_BYTES)
                     for i in cutlass.range(ntiles, unroll=1):
                         idx = g % KSLOTS
-                        cute.arch.mbarrier_wait(k_empty + idx, ((g // KSLOTS) % 2) ^ 1)
-                        with cute.arch.elect_one():
-                            cute.arch.mbarrier_arrive_and_expect_tx(k_full + idx, K_TILE_BYTES)
-                            for kb in cutlass.range_constexpr(KB):
-                                prims.cp_async_bulk_tensor_shared_cta_global(
-                                    sK[None, None, idx].iterator + kb * BM * 64, k_map.get_ptr(),
-                                    (kb * 64, kv_lo + i * BM, b), k_full + idx)
+                        ring_wait_free(k_empty, g, KSLOTS)
+                        k_tile = (sK[None, None, idx].iterator, BM * 64, KB, (kv_lo + i * BM, b))
+                        tma_load_tile(k_map.get_ptr(), (k_tile,), k_full + idx, K_TILE_BYTES)
                         g += 1
                     j += 1
                     cute.arch.mbarrier_wait(info_full + j % 2, (j // 2) % 2)

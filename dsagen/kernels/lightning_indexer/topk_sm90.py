@@ -38,6 +38,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
+from dsagen.kernels.common.sm90.reduce import warp_inclusive_scan
 from dsagen.kernels.lightning_indexer.common_sm90 import row_bounds
 
 NBINS = 256
@@ -85,15 +86,6 @@ def emit_slot(mOut, pos, idx, mVal, has_vals, src, at, from_key: cutlass.Constex
     if cutlass.const_expr(mVal is not None):
         if has_vals != 0:
             mVal[pos] = f32_bits(src[at]) if from_key else src[at]
-
-
-@cute.jit
-def warp_inclusive_scan(v: Int32, lane: Int32) -> Int32:
-    for d in cutlass.range_constexpr(5):
-        o = cute.arch.shuffle_sync_up(v, offset=1 << d)
-        if lane >= (1 << d):
-            v = v + o
-    return v
 
 
 @cute.jit

@@ -1,1 +1,1 @@
-"""The sparse MLA attention forward: fwd_sm90 (split_halves schedule) and its device helpers (attn_sm90)."""
+"""The sparse MLA attention forward: fwd_sm90 (split_halves schedule), built from the Hopper toolkit (common/sm90)."""

@@ -49,17 +49,19 @@ from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int8, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
-from cutlass.experimental import primitives as prims
 
 from dsagen.kernels.built import BuiltKernel
-from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_rows,
-                                                 l2_evict_first_policy, store_row_v4, sw128, swizzled_byte_offset)
-from dsagen.kernels.sparse_mla.softmax_sm90 import exp_and_rescale, masked_row_max
+from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers
+from dsagen.kernels.common.sm90.epilogue import store_row_v4
+from dsagen.kernels.common.sm90.gather import cp_async_rows, gather_base, gather_lanes, gather_tile_rows, smem_bytes
+from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
+from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
+from dsagen.kernels.common.sm90.reduce import quad_sum
+from dsagen.kernels.common.sm90.softmax import exp_and_rescale, masked_row_max
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -309,11 +311,7 @@ class SparseMlaFwdSm90:
         over items bidx, bidx + nctas, ...; the producer runs ahead into the next item while the consumers finish
         the current one."""
         DT, M, BN, D_QK, STAGES = self.dtype, self.M, self.BN, self.D_QK, self.STAGES
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        wg = warp // 4
-
+        c = cta_coords()
         st = cutlass.memory.SmemAllocator().allocate(self.Smem)
         lay_q = sw128(DT, (M, D_QK))
         lay_kv = sw128(DT, (BN, D_QK, STAGES))
@@ -331,29 +329,23 @@ class SparseMlaFwdSm90:
         sVt = cute.composition(sKV, cute.make_layout((self.D_V, BN, STAGES), stride=(BN, 1, BN * D_QK)))
 
         n_items = a.s_q * self.HB
-        nctas, _, _ = cute.arch.grid_dim()  # the launch's CTAs: min(items, n_ctas)
         hbar = st.half_mbar.data_ptr()      # ready[s][h] = hbar + 2 s + h, free[s][h] = hbar + 4 + 2 s + h
         q_mbar = st.q_mbar.data_ptr()
         q_free = st.q_free_mbar.data_ptr()
         mask_mbar = st.mask_mbar.data_ptr()
         sValid = st.valid.get_tensor(cute.make_layout(2 * BN))
-        if warp == 0:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_init(q_mbar, 128)
-                cute.arch.mbarrier_init(q_free, 256)         # every consumer thread, once per item
-                cute.arch.mbarrier_init(mask_mbar, 16)       # one arrival per producer group of 8 threads
-                for i in cutlass.range_constexpr(8):
-                    cute.arch.mbarrier_init(hbar + i, 128)   # ready: producer noinc arrivals; free: one WG
-        pipeline.pipeline_init_arrive()
-        pipeline.pipeline_init_wait()
+        init_mbarriers(c.warp, [(q_mbar, 128),
+                                (q_free, 256),          # every consumer thread, once per item
+                                (mask_mbar, 16)]        # one arrival per producer group of 8 threads
+                       + [(hbar + i, 128) for i in range(8)])   # ready: producer noinc arrivals; free: one WG
         bars = Barriers(hbar=hbar, q_mbar=q_mbar, q_free=q_free, mask_mbar=mask_mbar, sValid=sValid)
 
-        if wg == 0:
-            self.producer(a, bars, st, lay_q, lay_kv, tidx, bidx, n_items, nctas)
-        elif wg == 1:
-            self.consumer(0, a, bars, st, sQ, sKV, sVt, sP0, sP1, tidx, bidx, n_items, nctas)
+        if c.wg == 0:
+            self.producer(a, bars, st, lay_q, lay_kv, c.tidx, c.bidx, n_items, c.nctas)
+        elif c.wg == 1:
+            self.consumer(0, a, bars, st, sQ, sKV, sVt, sP0, sP1, c.tidx, c.bidx, n_items, c.nctas)
         else:
-            self.consumer(1, a, bars, st, sQ, sKV, sVt, sP1, sP0, tidx, bidx, n_items, nctas)
+            self.consumer(1, a, bars, st, sQ, sKV, sVt, sP1, sP0, c.tidx, c.bidx, n_items, c.nctas)
 
     @cute.jit
     def item_setup(self, a: KernelArgs, item: Int32):
@@ -374,13 +366,11 @@ class SparseMlaFwdSm90:
         pair the ids of both tiles and the four half-stages; g counts the pairs over the CTA's items (the barriers'
         phases)."""
         cute.arch.setmaxregister_decrease(self.regs[0])
-        grp = tidx // 8                  # 16 groups of 8 threads; group g owns rows g, g+16, g+32, g+48
-        col0 = (tidx % 8) * 8            # the thread's 16-byte chunk inside each 64-column block
-        sQb = cute.recast_ptr(st.sQ.data_ptr(), dtype=Int8)
-        sKVb = cute.recast_ptr(st.sKV.data_ptr(), dtype=Int8)
-        # the swizzled byte offset of the thread's first KV chunk (row grp, column col0, stage 0); every other chunk
-        # it gathers is at a constant offset from it (gather_half)
-        sw_kv = swizzled_byte_offset(lay_kv.outer((grp, col0, 0)) * 2)
+        lanes = gather_lanes(tidx)       # 16 groups of 8 threads; group g owns rows g, g+16, g+32, g+48
+        grp, col0 = lanes.grp, lanes.col0
+        sQb = smem_bytes(st.sQ)
+        sKVb = smem_bytes(st.sKV)
+        sw_kv = gather_base(lay_kv, lanes)
 
         RPG = self.BN // 16              # rows per group and tile
         ids = cute.make_rmem_tensor(2 * RPG, Int32)
@@ -435,14 +425,8 @@ class SparseMlaFwdSm90:
         row-group, column-block and stage offsets only touch bits >= 10."""
         RPG = self.BN // 16
         cute.arch.mbarrier_wait(bars.hbar + (4 + 2 * s + h), free_phase)        # free[s][h]
-        for i in cutlass.range_constexpr(RPG):
-            kv = ids[s * RPG + i]
-            ok = kv >= 0 and kv < a.n_kv
-            src = a.p_kv + Int64(kv if ok else 0) * a.ld_kv      # a legal address even when masked
-            nbytes = Int32(16) if ok else Int32(0)               # 0: zero-fill, read nothing
-            for kb in cutlass.range_constexpr(*self.half_blocks(h)):
-                dst = sKVb + (sw_kv + lay_kv.outer((16 * i, kb * 64, s)) * 2)
-                prims.cp_async_shared_global(dst, src + (kb * 64 + col0), 16, "cg", cp_size=nbytes)
+        gather_tile_rows(sKVb, sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, col0, self.half_blocks(h), stage=s,
+                         rows=(s * RPG, RPG), n_rows=a.n_kv)
         cute.arch.cp_async_mbarrier_arrive_noinc(bars.hbar + (2 * s + h))       # ready[s][h]
 
     # ----------------------------------------------------------------------------------- consumers (WG1, WG2)
@@ -689,15 +673,11 @@ class SparseMlaFwdSm90:
         parity ip's half of sSum (a consumer that runs ahead into the next item cannot overwrite what the other
         still reads); out = O / (s + the sink term) as 16-byte stores; consumer A also writes lse and max_logits."""
         for r in cutlass.range_constexpr(self.rows(f)):
-            s = f.row_sum[r]
-            s += cute.arch.shuffle_sync_bfly(s, offset=1)
-            s += cute.arch.shuffle_sync_bfly(s, offset=2)
+            s = quad_sum(f.row_sum[r])
             if f.ctid % 4 == 0:
                 f.sSum[f.cO[r, 0][0], w, ip] = s
             if const_expr(self.LSE_PREFIX):             # the prefix row sums: B hands its own to A like the sums
-                sp = f.snap_sum[r]
-                sp += cute.arch.shuffle_sync_bfly(sp, offset=1)
-                sp += cute.arch.shuffle_sync_bfly(sp, offset=2)
+                sp = quad_sum(f.snap_sum[r])
                 f.snap_sum[r] = sp
                 if const_expr(w == 1):
                     if f.ctid % 4 == 0:
@@ -744,6 +724,6 @@ class SparseMlaFwdSm90:
 
     @cute.jit
     def store_row(self, w: int, a, f, r: int, tok, head0, row, inv):
-        """out[tok, head0 + row, w * DV_HALF:][:DV_HALF] = O row r * inv as 16-byte stores (attn_sm90.store_row_v4)."""
+        """out[tok, head0 + row, w * DV_HALF:][:DV_HALF] = O row r * inv as 16-byte stores (epilogue.store_row_v4)."""
         o_row = a.p_out + ((Int64(tok) * self.H + head0 + row) * self.D_V + (w * self.DV_HALF + 8 * f.q4))
         store_row_v4(o_row, f.oMN, r, inv, self.fp16, f.q_hi, f.q_odd, f.o_policy)

@@ -49,17 +49,21 @@ from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int8, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
 
 from dsagen.kernels.built import BuiltKernel
-from dsagen.kernels.sparse_mla.attn_sm90 import (acc_as_frg_a, acc_mn_view, cp_async_16_policy, gather_tile_rows,
-                                                 grid_barrier, l2_evict_first_policy, load_tile_ids_raw,
-                                                 pair_v4_segments, red_add_v4_f32, st_global_v4_f32, store_row_v4,
-                                                 sw128, swizzled_byte_offset, valid_tile_ids)
+from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers
+from dsagen.kernels.common.sm90.epilogue import send_row_pair_v4, store_row_v4
+from dsagen.kernels.common.sm90.gather import (cp_async_tiles_rows, gather_base, gather_lanes, gather_tile_rows,
+                                               publish_tile_ids, smem_bytes)
+from dsagen.kernels.common.sm90.grid_sync import grid_barrier
+from dsagen.kernels.common.sm90.ids import load_tile_ids_raw, tile_keep_mask, valid_tile_ids
+from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
+from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
+from dsagen.kernels.common.sm90.reduce import quad_sum
 
 LOG2E = math.log2(math.e)
 
@@ -242,11 +246,7 @@ class SparseMlaBwdSm90:
     def body(self, a: KernelArgs):
         """Shared views and barriers, then the roles: WG0 producer, WG1 consumer A, WG2 consumer B."""
         DT, M, BN, D_QK, D_V = self.dtype, self.M, self.BN, self.D_QK, self.D_V
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        wg = warp // 4
-
+        c = cta_coords()
         st = cutlass.memory.SmemAllocator().allocate(self.Smem)
         lay_q = sw128(DT, (M, D_QK))
         lay_do = sw128(DT, (M, D_V))
@@ -262,24 +262,18 @@ class SparseMlaBwdSm90:
                     q_mbar=st.q_mbar.data_ptr(), qdo_free=st.qdo_free.data_ptr())
 
         n_items = a.s_q * self.HB
-        nctas, _, _ = cute.arch.grid_dim()
-        if warp == 0:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_init(sh.kv_ready, 128)      # producer noinc arrivals
-                cute.arch.mbarrier_init(sh.kv_free, 256)       # every consumer thread once per tile
-                cute.arch.mbarrier_init(sh.ids_mbar, 16)       # one producer thread per group of 8
-                cute.arch.mbarrier_init(sh.ids_mbar + 1, 16)
-                cute.arch.mbarrier_init(sh.q_mbar, 128)
-                cute.arch.mbarrier_init(sh.qdo_free, 256)      # every consumer thread once per item
-        pipeline.pipeline_init_arrive()
-        pipeline.pipeline_init_wait()
-
-        if wg == 0:
-            self.producer(a, sh, st, lay_q, lay_do, lay_kv, tidx, bidx, n_items, nctas)
-        elif wg == 1:
-            self.consumer_a(a, sh, tidx, bidx, n_items, nctas)
+        init_mbarriers(c.warp, [(sh.kv_ready, 128),       # producer noinc arrivals
+                                (sh.kv_free, 256),        # every consumer thread once per tile
+                                (sh.ids_mbar, 16),        # one producer thread per group of 8
+                                (sh.ids_mbar + 1, 16),
+                                (sh.q_mbar, 128),
+                                (sh.qdo_free, 256)])      # every consumer thread once per item
+        if c.wg == 0:
+            self.producer(a, sh, st, lay_q, lay_do, lay_kv, c.tidx, c.bidx, n_items, c.nctas)
+        elif c.wg == 1:
+            self.consumer_a(a, sh, c.tidx, c.bidx, n_items, c.nctas)
         else:
-            self.consumer_b(a, sh, tidx, bidx, n_items, nctas)
+            self.consumer_b(a, sh, c.tidx, c.bidx, n_items, c.nctas)
 
     @cute.jit
     def item_setup(self, a: KernelArgs, item: Int32):
@@ -302,12 +296,12 @@ class SparseMlaBwdSm90:
         """cp.async gathers: per item Q and dO, per tile the ids and the 64 rows (16 groups of 8 threads; group g
         owns rows g, g + 16, g + 32, g + 48; a thread moves one 16-byte chunk of each 64-column block)."""
         cute.arch.setmaxregister_decrease(self.regs[0])
-        grp = tidx // 8
-        col0 = (tidx % 8) * 8
-        sQb = cute.recast_ptr(st.sQ.data_ptr(), dtype=Int8)
-        sdOb = cute.recast_ptr(st.sdO.data_ptr(), dtype=Int8)
-        sKVb = cute.recast_ptr(st.sKV.data_ptr(), dtype=Int8)
-        sw_kv = swizzled_byte_offset(lay_kv.outer((grp, col0)) * 2)
+        lanes = gather_lanes(tidx)
+        grp = lanes.grp
+        sQb = smem_bytes(st.sQ)
+        sdOb = smem_bytes(st.sdO)
+        sKVb = smem_bytes(st.sKV)
+        sw_kv = gather_base(lay_kv, lanes)
         RPG = self.BN // 16
         ids = cute.make_rmem_tensor(RPG, Int32)
         ids_next = cute.make_rmem_tensor(RPG, Int32)
@@ -316,21 +310,13 @@ class SparseMlaBwdSm90:
         it = Int32(0)
         for item in cutlass.range(bidx, n_items, nctas, unroll=1):
             tok, head0 = self.item_setup(a, item)
-            if a.sync_grid != 0:     # the CTAs walk the KV windows together (attn_sm90.grid_barrier)
+            if a.sync_grid != 0:     # the CTAs walk the KV windows together (grid_sync.grid_barrier)
                 grid_barrier(a.p_counter, tidx, it, n_items, nctas, self.BAR_PRODUCER, 128)
             cute.arch.mbarrier_wait(sh.qdo_free, (it % 2) ^ 1)
             q_rows = a.p_q + (Int64(tok) * a.ld_q + Int64(head0 * self.D_QK))
             do_rows = a.p_dout + (Int64(tok) * self.H + head0) * self.D_V
-            for i in cutlass.range_constexpr(self.M // 16):
-                r = grp + 16 * i
-                for kb in cutlass.range_constexpr(self.NKB):
-                    b = lay_q.outer((r, kb * 64 + col0)) * 2
-                    cp_async_16_policy(sQb + swizzled_byte_offset(b), q_rows + (r * self.D_QK + kb * 64 + col0),
-                                       policy)
-                for kb in cutlass.range_constexpr(self.NVB):
-                    b = lay_do.outer((r, kb * 64 + col0)) * 2
-                    cp_async_16_policy(sdOb + swizzled_byte_offset(b), do_rows + (r * self.D_V + kb * 64 + col0),
-                                       policy)
+            cp_async_tiles_rows(((sQb, lay_q, q_rows, self.D_QK, None), (sdOb, lay_do, do_rows, self.D_V, None)),
+                                self.M, grp, lanes.col0, policy)
             cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_mbar)
             mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
             lo, hi, ntiles = self.window(a, tok)
@@ -344,11 +330,8 @@ class SparseMlaBwdSm90:
                     load_tile_ids_raw(ids_next, mIdx, lo + (j + 1) * self.BN, hi, grp)
                 cute.arch.mbarrier_wait(sh.kv_free, (g % 2) ^ 1)
                 valid_tile_ids(ids, ids, a.n_kv)
-                if tidx % 8 == 0:
-                    for i in cutlass.range_constexpr(RPG):
-                        sh.sIds[(g % 2) * self.BN + grp + 16 * i] = ids[i]
-                    cute.arch.mbarrier_arrive(sh.ids_mbar + (g % 2))
-                gather_tile_rows(sKVb, sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, col0, (0, self.NKB))
+                publish_tile_ids(sh.sIds, (g % 2) * self.BN, ids, lanes, sh.ids_mbar + (g % 2))
+                gather_tile_rows(sKVb, sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, lanes.col0, (0, self.NKB))
                 cute.arch.cp_async_mbarrier_arrive_noinc(sh.kv_ready)
                 for i in cutlass.range_constexpr(RPG):
                     ids[i] = ids_next[i]
@@ -437,8 +420,7 @@ class SparseMlaBwdSm90:
                 warpgroup.wait_group(0)
                 # P, masked by the tile's ids
                 cute.arch.mbarrier_wait(sh.ids_mbar + (g % 2), (g // 2) % 2)
-                for c in cutlass.range_constexpr(NC):
-                    keep[c] = sh.sIds[(g % 2) * BN + cS[0, c][1]] >= 0
+                tile_keep_mask(keep, sh.sIds, (g % 2) * BN, cS)
                 for r in cutlass.range_constexpr(NR):
                     for c in cutlass.range_constexpr(NC):
                         p = cute.math.exp2(sMN[r, c] * scale_log2 - lse_l2[r], fastmath=True)
@@ -535,8 +517,7 @@ class SparseMlaBwdSm90:
                     for e in cutlass.range_constexpr(8):
                         col = 8 * (4 * i + q4) + e
                         acc += (o_row + col).load().to(Float32) * (do_row + col).load().to(Float32)
-                acc += cute.arch.shuffle_sync_bfly(acc, offset=1)
-                acc += cute.arch.shuffle_sync_bfly(acc, offset=2)
+                acc = quad_sum(acc)
                 delta[r] = acc
                 if q4 == 0:
                     (a.p_delta + row).store(acc)
@@ -641,34 +622,24 @@ class SparseMlaBwdSm90:
     def dkv_chunk_send(self, a, sh, kvc, ch: int, acc, item, slot0, slot_end, g, q4):
         """Add the retired chunk `ch` in `acc` to the rows of the tile's ids (or store it per slot when
         deterministic): the quads of two adjacent rows write 128-byte segments of one row per transaction
-        (attn_sm90.pair_v4_segments), 4 consecutive columns per lane."""
+        (epilogue.send_row_pair_v4), 4 consecutive columns per lane."""
         kMN, cK = acc_mn_view(acc), kvc["cK"]
-        q_odd = q4 % 2 == 1
-        base_col = ch * 64
         for r in cutlass.range_constexpr(cute.size(kMN, mode=[0])):
             n_even = cK[r, 0][0] - cK[r, 0][0] % 2                  # the pair's rows: n_even, n_even + 1
-            kv_even = sh.sIds[(g % 2) * self.BN + n_even]
-            kv_odd = sh.sIds[(g % 2) * self.BN + n_even + 1]
-            for kp in cutlass.range_constexpr(cute.size(kMN, mode=[1]) // 8):
-                va, vb, col_in = pair_v4_segments(kMN, cK, r, kp, q_odd)
-                col = base_col + col_in
-                if const_expr(self.deterministic):
-                    slot = slot0 + n_even
-                    if slot < slot_end:
-                        dst = a.p_dkv + ((Int64(item) * Int64(a.topk) + slot) * self.D_QK + col)
-                        st_global_v4_f32(dst, *va)
-                    if slot + 1 < slot_end:
-                        dst = a.p_dkv + ((Int64(item) * Int64(a.topk) + slot + 1) * self.D_QK + col)
-                        st_global_v4_f32(dst, *vb)
-                else:
-                    if kv_even >= 0:
-                        red_add_v4_f32(a.p_dkv + (Int64(kv_even) * self.D_QK + col), *va)
-                    if kv_odd >= 0:
-                        red_add_v4_f32(a.p_dkv + (Int64(kv_odd) * self.D_QK + col), *vb)
+            if const_expr(self.deterministic):
+                slot = slot0 + n_even
+                row = Int64(item) * Int64(a.topk) + slot
+                send_row_pair_v4(kMN, cK, r, q4 % 2 == 1, a.p_dkv, row, row + 1, self.D_QK, slot < slot_end,
+                                 slot + 1 < slot_end, ch * 64, streaming=True)
+            else:
+                kv_even = sh.sIds[(g % 2) * self.BN + n_even]
+                kv_odd = sh.sIds[(g % 2) * self.BN + n_even + 1]
+                send_row_pair_v4(kMN, cK, r, q4 % 2 == 1, a.p_dkv, kv_even, kv_odd, self.D_QK, kv_even >= 0,
+                                 kv_odd >= 0, ch * 64, streaming=False)
 
     # --------------------------------------------------------------------------------------------- dQ stores
     @cute.jit
     def store_dq_row(self, a, oMN, r: int, tok, head, col0: int, q4, policy):
-        """dq[tok, head, col0:][:width] = accumulator row r (bf16 / fp16) as 16-byte stores (attn_sm90.store_row_v4)."""
+        """dq[tok, head, col0:][:width] = accumulator row r (bf16 / fp16) as 16-byte stores (epilogue.store_row_v4)."""
         row = a.p_dq + ((Int64(tok) * self.H + head) * self.D_QK + (col0 + 8 * q4))
         store_row_v4(row, oMN, r, None, self.fp16, q4 >= 2, q4 % 2 == 1, policy)

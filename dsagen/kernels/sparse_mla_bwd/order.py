@@ -18,7 +18,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 from dsagen.kernels.built import BuiltKernel
-from dsagen.kernels.lightning_indexer.topk_sm90 import warp_inclusive_scan
+from dsagen.kernels.common.sm90.reduce import warp_inclusive_scan
 
 FULL = 0xFFFFFFFF
 

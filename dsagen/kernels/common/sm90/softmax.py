@@ -1,14 +1,17 @@
-"""Online-softmax row steps on a wgmma m64nN accumulator viewed as (rows, cols) (attn_sm90.acc_mn_view), in the
-log2 domain. A thread owns rows r of the view; the 4 lanes of a quad share a row, so a row reduction is the
-thread's columns then two butterfly shuffles (offsets 1, 2). Called while tracing a kernel (inlined)."""
+"""Online-softmax steps in the log2 domain: the masked row max and the exp2 / rescale step of an attention row
+held in a wgmma accumulator view (layout.acc_mn_view: a thread owns rows r, the 4 lanes of a quad share a row),
+and the merge of two partial (max, sum) statistics. Called by the consumer warpgroup's threads (the row helpers
+shuffle within quads, so all 4 lanes of a quad take part).
+"""
 
+import math
 import operator
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from dsagen.kernels.sparse_mla.attn_sm90 import tree_reduce
+from dsagen.kernels.common.sm90.reduce import tree_reduce
 
 
 @cute.jit
@@ -38,3 +41,12 @@ def exp_and_rescale(sMN: cute.Tensor, oMN: cute.Tensor, row_max: cute.Tensor, ro
     row_sum[r] = row_sum[r] * corr + tree_reduce(operator.add, [sMN[r, c] for c in range(nc)])
     for c in cutlass.range_constexpr(cute.size(oMN, mode=[1])):
         oMN[r, c] = oMN[r, c] * corr
+
+
+@cute.jit
+def merge_softmax_stats(m1, s1, m2, s2):
+    """(max, sum) of two partial softmax statistics (m, s = sum of exp2(x - m)); (-inf, 0) for two empty ones."""
+    m = cute.arch.fmax(m1, m2)
+    m_sub = m if m > Float32(-math.inf) else Float32(0.0)
+    s = s1 * cute.math.exp2(m1 - m_sub, fastmath=True) + s2 * cute.math.exp2(m2 - m_sub, fastmath=True)
+    return m, s

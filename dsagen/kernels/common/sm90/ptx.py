@@ -1,0 +1,102 @@
+"""Single PTX instructions that CuTe-DSL 4.8 does not expose, as `dsl_user_op`s: an L2 cache policy and the
+cp.async and 16-byte store that carry it (cp_async_shared_global has no cache hint), a bf16 / fp16 pair pack, the
+16-byte FP32 atomic add and streaming store (red / st .global.v4.f32), and the release / acquire / sleep
+instructions of the grid barrier. Any thread may call any of them; none waits on a barrier.
+"""
+
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def _l2_policy(priority: str, loc, ip) -> Int64:
+    """`createpolicy.fractional.L2::<priority>.b64 1.0`: an L2 cache policy for every line it touches."""
+    return Int64(llvm.inline_asm(T.i64(), [], f"createpolicy.fractional.L2::{priority}.b64 $0, 1.0;", "=l",
+                                 has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def l2_evict_first_policy(*, loc=None, ip=None) -> Int64:
+    """`createpolicy.fractional.L2::evict_first.b64 1.0`: an L2 cache policy for data read or written once (a
+    kernel's streamed Q and O), so that it is evicted before the lines other CTAs will read again."""
+    return _l2_policy("evict_first", loc, ip)
+
+
+@dsl_user_op
+def cp_async_16_policy(dst: cute.Pointer, src: cute.Pointer, policy: Int64, *, loc=None, ip=None) -> None:
+    """16-byte `cp.async.cg.shared.global.L2::cache_hint [dst], [src], 16, policy` (always reads 16 bytes)."""
+    llvm.inline_asm(None,
+                    [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+                     src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), Int64(policy).ir_value(loc=loc, ip=ip)],
+                    "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2;",
+                    "r,l,l,~{memory}", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def pack_f32x2(lo: Float32, hi: Float32, fp16: bool = False, *, loc=None, ip=None) -> Int32:
+    """Two FP32 values rounded to bf16 (fp16=True: fp16) and packed into one 32-bit word, `lo` in the low half
+    (the element at the lower address when stored)."""
+    op = "cvt.rn.f16x2.f32" if fp16 else "cvt.rn.bf16x2.f32"
+    return Int32(llvm.inline_asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+                                 f"{op} $0, $1, $2;", "=r,f,f", has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def st_global_v4_b32(dst: cute.Pointer, w0: Int32, w1: Int32, w2: Int32, w3: Int32, policy: Int64, *,
+                     loc=None, ip=None) -> None:
+    """One 16-byte global store `st.global.L2::cache_hint.v4.b32 [dst], {w0, w1, w2, w3}, policy` (`dst` 16-byte
+    aligned) with the L2 cache policy `policy` (e.g. l2_evict_first_policy())."""
+    ops = [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip)
+                                                                   for w in (w0, w1, w2, w3)]
+    ops.append(Int64(policy).ir_value(loc=loc, ip=ip))
+    llvm.inline_asm(None, ops, "st.global.L2::cache_hint.v4.b32 [$0], {$1, $2, $3, $4}, $5;", "l,r,r,r,r,l,~{memory}",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+def _v4_f32(ptx: str, dst: cute.Pointer, values, loc, ip) -> None:
+    """`ptx [dst], {a, b, c, d}` for four FP32 values (dst 16-byte aligned)."""
+    ops = [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
+    llvm.inline_asm(None, ops, f"{ptx} [$0], {{$1, $2, $3, $4}};", "l,f,f,f,f,~{memory}",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def red_add_v4_f32(dst: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
+    """`red.global.add.v4.f32 [dst], {a, b, c, d}` (dst 16-byte aligned): four FP32 atomic adds, one transaction."""
+    _v4_f32("red.global.add.v4.f32", dst, (a, b, c, d), loc, ip)
+
+
+@dsl_user_op
+def st_global_v4_f32(dst: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
+    """`st.global.cs.v4.f32 [dst], {a, b, c, d}` (dst 16-byte aligned): a streaming store (evict-first in L2), for
+    the deterministic modes' per-slot rows, which are written once and read once by a later kernel and should not
+    push the gathered key pool out of L2."""
+    _v4_f32("st.global.cs.v4.f32", dst, (a, b, c, d), loc, ip)
+
+
+@dsl_user_op
+def red_release_add_s32(dst: cute.Pointer, v: Int32, *, loc=None, ip=None) -> None:
+    """`red.release.gpu.global.add.s32 [dst], v`: an add that orders this thread's earlier memory operations
+    before it, GPU-wide."""
+    llvm.inline_asm(None, [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
+                    "red.release.gpu.global.add.s32 [$0], $1;", "l,r,~{memory}", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_acquire_s32(src: cute.Pointer, *, loc=None, ip=None) -> Int32:
+    """`ld.acquire.gpu.global.s32`: a load that orders this thread's later memory operations after it."""
+    return Int32(llvm.inline_asm(T.i32(), [src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
+                                 "ld.acquire.gpu.global.s32 $0, [$1];", "=r,l,~{memory}", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def nanosleep(ns: int, *, loc=None, ip=None) -> None:
+    """`nanosleep.u32 ns` (a hint: the warp sleeps for about ns nanoseconds)."""
+    llvm.inline_asm(None, [], f"nanosleep.u32 {int(ns)};", "~{memory}", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)

@@ -369,7 +369,8 @@ def test_lock_timeout_compiles_in_memory_and_warns(cache_env, monkeypatch):
 
     spec = LocalToGlobalSpec(arch="sm_90a", threads=64)
     key = key_of(key_material(spec, render(spec), toolchain.toolchain_versions()))
-    (cache_env / "locks").mkdir(parents=True)
+    CacheStore(cache_env, []).ensure_root()        # a marked cache: a bare folder of locks/ is not one
+    (cache_env / "locks").mkdir()
     held = filelock.FileLock(str(cache_env / "locks" / f"{key}.lock"))
     held.acquire()
     try:

@@ -139,11 +139,12 @@ def test_new_empty_and_marker_less_dsagen_roots_are_taken(tmp_path):
             root.mkdir()
         commit_fake(CacheStore(root, []))
         assert (root / MARKER).read_text().startswith("Signature: 8a477f597d28d172789f06886806bc55")
-    legacy = tmp_path / "legacy"            # a cache written before the marker: only dsagen's own folders
-    commit_fake(CacheStore(legacy, []))
-    (legacy / MARKER).unlink()
-    CacheStore(legacy, []).prune()
-    assert (legacy / MARKER).exists()
+    unmarked = tmp_path / "unmarked"        # only folders named like dsagen's, no marker: not adopted, a
+    commit_fake(CacheStore(unmarked, []))   # user's folder can have those names too
+    (unmarked / MARKER).unlink()
+    with pytest.raises(CacheRootError, match="not a dsagen cache"):
+        CacheStore(unmarked, []).prune()
+    assert not (unmarked / MARKER).exists() and any((unmarked / "v1").rglob("manifest.json"))
 
 
 def test_relative_cache_path_is_made_absolute_with_a_warning(tmp_path, monkeypatch):
@@ -284,7 +285,11 @@ def test_the_choice_among_entries_of_one_identity_ignores_created(tmp_path):
     _rewrite_manifest(a.path if first == a.key else b.path, lambda m: dict(m, created="0000"))
     assert store.lookup_identity("sm_90a", "compactify", IDENT).key == first
     newer = commit_fake(store, source="build c", toolchain={"nvidia-cutlass-dsl": "4.10.0"})
-    assert store.lookup_identity("sm_90a", "compactify", IDENT).key == newer.key      # 4.10 > 4.8.1
+    # a declared newer toolchain wins nothing (an entry can declare any): the smallest key, unless one
+    # matches the toolchain installed here
+    assert store.lookup_identity("sm_90a", "compactify", IDENT).key == min(first, newer.key)
+    assert store.lookup_identity("sm_90a", "compactify", IDENT,
+                                 prefer_toolchain={"nvidia-cutlass-dsl": "4.10.0"}).key == newer.key
 
 
 def test_stray_files_in_the_tree_are_ignored_and_pruned(cache_env, capsys):

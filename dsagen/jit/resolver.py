@@ -13,9 +13,7 @@ of any toolchain is accepted and a miss raises KernelNotCached naming the spec a
 from __future__ import annotations
 
 import functools
-import os
 import shlex
-import tempfile
 import threading
 import warnings
 from datetime import datetime, timezone
@@ -25,8 +23,8 @@ from ..errors import CacheNotStored, CacheRootError, DsagenError
 from ..kernel_record import kernel_record_sha256
 from ..log import get_logger
 from ..spec import KernelSpec
-from ..store.store import (BUILD_TMP_PREFIX, CacheCorruption, CacheLockTimeout, CacheStore, Entry, entry_identities,
-                           load_entry)
+from ..store.store import (CacheCorruption, CacheLockPathError, CacheLockTimeout, CacheStore, Entry, build_dir,
+                           entry_identities, load_entry)
 from . import toolchain
 from .keys import identity_material, identity_of, key_material, key_of
 from .render import render
@@ -71,9 +69,10 @@ def compile_entry_files(spec: KernelSpec, source: str, material: dict, identity:
     """Compile `spec` in a temporary folder: (files, manifest) ready to commit."""
     from .build import compile_module
 
-    # named after this process, so that `dsagen prune` can tell a killed build's leftovers from a live one
+    # locked while it exists (and named after this process), so that `dsagen prune`, even one in another
+    # PID namespace sharing the temp folder, tells a live build's folder from a killed build's leftovers
     _log.info("compiling %s for %s", spec.name(), spec.arch)
-    with tempfile.TemporaryDirectory(prefix=f"{BUILD_TMP_PREFIX}{os.getpid()}-") as work:
+    with build_dir() as work:
         compiled = compile_module(spec, source, work)
     _log.info("compiled %s in %.2fs", spec.name(), compiled.compile_seconds)
     files = {"kernel.py": source.encode(), "kernel.cubin": compiled.cubin, "kernel.ptx": compiled.ptx.encode()}
@@ -93,9 +92,11 @@ def resolve(spec: KernelSpec, store: CacheStore | None = None, *, jit: bool | No
     identity = identity_of(spec)
     can_compile = toolchain.dsl_available() and (not env.DISABLE_JIT.get() if jit is None else jit)
     # identity + toolchain determine the key, so a hit needs no rendering; a process that cannot
-    # compile accepts an entry of any toolchain (a shipped cache)
-    wanted_toolchain = toolchain.toolchain_versions() if can_compile else None
-    hit = store.lookup_identity(spec.arch, spec.op, identity, wanted_toolchain, spec=spec.canonical())
+    # compile accepts an entry of any toolchain (a shipped cache), the installed toolchain's first
+    installed = toolchain.toolchain_versions()
+    wanted_toolchain = installed if can_compile else None
+    hit = store.lookup_identity(spec.arch, spec.op, identity, wanted_toolchain, spec=spec.canonical(),
+                                prefer_toolchain=installed or None)
     if hit is not None:
         _log.debug("cache hit: %s in %s", spec.name(), hit.layer.origin if hit.layer else "memory")
         return hit
@@ -114,10 +115,12 @@ def resolve(spec: KernelSpec, store: CacheStore | None = None, *, jit: bool | No
     return _compile_and_commit(spec, source, material, identity, store, must_store)
 
 
-def _not_stored(spec: KernelSpec, why: str, must_store: bool) -> None:
-    """Raise CacheNotStored (must_store) or warn that `spec` is compiled in memory."""
+def _not_stored(spec: KernelSpec, why: str, must_store: bool, compiled: bool = True) -> None:
+    """Raise CacheNotStored (must_store) or warn that `spec` is compiled in memory. `compiled` says whether
+    the kernel was compiled before storing it failed (a lock or root problem stops the build first)."""
     if must_store:
-        raise CacheNotStored(f"{spec.name()}: compiled but not stored: {why}")
+        done = "compiled but not stored" if compiled else "not built and not stored (nothing was compiled)"
+        raise CacheNotStored(f"{spec.name()}: {done}: {why}")
     warnings.warn(f"dsagen: {why}; compiling {spec.name()} in memory", stacklevel=4)
 
 
@@ -129,6 +132,7 @@ def _compile_and_commit(spec, source, material, identity, store: CacheStore, mus
         if must_store:
             _not_stored(spec, f"the cache is not writable (DSAGEN_CACHE={store.mode})", must_store)
     else:
+        compiled = False
         try:
             with store.lock(key):
                 hit = store.lookup(spec.arch, spec.op, key, expect)  # another process may have built it
@@ -140,20 +144,23 @@ def _compile_and_commit(spec, source, material, identity, store: CacheStore, mus
                     entry = store.add_identity(hit, identity)
                 else:
                     files, manifest = compile_entry_files(spec, source, material, identity)
+                    compiled = True
                     entry = store.commit(spec.arch, spec.op, key, files, manifest)
                 if must_store and entry.path is not None:
                     load_entry(entry.path, verify_hashes=True, expect=expect, read=())  # still there, whole
                 return entry
         except CacheLockTimeout as e:
-            _not_stored(spec, f"timed out waiting for the compile lock ({e})", must_store)
+            _not_stored(spec, f"timed out waiting for the compile lock ({e})", must_store, compiled)
+        except CacheLockPathError as e:
+            _not_stored(spec, f"cannot take the compile lock: {e}", must_store, compiled)
         except CacheRootError as e:
-            _not_stored(spec, f"cannot use the cache root ({e})", must_store)
+            _not_stored(spec, f"cannot use the cache root ({e})", must_store, compiled)
         except PermissionError as e:
-            _not_stored(spec, f"cache not writable ({e})", must_store)
+            _not_stored(spec, f"cache not writable ({e})", must_store, compiled)
         except OSError as e:  # read-only or full disk
-            _not_stored(spec, f"cannot write the cache ({e})", must_store)
+            _not_stored(spec, f"cannot write the cache ({e})", must_store, compiled)
         except CacheCorruption as e:  # the entry vanished or changed right after the commit (a prune)
-            _not_stored(spec, f"the stored entry did not survive ({e})", must_store)
+            _not_stored(spec, f"the stored entry did not survive ({e})", must_store, compiled)
     with _memory_lock:
         hit = _memory_entries.get(key)
         if hit is None:

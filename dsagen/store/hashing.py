@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any
 
 
@@ -37,6 +38,23 @@ def canonical_json(v: Any) -> str:
     """Compact, key-sorted JSON of `v` after checking every value is hashable key material."""
     _check_json_safe(v)
     return json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"the number {text[:40]} is out of range (it reads as {v})")
+    return v
+
+
+def loads_strict(raw: bytes | str) -> Any:
+    """Parse strict JSON: Python's json also accepts NaN, Infinity and -Infinity, and reads a number like
+    1e999 as infinity; none of those can be written back as JSON, so each is a ValueError here."""
+    return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
 
 
 def sha256_hex(data: bytes | str) -> str:

@@ -17,20 +17,26 @@ the check is moved to quarantine/ (writable root) or skipped with a warning (rea
 
 Filesystem safety: the tree is walked with lstat, never through a symbolic link; every delete
 removes a link as a link; files are opened with O_NOFOLLOW; the bytes that were hashed are the bytes
-handed to the runtime. The threat model is in notes/design.md.
+handed to the runtime. Folders are made without group/other write whatever the umask, and an entry
+below a folder (or holding a file) that another user can write or owns is never served. Staging and
+compile folders are locked (flock) for as long as they exist, so prune tells a live one from a dead
+one's leftovers even across PID namespaces and hosts. The threat model is in notes/design.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
+import math
 import os
 import re
 import shutil
 import socket
 import stat
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -42,7 +48,7 @@ from .. import env
 from ..errors import CacheRootError, DsagenError
 from ..kernel_record import is_str_keyed_dict, kernel_record_problem, kernel_record_sha256
 from ..log import get_logger
-from .hashing import canonical_json, key_of, sha256_hex
+from .hashing import canonical_json, key_of, loads_strict, sha256_hex
 from .installed import InstalledCache, installed_caches
 
 LAYOUT = "v1"
@@ -54,8 +60,9 @@ MARKER_TEXT = ("Signature: 8a477f597d28d172789f06886806bc55\n"
                "# folders that carry it). See https://bford.info/cachedir/ for the tag itself.\n")
 _MARKER_SIGNATURE = MARKER_TEXT.split("\n")[0].encode()
 _MARKER_DSAGEN = b"dsagen kernel cache marker"
-OWN_NAMES = frozenset({LAYOUT, "locks", "tmp", "quarantine", MARKER})
 BUILD_TMP_PREFIX = "dsagen-build-"      # compile folders in the system temp dir: dsagen-build-<pid>-<random>
+#: the name a locked folder has until it is locked (see `make_locked_dir`); prune clears such leftovers by age
+PENDING_PREFIX = ".dsagen-new-"
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_ARTIFACTS = 16
 REQUIRED_ARTIFACTS = ("kernel.cubin",)  # what the runtime reads
@@ -72,6 +79,11 @@ _log = get_logger("store")
 
 class CacheLockTimeout(DsagenError, TimeoutError):
     """Another process held a kernel's compile lock for longer than DSAGEN_LOCK_TIMEOUT."""
+
+
+class CacheLockPathError(DsagenError, OSError):
+    """Something other than a regular file (a folder, a FIFO, ...) sits at a key's lock path, so the
+    key cannot be locked; `dsagen prune` removes it."""
 
 
 class CacheCorruption(DsagenError, RuntimeError):
@@ -134,19 +146,183 @@ def _subdirs(path: Path) -> Iterator[Path]:
         yield path / n
 
 
-def remove_path(path: Path) -> bool:
+def try_remove(path: Path) -> str | None:
     """Remove `path` without ever following a link: a link or file is unlinked, a real folder is removed
-    with shutil.rmtree (which on this platform does not follow links inside). False if it was gone."""
+    with shutil.rmtree (which on this platform does not follow links inside). None when nothing is left
+    at `path` afterwards (or nothing was there), else why something is (the first error met)."""
     st = _lstat(path)
     if st is None:
-        return False
+        return None
+    errors: list[str] = []
     if stat.S_ISDIR(st.st_mode):
         assert shutil.rmtree.avoids_symlink_attacks, "shutil.rmtree must not follow links on this platform"
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, onerror=lambda fn, p, exc: errors.append(f"{p}: {exc[1]}"))
     else:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.unlink(path)
-    return True
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            errors.append(str(e))
+    _release_dir_lock(path)  # a folder of this process that is gone is no longer live
+    if _lstat(path) is None:
+        return None
+    return errors[0] if errors else "it is still there"
+
+
+def remove_path(path: Path) -> bool:
+    """Remove `path` as `try_remove` does; True when something was there and nothing is now."""
+    return _lstat(path) is not None and try_remove(path) is None
+
+
+# ---- folders made safe whatever the umask ------------------------------------------------------------
+def _my_uid() -> int | None:
+    return os.geteuid() if hasattr(os, "geteuid") else None
+
+
+def foreign_write(st: os.stat_result) -> str | None:
+    """Why a user other than this one (or root, who can do anything anyway) can change what a folder or
+    file holds, or None: a group or other write bit, or another owner. A link's own mode means nothing
+    (and entries never hold links: `load_entry` refuses them), so a link is never reported here."""
+    if stat.S_ISLNK(st.st_mode):
+        return None
+    if st.st_mode & 0o022:
+        return f"writable by others (mode {stat.filemode(st.st_mode)})"
+    me = _my_uid()
+    if me is not None and st.st_uid not in (me, 0):
+        return f"owned by another user (uid {st.st_uid})"
+    return None
+
+
+def _restrict(path: Path) -> None:
+    """Clear the group and other write bits of this user's folder `path` (opened without following a
+    link, so a link swapped in never has its target changed). Folders of other owners are left as they
+    are: `foreign_write` reports them."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if st.st_mode & 0o022 and st.st_uid == _my_uid():
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~0o022)
+    finally:
+        os.close(fd)
+
+
+def make_dir(path: Path) -> None:
+    """`os.mkdir(path)` (FileExistsError when something is there), then the group and other write bits
+    cleared: a umask of 000 or 002 must not let other users plant entries."""
+    os.mkdir(path)
+    _restrict(path)
+
+
+def make_dirs(path: Path) -> None:
+    """Make `path` and every missing folder above it, each as `make_dir` does; existing ones are kept."""
+    missing = []
+    p = path
+    while _lstat(p) is None:
+        missing.append(p)
+        p = p.parent
+    for p in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            make_dir(p)
+    if not _is_real_dir(path):
+        raise NotADirectoryError(errno.ENOTDIR, "not a real folder", str(path))
+
+
+# ---- liveness locks: a folder in use is locked for as long as it exists ---------------------------------
+# A staging or compile folder is locked with flock on the folder itself, through a descriptor this process
+# keeps open; the kernel drops the lock when the process dies. prune tries the lock without waiting, so a
+# folder of a live process is never deleted even when the pid and host in its name mean nothing here
+# (another PID namespace or host sharing the volume).
+_held: dict[str, int] = {}          # folder path -> the descriptor that holds its lock
+_held_guard = threading.Lock()
+
+
+def make_locked_dir(path: Path, mode: int = 0o777) -> Path:
+    """Make the folder `path` (mode `mode` less the umask, never group/other writable) and lock it for
+    as long as it exists (see `dir_lock_held`). It is made and locked under a pending name and only
+    then renamed to `path`, so no one ever sees `path` unlocked. The lock is let go when `remove_path`
+    removes the folder or `release_dir_lock` is called (after the folder was renamed into place)."""
+    _release_gone_locks()
+    pending = path.parent / f"{PENDING_PREFIX}{uuid.uuid4().hex}"
+    os.mkdir(pending, mode)
+    try:
+        fd = os.open(pending, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except BaseException:
+        remove_path(pending)
+        raise
+    try:
+        _restrict(pending)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:  # a filesystem without flock on folders: liveness rests on the name alone
+            _log.debug("cannot lock %s (%s); prune falls back to its owner's pid and host", pending, e)
+        if _lstat(path) is not None:  # a rename would replace an empty folder there: behave as mkdir does
+            raise FileExistsError(errno.EEXIST, "already exists", str(path))
+        os.rename(pending, path)
+    except BaseException:
+        os.close(fd)
+        remove_path(pending)
+        raise
+    with _held_guard:
+        _held[str(path)] = fd
+    return path
+
+
+def release_dir_lock(path: Path) -> None:
+    """Let go of this process's lock on the folder made at `path` (it was renamed away or removed)."""
+    _release_dir_lock(path)
+
+
+def _release_dir_lock(path: Path) -> None:
+    with _held_guard:
+        fd = _held.pop(str(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _release_gone_locks() -> None:
+    """Let go of the locks of folders that are no longer where they were made (removed, or renamed
+    into place by a caller that did not release them)."""
+    with _held_guard:
+        items = list(_held.items())
+    for p, fd in items:
+        st = _lstat(Path(p))
+        try:
+            same = st is not None and os.path.samestat(st, os.fstat(fd))
+        except OSError:
+            same = False
+        if not same:
+            _release_dir_lock(Path(p))
+
+
+def dir_lock_held(path: Path) -> bool | None:
+    """Whether a live process holds the liveness lock of folder `path`: True (held: in use), False
+    (free: its owner let go or died), None (cannot tell: not a real folder, or no flock here)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # closing lets go of the lock taken just now
+    return False
+
+
+@contextlib.contextmanager
+def build_dir() -> Iterator[Path]:
+    """A private compile folder `dsagen-build-<pid>-<random>` in the system temp folder, locked while it
+    exists (see `make_locked_dir`) and removed on exit."""
+    base = Path(tempfile.gettempdir())
+    path = make_locked_dir(base / f"{BUILD_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}", 0o700)
+    try:
+        yield path
+    finally:
+        remove_path(path)
 
 
 def _read_nofollow(path: Path, limit: int | None = None) -> bytes:
@@ -225,10 +401,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _staging_gone(path: Path, max_age: float) -> bool:
+    """Whether prune may remove the staging folder `path` of tmp/: its liveness lock is not held (a held
+    lock is a live build or unpack, whatever the pid and host in its name say here) and, as a second
+    check for folders made without the lock, its owner is gone by `_staging_owner_gone`."""
+    return dir_lock_held(path) is not True and _staging_owner_gone(path, max_age)
+
+
 def _staging_owner_gone(path: Path, max_age: float) -> bool:
-    """Whether a staging folder of tmp/ belongs to no live build or unpack: its owner (host, pid in its
-    name) is a process of this host that no longer exists, or (another host, or no owner in the name)
-    it has not changed for `max_age` seconds. A live process of this host keeps its folder however old."""
+    """Whether the owner named in a staging folder's name is gone: a process of this host (host, pid in
+    the name) that no longer exists, or (another host, or no owner in the name) a folder that has not
+    changed for `max_age` seconds. A live process of this host keeps its folder however old."""
     parts = path.name.rsplit(".", 3)
     st = _lstat(path)
     if st is None:
@@ -240,19 +423,74 @@ def _staging_owner_gone(path: Path, max_age: float) -> bool:
     return age > max_age
 
 
+def _check_lock_path(path: Path) -> None:
+    """CacheLockPathError when something other than a regular file sits at the lock path `path`."""
+    st = _lstat(path)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else f"of type {stat.filemode(st.st_mode)[0]!r}"
+        raise CacheLockPathError(f"the lock path {path} is not a file ({kind}), so the kernel cannot be locked "
+                                 f"for a build; `dsagen prune` removes it")
+
+
 # ---- manifest schema and entry validity ---------------------------------------------------------------
 def _need(cond: bool, path: Path, what: str) -> None:
     if not cond:
         raise CacheCorruption(f"{path}: {what}")
 
 
+def _non_finite(v: Any) -> str | None:
+    """Where `v` (parsed JSON) holds a float that is NaN or infinite (which JSON cannot write), or None.
+    Walked with a stack, not recursion: a deeply nested value must not overflow the interpreter's."""
+    stack: list[tuple[str, Any]] = [("", v)]
+    while stack:
+        where, x = stack.pop()
+        if isinstance(x, float) and not math.isfinite(x):
+            return where or "the value"
+        if isinstance(x, dict):
+            stack.extend((f"{where}.{k}", y) for k, y in x.items())
+        elif isinstance(x, list):
+            stack.extend((f"{where}[{i}]", y) for i, y in enumerate(x))
+    return None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+#: every manifest field and the check of its type (the kernel record and artifacts are checked in detail below)
+_FIELD_TYPES: dict[str, tuple[Any, str]] = {
+    "key": (lambda v: isinstance(v, str), "a string"),
+    "arch": (lambda v: isinstance(v, str), "a string"),
+    "op": (lambda v: isinstance(v, str), "a string"),
+    "identity": (lambda v: isinstance(v, str), "a string"),
+    "name": (lambda v: isinstance(v, str), "a string"),
+    "created": (lambda v: isinstance(v, str), "a string"),
+    "kernel_sha256": (lambda v: isinstance(v, str), "a string"),
+    "schema": (_is_int, "an integer"),
+    "compile_seconds": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
+    "spec": (is_str_keyed_dict, "an object"),
+    "key_material": (is_str_keyed_dict, "an object"),
+    "identity_material": (is_str_keyed_dict, "an object"),
+    "toolchain": (lambda v: is_str_keyed_dict(v) and all(isinstance(x, str) for x in v.values()),
+                  "an object of version strings"),
+    "artifacts": (is_str_keyed_dict, "an object"),
+    "kernel": (is_str_keyed_dict, "an object"),
+}
+
+
 def validate_manifest(m: Any, path: Path) -> dict:
-    """Check that `m` is a manifest of the expected schema (types only); CacheCorruption otherwise."""
+    """Check that `m` is a manifest of the expected schema (the type of every field, and no NaN or
+    infinite number anywhere, which `dsagen list --json` could not print as JSON); CacheCorruption
+    otherwise."""
     _need(isinstance(m, dict), path, f"{MANIFEST} is not a JSON object")
-    for name, kind in (("key", str), ("arch", str), ("op", str), ("identity", str), ("name", str),
-                       ("spec", dict), ("key_material", dict), ("identity_material", dict),
-                       ("toolchain", dict), ("artifacts", dict), ("kernel", dict)):
-        _need(isinstance(m.get(name), kind), path, f"{MANIFEST} field {name!r} is missing or not a {kind.__name__}")
+    for name, (ok, kind) in _FIELD_TYPES.items():
+        _need(name in m and ok(m[name]), path, f"{MANIFEST} field {name!r} is missing or not {kind}")
+    bad = _non_finite(m)
+    _need(bad is None, path, f"{MANIFEST} holds a number that is NaN or infinite at {bad}")
     _need(bool(_HEX64.fullmatch(m["key"])), path, "manifest key is not 64 hex digits")
     _need(bool(_HEX64.fullmatch(m["identity"])), path, "manifest identity is not 64 hex digits")
     aliases = m.get("aliases", [])
@@ -360,9 +598,10 @@ def load_entry(path: Path, verify_hashes: bool = True, expect: dict | None = Non
     except OSError as e:
         raise CacheCorruption(f"{path}: unreadable {MANIFEST}: {e}") from None
     try:
-        m = json.loads(raw)
+        m = loads_strict(raw)
     except (ValueError, RecursionError) as e:
-        raise CacheCorruption(f"{path}: {MANIFEST} is not JSON (or nested too deeply): {str(e)[:200]}") from None
+        raise CacheCorruption(f"{path}: {MANIFEST} is not JSON (or holds NaN or Infinity, or is nested too "
+                              f"deeply): {str(e)[:200]}") from None
     validate_entry_manifest(m, path)
     for f, want in (expect or {}).items():
         _need(m.get(f) == want, path, f"manifest {f} {m.get(f)!r} is not the requested {want!r}")
@@ -397,18 +636,17 @@ def entry_identities(manifest: dict) -> set[str]:
     return ids
 
 
-def _version_tuple(v: str) -> tuple:
-    return tuple(int(x) if x.isdigit() else -1 for x in re.split(r"[.+-]", v))
+def candidate_order(manifest: dict, key: str, identity: str, prefer_toolchain: dict | None = None) -> tuple:
+    """The sort key that picks among several valid entries answering to one identity in one layer: an
+    exact match first (built by `prefer_toolchain`, the toolchain installed here, when given; then built
+    under that identity rather than only listing it in `aliases`), then the smallest key.
 
-
-def candidate_order(manifest: dict, key: str, identity: str) -> tuple:
-    """The sort key that picks among several valid entries answering to one identity in one layer:
-    the entry built under that identity before one that only records it as an alias, then the newest
-    toolchain (versions compared numerically, distribution by distribution), then the smallest key.
-    Every field used is bound by the entry's key (so consistent), and `created` plays no part."""
-    tc = manifest.get("toolchain") if isinstance(manifest.get("toolchain"), dict) else {}
-    newest_first = tuple((d, tuple(-x for x in _version_tuple(str(v)))) for d, v in sorted(tc.items()))
-    return (manifest.get("identity") != identity, newest_first, key)
+    What an entry declares about itself (a newer toolchain, a later `created`) never moves it forward:
+    an entry planted next to the real one could declare anything. The key only makes the choice
+    deterministic (a sha256 can be ground for a small value, so it rewards nothing an entry claims;
+    keeping other users' entries out is the folder permission check's job, see `path_problem`)."""
+    exact_toolchain = prefer_toolchain is not None and manifest.get("toolchain") == prefer_toolchain
+    return (not exact_toolchain, manifest.get("identity") != identity, key)
 
 
 # ---- layers and the store -----------------------------------------------------------------------------
@@ -553,10 +791,11 @@ class CacheStore:
 
     # ---- the root marker --------------------------------------------------------------------------
     def ensure_root(self, create: bool = True) -> Layer:
-        """The writable layer, after making sure its root is a dsagen cache: a new or empty folder (or
-        one that holds only dsagen's own folders) gets the CACHEDIR.TAG marker; a folder holding anything
-        else, or a root that is not a folder, is refused with CacheRootError. `create=False` leaves a
-        missing root missing (prune)."""
+        """The writable layer, after making sure its root is a dsagen cache: one dsagen marked, or a new or
+        empty folder, which gets the CACHEDIR.TAG marker. A folder holding anything else is refused with
+        CacheRootError, even one holding only folders named like dsagen's (tmp/, v1/, ...): a user's
+        folder can have those names, and prune would delete what they hold. A root that is not a folder
+        is refused too. `create=False` leaves a missing root missing (prune)."""
         layer = self._require_writable()
         root = layer.root
         marker = root / MARKER
@@ -578,15 +817,19 @@ class CacheStore:
         if not root.exists():
             if not create:
                 return layer
-            root.mkdir(parents=True, exist_ok=True)
-        # another process may be marking the same new root right now: its temporary marker is ours too
-        foreign = sorted(n for n in set(os.listdir(root)) - OWN_NAMES if not n.startswith(f".{MARKER}."))
-        if foreign:
+            make_dirs(root)
+        # another process may be marking the same new root right now: its temporary marker is ours too,
+        # and a marker that is there is judged below (ours, written since, or another tool's)
+        foreign = sorted(n for n in os.listdir(root) if n != MARKER and not n.startswith(f".{MARKER}."))
+        if foreign and not marked():  # not marked: still not, after another process may have marked it
             shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+            theirs = f"a {MARKER} that is not dsagen's" if os.path.lexists(marker) else f"no dsagen {MARKER}"
             raise CacheRootError(
-                f"{root} ({env.CACHE_DIR.name}) is not a dsagen cache: it holds {shown} and no dsagen "
-                f"{MARKER}; dsagen refuses to write or prune there. Point {env.CACHE_DIR.name} at a new "
-                f"or empty folder.")
+                f"{root} ({env.CACHE_DIR.name}) is not a dsagen cache: it holds {shown} and {theirs}; dsagen "
+                f"refuses to write or prune there (it takes only a folder it marked, or an empty one). "
+                f"Point {env.CACHE_DIR.name} at a new or empty folder.")
+        if foreign:
+            return layer
         tmp = root / f".{MARKER}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         try:
             _write_file(tmp, MARKER_TEXT.encode())
@@ -603,7 +846,9 @@ class CacheStore:
     def own_dir(self, *parts: str) -> Path:
         """The folder `<writable root>/<parts...>` as a real folder, created where missing. A link or file
         found at any level below the root is removed (as a link: its target is never touched) and
-        replaced by a real folder, so nothing is ever written, renamed or deleted through a link."""
+        replaced by a real folder, so nothing is ever written, renamed or deleted through a link. Every
+        level is left without group/other write (whatever the umask); one that another user owns is
+        refused (CacheRootError)."""
         layer = self.ensure_root()
         p = layer.root
         for part in parts:
@@ -614,9 +859,14 @@ class CacheStore:
                 st = None
             if st is None:
                 with contextlib.suppress(FileExistsError):
-                    os.mkdir(p)
-                if not _is_real_dir(p):
-                    raise CacheRootError(f"{p}: cannot make a real folder there (another process races it)")
+                    make_dir(p)
+            if not _is_real_dir(p):
+                raise CacheRootError(f"{p}: cannot make a real folder there (another process races it)")
+            _restrict(p)  # a folder left group-writable by an earlier umask is made safe again
+            unsafe = foreign_write(os.lstat(p))
+            if unsafe is not None:
+                raise CacheRootError(f"{p}: the cache folder is {unsafe}; dsagen does not write into a folder "
+                                     f"another user can change (entries there would not be served)")
         return p
 
     # ---- reading ----------------------------------------------------------------------------------
@@ -630,11 +880,45 @@ class CacheStore:
                 return False
         return True
 
+    @staticmethod
+    def path_problem(layer: Layer, path: Path) -> tuple[Path, str] | None:
+        """(folder or file, why) when another user could have planted or could swap the entry at `path`:
+        a folder from the layer's v1/ down to the entry, or a file in it, that is writable by others or
+        owned by another user (see `foreign_write`); None when there is none. The root itself is only
+        warned about (`from_env`): whoever can write it can at most swap in a v1/ of their own, which
+        they own and this check refuses."""
+        p = layer.root
+        for part in path.relative_to(layer.root).parts:
+            p = p / part
+            st = _lstat(p)
+            why = foreign_write(st) if st is not None else None
+            if why is not None:
+                return p, why
+        try:
+            with os.scandir(path) as it:
+                files = sorted((e.name, e.stat(follow_symlinks=False)) for e in it)
+        except OSError:
+            return None  # load_entry reports an unreadable folder
+        for name, st in files:
+            why = foreign_write(st)
+            if why is not None:
+                return path / name, why
+        return None
+
     def _load(self, layer: Layer, path: Path, expect: dict | None = None) -> Entry | None:
         if _lstat(path / MANIFEST) is None:
             return None  # absent, or a commit still in flight elsewhere: not visible
         try:
             _need(self.chain_is_real(layer, path), path, "reached through a link")
+            problem = self.path_problem(layer, path)
+            if problem is not None:
+                # skipped, never quarantined, in every layer: the entry's bytes are not what is wrong, and
+                # moving things around in a folder another user controls is a race with that user
+                where, why = problem
+                _warn_once(where, f"dsagen: not serving the cache entries at or below {where}: it is {why}, "
+                                  f"so another user could have planted them. Restrict it (chmod go-w, or "
+                                  f"chown to yourself), or `dsagen prune` and rebuild")
+                return None
             m, blobs = load_entry(path, self.verify_hashes, expect=expect, bytecode_ok=layer.bytecode_ok)
             _log.debug("loaded entry %s (%s) from %s", m.get("name"), path.name[:12], layer.origin)
             return Entry(path, m, layer, blobs)
@@ -655,22 +939,23 @@ class CacheStore:
         return None
 
     def lookup_identity(self, arch: str, op: str, identity: str, toolchain: dict | None = None,
-                        spec: dict | None = None) -> Entry | None:
-        """A valid entry answering to this identity (and, when given, built by exactly this toolchain,
-        and for exactly this canonical spec), searching read-only layers first. Within a layer the
-        choice among several follows `candidate_order` (never `created`)."""
+                        spec: dict | None = None, prefer_toolchain: dict | None = None) -> Entry | None:
+        """A valid entry answering to this identity (and, when given, built by exactly `toolchain`, and
+        for exactly this canonical spec), searching read-only layers first. Within a layer the choice
+        among several follows `candidate_order`: an entry built by `prefer_toolchain` (the toolchain
+        installed here, for a lookup that accepts any) first, never by what an entry declares."""
         for layer in self.layers:
             found = []
             for path in layer.entry_dirs(arch, op):
                 try:
-                    m = json.loads(_read_nofollow(path / MANIFEST, MAX_MANIFEST_BYTES))
+                    m = loads_strict(_read_nofollow(path / MANIFEST, MAX_MANIFEST_BYTES))
                 except (OSError, ValueError, RecursionError):
                     continue
                 if not isinstance(m, dict) or identity not in entry_identities(m):
                     continue
                 if toolchain is not None and m.get("toolchain") != toolchain:
                     continue
-                found.append((candidate_order(m, path.name, identity), path))
+                found.append((candidate_order(m, path.name, identity, prefer_toolchain), path))
             expect = {} if spec is None else {"spec": spec}
             for _, path in sorted(found, key=lambda t: t[0]):
                 e = self._load(layer, path, expect)
@@ -693,19 +978,24 @@ class CacheStore:
 
     @contextlib.contextmanager
     def lock(self, key: str, timeout: float | None = None):
-        """A per-key inter-process lock in the writable root (filelock). timeout=0: try once."""
+        """A per-key inter-process lock in the writable root (filelock). timeout=0: try once.
+        CacheLockPathError when something other than a file sits at the lock path."""
         import filelock  # imported here: only writers need it, and it is slow to import
 
         locks = self.own_dir("locks")
         path = locks / f"{key}.lock"
         if os.path.islink(path):
             remove_path(path)  # a planted link: filelock would refuse it (or open its target)
+        _check_lock_path(path)
         lock = filelock.FileLock(str(path),
                                  timeout=env.LOCK_TIMEOUT.get() if timeout is None else timeout)
         try:
             lock.acquire()
         except filelock.Timeout as e:
             raise CacheLockTimeout(f"timed out waiting for {e.lock_file}") from None
+        except IsADirectoryError:  # a folder made there since the check
+            _check_lock_path(path)
+            raise
         try:
             yield
         finally:
@@ -720,8 +1010,7 @@ class CacheStore:
         layer = self.ensure_root()
         manifest = dict(manifest, key=key, arch=arch,
                         artifacts={n: {"size": len(b), "sha256": sha256_hex(b)} for n, b in sorted(files.items())})
-        stage = self.own_dir("tmp") / staging_name(key)
-        stage.mkdir()
+        stage = make_locked_dir(self.own_dir("tmp") / staging_name(key))
         try:
             for name, data in files.items():
                 _write_file(stage / name, data)
@@ -731,6 +1020,8 @@ class CacheStore:
         except BaseException:
             remove_path(stage)
             raise
+        finally:
+            release_dir_lock(stage)  # renamed into place or removed: no longer a staging folder
         return Entry(final, manifest, layer, dict(files))
 
     def place(self, staged: Path, arch: str, op: str, key: str, why: str) -> Path:
@@ -797,53 +1088,65 @@ class CacheStore:
         return dest
 
     def prune(self, *, everything: bool = False, keep_toolchain: dict | None = None,
-              keep_generator: str | None = None, system_temp: bool = True) -> list[str]:
-        """Clean the writable root and return what was removed:
+              keep_generator: str | None = None, system_temp: bool = True) -> "PruneResult":
+        """Clean the writable root; returns what was removed (only what is really gone), with `failed`
+        listing what prune meant to remove but could not, and why:
 
-        - tmp/ staging folders whose owner is gone (see `_staging_owner_gone`; a live build's or
-          unpack's folder is never touched), quarantine/, and stray files, links and folders in v1/;
-        - entries that are invalid, or built by another toolchain/generator (every entry with
-          everything=True), each under its per-key lock taken without waiting (a key being built now
-          is skipped);
-        - with system_temp, compile folders `dsagen-build-<pid>-*` of dead processes of this user in
-          the system temp folder.
+        - tmp/ staging folders no live process uses (see `_staging_gone`: a folder whose liveness lock
+          is held is never touched, whatever its name says), quarantine/, stray files, links and folders
+          in v1/, and anything but a regular file at a lock path in locks/;
+        - entries that are invalid, that another user could have planted (see `path_problem`), or built
+          by another toolchain/generator (every entry with everything=True), each under its per-key lock
+          taken without waiting (a key being built now is skipped);
+        - with system_temp, compile folders `dsagen-build-<pid>-*` of this user that no live process
+          uses (see `_prune_system_temp`).
 
         Links are removed as links, never followed. A root that is not a dsagen cache is refused."""
         layer = self._require_writable()
+        result = PruneResult()
         if not layer.root.exists():
-            return self._prune_system_temp() if system_temp else []
+            if system_temp:
+                self._prune_system_temp(result)
+            return result
         self.ensure_root(create=False)
-        removed = []
         max_age = max(env.LOCK_TIMEOUT.get(), 60.0)
-        tmp, q = layer.root / "tmp", layer.root / "quarantine"
-        for d, owned in ((tmp, True), (q, False)):
+        for name in ("tmp", "quarantine", "locks"):
+            d = layer.root / name
             if _lstat(d) is not None and not _is_real_dir(d):
-                remove_path(d)  # a link or file where a folder belongs: the link goes, its target stays
-                removed.append(str(d))
+                result.drop(d)  # a link or file where a folder belongs: the link goes, its target stays
                 continue
             for p in sorted(d.iterdir()) if _is_real_dir(d) else ():
-                if owned and _is_real_dir(p) and not _staging_owner_gone(p, max_age):
+                if self._prune_keeps(name, p, max_age):
                     continue
-                if remove_path(p):
-                    removed.append(str(p))
+                result.drop(p)
         for p in list(layer.strays()):
-            if remove_path(p):
-                removed.append(str(p))
+            result.drop(p)
         for n in sorted(os.listdir(layer.root)):  # marker temporaries of processes killed while marking
             parts = n.split(".")
             if (n.startswith(f".{MARKER}.") and len(parts) == 5 and (pid := _parse_pid(parts[3])) is not None
-                    and not _pid_alive(pid) and remove_path(layer.root / n)):
-                removed.append(str(layer.root / n))
+                    and not _pid_alive(pid)):
+                result.drop(layer.root / n)
         for path in list(layer.entry_dirs()):
-            if self._prune_entry(layer, path, everything, keep_toolchain, keep_generator):
-                removed.append(str(path))
+            self._prune_entry(layer, path, everything, keep_toolchain, keep_generator, result)
         if system_temp:
-            removed += self._prune_system_temp()
-        return removed
+            self._prune_system_temp(result)
+        return result
 
-    def _prune_entry(self, layer: Layer, path: Path, everything: bool, keep_toolchain, keep_generator) -> bool:
+    @staticmethod
+    def _prune_keeps(folder: str, p: Path, max_age: float) -> bool:
+        """Whether prune keeps `p`, an item of the root's tmp/, quarantine/ or locks/ folder: a staging
+        folder still in use (tmp/), a regular lock file (locks/; a lock of a key being built is one)."""
+        if folder == "tmp":
+            return _is_real_dir(p) and not _staging_gone(p, max_age)
+        if folder == "locks":
+            st = _lstat(p)
+            return st is None or stat.S_ISREG(st.st_mode)
+        return False
+
+    def _prune_entry(self, layer: Layer, path: Path, everything: bool, keep_toolchain, keep_generator,
+                     result: "PruneResult") -> None:
         def stale() -> bool:
-            if everything:
+            if everything or self.path_problem(layer, path) is not None:
                 return True
             try:
                 m = check_entry(path, self.verify_hashes)
@@ -853,39 +1156,68 @@ class CacheStore:
             return ((keep_toolchain is not None and km.get("toolchain") != keep_toolchain)
                     or (keep_generator is not None and km.get("generator") != keep_generator))
         if not stale():
-            return False
+            return
         try:
             with self.lock(path.name, timeout=0):
                 if _lstat(path) is None or not stale():
-                    return False
+                    return
                 if not self.chain_is_real(layer, path):
-                    return False  # reached through a link: the link goes with the strays, never its target
+                    return  # reached through a link: the link goes with the strays, never its target
                 trash = self.own_dir("tmp") / staging_name(f"prune-{path.name}")
                 os.replace(path, trash)  # the entry disappears at once; then its files go
-                remove_path(trash)
-                return True
         except CacheLockTimeout:
-            return False  # being built right now: not stale for long
-        except OSError as e:
-            warnings.warn(f"dsagen prune: skipping {path}: {e}", stacklevel=3)
-            return False
+            return  # being built right now: not stale for long
+        except (OSError, CacheRootError) as e:
+            result.failed.append((str(path), str(e)))
+            return
+        why = try_remove(trash)
+        if why is None:
+            result.append(str(path))
+        else:
+            result.failed.append((str(path), f"moved to {trash}, where it could not all be removed: {why}"))
 
     @staticmethod
-    def _prune_system_temp() -> list[str]:
-        removed = []
+    def _prune_system_temp(result: "PruneResult") -> None:
+        """Remove this user's compile folders in the system temp folder that no live process uses: the
+        liveness lock is not held and the pid in the name (`dsagen-build-<pid>-*`) is no live process
+        here. Folders left under their pending name (killed between making and locking one) go once
+        they are older than the lock timeout."""
         base = Path(tempfile.gettempdir())
         try:
-            names = [n for n in os.listdir(base) if n.startswith(BUILD_TMP_PREFIX)]
+            names = [n for n in os.listdir(base) if n.startswith((BUILD_TMP_PREFIX, PENDING_PREFIX))]
         except OSError:
-            return removed
+            return
+        max_age = max(env.LOCK_TIMEOUT.get(), 60.0)
         for n in sorted(names):
             p = base / n
+            st = _lstat(p)
+            if (st is None or not stat.S_ISDIR(st.st_mode)
+                    or (hasattr(os, "getuid") and st.st_uid != os.getuid()) or dir_lock_held(p) is True):
+                continue
+            if n.startswith(PENDING_PREFIX):
+                if time.time() - st.st_mtime > max_age:
+                    result.drop(p)
+                continue
             m = re.match(re.escape(BUILD_TMP_PREFIX) + r"([0-9]+)-", n)
             pid = _parse_pid(m.group(1)) if m else None
-            st = _lstat(p)
-            if (pid is None or st is None or not stat.S_ISDIR(st.st_mode)
-                    or (hasattr(os, "getuid") and st.st_uid != os.getuid()) or _pid_alive(pid)):
-                continue
-            if remove_path(p):
-                removed.append(str(p))
-        return removed
+            if pid is not None and not _pid_alive(pid):
+                result.drop(p)
+
+
+class PruneResult(list):
+    """What `CacheStore.prune` removed: the list of paths that are gone now; `failed` holds (path, why)
+    for each path it meant to remove but could not (a read-only root, a folder of another user)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed: list[tuple[str, str]] = []
+
+    def drop(self, path: Path) -> None:
+        """Remove `path` (never following a link) and record how that went."""
+        if _lstat(path) is None:
+            return
+        why = try_remove(path)
+        if why is None:
+            self.append(str(path))
+        else:
+            self.failed.append((str(path), why))

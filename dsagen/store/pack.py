@@ -41,8 +41,8 @@ from typing import Iterator
 from ..errors import DsagenError
 from ..log import get_logger
 from .store import (LAYOUT, MANIFEST, MAX_MANIFEST_BYTES, PYCACHE, CacheCorruption, CacheLockTimeout, CacheStore,
-                    _read_nofollow, entry_parts, load_entry, remove_path, replaced_when_written, staging_name,
-                    validate_entry_manifest)
+                    _read_nofollow, entry_parts, load_entry, make_dirs, make_locked_dir, remove_path,
+                    replaced_when_written, staging_name, validate_entry_manifest)
 
 _log = get_logger("store")
 
@@ -378,7 +378,7 @@ def unpack(store: CacheStore, file: Path, *, max_member_bytes: int = MAX_MEMBER_
     entries = _scan(file, max_member_bytes, max_total_bytes)
     expected = {f"{folder}/{b}": sha for folder, e in entries.items() for b, (_, sha) in e["files"].items()}
     stage = store.own_dir("tmp") / staging_name("unpack")
-    stage.mkdir()
+    make_locked_dir(stage)  # locked while it exists: prune in another PID namespace sees it is live
     added = 0
     try:
         with _open_stream(file) as tar:
@@ -386,7 +386,7 @@ def unpack(store: CacheStore, file: Path, *, max_member_bytes: int = MAX_MEMBER_
                 if m.name == CHECKSUMS:
                     continue
                 dest = stage / m.name
-                dest.parent.mkdir(parents=True, exist_ok=True)
+                make_dirs(dest.parent)  # without group/other write whatever the umask
                 fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
                 with os.fdopen(fd, "wb") as out:
                     sha = _stream(data, m.size, out)

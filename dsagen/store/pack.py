@@ -7,7 +7,8 @@ an installed kernel wheel's entries ship as that wheel). It is a plain tar of re
 manifest.json and the artifacts it lists) plus `PACK-CHECKSUMS.json` (sha256 of every member), so it
 also extracts with `tar` into a tree that DSAGEN_CACHE_PATH can point at.
 
-`pack` is atomic: it writes `FILE.tmp-<pid>` and renames it. `unpack` is all-or-nothing for the
+`pack` is atomic: it writes a new file of a random name beside FILE (created exclusively, never through a
+link) and renames it onto FILE; a FILE that is a link is refused. `unpack` is all-or-nothing for the
 checks and atomic per entry for the writes: a first streaming pass checks every member (names, types,
 sizes against the caps, checksums, every entry's manifest, key and artifacts) without writing
 anything; a second pass streams the members into one staging folder under the cache's tmp/, checking
@@ -17,32 +18,42 @@ the rest); a failed one leaves no staging behind (a killed one leaves it to `dsa
 already present and valid are kept. Members are never read whole into memory, except manifests and
 the checksum list (each at most 1 MiB).
 
+The tar stream is read by dsagen's own reader (`_next_header`), not by `tarfile`: it reads exactly what
+`pack` writes (regular files in POSIX headers, each with at most one PAX header of at most 4 KiB that
+holds only its path; gzip, bzip2 or xz around it) and refuses every other header from its first 512
+bytes, before reading anything that header announces (GNU long names, sparse maps, Solaris and global
+headers, links, folders, devices). So no header makes unpack allocate more than a few KiB, and the
+bytes both passes read are the ones the checks saw (one decompressor, chosen by the file's first bytes).
+
 What a pack is trusted with: unpacking runs nothing, and a bad pack (not a tar, a bad checksum list,
-traversal, links, devices, oversized or extra members, an invalid entry) is one PackError that leaves
-the cache as it was. But the kernels inside a well-formed pack are run as they are: unpack packs only
-from sources you would take code from (notes/design.md, threat model).
+traversal, links, devices, headers of any kind `pack` does not write, oversized or extra members, an
+invalid entry) is one PackError that leaves the cache as it was. But the kernels inside a well-formed
+pack are run as they are: unpack packs only from sources you would take code from (notes/design.md,
+threat model).
 """
 
 from __future__ import annotations
 
 import bz2
+import contextlib
 import hashlib
 import io
 import json
 import lzma
 import os
 import re
+import secrets
 import tarfile
 import warnings
 import zlib
 from pathlib import Path, PurePosixPath
-from typing import Iterator
+from typing import BinaryIO, Iterator, NamedTuple
 
 from ..errors import DsagenError
 from ..log import get_logger
 from .store import (LAYOUT, MANIFEST, MAX_MANIFEST_BYTES, PYCACHE, CacheCorruption, CacheLockTimeout, CacheStore,
                     _read_nofollow, entry_parts, load_entry, make_dirs, make_locked_dir, remove_path,
-                    replaced_when_written, staging_name, validate_entry_manifest)
+                    staging_name, validate_entry_manifest)
 
 _log = get_logger("store")
 
@@ -50,9 +61,31 @@ CHECKSUMS = "PACK-CHECKSUMS.json"
 MAX_MEMBER_BYTES = 256 << 20      # one artifact (the largest PTX of today's kernels is a few MiB)
 MAX_TOTAL_BYTES = 4 << 30         # a whole pack, unpacked
 MAX_MEMBERS = 100_000
+MAX_PAX_BYTES = 4096              # one PAX header: pack writes one path record of under 300 bytes
 _CHUNK = 1 << 20
-_MEMBER = re.compile(LAYOUT + r"/sm_[0-9]+[a-z]?/[a-z][a-z0-9_]*/[0-9a-f]{2}/[0-9a-f]{64}/"
-                     r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_READ = 1 << 16                   # compressed bytes read from a pack file at a time
+_XZ_MEMLIMIT = 80 << 20           # xz -9's decoder needs 65 MiB; a stream that asks for more is refused
+# the names of a pack's members; every part is bounded (a name no file system stores would fail halfway
+# through the copy)
+_MEMBER = re.compile(LAYOUT + r"/sm_[0-9]{2,4}[a-z]?/[a-z][a-z0-9_]{0,63}/[0-9a-f]{2}/[0-9a-f]{64}/"
+                     r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
+_BLOCK = 512
+_ZERO_BLOCK = bytes(_BLOCK)
+_USTAR = b"ustar\x0000"           # magic and version of a POSIX (ustar, pax) header: the only format pack writes
+_REGULAR = (b"0", b"\0")
+_PAX = b"x"
+_PAX_KEYS = (b"path",)            # the one PAX keyword pack writes (for names over 100 characters)
+_TYPES = {b"1": "a hard link", b"2": "a symbolic link", b"3": "a character device", b"4": "a block device",
+          b"5": "a folder", b"6": "a FIFO", b"7": "a contiguous file", b"g": "a global PAX header",
+          b"X": "a Solaris extended header", b"L": "a GNU long name", b"K": "a GNU long link name",
+          b"S": "a GNU sparse file", b"D": "a GNU dump folder", b"M": "a GNU multi-volume part",
+          b"N": "an old GNU long name", b"V": "a GNU volume label"}
+# the compressions a pack may come in: first bytes -> (name, a new decompressor of one stream)
+_COMPRESSIONS = {
+    b"\x1f\x8b\x08": ("gzip", lambda: zlib.decompressobj(31)),
+    b"BZh": ("bzip2", bz2.BZ2Decompressor),
+    b"\xfd7zXZ\x00": ("xz", lambda: lzma.LZMADecompressor(lzma.FORMAT_XZ, memlimit=_XZ_MEMLIMIT)),
+}
 
 
 class PackError(DsagenError, ValueError):
@@ -117,13 +150,53 @@ def checksums_problems(root: Path, sums: object, bytecode_ok: bool = False) -> l
     return problems
 
 
+@contextlib.contextmanager
+def replacing_file(out: Path) -> Iterator[BinaryIO]:
+    """A new file beside `out`, open for writing, that replaces `out` once the caller has written it whole: on
+    a clean exit it is fsynced and renamed onto `out` (readers see the old file or the complete new one); on an
+    error it is removed and `out` is left as it was. `pack` and `pack --wheel` write through this.
+
+    The temporary file is created exclusively, never through a link, under a fresh random name, so nothing
+    planted beside `out` is ever written to. An `out` that is a link is refused (PackError naming --out): the
+    rename would replace the link rather than write where it points, which is not what its owner meant."""
+    out = Path(out)
+    if out.is_symlink():
+        raise PackError(f"--out {out}: is a link; dsagen writes a pack or a wheel only as a file of its own "
+                        f"(remove the link or give another path)")
+    fd, tmp = _exclusive_temp(out)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _exclusive_temp(out: Path) -> tuple[int, Path]:
+    """(descriptor, path) of a new empty file `.<out's name>.<16 random hex digits>.tmp` beside `out`, created
+    with O_CREAT|O_EXCL|O_NOFOLLOW (an existing file or link of that name is never opened) and the mode a file
+    `open` creates (0o666 less the umask)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(16):
+        tmp = out.with_name(f".{out.name[:100]}.{secrets.token_hex(8)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue  # taken by chance, or planted: draw another name
+    raise PackError(f"--out {out}: could not create a temporary file beside it")
+
+
 def pack(store: CacheStore, out: Path) -> int:
-    """Write every valid entry of the configured layers (`shippable_entries`) into the tar `out`; returns
-    the count."""
+    """Write every valid entry of the configured layers (`shippable_entries`) into the tar `out` (through
+    `replacing_file`); returns the count."""
     out = Path(out)
     sums: dict[str, str] = {}
     n = 0
-    with replaced_when_written(out) as tmp, tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+    with replacing_file(out) as f, tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for rel, _m, files in shippable_entries(store, "pack"):
             n += 1
             for name in sorted(files):
@@ -134,46 +207,6 @@ def pack(store: CacheStore, out: Path) -> int:
         tar.addfile(_tar_info(CHECKSUMS, len(blob)), io.BytesIO(blob))
     _log.info("packed %d entries into %s", n, out)
     return n
-
-
-def _open_stream(file: Path) -> tarfile.TarFile:
-    """The pack as a forward-only tar stream (plain or compressed); PackError when it is not a tar."""
-    try:
-        return tarfile.open(file, "r|*")
-    except (tarfile.ReadError, tarfile.CompressionError, EOFError) as e:
-        raise PackError(f"{file}: not a tar file ({e})") from None
-
-
-def _members(file: Path, tar: tarfile.TarFile, max_member: int, max_total: int):
-    """Every member of the stream after the per-member checks: a regular file with a safe name in the
-    pack's shape, not repeated, within the caps. Yields (member, readable stream of its data)."""
-    seen: set[str] = set()
-    total = 0
-    try:
-        for n, m in enumerate(tar, 1):
-            if n > MAX_MEMBERS:
-                raise PackError(f"{file}: more than {MAX_MEMBERS} members")
-            name = m.name
-            if not (name == CHECKSUMS or _MEMBER.fullmatch(name)) or PurePosixPath(name).as_posix() != name:
-                raise PackError(f"{file}: unexpected member {name!r} (a dsagen pack holds only "
-                                f"{LAYOUT}/<arch>/<op>/<key[:2]>/<key>/<file> and {CHECKSUMS})")
-            if m.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
-                raise PackError(f"{file}: member {name!r} is not a regular file (links, folders and devices "
-                                f"are refused)")
-            if name in seen:
-                raise PackError(f"{file}: member {name!r} appears twice")
-            seen.add(name)
-            cap = MAX_MANIFEST_BYTES if name.endswith("/" + MANIFEST) or name == CHECKSUMS else max_member
-            if m.size > cap:
-                raise PackError(f"{file}: member {name!r} has {m.size} bytes, over the cap of {cap}")
-            total += m.size
-            if total > max_total:
-                raise PackError(f"{file}: the members add up to more than the cap of {max_total} bytes")
-            yield m, tar.extractfile(m)
-    except (tarfile.TarError, EOFError, OSError) as e:
-        if isinstance(e, PackError):
-            raise
-        raise PackError(f"{file}: unreadable tar data ({e})") from None
 
 
 def _stream(src, size: int, sink=None) -> str:
@@ -191,132 +224,255 @@ def _stream(src, size: int, sink=None) -> str:
     return h.hexdigest()
 
 
-def _decompressed(file: Path):
-    """The pack's bytes as a tar stream sees them (gzip, bzip2 and xz undone), in chunks of at most
-    1 MiB however much a compressed chunk inflates."""
-    with open(file, "rb") as f:
-        head = f.read(6)
-        f.seek(0)
-        if head[:2] == b"\x1f\x8b":
-            d, kind = zlib.decompressobj(31), "zlib"
-        elif head[:3] == b"BZh":
-            d, kind = bz2.BZ2Decompressor(), "stream"
-        elif head[:6] == b"\xfd7zXZ\x00":
-            d, kind = lzma.LZMADecompressor(), "stream"
-        else:
-            d, kind = None, "plain"
+class _PackStream:
+    """The tar bytes of a pack file as one forward-only stream, gzip, bzip2 or xz undone: what the checks
+    read is what the copy reads (both passes of `unpack` read the file only through this). The format is
+    decided once, by the file's first bytes; a compressed stream may be followed by more streams of the
+    same format (as pigz and pbzip2 write them, and as gzip -d, bzip2 -d and xz -d read them), anything
+    else after a stream's end is refused. Memory stays bounded however much a compressed chunk inflates:
+    at most `_CHUNK` bytes are decompressed beyond what a read asked for."""
+
+    def __init__(self, file: Path):
+        self.file = file
+        self.pos = 0                             # bytes of the tar stream handed out so far
+        self._f = open(file, "rb")
+        self._pending = self._f.read(_READ)      # compressed bytes not yet given to the decompressor
+        self._out = bytearray()                  # decompressed bytes not yet handed out
+        self._magic, self._kind, self._new = next(
+            ((magic, kind, new) for magic, (kind, new) in _COMPRESSIONS.items() if self._pending.startswith(magic)),
+            (b"", "plain", None))
+        self._d = self._new() if self._new else None
+
+    def __enter__(self) -> "_PackStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+    def read(self, n: int) -> bytes:
+        """The next `n` bytes of the tar stream, fewer only at its end."""
+        while len(self._out) < n and self._fill():
+            pass
+        data = bytes(self._out[:n])
+        del self._out[:n]
+        self.pos += len(data)
+        return data
+
+    def _input(self) -> bytes:
+        data, self._pending = self._pending or self._f.read(_READ), b""
+        return data
+
+    def _fill(self) -> bool:
+        """Append the next piece of the stream to `_out`; False at the end of the data."""
+        if self._d is None:
+            data = self._input()
+            self._out += data
+            return bool(data)
         try:
-            while raw := f.read(1 << 16):
-                if kind == "plain":
-                    yield raw
-                elif kind == "zlib":
-                    while raw and not d.eof:
-                        yield d.decompress(raw, _CHUNK)
-                        raw = d.unconsumed_tail
-                else:
-                    out = d.decompress(raw, max_length=_CHUNK)
-                    yield out
-                    while not d.eof and not d.needs_input:
-                        yield d.decompress(b"", max_length=_CHUNK)
-                if kind != "plain" and d.eof:
-                    return
+            if self._d.eof:
+                return self._next_stream(self._d.unused_data)
+            self._out += self._inflate()
+            return True
         except (zlib.error, OSError, EOFError, lzma.LZMAError) as e:
-            raise PackError(f"{file}: not a readable compressed tar ({e})") from None
+            raise PackError(f"{self.file}: not a readable {self._kind} stream ({e})") from None
+
+    def _inflate(self) -> bytes:
+        """At most `_CHUNK` more bytes out of the current compressed stream."""
+        d = self._d
+        if self._kind == "gzip":
+            data = d.unconsumed_tail or self._input()   # zlib keeps the input it could not inflate yet
+        else:
+            data = self._input() if d.needs_input else b""
+        if not data and (self._kind == "gzip" or d.needs_input):
+            raise PackError(f"{self.file}: the {self._kind} stream is cut short")
+        return d.decompress(data, _CHUNK)
+
+    def _next_stream(self, rest: bytes) -> bool:
+        """After a compressed stream's end: start the next stream of the same format, or report the end of
+        the data; PackError for anything else (bytes a check stopping at the first stream would not see)."""
+        rest += self._input()
+        while 0 < len(rest) < len(self._magic) and (more := self._f.read(_READ)):
+            rest += more
+        if not rest:
+            return False
+        if not rest.startswith(self._magic):
+            raise PackError(f"{self.file}: data after the end of its {self._kind} stream that is not another "
+                            f"{self._kind} stream")
+        self._d, self._pending = self._new(), rest
+        return True
 
 
-def _octal_or_base256(field: bytes) -> int:
-    if field[:1] in (b"\x80", b"\xff"):
-        n = int.from_bytes(field[1:], "big")
-        return n if field[:1] == b"\x80" else n - 256 ** (len(field) - 1)
-    text = field.replace(b"\0", b" ").strip()
-    return int(text, 8) if text else 0
+class _Member(NamedTuple):
+    """A member of a pack: its name and the size of its data."""
+    name: str
+    size: int
+
+
+class _Data:
+    """One member's data, read forward from the pack stream: at most its size, then its padding skipped."""
+
+    def __init__(self, stream: _PackStream, member: _Member):
+        self._stream, self._member, self._left = stream, member, member.size
+
+    def read(self, n: int) -> bytes:
+        want = min(n, self._left)
+        data = self._stream.read(want)
+        if len(data) != want:
+            raise PackError(f"{self._stream.file}: the tar stream ends inside the data of {self._member.name!r}")
+        self._left -= want
+        return data
+
+    def skip_rest(self) -> None:
+        """Read past what the caller left of the data and the padding up to the next 512-byte block."""
+        left = self._left + (-self._member.size % _BLOCK)
+        self._left = 0
+        while left:
+            got = len(self._stream.read(min(left, _CHUNK)))
+            if not got:
+                raise PackError(f"{self._stream.file}: the tar stream ends inside the data of "
+                                f"{self._member.name!r}")
+            left -= got
 
 
 def _checksum_ok(block: bytes) -> bool:
-    """Whether a 512-byte tar header carries its own checksum (unsigned or signed sum, as tarfile accepts)."""
-    try:
-        want = int(block[148:156].replace(b"\0", b" ").strip() or b"-1", 8)
-    except ValueError:
+    """Whether a 512-byte tar header carries its own checksum (unsigned or signed sum, as tar writers do)."""
+    field = block[148:156].replace(b"\0", b" ").strip()
+    if not field or not all(c in b"01234567" for c in field):
         return False
     rest = block[:148] + b" " * 8 + block[156:]
-    return want in (sum(rest), sum(x - 256 if x > 127 else x for x in rest))
+    return int(field, 8) in (sum(rest), sum(x - 256 if x > 127 else x for x in rest))
 
 
-def _prescan(file: Path, max_member: int, max_total: int) -> None:
-    """Walk the tar headers of the (decompressed) stream in bounded memory before `tarfile` sees it:
-    `tarfile` reads an extended header (PAX, GNU long name) whole into memory, so every such header
-    must be at most 1 MiB, every member within its cap, the members at most MAX_MEMBERS and their sum
-    within `max_total`. Global PAX headers are refused (a dsagen pack never has one)."""
-    buf = bytearray()
-    skip = members = total = 0
-    pax_size = None
-    ext: tuple[bytes, int] | None = None   # (type, bytes left) of an extended header being collected
-    ext_data = bytearray()
-    for chunk in _decompressed(file):
-        buf += chunk
-        while True:
-            if skip:
-                n = min(skip, len(buf))
-                if ext is not None:
-                    ext_data += buf[:n]
-                del buf[:n]
-                skip -= n
-                if skip:
-                    break
-                if ext is not None:
-                    if ext[0] == b"x":
-                        for rec in bytes(ext_data[:ext[1]]).split(b"\n"):
-                            if b" size=" in rec:
-                                try:
-                                    pax_size = int(rec.split(b"=", 1)[1])
-                                except ValueError:
-                                    raise PackError(f"{file}: a PAX header with a bad size record") from None
-                    ext, ext_data = None, bytearray()
-            if len(buf) < 512:
-                break
-            block = bytes(buf[:512])
-            del buf[:512]
-            if block == bytes(512):
-                return  # end of archive, as tarfile reads it
-            if not _checksum_ok(block):
-                raise PackError(f"{file}: not a tar file (a header at byte {members * 512} or later fails its "
-                                f"checksum)" if members else f"{file}: not a tar file")
-            try:
-                size = _octal_or_base256(block[124:136])
-            except ValueError:
-                raise PackError(f"{file}: not a tar file (a header with a bad size field)") from None
-            kind = block[156:157]
-            members += 1
-            if members > 2 * MAX_MEMBERS + 2:
-                raise PackError(f"{file}: more than {MAX_MEMBERS} members")
-            if kind == b"g":
-                raise PackError(f"{file}: a global PAX header (a dsagen pack never has one)")
-            if kind in (b"x", b"L", b"K"):
-                if not 0 <= size <= MAX_MANIFEST_BYTES:
-                    raise PackError(f"{file}: an extended tar header of {size} bytes, over the cap of "
-                                    f"{MAX_MANIFEST_BYTES}")
-                ext = (kind, size)
-            else:
-                if pax_size is not None:
-                    size, pax_size = pax_size, None
-                if not 0 <= size <= max_member:
-                    raise PackError(f"{file}: a member of {size} bytes, over the cap of {max_member}")
-                total += size
-                if total > max_total:
-                    raise PackError(f"{file}: the members add up to more than the cap of {max_total} bytes")
-            skip = -(-size // 512) * 512
+def _octal(field: bytes) -> int | None:
+    """The number in an octal header field (digits, then NULs or spaces); None for anything else (base-256
+    and other forms: `pack` never writes them, and every size under the caps fits in octal)."""
+    digits = field.split(b"\0", 1)[0].strip(b" ")
+    return int(digits, 8) if digits and all(c in b"01234567" for c in digits) else None
+
+
+def _header_type(file: Path, block: bytes, at: int) -> bytes:
+    """The type of the tar header `block` (read at byte `at` of the stream) after checking its checksum,
+    its type (a regular file or a PAX header: nothing of any other type is read further) and its format
+    (POSIX ustar, the only one `pack` writes)."""
+    if not _checksum_ok(block):
+        raise PackError(f"{file}: not a tar file" if at == 0 else
+                        f"{file}: not a tar file (the header at byte {at} fails its checksum)")
+    kind = block[156:157]
+    if kind not in _REGULAR and kind != _PAX:
+        raise PackError(f"{file}: a header of type {kind.decode('latin-1')!r} "
+                        f"({_TYPES.get(kind, 'an unknown kind of member')}) at byte {at}; a dsagen pack holds "
+                        f"only regular files, each with at most one PAX header naming it")
+    if block[257:265] != _USTAR:
+        raise PackError(f"{file}: the header at byte {at} is not a POSIX tar header (a dsagen pack is a POSIX "
+                        f"pax tar)")
+    return kind
+
+
+def _pax_path(file: Path, data: bytes, at: int) -> str:
+    """The path that the PAX header at byte `at` gives the next member. Its records ("<length> <key>=<value>\\n",
+    the length counting the whole record) must fill it exactly and hold one `path` and nothing else: that is
+    all `pack` writes, and any other keyword (sizes, sparse maps, charsets) would change how the rest of the
+    stream is read."""
+    path = None
+    pos = 0
+    while pos < len(data):
+        space = data.find(b" ", pos, pos + 8)
+        digits = data[pos:space] if space > pos else b""
+        end = pos + int(digits) if digits.isdigit() else -1
+        if not (space < end <= len(data) and data[end - 1:end] == b"\n" and b"=" in data[space:end]):
+            raise PackError(f"{file}: the PAX header at byte {at} holds a malformed record")
+        key, _, value = data[space + 1:end - 1].partition(b"=")
+        if key not in _PAX_KEYS or path is not None:
+            raise PackError(f"{file}: the PAX header at byte {at} holds the record {key[:40].decode('latin-1')!r}"
+                            f"{' twice' if key in _PAX_KEYS else ''}; a dsagen pack's PAX headers hold one path")
+        path = value.decode("latin-1")   # checked against the pack's name pattern with every other name
+        pos = end
+    if path is None:
+        raise PackError(f"{file}: the PAX header at byte {at} holds no path")
+    return path
+
+
+def _ustar_name(block: bytes) -> str:
+    """The name a POSIX header gives its member: `prefix/name` when the prefix field is not empty."""
+    name, prefix = block[0:100].split(b"\0", 1)[0], block[345:500].split(b"\0", 1)[0]
+    return (prefix + b"/" + name if prefix else name).decode("latin-1")
+
+
+def _read_exact(stream: _PackStream, n: int, what: str) -> bytes:
+    data = stream.read(n)
+    if len(data) != n:
+        raise PackError(f"{stream.file}: not a tar file (empty)" if stream.pos == len(data) == 0 else
+                        f"{stream.file}: the tar stream ends inside {what} (cut short?)")
+    return data
+
+
+def _next_header(stream: _PackStream) -> _Member | None:
+    """The next member of the tar stream after its headers were checked, or None at the end-of-archive
+    block. Only what `pack` writes is read: a regular file in a POSIX header with an octal size, preceded by
+    at most one PAX header of at most MAX_PAX_BYTES holding only its path. Any other header is refused from
+    its first 512 bytes, before anything it announces is read, so no header makes this allocate more than
+    MAX_PAX_BYTES."""
+    path = None
+    while True:
+        at = stream.pos
+        block = _read_exact(stream, _BLOCK, "a header")
+        if block == _ZERO_BLOCK:
+            if path is not None:
+                raise PackError(f"{stream.file}: a PAX header with no member after it")
+            return None
+        kind = _header_type(stream.file, block, at)
+        size = _octal(block[124:136])
+        if size is None:
+            raise PackError(f"{stream.file}: the header at byte {at} has a size field that is not an octal number")
+        if kind != _PAX:
+            return _Member(_ustar_name(block) if path is None else path, size)
+        if path is not None:
+            raise PackError(f"{stream.file}: two PAX headers in a row at byte {at} (a dsagen pack has at most one "
+                            f"per member)")
+        if size > MAX_PAX_BYTES:
+            raise PackError(f"{stream.file}: a PAX header of {size} bytes at byte {at}, over the cap of "
+                            f"{MAX_PAX_BYTES}")
+        path = _pax_path(stream.file, _read_exact(stream, -(-size // _BLOCK) * _BLOCK, "a PAX header")[:size], at)
+
+
+def _members(file: Path, stream: _PackStream, max_member: int, max_total: int) -> Iterator[tuple[_Member, _Data]]:
+    """Every member of the stream after the per-member checks: a regular file with a safe name in the
+    pack's shape, not repeated, within the caps. Yields (member, its data); whatever of the data the caller
+    does not read is skipped before the next header."""
+    seen: set[str] = set()
+    total = 0
+    n = 0
+    while (m := _next_header(stream)) is not None:
+        n += 1
+        if n > MAX_MEMBERS:
+            raise PackError(f"{file}: more than {MAX_MEMBERS} members")
+        name = m.name
+        if not (name == CHECKSUMS or _MEMBER.fullmatch(name)) or PurePosixPath(name).as_posix() != name:
+            raise PackError(f"{file}: unexpected member {name[:300]!r} (a dsagen pack holds only "
+                            f"{LAYOUT}/<arch>/<op>/<key[:2]>/<key>/<file> and {CHECKSUMS})")
+        if name in seen:
+            raise PackError(f"{file}: member {name!r} appears twice")
+        seen.add(name)
+        cap = MAX_MANIFEST_BYTES if name.endswith("/" + MANIFEST) or name == CHECKSUMS else max_member
+        if m.size > cap:
+            raise PackError(f"{file}: member {name!r} has {m.size} bytes, over the cap of {cap}")
+        total += m.size
+        if total > max_total:
+            raise PackError(f"{file}: the members add up to more than the cap of {max_total} bytes")
+        data = _Data(stream, m)
+        yield m, data
+        data.skip_rest()
 
 
 def _scan(file: Path, max_member: int, max_total: int) -> dict[str, dict]:
     """First pass, writing nothing: {entry folder: {"files": {name: (size, sha256)}}} after checking
     every member, the checksum list and every entry's manifest (each manifest is checked as it is read
     and only its artifact list is kept, so memory does not grow with the number of entries)."""
-    _prescan(file, max_member, max_total)
     found: dict[str, tuple[int, str]] = {}
     listed: dict[str, dict[str, tuple[int, str]]] = {}   # entry folder -> its manifest's artifacts
     sums_raw = b""
-    with _open_stream(file) as tar:
-        for m, data in _members(file, tar, max_member, max_total):
+    with _PackStream(file) as stream:
+        for m, data in _members(file, stream, max_member, max_total):
             if m.name == CHECKSUMS or m.name.endswith("/" + MANIFEST):
                 raw = data.read(m.size + 1)
                 if len(raw) != m.size:
@@ -381,8 +537,8 @@ def unpack(store: CacheStore, file: Path, *, max_member_bytes: int = MAX_MEMBER_
     make_locked_dir(stage)  # locked while it exists: prune in another PID namespace sees it is live
     added = 0
     try:
-        with _open_stream(file) as tar:
-            for m, data in _members(file, tar, max_member_bytes, max_total_bytes):
+        with _PackStream(file) as stream:
+            for m, data in _members(file, stream, max_member_bytes, max_total_bytes):
                 if m.name == CHECKSUMS:
                     continue
                 dest = stage / m.name
@@ -419,4 +575,5 @@ def unpack(store: CacheStore, file: Path, *, max_member_bytes: int = MAX_MEMBER_
     return added
 
 
-__all__ = ["pack", "unpack", "shippable_entries", "checksums_problems", "PackError", "CHECKSUMS", "MAX_MEMBER_BYTES", "MAX_TOTAL_BYTES", "MAX_MEMBERS"]
+__all__ = ["pack", "unpack", "shippable_entries", "checksums_problems", "replacing_file", "PackError", "CHECKSUMS",
+           "MAX_MEMBER_BYTES", "MAX_TOTAL_BYTES", "MAX_MEMBERS", "MAX_PAX_BYTES"]

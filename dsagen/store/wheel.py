@@ -8,13 +8,20 @@ same entries, name and version) holds:
     {pkg}/cache/v1/<arch>/<op>/<key[:2]>/<key>/{manifest.json, kernel.py, kernel.cubin, kernel.ptx}
     {name}-{version}.dist-info/METADATA, WHEEL, entry_points.txt, top_level.txt, RECORD
 
-`pkg` is the normalized name (`dsagen-kernels` -> `dsagen_kernels`). entry_points.txt declares `{pkg} = {pkg}` in
-the group `dsagen.caches`, through which an installed wheel's `cache/` folder becomes a read-only layer with no
-environment variable (installed.py). The entries are those `dsagen pack` ships (every valid, hash-checked entry of
-DSAGEN_CACHE_DIR and DSAGEN_CACHE_PATH, `pack.shippable_entries`); once installed they pass the same `load_entry`
-checks as any layer's, and `dsagen verify` also checks the tree against its checksum list. The default version is
-dsagen's with the first 12 hex digits of the checksum list's sha256 as its local label, so a wheel with other
-kernels is another version (pip replaces the installed one) and the same kernels give the same file.
+`name` is `dsagen-kernels` or ends with `-dsagen-kernels` (e.g. `my-model-dsagen-kernels`): pip replaces an
+installed project of the same name, so a kernel wheel's name lives where no other project's can (dsagen's own
+name and its requirements are also refused by name). A suffix rather than a prefix keeps the part that tells two
+kernel wheels apart at the front, which is what a table that cuts long names in the middle (`dsagen list`) still
+shows. `pkg` is the normalized name (`my-model-dsagen-kernels` -> `my_model_dsagen_kernels`), so the package
+cannot replace another project's files either.
+
+entry_points.txt declares `{pkg} = {pkg}` in the group `dsagen.caches`, through which an installed wheel's `cache/`
+folder becomes a read-only layer with no environment variable (installed.py). The entries are those `dsagen pack`
+ships (every valid, hash-checked entry of DSAGEN_CACHE_DIR and DSAGEN_CACHE_PATH, `pack.shippable_entries`); once
+installed they pass the same `load_entry` checks as any layer's, and `dsagen verify` also checks the tree against
+its checksum list. The default version is dsagen's with the first 12 hex digits of the checksum list's sha256 as
+its local label, so a wheel with other kernels is another version (pip replaces the installed one) and the same
+kernels give the same file.
 
 The wheel declares no dependency (dsagen itself is installed separately: `pip install --no-deps` is not needed,
 nothing is pulled from an index). Like a pack, its kernels are run as they are: install kernel wheels only from
@@ -25,8 +32,8 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.metadata
 import json
-import keyword
 import re
 import zipfile
 from pathlib import Path
@@ -35,10 +42,17 @@ from .._version import __version__
 from ..errors import ConfigError
 from ..log import get_logger
 from .installed import CACHE_FOLDER, GROUP
-from .pack import CHECKSUMS, shippable_entries
-from .store import CacheStore, replaced_when_written
+from .pack import CHECKSUMS, replacing_file, shippable_entries
+from .store import CacheStore
 
-DEFAULT_NAME = "dsagen-kernels"
+DEFAULT_NAME = "dsagen-kernels"   # also the end of every kernel wheel's name
+# projects no kernel wheel may be named after, whatever the suffix rule: dsagen, what it runs on and builds with
+# (pip installing a wheel of that name would replace the project); those dsagen's installed metadata requires are
+# added when a name is checked
+_RESERVED = frozenset({"dsagen", "torch", "cuda-python", "cuda-bindings", "cuda-core", "filelock", "jinja2",
+                       "markupsafe", "numpy", "nvidia-cutlass-dsl", "nvidia-cuda-nvdisasm", "nvidia-ml-py", "pytest",
+                       "pip", "setuptools", "wheel", "triton"})
+_REQUIREMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
 # PEP 440 public version (N(.N)*[{a|b|rc}N][.postN][.devN]) with an optional local label
 _VERSION = re.compile(r"[0-9]+(\.[0-9]+)*((a|b|rc)[0-9]+)?(\.post[0-9]+)?(\.dev[0-9]+)?"
@@ -47,21 +61,41 @@ _EPOCH = (1980, 1, 1, 0, 0, 0)  # zip's earliest date: the same entries give the
 _log = get_logger("store")
 
 
+def _normalized(name: str) -> str:
+    """A distribution name as pip compares it (PEP 503: runs of '-', '_', '.' are one '-', lower case)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _reserved_names() -> frozenset[str]:
+    """The normalized names no kernel wheel may take: `_RESERVED` and every project dsagen's installed metadata
+    requires (any extra's too)."""
+    try:
+        requires = importlib.metadata.requires("dsagen") or []
+    except importlib.metadata.PackageNotFoundError:
+        requires = []  # dsagen run from a source tree without metadata: the fixed list remains
+    found = {m.group(0) for r in requires if (m := _REQUIREMENT_NAME.match(r))}
+    return frozenset(_normalized(n) for n in found | _RESERVED)
+
+
 def package_name(name: str) -> str:
-    """The import name of the package a wheel called `name` installs (`dsagen-kernels` -> `dsagen_kernels`);
-    ConfigError for a name that is not a valid distribution name, not a Python identifier once normalized, or
-    that would shadow dsagen itself."""
+    """The import name of the package a wheel called `name` installs (`my-model-dsagen-kernels` ->
+    `my_model_dsagen_kernels`); ConfigError naming --name for a name that is not a valid distribution name,
+    that is dsagen's or a project's dsagen requires, or that is not `dsagen-kernels` or `...-dsagen-kernels`:
+    pip installing a wheel replaces the installed project of the same name, so a kernel wheel's name must be
+    one no other project has."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ConfigError(f"--name {name!r}: a wheel name is letters, digits, '.', '-' and '_', starting and "
                           f"ending with a letter or digit")
-    pkg = re.sub(r"[-_.]+", "_", name).lower()
-    if not pkg.isidentifier() or keyword.iskeyword(pkg):
-        raise ConfigError(f"--name {name!r}: its package name {pkg!r} is not a Python identifier "
-                          f"(start it with a letter)")
-    if pkg == "dsagen":
-        raise ConfigError(f"--name {name!r}: the kernel wheel's package would replace dsagen itself; "
-                          f"choose another name, e.g. {DEFAULT_NAME}")
-    return pkg
+    norm = _normalized(name)
+    if norm in _reserved_names():
+        what = "dsagen itself" if norm == "dsagen" else f"{norm}, which dsagen needs"
+        raise ConfigError(f"--name {name!r}: installing the kernel wheel would replace {what}; a kernel wheel's "
+                          f"name is {DEFAULT_NAME} or ends with -{DEFAULT_NAME} (e.g. my-model-{DEFAULT_NAME})")
+    if norm != DEFAULT_NAME and not norm.endswith("-" + DEFAULT_NAME):
+        raise ConfigError(f"--name {name!r}: a kernel wheel's name is {DEFAULT_NAME} or ends with -{DEFAULT_NAME} "
+                          f"(e.g. my-model-{DEFAULT_NAME}), so that installing it cannot replace another project "
+                          f"of the same name")
+    return norm.replace("-", "_")
 
 
 def _record_hash(data: bytes) -> str:
@@ -79,7 +113,8 @@ def write_wheel(store: CacheStore, out_dir: Path, name: str = DEFAULT_NAME, vers
                 ) -> tuple[Path, int]:
     """Write the kernel wheel of every shippable entry of `store` into the folder `out_dir` (created when
     missing); returns (the wheel's path, the number of entries). ConfigError for a bad name or version, or when
-    there is no entry to ship. The file is written under a temporary name and renamed into place."""
+    there is no entry to ship. The file is written through `pack.replacing_file` (a new file of a random name,
+    renamed into place; PackError when the wheel's path is a link)."""
     pkg = package_name(name)
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -127,7 +162,7 @@ def write_wheel(store: CacheStore, out_dir: Path, name: str = DEFAULT_NAME, vers
     record += f"{record_path},,\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"{pkg}-{version.replace('-', '_')}-py3-none-any.whl"
-    with replaced_when_written(out) as tmp, zipfile.ZipFile(tmp, "w") as z:
+    with replacing_file(out) as f, zipfile.ZipFile(f, "w") as z:
         # dist-info last (as wheel builders do): the package first, RECORD at the very end
         for p in sorted(payload, key=lambda p: (p.startswith(dist_info), p)):
             z.writestr(_zip_info(p), payload[p])

@@ -56,13 +56,13 @@ from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers
-from dsagen.kernels.common.sm90.epilogue import send_row_pair_v4, store_row_v4
+from dsagen.kernels.common.sm90.epilogue import pair_v4_segments, send_row_pair_v4, store_row_v4
 from dsagen.kernels.common.sm90.gather import (cp_async_tiles_rows, gather_base, gather_lanes, gather_tile_rows,
                                                publish_tile_ids, smem_bytes)
 from dsagen.kernels.common.sm90.grid_sync import grid_barrier
 from dsagen.kernels.common.sm90.ids import load_tile_ids_raw, tile_keep_mask, valid_tile_ids
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
-from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
+from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy, st_global_v4_f32
 from dsagen.kernels.common.sm90.reduce import quad_sum
 
 LOG2E = math.log2(math.e)
@@ -626,16 +626,23 @@ class SparseMlaBwdSm90:
         kMN, cK = acc_mn_view(acc), kvc["cK"]
         for r in cutlass.range_constexpr(cute.size(kMN, mode=[0])):
             n_even = cK[r, 0][0] - cK[r, 0][0] % 2                  # the pair's rows: n_even, n_even + 1
+            kv_even = sh.sIds[(g % 2) * self.BN + n_even]
+            kv_odd = sh.sIds[(g % 2) * self.BN + n_even + 1]
             if const_expr(self.deterministic):
-                slot = slot0 + n_even
-                row = Int64(item) * Int64(a.topk) + slot
-                send_row_pair_v4(kMN, cK, r, q4 % 2 == 1, a.p_dkv, row, row + 1, self.D_QK, slot < slot_end,
-                                 slot + 1 < slot_end, ch * 64, streaming=True)
+                # written out, not through send_row_pair_v4: that form hoists the slot row out of the transactions,
+                # and the compiler then merges the stores' branch regions so that the next wgmma issues before the
+                # lanes reconverge (compute-sanitizer synccheck: warpgroup MMA with a partial mask)
+                for kp in cutlass.range_constexpr(cute.size(kMN, mode=[1]) // 8):
+                    va, vb, col_in = pair_v4_segments(kMN, cK, r, kp, q4 % 2 == 1)
+                    col = ch * 64 + col_in
+                    slot = slot0 + n_even
+                    if slot < slot_end:
+                        st_global_v4_f32(a.p_dkv + ((Int64(item) * Int64(a.topk) + slot) * self.D_QK + col), *va)
+                    if slot + 1 < slot_end:
+                        st_global_v4_f32(a.p_dkv + ((Int64(item) * Int64(a.topk) + slot + 1) * self.D_QK + col), *vb)
             else:
-                kv_even = sh.sIds[(g % 2) * self.BN + n_even]
-                kv_odd = sh.sIds[(g % 2) * self.BN + n_even + 1]
-                send_row_pair_v4(kMN, cK, r, q4 % 2 == 1, a.p_dkv, kv_even, kv_odd, self.D_QK, kv_even >= 0,
-                                 kv_odd >= 0, ch * 64, streaming=False)
+                send_row_pair_v4(kMN, cK, r, q4 % 2 == 1, a.p_dkv, kv_even, kv_odd, self.D_QK, kv_even, kv_odd, 0,
+                                 None, ch * 64, streaming=False)
 
     # --------------------------------------------------------------------------------------------- dQ stores
     @cute.jit

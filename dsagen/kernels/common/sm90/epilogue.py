@@ -87,24 +87,40 @@ def store_row_v4(dst: cute.Pointer, oMN: cute.Tensor, r: int, scale, fp16: bool,
 
 @cute.jit
 def send_row_pair_v4(kMN: cute.Tensor, cK: cute.Tensor, r: int, q_odd, dst: cute.Pointer, row_even, row_odd,
-                     row_len: int, ok_even, ok_odd, col_base, streaming: bool) -> None:
+                     row_len: int, key_even, key_odd, key_lo, key_hi, col_base, streaming: bool) -> None:
     """Row r of an FP32 accumulator view `kMN` (cK: its coordinate view) together with the row of the adjacent quad
     (lane l ^ 4): the pair's even row goes to row `row_even` of the FP32 matrix `dst` (rows of `row_len` elements,
-    16-byte aligned), columns col_base + its columns, and the odd row to row `row_odd`, skipped where ok_even /
-    ok_odd is False. Each transaction covers 128-byte row segments (pair_v4_segments). streaming=False: 16-byte FP32
-    atomic adds (red.global.add.v4.f32) into an accumulator; True: streaming stores (st.global.cs.v4.f32) of rows
-    written once and read once by a later kernel. The addresses are formed per transaction from the row numbers
-    (no 64-bit pointer stays live across the row's transactions: the callers run at their register limit)."""
+    16-byte aligned), columns col_base + its columns, and the odd row to row `row_odd`. A row is sent only where its
+    key lies in [key_lo, key_hi) (key_lo / key_hi None: no bound): the atomic mode's keys are the rows' ids (key_lo
+    0: -1 is skipped), the per-slot mode's their slots (key_hi: the window's end). Each transaction covers 128-byte
+    row segments (pair_v4_segments). streaming=False: 16-byte FP32 atomic adds (red.global.add.v4.f32) into an
+    accumulator; True: streaming stores (st.global.cs.v4.f32) of rows written once and read once by a later kernel.
+    Addresses and bounds are evaluated per transaction, so no 64-bit pointer stays live across the transactions
+    (the callers run at their register limit). For per-slot rows whose row number is a 64-bit product, write the
+    loop out with the product inside it: passed in as row_even, the hoisted row let the compiler merge the stores'
+    branch regions of the sparse MLA backward so that its next wgmma issued before the lanes reconverged
+    (compute-sanitizer synccheck: warpgroup MMA with a partial mask)."""
     for kp in cutlass.range_constexpr(cute.size(kMN, mode=[1]) // 8):
         va, vb, col_in = pair_v4_segments(kMN, cK, r, kp, q_odd)
         col = col_base + col_in
-        if const_expr(streaming):
-            if ok_even:
-                st_global_v4_f32(dst + (Int64(row_even) * row_len + col), *va)
-            if ok_odd:
-                st_global_v4_f32(dst + (Int64(row_odd) * row_len + col), *vb)
-        else:
-            if ok_even:
-                red_add_v4_f32(dst + (Int64(row_even) * row_len + col), *va)
-            if ok_odd:
-                red_add_v4_f32(dst + (Int64(row_odd) * row_len + col), *vb)
+        if _in_bounds(key_even, key_lo, key_hi):
+            _send_v4(dst + (Int64(row_even) * row_len + col), va, streaming)
+        if _in_bounds(key_odd, key_lo, key_hi):
+            _send_v4(dst + (Int64(row_odd) * row_len + col), vb, streaming)
+
+
+def _in_bounds(key, lo, hi):
+    """key >= lo (lo not None) and key < hi (hi not None), built while tracing."""
+    if lo is None:
+        return key < hi
+    if hi is None:
+        return key >= lo
+    return (key >= lo) & (key < hi)
+
+
+def _send_v4(dst: cute.Pointer, v, streaming: bool) -> None:
+    """One 16-byte FP32 streaming store or atomic add of the four values `v` at dst."""
+    if streaming:
+        st_global_v4_f32(dst, *v)
+    else:
+        red_add_v4_f32(dst, *v)

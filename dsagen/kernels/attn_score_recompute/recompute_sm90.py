@@ -52,11 +52,9 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers
-from dsagen.kernels.common.sm90.gather import (gather_base, gather_lanes, gather_tile_rows, load_row_tile,
-                                               publish_tile_ids, smem_bytes)
+from dsagen.kernels.common.sm90.gather import gather_tile_rows, load_row_tile, publish_tile_ids, row_gather_producer
 from dsagen.kernels.common.sm90.ids import row_ids_ahead, row_slots, tile_ids, tile_keep_mask
 from dsagen.kernels.common.sm90.layout import acc_mn_view, sw128
-from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
 from dsagen.kernels.common.sm90.reduce import row_group_sum
 from dsagen.kernels.common.sm90.ring import ring_mbarriers
 
@@ -214,23 +212,19 @@ class AttnScoreRecomputeSm90:
     # ------------------------------------------------------------------------------------------- producer (WG0)
     @cute.jit
     def producer(self, a, sh, st, lay_q, lay_kv, tidx, bidx, nctas):
-        """cp.async gathers (16 groups of 8 threads; group g owns rows g, g + 16, g + 32, g + 48 of a tile and a
-        thread one 16-byte chunk of each 64-column block)."""
+        """Per row: Q block by block (load_row_tile per_block), then per tile its ids (prefetched with prefetch_ids),
+        published before block 0, and the gathered rows one 64-column block at a time, each block's stage freed
+        separately by the tile's consumer."""
         cute.arch.setmaxregister_decrease(self.regs[0])
-        lanes = gather_lanes(tidx)
-        sQb = smem_bytes(st.sQ)
-        sKVb = smem_bytes(st.sKV)
-        sw_kv = gather_base(lay_kv, lanes)
-        RPG = self.BN // 16
-        ids = cute.make_rmem_tensor(RPG, Int32)
-        raw = cute.make_rmem_tensor(RPG, Int32)    # prefetch_ids: the next tile's ids, loaded before its stage is free
-        policy = l2_evict_first_policy()          # Q is read once
+        p = row_gather_producer(tidx, st.sQ, st.sKV, lay_kv, self.BN)
+        lanes, ids = p.lanes, p.ids
+        raw = cute.make_rmem_tensor(self.BN // 16, Int32)   # prefetch_ids: the next tile's ids, loaded early
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
             kmax, ntiles = row_slots(a.p_len, a.has_length, a.topk, tok, self.BN)
-            load_row_tile(sQb, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D_QK, lanes, policy, it, sh.q_free,
-                          sh.q_ready, per_block=True)
+            load_row_tile(p.q_smem, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D_QK, lanes, p.policy, it,
+                          sh.q_free, sh.q_ready, per_block=True)
             mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
             row_ids_ahead(raw, mIdx, ntiles, kmax, lanes.grp, self.PREFETCH_IDS)
             for j in cutlass.range(ntiles, unroll=1):
@@ -242,7 +236,8 @@ class AttnScoreRecomputeSm90:
                     cute.arch.mbarrier_wait(sh.kv_free + (s * self.NKB + kb), free_phase)
                     if const_expr(kb == 0):
                         publish_tile_ids(sh.sIds, (g % self.NIDS) * self.BN, ids, lanes, sh.ids_mbar + (g % self.NIDS))
-                    gather_tile_rows(sKVb, sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, lanes.col0, (kb, kb + 1), stage=s)
+                    gather_tile_rows(p.kv_smem, p.sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, lanes.col0, (kb, kb + 1),
+                                     stage=s)
                     cute.arch.cp_async_mbarrier_arrive_noinc(sh.kv_ready + (s * self.NKB + kb))
             gt += ntiles
             it += 1

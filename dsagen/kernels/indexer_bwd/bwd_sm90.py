@@ -48,13 +48,13 @@ from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers
 from dsagen.kernels.common.sm90.epilogue import pair_v4_segments, send_row_pair_v4, store_row_v4
-from dsagen.kernels.common.sm90.gather import (gather_base, gather_lanes, gather_ring_tile, load_row_tile,
-                                               smem_bytes)
+from dsagen.kernels.common.sm90.gather import gather_ring_tile, load_row_tile, row_gather_producer, wait_gathered_tile
 from dsagen.kernels.common.sm90.ids import load_tile_ids
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
+from dsagen.kernels.common.sm90.mma import gemm_tile, wgmma_tile
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy, st_global_v4_f32
 from dsagen.kernels.common.sm90.reduce import row_group_sum
-from dsagen.kernels.common.sm90.ring import ring_mbarriers, ring_wait_ready
+from dsagen.kernels.common.sm90.ring import ring_mbarriers
 
 
 def params(dtype: str) -> list[dict]:
@@ -214,23 +214,18 @@ class IndexerBwdSm90:
     # ------------------------------------------------------------------------------------------- producer (WG0)
     @cute.jit
     def producer(self, a, sh, st, lay_q, lay_k, tidx, bidx, nctas):
-        """cp.async gathers (16 groups of 8 threads; group g owns rows g, g + 16, g + 32, g + 48 of a tile and a
-        thread one 16-byte chunk of each 64-column block)."""
+        """Per row: Q (load_row_tile), then per tile the gathered key rows into the ring and, by the group leaders,
+        the tile's ids and dI (read through perm when the ids come ordered) into sIds / sDI."""
         cute.arch.setmaxregister_decrease(self.regs[0])
-        lanes = gather_lanes(tidx)
-        grp = lanes.grp
-        sQb = smem_bytes(st.sQ)
-        sKb = smem_bytes(st.sK)
-        sw_k = gather_base(lay_k, lanes)
+        p = row_gather_producer(tidx, st.sQ, st.sK, lay_k, self.BN)
+        lanes, ids, grp = p.lanes, p.ids, p.lanes.grp
         RPG = self.BN // 16
-        ids = cute.make_rmem_tensor(RPG, Int32)
-        policy = l2_evict_first_policy()          # Q is read once
         ntiles = (a.topk + self.BN - 1) // self.BN
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
-            load_row_tile(sQb, lay_q, a.p_q + Int64(tok) * (self.H * self.D), self.H, self.D, lanes, policy, it,
-                          sh.q_free, sh.q_full)
+            load_row_tile(p.q_smem, lay_q, a.p_q + Int64(tok) * (self.H * self.D), self.H, self.D, lanes, p.policy,
+                          it, sh.q_free, sh.q_full)
             mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.topk, cute.make_layout(a.topk))
             row_di = a.p_di + Int64(tok) * a.topk
             row_perm = a.p_perm + Int64(tok) * a.topk
@@ -238,8 +233,8 @@ class IndexerBwdSm90:
                 g = gt + j
                 s = g % self.STAGES
                 load_tile_ids(ids, mIdx, j * self.BN, a.topk, a.n_k, grp)
-                gather_ring_tile(sKb, sw_k, lay_k, a.p_k, a.ld_k, ids, lanes.col0, (0, self.NKB), g, self.STAGES,
-                                 sh.kv_ready, sh.kv_free)
+                gather_ring_tile(p.kv_smem, p.sw_kv, lay_k, a.p_k, a.ld_k, ids, lanes.col0, (0, self.NKB), g,
+                                 self.STAGES, sh.kv_ready, sh.kv_free)
                 if tidx % 8 == 0:
                     for i in cutlass.range_constexpr(RPG):
                         slot = j * self.BN + grp + 16 * i
@@ -266,14 +261,8 @@ class IndexerBwdSm90:
         lane = ctid % 32
         q4 = lane % 4
         # S = K Q^T: A = the tile (K-major), B = Q (K-major)
-        mma_s = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                                  (1, 1, 1), tiler_mn=(BN, H))
-        thr_s = mma_s.get_slice(ctid)
-        tSrK = mma_s.make_fragment_A(thr_s.partition_A(sh.sK))        # (.., .., k, stage)
-        tSrQ = mma_s.make_fragment_B(thr_s.partition_B(sh.sQ))        # (.., .., k)
-        accS = cute.make_rmem_tensor(thr_s.partition_shape_C((BN, H)), Float32)
-        sMN = acc_mn_view(accS)
-        cS = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((BN, H))))
+        S = wgmma_tile(DT, sh.sK, sh.sQ, (BN, H), ctid)          # tA (.., .., k, stage), tB (.., .., k)
+        mma_s, tSrK, tSrQ, accS, sMN, cS = S.mma, S.tA, S.tB, S.acc, S.acc_mn, S.coord_mn
         NCOL = cute.size(sMN, mode=[1])
         rG = cute.make_rmem_tensor(accS.layout, DT)
         stsm = cute.make_tiled_copy_C(cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), DT), mma_s)
@@ -300,7 +289,6 @@ class IndexerBwdSm90:
                 for c in range(self.NKB)]
         accK = cute.make_rmem_tensor(thr_k.partition_shape_C((BN, 64)), Float32)
         cK = acc_mn_view(thr_k.partition_C(cute.make_identity_tensor((BN, 64))))
-        mma_s.set(warpgroup.Field.ACCUMULATE, True)
         mma_q.set(warpgroup.Field.ACCUMULATE, True)
         mma_k.set(warpgroup.Field.ACCUMULATE, True)
         wreg = cute.make_rmem_tensor(NCOL, Float32)
@@ -322,14 +310,8 @@ class IndexerBwdSm90:
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 s = g % STAGES
-                ring_wait_ready(sh.kv_ready, g, STAGES)
-                cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
-                accS.fill(0.0)
-                warpgroup.fence()
-                for ks in cutlass.range_constexpr(D // 16):
-                    cute.gemm(mma_s, accS, tSrK[None, None, ks, s], tSrQ[None, None, ks], accS)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                wait_gathered_tile(sh.kv_ready, g, STAGES)
+                gemm_tile(mma_s, accS, tSrK, tSrQ, D // 16, a_stage=s)
                 for r in cutlass.range_constexpr(2):
                     di[r] = sh.sDI[s * BN + row0 + 8 * r]
                     kv[r] = sh.sIds[s * BN + row0 + 8 * r]

@@ -40,19 +40,17 @@ from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers
-from dsagen.kernels.common.sm90.gather import (gather_base, gather_lanes, gather_ring_tile, load_row_tile,
-                                               publish_tile_ids, smem_bytes)
+from dsagen.kernels.common.sm90.gather import (gather_ring_tile, load_row_tile, publish_tile_ids, row_gather_producer,
+                                               wait_gathered_tile)
 from dsagen.kernels.common.sm90.ids import row_ids_ahead, row_slots, tile_ids
-from dsagen.kernels.common.sm90.layout import acc_mn_view, sw128
-from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
+from dsagen.kernels.common.sm90.layout import sw128
+from dsagen.kernels.common.sm90.mma import gemm_tile, wgmma_tile
 from dsagen.kernels.common.sm90.reduce import quad_sum
-from dsagen.kernels.common.sm90.ring import ring_mbarriers, ring_wait_ready
+from dsagen.kernels.common.sm90.ring import ring_mbarriers
 from dsagen.kernels.common.sm90.softmax import merge_softmax_stats
 
 NEG_INF = -math.inf
@@ -202,30 +200,25 @@ class IndexerScoreRecomputeSm90:
     # ------------------------------------------------------------------------------------------- producer (WG0)
     @cute.jit
     def producer(self, a, sh, st, lay_q, lay_k, tidx, bidx, nctas):
-        """cp.async gathers (16 groups of 8 threads; group g owns rows g, g + 16, g + 32, g + 48 of a tile and a
-        thread one 16-byte chunk of each 64-column block)."""
-        lanes = gather_lanes(tidx)
-        sQb = smem_bytes(st.sQ)
-        sKb = smem_bytes(st.sK)
-        sw_k = gather_base(lay_k, lanes)
-        RPG = self.BN // 16
-        ids = cute.make_rmem_tensor(RPG, Int32)
-        raw = cute.make_rmem_tensor(RPG, Int32)    # prefetch_ids: the next tile's ids, loaded before its stage is free
-        policy = l2_evict_first_policy()          # Q is read once
+        """Per row: Q (load_row_tile), then per tile its ids (prefetched one tile ahead with prefetch_ids) and the
+        gathered key rows into the ring; the ids go to sIds for the consumer's logit owners (publish_tile_ids)."""
+        p = row_gather_producer(tidx, st.sQ, st.sK, lay_k, self.BN)
+        lanes, ids = p.lanes, p.ids
+        raw = cute.make_rmem_tensor(self.BN // 16, Int32)   # prefetch_ids: the next tile's ids, loaded early
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
             kmax, ntiles = row_slots(a.p_len, a.has_length, a.topk, tok, self.BN)
-            load_row_tile(sQb, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D, lanes, policy, it, sh.q_free,
-                          sh.q_full)
+            load_row_tile(p.q_smem, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D, lanes, p.policy, it,
+                          sh.q_free, sh.q_full)
             mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
             row_ids_ahead(raw, mIdx, ntiles, kmax, lanes.grp, self.PREFETCH_IDS)
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 s = g % self.STAGES
                 tile_ids(ids, raw, mIdx, j, ntiles, kmax, a.n_k, lanes.grp, self.BN, self.PREFETCH_IDS)
-                gather_ring_tile(sKb, sw_k, lay_k, a.p_k, a.ld_k, ids, lanes.col0, (0, self.NKB), g, self.STAGES,
-                                 sh.kv_ready, sh.kv_free)
+                gather_ring_tile(p.kv_smem, p.sw_kv, lay_k, a.p_k, a.ld_k, ids, lanes.col0, (0, self.NKB), g,
+                                 self.STAGES, sh.kv_ready, sh.kv_free)
                 publish_tile_ids(sh.sIds, s * self.BN, ids, lanes, sh.kv_ready + s)
             gt += ntiles
             it += 1
@@ -240,15 +233,8 @@ class IndexerScoreRecomputeSm90:
         warp = ctid // 32
         lane = ctid % 32
         quad = lane % 4
-        mma = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                                (1, 1, 1), tiler_mn=(BN, H))
-        mma.set(warpgroup.Field.ACCUMULATE, True)
-        thr = mma.get_slice(ctid)
-        tSrK = mma.make_fragment_A(thr.partition_A(sh.sK))        # (.., .., k, stage)
-        tSrQ = mma.make_fragment_B(thr.partition_B(sh.sQ))        # (.., .., k)
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((BN, H)), Float32)
-        aMN = acc_mn_view(acc)
-        cMN = acc_mn_view(thr.partition_C(cute.make_identity_tensor((BN, H))))
+        S = wgmma_tile(DT, sh.sK, sh.sQ, (BN, H), ctid)          # tA (.., .., k, stage), tB (.., .., k)
+        mma, tSrK, tSrQ, acc, aMN, cMN = S.mma, S.tA, S.tB, S.acc, S.acc_mn, S.coord_mn
         NCOL = cute.size(aMN, mode=[1])
         wreg = cute.make_rmem_tensor(NCOL, Float32)
         row0 = warp * 16 + lane // 4               # the thread's accumulator rows: row0 and row0 + 8
@@ -269,14 +255,8 @@ class IndexerScoreRecomputeSm90:
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 s = g % self.STAGES
-                ring_wait_ready(sh.kv_ready, g, self.STAGES)
-                cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
-                acc.fill(0.0)
-                warpgroup.fence()
-                for ks in cutlass.range_constexpr(D // 16):
-                    cute.gemm(mma, acc, tSrK[None, None, ks, s], tSrQ[None, None, ks], acc)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                wait_gathered_tile(sh.kv_ready, g, self.STAGES)
+                gemm_tile(mma, acc, tSrK, tSrQ, D // 16, a_stage=s)
                 id_own = sh.sIds[s * BN + pos]
                 cute.arch.mbarrier_arrive(sh.kv_free + s)
                 lsum = [Float32(0.0), Float32(0.0)]

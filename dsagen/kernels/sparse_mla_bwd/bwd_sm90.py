@@ -57,11 +57,12 @@ from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers
 from dsagen.kernels.common.sm90.epilogue import pair_v4_segments, send_row_pair_v4, store_row_v4
-from dsagen.kernels.common.sm90.gather import (cp_async_tiles_rows, gather_base, gather_lanes, gather_tile_rows,
-                                               publish_tile_ids, smem_bytes)
+from dsagen.kernels.common.sm90.gather import (cp_async_tiles_rows, gather_tile_rows, publish_tile_ids,
+                                               row_gather_producer, smem_bytes, wait_gathered_tile)
 from dsagen.kernels.common.sm90.grid_sync import grid_barrier
 from dsagen.kernels.common.sm90.ids import load_tile_ids_raw, tile_keep_mask, valid_tile_ids
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
+from dsagen.kernels.common.sm90.mma import gemm_tile, wgmma_tile
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy, st_global_v4_f32
 from dsagen.kernels.common.sm90.reduce import quad_sum
 
@@ -296,16 +297,12 @@ class SparseMlaBwdSm90:
         """cp.async gathers: per item Q and dO, per tile the ids and the 64 rows (16 groups of 8 threads; group g
         owns rows g, g + 16, g + 32, g + 48; a thread moves one 16-byte chunk of each 64-column block)."""
         cute.arch.setmaxregister_decrease(self.regs[0])
-        lanes = gather_lanes(tidx)
-        grp = lanes.grp
-        sQb = smem_bytes(st.sQ)
+        p = row_gather_producer(tidx, st.sQ, st.sKV, lay_kv, self.BN)   # Q and dO are read once per item
+        lanes, ids, grp, policy = p.lanes, p.ids, p.lanes.grp, p.policy
+        sQb, sKVb, sw_kv = p.q_smem, p.kv_smem, p.sw_kv
         sdOb = smem_bytes(st.sdO)
-        sKVb = smem_bytes(st.sKV)
-        sw_kv = gather_base(lay_kv, lanes)
         RPG = self.BN // 16
-        ids = cute.make_rmem_tensor(RPG, Int32)
         ids_next = cute.make_rmem_tensor(RPG, Int32)
-        policy = l2_evict_first_policy()      # Q and dO are read once per item
         gt = Int32(0)
         it = Int32(0)
         for item in cutlass.range(bidx, n_items, nctas, unroll=1):
@@ -345,14 +342,8 @@ class SparseMlaBwdSm90:
         DT, M, BN = self.dtype, self.M, self.BN
         cute.arch.setmaxregister_increase(self.regs[1])
         ctid = tidx - 128
-        mma_s = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                                  (1, 1, 1), tiler_mn=(M, BN))
-        thr_s = mma_s.get_slice(ctid)
-        tSrQ = mma_s.make_fragment_A(thr_s.partition_A(sh.sQ))
-        tSrK = mma_s.make_fragment_B(thr_s.partition_B(sh.sKV))
-        accS = cute.make_rmem_tensor(thr_s.partition_shape_C((M, BN)), Float32)
-        sMN = acc_mn_view(accS)
-        cS = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((M, BN))))
+        S = wgmma_tile(DT, sh.sQ, sh.sKV, (M, BN), ctid)
+        mma_s, tSrQ, tSrK, accS, sMN, cS = S.mma, S.tA, S.tB, S.acc, S.acc_mn, S.coord_mn
         NR = cute.size(sMN, mode=[0])
         NC = cute.size(sMN, mode=[1])
         rP = cute.make_rmem_tensor(accS.layout, DT)
@@ -378,7 +369,6 @@ class SparseMlaBwdSm90:
         accQ1 = cute.make_rmem_tensor(thr_q1.partition_shape_C((M, w1)), Float32)
         cQ0 = acc_mn_view(thr_q0.partition_C(cute.make_identity_tensor((M, w0))))
         cQ1 = acc_mn_view(thr_q1.partition_C(cute.make_identity_tensor((M, w1))))
-        mma_s.set(warpgroup.Field.ACCUMULATE, True)
         mma_q0.set(warpgroup.Field.ACCUMULATE, True)
         mma_q1.set(warpgroup.Field.ACCUMULATE, True)
         kvc = self.dkv_chunk_state(sh, ctid, self.chunk_buffers[0])
@@ -410,14 +400,8 @@ class SparseMlaBwdSm90:
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 # S = Q K^T
-                cute.arch.mbarrier_wait(sh.kv_ready, g % 2)
-                cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
-                accS.fill(0.0)
-                warpgroup.fence()
-                for ks in cutlass.range_constexpr(self.D_QK // 16):
-                    cute.gemm(mma_s, accS, tSrQ[None, None, ks], tSrK[None, None, ks], accS)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                wait_gathered_tile(sh.kv_ready, g, 1)
+                gemm_tile(mma_s, accS, tSrQ, tSrK, self.D_QK // 16)
                 # P, masked by the tile's ids
                 cute.arch.mbarrier_wait(sh.ids_mbar + (g % 2), (g // 2) % 2)
                 tile_keep_mask(keep, sh.sIds, (g % 2) * BN, cS)
@@ -461,14 +445,8 @@ class SparseMlaBwdSm90:
         DT, M, BN = self.dtype, self.M, self.BN
         cute.arch.setmaxregister_increase(self.regs[2])
         ctid = tidx - 256
-        mma_dp = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                                   (1, 1, 1), tiler_mn=(M, BN))
-        thr_dp = mma_dp.get_slice(ctid)
-        tDrdO = mma_dp.make_fragment_A(thr_dp.partition_A(sh.sdO))
-        tDrV = mma_dp.make_fragment_B(thr_dp.partition_B(cute.local_tile(sh.sKV, (BN, self.D_V), (0, 0))))
-        accdP = cute.make_rmem_tensor(thr_dp.partition_shape_C((M, BN)), Float32)
-        dMN = acc_mn_view(accdP)
-        cD = acc_mn_view(thr_dp.partition_C(cute.make_identity_tensor((M, BN))))
+        dP = wgmma_tile(DT, sh.sdO, cute.local_tile(sh.sKV, (BN, self.D_V), (0, 0)), (M, BN), ctid)
+        mma_dp, tDrdO, tDrV, accdP, dMN, cD = dP.mma, dP.tA, dP.tB, dP.acc, dP.acc_mn, dP.coord_mn
         NR = cute.size(dMN, mode=[0])
         NC = cute.size(dMN, mode=[1])
         # P from sP in the accumulator's layout (ldmatrix, the inverse of A's stmatrix)
@@ -494,7 +472,6 @@ class SparseMlaBwdSm90:
         tQrdS = acc_as_frg_a(rdS)
         accQ = cute.make_rmem_tensor(thr_q.partition_shape_C((M, self.DQ_B)), Float32)
         cQ = acc_mn_view(thr_q.partition_C(cute.make_identity_tensor((M, self.DQ_B))))
-        mma_dp.set(warpgroup.Field.ACCUMULATE, True)
         mma_q.set(warpgroup.Field.ACCUMULATE, True)
         kvc = self.dkv_chunk_state(sh, ctid, self.chunk_buffers[1])
         delta = cute.make_rmem_tensor(NR, Float32)
@@ -526,14 +503,8 @@ class SparseMlaBwdSm90:
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 # dP = dO V^T
-                cute.arch.mbarrier_wait(sh.kv_ready, g % 2)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                accdP.fill(0.0)
-                warpgroup.fence()
-                for ks in cutlass.range_constexpr(self.D_V // 16):
-                    cute.gemm(mma_dp, accdP, tDrdO[None, None, ks], tDrV[None, None, ks], accdP)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                wait_gathered_tile(sh.kv_ready, g, 1)
+                gemm_tile(mma_dp, accdP, tDrdO, tDrV, self.D_V // 16)
                 # dS = scale * P * (dP - delta)
                 cute.arch.barrier(barrier_id=self.BAR_P, number_of_threads=256)
                 cute.copy(ldsm, tLsP, tLrP)

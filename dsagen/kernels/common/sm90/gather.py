@@ -22,8 +22,8 @@ from cutlass import Int8, Int32, Int64, const_expr
 from cutlass.experimental import primitives as prims
 
 from dsagen.kernels.common.sm90.layout import swizzled_byte_offset
-from dsagen.kernels.common.sm90.ptx import cp_async_16_policy
-from dsagen.kernels.common.sm90.ring import ring_wait_free
+from dsagen.kernels.common.sm90.ptx import cp_async_16_policy, l2_evict_first_policy
+from dsagen.kernels.common.sm90.ring import ring_wait_free, ring_wait_ready
 
 
 class GatherLanes(NamedTuple):
@@ -36,6 +36,30 @@ class GatherLanes(NamedTuple):
 def gather_lanes(tidx) -> GatherLanes:
     """The GatherLanes of producer thread `tidx` (0..127)."""
     return GatherLanes(tidx=tidx, grp=tidx // 8, col0=(tidx % 8) * 8)
+
+
+class RowGatherProducer(NamedTuple):
+    """What a producer thread of a row-gathering kernel (a per-row operand tile plus a ring of gathered tiles)
+    sets up once: its lanes, byte pointers to the operand tile and to the ring, its swizzled ring base, a register
+    tensor for one tile's ids and the L2 policy of the per-row operand (read once: evict first)."""
+    lanes: GatherLanes
+    q_smem: Any          # byte pointer of the per-row operand tile
+    kv_smem: Any         # byte pointer of the ring's tiles
+    sw_kv: Any           # gather_base of the ring's layout
+    ids: Any             # (BN / 16,) int32: the thread's rows of one tile
+    policy: Any          # L2 evict_first policy for the per-row operand
+
+
+def row_gather_producer(tidx, q_mem, kv_mem, lay_kv, bn: int) -> RowGatherProducer:
+    """The RowGatherProducer of producer thread `tidx`: q_mem / kv_mem are the shared struct fields of the
+    operand tile and of the ring (layout `lay_kv`), bn the tile's rows."""
+    lanes = gather_lanes(tidx)
+    q_smem = smem_bytes(q_mem)
+    kv_smem = smem_bytes(kv_mem)
+    sw_kv = gather_base(lay_kv, lanes)
+    ids = cute.make_rmem_tensor(bn // 16, Int32)
+    return RowGatherProducer(lanes=lanes, q_smem=q_smem, kv_smem=kv_smem, sw_kv=sw_kv, ids=ids,
+                             policy=l2_evict_first_policy())
 
 
 def smem_bytes(mem_range) -> cute.Pointer:
@@ -113,6 +137,14 @@ def gather_ring_tile(dst: cute.Pointer, sw_base, lay, p_rows: cute.Pointer, ld, 
     ring_wait_free(kv_free, g, stages)
     gather_tile_rows(dst, sw_base, lay, p_rows, ld, ids, col0, blocks, stage=s)
     cute.arch.cp_async_mbarrier_arrive_noinc(kv_ready + s)
+
+
+@cute.jit
+def wait_gathered_tile(ready, g, stages: int) -> None:
+    """Consumer side of a gather ring: wait until tile g is in its stage (ring.ring_wait_ready), then fence the
+    async proxy, so that the producer's cp.async writes are visible to the wgmma reads that follow."""
+    ring_wait_ready(ready, g, stages)
+    cute.arch.fence_proxy("async.shared", space="cta")
 
 
 @cute.jit

@@ -1,0 +1,68 @@
+"""Warpgroup MMA helpers of the Hopper kernels: the set-up of one product (`wgmma_tile`: tiled MMA, fragments,
+accumulator and its views) and one whole product over a K loop of k16 steps, issued, committed as one group and
+waited (`gemm_tile`). Called by the 128 threads of the consumer warpgroup that owns the accumulator
+(wgmma is a warpgroup instruction: every thread of the warpgroup must reach it, converged)."""
+
+from typing import Any, NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view
+
+
+@cute.jit
+def gemm_tile(mma, acc, tA, tB, k_steps: int, a_stage=None, b_stage=None) -> None:
+    """acc = sum over the k16 steps ks < k_steps of A[.., .., ks] B[.., .., ks] on wgmma: zero acc, fence the
+    warpgroup's registers, issue, commit one group and wait until it retired. tA / tB: wgmma fragments with the
+    k step as mode 2; where a_stage / b_stage is given, mode 3 is a ring stage and that stage is read."""
+    acc.fill(0.0)
+    warpgroup.fence()
+    for ks in cutlass.range_constexpr(k_steps):
+        if const_expr(a_stage is None):
+            a = tA[None, None, ks]
+        else:
+            a = tA[None, None, ks, a_stage]
+        if const_expr(b_stage is None):
+            b = tB[None, None, ks]
+        else:
+            b = tB[None, None, ks, b_stage]
+        cute.gemm(mma, acc, a, b, acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+
+
+class WgmmaTile(NamedTuple):
+    """The trace-time objects of one wgmma product for the calling consumer thread: the tiled MMA and its slice,
+    the A and B fragments, the FP32 accumulator and its (rows, cols) views of values and of coordinates
+    (layout.acc_mn_view)."""
+    mma: Any
+    thr: Any
+    tA: Any
+    tB: Any
+    acc: Any
+    acc_mn: Any
+    coord_mn: Any
+
+
+def wgmma_tile(dtype, sA, sB, tiler_mn: tuple, ctid, a_mn_major: bool = False, b_mn_major: bool = False,
+               a_regs=None) -> WgmmaTile:
+    """A WgmmaTile of C (tiler_mn = (M, N)) = A B for consumer thread `ctid` (0..127 of its warpgroup): A from the
+    shared tile sA (K-major, or MN-major with a_mn_major) or, when a_regs is given, from registers (an m64 FP32-shaped
+    16-bit fragment, viewed by layout.acc_as_frg_a: the RS form); B from the shared tile sB (None: the caller makes
+    its B fragments, e.g. one per column block). Every product accumulates into the accumulator (gemm_tile zeroes
+    it first)."""
+    major = {False: OperandMajorMode.K, True: OperandMajorMode.MN}
+    extra = {} if a_regs is None else {"a_source": warpgroup.OperandSource.RMEM}
+    mma = sm90_utils.make_trivial_tiled_mma(dtype, dtype, major[a_mn_major], major[b_mn_major], Float32, (1, 1, 1),
+                                            tiler_mn=tiler_mn, **extra)
+    mma.set(warpgroup.Field.ACCUMULATE, True)
+    thr = mma.get_slice(ctid)
+    tA = acc_as_frg_a(a_regs) if a_regs is not None else mma.make_fragment_A(thr.partition_A(sA))
+    tB = mma.make_fragment_B(thr.partition_B(sB)) if sB is not None else None
+    acc = cute.make_rmem_tensor(thr.partition_shape_C(tiler_mn), Float32)
+    return WgmmaTile(mma=mma, thr=thr, tA=tA, tB=tB, acc=acc, acc_mn=acc_mn_view(acc),
+                     coord_mn=acc_mn_view(thr.partition_C(cute.make_identity_tensor(tiler_mn))))

@@ -38,7 +38,8 @@ def test_specs_hold_only_what_changes_the_code():
     are the kernels' code choices only."""
     import dataclasses
 
-    assert {f.name for f in dataclasses.fields(IndexerScoreSpec)} == {"arch", "num_heads", "head_dim", "dtype", "stages"}
+    assert {f.name for f in dataclasses.fields(IndexerScoreSpec)} == {"arch", "num_heads", "head_dim", "dtype", "stages",
+                                                                    "dense_scores"}
     assert {f.name for f in dataclasses.fields(IndexerTopkSpec)} == {"arch", "threads", "sample"}
     a = config_for(64, 128, "bfloat16", "sm_90a")
     assert a.score.name() == "lightning_indexer_score_sm_90a"
@@ -117,7 +118,8 @@ def test_score_template_renders(h, d):
     assert f"H = {h}\n" in src and f"D = {d}\n" in src and 'DTYPE = "bfloat16"\n' in src and "STAGES = 4\n" in src
     assert 'SYMBOL = "dsagen_lightning_indexer_score' in src
     assert "from dsagen.kernels.lightning_indexer.score_sm90 import build" in src
-    assert "kernel, host, PARAMS, HOST_ARGS, LAUNCH = build(H, D, DTYPE, STAGES)" in src
+    assert "DENSE_SCORES = False\n" in src
+    assert "kernel, host, PARAMS, HOST_ARGS, LAUNCH = build(H, D, DTYPE, STAGES, DENSE_SCORES)" in src
 
 
 def test_topk_template_renders():

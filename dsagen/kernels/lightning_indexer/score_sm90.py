@@ -16,6 +16,11 @@ tile into one of 2 Q buffers, then the item's 64-row K tiles through a 2 * stage
 barriers make each warpgroup issue its wgmmas only after the previous one issued its own, so the tensor cores run
 one warpgroup's MMA while the others run their ReLU x weight + head-sum epilogue (as CUTLASS's sm90 ping-pong GEMM).
 
+The dense_scores form (IndexerScoreSpec.dense_scores, dsagen.indexer_scores) is the same kernel with per-segment
+causal offsets in the row bounds (row_bounds' p_off: row r of segment g may select s < (q_off[g] + t + 1) // ratio)
+and the caller's [rows, S_k] score matrix as the slab; the host passes scale 1 and fills what the kernel leaves
+unwritten (mask_lse_sm90).
+
 Constraints (IndexerScoreSpec.reasons): H in 8..128 dividing 128, D in (64, 128), bf16 / fp16 inputs, 2 <= stages
 and the smem of 2 Q tiles + 2 * stages K tiles within 220 KiB.
 """
@@ -52,13 +57,17 @@ def hdr_word(sHdr: cute.Tensor, i: Int32, lane: Int32) -> Int32:
     return cute.arch.shuffle_sync(v, 0)
 
 
-def build(num_heads: int, head_dim: int, dtype: str, stages: int):
-    """The score kernel of IndexerScoreSpec(num_heads, head_dim, dtype, stages): returns
+def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: bool = False):
+    """The score kernel of IndexerScoreSpec(num_heads, head_dim, dtype, stages, dense_scores): returns
     (kernel, host, PARAMS, HOST_ARGS, LAUNCH). Each call makes new kernel and host functions (every rendered module
     names its own kernel).
 
     num_heads: H (divides 128).  head_dim: D (64 or 128).  dtype: "bfloat16" or "float16" (q, k, weights).
-    stages: K buffering in 128-row units (2 * stages 64-row slots)."""
+    stages: K buffering in 128-row units (2 * stages 64-row slots).
+    dense_scores: the indexer_scores form: two more params, q_off (per batch element / document causal offsets,
+    int32) and has_off (0: no offsets, q_off never read), enter the causal limit (row_bounds); the slab is rows of
+    the caller's score matrix, whose base need only be 4-byte aligned (every store is one fp32 word). False: the
+    lightning indexer's kernel, unchanged."""
     DT = cutlass.BFloat16 if dtype == "bfloat16" else cutlass.Float16
     H = num_heads
     D = head_dim
@@ -74,7 +83,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int):
         {"name": "q_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, H, QC, 1])},   # q [B, T, H, D] -> (D, H, T, B)
         {"name": "k_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, BM, 1])},      # k [B, S, D] -> (D, S, B)
         {"name": "w", "kind": "ptr", "dtype": dtype, "align": 2},                # weights [B, T, H], any strides
-        {"name": "slab", "kind": "ptr", "dtype": "float32", "align": 16},        # (nblk * ITEM_TOK, ld_slab) fp32
+        {"name": "slab", "kind": "ptr", "dtype": "float32", "align": 4 if dense_scores else 16},  # (nblk * ITEM_TOK, ld_slab) fp32
         {"name": "cu_q", "kind": "ptr", "dtype": "int32", "align": 4},           # [n_docs + 1] (packed only)
         {"name": "cu_k", "kind": "ptr", "dtype": "int32", "align": 4},           # [n_docs + 1] (packed only)
         {"name": "n_docs", "kind": "i32"},                                       # 0: not packed
@@ -94,6 +103,11 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int):
         {"name": "ld_slab", "kind": "i64"},
         {"name": "scale", "kind": "f32"},
     ]
+    if dense_scores:
+        PARAMS += [
+            {"name": "q_off", "kind": "ptr", "dtype": "int32", "align": 4},      # [n_segments] causal offsets
+            {"name": "has_off", "kind": "i32"},                                  # 0: q_off is not read
+        ]
     HOST_ARGS = [
         {"name": "q", "kind": "ptr", "dtype": dtype, "align": 16},
         {"name": "k", "kind": "ptr", "dtype": dtype, "align": 16},
@@ -121,12 +135,13 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int):
     SMEM_BYTES = Smem.size_in_bytes()
     LAUNCH = {"grid": ["n_ctas", 1, 1], "block": [THREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
 
-    @cute.kernel
-    def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
-               p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
-               n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32, chunk: Int32,
-               n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64, w_sh: Int64,
-               ld_slab: Int64, scale: Float32):
+    @cute.jit
+    def body(q_tma, k_tma, p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
+             n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32, chunk: Int32,
+             n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64, w_sh: Int64,
+             ld_slab: Int64, scale: Float32, p_off, has_off):
+        """The kernel (both forms): q_tma / k_tma are the tensormaps' addresses; p_off / has_off the causal offsets
+        (None at trace time: the lightning indexer's kernel)."""
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -147,8 +162,8 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int):
         sK = st.sK.get_tensor(lk.outer, swizzle=lk.inner)            # (64 rows, D, slot)
 
         if warp == 0:
-            prims.prefetch_tensormap(q_map.get_ptr())
-            prims.prefetch_tensormap(k_map.get_ptr())
+            prims.prefetch_tensormap(q_tma)
+            prims.prefetch_tensormap(k_tma)
             with cute.arch.elect_one():
                 for i in cutlass.range_constexpr(KSLOTS):
                     cute.arch.mbarrier_init(k_full + i, 1)
@@ -175,7 +190,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int):
                     lo = Int32(0)
                     hi = Int32(0)
                     if lane < ITEM_TOK:
-                        lo, hi = row_bounds(p_cu_q, p_cu_k, n_docs, t0 + lane, T, S, causal, ratio)
+                        lo, hi = row_bounds(p_cu_q, p_cu_k, n_docs, t0 + lane, T, S, causal, ratio, p_off, has_off, b)
                     lo_v = S
                     hi_v = Int32(0)
                     if hi > lo:
@@ -228,14 +243,14 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int):
                     b = hdr_word(sHdr, slot * HDR + 2, lane)
                     t0 = hdr_word(sHdr, slot * HDR + 3, lane)
                     kv_lo = hdr_word(sHdr, slot * HDR + 4, lane)
-                    tma_load_tile(q_map.get_ptr(), tuple((sQ[None, None, slot * NQ + hf].iterator, BN * 64, KB,
+                    tma_load_tile(q_tma, tuple((sQ[None, None, slot * NQ + hf].iterator, BN * 64, KB,
                                                           (0, t0 + hf * QC, b)) for hf in range(NQ)),
                                   q_full + slot, NQ * Q_BYTES)
                     for i in cutlass.range(ntiles, unroll=1):
                         idx = g % KSLOTS
                         ring_wait_free(k_empty, g, KSLOTS)
                         k_tile = (sK[None, None, idx].iterator, BM * 64, KB, (kv_lo + i * BM, b))
-                        tma_load_tile(k_map.get_ptr(), (k_tile,), k_full + idx, K_TILE_BYTES)
+                        tma_load_tile(k_tma, (k_tile,), k_full + idx, K_TILE_BYTES)
                         g += 1
                     j += 1
                     cute.arch.mbarrier_wait(info_full + j % 2, (j // 2) % 2)
@@ -324,21 +339,58 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int):
             if cwg == 0:
                 cute.arch.barrier(barrier_id=BAR_WG0, number_of_threads=256)
 
-    @cute.jit
-    def host(p_q: cute.Pointer, p_k: cute.Pointer, B: Int32, q_sh: Int64, q_st: Int64, q_sb: Int64,
-             k_ss: Int64, k_sb: Int64, p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer,
-             p_cu_k: cute.Pointer, n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32,
-             chunk: Int32, n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64,
-             w_sh: Int64, ld_slab: Int64, scale: Float32):
-        # strides of create_tensor_map_tiled are in 16-byte units (elements * 2 // 16)
-        tq = xcuda.create_tensor_map_tiled(global_address=p_q.toint(), dtype=DT, global_dims=[D, H, T, B],
-                                           global_strides=[q_sh // 8, q_st // 8, q_sb // 8], box_dims=[64, H, QC, 1],
-                                           swizzle=xcuda.TensorMapSwizzle.s128b)
-        tk = xcuda.create_tensor_map_tiled(global_address=p_k.toint(), dtype=DT, global_dims=[D, S, B],
-                                           global_strides=[k_ss // 8, k_sb // 8], box_dims=[64, BM, 1],
-                                           swizzle=xcuda.TensorMapSwizzle.s128b)
-        kernel(tq, tk, p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk, chunk, n_chunks, n_ctas,
-               causal, ratio, w_sb, w_st, w_sh, ld_slab, scale).launch(
-            grid=(n_ctas, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
+    if dense_scores:
+        @cute.kernel
+        def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
+                   p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
+                   n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32, chunk: Int32,
+                   n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64,
+                   w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32):
+            body(q_map.get_ptr(), k_map.get_ptr(), p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk,
+                 chunk, n_chunks, n_ctas, causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off)
+    else:
+        @cute.kernel
+        def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
+                   p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
+                   n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32, chunk: Int32,
+                   n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64,
+                   w_sh: Int64, ld_slab: Int64, scale: Float32):
+            body(q_map.get_ptr(), k_map.get_ptr(), p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk,
+                 chunk, n_chunks, n_ctas, causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, None, None)
+
+    if dense_scores:
+        @cute.jit
+        def host(p_q: cute.Pointer, p_k: cute.Pointer, B: Int32, q_sh: Int64, q_st: Int64, q_sb: Int64,
+                 k_ss: Int64, k_sb: Int64, p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer,
+                 p_cu_k: cute.Pointer, n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32,
+                 chunk: Int32, n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64,
+                 w_st: Int64, w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32):
+            # strides of create_tensor_map_tiled are in 16-byte units (elements * 2 // 16)
+            tq = xcuda.create_tensor_map_tiled(global_address=p_q.toint(), dtype=DT, global_dims=[D, H, T, B],
+                                               global_strides=[q_sh // 8, q_st // 8, q_sb // 8],
+                                               box_dims=[64, H, QC, 1], swizzle=xcuda.TensorMapSwizzle.s128b)
+            tk = xcuda.create_tensor_map_tiled(global_address=p_k.toint(), dtype=DT, global_dims=[D, S, B],
+                                               global_strides=[k_ss // 8, k_sb // 8], box_dims=[64, BM, 1],
+                                               swizzle=xcuda.TensorMapSwizzle.s128b)
+            kernel(tq, tk, p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk, chunk, n_chunks, n_ctas,
+                   causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off).launch(
+                grid=(n_ctas, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
+    else:
+        @cute.jit
+        def host(p_q: cute.Pointer, p_k: cute.Pointer, B: Int32, q_sh: Int64, q_st: Int64, q_sb: Int64,
+                 k_ss: Int64, k_sb: Int64, p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer,
+                 p_cu_k: cute.Pointer, n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32,
+                 chunk: Int32, n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64,
+                 w_st: Int64, w_sh: Int64, ld_slab: Int64, scale: Float32):
+            # strides of create_tensor_map_tiled are in 16-byte units (elements * 2 // 16)
+            tq = xcuda.create_tensor_map_tiled(global_address=p_q.toint(), dtype=DT, global_dims=[D, H, T, B],
+                                               global_strides=[q_sh // 8, q_st // 8, q_sb // 8],
+                                               box_dims=[64, H, QC, 1], swizzle=xcuda.TensorMapSwizzle.s128b)
+            tk = xcuda.create_tensor_map_tiled(global_address=p_k.toint(), dtype=DT, global_dims=[D, S, B],
+                                               global_strides=[k_ss // 8, k_sb // 8], box_dims=[64, BM, 1],
+                                               swizzle=xcuda.TensorMapSwizzle.s128b)
+            kernel(tq, tk, p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk, chunk, n_chunks, n_ctas,
+                   causal, ratio, w_sb, w_st, w_sh, ld_slab, scale).launch(
+                grid=(n_ctas, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
 
     return kernel, host, PARAMS, HOST_ARGS, LAUNCH

@@ -55,6 +55,9 @@ class IndexerScoreSpec(KernelSpec):
 
     num_heads: H, one of INDEXER_HEADS.  head_dim: D, one of INDEXER_HEAD_DIMS.
     dtype: q / k / weights element type ("bfloat16" or "float16").  stages: K buffering in 128-row units.
+    dense_scores: the dsagen.indexer_scores form: the causal limit takes per-segment q_causal_offsets (two more
+    params: an int32 pointer and a has-offsets flag) and the slab is the caller's [rows, S_k] score matrix (4-byte
+    aligned base). False (the lightning indexer's kernel) generates exactly the code it had before the field.
     """
 
     op = "lightning_indexer_score"
@@ -64,6 +67,7 @@ class IndexerScoreSpec(KernelSpec):
     head_dim: int = 128
     dtype: str = "bfloat16"
     stages: int = 4
+    dense_scores: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -128,6 +132,64 @@ class IndexerTopkSpec(KernelSpec):
     def template_context(self) -> dict[str, Any]:
         """The fields plus `compact_cap` (TOPK_COMPACT_CAP of this thread count with sample, else 0)."""
         return {**super().template_context(), "compact_cap": compact_cap(self.threads, self.sample)}
+
+
+@register_spec
+@dataclass(frozen=True)
+class IndexerScoresMaskSpec(KernelSpec):
+    """The finishing pass of dsagen.indexer_scores (sm_90a): after the dense_scores score kernel wrote each row's
+    valid columns, it writes -inf to the row's masked tail and, when asked at run time, the row's logsumexp over
+    its valid columns (-inf for a row without one). Persistent, one row per CTA at a time, `threads` threads:
+    coalesced fp32 stores of the tail, loads of the valid columns with an online max / sum of exp2, a warp and
+    then a CTA merge of the statistics (mask_lse_sm90's docstring).
+
+    threads: per CTA, a multiple of 32 in 64..1024.
+    """
+
+    op = "indexer_scores_mask_lse"
+    template = "lightning_indexer/mask_lse_{arch}.py.j2"
+
+    threads: int = 256
+
+    def reasons(self) -> list[str]:
+        out = super().reasons()
+        if self.arch != "sm_90a":
+            out.append(f"the indexer_scores mask / LSE kernel is implemented for sm_90a only, not {self.arch}")
+        if isinstance(self.threads, int) and not (64 <= self.threads <= 1024 and self.threads % 32 == 0):
+            out.append(f"threads={self.threads} must be a multiple of 32 in 64..1024")
+        return out
+
+
+@dataclass(frozen=True)
+class ScoresConfig:
+    """Every choice of a fused dsagen.indexer_scores call (scores_config_for picks it).
+
+    score: the dense_scores score kernel.  mask: the finishing kernel.  chunk_rows: candidates per score work item.
+    launch_rows: query rows per score launch (a multiple of the token block; a launch's Q tiles stay in L2 while
+    its CTAs stream each K chunk, as the lightning indexer's 1024-row slabs do).  mask_ctas_per_sm: the finishing
+    kernel's persistent CTAs per SM."""
+
+    score: IndexerScoreSpec
+    mask: IndexerScoresMaskSpec
+    chunk_rows: int
+    launch_rows: int
+    mask_ctas_per_sm: int
+
+    def specs(self) -> tuple[KernelSpec, ...]:
+        """The kernels a call runs: the score kernel, then the finishing kernel."""
+        return (self.score, self.mask)
+
+
+@functools.lru_cache(maxsize=None)
+def scores_config_for(num_heads: int, head_dim: int, dtype: str, arch: str) -> ScoresConfig:
+    """The configuration of the fused indexer_scores for H, D, dtype and arch: the lightning indexer's measured score
+    kernel (4 stages, work items of 4096 candidates, 1024 query rows per launch: config_for's slab) in its
+    dense_scores form, and a 256-thread finishing kernel with 8 CTAs per SM (2048 threads: every SM's thread slots,
+    for the memory-bound pass). Not yet measured on its own."""
+    score = IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype, stages=4,
+                             dense_scores=True)
+    return ScoresConfig(score=score, mask=IndexerScoresMaskSpec(arch=arch, threads=256), chunk_rows=4096,
+                        launch_rows=1024, mask_ctas_per_sm=8)
 
 
 @dataclass(frozen=True)

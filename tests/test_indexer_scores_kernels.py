@@ -1,0 +1,206 @@
+"""CPU tests of the fused indexer_scores: the dense_scores form of the lightning indexer's score kernel and the mask /
+LSE kernel (specs, config, renders, ABI), the host's launch split, the op's argument checks, and (marked `compile`)
+cross-compilation for sm_90a with SASS checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsagen
+from dsagen.jit.render import render
+from dsagen.kernels.lightning_indexer.scores_host import check_supported, launch_ranges
+from dsagen.kernels.lightning_indexer.spec import (IndexerScoreSpec, IndexerScoresMaskSpec, config_for,
+                                                   scores_config_for)
+from dsagen.spec import SpecError
+
+ARCH = "sm_90a"
+
+
+def test_config_is_the_lightning_indexers_score_kernel_in_dense_form():
+    cfg = scores_config_for(64, 128, "bfloat16", ARCH)
+    li = config_for(64, 128, "bfloat16", ARCH)
+    assert cfg.score == IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, dtype="bfloat16", stages=4,
+                                         dense_scores=True)
+    assert cfg.score.stages == li.score.stages and cfg.chunk_rows == li.chunk_rows
+    assert cfg.launch_rows == li.slab_max_rows and cfg.launch_rows % 128 == 0
+    assert cfg.specs() == (cfg.score, cfg.mask) and cfg.mask == IndexerScoresMaskSpec(arch=ARCH, threads=256)
+    assert cfg.score.name() == "lightning_indexer_score_dense_scores1_sm_90a"
+    assert li.score.name() == "lightning_indexer_score_sm_90a"          # the default spec keeps its name
+    assert scores_config_for(64, 128, "bfloat16", ARCH) is cfg
+
+
+def test_mask_spec_validation():
+    assert IndexerScoresMaskSpec(arch=ARCH).can_implement() == (True, "")
+    for bad in (32, 100, 2048):
+        with pytest.raises(SpecError, match="threads"):
+            IndexerScoresMaskSpec(arch=ARCH, threads=bad).check()
+    with pytest.raises(SpecError, match="sm_90a only"):
+        IndexerScoresMaskSpec(arch="sm_100a").check()
+
+
+def test_templates_render():
+    src = render(scores_config_for(32, 64, "float16", ARCH).score)
+    assert "DENSE_SCORES = True\n" in src and "H = 32\n" in src and "D = 64\n" in src
+    src = render(IndexerScoresMaskSpec(arch=ARCH, threads=512))
+    assert "THREADS = 512\n" in src
+    assert "from dsagen.kernels.lightning_indexer.mask_lse_sm90 import build" in src
+    assert "PARAMS, LAUNCH, kernel, host = build(THREADS)" in src
+
+
+def test_dense_score_kernel_abi():
+    """dense_scores adds q_off (int32 pointer) and has_off after the lightning indexer's params, and the slab's
+    declared alignment drops to 4 bytes (rows of the caller's matrix); everything else is the default kernel's."""
+    from dsagen.kernels.lightning_indexer import score_sm90
+
+    _, _, params, host_args, launch = score_sm90.build(64, 128, "bfloat16", 4, True)
+    _, _, base, base_host, base_launch = score_sm90.build(64, 128, "bfloat16", 4)
+    assert params[-2:] == [{"name": "q_off", "kind": "ptr", "dtype": "int32", "align": 4},
+                           {"name": "has_off", "kind": "i32"}]
+    slab = next(p for p in params if p["name"] == "slab")
+    assert slab["align"] == 4 and next(p for p in base if p["name"] == "slab")["align"] == 16
+    assert [p for p in params[:-2] if p["name"] != "slab"] == [p for p in base if p["name"] != "slab"]
+    assert host_args[8:] == params[2:] and base_host[8:] == base[2:]
+    assert launch == base_launch
+
+
+def test_mask_kernel_abi():
+    from dsagen.kernels.lightning_indexer import mask_lse_sm90
+
+    built = mask_lse_sm90.build(256)
+    assert [p["name"] for p in built.params] == ["out", "lse", "cu_q", "cu_k", "q_off", "n_docs", "T", "S", "rows",
+                                                 "width", "ratio", "has_off", "want_lse", "n_ctas", "ld"]
+    assert built.launch["grid"] == ["min(rows, n_ctas)", 1, 1] and built.launch["block"] == [256, 1, 1]
+    assert built.params[0]["align"] == 4 and built.params[1]["align"] == 4
+
+
+@pytest.mark.parametrize("b,sq,qc,per", [(3, 7, 2, 2), (2, 8, 2, 3), (1, 5, 16, 1), (4, 1, 1, 1), (2, 9, 16, 4),
+                                         (5, 1024, 2, 512)])
+def test_launch_ranges_map_rows(b, sq, qc, per):
+    """Every token of every batch element lands on its output row b * S_q + t, once (the host's launch split); a
+    launch never spans a batch boundary unless qc divides S_q."""
+    rows = []
+    n_tblk = -(-sq // qc)
+    for blk0, nblk, row0 in launch_ranges(b, sq, qc, per):
+        assert 1 <= nblk <= per
+        if sq % qc:
+            assert blk0 // n_tblk == (blk0 + nblk - 1) // n_tblk
+        for blk in range(blk0, blk0 + nblk):
+            for j in range(qc):
+                t = (blk % n_tblk) * qc + j
+                if t < sq:
+                    assert row0 + (blk - blk0) * qc + j == (blk // n_tblk) * sq + t
+                    rows.append(row0 + (blk - blk0) * qc + j)
+    assert sorted(rows) == list(range(b * sq))
+
+
+def _t(*shape, dtype=torch.bfloat16):
+    return torch.zeros(shape, dtype=dtype)
+
+
+def test_fused_limits():
+    """check_supported (shape / dtype only, so also under torch.compile): ValueError naming the argument."""
+    check_supported(_t(1, 4, 64, 128), _t(1, 4, 128), _t(1, 4, 64), False)
+    check_supported(_t(4, 8, 64), _t(4, 64), _t(4, 8), True)
+    with pytest.raises(ValueError, match="q_indexer in bfloat16 or float16"):
+        check_supported(_t(1, 4, 64, 128, dtype=torch.float32), _t(1, 4, 128), _t(1, 4, 64), False)
+    with pytest.raises(ValueError, match="weights in q_indexer's dtype"):
+        check_supported(_t(1, 4, 64, 128), _t(1, 4, 128), _t(1, 4, 64, dtype=torch.float32), False)
+    with pytest.raises(ValueError, match="heads H in"):
+        check_supported(_t(1, 4, 12, 128), _t(1, 4, 128), _t(1, 4, 12), False)
+    with pytest.raises(ValueError, match="head dim D in"):
+        check_supported(_t(1, 4, 64, 96), _t(1, 4, 96), _t(1, 4, 64), False)
+    big = torch.empty((1, 2**20 + 1, 8, 64), dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="S_q <= 2\\*\\*20"):
+        check_supported(big, _t(1, 4, 64), torch.empty((1, 2**20 + 1, 8), dtype=torch.bfloat16, device="meta"),
+                        False)
+    with pytest.raises(ValueError, match="total_k <= 2\\*\\*20"):
+        check_supported(_t(4, 8, 64), torch.empty((2**20 + 1, 64), dtype=torch.bfloat16, device="meta"), _t(4, 8),
+                        True)
+
+
+def test_op_arguments():
+    """out / lse_out: shape, dtype, contiguity and lse_out without return_lse, named in the errors (reference)."""
+    q, k, w = torch.randn(2, 5, 4, 8), torch.randn(2, 7, 8), torch.randn(2, 5, 4)
+    with pytest.raises(ValueError, match="out must have shape"):
+        dsagen.indexer_scores(q, k, w, out=torch.empty(2, 5, 6), impl="reference")
+    with pytest.raises(TypeError, match="out must have dtype"):
+        dsagen.indexer_scores(q, k, w, out=torch.empty(2, 5, 7, dtype=torch.float64), impl="reference")
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        dsagen.indexer_scores(q, k, w, out=torch.empty(2, 7, 5).transpose(1, 2), impl="reference")
+    with pytest.raises(ValueError, match="lse_out is given but return_lse is False"):
+        dsagen.indexer_scores(q, k, w, lse_out=torch.empty(2, 5), impl="reference")
+    with pytest.raises(ValueError, match="lse_out must have shape"):
+        dsagen.indexer_scores(q, k, w, return_lse=True, lse_out=torch.empty(2, 7), impl="reference")
+    with pytest.raises(TypeError, match="return_lse"):
+        dsagen.indexer_scores(q, k, w, return_lse=1, impl="reference")
+    with pytest.raises(ValueError, match="impl='fused' runs generated CUDA kernels"):
+        dsagen.indexer_scores(q.bfloat16(), k.bfloat16(), w.bfloat16())
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_reference_lse_and_outputs(packed):
+    """The reference path: lse = logsumexp over the valid columns (-inf for empty rows: a negative offset, rows
+    after the last THD offset), written into the caller's buffers when given."""
+    gen = torch.Generator().manual_seed(1)
+    kw = dict(ratio=2, q_causal_offsets=torch.tensor([-4, 3], dtype=torch.int32))
+    if packed:
+        q, k, w = torch.randn(9, 4, 8, generator=gen), torch.randn(8, 8, generator=gen), torch.randn(9, 4, generator=gen)
+        kw.update(cu_seqlens_q=torch.tensor([0, 3, 7]), cu_seqlens_k=torch.tensor([0, 5, 8]))
+        shape, lshape = (9, 5), (9,)
+    else:
+        q, k, w = (torch.randn(2, 5, 4, 8, generator=gen), torch.randn(2, 7, 8, generator=gen),
+                   torch.randn(2, 5, 4, generator=gen))
+        shape, lshape = (2, 5, 7), (2, 5)
+    scores, lse = dsagen.indexer_scores(q, k, w, return_lse=True, impl="reference", **kw)
+    assert scores.shape == shape and lse.shape == lshape
+    valid = ~torch.isneginf(scores)
+    assert torch.equal(torch.isneginf(lse), ~valid.any(-1)) and (~valid.any(-1)).any()
+    want = torch.where(valid, scores, torch.zeros(())).exp().mul(valid).sum(-1).log()
+    assert torch.allclose(lse[valid.any(-1)], want[valid.any(-1)])
+    out, lse_out = torch.full(shape, float("nan")), torch.full(lshape, float("nan"))
+    got = dsagen.indexer_scores(q, k, w, return_lse=True, out=out, lse_out=lse_out, impl="reference", **kw)
+    assert got[0] is out and got[1] is lse_out and torch.equal(out, scores) and torch.equal(lse_out, lse)
+
+
+def _sass(cubin: bytes) -> str:
+    from dsagen.jit.sass import disassemble, find_nvdisasm
+
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    return disassemble(cubin)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("h,d", [(64, 128), (8, 64)])
+def test_dense_score_kernel_keeps_the_pingpong_sass(h, d, tmp_path):
+    """The dense_scores form: the same D/16 HGMMA.64x128x16 issued back to back and waited once, setmaxnreg 40 / 152,
+    no spills (the offsets only add a load and 64-bit arithmetic in the scheduler warp)."""
+    import re
+
+    from dsagen.jit.build import compile_module
+
+    spec = scores_config_for(h, d, "bfloat16", ARCH).score
+    ck = compile_module(spec, render(spec), tmp_path / "build")
+    sass = _sass(ck.cubin)
+    assert sass.count("HGMMA.64x128x16") == d // 16
+    assert sass.count("WARPGROUP.DEPBAR") == 1, "wgmma serialized by ptxas"
+    assert " LDL" not in sass and " STL" not in sass, "register spills"
+    assert " CALL" not in sass, "a subroutine call (64-bit division?) in a setmaxnreg kernel"
+    budgets = sorted(int(x, 16) for x in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d, )?(0x[0-9a-f]+)", sass))
+    assert budgets == [0x28, 0x98], budgets
+    assert ck.record["launch"]["block"] == [512, 1, 1] and ck.record["launch"]["smem"] <= 227 * 1024
+
+
+@pytest.mark.compile
+def test_mask_kernel_compiles(tmp_path):
+    from dsagen.jit.build import compile_module
+    from dsagen.jit.sass import opcode_counts
+
+    spec = IndexerScoresMaskSpec(arch=ARCH)
+    ck = compile_module(spec, render(spec), tmp_path / "build")
+    ops = dict(opcode_counts(_sass(ck.cubin)))
+    assert ops.get("MUFU", 0) > 0 and ops.get("SHFL", 0) > 0 and ops.get("BAR", 0) > 0, ops
+    assert not ops.get("LDL") and not ops.get("STL"), f"register spills: {ops}"
+    assert not ops.get("CALL"), f"a subroutine call (64-bit division?): {ops}"
+    assert ck.record["launch"]["block"] == [256, 1, 1]

@@ -5,7 +5,7 @@ fused kernel yet: `fused_impl` raises NotImplementedError naming the op and the 
 to the reference silently.
 
 Ops that run under `torch.compile` (the sparse MLA forward and backward, the autograd backward that calls the
-latter, both score recomputes, the indexer backward and the standalone top-k) may be resolved for the first time while
+latter, both score recomputes, the indexer backward, the standalone top-k and indexer_scores) may be resolved for the first time while
 Dynamo traces: `importlib.import_module` cannot be traced, so
 their host modules are also listed in `_TRACEABLE_IMPORTS`, whose loaders are plain `from ... import` statements
 that Dynamo executes. A `torch.compile(fullgraph=True)` program therefore needs no eager warm-up call to find them.
@@ -28,6 +28,7 @@ FUSED: dict[str, str] = {
     "sparse_indexer_score_recompute": "dsagen.kernels.indexer_score_recompute.host:sparse_indexer_score_recompute",
     "indexer_backward": "dsagen.kernels.indexer_bwd.host:indexer_backward",
     "indexer_topk": "dsagen.kernels.indexer_topk.host:indexer_topk",
+    "indexer_scores": "dsagen.kernels.lightning_indexer.scores_host:indexer_scores",
     # the scratch size of sparse_attention_backward's workspace (FP32 elements)
     "sparse_attention_backward_workspace_numel": "dsagen.kernels.sparse_mla_bwd.host:workspace_numel",
 }
@@ -63,6 +64,11 @@ def _indexer_topk_host():
     return host
 
 
+def _indexer_scores_host():
+    from ..kernels.lightning_indexer import scores_host
+    return scores_host
+
+
 # host module -> a loader Dynamo can trace (static imports), for the ops reachable from a compiled program
 _TRACEABLE_IMPORTS: dict[str, Callable] = {
     "dsagen.kernels.sparse_mla.host": _sparse_mla_host,
@@ -71,6 +77,7 @@ _TRACEABLE_IMPORTS: dict[str, Callable] = {
     "dsagen.kernels.indexer_score_recompute.host": _indexer_score_recompute_host,
     "dsagen.kernels.indexer_bwd.host": _indexer_bwd_host,
     "dsagen.kernels.indexer_topk.host": _indexer_topk_host,
+    "dsagen.kernels.lightning_indexer.scores_host": _indexer_scores_host,
 }
 
 

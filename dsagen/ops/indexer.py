@@ -4,16 +4,17 @@ Top-K, §5 Indexer Top-K): dsagen.indexer_scores, dsagen.indexer_topk, dsagen.in
 Layouts: BSHD (cuDNN frontend DSA's primary layout) and, for indexer_scores and indexer_forward_topk, the packed THD
 layout of cuDNN frontend DSA §3/§4, selected by passing cu_seqlens_q / cu_seqlens_k. indexer_topk works on rows and
 needs no layout. The default impl is "fused" as for every dsagen op: the generated kernel, with no silent
-fallback to the reference (no fused kernel takes THD yet).
+fallback to the reference (indexer_scores' fused kernels take both layouts; indexer_forward_topk has none yet).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..reference.indexer import IndexerTopK, TopK, staggered_row_lengths
-from ..validate import (FLOAT_DTYPES, check_bool, check_cu_seqlens_pair, check_impl, check_int, check_shape,
-                        check_tensor, check_topk)
+from ..reference.indexer import (IndexerTopK, TopK, accumulate_dtype, max_key_len, staggered_row_lengths,
+                                 thd_segments)
+from ..validate import (FLOAT_DTYPES, check_bool, check_contiguous, check_cu_seqlens_pair, check_impl, check_int,
+                        check_shape, check_tensor, check_topk)
 
 __all__ = ["indexer_scores", "indexer_topk", "indexer_forward_topk", "TopK", "IndexerTopK"]
 
@@ -112,15 +113,63 @@ def check_dense_inputs(q_indexer, k_indexer, weights, ratio, q_causal_offsets, c
     return b, packed, thd
 
 
+def _scores_shape(q_indexer, k_indexer, packed: bool, thd: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(scores shape, lse shape): BSHD ([B, S_q, S_k], [B, S_q]); THD ([total_q, max_seqlen_k], [total_q]), where
+    max_seqlen_k reads cu_seqlens_k on the host (thd_segments)."""
+    if packed:
+        width = max_key_len(thd_segments(thd["cu_seqlens_q"], thd["cu_seqlens_k"]))
+        return (q_indexer.shape[0], width), (q_indexer.shape[0],)
+    b, sq = q_indexer.shape[:2]
+    return (b, sq, k_indexer.shape[1]), (b, sq)
+
+
+def _check_output(name: str, t, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """A caller-owned output: a contiguous tensor of exactly `shape` and `dtype` on `device`."""
+    check_tensor(name, t, dtypes=(dtype,), ndim=len(shape), device=device)
+    check_shape(name, t, shape)
+    check_contiguous(name, t)
+
+
+def _reference_scores(q_indexer, k_indexer, weights, ratio, q_causal_offsets, thd, out, lse_out, want_lse):
+    """indexer_scores through the plain-PyTorch reference; copied into out / lse_out when given."""
+    from ..reference.indexer import indexer_scores as reference
+
+    scores = reference(q_indexer, k_indexer, weights, ratio=ratio, q_causal_offsets=q_causal_offsets, **thd)
+    # torch.logsumexp of a row of -inf only is -inf: empty rows need no special case
+    lse = scores.logsumexp(dim=-1) if want_lse else None
+    if out is not None:
+        scores = out.copy_(scores)
+    if lse_out is not None:
+        lse = lse_out.copy_(lse)
+    return scores, lse
+
+
+def _fused_scores(q_indexer, k_indexer, weights, ratio, q_causal_offsets, thd, out, lse_out, want_lse, shapes):
+    """indexer_scores through the fused kernels, which get int32 THD offsets and contiguous q_causal_offsets."""
+    from ._fused import fused_impl
+
+    fn = fused_impl("indexer_scores", q_indexer.device)
+    cu_q = cu_k = None
+    if thd:
+        cu_q = thd["cu_seqlens_q"].to(torch.int32).contiguous()
+        cu_k = thd["cu_seqlens_k"].to(torch.int32).contiguous()
+    offsets = None if q_causal_offsets is None else q_causal_offsets.contiguous()
+    return fn(q_indexer, k_indexer, weights, ratio=ratio, q_causal_offsets=offsets, cu_seqlens_q=cu_q,
+              cu_seqlens_k=cu_k, out=out, lse=lse_out, return_lse=want_lse, shapes=shapes)
+
+
 def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor, *, ratio: int = 1,
                    q_causal_offsets: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
-                   cu_seqlens_k: torch.Tensor | None = None, impl: str = "fused") -> torch.Tensor:
+                   cu_seqlens_k: torch.Tensor | None = None, return_lse: bool = False,
+                   out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
+                   impl: str = "fused") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dense indexer scores with the ratio-causal mask (cuDNN frontend DSA §3, Indexer Forward).
 
     ::
 
         scores[b, q, k] = sum_h relu(q_indexer[b, q, h, :] . k_indexer[b, k, :]) * weights[b, q, h]
         valid iff k < clamp((q_causal_offsets[b] + q + 1) // ratio, 0, S_k)     (offsets default to 0)
+        lse[b, q]       = log(sum over the valid k of exp(scores[b, q, k]))       (-inf for a row without one)
 
     q_causal_offsets[b] is the global uncompressed token index of local query row 0 of batch (or THD
     segment) b, not a packed storage offset; the key columns are a compressed prefix starting at global
@@ -131,44 +180,74 @@ def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: to
     q, k and the mask (row q, column k and S_k above) are local to the segment, exactly as BSHD batch b.
     cu_seqlens_q only locates the rows; q_causal_offsets still places them on the causal timeline.
 
+    impl="fused" (sm_90a): the lightning indexer's wgmma score kernel (its dense_scores form) writes each row's
+    valid columns straight into the output, then one pass writes -inf to the masked columns and, with the LSE,
+    reads the valid ones back (notes/kernels/indexer.md, "indexer_scores"). Limits (ValueError otherwise):
+    bf16 / fp16 q_indexer and k_indexer, weights of the same dtype, H in (8, 16, 32, 64, 128), D in (64, 128),
+    S_q and S_k (THD: total_q and total_k) <= 2**20, q / k readable by TMA (stride 1 in the last dim, 16-byte
+    aligned base and outer strides). BSHD calls read nothing on the host and allocate only the outputs the caller
+    did not pass: with out (and lse_out) given, a warmed-up call can be captured in a CUDA graph and allocates
+    nothing. Sums over heads run in FP32 in another order than the reference's.
+
     Args:
         q_indexer: [B, S_q, H, D] (THD: [total_q, H, D]), fp16/bf16/fp32/fp64; H >= 1, D >= 1.
         k_indexer: [B, S_k, D] or [B, S_k, 1, D] (MQA) (THD: [total_k, D] or [total_k, 1, D]), same
             dtype as q_indexer.
-        weights: [B, S_q, H] (THD: [total_q, H]), any of those float dtypes.
+        weights: [B, S_q, H] (THD: [total_q, H]), any of those float dtypes (impl="fused": q_indexer's).
         ratio: compression ratio, >= 1.
         q_causal_offsets: optional [B] int32 on q_indexer's device (THD: one entry per segment). Values
             are not read on the host; a negative offset simply leaves fewer (possibly zero) valid columns.
         cu_seqlens_q, cu_seqlens_k: THD offsets, both or neither; [B + 1] int32 or int64 on q_indexer's
             device, starting at 0, non-decreasing, ending at or before total_q / total_k (empty segments
-            allowed). Their values are read on the host (validation and the per-segment split), so a THD
-            call is not CUDA-graph capturable.
+            allowed). Their values are read on the host (validation, the output width and the per-segment
+            split), so a THD call is not CUDA-graph capturable.
+        return_lse: also return each row's logsumexp over its valid columns.
+        out: optional caller-owned scores buffer: contiguous, the shape and dtype of the result (below). Every
+            element is overwritten; it is returned.
+        lse_out: optional caller-owned LSE buffer (needs return_lse=True): contiguous, [B, S_q] (THD:
+            [total_q]) of the scores' dtype; returned as the LSE.
         impl: "fused" (default) or "reference".
 
     Returns:
         scores [B, S_q, S_k], FP32 (FP64 for FP64 inputs); masked columns are -inf. THD: [total_q,
         max_seqlen_k] with max_seqlen_k = max_b (cu_seqlens_k[b+1] - cu_seqlens_k[b]); column j of a row
         of segment b is key row cu_seqlens_k[b] + j, columns j >= that segment's S_k are -inf, and rows
-        at or after cu_seqlens_q[-1] (in no segment) are all -inf. Differentiable with respect to
-        q_indexer, k_indexer and weights in the reference.
+        at or after cu_seqlens_q[-1] (in no segment) are all -inf. With return_lse: (scores, lse), lse
+        [B, S_q] (THD: [total_q]) of the scores' dtype, -inf for rows without a valid column.
+        Differentiable with respect to q_indexer, k_indexer and weights in the reference (without out /
+        lse_out); the fused path's outputs have no grad_fn.
 
     Raises:
-        TypeError: a tensor of the wrong type or dtype (cu_seqlens not int32/int64); ratio not an int.
-        ValueError: wrong ranks or shapes, H_kv != 1, mismatched devices, ratio < 1, q_causal_offsets
-            not [B]; cu_seqlens_q / cu_seqlens_k passed alone, not 1-D, empty, not starting at 0,
-            decreasing, past the packed rows or with different segment counts; bad impl; impl="fused"
-            on CPU.
-        NotImplementedError: impl="fused" where no kernel exists for the device (or with THD).
+        TypeError: a tensor of the wrong type or dtype (cu_seqlens not int32/int64; out / lse_out not the
+            scores' dtype); ratio not an int; return_lse not a bool.
+        ValueError: wrong ranks or shapes (out / lse_out included, or not contiguous), H_kv != 1,
+            mismatched devices, ratio < 1, q_causal_offsets not [B]; cu_seqlens_q / cu_seqlens_k passed
+            alone, not 1-D, empty, not starting at 0, decreasing, past the packed rows or with different
+            segment counts; lse_out without return_lse; bad impl; impl="fused" on CPU or outside the fused
+            kernels' limits above.
+        NotImplementedError: impl="fused" where no kernel exists for the device.
     """
     check_impl(impl)
     b, packed, thd = check_dense_inputs(q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q,
                                         cu_seqlens_k)
+    check_bool("return_lse", return_lse)
+    if lse_out is not None and not return_lse:
+        raise ValueError("lse_out is given but return_lse is False; pass return_lse=True to compute the LSE")
+    shapes = None
+    if out is not None or lse_out is not None or impl == "fused":
+        shapes = _scores_shape(q_indexer, k_indexer, packed, thd)
+        acc = accumulate_dtype(q_indexer, k_indexer, weights)
+        if out is not None:
+            _check_output("out", out, shapes[0], acc, q_indexer.device)
+        if lse_out is not None:
+            _check_output("lse_out", lse_out, shapes[1], acc, q_indexer.device)
     if impl == "reference":
-        from ..reference.indexer import indexer_scores as reference
-
-        return reference(q_indexer, k_indexer, weights, ratio=ratio, q_causal_offsets=q_causal_offsets, **thd)
-    return fused_op("indexer_scores", q_indexer.device, packed)(q_indexer, k_indexer, weights, ratio=ratio,
-                                                               q_causal_offsets=q_causal_offsets)
+        scores, lse = _reference_scores(q_indexer, k_indexer, weights, ratio, q_causal_offsets, thd, out, lse_out,
+                                        return_lse)
+    else:
+        scores, lse = _fused_scores(q_indexer, k_indexer, weights, ratio, q_causal_offsets, thd, out, lse_out,
+                                    return_lse, shapes)
+    return (scores, lse) if return_lse else scores
 
 
 def indexer_topk(input_values: torch.Tensor, seq_lens: torch.Tensor, top_k: int, *, return_values: bool = True,

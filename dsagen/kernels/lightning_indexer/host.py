@@ -102,19 +102,20 @@ def check_supported(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, top
         raise ValueError(f"the fused lightning_indexer supports topk <= 2**20 = {INDEXER_MAX_T}, got {topk}")
 
 
-def _check_layout(name: str, t: torch.Tensor) -> None:
-    """TMA needs unit inner stride, a 16-byte-aligned base and 16-byte-multiple outer strides."""
+def _check_layout(name: str, t: torch.Tensor, op: str = "lightning_indexer") -> None:
+    """TMA needs unit inner stride, a 16-byte-aligned base and 16-byte-multiple outer strides (`op` names the fused
+    op in the message)."""
     if t.stride(-1) != 1:
-        raise ValueError(f"{name} must have stride 1 in its last dimension for the fused lightning_indexer, "
+        raise ValueError(f"{name} must have stride 1 in its last dimension for the fused {op}, "
                          f"got strides {t.stride()}")
     es = t.element_size()
     if t.data_ptr() % 16:
-        raise ValueError(f"{name} must start at a 16-byte-aligned address for the fused lightning_indexer "
+        raise ValueError(f"{name} must start at a 16-byte-aligned address for the fused {op} "
                          f"(TMA), got {t.data_ptr():#x}")
     for i in range(t.dim() - 1):
         if t.shape[i] > 1 and (t.stride(i) * es) % 16:
             raise ValueError(f"{name} must have 16-byte-multiple strides in its outer dimensions for the fused "
-                             f"lightning_indexer (TMA), got strides {t.stride()} ({es}-byte elements)")
+                             f"{op} (TMA), got strides {t.stride()} ({es}-byte elements)")
 
 
 def _tma_view(t: torch.Tensor) -> torch.Tensor:
@@ -150,6 +151,16 @@ def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype,
         ks = _kernels[key] = IndexerKernels(config, get_kernel(score, index),
                                             {spec: get_kernel(spec, index) for spec in config.topk.specs()})
     return ks
+
+
+def dummy_offsets(device: torch.device) -> torch.Tensor:
+    """A 16-byte int32 tensor of zeros per device, passed for pointer params a launch never reads (offsets of an
+    unpacked call). Made at the first call on the device, outside any CUDA-graph capture."""
+    index = device_index(device)
+    t = _dummy.get(index)
+    if t is None:
+        t = _dummy[index] = torch.zeros(4, dtype=torch.int32, device=device)
+    return t
 
 
 def slab_max_candidates(blk0: int, nblk: int, qc: int, n_tblk: int, t_count: int, s_count: int, causal: bool,
@@ -210,9 +221,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, cau
     if cu_seqlens is not None:
         cu_q, cu_k, n_docs = cu_seqlens, cu_seqlens_k, cu_seqlens.numel() - 1
     else:
-        cu_q = cu_k = _dummy.get(index)
-        if cu_q is None:
-            cu_q = cu_k = _dummy[index] = torch.zeros(4, dtype=torch.int32, device=device)
+        cu_q = cu_k = dummy_offsets(device)
         n_docs = 0
     qv, kv = _tma_view(q), _tma_view(k)
     w_sb, w_st, w_sh = weights.stride()

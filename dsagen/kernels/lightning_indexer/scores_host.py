@@ -1,0 +1,181 @@
+"""Fused dsagen.indexer_scores (cuDNN frontend DSA §3) on Hopper: the lightning indexer's wgmma score kernel in its
+dense_scores form writes every row's valid columns straight into the output, then one finishing kernel writes -inf
+to the masked columns and, when asked, each row's logsumexp.
+
+Called by dsagen.ops.indexer.indexer_scores after the generic validation (shapes, dtypes, offsets, out / lse_out);
+this module adds the fused kernels' limits and runs them.
+
+How a call runs (notes/kernels/indexer.md, "indexer_scores"):
+  * The output is [rows, width] fp32 (BSHD: rows = B * S_q, width = S_k; THD: rows = total_q, width =
+    max_seqlen_k). Row (b, t) of the score kernel's token blocks (QC = 128 // H tokens of one batch element) is
+    output row b * S_q + t; a launch covers `launch_rows` query rows and gets the output from its first row on as
+    its slab (ld = width). When QC does not divide S_q, blocks straddle no batch boundary, so launches are split
+    per batch element to keep the row mapping linear.
+  * The kernel writes out[r, s - lo_r] = sum_h w * relu(q . k) (scale 1) for lo_r <= s < hi_r, the row's bounds
+    with the ratio-causal limit (q_causal_offsets[seg] + t + 1) // ratio clamped to the segment's keys
+    (row_bounds). Then the finishing kernel (mask_lse_sm90) writes -inf to columns hi_r - lo_r .. width - 1 and
+    lse[r] over columns 0 .. hi_r - lo_r - 1 (-inf for none).
+  * Bytes: the scores of the valid columns are written once by the score kernel; the finishing pass writes the
+    masked ones and, for the LSE, reads the valid ones back: output traffic 4 * rows * width written plus
+    4 * (valid entries) read with the LSE. No workspace: besides the caller's (or the op's) out / lse buffers only
+    a 16-byte dummy offsets tensor per device (made at the first call).
+  * Everything a launch needs is a Python int from shapes: no host reads of device values in BSHD, so the op runs
+    under torch.compile (a custom op that mutates out / lse, with a fake impl) and inside CUDA-graph capture once
+    its kernels are loaded. THD calls read cu_seqlens on the host in the public op (validation, max_seqlen_k).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...jit import get_kernel
+from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
+from .host import _check_layout, _tma_view, dummy_offsets, score_ctas
+from .spec import INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, ScoresConfig, scores_config_for, tokens_per_cta
+
+_TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_OP = "indexer_scores"
+
+#: (device, H, D, dtype) -> (config, score kernel, finishing kernel)
+_kernels: dict[tuple, tuple[ScoresConfig, LoadedKernel, LoadedKernel]] = {}
+
+
+def check_supported(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, packed: bool) -> None:
+    """The fused kernels' limits (ValueError naming the argument and the limit). Shape and dtype checks only, so
+    they also run on fake tensors under torch.compile. q [B, S_q, H, D] (THD [total_q, H, D]), k with its keys in
+    dim 1 (THD dim 0)."""
+    if q.dtype not in _TORCH_DTYPE_NAMES:
+        raise ValueError(f"the fused indexer_scores needs q_indexer in bfloat16 or float16, got {q.dtype} "
+                         f"(use impl='reference')")
+    if weights.dtype != q.dtype:
+        raise ValueError(f"the fused indexer_scores needs weights in q_indexer's dtype ({q.dtype}), got "
+                         f"{weights.dtype}; cast them or use impl='reference'")
+    h, d = q.shape[-2], q.shape[-1]
+    if h not in INDEXER_HEADS:
+        raise ValueError(f"the fused indexer_scores supports q_indexer heads H in {INDEXER_HEADS}, got H={h}")
+    if d not in INDEXER_HEAD_DIMS:
+        raise ValueError(f"the fused indexer_scores supports q_indexer head dim D in {INDEXER_HEAD_DIMS}, got D={d}")
+    sq = q.shape[0] if packed else q.shape[1]
+    sk = k.shape[0] if packed else k.shape[1]
+    what = ("total_q", "total_k") if packed else ("S_q", "S_k")
+    if sq > INDEXER_MAX_T:
+        raise ValueError(f"the fused indexer_scores supports q_indexer with {what[0]} <= 2**20 = {INDEXER_MAX_T} "
+                         f"rows, got {sq}")
+    if sk > INDEXER_MAX_T:
+        raise ValueError(f"the fused indexer_scores supports k_indexer with {what[1]} <= 2**20 = {INDEXER_MAX_T} "
+                         f"rows, got {sk}")
+
+
+def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype
+                 ) -> tuple[ScoresConfig, LoadedKernel, LoadedKernel]:
+    """The config and loaded kernels of (device, H, D, dtype); NotImplementedError off sm_90a."""
+    index = device_index(device)
+    key = (index, h, d, dtype)
+    ks = _kernels.get(key)
+    if ks is None:
+        arch = device_arch(index)
+        if arch != "sm_90a":
+            raise NotImplementedError(f"the fused indexer_scores has kernels for sm_90a (Hopper) only; cuda:{index} "
+                                      f"is {arch}. Use impl='reference'.")
+        config = scores_config_for(h, d, _TORCH_DTYPE_NAMES[dtype], arch)
+        ks = _kernels[key] = (config, get_kernel(config.score, index), get_kernel(config.mask, index))
+    return ks
+
+
+def launch_ranges(batch: int, seqlen_q: int, qc: int, blocks_per_launch: int) -> list[tuple[int, int, int]]:
+    """(blk0, nblk, row0) of every score launch: token blocks [blk0, blk0 + nblk) whose rows start at output row
+    row0. Block blk holds tokens (blk % n_tblk) * qc .. + qc - 1 of batch element blk // n_tblk (n_tblk =
+    ceil(seqlen_q / qc)). When qc divides seqlen_q, block blk's first row is blk * qc and launches run across batch
+    elements; otherwise a launch stays inside one batch element (row0 = b * seqlen_q + first token)."""
+    n_tblk = -(-seqlen_q // qc)
+    if seqlen_q % qc == 0:
+        spans = [(0, batch * n_tblk)]
+    else:
+        spans = [(b * n_tblk, (b + 1) * n_tblk) for b in range(batch)]
+    out = []
+    for start, end in spans:
+        for blk0 in range(start, end, blocks_per_launch):
+            b = blk0 // n_tblk
+            out.append((blk0, min(blocks_per_launch, end - blk0), b * seqlen_q + (blk0 - b * n_tblk) * qc))
+    return out
+
+
+def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int, q_causal_offsets: torch.Tensor | None,
+        cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, out: torch.Tensor,
+        lse: torch.Tensor | None) -> None:
+    """Write the scores into `out` (contiguous fp32 [rows, width] view-compatible) and, when `lse` is not None, the
+    row logsumexps into it (contiguous fp32 [rows]). q / k / weights as indexer_scores takes them (k may have its
+    1-sized head dim); THD when cu_seqlens_q is given (int32, contiguous)."""
+    packed = cu_seqlens_q is not None
+    if packed:
+        q4, k3, w3 = q[None], (k.squeeze(1) if k.dim() == 3 else k)[None], weights[None]
+    else:
+        q4, k3, w3 = q, (k.squeeze(2) if k.dim() == 4 else k), weights
+    b, t_count, h, d = q4.shape
+    s_count = k3.shape[1]
+    width = out.shape[-1]
+    rows = b * t_count
+    want_lse = lse is not None
+    if rows == 0:
+        return
+    if width == 0 or s_count == 0:
+        out.fill_(float("-inf"))              # no column (width 0) or no key: every row is empty
+        if want_lse:
+            lse.fill_(float("-inf"))
+        return
+    _check_layout("q_indexer", q4, _OP)
+    _check_layout("k_indexer", k3, _OP)
+    device = q.device
+    config, score_k, mask_k = _kernels_for(device, h, d, q.dtype)
+    dummy = dummy_offsets(device)
+    cu_q, cu_k, n_docs = (cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.numel() - 1) if packed else (dummy, dummy, 0)
+    q_off, has_off = (q_causal_offsets, 1) if q_causal_offsets is not None else (dummy, 0)
+    num_sms = device_sm_count(device_index(device))
+    flat = out.view(-1)
+    qc = tokens_per_cta(h)
+    n_tblk = -(-t_count // qc)
+    n_chunks = -(-s_count // config.chunk_rows)
+    qv, kv = _tma_view(q4), _tma_view(k3)
+    w_sb, w_st, w_sh = w3.stride()
+    for blk0, nblk, row0 in launch_ranges(b, t_count, qc, max(1, config.launch_rows // qc)):
+        score_k.launch(qv, kv, w3, flat[row0 * width:], cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
+                       config.chunk_rows, n_chunks, score_ctas(nblk * n_chunks, num_sms), 1, ratio, w_sb, w_st, w_sh,
+                       width, 1.0, q_off, has_off)
+    mask_k.launch(out, lse if want_lse else out, cu_q, cu_k, q_off, n_docs, t_count, s_count, rows, width, ratio,
+                  has_off, int(want_lse), num_sms * config.mask_ctas_per_sm, width)
+
+
+@torch.library.custom_op("dsagen::indexer_scores_fused", mutates_args=("out", "lse"))
+def _indexer_scores_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int,
+                       q_causal_offsets: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
+                       cu_seqlens_k: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    run(q, k, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, out, lse)
+
+
+@_indexer_scores_op.register_fake
+def _(q, k, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, out, lse):
+    return None
+
+
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, ratio: int,
+                   q_causal_offsets: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
+                   cu_seqlens_k: torch.Tensor | None, out: torch.Tensor | None, lse: torch.Tensor | None,
+                   return_lse: bool, shapes: tuple[tuple[int, ...], tuple[int, ...]]
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fused indexer_scores (inputs, out and lse already validated by dsagen.ops.indexer.indexer_scores).
+    Returns (scores, lse or None): `out` / `lse` when given (contiguous fp32 of shapes[0] / shapes[1]: BSHD
+    [B, S_q, S_k] / [B, S_q], THD [total_q, max_seqlen_k] / [total_q]), else new tensors of those shapes, allocated
+    after the limits are checked. THD offsets and q_causal_offsets must be contiguous int32 (the op converts them).
+
+    Raises ValueError for inputs outside the kernels' limits (check_supported: bf16 / fp16 q and k, weights of q's
+    dtype, H in INDEXER_HEADS, D in INDEXER_HEAD_DIMS, S_q and S_k (THD: total_q, total_k) <= 2**20) or a layout TMA
+    cannot read (q / k: stride 1 in the last dim, 16-byte-aligned base, 16-byte-multiple outer strides; weights may
+    have any strides); NotImplementedError on a GPU other than sm_90a."""
+    check_supported(q, k, weights, cu_seqlens_q is not None)
+    if out is None:
+        out = torch.empty(shapes[0], dtype=torch.float32, device=q.device)
+    if return_lse and lse is None:
+        lse = torch.empty(shapes[1], dtype=torch.float32, device=q.device)
+    lse = lse if return_lse else None
+    _indexer_scores_op(q, k, weights, int(ratio), q_causal_offsets, cu_seqlens_q, cu_seqlens_k, out, lse)
+    return out, lse

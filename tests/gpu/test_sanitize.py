@@ -9,7 +9,8 @@ adversarial ids; the backward with its grid barrier and KV-window ordering), the
 shapes, the lightning indexer at
 T = 300 / topk 64 (unpacked causal and packed documents), each top-k kernel of the plan on slab rows whose tail
 past the row's candidates is left unwritten (as the score kernel leaves it), invalid packed offsets (memcheck: no
-access out of bounds whatever the offsets), compactify and local_to_global.
+access out of bounds whatever the offsets), indexer_scores' dense score and mask / LSE kernels (BSHD with odd
+lengths and offsets, packed segments with empty ones), compactify and local_to_global.
 
 Build first (CPU, with CuTe-DSL):  dsagen build --spec-file tests/gpu/required_specs.json
 """
@@ -26,6 +27,7 @@ import dsagen.kernels.sparse_mla.host as fused_sa
 from dsagen.reference.indexer import weighted_relu_scores
 from dsagen.spec import CompactifySpec, LocalToGlobalSpec
 from dsagen.kernels.lightning_indexer.spec import config_for as indexer_config
+from dsagen.kernels.lightning_indexer.spec import scores_config_for
 from dsagen.kernels.sparse_mla.spec import SparseAttnFwdConfig, config_for
 from dsagen.kernels.attn_score_recompute import host as rc_host
 from dsagen.kernels.attn_score_recompute.spec import config_for as rc_config_for
@@ -55,7 +57,8 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     ib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH,
                                                                  deterministic=det) for det in (False, True)] + [
     *topk_rows_plan(ARCH).specs()] + [
-    RowScatterAddSpec(arch=ARCH, width=w) for w in sorted({INDEXER_SHAPE[1], *(d for _, d in SPARSE_SHAPES)})]
+    RowScatterAddSpec(arch=ARCH, width=w) for w in sorted({INDEXER_SHAPE[1], *(d for _, d in SPARSE_SHAPES)})] + [
+    *scores_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).specs()]
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -261,6 +264,51 @@ def test_lightning_indexer_packed():
         for tt in range(int(cu[d_]), int(cu[d_ + 1])):
             lo[tt], hi[tt] = int(cu[d_]), tt + 1
     _check_selection(out, q, k, w, lo, hi, topk)
+
+
+def _scores_check(got, lse, q, k, w, **kw):
+    """indexer_scores' fused result against the FP64 reference: the same -inf mask, values and LSE close."""
+    qd, kd, wd = q.double(), k.double(), w.double()
+    ref = dsagen.indexer_scores(qd, kd, wd, impl="reference", **kw)
+    mag = dsagen.indexer_scores(qd, kd, wd.abs(), impl="reference", **kw)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
+    valid = ~torch.isneginf(ref)
+    assert ((got.double()[valid] - ref[valid]).abs() <= 3e-5 * mag[valid] + 1e-5).all()
+    lse_ref = ref.logsumexp(dim=-1)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
+    full = ~torch.isneginf(lse_ref)
+    assert ((lse.double()[full] - lse_ref[full]).abs() <= 1e-3 + 1e-5 * lse_ref[full].abs()).all()
+
+
+@gpu
+def test_indexer_scores_bshd():
+    """indexer_scores, B = 2, odd S_q (per-batch score launches), ratio 4, one negative offset (empty rows) and one
+    past the KV prefix, with the LSE: the dense_scores score kernel and the mask / LSE kernel."""
+    gen = torch.Generator().manual_seed(311)
+    h, d = INDEXER_SHAPE
+    q = torch.randn((2, 151, h, d), generator=gen).bfloat16().to(DEV)
+    k = torch.randn((2, 70, d), generator=gen).bfloat16().to(DEV)
+    w = torch.randn((2, 151, h), generator=gen).bfloat16().to(DEV)
+    off = torch.tensor([-40, 300], dtype=torch.int32, device=DEV)
+    got, lse = dsagen.indexer_scores(q, k, w, ratio=4, q_causal_offsets=off, return_lse=True, impl="fused")
+    torch.cuda.synchronize()
+    _scores_check(got, lse, q, k, w, ratio=4, q_causal_offsets=off)
+
+
+@gpu
+def test_indexer_scores_packed():
+    """indexer_scores THD: empty segments on either side, rows after the last offset, key rows in no segment."""
+    gen = torch.Generator().manual_seed(312)
+    h, d = INDEXER_SHAPE
+    cu_q = torch.tensor([0, 3, 3, 120, 121, 200], dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0, 2, 9, 9, 40, 90], dtype=torch.int32, device=DEV)
+    q = torch.randn((205, h, d), generator=gen).bfloat16().to(DEV)
+    k = torch.randn((93, d), generator=gen).bfloat16().to(DEV)
+    w = torch.randn((205, h), generator=gen).bfloat16().to(DEV)
+    kw = dict(ratio=1, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    got, lse = dsagen.indexer_scores(q, k, w, return_lse=True, impl="fused", **kw)
+    torch.cuda.synchronize()
+    _scores_check(got, lse, q, k, w, **kw)
 
 
 #: packed offsets that break the documented invariants: (cu_seqlens, cu_seqlens_k) for T = 64 rows, S = 48

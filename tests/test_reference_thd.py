@@ -437,6 +437,21 @@ def test_thd_fused(op, monkeypatch):
     fn, args, kw = _valid_calls()[op]
     with pytest.raises(ValueError, match="fused"):  # CPU tensors: no fused kernel on the CPU
         fn(*args, **kw)
+    if op == "indexer_scores":
+        # Its fused kernels take THD: the call reaches them with int32 offsets and the [total_q, max_seqlen_k] shapes.
+        seen = {}
+
+        def fake(*a, **k):
+            seen.update(k)
+            return "scores", None
+
+        monkeypatch.setattr(dsagen.ops._fused, "fused_impl", lambda op, device: fake)
+        assert fn(*args, **kw) == "scores"
+        assert seen["cu_seqlens_q"].dtype == seen["cu_seqlens_k"].dtype == torch.int32
+        assert torch.equal(seen["cu_seqlens_q"], kw["cu_seqlens_q"].int())
+        ck = kw["cu_seqlens_k"]
+        assert seen["shapes"] == ((args[0].shape[0], int((ck[1:] - ck[:-1]).max())), (args[0].shape[0],))
+        return
     # Where a fused kernel exists, THD is refused explicitly rather than passed to a BSHD kernel.
     monkeypatch.setattr(dsagen.ops._fused, "fused_impl", lambda op, device: lambda *a, **k: None)
     with pytest.raises(NotImplementedError, match="THD"):

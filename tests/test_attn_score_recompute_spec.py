@@ -18,7 +18,7 @@ from dsagen.spec import SpecError
     (dict(dtype="float32"), "dtype='float32'"),
     (dict(regs_consumer=240), "exceeds 504"),
     (dict(arch="sm_100a"), "sm_90a only"),
-    (dict(prefetch_ids=1), "prefetch_ids=1 must be a bool"),
+    (dict(prefetch_ids=1), "field prefetch_ids must be a bool, got 1"),
 ])
 def test_invalid_specs_say_why(kw, needle):
     with pytest.raises(SpecError, match=re.escape(needle)):

@@ -23,7 +23,7 @@ from dsagen.spec import SpecError
     (dict(ctas_per_sm=5), "ctas_per_sm=5 must be one of 1, 2, 3, 4"),
     (dict(num_heads=128, stages=8), "do not fit an SM"),
     (dict(arch="sm_100a"), "sm_90a only"),
-    (dict(prefetch_ids="yes"), "prefetch_ids='yes' must be a bool"),
+    (dict(prefetch_ids="yes"), 'field prefetch_ids must be a bool, got "yes"'),
 ])
 def test_invalid_specs_say_why(kw, needle):
     with pytest.raises(SpecError, match=re.escape(needle)):

@@ -19,7 +19,7 @@ from dsagen.spec import SpecError
     (dict(width=130), "width=130 must be a multiple of 4 in 4..4096"),
     (dict(width=0), "width=0 must be"),
     (dict(width=8192), "width=8192 must be"),
-    (dict(width=True), "width=True must be"),
+    (dict(width=True), "field width must be an int, got true"),
     (dict(warps_per_cta=3), "warps_per_cta=3 must be one of"),
     (dict(unroll=3), "unroll=3 must be one of 1, 2, 4, 8"),
 ])

@@ -46,8 +46,6 @@ class AttnScoreRecomputeSpec(KernelSpec):
         out = super().reasons() + mla_shape_reasons("score recompute", self.arch, self.num_heads, self.d_qk)
         if self.dtype not in ("bfloat16", "float16"):
             out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
-        if not isinstance(self.prefetch_ids, bool):
-            out.append(f"prefetch_ids={self.prefetch_ids!r} must be a bool")
         out.extend(register_budget_reasons({"regs_producer": self.regs_producer,
                                             "regs_consumer (WG1)": self.regs_consumer,
                                             "regs_consumer (WG2)": self.regs_consumer}))

@@ -67,8 +67,6 @@ class IndexerScoreRecomputeSpec(KernelSpec):
             out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
         if not 2 <= self.stages <= 8:
             out.append(f"stages={self.stages} must be in 2..8")
-        if not isinstance(self.prefetch_ids, bool):
-            out.append(f"prefetch_ids={self.prefetch_ids!r} must be a bool")
         if self.ctas_per_sm not in (1, 2, 3, 4):
             out.append(f"ctas_per_sm={self.ctas_per_sm} must be one of 1, 2, 3, 4")
         elif self.num_heads in NATIVE_HEADS and self.head_dim in HEAD_DIMS and 2 <= self.stages <= 8:

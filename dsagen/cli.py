@@ -453,7 +453,7 @@ def cmd_list(args) -> int:
     if args.json:
         for r in rows:
             r.pop("bytecode_ok", None)
-        print(json.dumps(rows, indent=1))
+        print(json.dumps(rows, indent=1, allow_nan=False))
     else:
         for r in rows:
             r["key"] = r["key"][:12]

@@ -23,6 +23,6 @@ class CacheRootError(DsagenError, ValueError):
 
 
 class CacheNotStored(DsagenError, RuntimeError):
-    """A kernel was compiled but could not be stored in the writable cache (read-only or full disk,
-    lock timeout, DSAGEN_CACHE=ro|off, an entry removed under the builder); raised where storing was
-    required (`dsagen build`)."""
+    """A kernel could not be stored in the writable cache (read-only or full disk, lock timeout, a lock path that
+    is not a file, DSAGEN_CACHE=ro|off, an entry removed under the builder), whether or not it was compiled (the
+    message says which); raised where storing was required (`dsagen build`)."""

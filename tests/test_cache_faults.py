@@ -881,19 +881,19 @@ def test_a_check_without_hashes_reads_no_artifact(tmp_path, monkeypatch):
 
 
 def test_a_pack_or_wheel_file_is_replaced_whole_or_not_at_all(tmp_path):
-    """store.replaced_when_written (dsagen pack and pack --wheel write through it): a clean write replaces the old
-    file; an error while writing leaves the old file as it was and no temporary file beside it."""
-    from dsagen.store.store import replaced_when_written
+    """pack.replacing_file (dsagen pack and pack --wheel write through it): a clean write replaces the old file; an
+    error while writing leaves the old file as it was and no temporary file beside it."""
+    from dsagen.store.pack import replacing_file
 
     out = tmp_path / "kernels.tar"
     out.write_bytes(b"old")
     with pytest.raises(RuntimeError):
-        with replaced_when_written(out) as tmp:
-            tmp.write_bytes(b"half of the new")
+        with replacing_file(out) as f:
+            f.write(b"half of the new")
             raise RuntimeError("disk full")
     assert out.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["kernels.tar"]
-    with replaced_when_written(out) as tmp:
-        assert tmp.parent == out.parent and tmp != out
-        tmp.write_bytes(b"new")
+    with replacing_file(out) as f:
+        f.write(b"new")
+        f.flush()
         assert out.read_bytes() == b"old"
     assert out.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["kernels.tar"]

@@ -358,22 +358,6 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-@contextlib.contextmanager
-def replaced_when_written(out: Path) -> Iterator[Path]:
-    """A temporary path beside `out` (`<name>.tmp-<pid>`) for the caller to write a whole file to: on a clean exit
-    it is fsynced and renamed onto `out`, so readers see the old file or the complete new one; on an error it is
-    removed and `out` is left as it was."""
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _write_manifest(path: Path, manifest: dict) -> None:
     _write_file(path, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
 

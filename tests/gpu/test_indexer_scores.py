@@ -21,7 +21,7 @@ from poison import poison_allocator
 
 ARCH = "sm_90a"
 DEV = "cuda"
-HEAD_SHAPES = [(64, 128), (64, 64), (8, 128), (16, 128), (32, 128), (128, 128), (8, 64)]
+HEAD_SHAPES = [(64, 128), (64, 64), (8, 128), (16, 128), (32, 128), (32, 64), (128, 128), (8, 64)]
 REQUIRED_SPECS = [s for h, d in HEAD_SHAPES for s in scores_config_for(h, d, "bfloat16", ARCH).specs()] + [
     *scores_config_for(64, 128, "float16", ARCH).specs()]
 TOL_REL = 3e-5

@@ -358,6 +358,18 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
             body(q_map.get_ptr(), k_map.get_ptr(), p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk,
                  chunk, n_chunks, n_ctas, causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, None, None)
 
+    @cute.jit
+    def tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, S):
+        """The TMA descriptors of q [B, T, H, D] -> (D, H, T, B) and k [B, S, D] -> (D, S, B) (strides in elements;
+        create_tensor_map_tiled takes them in 16-byte units, elements * 2 // 16)."""
+        tq = xcuda.create_tensor_map_tiled(global_address=p_q.toint(), dtype=DT, global_dims=[D, H, T, B],
+                                           global_strides=[q_sh // 8, q_st // 8, q_sb // 8],
+                                           box_dims=[64, H, QC, 1], swizzle=xcuda.TensorMapSwizzle.s128b)
+        tk = xcuda.create_tensor_map_tiled(global_address=p_k.toint(), dtype=DT, global_dims=[D, S, B],
+                                           global_strides=[k_ss // 8, k_sb // 8], box_dims=[64, BM, 1],
+                                           swizzle=xcuda.TensorMapSwizzle.s128b)
+        return tq, tk
+
     if dense_scores:
         @cute.jit
         def host(p_q: cute.Pointer, p_k: cute.Pointer, B: Int32, q_sh: Int64, q_st: Int64, q_sb: Int64,
@@ -365,13 +377,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                  p_cu_k: cute.Pointer, n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32,
                  chunk: Int32, n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64,
                  w_st: Int64, w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32):
-            # strides of create_tensor_map_tiled are in 16-byte units (elements * 2 // 16)
-            tq = xcuda.create_tensor_map_tiled(global_address=p_q.toint(), dtype=DT, global_dims=[D, H, T, B],
-                                               global_strides=[q_sh // 8, q_st // 8, q_sb // 8],
-                                               box_dims=[64, H, QC, 1], swizzle=xcuda.TensorMapSwizzle.s128b)
-            tk = xcuda.create_tensor_map_tiled(global_address=p_k.toint(), dtype=DT, global_dims=[D, S, B],
-                                               global_strides=[k_ss // 8, k_sb // 8], box_dims=[64, BM, 1],
-                                               swizzle=xcuda.TensorMapSwizzle.s128b)
+            tq, tk = tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, S)
             kernel(tq, tk, p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk, chunk, n_chunks, n_ctas,
                    causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off).launch(
                 grid=(n_ctas, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
@@ -382,13 +388,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                  p_cu_k: cute.Pointer, n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32,
                  chunk: Int32, n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64,
                  w_st: Int64, w_sh: Int64, ld_slab: Int64, scale: Float32):
-            # strides of create_tensor_map_tiled are in 16-byte units (elements * 2 // 16)
-            tq = xcuda.create_tensor_map_tiled(global_address=p_q.toint(), dtype=DT, global_dims=[D, H, T, B],
-                                               global_strides=[q_sh // 8, q_st // 8, q_sb // 8],
-                                               box_dims=[64, H, QC, 1], swizzle=xcuda.TensorMapSwizzle.s128b)
-            tk = xcuda.create_tensor_map_tiled(global_address=p_k.toint(), dtype=DT, global_dims=[D, S, B],
-                                               global_strides=[k_ss // 8, k_sb // 8], box_dims=[64, BM, 1],
-                                               swizzle=xcuda.TensorMapSwizzle.s128b)
+            tq, tk = tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, S)
             kernel(tq, tk, p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk, chunk, n_chunks, n_ctas,
                    causal, ratio, w_sb, w_st, w_sh, ld_slab, scale).launch(
                 grid=(n_ctas, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)

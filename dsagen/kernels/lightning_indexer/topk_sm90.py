@@ -89,6 +89,20 @@ def emit_slot(mOut, pos, idx, mVal, has_vals, src, at, from_key: cutlass.Constex
 
 
 @cute.jit
+def ballot_ranks(frag, u: int, ok, i0, n, shift: int, threshold, lt_mask):
+    """The warp's ballot over the VEC keys of vector u of `frag` whose top bits (key >> shift) are >= threshold
+    (keys at ids >= n, or of a vector past the segment (ok False), never count): (m_before, m_tot) = how many of
+    them the lanes below this one hold, and the warp's total. The ballots come first, with no branch between them."""
+    m_before = Int32(0)
+    m_tot = Int32(0)
+    for j in cutlass.range_constexpr(VEC):
+        bm = cute.arch.vote_ballot_sync(ok and i0 + j < n and (f32_key(frag[j, u]) >> Uint32(shift)) >= threshold)
+        m_before += cute.arch.popc(bm & lt_mask)
+        m_tot += cute.arch.popc(bm)
+    return m_before, m_tot
+
+
+@cute.jit
 def load_group(frag, mV, s0, nsteps, w0, lane, n):
     """Loads UNROLL 128-bit vectors of this warp's segment, steps s0 .. s0 + UNROLL - 1, into frag (VEC, UNROLL).
     Vectors past the segment are not loaded (the callers mask their keys)."""
@@ -348,13 +362,7 @@ def build(threads: int, sample: bool, compact_cap: int, rows: bool = False):
                         for u in cutlass.range_constexpr(UNROLL):
                             i0 = w0 + (s0 + u) * STEP + lane * VEC
                             ok = s0 + u < nsteps
-                            m_before = Int32(0)
-                            m_tot = Int32(0)
-                            for j in cutlass.range_constexpr(VEC):   # ballots first: no branch between
-                                bm = cute.arch.vote_ballot_sync(
-                                    ok and i0 + j < n and (f32_key(frag[j, u]) >> Uint32(16)) >= tau)
-                                m_before += cute.arch.popc(bm & lt_mask)
-                                m_tot += cute.arch.popc(bm)
+                            m_before, m_tot = ballot_ranks(frag, u, ok, i0, n, 16, tau, lt_mask)
                             e = coff + ccnt + m_before                  # lane-major = id order
                             for j in cutlass.range_constexpr(VEC):
                                 key = f32_key(frag[j, u])
@@ -440,13 +448,7 @@ def build(threads: int, sample: bool, compact_cap: int, rows: bool = False):
                                     for u in cutlass.range_constexpr(UNROLL):
                                         i0 = w0 + (s0 + u) * STEP + lane * VEC
                                         ok = s0 + u < nsteps
-                                        m_before = Int32(0)
-                                        m_tot = Int32(0)
-                                        for j in cutlass.range_constexpr(VEC):   # ballots first: no branch between
-                                            bm = cute.arch.vote_ballot_sync(
-                                                ok and i0 + j < n and (f32_key(frag[j, u]) >> Uint32(32 - 8 * p)) >= prefix)
-                                            m_before += cute.arch.popc(bm & lt_mask)
-                                            m_tot += cute.arch.popc(bm)
+                                        m_before, m_tot = ballot_ranks(frag, u, ok, i0, n, 32 - 8 * p, prefix, lt_mask)
                                         e = pos + m_before                  # lane-major = id order
                                         for j in cutlass.range_constexpr(VEC):
                                             key = f32_key(frag[j, u])

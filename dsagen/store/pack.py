@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bz2
 import contextlib
+import gzip
 import hashlib
 import io
 import json
@@ -46,10 +47,11 @@ import secrets
 import tarfile
 import warnings
 import zlib
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO, Iterator, NamedTuple
+from typing import BinaryIO, Iterable, Iterator, NamedTuple
 
-from ..errors import DsagenError
+from ..errors import ConfigError, DsagenError
 from ..log import get_logger
 from .store import (LAYOUT, MANIFEST, MAX_MANIFEST_BYTES, PYCACHE, CacheCorruption, CacheLockTimeout, CacheStore,
                     _read_nofollow, entry_parts, load_entry, make_dirs, make_locked_dir, remove_path,
@@ -58,6 +60,10 @@ from .store import (LAYOUT, MANIFEST, MAX_MANIFEST_BYTES, PYCACHE, CacheCorrupti
 _log = get_logger("store")
 
 CHECKSUMS = "PACK-CHECKSUMS.json"
+PTX = "kernel.ptx"                # kept for inspection only: no runtime path reads it, so packs drop it by default
+# the compressions pack writes, by the output file's suffix (longest first: ".tar.gz" before ".tar")
+COMPRESSION_SUFFIXES = ((".tar.gz", "gzip"), (".tgz", "gzip"), (".tar.xz", "xz"), (".tar.bz2", "bzip2"),
+                        (".tar", "plain"))
 MAX_MEMBER_BYTES = 256 << 20      # one artifact (the largest PTX of today's kernels is a few MiB)
 MAX_TOTAL_BYTES = 4 << 30         # a whole pack, unpacked
 MAX_MEMBERS = 100_000
@@ -98,11 +104,88 @@ def _tar_info(name: str, size: int) -> tarfile.TarInfo:
     return info
 
 
-def shippable_entries(store: CacheStore, what: str = "pack") -> Iterator[tuple[str, dict, dict[str, bytes]]]:
+@dataclass(frozen=True)
+class Selection:
+    """Which entries a pack or a wheel ships: those of one of `ops`, one of `arches` and (op, spec) one of
+    `specs` (canonical spec JSON), each None for "any". `described` is the selection as the user gave it
+    (command-line options), for the error when nothing matches."""
+
+    ops: frozenset[str] | None = None
+    arches: frozenset[str] | None = None
+    specs: frozenset[str] | None = None
+    described: str = ""
+
+    def matches(self, m: dict) -> bool:
+        """Whether the (validated) manifest `m` is selected."""
+        return ((self.ops is None or m["op"] in self.ops)
+                and (self.arches is None or m["arch"] in self.arches)
+                and (self.specs is None or _spec_json(m["spec"]) in self.specs))
+
+    @property
+    def everything(self) -> bool:
+        """True when nothing narrows the selection."""
+        return self.ops is None and self.arches is None and self.specs is None
+
+
+def _spec_json(spec: dict) -> str:
+    """A canonical spec dict as compact key-sorted JSON: the form `KernelSpec.canonical_json` writes, so a
+    manifest's spec and a spec object compare as strings."""
+    return json.dumps(spec, sort_keys=True, separators=(",", ":"))
+
+
+def _split_arches(values: Iterable[str]) -> list[str]:
+    """--arch values (repeatable, each may be comma-separated) as known arch names, in order, without
+    duplicates; SpecError naming the known ones for an unknown arch."""
+    from ..spec import get_arch
+
+    arches = list(dict.fromkeys(a.strip() for v in values for a in v.split(",") if a.strip()))
+    for a in arches:
+        get_arch(a)
+    return arches
+
+
+def selection(ops: Iterable[str] = (), arches: Iterable[str] = (), presets: Iterable[str] = (),
+              models: Iterable[str] = (), tp: int = 1) -> Selection:
+    """The Selection of `dsagen pack`'s options: --op, --arch, --preset, --model (with --tp). The kernels of
+    a preset or model are those `dsagen build` builds for it (`get_preset`, `specs_for_model`) on every
+    given arch, or on every known arch when none is given; the options intersect."""
+    from ..spec import ARCHES, get_preset
+    from ..spec.model_config import load_model_config, specs_for_model
+
+    ops, presets, models = list(dict.fromkeys(ops)), list(dict.fromkeys(presets)), list(dict.fromkeys(models))
+    arch_list = _split_arches(arches)
+    if tp != 1 and not models:
+        raise ConfigError(f"--tp {tp}: only --model configs are split over GPUs; give --model")
+    spec_set = None
+    if presets or models:
+        targets = arch_list or sorted(ARCHES)
+        loaded = [load_model_config(path, tp) for path in models]
+        spec_set = frozenset(s.canonical_json() for a in targets for s in
+                             [x for name in presets for x in get_preset(name, a)]
+                             + [x for model in loaded for x in specs_for_model(model, a)])
+    words = ([f"--preset {n}" for n in presets] + [f"--model {m}" for m in models]
+             + ([f"--tp {tp}"] if tp != 1 else []) + [f"--op {o}" for o in ops] + [f"--arch {a}" for a in arch_list])
+    return Selection(frozenset(ops) if ops else None, frozenset(arch_list) if arch_list else None, spec_set,
+                     " ".join(words))
+
+
+def _without_ptx(m: dict, files: dict[str, bytes]) -> tuple[dict, dict[str, bytes]]:
+    """The entry without its PTX: the artifact dropped from the file set and from the manifest's artifact list.
+    The entry stays valid: the runtime reads only kernel.cubin (REQUIRED_ARTIFACTS), and the key and identity
+    hash their materials, not the artifact list."""
+    if PTX not in m["artifacts"]:
+        return m, files
+    m = dict(m, artifacts={n: a for n, a in m["artifacts"].items() if n != PTX})
+    return m, {n: b for n, b in files.items() if n != PTX}
+
+
+def shippable_entries(store: CacheStore, what: str = "pack", select: Selection | None = None,
+                      keep_ptx: bool = True) -> Iterator[tuple[str, dict, dict[str, bytes]]]:
     """(entry folder relative to its root, manifest, {file name: bytes}) of every valid entry of the store's
-    DSAGEN_CACHE_DIR and DSAGEN_CACHE_PATH layers (the first layer wins per key), fully hash-checked; the files
-    are exactly the manifest (as stored) and the artifacts it lists. Invalid entries (see `load_entry`: links,
-    sub-folders, bad manifests, bad hashes) are skipped with a warning naming `what`, and nothing is read
+    DSAGEN_CACHE_DIR and DSAGEN_CACHE_PATH layers (the first layer wins per key) that `select` selects, fully
+    hash-checked; the files are exactly the manifest and the artifacts it lists. Without `keep_ptx` the PTX is
+    left out (`_without_ptx`, the manifest rewritten and checked again). Invalid entries (see `load_entry`:
+    links, sub-folders, bad manifests, bad hashes) are skipped with a warning naming `what`, and nothing is read
     through a link. Entries of installed kernel wheels are not shipped again (they ship as their wheel)."""
     seen: set[str] = set()
     for layer, path in store.entries():
@@ -116,9 +199,22 @@ def shippable_entries(store: CacheStore, what: str = "pack") -> Iterator[tuple[s
             warnings.warn(f"dsagen {what}: skipping an invalid entry: {e}", stacklevel=3)
             continue  # never ship a bad entry
         seen.add(path.name)
+        if select is not None and not select.matches(m):
+            continue
         files = dict(blobs)
+        if not keep_ptx:
+            m, files = _without_ptx(m, files)
+            validate_entry_manifest(m, path)  # what unpack and load_entry will check: never ship what they refuse
         files[MANIFEST] = (json.dumps(m, indent=1, sort_keys=True) + "\n").encode()
         yield path.relative_to(layer.root).as_posix(), m, files
+
+
+def nothing_selected(select: Selection | None, what: str) -> ConfigError:
+    """The error for a selection that matches no entry, naming the selection (or, with none, the layers)."""
+    if select is None or select.everything:
+        return ConfigError(f"nothing to {what}: the cache layers hold no valid entry "
+                           f"(build kernels first, e.g. dsagen build --preset deepseek-v3.2)")
+    return ConfigError(f"nothing to {what}: no valid entry of the cache layers matches {select.described}")
 
 
 def checksums_problems(root: Path, sums: object, bytecode_ok: bool = False) -> list[str]:
@@ -190,22 +286,57 @@ def _exclusive_temp(out: Path) -> tuple[int, Path]:
     raise PackError(f"--out {out}: could not create a temporary file beside it")
 
 
-def pack(store: CacheStore, out: Path) -> int:
-    """Write every valid entry of the configured layers (`shippable_entries`) into the tar `out` (through
-    `replacing_file`); returns the count."""
+def compression_of(out: Path) -> str:
+    """The compression `pack` writes `out` with, by its suffix (COMPRESSION_SUFFIXES); ConfigError naming --out
+    for any other suffix (a pack named .zip or .tar.zst that is a plain tar would mislead whoever reads it)."""
+    name = Path(out).name.lower()
+    for suffix, kind in COMPRESSION_SUFFIXES:
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return kind
+    raise ConfigError(f"--out {out}: a pack's name ends with "
+                      f"{', '.join(s for s, _ in COMPRESSION_SUFFIXES)} (the suffix picks the compression)")
+
+
+@contextlib.contextmanager
+def _compressed(f: BinaryIO, kind: str) -> Iterator[BinaryIO]:
+    """A writer that compresses into `f` as `kind` and is finished (trailer written, `f` left open) on exit. The
+    output depends only on the bytes written: gzip records mtime 0 and no file name, bzip2 and xz record
+    neither."""
+    if kind == "plain":
+        yield f
+        return
+    if kind == "gzip":
+        z: BinaryIO = gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0)
+    elif kind == "xz":
+        z = lzma.LZMAFile(f, "wb", format=lzma.FORMAT_XZ, preset=6)  # its decoder fits under _XZ_MEMLIMIT
+    else:
+        z = bz2.BZ2File(f, "wb")
+    with z:
+        yield z
+
+
+def pack(store: CacheStore, out: Path, select: Selection | None = None, keep_ptx: bool = False) -> int:
+    """Write every valid entry of the configured layers that `select` selects (`shippable_entries`; without
+    `keep_ptx`, without PTX) into the tar `out`, compressed as its suffix says (`compression_of`), through
+    `replacing_file`; returns the count. ConfigError, leaving `out` as it was, when a selection matches
+    nothing."""
     out = Path(out)
+    kind = compression_of(out)
     sums: dict[str, str] = {}
     n = 0
-    with replacing_file(out) as f, tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for rel, _m, files in shippable_entries(store, "pack"):
+    with replacing_file(out) as f, _compressed(f, kind) as z, \
+            tarfile.open(fileobj=z, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for rel, _m, files in shippable_entries(store, "pack", select, keep_ptx):
             n += 1
             for name in sorted(files):
                 data = files[name]
                 sums[f"{rel}/{name}"] = hashlib.sha256(data).hexdigest()
                 tar.addfile(_tar_info(f"{rel}/{name}", len(data)), io.BytesIO(data))
+        if not n and select is not None and not select.everything:
+            raise nothing_selected(select, "pack")
         blob = json.dumps(sums, indent=1, sort_keys=True).encode()
         tar.addfile(_tar_info(CHECKSUMS, len(blob)), io.BytesIO(blob))
-    _log.info("packed %d entries into %s", n, out)
+    _log.info("packed %d entries into %s (%s)", n, out, kind)
     return n
 
 
@@ -523,10 +654,24 @@ def _scan(file: Path, max_member: int, max_total: int) -> dict[str, dict]:
     return entries
 
 
+class Unpacked(NamedTuple):
+    """What `unpack_report` did: entries added, and entries whose key the cache already held (valid: kept)."""
+    added: int
+    present: int
+
+
 def unpack(store: CacheStore, file: Path, *, max_member_bytes: int = MAX_MEMBER_BYTES,
            max_total_bytes: int = MAX_TOTAL_BYTES) -> int:
     """Verify the pack `file` and add its entries to the writable root; returns how many were added
-    (see the module docstring for the checks, the caps and what is atomic)."""
+    (`unpack_report` also counts those already present)."""
+    return unpack_report(store, file, max_member_bytes=max_member_bytes, max_total_bytes=max_total_bytes).added
+
+
+def unpack_report(store: CacheStore, file: Path, *, max_member_bytes: int = MAX_MEMBER_BYTES,
+                  max_total_bytes: int = MAX_TOTAL_BYTES) -> Unpacked:
+    """Verify the pack `file` and add its entries to the writable root; returns (added, already present)
+    (see the module docstring for the checks, the caps and what is atomic). An entry whose key the writable
+    root already holds as a valid entry is kept as it is and counted as present; an invalid one is replaced."""
     file = Path(file)
     layer = store.ensure_root()
     if not file.is_file():
@@ -535,7 +680,7 @@ def unpack(store: CacheStore, file: Path, *, max_member_bytes: int = MAX_MEMBER_
     expected = {f"{folder}/{b}": sha for folder, e in entries.items() for b, (_, sha) in e["files"].items()}
     stage = store.own_dir("tmp") / staging_name("unpack")
     make_locked_dir(stage)  # locked while it exists: prune in another PID namespace sees it is live
-    added = 0
+    added = present = 0
     try:
         with _PackStream(file) as stream:
             for m, data in _members(file, stream, max_member_bytes, max_total_bytes):
@@ -561,6 +706,7 @@ def unpack(store: CacheStore, file: Path, *, max_member_bytes: int = MAX_MEMBER_
                     if store.chain_is_real(layer, final):
                         try:
                             load_entry(final, verify_hashes=True, read=())
+                            present += 1
                             continue  # already present and valid: kept
                         except CacheCorruption:
                             pass
@@ -571,9 +717,10 @@ def unpack(store: CacheStore, file: Path, *, max_member_bytes: int = MAX_MEMBER_
                                 f"rerun to add the rest") from None
     finally:
         remove_path(stage)
-    _log.info("unpacked %s: %d entries added", file, added)
-    return added
+    _log.info("unpacked %s: %d entries added, %d already present", file, added, present)
+    return Unpacked(added, present)
 
 
-__all__ = ["pack", "unpack", "shippable_entries", "checksums_problems", "replacing_file", "PackError", "CHECKSUMS",
+__all__ = ["pack", "unpack", "unpack_report", "Unpacked", "Selection", "selection", "compression_of",
+           "nothing_selected", "PTX", "COMPRESSION_SUFFIXES", "shippable_entries", "checksums_problems", "replacing_file", "PackError", "CHECKSUMS",
            "MAX_MEMBER_BYTES", "MAX_TOTAL_BYTES", "MAX_MEMBERS", "MAX_PAX_BYTES"]

@@ -12,12 +12,19 @@ nothing) as well as from the builtin a caller would expect (ValueError, LookupEr
 from __future__ import annotations
 
 import importlib
+import sys as _sys
 
 from ._version import __version__
 from .errors import DsagenError
 from .log import configure_from_env as _configure_logging
 
 _configure_logging()  # DSAGEN_LOG_LEVEL, read once (dsagen.log)
+
+# The fused ops' torch.library custom ops (torch.ops.dsagen.*, dsagen.ops._registry) are defined here when torch is
+# already loaded (about 10 ms; no kernel is loaded), otherwise on the first use of an op: importing dsagen alone
+# never imports torch.
+if "torch" in _sys.modules:
+    from . import ops as _ops  # noqa: F401
 
 # public name -> module that defines it
 _OPS = {
@@ -43,6 +50,7 @@ _OPS = {
 # public helpers of the ops that are not ops themselves (no impl argument): name -> module that defines it
 _HELPERS = {
     "sparse_attention_backward_workspace": "dsagen.ops.sparse_attention",
+    "preload": "dsagen.deploy",  # every kernel of a model found (and loaded) before serving
 }
 
 __all__ = ["DsagenError", *sorted(_OPS), *sorted(_HELPERS)]

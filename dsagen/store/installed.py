@@ -6,12 +6,18 @@ distributions' metadata and locates each named package's `cache/` folder with `i
 its top-level name, which imports nothing: no code of an installed wheel runs. The store adds every folder
 found as a read-only layer after the DSAGEN_CACHE_PATH roots (DSAGEN_WHEEL_CACHES=0 turns this off); its
 entries pass the same `load_entry` checks as any other layer's.
+
+A wheel's `<pkg>/dsagen-kernels.json` (written by `dsagen pack --wheel`) records its format and the CUDA major its
+cubins need; a wheel that records another format or CUDA major than this dsagen's (WHEEL_FORMAT, CUDA_MAJOR), or
+whose record is unreadable, is skipped with a warning: its kernels would not load here. A wheel without the file
+(written before it existed) is taken as it is.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
 import importlib.util
+import json
 import sys
 import threading
 import warnings
@@ -22,6 +28,13 @@ from ..log import get_logger
 
 GROUP = "dsagen.caches"
 CACHE_FOLDER = "cache"
+RECORD_FILE = "dsagen-kernels.json"   # beside cache/ in a kernel wheel's package
+WHEEL_FORMAT = 1                      # the layout of a kernel wheel this dsagen writes and reads
+# The CUDA major the cubins of this dsagen's toolchain need: the `gen` extra pins nvidia-cutlass-dsl[cu13], whose
+# cubins load on a CUDA 13 driver. A fixed rule rather than a guess from the installed packages, which may hold
+# both the cu12 and the cu13 DSL libraries.
+CUDA_MAJOR = 13
+_MAX_RECORD_BYTES = 1 << 20
 
 _log = get_logger("store")
 _memo: dict[tuple[str, ...], tuple["InstalledCache", ...]] = {}
@@ -61,6 +74,29 @@ def _package_dir(module: str) -> Path | None:
     return None
 
 
+def record_problem(path: Path) -> str | None:
+    """Why this dsagen cannot serve the kernel wheel whose record (`dsagen-kernels.json`) is `path`: a format or
+    CUDA major other than WHEEL_FORMAT and CUDA_MAJOR, or a record that is not a readable JSON object. None when
+    it can, or when there is no record (a wheel written before records existed)."""
+    if not path.exists() and not path.is_symlink():
+        return None
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > _MAX_RECORD_BYTES:
+            raise ValueError("not a regular file of at most 1 MiB")
+        record = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:
+        return f"its {RECORD_FILE} is unreadable ({str(e)[:200]})"
+    if not isinstance(record, dict):
+        return f"its {RECORD_FILE} is not a JSON object"
+    if record.get("format") != WHEEL_FORMAT:
+        return (f"it is a kernel wheel of format {record.get('format')!r}, this dsagen reads format {WHEEL_FORMAT} "
+                f"(rebuild it with this dsagen: dsagen pack --wheel)")
+    if record.get("cuda_major") != CUDA_MAJOR:
+        return (f"its kernels need CUDA {record.get('cuda_major')!r}, this dsagen's toolchain builds for CUDA "
+                f"{CUDA_MAJOR} (rebuild it with this dsagen: dsagen pack --wheel)")
+    return None
+
+
 def _discover() -> tuple[InstalledCache, ...]:
     found: dict[Path, InstalledCache] = {}
     for ep in sorted(md.entry_points(group=GROUP), key=lambda e: (e.name, e.value)):
@@ -74,6 +110,10 @@ def _discover() -> tuple[InstalledCache, ...]:
                                             f"{module!r} in its {GROUP} entry point, but "
                                             f"{'that package is not installed' if pkg is None else f'{root} is not a folder'}"
                                             f"; it provides no kernels")
+            continue
+        problem = record_problem(pkg / RECORD_FILE)
+        if problem is not None:
+            _warn_once(f"{label}/{module}/record", f"dsagen: skipping the installed kernel wheel {label}: {problem}")
             continue
         root = root.resolve()
         if root not in found:
@@ -98,4 +138,4 @@ def forget() -> None:
         _memo.clear()
 
 
-__all__ = ["GROUP", "CACHE_FOLDER", "InstalledCache", "installed_caches", "forget"]
+__all__ = ["GROUP", "CACHE_FOLDER", "RECORD_FILE", "WHEEL_FORMAT", "CUDA_MAJOR", "record_problem", "InstalledCache", "installed_caches", "forget"]

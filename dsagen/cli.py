@@ -542,41 +542,53 @@ def cmd_prune(args) -> int:
     return 1 if removed.failed else 0
 
 
+def _pack_selection(args):
+    """The pack.Selection of `dsagen pack`'s --preset, --model (--tp), --op and --arch options."""
+    from .store.pack import selection
+
+    return selection(ops=args.op or (), arches=args.arch or (), presets=args.preset or (),
+                     models=args.model or (), tp=args.tp)
+
+
 def cmd_pack(args) -> int:
-    """`dsagen pack --out F`: every complete entry into one checksummed tar; with --wheel, a kernel wheel in the
-    folder --out."""
+    """`dsagen pack --out F`: the selected entries into one checksummed tar, compressed as F's suffix says; with
+    --wheel, a kernel wheel in the folder --out."""
     from .store.pack import pack
     from .store.store import CacheStore
 
     if not args.wheel and (args.name is not None or args.wheel_version is not None):
         raise ConfigError("--name and --wheel-version go with --wheel")
+    select = _pack_selection(args)
     if args.wheel:
         from .store.wheel import DEFAULT_NAME, write_wheel
 
-        path, n = write_wheel(CacheStore.from_env(), Path(args.out), args.name or DEFAULT_NAME, args.wheel_version)
+        path, n = write_wheel(CacheStore.from_env(), Path(args.out), args.name or DEFAULT_NAME, args.wheel_version,
+                              select=select, keep_ptx=args.keep_ptx)
         print(f"packed {n} entr{'y' if n == 1 else 'ies'} into {_printable(path)}\n"
               f"install it with: pip install {_printable(path)}")
         return 0
     out = Path(args.out)
     if not out.name or out.name in (".", "..") or out.is_dir():
         raise ConfigError(f"--out {args.out!r}: give a file name for the pack")
-    n = pack(CacheStore.from_env(), out)
+    n = pack(CacheStore.from_env(), out, select=select, keep_ptx=args.keep_ptx)
     print(f"packed {n} entr{'y' if n == 1 else 'ies'} into {_printable(args.out)}")
     return 0
 
 
 def cmd_unpack(args) -> int:
-    """`dsagen unpack F`: verify a pack and add its entries to the writable cache."""
-    from .store.pack import unpack
+    """`dsagen unpack F`: verify a pack and add its entries to the writable cache; entries whose key the cache
+    already holds are kept and counted apart."""
+    from .store.pack import unpack_report
     from .store.store import CacheStore
 
     import tarfile
 
     try:
-        n = unpack(CacheStore.from_env(), Path(args.file))
+        added, present = unpack_report(CacheStore.from_env(), Path(args.file))
     except tarfile.TarError as e:
         raise DsagenError(f"{args.file}: not a dsagen pack (not a readable tar file)") from e
-    print(f"unpacked {n} entr{'y' if n == 1 else 'ies'} into {_printable(env.CACHE_DIR.get())}")
+    print(f"unpacked {added} entr{'y' if added == 1 else 'ies'} into {_printable(env.CACHE_DIR.get())}"
+          f"; {present} already present")
     return 0
 
 
@@ -745,17 +757,33 @@ def make_parser() -> argparse.ArgumentParser:
     pr.set_defaults(fn=cmd_prune)
     pk = add("pack", "write the cache's entries into a checksummed tar, or a pip-installable kernel wheel",
              epilog="The entries are every valid entry of DSAGEN_CACHE_DIR and DSAGEN_CACHE_PATH (those of "
-                    "installed kernel wheels are not shipped again).\n\nWith --wheel, --out is a folder and the "
+                    "installed kernel wheels are not shipped again); --preset, --model, --op and --arch narrow "
+                    "them (the options intersect; a selection that matches nothing is an error). kernel.ptx is "
+                    "left out unless --keep-ptx (the runtime reads only the cubin).\n\nThe tar's compression "
+                    "follows --out's suffix: .tar.gz or .tgz (gzip), .tar.xz (xz), .tar.bz2 (bzip2), .tar "
+                    "(none).\n\nWith --wheel, --out is a folder and the "
                     "file is NAME-VERSION-py3-none-any.whl; once it is pip-installed, dsagen finds its\n"
                     "kernels with no environment variable (the dsagen.caches entry point) and `dsagen list` "
                     "shows them (DSAGEN_WHEEL_CACHES=0 ignores them).")
     pk.add_argument("--out", required=True, metavar="PATH",
-                    help="the tar file to write; with --wheel, the folder that receives the wheel")
+                    help="the tar file to write (.tar, .tar.gz, .tgz, .tar.xz or .tar.bz2); with --wheel, the "
+                         "folder that receives the wheel")
     pk.add_argument("--wheel", action="store_true", help="write a pip-installable wheel instead of a tar")
+    pk.add_argument("--preset", action="append", metavar="NAME",
+                    help="only the kernels of a model preset (repeatable): " + ", ".join(_preset_names()))
+    pk.add_argument("--model", action="append", metavar="CONFIG.json",
+                    help="only the kernels `dsagen build --model CONFIG.json` builds (repeatable)")
+    pk.add_argument("--tp", type=int, default=1, metavar="N", help="with --model: as dsagen build --tp (default 1)")
+    pk.add_argument("--op", action="append", metavar="OP", help="only the entries of this op (repeatable)")
+    pk.add_argument("--arch", action="append", metavar="ARCH",
+                    help="only the entries for this arch (repeatable, or comma-separated); with --preset or "
+                         "--model, the arches whose kernels they select (default: every arch)")
+    pk.add_argument("--keep-ptx", action="store_true", help="also ship each entry's kernel.ptx")
     pk.add_argument("--name", metavar="NAME", help="with --wheel: the wheel's distribution name "
                                                   "(default dsagen-kernels; its package is NAME with '_')")
     pk.add_argument("--wheel-version", metavar="VERSION",
-                    help="with --wheel: its version (default: dsagen's + a hash of the kernels, e.g. 0.1.0+1a2b3c4d5e6f)")
+                    help="with --wheel: its PEP 440 version (default: dsagen's release + .post and a number "
+                         "derived from the kernels' checksums, e.g. 0.1.0.post305419896)")
     pk.set_defaults(fn=cmd_pack)
     up = add("unpack", "verify a pack and add its entries to the writable cache")
     up.add_argument("file", metavar="FILE", help="a pack written by dsagen pack (plain or compressed tar)")

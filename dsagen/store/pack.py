@@ -1,8 +1,9 @@
 """Ship a cache: `pack` writes every valid entry of the layers into one tar with a checksum list;
 `unpack` verifies the whole pack before it adds anything to the writable root.
 
-A pack holds the entries `shippable_entries` yields (every valid entry of DSAGEN_CACHE_DIR and DSAGEN_CACHE_PATH;
-an installed kernel wheel's entries ship as that wheel). It is a plain tar of regular files
+A pack holds the entries `shippable_entries` yields (every valid entry of DSAGEN_CACHE_DIR and DSAGEN_CACHE_PATH
+that the `Selection` selects, without kernel.ptx unless kept; an installed kernel wheel's entries ship as that
+wheel), compressed as the output's suffix says (`compression_of`; reproducible: fixed times, gzip mtime 0). It is a plain tar of regular files
 `v1/<arch>/<op>/<key[:2]>/<key>/<file>` (exactly an entry's
 manifest.json and the artifacts it lists) plus `PACK-CHECKSUMS.json` (sha256 of every member), so it
 also extracts with `tar` into a tree that DSAGEN_CACHE_PATH can point at.

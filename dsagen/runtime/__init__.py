@@ -11,8 +11,9 @@ a kernel record and cubin bytes (dsagen.jit.get_kernel resolves a spec to them) 
 from __future__ import annotations
 
 from .device import current_stream_handle, device_arch, device_index, device_sm_count
-from .driver import CudaDriverError
+from .driver import MIN_DRIVER_VERSION, CudaDriverError, driver_version, require_driver
 from .kernel import KernelArchMismatch, LoadedKernel
 
-__all__ = ["LoadedKernel", "KernelArchMismatch", "CudaDriverError", "device_arch", "device_index", "device_sm_count",
+__all__ = ["LoadedKernel", "KernelArchMismatch", "CudaDriverError", "MIN_DRIVER_VERSION", "driver_version",
+           "require_driver", "device_arch", "device_index", "device_sm_count",
            "current_stream_handle"]

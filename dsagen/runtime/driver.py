@@ -7,8 +7,15 @@ import functools
 from ..errors import DsagenError
 
 
+#: the oldest driver API version (cuDriverGetVersion) that loads dsagen's cubins: CuTe-DSL emits them with a
+#: CUDA 13 toolkit, and a driver loads no cubin newer than itself (CUDA 13.0 = NVIDIA driver 580)
+MIN_DRIVER_VERSION = 13000
+MIN_DRIVER_RELEASE = 580
+
+
 class CudaDriverError(DsagenError, RuntimeError):
-    """A CUDA driver call failed; the message names the call and the driver's error name."""
+    """A CUDA driver call failed, or the driver is too old; the message names the call and the driver's error
+    name, or the version found and the one needed."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,3 +41,27 @@ def check(result, what: str):
             return None
         return result[1] if len(result) == 2 else result[1:]
     return None
+
+
+def version_text(version: int) -> str:
+    """A cuDriverGetVersion number as CUDA writes it: 12040 -> "12.4"."""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def driver_version() -> int:
+    """The CUDA version the installed driver supports (cuDriverGetVersion, e.g. 13000 for CUDA 13.0)."""
+    return int(check(cu().cuDriverGetVersion(), "cuDriverGetVersion"))
+
+
+def require_driver(minimum: int = MIN_DRIVER_VERSION) -> int:
+    """The driver's version, checked to be at least `minimum`; CudaDriverError naming both otherwise.
+
+    Called before a cubin is loaded: an older driver would refuse it with CUDA_ERROR_UNSUPPORTED_PTX_VERSION
+    or a bare "invalid image", which does not say that the driver is what needs upgrading."""
+    found = driver_version()
+    if found < minimum:
+        raise CudaDriverError(
+            f"the CUDA driver supports CUDA {version_text(found)} (cuDriverGetVersion {found}), but dsagen's "
+            f"cubins need CUDA {version_text(minimum)} or newer (cuDriverGetVersion >= {minimum}, NVIDIA "
+            f"driver >= {MIN_DRIVER_RELEASE}): upgrade the NVIDIA driver")
+    return found

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import DsagenError
 from .device import current_stream_handle
-from .driver import CudaDriverError, check, cu
+from .driver import CudaDriverError, check, cu, require_driver
 from ..kernel_record import compile_expr
 from .tensormap import TensorMapEncoder
 
@@ -41,6 +41,7 @@ class LoadedKernel:
             raise KernelArchMismatch(
                 f"kernel {name} was built for {arch}, but cuda:{device_index} needs {device_arch} "
                 f"(arch-specific cubins are not forward compatible); build it with --arch {device_arch}")
+        require_driver()  # before the load: an old driver's own error does not name the driver as the cause
         self.name, self.record, self.device_index = name, record, device_index
         self.params = record["params"]
         d = cu()

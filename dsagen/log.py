@@ -1,7 +1,9 @@
 """dsagen's logging: the `dsagen` logger and its children (dsagen.build, dsagen.jit, dsagen.store, ...).
 
 dsagen logs builds, JIT compiles, cache hits and misses and kernel loads through the standard `logging`
-module and adds no handler of its own: an application configures logging as it does for any library.
+module and adds only a NullHandler: an application configures logging as it does for any library, and
+without that configuration nothing of dsagen's is printed (not even warnings, through Python's last-resort
+handler).
 DSAGEN_LOG_LEVEL (read once, when dsagen is imported) is the shortcut without code: set to a level name
 (DEBUG, INFO, WARNING, ERROR, CRITICAL) or number, it sets the `dsagen` logger's level and adds one
 handler that writes to stderr. Unset, nothing is printed beyond what dsagen prints otherwise.
@@ -20,6 +22,10 @@ FORMAT = "%(asctime)s %(name)s %(levelname)s: %(message)s"
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 logger = logging.getLogger("dsagen")
+# the library convention: with no handler configured, Python's last-resort handler would print every WARNING and
+# ERROR on stderr, a second time where the command line prints the same failure itself
+if not any(isinstance(h, logging.NullHandler) for h in logger.handlers):  # once, if the module is reloaded
+    logger.addHandler(logging.NullHandler())
 
 
 def get_logger(name: str) -> logging.Logger:

@@ -32,6 +32,9 @@ from .render import render
 _log = get_logger("jit")
 _memory_entries: dict[str, Entry] = {}
 _memory_lock = threading.Lock()
+# set while a compile runs on behalf of a lookup (get_kernel, an op's first call) rather than `dsagen build`, so
+# that the compile's one INFO line says it is a lazy one: a serving process that compiles is worth noticing
+_lazy = threading.local()
 
 
 class KernelNotCached(DsagenError, LookupError):
@@ -71,7 +74,10 @@ def compile_entry_files(spec: KernelSpec, source: str, material: dict, identity:
 
     # locked while it exists (and named after this process), so that `dsagen prune`, even one in another
     # PID namespace sharing the temp folder, tells a live build's folder from a killed build's leftovers
-    _log.info("compiling %s for %s", spec.name(), spec.arch)
+    if getattr(_lazy, "on", False):
+        _log.info("compiling %s (lazy JIT) for %s ...", spec.name(), spec.arch)
+    else:
+        _log.info("compiling %s for %s", spec.name(), spec.arch)
     with build_dir() as work:
         compiled = compile_module(spec, source, work)
     _log.info("compiled %s in %.2fs", spec.name(), compiled.compile_seconds)
@@ -112,7 +118,11 @@ def resolve(spec: KernelSpec, store: CacheStore | None = None, *, jit: bool | No
             f"then ship that cache folder and point DSAGEN_CACHE_PATH at it.")
     source = _render_cached(spec)
     material = key_material(spec, source, toolchain.toolchain_versions())
-    return _compile_and_commit(spec, source, material, identity, store, must_store)
+    _lazy.on = not must_store  # `dsagen build` stores what it compiles (must_store); a lookup compiles lazily
+    try:
+        return _compile_and_commit(spec, source, material, identity, store, must_store)
+    finally:
+        _lazy.on = False
 
 
 def _not_stored(spec: KernelSpec, why: str, must_store: bool, compiled: bool = True) -> None:

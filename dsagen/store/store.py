@@ -75,6 +75,8 @@ _HOST = socket.gethostname().replace(".", "_") or "host"
 #: the one sub-folder an entry of an installed kernel wheel may hold: pip byte-compiles kernel.py at install
 PYCACHE = "__pycache__"
 _log = get_logger("store")
+#: seconds a process waits on another one's per-key compile lock before it logs that it is waiting
+LOCK_WAIT_WARN_AFTER = 1.0
 
 
 class CacheLockTimeout(DsagenError, TimeoutError):
@@ -697,6 +699,23 @@ class Layer:
         if _is_real_dir(self.root / LAYOUT):
             yield from walk(self.root / LAYOUT, 0)
 
+    def misfiled(self) -> Iterator[Path]:
+        """The stray folders (see `strays`) that hold a cache entry, or are one: a key folder under the wrong
+        shard (`<key[:2]>` that is not its key's), or an entry below a badly named arch, op or shard folder.
+        Lookups never find these and prune removes them, so `dsagen verify` reports them; an empty or
+        unrelated stray folder is left to prune alone."""
+        for p in self.strays():
+            if _is_real_dir(p) and _holds_entry(p, depth=4):
+                yield p
+
+
+def _holds_entry(path: Path, depth: int) -> bool:
+    """Whether the real folder `path`, or one below it at most `depth` levels down (links not followed), is
+    named like a cache key or holds a manifest.json."""
+    if _HEX64.fullmatch(path.name) or _lstat(path / MANIFEST) is not None:
+        return True
+    return depth > 0 and any(_holds_entry(d, depth - 1) for d in _subdirs(path))
+
 
 _warned_roots: set[str] = set()
 
@@ -974,7 +993,7 @@ class CacheStore:
         lock = filelock.FileLock(str(path),
                                  timeout=env.LOCK_TIMEOUT.get() if timeout is None else timeout)
         try:
-            lock.acquire()
+            self._acquire(lock, key)
         except filelock.Timeout as e:
             raise CacheLockTimeout(f"timed out waiting for {e.lock_file}") from None
         except IsADirectoryError:  # a folder made there since the check
@@ -984,6 +1003,26 @@ class CacheStore:
             yield
         finally:
             lock.release()
+
+    @staticmethod
+    def _acquire(lock, key: str) -> None:
+        """Take `lock` within its timeout; a wait longer than LOCK_WAIT_WARN_AFTER seconds logs one WARNING first
+        (the key and the lock path), so that a process stalled behind another one's compile says why."""
+        import filelock
+
+        total = lock.timeout
+        if total <= LOCK_WAIT_WARN_AFTER:  # a try without waiting (prune), or a short wait: nothing to explain
+            lock.acquire()
+            return
+        t0 = time.monotonic()
+        try:
+            lock.acquire(timeout=LOCK_WAIT_WARN_AFTER)
+            return
+        except filelock.Timeout:
+            pass
+        _log.warning("waiting for the compile lock of key %s (%s): another process is compiling it; "
+                     "waiting up to %.0fs (DSAGEN_LOCK_TIMEOUT)", key, lock.lock_file, total)
+        lock.acquire(timeout=max(0.0, total - (time.monotonic() - t0)))
 
     def commit(self, arch: str, op: str, key: str, files: dict[str, bytes], manifest: dict) -> Entry:
         """Atomically publish an entry: stage files in tmp/, fsync, manifest last, rename into place.

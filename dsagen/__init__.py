@@ -50,6 +50,7 @@ _OPS = {
 # public helpers of the ops that are not ops themselves (no impl argument): name -> module that defines it
 _HELPERS = {
     "sparse_attention_backward_workspace": "dsagen.ops.sparse_attention",
+    "preload": "dsagen.deploy",  # every kernel of a model found (and loaded) before serving
 }
 
 __all__ = ["DsagenError", *sorted(_OPS), *sorted(_HELPERS)]

@@ -60,6 +60,11 @@ arch names them on stderr and builds the rest.
 --dry-run lists every kernel the options name and whether a cache layer already holds it ("cached",
 and which layer) or a build would compile it ("to build"); it compiles and writes nothing (exit 0).
 
+--check looks every kernel up as --dry-run does and prints each missing one (MISSING, with the command
+that builds it); it compiles and writes nothing and exits 1 when any kernel is missing, 0 when all are
+cached: a gate before deploying a cache. Where CuTe-DSL is installed a kernel counts only when built by
+its toolchain (as for a build); without it, an entry of any toolchain counts (as for a deployment).
+
 The exit status is 0 only when every kernel is on disk in the cache afterwards ("built" into the
 writable root, or "cached" in any layer); a kernel compiled but not stored (lock timeout, full or
 read-only disk, an entry removed under the build) is FAILED and the exit status is 1.
@@ -322,6 +327,10 @@ def cmd_build(args) -> int:
 
     for var in env.ALL:  # a bad value fails here, naming the variable, not in every worker
         var.get()
+    if args.check and args.dry_run:
+        raise ConfigError("--check and --dry-run: give one (--check exits 1 when a kernel is missing)")
+    if args.check:
+        return _check(args)
     if args.dry_run:
         return _dry_run(args)
     mode = env.CACHE_MODE.get()
@@ -405,18 +414,14 @@ def cmd_build(args) -> int:
 def _dry_run(args) -> int:
     """`dsagen build --dry-run`: each kernel the options name, "cached" (and where) or "to build"; compiles
     and writes nothing. Without CuTe-DSL an entry of any toolchain counts (as a deployment would use it)."""
-    from .jit.keys import identity_of
     from .jit.toolchain import dsl_available, toolchain_versions
-    from .store.store import CacheStore
 
     specs = _specs_from_args(args)
     if not specs:
         raise ConfigError("nothing to build: give --preset, --model, --spec or --spec-file")
-    store = CacheStore.from_env()
     tc = toolchain_versions() if dsl_available() else None
     rows = []
-    for spec in specs:
-        hit = store.lookup_identity(spec.arch, spec.op, identity_of(spec), tc, spec=spec.canonical())
+    for spec, hit in _lookups(specs, tc):
         rows.append({"name": spec.name(), "arch": spec.arch, "status": "cached" if hit else "to build",
                      "key": hit.key[:12] if hit else "", "source": hit.layer.origin if hit else ""})
     print(_table(rows, ["name", "arch", "status", "key", "source"], shrink=("name", "source")))
@@ -426,6 +431,35 @@ def _dry_run(args) -> int:
         print("dsagen: CuTe-DSL is not installed here: a real build needs it (pip install 'dsagen[gen]')",
               file=sys.stderr)
     return 0
+
+
+def _lookups(specs: list, toolchain: dict | None) -> list[tuple]:
+    """(spec, the cache entry a build would find for it, or None) for each spec: the identity lookup of
+    `dsagen build`, restricted to `toolchain` when given (None: an entry of any toolchain counts)."""
+    from .jit.keys import identity_of
+    from .store.store import CacheStore
+
+    store = CacheStore.from_env()
+    return [(spec, store.lookup_identity(spec.arch, spec.op, identity_of(spec), toolchain, spec=spec.canonical()))
+            for spec in specs]
+
+
+def _check(args) -> int:
+    """`dsagen build --check`: the deploy gate. Looks every kernel up as --dry-run does, compiles and writes
+    nothing, prints each missing kernel with the command that builds it; 1 when any is missing, else 0."""
+    from .jit.resolver import build_command
+    from .jit.toolchain import dsl_available, toolchain_versions
+
+    specs = _specs_from_args(args)
+    if not specs:
+        raise ConfigError("nothing to check: give --preset, --model, --spec or --spec-file")
+    missing = [spec for spec, hit in _lookups(specs, toolchain_versions() if dsl_available() else None)
+               if hit is None]
+    for spec in missing:
+        print(_printable(f"MISSING {spec.name()} ({spec.arch}): {build_command(spec)}"))
+    print(f"{len(specs)} kernel(s): {len(specs) - len(missing)} cached, {len(missing)} missing "
+          f"(check: nothing compiled)")
+    return 1 if missing else 0
 
 
 def _entry_rows(store) -> list[dict]:
@@ -519,9 +553,24 @@ def cmd_verify(args) -> int:
         for p in problems:
             sums_bad += 1
             print(_printable(f"MISMATCH {layer.origin}: {p}"))
+    misfiled = _print_misfiled(store)
     print(f"verified {n} entr{'y' if n == 1 else 'ies'}: {n - bad} ok, {bad} bad"
-          + (f"; {sums_bad} kernel-wheel checksum problem(s)" if sums_bad else ""))
-    return 1 if bad or sums_bad else 0
+          + (f"; {sums_bad} kernel-wheel checksum problem(s)" if sums_bad else "")
+          + (f"; {misfiled} misfiled folder(s)" if misfiled else ""))
+    return 1 if bad or sums_bad or misfiled else 0
+
+
+def _print_misfiled(store) -> int:
+    """Print each folder of every layer that holds an entry where lookups never look (a key under another key's
+    shard, an entry below a badly named folder): such a kernel counts as missing, and prune deletes it.
+    Returns how many there are."""
+    n = 0
+    for layer in store.layers:
+        for p in layer.misfiled():
+            n += 1
+            print(_printable(f"MISFILED {layer.origin}: {p} (not where lookups look: "
+                             f"v1/<arch>/<op>/<key[:2]>/<key>; dsagen prune removes it)"))
+    return n
 
 
 def cmd_prune(args) -> int:
@@ -620,7 +669,8 @@ def cmd_env(args) -> int:
     except (DsagenError, OSError) as e:
         layers = [{"root": f"INVALID: {e}", "source": "", "writable": False}]
     info = {"version": __version__, "python": sys.version.split()[0], "variables": variables, "layers": layers,
-            "toolchain": toolchain_versions(), "torch": None, "cuda": None, "devices": 0}
+            "toolchain": toolchain_versions(), "torch": None, "cuda": None, "devices": 0,
+            "gpu_status": "no CUDA device", "gpus": [], "driver": None, "driver_version": None, "driver_ok": None}
 
     def add_torch() -> None:  # imported last: torch is slow to import and may warn on stderr
         import warnings
@@ -633,6 +683,7 @@ def cmd_env(args) -> int:
             return
         info["torch"], info["cuda"] = torch.__version__, torch.version.cuda
         info["devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        info.update(_gpu_info(torch, info["devices"]))
 
     if args.json:
         add_torch()
@@ -656,7 +707,51 @@ def cmd_env(args) -> int:
     if info["torch"] is not None:
         cuda = f"{info['cuda']}, {info['devices']} device(s)" if info["devices"] else "no"
         print(f"torch {info['torch']}; CUDA: {cuda}")
+        _print_gpus(info)
     return 0
+
+
+def _gpu_info(torch, count: int) -> dict:
+    """`dsagen env`'s GPU fields: each device's name, compute capability and dsagen arch ("gpus"), and the
+    driver's CUDA version ("driver", e.g. "13.0", with "driver_ok": whether it loads dsagen's cubins)."""
+    from .runtime.driver import MIN_DRIVER_VERSION, CudaDriverError, driver_version, version_text
+    from .spec.arch import arch_for_capability
+
+    gpus = []
+    for i in range(count):
+        cap = tuple(torch.cuda.get_device_capability(i))
+        try:
+            arch = arch_for_capability(cap).name
+        except (DsagenError, LookupError, ValueError):  # a GPU dsagen has no target for
+            arch = None
+        gpus.append({"index": i, "name": torch.cuda.get_device_name(i), "capability": f"{cap[0]}.{cap[1]}",
+                     "arch": arch})
+    if not count:
+        return {"gpu_status": "no CUDA device", "gpus": gpus, "driver": None, "driver_version": None,
+                "driver_ok": None}
+    status = f"{count} CUDA device(s)"
+    try:
+        version = driver_version()
+    except (CudaDriverError, ImportError) as e:
+        return {"gpu_status": status, "gpus": gpus, "driver": f"unknown ({e})", "driver_version": None,
+                "driver_ok": None}
+    return {"gpu_status": status, "gpus": gpus, "driver": version_text(version), "driver_version": version,
+            "driver_ok": version >= MIN_DRIVER_VERSION}
+
+
+def _print_gpus(info: dict) -> None:
+    """The GPU lines of `dsagen env`: "no CUDA device", or the driver and one line per device."""
+    from .runtime.driver import MIN_DRIVER_RELEASE, MIN_DRIVER_VERSION, version_text
+
+    if not info["gpus"]:
+        print(f"GPUs: {info['gpu_status']}")
+        return
+    need = "" if info["driver_ok"] is not False else (
+        f" -- TOO OLD: dsagen's cubins need CUDA {version_text(MIN_DRIVER_VERSION)} (NVIDIA driver >= "
+        f"{MIN_DRIVER_RELEASE})")
+    print(_printable(f"CUDA driver: {info['driver']}{need}"))
+    rows = [dict(g, arch=g["arch"] or "(none)") for g in info["gpus"]]
+    print(_table(rows, ["index", "name", "capability", "arch"], shrink=("name",)))
 
 
 def cmd_bench(args) -> int:
@@ -741,6 +836,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="parallel compile processes, >= 1 (default: CPU count)")
     b.add_argument("--dry-run", action="store_true",
                    help="list what would be built and what is already cached; compile nothing")
+    b.add_argument("--check", action="store_true",
+                   help="a deploy gate: list every kernel the cache lacks and exit 1 if any; compile nothing")
     b.set_defaults(fn=cmd_build)
     l_ = add("list", "list the entries of every cache layer and where each comes from")
     l_.add_argument("--json", action="store_true", help="one JSON object per entry (layer, path, spec, toolchain)")
@@ -750,8 +847,9 @@ def make_parser() -> argparse.ArgumentParser:
                    "(every entry of that op). Exit 1 when nothing matches.")
     s.add_argument("what", metavar="WHAT", help="a key prefix, a kernel name or an op name")
     s.set_defaults(fn=cmd_show)
-    add("verify", "recompute every artifact hash of every layer (and every kernel wheel's checksum list); "
-                  "exit 1 on any mismatch").set_defaults(fn=cmd_verify)
+    add("verify", "recompute every artifact hash of every layer (and every kernel wheel's checksum list) and "
+                  "find entries filed where lookups never look; exit 1 on any mismatch or misfiled entry"
+        ).set_defaults(fn=cmd_verify)
     pr = add("prune", "remove leftovers, quarantine, and stale or corrupt entries of the writable cache")
     pr.add_argument("--all", action="store_true", help="remove every entry of the writable cache")
     pr.set_defaults(fn=cmd_prune)

@@ -27,6 +27,7 @@ import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
+from typing import Iterable
 
 from . import env
 from ._version import __version__
@@ -591,12 +592,48 @@ def cmd_prune(args) -> int:
     return 1 if removed.failed else 0
 
 
-def _pack_selection(args):
-    """The pack.Selection of `dsagen pack`'s --preset, --model (--tp), --op and --arch options."""
-    from .store.pack import selection
+def _split_arches(values: Iterable[str]) -> list[str]:
+    """--arch values (repeatable, each may be comma-separated) as known arch names, in order, without
+    duplicates; SpecError naming the known ones for an unknown arch."""
+    from .spec import get_arch
 
-    return selection(ops=args.op or (), arches=args.arch or (), presets=args.preset or (),
-                     models=args.model or (), tp=args.tp)
+    arches = list(dict.fromkeys(a.strip() for v in values for a in v.split(",") if a.strip()))
+    for a in arches:
+        get_arch(a)
+    return arches
+
+
+def pack_selection(ops: Iterable[str] = (), arches: Iterable[str] = (), presets: Iterable[str] = (),
+              models: Iterable[str] = (), tp: int = 1):
+    """The pack.Selection of `dsagen pack`'s options: --op, --arch, --preset, --model (with --tp). The kernels of
+    a preset or model are those `dsagen build` builds for it (`get_preset`, `specs_for_model`) on every
+    given arch, or on every known arch when none is given; the options intersect."""
+    from .spec import ARCHES, get_preset
+    from .spec.model_config import load_model_config, specs_for_model
+    from .store.pack import Selection
+
+    ops, presets, models = list(dict.fromkeys(ops)), list(dict.fromkeys(presets)), list(dict.fromkeys(models))
+    arch_list = _split_arches(arches)
+    if tp != 1 and not models:
+        raise ConfigError(f"--tp {tp}: only --model configs are split over GPUs; give --model")
+    spec_set = None
+    if presets or models:
+        targets = arch_list or sorted(ARCHES)
+        loaded = [load_model_config(path, tp) for path in models]
+        spec_set = frozenset(s.canonical_json() for a in targets for s in
+                             [x for name in presets for x in get_preset(name, a)]
+                             + [x for model in loaded for x in specs_for_model(model, a)])
+    words = ([f"--preset {n}" for n in presets] + [f"--model {m}" for m in models]
+             + ([f"--tp {tp}"] if tp != 1 else []) + [f"--op {o}" for o in ops] + [f"--arch {a}" for a in arch_list])
+    return Selection(frozenset(ops) if ops else None, frozenset(arch_list) if arch_list else None, spec_set,
+                     " ".join(words))
+
+
+def _pack_selection(args):
+    """The pack.Selection of `dsagen pack`'s --preset, --model (--tp), --op and --arch options (resolved here, in
+    the command line: the store knows entries, never specs or presets)."""
+    return pack_selection(ops=args.op or (), arches=args.arch or (), presets=args.preset or (),
+                          models=args.model or (), tp=args.tp)
 
 
 def cmd_pack(args) -> int:

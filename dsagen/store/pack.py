@@ -50,7 +50,7 @@ import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO, Iterable, Iterator, NamedTuple
+from typing import BinaryIO, Iterator, NamedTuple
 
 from ..errors import ConfigError, DsagenError
 from ..log import get_logger
@@ -132,42 +132,6 @@ def _spec_json(spec: dict) -> str:
     """A canonical spec dict as compact key-sorted JSON: the form `KernelSpec.canonical_json` writes, so a
     manifest's spec and a spec object compare as strings."""
     return json.dumps(spec, sort_keys=True, separators=(",", ":"))
-
-
-def _split_arches(values: Iterable[str]) -> list[str]:
-    """--arch values (repeatable, each may be comma-separated) as known arch names, in order, without
-    duplicates; SpecError naming the known ones for an unknown arch."""
-    from ..spec import get_arch
-
-    arches = list(dict.fromkeys(a.strip() for v in values for a in v.split(",") if a.strip()))
-    for a in arches:
-        get_arch(a)
-    return arches
-
-
-def selection(ops: Iterable[str] = (), arches: Iterable[str] = (), presets: Iterable[str] = (),
-              models: Iterable[str] = (), tp: int = 1) -> Selection:
-    """The Selection of `dsagen pack`'s options: --op, --arch, --preset, --model (with --tp). The kernels of
-    a preset or model are those `dsagen build` builds for it (`get_preset`, `specs_for_model`) on every
-    given arch, or on every known arch when none is given; the options intersect."""
-    from ..spec import ARCHES, get_preset
-    from ..spec.model_config import load_model_config, specs_for_model
-
-    ops, presets, models = list(dict.fromkeys(ops)), list(dict.fromkeys(presets)), list(dict.fromkeys(models))
-    arch_list = _split_arches(arches)
-    if tp != 1 and not models:
-        raise ConfigError(f"--tp {tp}: only --model configs are split over GPUs; give --model")
-    spec_set = None
-    if presets or models:
-        targets = arch_list or sorted(ARCHES)
-        loaded = [load_model_config(path, tp) for path in models]
-        spec_set = frozenset(s.canonical_json() for a in targets for s in
-                             [x for name in presets for x in get_preset(name, a)]
-                             + [x for model in loaded for x in specs_for_model(model, a)])
-    words = ([f"--preset {n}" for n in presets] + [f"--model {m}" for m in models]
-             + ([f"--tp {tp}"] if tp != 1 else []) + [f"--op {o}" for o in ops] + [f"--arch {a}" for a in arch_list])
-    return Selection(frozenset(ops) if ops else None, frozenset(arch_list) if arch_list else None, spec_set,
-                     " ".join(words))
 
 
 def _without_ptx(m: dict, files: dict[str, bytes]) -> tuple[dict, dict[str, bytes]]:
@@ -722,6 +686,6 @@ def unpack_report(store: CacheStore, file: Path, *, max_member_bytes: int = MAX_
     return Unpacked(added, present)
 
 
-__all__ = ["pack", "unpack", "unpack_report", "Unpacked", "Selection", "selection", "compression_of",
-           "nothing_selected", "PTX", "COMPRESSION_SUFFIXES", "shippable_entries", "checksums_problems", "replacing_file", "PackError", "CHECKSUMS",
+__all__ = ["pack", "unpack", "unpack_report", "Unpacked", "Selection", "compression_of", "nothing_selected", "PTX",
+           "COMPRESSION_SUFFIXES", "shippable_entries", "checksums_problems", "replacing_file", "PackError", "CHECKSUMS",
            "MAX_MEMBER_BYTES", "MAX_TOTAL_BYTES", "MAX_MEMBERS", "MAX_PAX_BYTES"]

@@ -55,9 +55,10 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 
 from dsagen.kernels.built import BuiltKernel
-from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers
+from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers, row_head_block
 from dsagen.kernels.common.sm90.epilogue import store_row_v4
 from dsagen.kernels.common.sm90.gather import cp_async_rows, gather_base, gather_lanes, gather_tile_rows, smem_bytes
+from dsagen.kernels.common.sm90.ids import row_slots
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
 from dsagen.kernels.common.sm90.reduce import quad_sum
@@ -351,12 +352,9 @@ class SparseMlaFwdSm90:
     def item_setup(self, a: KernelArgs, item: Int32):
         """An item = (query row, 64 heads): (tok, head0, kmax, npairs): its valid slots [0, kmax) and its pairs of
         BN-slot tiles (an odd tail gets an all-masked partner: zero-filled rows, P = 0)."""
-        tok = item // self.HB
-        head0 = (item % self.HB) * self.M                  # first head of this item
-        kmax = a.topk
-        if a.has_length != 0:
-            kmax = cutlass.min(cutlass.max((a.p_len + tok).load(), Int32(0)), a.topk)
-        npairs = ((kmax + self.BN - 1) // self.BN + 1) // 2    # tiles go in pairs (2k -> stage 0, 2k+1 -> stage 1)
+        tok, head0 = row_head_block(item, self.HB, self.M)
+        kmax, ntiles = row_slots(a.p_len, a.has_length, a.topk, tok, self.BN)
+        npairs = (ntiles + 1) // 2                         # tiles go in pairs (2k -> stage 0, 2k+1 -> stage 1)
         return tok, head0, kmax, npairs
 
     # ------------------------------------------------------------------------------------------- producer (WG0)

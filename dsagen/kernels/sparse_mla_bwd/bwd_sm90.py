@@ -55,7 +55,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
 
 from dsagen.kernels.built import BuiltKernel
-from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers
+from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers, row_head_block
 from dsagen.kernels.common.sm90.epilogue import pair_v4_segments, send_row_pair_v4, store_row_v4
 from dsagen.kernels.common.sm90.gather import (cp_async_tiles_rows, gather_tile_rows, publish_tile_ids,
                                                row_gather_producer, smem_bytes, wait_gathered_tile)
@@ -279,9 +279,7 @@ class SparseMlaBwdSm90:
     @cute.jit
     def item_setup(self, a: KernelArgs, item: Int32):
         """An item = (query row, 64 heads): (tok, head0)."""
-        tok = item // self.HB
-        head0 = (item % self.HB) * self.M
-        return tok, head0
+        return row_head_block(item, self.HB, self.M)
 
     @cute.jit
     def window(self, a: KernelArgs, tok):

@@ -13,7 +13,8 @@ so no work queue is needed). Every role of the CTA walks the same items in the s
         it += 1
 
 so that the roles agree on every barrier phase without talking to each other; item `it` of a CTA runs in grid
-round `it` (grid_sync.grid_barrier).
+round `it` (grid_sync.grid_barrier). `row_head_block` maps an item of the attention kernels, a (query row, block
+of heads) pair, to its coordinates.
 """
 
 from typing import Any, NamedTuple
@@ -52,3 +53,9 @@ def init_mbarriers(warp, counts) -> None:
                 cute.arch.mbarrier_init(counts[i][0], counts[i][1])
     pipeline.pipeline_init_arrive()
     pipeline.pipeline_init_wait()
+
+
+def row_head_block(item, head_blocks: int, block_heads: int):
+    """The (query row, first head) of persistent item `item` when items are (row, head block) pairs, the head
+    blocks of a row consecutive: `head_blocks` blocks of `block_heads` heads per row."""
+    return item // head_blocks, (item % head_blocks) * block_heads

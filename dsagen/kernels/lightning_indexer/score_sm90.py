@@ -57,6 +57,22 @@ def hdr_word(sHdr: cute.Tensor, i: Int32, lane: Int32) -> Int32:
     return cute.arch.shuffle_sync(v, 0)
 
 
+def fp8_params() -> list:
+    """The FP8 form's extra params (after q_off / has_off): fp32 weights through a second pointer, the descales and
+    their strides (in elements)."""
+    return [
+        {"name": "w32", "kind": "ptr", "dtype": "float32", "align": 4},          # the weights when w_f32 != 0
+        {"name": "w_f32", "kind": "i32"},                                        # 1: weights are fp32 (w32), 0: bf16 (w)
+        {"name": "q_scale", "kind": "ptr", "dtype": "float32", "align": 4},      # [B, T, H] q descales
+        {"name": "qs_sb", "kind": "i64"},
+        {"name": "qs_st", "kind": "i64"},
+        {"name": "qs_sh", "kind": "i64"},
+        {"name": "k_scale", "kind": "ptr", "dtype": "float32", "align": 4},      # [B, S] k descales
+        {"name": "ks_sb", "kind": "i64"},
+        {"name": "ks_ss", "kind": "i64"},
+    ]
+
+
 def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: bool = False):
     """The score kernel of IndexerScoreSpec(num_heads, head_dim, dtype, stages, dense_scores): returns
     (kernel, host, PARAMS, HOST_ARGS, LAUNCH). Each call makes new kernel and host functions (every rendered module
@@ -67,22 +83,31 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
     dense_scores: the indexer_scores form: two more params, q_off (per batch element / document causal offsets,
     int32) and has_off (0: no offsets, q_off never read), enter the causal limit (row_bounds); the slab is rows of
     the caller's score matrix, whose base need only be 4-byte aligned (every store is one fp32 word). False: the
-    lightning indexer's kernel, unchanged."""
-    DT = cutlass.BFloat16 if dtype == "bfloat16" else cutlass.Float16
+    lightning indexer's kernel, unchanged.
+    dtype "float8_e4m3fn" (dense_scores, D = 128 only): q and k are E4M3 (TMA moves them as uint8, one 128-column
+    box per row, wgmma k32 steps); fp8_params() follow has_off: the scheduler stages w * q_scale (w bf16 or fp32,
+    chosen at run time by w_f32) and the epilogue multiplies each key row's head sum by k_scale, which equals the
+    un-factored sum_h w * relu(q_scale * k_scale * q8 . k8) for positive descales."""
+    FP8 = dtype == "float8_e4m3fn"
+    DT = cutlass.Float8E4M3FN if FP8 else (cutlass.BFloat16 if dtype == "bfloat16" else cutlass.Float16)
+    ELEM = 1 if FP8 else 2        # bytes per q / k element
+    BOXC = 128 // ELEM            # columns per 128-byte swizzled TMA box
+    W_DT = "bfloat16" if FP8 else dtype
     H = num_heads
     D = head_dim
     QC = BN // H                  # query tokens per Q tile
     ITEM_TOK = NQ * QC            # query tokens per work item (token block)
     KSLOTS = 2 * stages           # 64-row K buffers in the ring
-    KB = D // 64                  # 64-column (128-byte) TMA boxes per row
-    Q_BYTES = BN * D * 2
-    K_TILE_BYTES = BM * D * 2
-    NK = D // 16                  # k16 wgmmas per tile
+    KB = D // BOXC                # 128-byte TMA boxes per row
+    Q_BYTES = BN * D * ELEM
+    K_TILE_BYTES = BM * D * ELEM
+    NK = D // (32 if FP8 else 16)  # wgmmas per tile (k16 for 16-bit inputs, k32 for FP8)
+    TMA_DT = "uint8" if FP8 else dtype
 
     PARAMS = [
-        {"name": "q_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, H, QC, 1])},   # q [B, T, H, D] -> (D, H, T, B)
-        {"name": "k_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, BM, 1])},      # k [B, S, D] -> (D, S, B)
-        {"name": "w", "kind": "ptr", "dtype": dtype, "align": 2},                # weights [B, T, H], any strides
+        {"name": "q_map", "kind": "tensormap", "encode": tma_recipe(TMA_DT, [BOXC, H, QC, 1])},   # q [B, T, H, D] -> (D, H, T, B)
+        {"name": "k_map", "kind": "tensormap", "encode": tma_recipe(TMA_DT, [BOXC, BM, 1])},      # k [B, S, D] -> (D, S, B)
+        {"name": "w", "kind": "ptr", "dtype": W_DT, "align": 2},                # weights [B, T, H], any strides
         {"name": "slab", "kind": "ptr", "dtype": "float32", "align": 4 if dense_scores else 16},  # (nblk * ITEM_TOK, ld_slab) fp32
         {"name": "cu_q", "kind": "ptr", "dtype": "int32", "align": 4},           # [n_docs + 1] (packed only)
         {"name": "cu_k", "kind": "ptr", "dtype": "int32", "align": 4},           # [n_docs + 1] (packed only)
@@ -108,9 +133,11 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
             {"name": "q_off", "kind": "ptr", "dtype": "int32", "align": 4},      # [n_segments] causal offsets
             {"name": "has_off", "kind": "i32"},                                  # 0: q_off is not read
         ]
+    if FP8:
+        PARAMS += fp8_params()
     HOST_ARGS = [
-        {"name": "q", "kind": "ptr", "dtype": dtype, "align": 16},
-        {"name": "k", "kind": "ptr", "dtype": dtype, "align": 16},
+        {"name": "q", "kind": "ptr", "dtype": TMA_DT, "align": 16},
+        {"name": "k", "kind": "ptr", "dtype": TMA_DT, "align": 16},
         {"name": "B", "kind": "i32"},
         {"name": "q_sh", "kind": "i64"},
         {"name": "q_st", "kind": "i64"},
@@ -139,9 +166,11 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
     def body(q_tma, k_tma, p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
              n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32, chunk: Int32,
              n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64, w_sh: Int64,
-             ld_slab: Int64, scale: Float32, p_off, has_off):
-        """The kernel (both forms): q_tma / k_tma are the tensormaps' addresses; p_off / has_off the causal offsets
-        (None at trace time: the lightning indexer's kernel)."""
+             ld_slab: Int64, scale: Float32, p_off, has_off, p_w32, w_f32, p_qs, qs_sb, qs_st, qs_sh, p_ks, ks_sb,
+             ks_ss):
+        """The kernel (all forms): q_tma / k_tma are the tensormaps' addresses; p_off / has_off the causal offsets
+        (None at trace time: the lightning indexer's kernel); p_w32 .. ks_ss the FP8 form's fp8_params (None
+        otherwise)."""
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -213,7 +242,16 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                             t = t0 + j
                             wv = Float32(0.0)
                             if t < T:
-                                wv = (p_w + (Int64(b) * w_sb + Int64(t) * w_st + Int64(col - j * H) * w_sh)).load().to(Float32)
+                                if cutlass.const_expr(FP8):
+                                    h = col - j * H
+                                    w_off = Int64(b) * w_sb + Int64(t) * w_st + Int64(h) * w_sh
+                                    if w_f32 != 0:
+                                        wv = (p_w32 + w_off).load()
+                                    else:
+                                        wv = (p_w + w_off).load().to(Float32)
+                                    wv = wv * (p_qs + (Int64(b) * qs_sb + Int64(t) * qs_st + Int64(h) * qs_sh)).load()
+                                else:
+                                    wv = (p_w + (Int64(b) * w_sb + Int64(t) * w_st + Int64(col - j * H) * w_sh)).load().to(Float32)
                             sW[col, slot] = wv * scale
                         if lane == 0:
                             sHdr[slot * HDR] = (kv_hi - kv_lo + BM - 1) // BM
@@ -270,6 +308,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
             accMN = acc_mn_view(acc)
             cMN = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((BM, BN))))
             wreg = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)
+            ksr = cute.make_rmem_tensor(cute.make_layout(2), Float32)     # FP8: k_scale of the thread's 2 rows
             lo_r = cute.make_rmem_tensor(cute.make_layout(QC), Int32)
             hi_r = cute.make_rmem_tensor(cute.make_layout(QC), Int32)
             quad = lane % 4
@@ -312,6 +351,14 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
                         cute.arch.barrier_arrive(barrier_id=BAR_WG0 + (cwg + 1) % 3, number_of_threads=256)  # next turn
+                        if cutlass.const_expr(FP8):
+                            # the rows' k descales, loaded while the wgmmas run
+                            bk = sHdr[slot * HDR + 2]
+                            for r in cutlass.range_constexpr(2):
+                                sk = kv_lo + tile * BM + row_in_tile + 8 * r
+                                ksr[r] = Float32(0.0)
+                                if sk < S:
+                                    ksr[r] = (p_ks + (Int64(bk) * ks_sb + Int64(sk) * ks_ss)).load()
                         warpgroup.wait_group(0)
                         if lane == 0:
                             cute.arch.mbarrier_arrive(k_empty + idx)
@@ -328,7 +375,10 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                                 if quad == (r * QC + jj) % 4:                # spread the quad's stores over its lanes
                                     if s >= lo_r[jj] and s < hi_r[jj]:
                                         off = (row0 + jj) * ld_slab + Int64(s - lo_r[jj])
-                                        (p_slab + off).store(part)
+                                        if cutlass.const_expr(FP8):
+                                            (p_slab + off).store(part * ksr[r])
+                                        else:
+                                            (p_slab + off).store(part)
                     else:
                         cute.arch.barrier_arrive(barrier_id=BAR_WG0 + (cwg + 1) % 3, number_of_threads=256)  # (pad turn)
                 g += ntiles
@@ -339,7 +389,19 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
             if cwg == 0:
                 cute.arch.barrier(barrier_id=BAR_WG0, number_of_threads=256)
 
-    if dense_scores:
+    if FP8:
+        @cute.kernel
+        def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
+                   p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
+                   n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32, chunk: Int32,
+                   n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64,
+                   w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32,
+                   p_w32: cute.Pointer, w_f32: Int32, p_qs: cute.Pointer, qs_sb: Int64, qs_st: Int64, qs_sh: Int64,
+                   p_ks: cute.Pointer, ks_sb: Int64, ks_ss: Int64):
+            body(q_map.get_ptr(), k_map.get_ptr(), p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk,
+                 chunk, n_chunks, n_ctas, causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off,
+                 p_w32, w_f32, p_qs, qs_sb, qs_st, qs_sh, p_ks, ks_sb, ks_ss)
+    elif dense_scores:
         @cute.kernel
         def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
                    p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
@@ -347,7 +409,8 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                    n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64,
                    w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32):
             body(q_map.get_ptr(), k_map.get_ptr(), p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk,
-                 chunk, n_chunks, n_ctas, causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off)
+                 chunk, n_chunks, n_ctas, causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off,
+                 None, None, None, None, None, None, None, None, None)
     else:
         @cute.kernel
         def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
@@ -356,21 +419,39 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                    n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64,
                    w_sh: Int64, ld_slab: Int64, scale: Float32):
             body(q_map.get_ptr(), k_map.get_ptr(), p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk,
-                 chunk, n_chunks, n_ctas, causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, None, None)
+                 chunk, n_chunks, n_ctas, causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, None, None,
+                 None, None, None, None, None, None, None, None, None)
+
+    MAP_DT = cutlass.Uint8 if FP8 else DT
+    SDIV = 16 // ELEM             # elements per 16-byte stride unit
 
     @cute.jit
     def tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, S):
         """The TMA descriptors of q [B, T, H, D] -> (D, H, T, B) and k [B, S, D] -> (D, S, B) (strides in elements;
-        create_tensor_map_tiled takes them in 16-byte units, elements * 2 // 16)."""
-        tq = xcuda.create_tensor_map_tiled(global_address=p_q.toint(), dtype=DT, global_dims=[D, H, T, B],
-                                           global_strides=[q_sh // 8, q_st // 8, q_sb // 8],
-                                           box_dims=[64, H, QC, 1], swizzle=xcuda.TensorMapSwizzle.s128b)
-        tk = xcuda.create_tensor_map_tiled(global_address=p_k.toint(), dtype=DT, global_dims=[D, S, B],
-                                           global_strides=[k_ss // 8, k_sb // 8], box_dims=[64, BM, 1],
+        create_tensor_map_tiled takes them in 16-byte units, elements * ELEM // 16)."""
+        tq = xcuda.create_tensor_map_tiled(global_address=p_q.toint(), dtype=MAP_DT, global_dims=[D, H, T, B],
+                                           global_strides=[q_sh // SDIV, q_st // SDIV, q_sb // SDIV],
+                                           box_dims=[BOXC, H, QC, 1], swizzle=xcuda.TensorMapSwizzle.s128b)
+        tk = xcuda.create_tensor_map_tiled(global_address=p_k.toint(), dtype=MAP_DT, global_dims=[D, S, B],
+                                           global_strides=[k_ss // SDIV, k_sb // SDIV], box_dims=[BOXC, BM, 1],
                                            swizzle=xcuda.TensorMapSwizzle.s128b)
         return tq, tk
 
-    if dense_scores:
+    if FP8:
+        @cute.jit
+        def host(p_q: cute.Pointer, p_k: cute.Pointer, B: Int32, q_sh: Int64, q_st: Int64, q_sb: Int64,
+                 k_ss: Int64, k_sb: Int64, p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer,
+                 p_cu_k: cute.Pointer, n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32,
+                 chunk: Int32, n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64,
+                 w_st: Int64, w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32,
+                 p_w32: cute.Pointer, w_f32: Int32, p_qs: cute.Pointer, qs_sb: Int64, qs_st: Int64, qs_sh: Int64,
+                 p_ks: cute.Pointer, ks_sb: Int64, ks_ss: Int64):
+            tq, tk = tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, S)
+            kernel(tq, tk, p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk, chunk, n_chunks, n_ctas,
+                   causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off, p_w32, w_f32, p_qs, qs_sb,
+                   qs_st, qs_sh, p_ks, ks_sb, ks_ss).launch(
+                grid=(n_ctas, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
+    elif dense_scores:
         @cute.jit
         def host(p_q: cute.Pointer, p_k: cute.Pointer, B: Int32, q_sh: Int64, q_st: Int64, q_sb: Int64,
                  k_ss: Int64, k_sb: Int64, p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer,

@@ -30,6 +30,9 @@ INDEXER_HEADS = (8, 16, 32, 64, 128)
 #: Head dims: multiples of 64 (one 128-byte swizzled TMA box per 64 columns) up to 128.
 INDEXER_HEAD_DIMS = (64, 128)
 INDEXER_DTYPES = ("bfloat16", "float16")
+#: The FP8 form of the score kernel's dtype field: E4M3 q and k (dense_scores form, head_dim 128 only: one 128-byte
+#: swizzled row of 8-bit elements per key), weights bf16 or fp32 and fp32 descales (score_sm90.fp8_params).
+INDEXER_FP8_DTYPE = "float8_e4m3fn"
 #: Largest sequence length (query rows per batch element, and candidates S) the fused path accepts.
 INDEXER_MAX_T = 2 ** 20
 
@@ -54,7 +57,9 @@ class IndexerScoreSpec(KernelSpec):
     under the other two's MMA; the scores of the candidates each token may select are written to the slab.
 
     num_heads: H, one of INDEXER_HEADS.  head_dim: D, one of INDEXER_HEAD_DIMS.
-    dtype: q / k / weights element type ("bfloat16" or "float16").  stages: K buffering in 128-row units.
+    dtype: q / k / weights element type ("bfloat16" or "float16"), or "float8_e4m3fn" (dense_scores and head_dim
+    128 only): E4M3 q / k with fp32 descales, bf16 or fp32 weights (score_sm90.fp8_params).
+    stages: K buffering in 128-row units.
     dense_scores: the dsagen.indexer_scores form: the causal limit takes per-segment q_causal_offsets (two more
     params: an int32 pointer and a has-offsets flag) and the slab is the caller's [rows, S_k] score matrix (4-byte
     aligned base). False (the lightning indexer's kernel) generates exactly the code it had before the field.
@@ -77,8 +82,15 @@ class IndexerScoreSpec(KernelSpec):
             out.append(f"num_heads={self.num_heads} is not supported; choose one of {INDEXER_HEADS}")
         if self.head_dim not in INDEXER_HEAD_DIMS:
             out.append(f"head_dim={self.head_dim} is not supported; choose one of {INDEXER_HEAD_DIMS}")
-        if self.dtype not in INDEXER_DTYPES:
-            out.append(f"dtype={self.dtype!r} is not supported; choose one of {INDEXER_DTYPES}")
+        if self.dtype == INDEXER_FP8_DTYPE:
+            if not self.dense_scores:
+                out.append(f"dtype={self.dtype!r} needs dense_scores=True (the indexer_scores form)")
+            if self.head_dim != 128:
+                out.append(f"dtype={self.dtype!r} needs head_dim=128 (one 128-byte swizzled row), "
+                           f"got {self.head_dim}")
+        elif self.dtype not in INDEXER_DTYPES:
+            out.append(f"dtype={self.dtype!r} is not supported; choose one of "
+                       f"{INDEXER_DTYPES + (INDEXER_FP8_DTYPE,)}")
         if not 2 <= self.stages <= 8:
             out.append(f"stages={self.stages} must be in 2..8")
         elif self.head_dim in INDEXER_HEAD_DIMS and self.smem_bytes() > 220 * 1024:
@@ -90,7 +102,8 @@ class IndexerScoreSpec(KernelSpec):
         """Dynamic shared memory of the kernel (Q tile + K stages + barriers/bounds), an estimate
         kept in step with the smem struct of score_sm90.py (the generator checks the real value)."""
         # 2 item slots x one 128-column Q tile, 2 x stages 64-row K slots
-        return 2 * 128 * self.head_dim * 2 + 2 * self.stages * 64 * self.head_dim * 2 + 4096
+        elem = 1 if self.dtype == INDEXER_FP8_DTYPE else 2
+        return 2 * 128 * self.head_dim * elem + 2 * self.stages * 64 * self.head_dim * elem + 4096
 
 
 @register_spec

@@ -55,6 +55,20 @@ def pair_v4_segments(kMN: cute.Tensor, cK: cute.Tensor, r: int, kp: int, q_odd):
 
 
 @cute.jit
+def swap_word_pairs(a0, b0, a1, b1, take, offset: int):
+    """One butterfly round over the pairs (a0, b0) and (a1, b1): the lane sends a where `take` holds, else b, to lane
+    ^ offset, and puts what it gets in the word it sent. Returns the new (a0, b0, a1, b1). Both shuffles issue
+    before any select (as store_row_v4's transpose wants them)."""
+    x = cute.arch.shuffle_sync_bfly(a0 if take else b0, offset=offset)
+    y = cute.arch.shuffle_sync_bfly(a1 if take else b1, offset=offset)
+    na0 = x if take else a0
+    na1 = y if take else a1
+    nb0 = b0 if take else x
+    nb1 = b1 if take else y
+    return na0, nb0, na1, nb1
+
+
+@cute.jit
 def store_row_v4(dst: cute.Pointer, oMN: cute.Tensor, r: int, scale, fp16: bool, q_hi, q_odd, policy) -> None:
     """Row r of an accumulator view `oMN` (acc_mn_view) times `scale` (None: as is), as bf16 (fp16=True: fp16),
     into 16-byte stores at dst + 32 J (dst: this lane's first column, the row's start + 8 q). Lane q of a quad
@@ -70,18 +84,8 @@ def store_row_v4(dst: cute.Pointer, oMN: cute.Tensor, r: int, scale, fp16: bool,
         w1 = pack_f32x2(v[2], v[3], fp16)
         w2 = pack_f32x2(v[4], v[5], fp16)
         w3 = pack_f32x2(v[6], v[7], fp16)
-        x = cute.arch.shuffle_sync_bfly(w0 if q_hi else w2, offset=2)
-        y = cute.arch.shuffle_sync_bfly(w1 if q_hi else w3, offset=2)
-        w0 = x if q_hi else w0
-        w1 = y if q_hi else w1
-        w2 = w2 if q_hi else x
-        w3 = w3 if q_hi else y
-        x = cute.arch.shuffle_sync_bfly(w0 if q_odd else w1, offset=1)
-        y = cute.arch.shuffle_sync_bfly(w2 if q_odd else w3, offset=1)
-        w0 = x if q_odd else w0
-        w2 = y if q_odd else w2
-        w1 = w1 if q_odd else x
-        w3 = w3 if q_odd else y
+        w0, w2, w1, w3 = swap_word_pairs(w0, w2, w1, w3, q_hi, 2)
+        w0, w1, w2, w3 = swap_word_pairs(w0, w1, w2, w3, q_odd, 1)
         st_global_v4_b32(dst + 32 * jg, w0, w1, w2, w3, policy)
 
 

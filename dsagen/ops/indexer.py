@@ -11,21 +11,25 @@ from __future__ import annotations
 
 import torch
 
-from ..reference.indexer import (IndexerTopK, TopK, accumulate_dtype, max_key_len, staggered_row_lengths,
-                                 thd_segments)
+from ..reference.indexer import (IndexerTopK, TopK, accumulate_dtype, dequantize_fp8, max_key_len,
+                                 staggered_row_lengths, thd_segments)
 from ..validate import (FLOAT_DTYPES, check_bool, check_contiguous, check_cu_seqlens_pair, check_impl, check_int,
                         check_shape, check_tensor, check_topk)
 
 __all__ = ["indexer_scores", "indexer_topk", "indexer_forward_topk", "TopK", "IndexerTopK"]
 
 
-def _check_triple(q, k, w, names: tuple[str, str, str], k_ndims: tuple[int, ...], rows: str
-                  ) -> tuple[int, int]:
+#: q_indexer / k_indexer dtype of indexer_scores(precision="fp8")
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def _check_triple(q, k, w, names: tuple[str, str, str], k_ndims: tuple[int, ...], rows: str,
+                  qk_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> tuple[int, int]:
     """The checks both indexer layouts share, after the caller checked q's rank: q's last two dims are (H, D);
     k has k_ndims dims, q's dtype and, when it has as many dims as q, a 1-sized head dim before D (MQA);
     weights have one dim less than q. Returns (H, D). `rows`: k's leading dims' names, for the messages."""
     qn, kn, wn = names
-    check_tensor(kn, k, dtypes=FLOAT_DTYPES, ndim=k_ndims, device=q.device)
+    check_tensor(kn, k, dtypes=qk_dtypes, ndim=k_ndims, device=q.device)
     check_tensor(wn, w, dtypes=FLOAT_DTYPES, ndim=q.dim() - 1, device=q.device)
     if k.dtype != q.dtype:
         raise TypeError(f"{kn} must have the same dtype as {qn} ({q.dtype}), got {k.dtype}")
@@ -38,14 +42,15 @@ def _check_triple(q, k, w, names: tuple[str, str, str], k_ndims: tuple[int, ...]
 
 
 def check_indexer_inputs(q, k, w, names: tuple[str, str, str] = ("q_indexer", "k_indexer", "weights"),
-                         allow_4d_k: bool = True) -> tuple[int, int, int, int, int]:
+                         allow_4d_k: bool = True, qk_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+                         ) -> tuple[int, int, int, int, int]:
     """Validate the indexer triple; returns (B, S_q, H, D, S_k).
 
     q [B, S_q, H, D] and k ([B, S_k, D], or [B, S_k, 1, D] when allow_4d_k) share a floating dtype
     (fp16/bf16/fp32/fp64); weights [B, S_q, H] may have any of those dtypes; all on q's device.
     """
-    check_tensor(names[0], q, dtypes=FLOAT_DTYPES, ndim=4)
-    h, d = _check_triple(q, k, w, names, (3, 4) if allow_4d_k else (3,), "B, S_k")
+    check_tensor(names[0], q, dtypes=qk_dtypes, ndim=4)
+    h, d = _check_triple(q, k, w, names, (3, 4) if allow_4d_k else (3,), "B, S_k", qk_dtypes)
     b, sq = q.shape[:2]
     if k.shape[0] != b or k.shape[-1] != d:
         raise ValueError(f"{names[1]} must have shape [B={b}, S_k, D={d}], got {tuple(k.shape)}")
@@ -55,15 +60,16 @@ def check_indexer_inputs(q, k, w, names: tuple[str, str, str] = ("q_indexer", "k
 
 def check_packed_indexer_inputs(q, k, w, cu_seqlens_q, cu_seqlens_k,
                                 names: tuple[str, str, str] = ("q_indexer", "k_indexer", "weights"),
-                                allow_3d_k: bool = True) -> tuple[int, int, int, int, int]:
+                                allow_3d_k: bool = True, qk_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+                                ) -> tuple[int, int, int, int, int]:
     """Validate the THD indexer triple and its offsets; returns (B, total_q, H, D, total_k).
 
     q [total_q, H, D] and k ([total_k, D], or [total_k, 1, D] when allow_3d_k) share a floating dtype;
     weights [total_q, H]; all on q's device. cu_seqlens_q / cu_seqlens_k: see check_cu_seqlens_pair
     (their values are read on the host).
     """
-    check_tensor(names[0], q, dtypes=FLOAT_DTYPES, ndim=3)
-    h, d = _check_triple(q, k, w, names, (2, 3) if allow_3d_k else (2,), "total_k")
+    check_tensor(names[0], q, dtypes=qk_dtypes, ndim=3)
+    h, d = _check_triple(q, k, w, names, (2, 3) if allow_3d_k else (2,), "total_k", qk_dtypes)
     total_q = q.shape[0]
     if k.shape[-1] != d:
         raise ValueError(f"{names[1]} must have shape [total_k, D={d}], got {tuple(k.shape)}")
@@ -98,15 +104,17 @@ def check_causal_offsets(q_causal_offsets, batch: int, device: torch.device) -> 
                          f"got shape {tuple(q_causal_offsets.shape)}")
 
 
-def check_dense_inputs(q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k
-                       ) -> tuple[int, bool, dict]:
+def check_dense_inputs(q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k,
+                       qk_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> tuple[int, bool, dict]:
     """The checks every dense cuDNN-frontend-DSA indexer op shares (BSHD or THD inputs, ratio, q_causal_offsets).
-    Returns (batch or segment count, whether the layout is THD, the THD kwargs for the reference)."""
+    Returns (batch or segment count, whether the layout is THD, the THD kwargs for the reference).
+    qk_dtypes: the dtypes q_indexer and k_indexer may have (FP8_DTYPES for indexer_scores(precision="fp8"))."""
     packed = is_packed(cu_seqlens_q, cu_seqlens_k)
     if packed:
-        b, *_ = check_packed_indexer_inputs(q_indexer, k_indexer, weights, cu_seqlens_q, cu_seqlens_k)
+        b, *_ = check_packed_indexer_inputs(q_indexer, k_indexer, weights, cu_seqlens_q, cu_seqlens_k,
+                                            qk_dtypes=qk_dtypes)
     else:
-        b, *_ = check_indexer_inputs(q_indexer, k_indexer, weights)
+        b, *_ = check_indexer_inputs(q_indexer, k_indexer, weights, qk_dtypes=qk_dtypes)
     check_int("ratio", ratio, minimum=1)
     check_causal_offsets(q_causal_offsets, b, q_indexer.device)
     thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
@@ -130,6 +138,36 @@ def _check_output(name: str, t, shape: tuple[int, ...], dtype: torch.dtype, devi
     check_contiguous(name, t)
 
 
+def check_precision(precision: str, q_scale, k_scale) -> bool:
+    """precision is "default" (the inputs' dtype) or "fp8"; the descales come with "fp8" only. Returns whether
+    the call is FP8."""
+    if precision not in ("default", "fp8"):
+        raise ValueError(f"precision must be 'default' or 'fp8', got {precision!r}")
+    fp8 = precision == "fp8"
+    for name, t in (("q_scale", q_scale), ("k_scale", k_scale)):
+        if fp8 and t is None:
+            raise ValueError(f"precision='fp8' needs {name} (FP32 descales)")
+        if not fp8 and t is not None:
+            raise ValueError(f"{name} is given but precision is {precision!r}; pass precision='fp8'")
+    return fp8
+
+
+def check_fp8_scales(q_indexer, k_indexer, weights, q_scale, k_scale) -> None:
+    """The FP8 form's descales and weights: q_scale fp32 of q_indexer's shape without D ([B, S_q, H], THD
+    [total_q, H]); k_scale fp32 of k_indexer's key dims ([B, S_k], THD [total_k]); weights bf16 or fp32; all on
+    q_indexer's device. Values are not read (no host sync): they must be positive and finite, which the fused
+    kernel's factored form (k_scale outside the ReLU) relies on."""
+    check_tensor("weights", weights, dtypes=(torch.bfloat16, torch.float32), device=q_indexer.device)
+    q_rows = tuple(q_indexer.shape[:-1])
+    k_rows = tuple(k_indexer.shape[:-1])
+    if k_indexer.dim() == q_indexer.dim():            # MQA keys [..., 1, D]: the scale has no head dim
+        k_rows = k_rows[:-1]
+    check_tensor("q_scale", q_scale, dtypes=(torch.float32,), ndim=len(q_rows), device=q_indexer.device)
+    check_shape("q_scale", q_scale, q_rows, "q_indexer's shape without D")
+    check_tensor("k_scale", k_scale, dtypes=(torch.float32,), ndim=len(k_rows), device=q_indexer.device)
+    check_shape("k_scale", k_scale, k_rows, "k_indexer's key dims")
+
+
 def _reference_scores(q_indexer, k_indexer, weights, ratio, q_causal_offsets, thd, out, lse_out, want_lse):
     """indexer_scores through the plain-PyTorch reference; copied into out / lse_out when given."""
     from ..reference.indexer import indexer_scores as reference
@@ -144,8 +182,10 @@ def _reference_scores(q_indexer, k_indexer, weights, ratio, q_causal_offsets, th
     return scores, lse
 
 
-def _fused_scores(q_indexer, k_indexer, weights, ratio, q_causal_offsets, thd, out, lse_out, want_lse, shapes):
-    """indexer_scores through the fused kernels, which get int32 THD offsets and contiguous q_causal_offsets."""
+def _fused_scores(q_indexer, k_indexer, weights, ratio, q_causal_offsets, thd, out, lse_out, want_lse, shapes,
+                  **scales):
+    """indexer_scores through the fused kernels, which get int32 THD offsets and contiguous q_causal_offsets
+    (scales: the FP8 form's q_scale / k_scale)."""
     from ._fused import fused_impl
 
     fn = fused_impl("indexer_scores", q_indexer.device)
@@ -155,14 +195,15 @@ def _fused_scores(q_indexer, k_indexer, weights, ratio, q_causal_offsets, thd, o
         cu_k = thd["cu_seqlens_k"].to(torch.int32).contiguous()
     offsets = None if q_causal_offsets is None else q_causal_offsets.contiguous()
     return fn(q_indexer, k_indexer, weights, ratio=ratio, q_causal_offsets=offsets, cu_seqlens_q=cu_q,
-              cu_seqlens_k=cu_k, out=out, lse=lse_out, return_lse=want_lse, shapes=shapes)
+              cu_seqlens_k=cu_k, out=out, lse=lse_out, return_lse=want_lse, shapes=shapes, **scales)
 
 
 def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor, *, ratio: int = 1,
                    q_causal_offsets: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
                    cu_seqlens_k: torch.Tensor | None = None, return_lse: bool = False,
                    out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
-                   impl: str = "fused") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                   impl: str = "fused", precision: str = "default", q_scale: torch.Tensor | None = None,
+                   k_scale: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dense indexer scores with the ratio-causal mask (cuDNN frontend DSA §3, Indexer Forward).
 
     ::
@@ -189,6 +230,16 @@ def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: to
     did not pass: with out (and lse_out) given, a warmed-up call can be captured in a CUDA graph and allocates
     nothing. Sums over heads run in FP32 in another order than the reference's.
 
+    precision="fp8" (cuDNN frontend DSA §3's SM90 FP8 path): q_indexer and k_indexer are float8_e4m3fn with FP32
+    descales q_scale and k_scale, weights bf16 or fp32:
+
+        scores[b, q, k] = sum_h weights[b, q, h] * relu(q_scale[b, q, h] * k_scale[b, k] * (q8[b, q, h, :] . k8[b, k, :]))
+
+    The reference computes exactly this from the dequantized FP32 values. The fused kernel (D = 128 only; QGMMA
+    with FP32 accumulation) computes k_scale[b, k] * sum_h (weights * q_scale)[b, q, h] * relu(q8 . k8), equal for
+    positive descales: the descales must be positive and finite (their values are never read on the host, so this
+    is not checked; a zero, negative or non-finite descale gives another answer than the reference's).
+
     Args:
         q_indexer: [B, S_q, H, D] (THD: [total_q, H, D]), fp16/bf16/fp32/fp64; H >= 1, D >= 1.
         k_indexer: [B, S_k, D] or [B, S_k, 1, D] (MQA) (THD: [total_k, D] or [total_k, 1, D]), same
@@ -207,6 +258,10 @@ def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: to
         lse_out: optional caller-owned LSE buffer (needs return_lse=True): contiguous, [B, S_q] (THD:
             [total_q]) of the scores' dtype; returned as the LSE.
         impl: "fused" (default) or "reference".
+        precision: "default" (the inputs' dtype) or "fp8" (float8_e4m3fn q_indexer / k_indexer, needs q_scale and
+            k_scale; weights bf16 or fp32; scores FP32).
+        q_scale: precision="fp8" only: FP32 [B, S_q, H] (THD: [total_q, H]) descales of q_indexer, any strides.
+        k_scale: precision="fp8" only: FP32 [B, S_k] (THD: [total_k]) descales of k_indexer, any strides.
 
     Returns:
         scores [B, S_q, S_k], FP32 (FP64 for FP64 inputs); masked columns are -inf. THD: [total_q,
@@ -224,29 +279,37 @@ def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: to
             mismatched devices, ratio < 1, q_causal_offsets not [B]; cu_seqlens_q / cu_seqlens_k passed
             alone, not 1-D, empty, not starting at 0, decreasing, past the packed rows or with different
             segment counts; lse_out without return_lse; bad impl; impl="fused" on CPU or outside the fused
-            kernels' limits above.
+            kernels' limits above; precision not "default" / "fp8", q_scale / k_scale missing with "fp8" or given
+            without it, or not of their shapes. (A q_indexer / k_indexer / weights / q_scale / k_scale dtype other
+            than the precision's is a TypeError, as every dtype error.)
         NotImplementedError: impl="fused" where no kernel exists for the device.
     """
     check_impl(impl)
+    fp8 = check_precision(precision, q_scale, k_scale)
     b, packed, thd = check_dense_inputs(q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q,
-                                        cu_seqlens_k)
+                                        cu_seqlens_k, qk_dtypes=FP8_DTYPES if fp8 else FLOAT_DTYPES)
+    if fp8:
+        check_fp8_scales(q_indexer, k_indexer, weights, q_scale, k_scale)
     check_bool("return_lse", return_lse)
     if lse_out is not None and not return_lse:
         raise ValueError("lse_out is given but return_lse is False; pass return_lse=True to compute the LSE")
     shapes = None
     if out is not None or lse_out is not None or impl == "fused":
         shapes = _scores_shape(q_indexer, k_indexer, packed, thd)
-        acc = accumulate_dtype(q_indexer, k_indexer, weights)
+        acc = torch.float32 if fp8 else accumulate_dtype(q_indexer, k_indexer, weights)
         if out is not None:
             _check_output("out", out, shapes[0], acc, q_indexer.device)
         if lse_out is not None:
             _check_output("lse_out", lse_out, shapes[1], acc, q_indexer.device)
     if impl == "reference":
+        if fp8:
+            q_indexer, k_indexer, weights = dequantize_fp8(q_indexer, k_indexer, weights, q_scale, k_scale)
         scores, lse = _reference_scores(q_indexer, k_indexer, weights, ratio, q_causal_offsets, thd, out, lse_out,
                                         return_lse)
     else:
+        scales = dict(q_scale=q_scale, k_scale=k_scale) if fp8 else {}
         scores, lse = _fused_scores(q_indexer, k_indexer, weights, ratio, q_causal_offsets, thd, out, lse_out,
-                                    return_lse, shapes)
+                                    return_lse, shapes, **scales)
     return (scores, lse) if return_lse else scores
 
 

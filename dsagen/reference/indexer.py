@@ -327,3 +327,14 @@ def _indexer_forward_topk_thd(q, k_indexer, w, top_k, ratio, q_causal_offsets, r
         cat_segment_rows(logits, total_q, inf, (top_k,), acc, device),
         cat_segment_rows(softmax, total_q, 0.0, (top_k,), acc, device) if return_softmax else None,
         cat_segment_rows(lse, total_q, inf, (), acc, device) if return_lse else None)
+
+
+def dequantize_fp8(q8: torch.Tensor, k8: torch.Tensor, weights: torch.Tensor, q_scale: torch.Tensor,
+                   k_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP32 (q, k, weights) of the FP8 indexer inputs: q = q8 * q_scale (q8 [..., H, D], q_scale [..., H]),
+    k = k8 * k_scale (k8 [..., D] or [..., 1, D], k_scale its key dims), weights as FP32. indexer_scores of these
+    is the un-factored sum_h w * relu(q_scale * k_scale * (q8 . k8)) for any descales (the fused kernel's factored
+    form equals it only for positive ones)."""
+    q = q8.to(torch.float32) * q_scale.to(torch.float32)[..., None]
+    k = k8.to(torch.float32) * k_scale.to(torch.float32).reshape(*k8.shape[:-1], 1)
+    return q, k, weights.to(torch.float32)

@@ -33,7 +33,9 @@ from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
 from .host import _check_layout, _tma_view, dummy_offsets, score_ctas
 from .spec import INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, ScoresConfig, scores_config_for, tokens_per_cta
 
-_TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8_e4m3fn"}
+#: The FP8 form's weights: bf16 (read through w) or fp32 (read through w32); the kernel picks at run time.
+_FP8_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
 _OP = "indexer_scores"
 
 #: (device, H, D, dtype) -> (config, score kernel, finishing kernel)
@@ -47,7 +49,12 @@ def check_supported(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, pac
     if q.dtype not in _TORCH_DTYPE_NAMES:
         raise ValueError(f"the fused indexer_scores needs q_indexer in bfloat16 or float16, got {q.dtype} "
                          f"(use impl='reference')")
-    if weights.dtype != q.dtype:
+    fp8 = q.dtype == torch.float8_e4m3fn
+    if fp8 and weights.dtype not in _FP8_WEIGHT_DTYPES:
+        raise ValueError(f"the fused FP8 indexer_scores needs weights in bfloat16 or float32, got {weights.dtype}")
+    if fp8 and q.shape[-1] != 128:
+        raise ValueError(f"the fused FP8 indexer_scores supports q_indexer head dim D = 128 only, got D={q.shape[-1]}")
+    if not fp8 and weights.dtype != q.dtype:
         raise ValueError(f"the fused indexer_scores needs weights in q_indexer's dtype ({q.dtype}), got "
                          f"{weights.dtype}; cast them or use impl='reference'")
     h, d = q.shape[-2], q.shape[-1]
@@ -100,17 +107,30 @@ def launch_ranges(batch: int, seqlen_q: int, qc: int, blocks_per_launch: int) ->
     return out
 
 
+def fp8_args(w3: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor) -> tuple:
+    """The FP8 kernel's trailing arguments (score_sm90.fp8_params) for weights w3 [B, T, H] (bf16 or fp32),
+    q_scale [B, T, H] and k_scale [B, S] (fp32, any strides): the weights go through both pointers, the kernel
+    reads the one of their dtype."""
+    return (w3, int(w3.dtype == torch.float32), q_scale, *q_scale.stride(), k_scale, *k_scale.stride())
+
+
 def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int, q_causal_offsets: torch.Tensor | None,
         cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, out: torch.Tensor,
-        lse: torch.Tensor | None) -> None:
+        lse: torch.Tensor | None, q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> None:
     """Write the scores into `out` (contiguous fp32 [rows, width] view-compatible) and, when `lse` is not None, the
     row logsumexps into it (contiguous fp32 [rows]). q / k / weights as indexer_scores takes them (k may have its
-    1-sized head dim); THD when cu_seqlens_q is given (int32, contiguous)."""
+    1-sized head dim); THD when cu_seqlens_q is given (int32, contiguous). FP8 q / k (float8_e4m3fn) take fp32
+    descales q_scale (q's leading dims and H) and k_scale (k's key dims: BSHD [B, S_k], THD [total_k])."""
     packed = cu_seqlens_q is not None
+    fp8 = q.dtype == torch.float8_e4m3fn
     if packed:
         q4, k3, w3 = q[None], (k.squeeze(1) if k.dim() == 3 else k)[None], weights[None]
+        qs3, ks2 = (q_scale[None], k_scale[None]) if fp8 else (None, None)
     else:
         q4, k3, w3 = q, (k.squeeze(2) if k.dim() == 4 else k), weights
+        qs3, ks2 = q_scale, k_scale
+    if fp8:
+        q4, k3 = q4.view(torch.uint8), k3.view(torch.uint8)    # TMA moves the E4M3 bytes as uint8
     b, t_count, h, d = q4.shape
     s_count = k3.shape[1]
     width = out.shape[-1]
@@ -137,10 +157,11 @@ def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int, q_c
     n_chunks = -(-s_count // config.chunk_rows)
     qv, kv = _tma_view(q4), _tma_view(k3)
     w_sb, w_st, w_sh = w3.stride()
+    extra = fp8_args(w3, qs3, ks2) if fp8 else ()
     for blk0, nblk, row0 in launch_ranges(b, t_count, qc, max(1, config.launch_rows // qc)):
         score_k.launch(qv, kv, w3, flat[row0 * width:], cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
                        config.chunk_rows, n_chunks, score_ctas(nblk * n_chunks, num_sms), 1, ratio, w_sb, w_st, w_sh,
-                       width, 1.0, q_off, has_off)
+                       width, 1.0, q_off, has_off, *extra)
     mask_k.launch(out, lse if want_lse else out, cu_q, cu_k, q_off, n_docs, t_count, s_count, rows, width, ratio,
                   has_off, int(want_lse), num_sms * config.mask_ctas_per_sm, width)
 
@@ -148,19 +169,21 @@ def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int, q_c
 @torch.library.custom_op("dsagen::indexer_scores_fused", mutates_args=("out", "lse"))
 def _indexer_scores_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int,
                        q_causal_offsets: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
-                       cu_seqlens_k: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-    run(q, k, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, out, lse)
+                       cu_seqlens_k: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None,
+                       q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> None:
+    run(q, k, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, out, lse, q_scale, k_scale)
 
 
 @_indexer_scores_op.register_fake
-def _(q, k, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, out, lse):
+def _(q, k, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, out, lse, q_scale=None, k_scale=None):
     return None
 
 
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, ratio: int,
                    q_causal_offsets: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
                    cu_seqlens_k: torch.Tensor | None, out: torch.Tensor | None, lse: torch.Tensor | None,
-                   return_lse: bool, shapes: tuple[tuple[int, ...], tuple[int, ...]]
+                   return_lse: bool, shapes: tuple[tuple[int, ...], tuple[int, ...]],
+                   q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fused indexer_scores (inputs, out and lse already validated by dsagen.ops.indexer.indexer_scores).
     Returns (scores, lse or None): `out` / `lse` when given (contiguous fp32 of shapes[0] / shapes[1]: BSHD
@@ -170,12 +193,14 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, r
     Raises ValueError for inputs outside the kernels' limits (check_supported: bf16 / fp16 q and k, weights of q's
     dtype, H in INDEXER_HEADS, D in INDEXER_HEAD_DIMS, S_q and S_k (THD: total_q, total_k) <= 2**20) or a layout TMA
     cannot read (q / k: stride 1 in the last dim, 16-byte-aligned base, 16-byte-multiple outer strides; weights may
-    have any strides); NotImplementedError on a GPU other than sm_90a."""
+    have any strides); NotImplementedError on a GPU other than sm_90a. FP8 (float8_e4m3fn q and k, validated by
+    the op): D = 128, weights bf16 or fp32, q_scale / k_scale fp32 descales of any strides."""
     check_supported(q, k, weights, cu_seqlens_q is not None)
     if out is None:
         out = torch.empty(shapes[0], dtype=torch.float32, device=q.device)
     if return_lse and lse is None:
         lse = torch.empty(shapes[1], dtype=torch.float32, device=q.device)
     lse = lse if return_lse else None
-    _indexer_scores_op(q, k, weights, int(ratio), q_causal_offsets, cu_seqlens_q, cu_seqlens_k, out, lse)
+    _indexer_scores_op(q, k, weights, int(ratio), q_causal_offsets, cu_seqlens_q, cu_seqlens_k, out, lse, q_scale,
+                       k_scale)
     return out, lse

@@ -204,3 +204,66 @@ def test_mask_kernel_compiles(tmp_path):
     assert not ops.get("LDL") and not ops.get("STL"), f"register spills: {ops}"
     assert not ops.get("CALL"), f"a subroutine call (64-bit division?): {ops}"
     assert ck.record["launch"]["block"] == [256, 1, 1]
+
+
+@pytest.mark.compile
+def test_fp8_score_kernel_uses_qgmma(tmp_path):
+    """The FP8 dense_scores form: D/32 QGMMA.64x128x32 E4M3 x E4M3 (no HGMMA), still waited once, no spills."""
+    from dsagen.jit.build import compile_module
+
+    spec = scores_config_for(64, 128, "float8_e4m3fn", ARCH).score
+    ck = compile_module(spec, render(spec), tmp_path / "build")
+    sass = _sass(ck.cubin)
+    assert sass.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 128 // 32
+    assert "HGMMA" not in sass
+    assert sass.count("WARPGROUP.DEPBAR") == 1, "wgmma serialized by ptxas"
+    assert " LDL" not in sass and " STL" not in sass, "register spills"
+
+
+def test_fp8_spec_limits():
+    from dsagen.kernels.lightning_indexer.spec import IndexerScoreSpec
+
+    ok = IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, dtype="float8_e4m3fn", dense_scores=True)
+    assert ok.can_implement() == (True, "")
+    assert ok.smem_bytes() < IndexerScoreSpec(arch=ARCH, dense_scores=True).smem_bytes()
+    bad = IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=64, dtype="float8_e4m3fn", dense_scores=False)
+    msg = bad.can_implement()[1]
+    assert "dense_scores=True" in msg and "head_dim=128" in msg
+
+
+def test_fp8_arguments_are_validated():
+    import dsagen
+
+    q = torch.zeros(1, 4, 64, 128).to(torch.float8_e4m3fn)
+    k = torch.zeros(1, 5, 128).to(torch.float8_e4m3fn)
+    w, qs, ks = torch.zeros(1, 4, 64), torch.ones(1, 4, 64), torch.ones(1, 5)
+    ref = dict(impl="reference")
+    with pytest.raises(ValueError, match="q_scale"):
+        dsagen.indexer_scores(q, k, w, precision="fp8", k_scale=ks, **ref)
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        dsagen.indexer_scores(q.float(), k.float(), w, q_scale=qs, k_scale=ks, **ref)
+    with pytest.raises(ValueError, match="precision"):
+        dsagen.indexer_scores(q, k, w, precision="int8", q_scale=qs, k_scale=ks, **ref)
+    with pytest.raises(ValueError, match="k_scale"):
+        dsagen.indexer_scores(q, k, w, precision="fp8", q_scale=qs, k_scale=ks[:, :4], **ref)
+    with pytest.raises(TypeError, match="q_scale"):
+        dsagen.indexer_scores(q, k, w, precision="fp8", q_scale=qs.double(), k_scale=ks, **ref)
+    with pytest.raises(TypeError, match="weights"):
+        dsagen.indexer_scores(q, k, w.half(), precision="fp8", q_scale=qs, k_scale=ks, **ref)
+    with pytest.raises(TypeError, match="q_indexer"):
+        dsagen.indexer_scores(q.float(), k, w, precision="fp8", q_scale=qs, k_scale=ks, **ref)
+
+
+def test_fp8_reference_is_the_unfactored_formula():
+    import dsagen
+
+    gen = torch.Generator().manual_seed(5)
+    q = (torch.randn(2, 9, 16, 128, generator=gen) * 3).to(torch.float8_e4m3fn)
+    k = (torch.randn(2, 11, 128, generator=gen) * 3).to(torch.float8_e4m3fn)
+    w = torch.randn(2, 9, 16, generator=gen)
+    qs, ks = torch.rand(2, 9, 16, generator=gen) + 0.1, torch.rand(2, 11, generator=gen) + 0.1
+    got = dsagen.indexer_scores(q, k, w, ratio=1, precision="fp8", q_scale=qs, k_scale=ks, impl="reference")
+    dot = torch.einsum("bthd,bsd->bths", q.double(), k.double())
+    want = (w.double()[..., None] * torch.relu(qs.double()[..., None] * ks.double()[:, None, None] * dot)).sum(2)
+    valid = ~torch.isneginf(got)
+    assert torch.allclose(got.double()[valid], want[valid], rtol=1e-5, atol=1e-5)

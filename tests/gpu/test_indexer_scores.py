@@ -22,8 +22,10 @@ from poison import poison_allocator
 ARCH = "sm_90a"
 DEV = "cuda"
 HEAD_SHAPES = [(64, 128), (64, 64), (8, 128), (16, 128), (32, 128), (32, 64), (128, 128), (8, 64)]
+FP8_HEADS = (16, 32, 64)          # cuDNN frontend DSA's SM90 FP8 heads, D = 128
 REQUIRED_SPECS = [s for h, d in HEAD_SHAPES for s in scores_config_for(h, d, "bfloat16", ARCH).specs()] + [
-    *scores_config_for(64, 128, "float16", ARCH).specs()]
+    *scores_config_for(64, 128, "float16", ARCH).specs()] + [
+    scores_config_for(h, 128, "float8_e4m3fn", ARCH).score for h in FP8_HEADS]
 TOL_REL = 3e-5
 TOL_ABS = 1e-5
 
@@ -252,3 +254,59 @@ def test_fused_limits_name_the_argument():
         dsagen.indexer_scores(q, k.transpose(1, 2).contiguous().transpose(1, 2), w)
     with pytest.raises(ValueError, match="out must be contiguous"):
         dsagen.indexer_scores(q, k, w, out=torch.empty(1, 16, 32, device=DEV)[:, :, ::2])
+
+
+# ----------------------------------------------------------------------------------------------- FP8
+#: FP8 tolerance: the E4M3 products are exact in FP32, but the QGMMA accumulator keeps fewer mantissa bits than FP32
+#: (about 14 on Hopper), so each dot's error is a few 2**-14 of its sum of |products|; 1e-3 of the bound built from
+#: |q8| . |k8| (and |w| q_scale k_scale) covers that with margin while a wrong scale or layout is off by O(1).
+FP8_TOL_REL = 1e-3
+
+
+def _fp8_inputs(shape_q, shape_k, shape_w, gen, w_dtype):
+    """E4M3 q / k (randn * 4: values over E4M3's range of exponents), positive descales, weights of w_dtype."""
+    q = (torch.randn(shape_q, generator=gen) * 4).to(torch.float8_e4m3fn).to(DEV)
+    k = (torch.randn(shape_k, generator=gen) * 4).to(torch.float8_e4m3fn).to(DEV)
+    w = torch.randn(shape_w, generator=gen).to(w_dtype).to(DEV)
+    q_scale = (torch.rand(shape_w, generator=gen) + 0.05).to(DEV)
+    k_scale = (torch.rand(shape_k[:-1], generator=gen) + 0.05).to(DEV)
+    return q, k, w, q_scale, k_scale
+
+
+def _fp8_check(q, k, w, q_scale, k_scale, **kw):
+    poison_allocator()
+    got, lse = dsagen.indexer_scores(q, k, w, return_lse=True, impl="fused", precision="fp8", q_scale=q_scale,
+                                     k_scale=k_scale, **kw)
+    s = dict(precision="fp8", q_scale=q_scale, k_scale=k_scale)
+    ref = dsagen.indexer_scores(q, k, w, impl="reference", **s, **kw).double()
+    qa = q.float().abs().to(torch.float8_e4m3fn)                    # |q8|, |k8| are exact in E4M3
+    ka = k.float().abs().to(torch.float8_e4m3fn)
+    mag = dsagen.indexer_scores(qa, ka, w.abs(), impl="reference", **s, **kw).double()
+    masked = torch.isneginf(ref)
+    assert torch.equal(torch.isneginf(got), masked), "mask differs"
+    err = (got.double() - ref)[~masked].abs()
+    bound = FP8_TOL_REL * mag[~masked] + 1e-5
+    assert (err <= bound).all(), f"max err {err.max().item():.3g}, worst ratio {(err / bound).max().item():.3g}"
+    lse_ref = ref.logsumexp(dim=-1)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
+
+
+@pytest.mark.parametrize("h", FP8_HEADS)
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_bshd(h, w_dtype):
+    """precision="fp8", BSHD: odd S_q, ratio 4, offsets (one negative), bf16 and fp32 weights."""
+    gen = torch.Generator().manual_seed(900 + h)
+    q, k, w, qs, ks = _fp8_inputs((2, 301, h, 128), (2, 257, 128), (2, 301, h), gen, w_dtype)
+    off = torch.tensor([-40, 700], dtype=torch.int32, device=DEV)
+    _fp8_check(q, k, w, qs, ks, ratio=4, q_causal_offsets=off)
+
+
+def test_fp8_packed_strided_scales():
+    """precision="fp8", THD with empty segments, non-contiguous descales (column slices of wider tensors)."""
+    gen = torch.Generator().manual_seed(931)
+    cu_q = torch.tensor([0, 3, 3, 120, 200], dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0, 2, 9, 90, 150], dtype=torch.int32, device=DEV)
+    q, k, w, qs, ks = _fp8_inputs((205, 64, 128), (153, 128), (205, 64), gen, torch.bfloat16)
+    qs = torch.cat([qs, qs], dim=1)[:, ::2]
+    ks = torch.stack([ks, ks], dim=1)[:, 0]
+    _fp8_check(q, k, w, qs, ks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)

@@ -434,3 +434,21 @@ def test_local_to_global():
     ids = torch.randint(-3, 103, (3, 17, 33), generator=gen, dtype=torch.int32)
     out = dsagen.local_to_global(ids.to(DEV), 100, impl="fused")
     assert torch.equal(out.cpu(), dsagen.local_to_global(ids, 100, impl="reference"))
+
+
+@gpu
+def test_indexer_scores_fp8():
+    """indexer_scores(precision="fp8"): the FP8 score kernel (uint8 TMA boxes, QGMMA, descale loads) under the
+    sanitizer, BSHD with odd S_q and one negative offset; the mask matches the reference's."""
+    gen = torch.Generator().manual_seed(313)
+    q = (torch.randn((2, 151, 64, 128), generator=gen) * 4).to(torch.float8_e4m3fn).to(DEV)
+    k = (torch.randn((2, 70, 128), generator=gen) * 4).to(torch.float8_e4m3fn).to(DEV)
+    w = torch.randn((2, 151, 64), generator=gen).bfloat16().to(DEV)
+    qs = (torch.rand((2, 151, 64), generator=gen) + 0.05).to(DEV)
+    ks = (torch.rand((2, 70), generator=gen) + 0.05).to(DEV)
+    kw = dict(ratio=4, q_causal_offsets=torch.tensor([-40, 300], dtype=torch.int32, device=DEV), precision="fp8",
+              q_scale=qs, k_scale=ks)
+    got = dsagen.indexer_scores(q, k, w, impl="fused", **kw)
+    torch.cuda.synchronize()
+    ref = dsagen.indexer_scores(q, k, w, impl="reference", **kw)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref))

@@ -65,18 +65,24 @@ def one_shape(t: int, ratio: int, args, gen: torch.Generator) -> dict:
     q = torch.randn((1, t, H, D), device=dev, generator=gen, dtype=torch.bfloat16)
     k = torch.randn((1, s, D), device=dev, generator=gen, dtype=torch.bfloat16)
     w = torch.randn((1, t, H), device=dev, generator=gen, dtype=torch.bfloat16)
+    ikw = {"ratio": ratio}
+    if args.precision == "fp8":
+        # E4M3 q / k with positive FP32 descales (the FP8 kernel's contract)
+        q, k = q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn)
+        ikw.update(precision="fp8", q_scale=torch.full((1, t, H), 0.5, device=dev),
+                   k_scale=torch.full((1, s), 0.25, device=dev))
     bufs = {"out": torch.empty((1, t, s), device=dev), "lse": torch.empty((1, t), device=dev)}
     flops = 2 * H * D * valid_entries(t, ratio)
     floor_ms = flops / (PEAK_TFLOPS * 1e12) * 1e3 + 4 * t * s / (PEAK_TBPS * 1e12) * 1e3
 
     def fused():
-        return dsagen.indexer_scores(q, k, w, ratio=ratio)
+        return dsagen.indexer_scores(q, k, w, **ikw)
 
     def with_lse():
-        return dsagen.indexer_scores(q, k, w, ratio=ratio, return_lse=True)
+        return dsagen.indexer_scores(q, k, w, return_lse=True, **ikw)
 
     def owned():
-        return dsagen.indexer_scores(q, k, w, ratio=ratio, return_lse=True, out=bufs["out"], lse_out=bufs["lse"])
+        return dsagen.indexer_scores(q, k, w, return_lse=True, out=bufs["out"], lse_out=bufs["lse"], **ikw)
 
     fused_ms = cuda_time_ms(fused, rounds=args.reps)
     row = {"T": t, "ratio": ratio, "fused_ms": round(fused_ms, 3),
@@ -92,7 +98,7 @@ def one_shape(t: int, ratio: int, args, gen: torch.Generator) -> dict:
     if t <= args.ref_max_T:
         bufs.clear()
         torch.cuda.empty_cache()
-        ref = cuda_time_ms(lambda: dsagen.indexer_scores(q, k, w, ratio=ratio, impl="reference"),
+        ref = cuda_time_ms(lambda: dsagen.indexer_scores(q, k, w, impl="reference", **ikw),
                            rounds=max(1, min(args.reps, 3)))
         row.update(reference_ms=round(ref, 2), speedup=round(ref / fused_ms, 1))
     return row
@@ -101,7 +107,7 @@ def one_shape(t: int, ratio: int, args, gen: torch.Generator) -> dict:
 def run(args) -> list[dict]:
     gen = torch.Generator(device=torch.device("cuda")).manual_seed(0)
     rows = []
-    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  H={H} D={D} bf16 B=1 ratio-causal")
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  H={H} D={D} {args.precision} B=1 ratio-causal")
     print(f"{'T':>7} {'ratio':>5} {'fused ms':>9} {'+lse ms':>8} {'owned ms':>9} {'causal TF/s':>11} "
           f"{'dense TF/s':>10} {'floor ms':>9} {'of floor':>8} {'ref ms':>9} {'speedup':>8}")
     for t in args.T:
@@ -126,6 +132,8 @@ def main(argv=None) -> int:
     ap.add_argument("--T", type=int, nargs="+", default=[4096, 8192, 32768])
     ap.add_argument("--ratio", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                    help="bf16 inputs, or E4M3 q / k with FP32 descales (indexer_scores(precision='fp8'))")
     ap.add_argument("--ref-max-T", type=int, default=8192)
     ap.add_argument("--json", default=None)
     ap.add_argument("--queued", action="store_true",

@@ -14,9 +14,9 @@ from cutlass.cute.nvgpu import warpgroup
 
 
 def sw128(dtype, shape):
-    """K-major 128-byte-swizzled layout (a ComposedLayout) for a 16-bit `shape` = (rows, cols[, stages]):
-    8 x 64 atoms tiled rows first, then 64-column blocks, then stages. It is the wgmma SW128 operand layout
-    and the TMA SWIZZLE_128B box layout."""
+    """K-major 128-byte-swizzled layout (a ComposedLayout) of `dtype` for `shape` = (rows, cols[, stages]): atoms of
+    8 rows x 128 bytes (64 columns of a 16-bit type, 128 of an 8-bit one) tiled rows first, then column blocks, then
+    stages. It is the wgmma SW128 operand layout and the TMA SWIZZLE_128B box layout."""
     atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dtype)
     return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
 

@@ -13,9 +13,10 @@ from cutlass.experimental import primitives as prims
 
 
 def tma_recipe(dtype: str, box: list) -> dict:
-    """The `encode` recipe of a tensormap param for 128-byte-swizzled boxes of a 16-bit `dtype` ("bfloat16" or
-    "float16"): `box` are the box dims innermost first (64 columns, then rows, then any outer modes of size 1 or
-    more); no interleave, L2 promotion of 128 bytes, no out-of-bounds fill (the host keeps boxes in bounds)."""
+    """The `encode` recipe of a tensormap param for 128-byte-swizzled boxes of `dtype` (the runtime's tensormap
+    dtypes: "bfloat16", "float16", or "uint8" for 8-bit data such as FP8): `box` are the box dims innermost first
+    (128 bytes of columns, then rows, then any outer modes of size 1 or more); no interleave, L2 promotion of 128
+    bytes, no out-of-bounds fill (the host keeps boxes in bounds)."""
     return {"dtype": dtype, "box": box, "element_strides": [1] * len(box), "interleave": "NONE",
             "swizzle": "128B", "l2_promotion": "L2_128B", "oob_fill": "NONE"}
 

@@ -26,7 +26,8 @@ def tma_load_tile(tma_ptr, boxes, full, tile_bytes: int) -> None:
     """One elected thread of the calling warp announces `tile_bytes` on the mbarrier `full` (arrive + expect_tx),
     then issues every box: boxes = ((dst, box_elems, n_boxes, coord_tail), ...), where box kb < n_boxes of an entry
     goes to dst + kb * box_elems (dst: the shared tile's first element) from the tensor coordinates
-    (kb * 64,) + coord_tail (innermost first). `full` completes when all bytes arrived."""
+    (kb * 64,) + coord_tail (innermost first): 64-column boxes of a 16-bit type (an 8-bit tile of 128 columns is one
+    box, n_boxes = 1). `full` completes when all bytes arrived."""
     with cute.arch.elect_one():
         cute.arch.mbarrier_arrive_and_expect_tx(full, tile_bytes)
         for t in cutlass.range_constexpr(len(boxes)):

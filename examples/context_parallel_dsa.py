@@ -1,0 +1,264 @@
+"""Context-parallel DeepSeek sparse attention (DSA) layer over torch.distributed ranks.
+
+The sequence of T tokens is cut into 2W chunks of C = T / (2W) tokens for a world of W ranks. Rank r owns
+chunks r and 2W-1-r (a head chunk and a tail chunk), for its query rows and for its KV / indexer-key rows:
+under the causal mask a head chunk sees few keys and a tail chunk many, so every rank does the same work.
+
+One layer step on rank r:
+
+1. all-gather the indexer keys and the KV latent of every rank (`all_gather_single`, formerly
+   `all_gather_into_tensor`) and put the chunks back in sequence order, so each rank holds the full
+   [B, T, D] keys its queries may see;
+2. for each of its two query chunks, starting at global token `start`: indexer scores with the causal mask
+   placed at `start` (`dsagen.indexer_scores(..., q_causal_offsets=start)`), then the per-row top-k over the
+   first `start + t + 1` columns (`dsagen.indexer_topk`); the ids are global token positions;
+3. sparse attention of the chunk's queries over the gathered KV with those ids (`dsagen.sparse_attention`,
+   batched layout: ids are rows of the full kv);
+4. backward by autograd: dq stays local, the gradient of the gathered KV is reduce-scattered back to the
+   ranks that own the rows (`reduce_scatter_single` / `reduce_scatter_tensor`, which gloo has in torch 2.13;
+   where a backend raises on it, an `all_reduce` and a slice), and the sink's gradient, a sum over all query
+   rows, is all-reduced.
+
+`dsagen.lightning_indexer` takes no offset for query rows that start inside the sequence (its causal mask
+places query 0 at token 0), hence `indexer_scores` + `indexer_topk`, the same scores (up to the positive
+factor 1 / sqrt(H * D), which does not change the selection) with the mask at the chunk's global position.
+
+impl is "fused" on CUDA (NCCL; bf16, D_qk 576, d_v 512) and "reference" on CPU (gloo; plain PyTorch).
+
+Launch on 2-4 GPUs (or CPU processes with gloo)::
+
+    torchrun --nproc-per-node 2 examples/context_parallel_dsa.py --T 32768
+    torchrun --nproc-per-node 2 examples/context_parallel_dsa.py --T 256 --heads 16 --d-qk 72 --d-v 64 \\
+        --index-heads 8 --index-dim 32 --topk 64          # CPU, small shapes
+
+T must be a multiple of 2 * world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import dsagen
+
+
+@dataclass
+class Shard:
+    """A rank's rows of the sequence, in local order (head chunk, then tail chunk).
+
+    q:         [B, 2C, H, D_qk] attention queries
+    kv:        [B, 2C, D_qk]    KV latent (K = all columns, V = the first d_v)
+    q_index:   [B, 2C, H_i, D_i] indexer queries
+    k_index:   [B, 2C, D_i]     indexer keys
+    w_index:   [B, 2C, H_i]     indexer head weights
+    """
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    w_index: torch.Tensor
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without an initialized process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def chunk_ids(rank: int, world_size: int) -> tuple[int, int]:
+    """The two sequence chunks (of 2 * world_size) that `rank` owns: r and 2W-1-r."""
+    return rank, 2 * world_size - 1 - rank
+
+
+def shard_rows(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank's rows of a full-sequence tensor [B, T, ...] -> [B, 2C, ...] (head chunk, then tail chunk)."""
+    chunks = x.chunk(2 * world_size, dim=1)
+    head, tail = chunk_ids(rank, world_size)
+    return torch.cat([chunks[head], chunks[tail]], dim=1)
+
+
+def unshard_order(world_size: int, device: torch.device) -> torch.Tensor:
+    """perm [2W] with gathered_chunks[perm[c]] = sequence chunk c, where gathered chunk 2r + j is rank r's j-th."""
+    perm = []
+    for c in range(2 * world_size):
+        perm.append(2 * c if c < world_size else 2 * (2 * world_size - 1 - c) + 1)
+    return torch.tensor(perm, device=device)
+
+
+# torch >= 2.13 names the single-tensor collectives *_single (the *_tensor names remain, deprecated).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather along a new leading rank dim; backward reduce-scatters the gradient (sum over ranks)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        """x [B, 2C, D] -> [W, B, 2C, D], rank r's x at index r."""
+        rank, world_size = world()
+        ctx.rank, ctx.world_size = rank, world_size
+        x = x.contiguous()
+        out = x.new_empty((world_size * x.shape[0], *x.shape[1:]))     # ranks concatenated along dim 0
+        _all_gather(out, x)
+        return out.view(world_size, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        """grad [W, B, 2C, D] -> this rank's sum over all ranks' grad[rank], [B, 2C, D]."""
+        grad = grad.contiguous()
+        out = grad.new_empty(grad.shape[1:])
+        try:
+            _reduce_scatter(out, grad.flatten(0, 1))
+            return out
+        except RuntimeError:    # gloo before reduce-scatter support raises on every rank, before communicating
+            dist.all_reduce(grad)
+            return grad[ctx.rank].clone()
+
+
+def gather_sequence(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's shard [B, 2C, ...] -> the full sequence [B, T, ...] in token order (differentiable).
+
+    With one process (no process group) the shard is the sequence already."""
+    rank, world_size = world()
+    if world_size == 1:
+        return x
+    b, rows = x.shape[:2]
+    tail = x.shape[2:]
+    flat = x.reshape(b, rows, -1)
+    gathered = _GatherRows.apply(flat)                                   # [W, B, 2C, F]
+    c = rows // 2
+    chunks = gathered.reshape(world_size, b, 2, c, -1).permute(1, 0, 2, 3, 4).reshape(b, 2 * world_size, c, -1)
+    ordered = chunks.index_select(1, unshard_order(world_size, x.device))
+    return ordered.reshape(b, world_size * rows, *tail)
+
+
+def all_reduce_grad(t: torch.Tensor) -> None:
+    """Sum t.grad over ranks in place (a replicated parameter whose gradient each rank holds in part)."""
+    if world()[1] > 1 and t.grad is not None:
+        dist.all_reduce(t.grad)
+
+
+def chunk_topk(q_index: torch.Tensor, k_index: torch.Tensor, w_index: torch.Tensor, start: int, topk: int,
+               impl: str) -> torch.Tensor:
+    """Causal indexer top-k for query rows at global tokens [start, start + C).
+
+    q_index [B, C, H_i, D_i], k_index [B, T, D_i] (full sequence), w_index [B, C, H_i] -> int32 ids [B, C, topk]
+    of global token positions <= the row's own, -1 padded.
+    """
+    b, c = q_index.shape[:2]
+    s = k_index.shape[1]
+    offsets = torch.full((b,), start, dtype=torch.int32, device=q_index.device)
+    scores = dsagen.indexer_scores(q_index, k_index, w_index, q_causal_offsets=offsets, impl=impl)  # [B, C, T]
+    lengths = start + 1 + torch.arange(c, dtype=torch.int32, device=q_index.device)
+    lengths = lengths.repeat(b)                                            # one per row of [B * C, T]
+    ids = dsagen.indexer_topk(scores.reshape(b * c, s), lengths, topk, return_values=False, impl=impl).indices
+    return ids.reshape(b, c, topk)
+
+
+def chunk_attention(q: torch.Tensor, kv: torch.Tensor, ids: torch.Tensor, sink: torch.Tensor | None, d_v: int,
+                    impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse attention of C query rows over the full KV: q [B, C, H, D_qk], kv [B, T, D_qk], ids [B, C, K]
+    -> out [B, C, H, d_v], lse [B, C, H] (KV-only, FP32)."""
+    out, lse, _ = dsagen.sparse_attention(q, kv, ids, attn_sink=sink, d_v=d_v, impl=impl)
+    return out, lse
+
+
+def dsa_layer(shard: Shard, sink: torch.Tensor | None, topk: int, d_v: int, impl: str
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The context-parallel DSA layer on this rank's shard.
+
+    Returns out [B, 2C, H, d_v], lse [B, 2C, H] and the indexer ids [B, 2C, topk] (global token positions) for
+    the shard's query rows, in the shard's order. Gradients reach shard.q, shard.kv (reduce-scattered) and the
+    sink (this rank's part: call all_reduce_grad(sink) after backward).
+    """
+    rank, world_size = world()
+    rows = shard.q.shape[1]
+    c = rows // 2
+    kv = gather_sequence(shard.kv)                                         # [B, T, D_qk], differentiable
+    with torch.no_grad():
+        k_index = gather_sequence(shard.k_index)                           # [B, T, D_i]
+    outs, lses, all_ids = [], [], []
+    for j, chunk in enumerate(chunk_ids(rank, world_size)):
+        rows_j = slice(j * c, (j + 1) * c)
+        ids = chunk_topk(shard.q_index[:, rows_j], k_index, shard.w_index[:, rows_j], chunk * c, topk, impl)
+        out, lse = chunk_attention(shard.q[:, rows_j], kv, ids, sink, d_v, impl)
+        outs.append(out)
+        lses.append(lse)
+        all_ids.append(ids)
+    return torch.cat(outs, 1), torch.cat(lses, 1), torch.cat(all_ids, 1)
+
+
+def make_inputs(batch: int, seq: int, heads: int, d_qk: int, index_heads: int, index_dim: int,
+                dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Full-sequence random inputs, the same on every rank (seeded): q, kv, q_index, k_index, w_index, sink."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    return dict(q=rand(batch, seq, heads, d_qk), kv=rand(batch, seq, d_qk),
+                q_index=rand(batch, seq, index_heads, index_dim), k_index=rand(batch, seq, index_dim),
+                w_index=rand(batch, seq, index_heads),
+                sink=(torch.randn(heads, generator=g)).to(device=device, dtype=torch.float32))
+
+
+def shard_inputs(full: dict[str, torch.Tensor], rank: int, world_size: int) -> Shard:
+    """This rank's Shard of full-sequence inputs; q and kv are leaves that require grad."""
+    parts = {k: shard_rows(full[k], rank, world_size) for k in ("q", "kv", "q_index", "k_index", "w_index")}
+    parts["q"].requires_grad_(True)
+    parts["kv"].requires_grad_(True)
+    return Shard(**parts)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--T", type=int, default=32768, help="sequence length (a multiple of 2 * world size)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=128)
+    p.add_argument("--d-qk", type=int, default=576)
+    p.add_argument("--d-v", type=int, default=512)
+    p.add_argument("--index-heads", type=int, default=64)
+    p.add_argument("--index-dim", type=int, default=128)
+    p.add_argument("--topk", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=3)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    """One process per rank (torchrun): NCCL + impl="fused" + bf16 on CUDA, gloo + impl="reference" + fp32 on CPU."""
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world_size = world()
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    impl, dtype = ("fused", torch.bfloat16) if cuda else ("reference", torch.float32)
+    full = make_inputs(args.batch, args.T, args.heads, args.d_qk, args.index_heads, args.index_dim, dtype, device)
+    shard = shard_inputs(full, rank, world_size)
+    sink = full["sink"].requires_grad_(True)
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        out, lse, _ = dsa_layer(shard, sink, args.topk, args.d_v, impl)
+        out.float().square().mean().backward()
+        all_reduce_grad(sink)
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if rank == 0:
+            print(f"step {step}: world {world_size}, T {args.T}, {impl}: forward + backward {dt * 1e3:.1f} ms, "
+                  f"out {tuple(out.shape)}, dkv {tuple(shard.kv.grad.shape)}")
+        shard.q.grad = shard.kv.grad = sink.grad = None
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -160,7 +160,8 @@ def test_render(d_qk):
     kern = _kernel_source()
     assert "{%" not in kern and "{{" not in kern                              # plain Python, no template
     for name in ("BAR_MAX_A = 1", "BAR_MAX_B = 2", "BAR_P_A = 3", "BAR_P_B = 4", "BAR_EPI_A = 5", "BAR_EPI_B = 6",
-                 "npairs = ((kmax + self.BN - 1) // self.BN + 1) // 2", "half_mbar"):
+                 "kmax, ntiles = row_slots(a.p_len, a.has_length, a.topk, tok, self.BN)",
+                 "npairs = (ntiles + 1) // 2", "half_mbar"):
         assert name in kern
     # the CTAs loop over the items: grid min(items, n_ctas), the Q hand-over barrier, phases from the pair count
     assert kern.count("for item in cutlass.range(bidx, n_items, nctas, unroll=1):") == 2     # producer, consumers

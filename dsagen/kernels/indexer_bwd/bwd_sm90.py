@@ -47,12 +47,12 @@ from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers
-from dsagen.kernels.common.sm90.epilogue import pair_v4_segments, send_row_pair_v4, store_row_v4
+from dsagen.kernels.common.sm90.epilogue import add_row_pair_v4, store_row_v4, store_slot_row_pair_v4
 from dsagen.kernels.common.sm90.gather import gather_ring_tile, load_row_tile, row_gather_producer, wait_gathered_tile
 from dsagen.kernels.common.sm90.ids import load_tile_ids
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
 from dsagen.kernels.common.sm90.mma import gemm_tile, wgmma_tile
-from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy, st_global_v4_f32
+from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
 from dsagen.kernels.common.sm90.reduce import row_group_sum
 from dsagen.kernels.common.sm90.ring import ring_mbarriers
 
@@ -370,24 +370,16 @@ class IndexerBwdSm90:
     def send_dk(self, a, accK, cK, kv, tok, j, c: int, q4):
         """dK half c of the tile's two rows of this thread: 16-byte FP32 atomic adds into dk[id] (deterministic:
         stores into dk[tok, slot]); invalid ids are skipped. The quads of two adjacent rows write 128-byte segments
-        of one row per transaction (epilogue.send_row_pair_v4)."""
+        of one row per transaction (epilogue.add_row_pair_v4 / store_slot_row_pair_v4)."""
         kMN = acc_mn_view(accK)
         for r in cutlass.range_constexpr(2):
             n_even = cK[r, 0][0] - cK[r, 0][0] % 2                  # the pair's rows: n_even, n_even + 1
             if const_expr(self.deterministic):
-                # written out, as in the sparse MLA backward (its dkv_chunk_send says why)
-                for kp in cutlass.range_constexpr(cute.size(kMN, mode=[1]) // 8):
-                    va, vb, col_in = pair_v4_segments(kMN, cK, r, kp, q4 % 2 == 1)
-                    col = c * 64 + col_in
-                    slot = j * self.BN + n_even
-                    if slot < a.topk:
-                        st_global_v4_f32(a.p_dk + ((Int64(tok) * a.topk + slot) * self.D + col), *va)
-                    if slot + 1 < a.topk:
-                        st_global_v4_f32(a.p_dk + ((Int64(tok) * a.topk + slot + 1) * self.D + col), *vb)
+                store_slot_row_pair_v4(kMN, cK, r, q4 % 2 == 1, a.p_dk, tok, a.topk, j * self.BN, n_even, a.topk,
+                                       self.D, c * 64)
             else:
                 kv_other = cute.arch.shuffle_sync_bfly(kv[r], offset=4)  # the other row's id (lane l ^ 4)
                 odd_row = cK[r, 0][0] % 2 == 1
                 kv_even = kv_other if odd_row else kv[r]
                 kv_odd = kv[r] if odd_row else kv_other
-                send_row_pair_v4(kMN, cK, r, q4 % 2 == 1, a.p_dk, kv_even, kv_odd, self.D, kv_even, kv_odd, 0, None,
-                                 c * 64, streaming=False)
+                add_row_pair_v4(kMN, cK, r, q4 % 2 == 1, a.p_dk, kv_even, kv_odd, self.D, c * 64)

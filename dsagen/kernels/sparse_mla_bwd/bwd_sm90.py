@@ -56,14 +56,14 @@ from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers, row_head_block
-from dsagen.kernels.common.sm90.epilogue import pair_v4_segments, send_row_pair_v4, store_row_v4
+from dsagen.kernels.common.sm90.epilogue import add_row_pair_v4, store_row_v4, store_slot_row_pair_v4
 from dsagen.kernels.common.sm90.gather import (cp_async_tiles_rows, gather_tile_rows, publish_tile_ids,
                                                row_gather_producer, smem_bytes, wait_gathered_tile)
 from dsagen.kernels.common.sm90.grid_sync import grid_barrier
 from dsagen.kernels.common.sm90.ids import load_tile_ids_raw, tile_keep_mask, valid_tile_ids
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
 from dsagen.kernels.common.sm90.mma import gemm_tile, wgmma_tile
-from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy, st_global_v4_f32
+from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
 from dsagen.kernels.common.sm90.reduce import quad_sum
 
 LOG2E = math.log2(math.e)
@@ -591,27 +591,17 @@ class SparseMlaBwdSm90:
     def dkv_chunk_send(self, a, sh, kvc, ch: int, acc, item, slot0, slot_end, g, q4):
         """Add the retired chunk `ch` in `acc` to the rows of the tile's ids (or store it per slot when
         deterministic): the quads of two adjacent rows write 128-byte segments of one row per transaction
-        (epilogue.send_row_pair_v4), 4 consecutive columns per lane."""
+        (epilogue.add_row_pair_v4 / store_slot_row_pair_v4), 4 consecutive columns per lane."""
         kMN, cK = acc_mn_view(acc), kvc["cK"]
         for r in cutlass.range_constexpr(cute.size(kMN, mode=[0])):
             n_even = cK[r, 0][0] - cK[r, 0][0] % 2                  # the pair's rows: n_even, n_even + 1
             kv_even = sh.sIds[(g % 2) * self.BN + n_even]
             kv_odd = sh.sIds[(g % 2) * self.BN + n_even + 1]
             if const_expr(self.deterministic):
-                # written out, not through send_row_pair_v4: that form hoists the slot row out of the transactions,
-                # and the compiler then merges the stores' branch regions so that the next wgmma issues before the
-                # lanes reconverge (compute-sanitizer synccheck: warpgroup MMA with a partial mask)
-                for kp in cutlass.range_constexpr(cute.size(kMN, mode=[1]) // 8):
-                    va, vb, col_in = pair_v4_segments(kMN, cK, r, kp, q4 % 2 == 1)
-                    col = ch * 64 + col_in
-                    slot = slot0 + n_even
-                    if slot < slot_end:
-                        st_global_v4_f32(a.p_dkv + ((Int64(item) * Int64(a.topk) + slot) * self.D_QK + col), *va)
-                    if slot + 1 < slot_end:
-                        st_global_v4_f32(a.p_dkv + ((Int64(item) * Int64(a.topk) + slot + 1) * self.D_QK + col), *vb)
+                store_slot_row_pair_v4(kMN, cK, r, q4 % 2 == 1, a.p_dkv, item, Int64(a.topk), slot0, n_even,
+                                       slot_end, self.D_QK, ch * 64)
             else:
-                send_row_pair_v4(kMN, cK, r, q4 % 2 == 1, a.p_dkv, kv_even, kv_odd, self.D_QK, kv_even, kv_odd, 0,
-                                 None, ch * 64, streaming=False)
+                add_row_pair_v4(kMN, cK, r, q4 % 2 == 1, a.p_dkv, kv_even, kv_odd, self.D_QK, ch * 64)
 
     # --------------------------------------------------------------------------------------------- dQ stores
     @cute.jit

@@ -1,5 +1,6 @@
 """Epilogue stores of a wgmma accumulator (viewed by layout.acc_mn_view): 16-byte bf16 / fp16 row stores
-(`store_row_v4`) and 16-byte FP32 atomic adds or streaming stores of row pairs (`send_row_pair_v4`).
+(`store_row_v4`), 16-byte FP32 atomic adds of row pairs into id rows (`add_row_pair_v4`) and streaming stores of
+row pairs into per-slot rows (`store_slot_row_pair_v4`).
 
 Called by the consumer warpgroup that owns the accumulator, all 128 threads together (the helpers exchange
 values between the lanes of a quad and between adjacent quads with butterfly shuffles, so no lane may be
@@ -90,41 +91,37 @@ def store_row_v4(dst: cute.Pointer, oMN: cute.Tensor, r: int, scale, fp16: bool,
 
 
 @cute.jit
-def send_row_pair_v4(kMN: cute.Tensor, cK: cute.Tensor, r: int, q_odd, dst: cute.Pointer, row_even, row_odd,
-                     row_len: int, key_even, key_odd, key_lo, key_hi, col_base, streaming: bool) -> None:
+def add_row_pair_v4(kMN: cute.Tensor, cK: cute.Tensor, r: int, q_odd, dst: cute.Pointer, id_even, id_odd,
+                    row_len: int, col_base) -> None:
     """Row r of an FP32 accumulator view `kMN` (cK: its coordinate view) together with the row of the adjacent quad
-    (lane l ^ 4): the pair's even row goes to row `row_even` of the FP32 matrix `dst` (rows of `row_len` elements,
-    16-byte aligned), columns col_base + its columns, and the odd row to row `row_odd`. A row is sent only where its
-    key lies in [key_lo, key_hi) (key_lo / key_hi None: no bound): the atomic mode's keys are the rows' ids (key_lo
-    0: -1 is skipped), the per-slot mode's their slots (key_hi: the window's end). Each transaction covers 128-byte
-    row segments (pair_v4_segments). streaming=False: 16-byte FP32 atomic adds (red.global.add.v4.f32) into an
-    accumulator; True: streaming stores (st.global.cs.v4.f32) of rows written once and read once by a later kernel.
-    Addresses and bounds are evaluated per transaction, so no 64-bit pointer stays live across the transactions
-    (the callers run at their register limit). For per-slot rows whose row number is a 64-bit product, write the
-    loop out with the product inside it: passed in as row_even, the hoisted row let the compiler merge the stores'
-    branch regions of the sparse MLA backward so that its next wgmma issued before the lanes reconverged
-    (compute-sanitizer synccheck: warpgroup MMA with a partial mask)."""
+    (lane l ^ 4), added by 16-byte FP32 atomics (red.global.add.v4.f32) into rows id_even / id_odd of the FP32
+    accumulator `dst` (rows of `row_len` elements, 16-byte aligned), columns col_base + the rows' columns; a row
+    whose id is negative is skipped. Each transaction covers 128-byte row segments (pair_v4_segments). Addresses
+    are formed per transaction from the ids, so no 64-bit pointer stays live across them (the callers run at their
+    register limit)."""
     for kp in cutlass.range_constexpr(cute.size(kMN, mode=[1]) // 8):
         va, vb, col_in = pair_v4_segments(kMN, cK, r, kp, q_odd)
         col = col_base + col_in
-        if _in_bounds(key_even, key_lo, key_hi):
-            _send_v4(dst + (Int64(row_even) * row_len + col), va, streaming)
-        if _in_bounds(key_odd, key_lo, key_hi):
-            _send_v4(dst + (Int64(row_odd) * row_len + col), vb, streaming)
+        if id_even >= 0:
+            red_add_v4_f32(dst + (Int64(id_even) * row_len + col), *va)
+        if id_odd >= 0:
+            red_add_v4_f32(dst + (Int64(id_odd) * row_len + col), *vb)
 
 
-def _in_bounds(key, lo, hi):
-    """key >= lo (lo not None) and key < hi (hi not None), built while tracing."""
-    if lo is None:
-        return key < hi
-    if hi is None:
-        return key >= lo
-    return (key >= lo) & (key < hi)
-
-
-def _send_v4(dst: cute.Pointer, v, streaming: bool) -> None:
-    """One 16-byte FP32 streaming store or atomic add of the four values `v` at dst."""
-    if streaming:
-        st_global_v4_f32(dst, *v)
-    else:
-        red_add_v4_f32(dst, *v)
+@cute.jit
+def store_slot_row_pair_v4(kMN: cute.Tensor, cK: cute.Tensor, r: int, q_odd, dst: cute.Pointer, group,
+                           group_rows, slot0, n_even, slot_end, row_len: int, col_base) -> None:
+    """The deterministic form of add_row_pair_v4: the pair's rows go, by streaming stores (st.global.cs.v4.f32:
+    written once, read once by a later kernel), to the per-slot rows group * group_rows + slot and + slot + 1 of `dst`
+    (slot = slot0 + n_even), each only while its slot is below slot_end. The slot and its 64-bit row are formed
+    inside each transaction: formed once before the loop, the compiler merged the stores' branch regions of the
+    sparse MLA backward so that its next wgmma issued before the lanes reconverged (compute-sanitizer synccheck:
+    warpgroup MMA with a partial mask)."""
+    for kp in cutlass.range_constexpr(cute.size(kMN, mode=[1]) // 8):
+        va, vb, col_in = pair_v4_segments(kMN, cK, r, kp, q_odd)
+        col = col_base + col_in
+        slot = slot0 + n_even
+        if slot < slot_end:
+            st_global_v4_f32(dst + ((Int64(group) * group_rows + slot) * row_len + col), *va)
+        if slot + 1 < slot_end:
+            st_global_v4_f32(dst + ((Int64(group) * group_rows + slot + 1) * row_len + col), *vb)

@@ -13,33 +13,39 @@ from dsagen.jit import identity_of, key_material, key_of
 from dsagen.jit.keys import identity_material
 from dsagen.jit.render import KERNEL_LIB, render
 from dsagen.kernels.lightning_indexer.spec import (TOPK_COMPACT_CAP, IndexerScoreSpec, IndexerScoresMaskSpec,
-                                                   IndexerTopkSpec, config_for, scores_config_for)
+                                                   IndexerTopkSoftmaxSpec, IndexerTopkSpec, config_for,
+                                                   forward_topk_config_for, scores_config_for)
 
 TC = {"nvidia-cutlass-dsl": "4.8.1"}
 FAMILY = KERNEL_LIB / "lightning_indexer"
 SCORE = "dsagen.kernels.lightning_indexer.score_sm90"
 TOPK = "dsagen.kernels.lightning_indexer.topk_sm90"
 MASK = "dsagen.kernels.lightning_indexer.mask_lse_sm90"
+SOFTMAX = "dsagen.kernels.lightning_indexer.topk_softmax_sm90"
 COMMON = "dsagen.kernels.lightning_indexer.common_sm90"
 
 
 def _specs():
     return [*config_for(64, 128, "bfloat16", "sm_90a").specs(), IndexerTopkSpec(arch="sm_90a", threads=512),
             IndexerScoreSpec(arch="sm_90a", num_heads=8, head_dim=64, dtype="float16", stages=2),
-            *scores_config_for(64, 128, "bfloat16", "sm_90a").specs()]
+            *scores_config_for(64, 128, "bfloat16", "sm_90a").specs(),
+            *forward_topk_config_for(64, 128, "bfloat16", "sm_90a").specs()]
 
 
-def _own_module(spec) -> str:
-    """The kernel module a spec's template binds."""
+def _own_modules(spec) -> set[str]:
+    """The family's kernel modules a spec's template binds (and they import)."""
     if isinstance(spec, IndexerScoreSpec):
-        return SCORE
-    return MASK if isinstance(spec, IndexerScoresMaskSpec) else TOPK
+        return {SCORE}
+    if isinstance(spec, IndexerTopkSoftmaxSpec):
+        return {SOFTMAX, MASK}                  # the softmax pass reuses the mask pass's row statistics
+    return {MASK} if isinstance(spec, IndexerScoresMaskSpec) else {TOPK}
 
 
 def test_templates_only_bind_a_spec():
     """No kernel logic in jinja: no branches, loops, macros, includes or re-indented blocks, at most 60 lines."""
     templates = sorted(FAMILY.glob("*.py.j2"))
-    assert [t.name for t in templates] == ["mask_lse_sm90.py.j2", "score_sm90.py.j2", "topk_sm90.py.j2"]
+    assert [t.name for t in templates] == ["mask_lse_sm90.py.j2", "score_sm90.py.j2", "topk_sm90.py.j2",
+                                           "topk_softmax_sm90.py.j2"]
     for t in templates:
         text = t.read_text()
         assert len(text.splitlines()) <= 60, t.name
@@ -50,15 +56,16 @@ def test_templates_only_bind_a_spec():
 def test_rendered_modules_import_their_kernel_modules():
     """Key material and identity both name the kernel module and the shared device code (followed transitively)."""
     for spec in _specs():
-        own = _own_module(spec)
+        own = _own_modules(spec)
         helpers = key_material(spec, render(spec), TC)["helpers"]
         family = {m for m in helpers if not m.startswith("dsagen.kernels.common.sm90.") and m != "dsagen.kernels.built"}
-        assert family == {own, COMMON}, (spec.name(), helpers)
+        assert family == {*own, COMMON}, (spec.name(), helpers)
         assert "dsagen.kernels.common.sm90.reduce" in helpers or "dsagen.kernels.common.sm90.layout" in helpers
         assert identity_material(spec)["helpers"] == helpers
 
 
-@pytest.mark.parametrize("module", ["score_sm90.py", "topk_sm90.py", "mask_lse_sm90.py", "common_sm90.py"])
+@pytest.mark.parametrize("module", ["score_sm90.py", "topk_sm90.py", "mask_lse_sm90.py", "topk_softmax_sm90.py",
+                                    "common_sm90.py"])
 def test_editing_a_kernel_module_changes_key_and_identity(module, monkeypatch, tmp_path):
     import dsagen.jit.render as r
 

@@ -452,6 +452,20 @@ def test_thd_fused(op, monkeypatch):
         ck = kw["cu_seqlens_k"]
         assert seen["shapes"] == ((args[0].shape[0], int((ck[1:] - ck[:-1]).max())), (args[0].shape[0],))
         return
+    if op == "indexer_forward_topk":
+        # Its fused kernels take THD too: int32 offsets and the longest segment's key count as the slab width.
+        seen = {}
+
+        def fake_topk(*a, **k):
+            seen.update(k)
+            return "ids", "logits", None, None
+
+        monkeypatch.setattr(dsagen.ops._fused, "fused_impl", lambda op, device: fake_topk)
+        assert tuple(fn(*args, **kw)) == ("ids", "logits", None, None)
+        assert seen["cu_seqlens_q"].dtype == seen["cu_seqlens_k"].dtype == torch.int32
+        ck = kw["cu_seqlens_k"]
+        assert seen["width"] == int((ck[1:] - ck[:-1]).max())
+        return
     # Where a fused kernel exists, THD is refused explicitly rather than passed to a BSHD kernel.
     monkeypatch.setattr(dsagen.ops._fused, "fused_impl", lambda op, device: lambda *a, **k: None)
     with pytest.raises(NotImplementedError, match="THD"):

@@ -5,7 +5,7 @@ fused kernel yet: `fused_impl` raises NotImplementedError naming the op and the 
 to the reference silently.
 
 Ops that run under `torch.compile` (the sparse MLA forward and backward, the autograd backward that calls the
-latter, both score recomputes, the indexer backward, the standalone top-k and indexer_scores) may be resolved for the first time while
+latter, both score recomputes, the indexer backward, the standalone top-k, indexer_scores and indexer_forward_topk) may be resolved for the first time while
 Dynamo traces: `importlib.import_module` cannot be traced, so
 their host modules are also listed in `_TRACEABLE_IMPORTS`, whose loaders are plain `from ... import` statements
 that Dynamo executes. A `torch.compile(fullgraph=True)` program therefore needs no eager warm-up call to find them.
@@ -29,6 +29,7 @@ FUSED: dict[str, str] = {
     "indexer_backward": "dsagen.kernels.indexer_bwd.host:indexer_backward",
     "indexer_topk": "dsagen.kernels.indexer_topk.host:indexer_topk",
     "indexer_scores": "dsagen.kernels.lightning_indexer.scores_host:indexer_scores",
+    "indexer_forward_topk": "dsagen.kernels.lightning_indexer.forward_topk_host:indexer_forward_topk",
     # the scratch size of sparse_attention_backward's workspace (FP32 elements)
     "sparse_attention_backward_workspace_numel": "dsagen.kernels.sparse_mla_bwd.host:workspace_numel",
 }
@@ -69,6 +70,11 @@ def _indexer_scores_host():
     return scores_host
 
 
+def _indexer_forward_topk_host():
+    from ..kernels.lightning_indexer import forward_topk_host
+    return forward_topk_host
+
+
 # host module -> a loader Dynamo can trace (static imports), for the ops reachable from a compiled program
 _TRACEABLE_IMPORTS: dict[str, Callable] = {
     "dsagen.kernels.sparse_mla.host": _sparse_mla_host,
@@ -78,6 +84,7 @@ _TRACEABLE_IMPORTS: dict[str, Callable] = {
     "dsagen.kernels.indexer_bwd.host": _indexer_bwd_host,
     "dsagen.kernels.indexer_topk.host": _indexer_topk_host,
     "dsagen.kernels.lightning_indexer.scores_host": _indexer_scores_host,
+    "dsagen.kernels.lightning_indexer.forward_topk_host": _indexer_forward_topk_host,
 }
 
 

@@ -10,7 +10,7 @@ Every op in OPS is defined twice in the `dsagen` namespace:
 
 A custom op cannot return None: an output the public op returns as None (lse_indexer without indexer_topk,
 d_sink without attn_sink, indexer_topk's values without return_values, indexer_scores' lse without
-return_lse) is an empty `(0,)` tensor here, and its `out_` tensor is an empty `(0,)` tensor too.
+return_lse, indexer_forward_topk's softmax / lse without return_softmax / return_lse) is an empty `(0,)` tensor here, and its `out_` tensor is an empty `(0,)` tensor too.
 
 Registering imports nothing but torch and dsagen.reference's dtype rule; the public ops' modules are imported
 inside the real implementations.
@@ -97,32 +97,34 @@ def _lightning_indexer_fake(q, k, weights, topk, causal, compress_ratio, cu_seql
     return (q.new_empty((q.shape[0], q.shape[1], topk), dtype=torch.int32),)
 
 
-def _indexer_scores_kwargs(ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k) -> dict:
-    return dict(ratio=ratio, q_causal_offsets=q_causal_offsets, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+def _indexer_scores_kwargs(ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, precision, q_scale,
+                           k_scale) -> dict:
+    return dict(ratio=ratio, q_causal_offsets=q_causal_offsets, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                precision=precision, q_scale=q_scale, k_scale=k_scale)
 
 
 def _indexer_scores_run(q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k,
-                        return_lse):
+                        return_lse, precision, q_scale, k_scale):
     res = _public("indexer", "indexer_scores")(
         q_indexer, k_indexer, weights, return_lse=return_lse, impl="fused",
-        **_indexer_scores_kwargs(ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k))
+        **_indexer_scores_kwargs(ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, precision, q_scale, k_scale))
     return tuple(res) if return_lse else (res, _empty(q_indexer))
 
 
 def _indexer_scores_run_out(q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k,
-                            return_lse, out_scores, out_lse):
+                            return_lse, precision, q_scale, k_scale, out_scores, out_lse):
     """The kernel writes straight into the caller's tensors (indexer_scores' own out= / lse_out=)."""
     _public("indexer", "indexer_scores")(
         q_indexer, k_indexer, weights, return_lse=return_lse, out=out_scores,
         lse_out=out_lse if return_lse else None, impl="fused",
-        **_indexer_scores_kwargs(ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k))
+        **_indexer_scores_kwargs(ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, precision, q_scale, k_scale))
 
 
 def _indexer_scores_fake(q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k,
-                         return_lse):
+                         return_lse, precision, q_scale, k_scale):
     """BSHD: scores `[B, S_q, S_k]`, lse `[B, S_q]`; THD: `[total_q, max_seqlen_k]` (a data-dependent width),
     `[total_q]`. FP32 (FP64 for FP64 inputs); lse is `(0,)` without return_lse."""
-    acc = _acc_dtype(q_indexer, k_indexer, weights)
+    acc = torch.float32 if precision == "fp8" else _acc_dtype(q_indexer, k_indexer, weights)
     if cu_seqlens_q is not None:
         rows = (q_indexer.shape[0],)
         shape = rows + (torch.library.get_ctx().new_dynamic_size(),)
@@ -131,6 +133,30 @@ def _indexer_scores_fake(q_indexer, k_indexer, weights, ratio, q_causal_offsets,
         shape = rows + (k_indexer.shape[1],)
     lse = q_indexer.new_empty(rows, dtype=acc) if return_lse else _empty(q_indexer)
     return q_indexer.new_empty(shape, dtype=acc), lse
+
+
+def _indexer_forward_topk_run(q_indexer, k_indexer, weights, top_k, ratio, q_causal_offsets, return_softmax,
+                              return_lse, topk_indices_global, cu_seqlens_q, cu_seqlens_k, deterministic, precision,
+                              q_scale, k_scale):
+    res = _public("indexer", "indexer_forward_topk")(
+        q_indexer, k_indexer, weights, top_k, ratio=ratio, q_causal_offsets=q_causal_offsets,
+        return_softmax=return_softmax, return_lse=return_lse, topk_indices_global=topk_indices_global,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, deterministic=deterministic, impl="fused",
+        precision=precision, q_scale=q_scale, k_scale=k_scale)
+    return (res.indices, res.logits, _none_as_empty(res.softmax, q_indexer), _none_as_empty(res.lse, q_indexer))
+
+
+def _indexer_forward_topk_fake(q_indexer, k_indexer, weights, top_k, ratio, q_causal_offsets, return_softmax,
+                               return_lse, topk_indices_global, cu_seqlens_q, cu_seqlens_k, deterministic, precision,
+                               q_scale, k_scale):
+    """indices int32 and logits / softmax `[B, S_q, top_k]` (THD `[total_q, top_k]`), lse `[B, S_q]` (THD
+    `[total_q]`); FP32 (FP64 for FP64 inputs); softmax / lse `(0,)` when not asked for."""
+    acc = torch.float32 if precision == "fp8" else _acc_dtype(q_indexer, k_indexer, weights)
+    rows = (q_indexer.shape[0],) if cu_seqlens_q is not None else tuple(q_indexer.shape[:2])
+    slots = rows + (top_k,)
+    return (q_indexer.new_empty(slots, dtype=torch.int32), q_indexer.new_empty(slots, dtype=acc),
+            q_indexer.new_empty(slots, dtype=acc) if return_softmax else _empty(q_indexer),
+            q_indexer.new_empty(rows, dtype=acc) if return_lse else _empty(q_indexer))
 
 
 def _indexer_topk_run(input_values, seq_lens, top_k, return_values, next_n):
@@ -235,8 +261,14 @@ OPS: tuple[OpDef, ...] = (
           "int compress_ratio=1, Tensor? cu_seqlens=None, Tensor? cu_seqlens_k=None, bool? check_offsets=None",
           ("indices",), _lightning_indexer_run, _lightning_indexer_fake),
     OpDef("indexer_scores", "Tensor q_indexer, Tensor k_indexer, Tensor weights, int ratio=1, "
-          "Tensor? q_causal_offsets=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, bool return_lse=False",
+          "Tensor? q_causal_offsets=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, bool return_lse=False, "
+          "str precision=\"default\", Tensor? q_scale=None, Tensor? k_scale=None",
           ("scores", "lse"), _indexer_scores_run, _indexer_scores_fake, _indexer_scores_run_out),
+    OpDef("indexer_forward_topk", "Tensor q_indexer, Tensor k_indexer, Tensor weights, int top_k, int ratio=1, "
+          "Tensor? q_causal_offsets=None, bool return_softmax=True, bool return_lse=False, "
+          "bool topk_indices_global=True, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
+          "bool deterministic=False, str precision=\"default\", Tensor? q_scale=None, Tensor? k_scale=None",
+          ("indices", "logits", "softmax", "lse"), _indexer_forward_topk_run, _indexer_forward_topk_fake),
     OpDef("indexer_topk", "Tensor input_values, Tensor seq_lens, int top_k, bool return_values=True, int next_n=1",
           ("indices", "values"), _indexer_topk_run, _indexer_topk_fake),
     OpDef("sparse_indexer_score_recompute", "Tensor q_indexer, Tensor k_indexer, Tensor weights, "

@@ -4,7 +4,7 @@ Top-K, §5 Indexer Top-K): dsagen.indexer_scores, dsagen.indexer_topk, dsagen.in
 Layouts: BSHD (cuDNN frontend DSA's primary layout) and, for indexer_scores and indexer_forward_topk, the packed THD
 layout of cuDNN frontend DSA §3/§4, selected by passing cu_seqlens_q / cu_seqlens_k. indexer_topk works on rows and
 needs no layout. The default impl is "fused" as for every dsagen op: the generated kernel, with no silent
-fallback to the reference (indexer_scores' fused kernels take both layouts; indexer_forward_topk has none yet).
+fallback to the reference (the fused indexer_scores and indexer_forward_topk take both layouts).
 """
 
 from __future__ import annotations
@@ -396,11 +396,12 @@ def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weigh
                          ratio: int = 1, q_causal_offsets: torch.Tensor | None = None, return_softmax: bool = True,
                          return_lse: bool = False, topk_indices_global: bool = True,
                          cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
-                         impl: str = "fused") -> IndexerTopK:
+                         deterministic: bool = False, impl: str = "fused", precision: str = "default",
+                         q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> IndexerTopK:
     """Indexer scores, top-k and top-k softmax in one call (cuDNN frontend DSA §4, Combined Indexer Forward + Top-K).
 
-    Scores and the ratio-causal mask are exactly indexer_scores'; each row then keeps its top_k valid
-    columns. Rows extending beyond the key prefix are clamped to S_k.
+    Scores and the ratio-causal mask are exactly indexer_scores' (precision="fp8" included); each row then keeps its
+    top_k valid columns. Rows extending beyond the key prefix are clamped to S_k.
 
     Packed THD layout (cuDNN frontend DSA §4), selected by passing cu_seqlens_q and cu_seqlens_k: each segment is
     computed exactly as a BSHD batch (indexer_scores describes the segments); outputs are per packed
@@ -409,14 +410,26 @@ def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weigh
     B = 1 view cuDNN frontend DSA's indexer backward uses for THD). Rows at or after cu_seqlens_q[-1] are empty
     rows (-1 / -inf / 0 / -inf).
 
+    impl="fused" (sm_90a; notes/kernels/indexer.md, "indexer_forward_topk"): the lightning indexer's pipeline with
+    indexer_scores' mask: per slab of query rows the wgmma score kernel writes the rows' valid scores into a bounded
+    FP32 slab (at most 32 MiB, never the dense [S_q, S_k] scores), a radix top-k selects from it and writes the ids
+    and their scores, then one pass writes the softmax, the LSE and the global ids. Limits as indexer_scores' fused
+    path (bf16 / fp16 with weights of the same dtype, or FP8 at D = 128; H in (8, 16, 32, 64, 128), D in (64, 128),
+    S_q and S_k <= 2**20) and top_k <= 2**20. The selection is always the deterministic one (ties at the k-th value
+    go to the lower key ids; repeated calls give identical results), so deterministic=True changes nothing; its
+    slots are in ascending key id order. BSHD calls read nothing on the host (torch.compile, CUDA graphs).
+
     Args:
-        q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k: as for
-            indexer_scores (the offsets are read on the host in THD).
+        q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, precision, q_scale,
+            k_scale: as for indexer_scores (the offsets are read on the host in THD).
         top_k: in [0, 2**31 - 1]; rows with fewer valid columns are padded.
         return_softmax: also return the softmax over each row's selected logits (default True).
         return_lse: also return the logsumexp of each row's selected logits.
         topk_indices_global: return flat ids (BSHD: b * S_k + local; THD: cu_seqlens_k[b] + local; the
-            default, as cuDNN frontend DSA) instead of per-batch / per-segment local ids. Padding stays -1 either way.
+            default, as cuDNN frontend DSA) instead of per-batch / per-segment local ids. Padding stays -1 either
+            way. Flat BSHD ids must fit int32: B * S_k <= 2**31 - 1.
+        deterministic: cuDNN frontend DSA's flag (ties at the k-th value toward the lower ids). Both impls always
+            select that way, so it only documents the caller's intent.
         impl: "fused" (default) or "reference".
 
     Returns:
@@ -424,32 +437,54 @@ def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weigh
           indices int32 [B, S_q, top_k] (THD: [total_q, top_k]), -1 padding;
           logits FP32 (FP64 for FP64 inputs), same leading shape, the selected scores, -inf padding;
           softmax same dtype and shape, softmax over the valid slots, 0 on padding and on empty rows
-          (None unless return_softmax);
+          (None unless return_softmax): usable directly as indexer_backward's index_score;
           lse [B, S_q] (THD: [total_q]), logsumexp of the valid slots, -inf for empty rows (None unless
           return_lse).
-        The reference's slot order is descending score with ties toward the smallest local KV index
-        (so the selected set is the deterministic one of cuDNN frontend DSA's deterministic=True, and the slots
-        are additionally sorted). logits/softmax/lse are differentiable with respect to the inputs for
-        the fixed selection; indices are not.
+        Both impls select the same set (up to scores equal within rounding). The reference's slot order is
+        descending score with ties toward the smallest local KV index; the fused path's is ascending key id.
+        The reference's logits/softmax/lse are differentiable with respect to the inputs for the fixed
+        selection; indices are not; the fused path's outputs have no grad_fn.
 
     Raises:
         as indexer_scores, plus TypeError/ValueError for top_k (an int in [0, 2**31 - 1] whose outputs fit
-        in the device's memory; the message names top_k and the size) and the bool flags.
+        in the device's memory; the message names top_k and the size), the bool flags, and B * S_k past int32
+        with topk_indices_global.
     """
     check_impl(impl)
+    fp8 = check_precision(precision, q_scale, k_scale)
     b, packed, thd = check_dense_inputs(q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q,
-                                        cu_seqlens_k)
+                                        cu_seqlens_k, qk_dtypes=FP8_DTYPES if fp8 else FLOAT_DTYPES)
+    if fp8:
+        check_fp8_scales(q_indexer, k_indexer, weights, q_scale, k_scale)
     check_bool("return_softmax", return_softmax)
     value_dtype = torch.float64 if q_indexer.dtype == torch.float64 else torch.float32
     check_topk("top_k", top_k, tuple(q_indexer.shape[:-2]), 4 + (2 if return_softmax else 1) * value_dtype.itemsize,
                q_indexer.device, what=f"int32 indices, {value_dtype} logits" + (" and softmax" if return_softmax else ""))
     check_bool("return_lse", return_lse)
     check_bool("topk_indices_global", topk_indices_global)
+    check_bool("deterministic", deterministic)
+    if topk_indices_global and not packed and b * k_indexer.shape[1] > 2 ** 31 - 1:
+        raise ValueError(f"topk_indices_global=True gives flat int32 ids b * S_k + local, but B * S_k = "
+                         f"{b} * {k_indexer.shape[1]} exceeds 2**31 - 1; pass topk_indices_global=False")
     kwargs = dict(ratio=ratio, q_causal_offsets=q_causal_offsets, return_softmax=return_softmax,
                   return_lse=return_lse, topk_indices_global=topk_indices_global)
     if impl == "reference":
         from ..reference.indexer import indexer_forward_topk as reference
 
+        if fp8:
+            q_indexer, k_indexer, weights = dequantize_fp8(q_indexer, k_indexer, weights, q_scale, k_scale)
         return reference(q_indexer, k_indexer, weights, top_k, **kwargs, **thd)
-    return fused_op("indexer_forward_topk", q_indexer.device, packed)(q_indexer, k_indexer, weights, top_k,
-                                                                     **kwargs)
+    from ._fused import fused_impl
+
+    fn = fused_impl("indexer_forward_topk", q_indexer.device)
+    cu_q = cu_k = None
+    width = k_indexer.shape[1]
+    if packed:
+        cu_q = thd["cu_seqlens_q"].to(torch.int32).contiguous()
+        cu_k = thd["cu_seqlens_k"].to(torch.int32).contiguous()
+        width = max_key_len(thd_segments(thd["cu_seqlens_q"], thd["cu_seqlens_k"]))
+    offsets = None if q_causal_offsets is None else q_causal_offsets.contiguous()
+    scales = dict(q_scale=q_scale, k_scale=k_scale) if fp8 else {}
+    return IndexerTopK(*fn(q_indexer, k_indexer, weights, top_k, ratio=ratio, q_causal_offsets=offsets,
+                           cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, width=width, return_softmax=return_softmax,
+                           return_lse=return_lse, topk_indices_global=topk_indices_global, **scales))

@@ -31,7 +31,8 @@ from typing import Any
 
 from ..kernels.indices.spec import CompactifySpec, LocalToGlobalSpec
 from ..kernels.lightning_indexer.spec import INDEXER_DTYPES, INDEXER_HEAD_DIMS, INDEXER_HEADS
-from ..kernels.lightning_indexer.spec import config_for as indexer_config
+from ..kernels.lightning_indexer.spec import INDEXER_FP8_DTYPE, config_for as indexer_config
+from ..kernels.lightning_indexer.spec import forward_topk_config_for, scores_config_for
 from ..kernels.attn_score_recompute.spec import config_for as attn_score_recompute_config
 from ..kernels.indexer_bwd.spec import config_for as indexer_bwd_config
 from ..kernels.indexer_score_recompute.spec import config_for as indexer_score_recompute_config
@@ -186,6 +187,11 @@ def specs_for_model(model: ModelAttention, arch: str) -> list[KernelSpec]:
     if hopper:
         # lightning indexer: one score kernel + the top-k plan's kernels serve every topk and compress ratio
         out.extend(indexer_config(model.index_n_heads, model.index_head_dim, model.dtype, arch).specs())
+        # dense indexer forward (indexer_scores) and the combined indexer + top-k (indexer_forward_topk), in the
+        # model's dtype and in FP8 (E4M3 at head dim 128, as serving stacks run the indexer)
+        for dtype in (model.dtype,) + ((INDEXER_FP8_DTYPE,) if model.index_head_dim == 128 else ()):
+            out.extend(scores_config_for(model.index_n_heads, model.index_head_dim, dtype, arch).specs())
+            out.extend(forward_topk_config_for(model.index_n_heads, model.index_head_dim, dtype, arch).specs())
         # standalone indexer top-k (any width; its plan's kernels serve every row length)
         out.extend(indexer_topk_config(arch).specs())
         # sparse indexer score recompute (the indexer's distribution over the selected slots, for its KL loss)

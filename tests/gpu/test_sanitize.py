@@ -27,7 +27,7 @@ import dsagen.kernels.sparse_mla.host as fused_sa
 from dsagen.reference.indexer import weighted_relu_scores
 from dsagen.spec import CompactifySpec, LocalToGlobalSpec
 from dsagen.kernels.lightning_indexer.spec import config_for as indexer_config
-from dsagen.kernels.lightning_indexer.spec import scores_config_for
+from dsagen.kernels.lightning_indexer.spec import forward_topk_config_for, scores_config_for
 from dsagen.kernels.sparse_mla.spec import SparseAttnFwdConfig, config_for
 from dsagen.kernels.attn_score_recompute import host as rc_host
 from dsagen.kernels.attn_score_recompute.spec import config_for as rc_config_for
@@ -58,7 +58,10 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
                                                                  deterministic=det) for det in (False, True)] + [
     *topk_rows_plan(ARCH).specs()] + [
     RowScatterAddSpec(arch=ARCH, width=w) for w in sorted({INDEXER_SHAPE[1], *(d for _, d in SPARSE_SHAPES)})] + [
-    *scores_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).specs()]
+    *scores_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).specs()] + [
+    *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).specs(),
+    *forward_topk_config_for(*INDEXER_SHAPE, "float8_e4m3fn", ARCH).specs()]
+FORWARD_TOPK_SPECS = forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs()
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -373,6 +376,98 @@ def test_topk_kernel(spec):
         else:
             want = torch.sort(torch.sort(vals[r], descending=True, stable=True).indices[:topk]).values
         assert torch.equal(got[r], want), f"n={n}: {got[r][:16].tolist()} vs {want[:16].tolist()}"
+
+
+@gpu
+@pytest.mark.parametrize("spec", FORWARD_TOPK_SPECS, ids=[s.name() for s in FORWARD_TOPK_SPECS])
+def test_forward_topk_kernel(spec):
+    """Each forward top-k kernel (indexer_forward_topk's plan) alone on slab rows written only over their valid
+    columns, one row per batch element with causal offsets that give n <= topk, short rows and rows long enough for
+    the sampled threshold: ids exact against a sort, values the selected scores, -1 / -inf padding."""
+    from dsagen.jit import get_kernel
+
+    kern = get_kernel(spec, 0)
+    gen = torch.Generator().manual_seed(304)
+    lens, topk, s_k = [5, 64, 65, 301, 1027, 4099, 13001], 64, 13001
+    rows = len(lens)
+    ld = -(-s_k // 4) * 4
+    slab = torch.empty((rows, ld), dtype=torch.float32, device=DEV)
+    vals = [torch.randn(n, generator=gen) for n in lens]
+    for r, n in enumerate(lens):
+        slab[r, :n].copy_(vals[r])
+    dummy = torch.zeros(4, dtype=torch.int32, device=DEV)
+    off = torch.tensor(lens, dtype=torch.int32, device=DEV) - 1          # row t = 0 of batch b sees lens[b] keys
+    out = torch.empty((rows, 1, topk), dtype=torch.int32, device=DEV)
+    val = torch.empty((rows, 1, topk), dtype=torch.float32, device=DEV)
+    # args: slab, out, values, cu_q, cu_k, q_off, n_docs, T, S, n_tblk, blk0, qc, nrows, topk, ratio, has_off, ld
+    kern.launch(slab, out, val, dummy, dummy, off, 0, 1, s_k, 1, 0, 1, rows, topk, 1, 1, ld)
+    torch.cuda.synchronize()
+    got, got_v = out[:, 0].cpu().long(), val[:, 0].cpu()
+    for r, n in enumerate(lens):
+        if n <= topk:
+            want = torch.where(torch.arange(topk) < n, torch.arange(topk), -1)
+        else:
+            want = torch.sort(torch.sort(vals[r], descending=True, stable=True).indices[:topk]).values
+        assert torch.equal(got[r], want), f"n={n}: {got[r][:16].tolist()} vs {want[:16].tolist()}"
+        want_v = torch.where(want >= 0, vals[r][want.clamp(min=0)], float("-inf"))
+        assert torch.equal(got_v[r], want_v)
+
+
+def _forward_topk_check(res, q, k, w, top_k, **kw):
+    """indexer_forward_topk's fused result: the ids are the top-k of the fused indexer_scores rows (exact), the
+    logits those scores, the softmax sums to 1 on rows with a valid slot."""
+    scores = dsagen.indexer_scores(q, k, w, impl="fused", **kw)
+    packed = "cu_seqlens_q" in kw
+    flat = scores.reshape(-1, scores.shape[-1])
+    ids = res.indices.reshape(flat.shape[0], top_k).long()
+    valid = ids >= 0
+    if not packed:
+        ids = torch.where(valid, ids - (torch.arange(flat.shape[0], device=DEV) // q.shape[1])[:, None]
+                          * k.shape[1], ids)
+    else:
+        cu_q, cu_k = kw["cu_seqlens_q"].long(), kw["cu_seqlens_k"].long()
+        seg = (torch.searchsorted(cu_q, torch.arange(flat.shape[0], device=DEV), right=True) - 1).clamp(
+            max=len(cu_q) - 2)
+        ids = torch.where(valid, ids - cu_k[seg][:, None], ids)
+    n = (~torch.isneginf(flat)).sum(-1).clamp(max=top_k)
+    assert torch.equal(valid.sum(-1), n)
+    picked = torch.where(valid, flat.gather(-1, ids.clamp(min=0)), float("-inf"))
+    assert torch.equal(picked, res.logits.reshape(picked.shape))
+    total = res.softmax.reshape(picked.shape).double().sum(-1)
+    assert ((total - (n > 0).double()).abs() <= 1e-5).all()
+
+
+@gpu
+def test_indexer_forward_topk_bshd():
+    """indexer_forward_topk, B = 2, odd S_q, ratio 4, one negative offset (empty rows) and one past the KV prefix:
+    the dense_scores score kernel into the slab, the forward top-k, the softmax / LSE / global-id pass."""
+    gen = torch.Generator().manual_seed(314)
+    h, d = INDEXER_SHAPE
+    q = torch.randn((2, 151, h, d), generator=gen).bfloat16().to(DEV)
+    k = torch.randn((2, 70, d), generator=gen).bfloat16().to(DEV)
+    w = torch.randn((2, 151, h), generator=gen).bfloat16().to(DEV)
+    kw = dict(ratio=4, q_causal_offsets=torch.tensor([-40, 300], dtype=torch.int32, device=DEV))
+    res = dsagen.indexer_forward_topk(q, k, w, 16, return_lse=True, impl="fused", **kw)
+    torch.cuda.synchronize()
+    _forward_topk_check(res, q, k, w, 16, **kw)
+
+
+@gpu
+def test_indexer_forward_topk_packed_fp8():
+    """indexer_forward_topk THD in FP8: empty segments, rows after the last offset, key rows in no segment."""
+    gen = torch.Generator().manual_seed(315)
+    h, d = INDEXER_SHAPE
+    cu_q = torch.tensor([0, 3, 3, 120, 121, 200], dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0, 2, 9, 9, 40, 90], dtype=torch.int32, device=DEV)
+    q = (torch.randn((205, h, d), generator=gen) * 4).to(torch.float8_e4m3fn).to(DEV)
+    k = (torch.randn((93, d), generator=gen) * 4).to(torch.float8_e4m3fn).to(DEV)
+    w = torch.randn((205, h), generator=gen).bfloat16().to(DEV)
+    kw = dict(ratio=1, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, precision="fp8",
+              q_scale=(torch.rand((205, h), generator=gen) + 0.05).to(DEV),
+              k_scale=(torch.rand((93,), generator=gen) + 0.05).to(DEV))
+    res = dsagen.indexer_forward_topk(q, k, w, 8, return_lse=True, impl="fused", **kw)
+    torch.cuda.synchronize()
+    _forward_topk_check(res, q, k, w, 8, **kw)
 
 
 # ---------------------------------------------------------------------------------------- sanitizer probes

@@ -128,6 +128,9 @@ class IndexerTopkSpec(KernelSpec):
     selected (above or in the crossing bin) fit TOPK_COMPACT_CAP[threads] entries, that pass also writes them as
     (key, id) in id order to shared memory, and the later passes and the emit read them (rows that never fit run
     from global memory throughout). Same results as without it.
+    forward_topk: the dsagen.indexer_forward_topk form: the causal limit takes per-segment q_causal_offsets (the
+    dense indexer's mask, always causal) and the selected scores are written beside the ids (three more params:
+    values, q_off, has_off; no causal flag). False generates the lightning indexer's kernel.
     """
 
     op = "lightning_indexer_topk"
@@ -135,6 +138,7 @@ class IndexerTopkSpec(KernelSpec):
 
     threads: int = 512
     sample: bool = False
+    forward_topk: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -168,6 +172,31 @@ class IndexerScoresMaskSpec(KernelSpec):
         out = super().reasons()
         if self.arch != "sm_90a":
             out.append(f"the indexer_scores mask / LSE kernel is implemented for sm_90a only, not {self.arch}")
+        if isinstance(self.threads, int) and not (64 <= self.threads <= 1024 and self.threads % 32 == 0):
+            out.append(f"threads={self.threads} must be a multiple of 32 in 64..1024")
+        return out
+
+
+@register_spec
+@dataclass(frozen=True)
+class IndexerTopkSoftmaxSpec(KernelSpec):
+    """The finishing pass of dsagen.indexer_forward_topk (sm_90a): after the forward top-k kernel wrote each row's
+    selected ids (row-local) and scores, it writes the row's logsumexp and softmax over the selected slots (0 on
+    padding; -inf LSE for a row without one) and, when asked at run time, turns the ids into global key rows.
+    Persistent, one row per CTA at a time, `threads` threads (topk_softmax_sm90's docstring).
+
+    threads: per CTA, a multiple of 32 in 64..1024.
+    """
+
+    op = "indexer_forward_topk_softmax"
+    template = "lightning_indexer/topk_softmax_{arch}.py.j2"
+
+    threads: int = 256
+
+    def reasons(self) -> list[str]:
+        out = super().reasons()
+        if self.arch != "sm_90a":
+            out.append(f"the indexer_forward_topk softmax kernel is implemented for sm_90a only, not {self.arch}")
         if isinstance(self.threads, int) and not (64 <= self.threads <= 1024 and self.threads % 32 == 0):
             out.append(f"threads={self.threads} must be a multiple of 32 in 64..1024")
         return out
@@ -245,3 +274,40 @@ def config_for(num_heads: int, head_dim: int, dtype: str, arch: str) -> IndexerC
     return IndexerConfig(score=IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
                                                 stages=4),
                          topk=plan, chunk_rows=4096, slab_bytes=128 * 2 ** 20, slab_max_rows=1024)
+
+
+@dataclass(frozen=True)
+class ForwardTopkConfig:
+    """Every choice of a fused dsagen.indexer_forward_topk call (forward_topk_config_for picks it; a benchmark passes
+    a variant to dsagen.kernels.lightning_indexer.forward_topk_host.indexer_forward_topk(..., config=...)).
+
+    score: the dense_scores score kernel (it fills the slab).  topk: the forward top-k kernels and the per-slab
+    choice among them.  softmax: the finishing kernel.  chunk_rows: candidates per score work item.
+    slab_bytes / slab_max_rows: caps of the fp32 score slab (bytes, rows), which never grows with S_q or B.
+    softmax_ctas_per_sm: the finishing kernel's persistent CTAs per SM."""
+
+    score: IndexerScoreSpec
+    topk: TopkPlan
+    softmax: IndexerTopkSoftmaxSpec
+    chunk_rows: int
+    slab_bytes: int
+    slab_max_rows: int
+    softmax_ctas_per_sm: int
+
+    def specs(self) -> tuple[KernelSpec, ...]:
+        """Every kernel a call may run: the score kernel, the plan's top-k kernels, the finishing kernel."""
+        return (self.score, *self.topk.specs(), self.softmax)
+
+
+@functools.lru_cache(maxsize=None)
+def forward_topk_config_for(num_heads: int, head_dim: int, dtype: str, arch: str) -> ForwardTopkConfig:
+    """The configuration of the fused indexer_forward_topk for H, D, dtype (bf16 / fp16, or float8_e4m3fn at D 128)
+    and arch: the lightning indexer's pipeline (config_for's score kernel, in its dense_scores form, and top-k plan,
+    in their forward_topk form; work items of 4096 candidates) over a slab of at most 32 MiB and 1024 rows, then a
+    256-thread finishing kernel with 8 CTAs per SM."""
+    plan = measured_plan(lambda threads, sample: IndexerTopkSpec(arch=arch, threads=threads, sample=sample,
+                                                                 forward_topk=True))
+    score = IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype, stages=4,
+                             dense_scores=True)
+    return ForwardTopkConfig(score=score, topk=plan, softmax=IndexerTopkSoftmaxSpec(arch=arch, threads=256),
+                             chunk_rows=4096, slab_bytes=32 * 2 ** 20, slab_max_rows=1024, softmax_ctas_per_sm=8)

@@ -1,12 +1,15 @@
 """Radix top-k over fp32 rows (sm_90a): `build(threads, sample, compact_cap)` makes the kernel of one IndexerTopkSpec
 (the lightning indexer's score slab), `build(..., rows=True)` that of one IndexerTopkRowsSpec (the standalone
-`indexer_topk` over a matrix with per-row lengths). Both run the same per-row selection (`select`).
+`indexer_topk` over a matrix with per-row lengths), `build(..., forward=True)` that of the slab kernel of
+indexer_forward_topk. All run the same per-row selection (`select`).
 
 For slab row r (query token (b, t) of the slab's token blocks) with n = hi - lo valid candidates, the kernel writes
 the ids of its `topk` largest scores to out[b, t, :] in ascending order (ties at the threshold resolved toward lower
 ids), or 0..n-1 followed by -1 when n <= topk. The rows kernel does the same for row r of the matrix over its first
 n = clamp(lens[r // rows_per_len], 0, n_cols) columns, into out[r, :], and writes each selected id's score beside it
-(values[r, :], -inf past the valid count).
+(values[r, :], -inf past the valid count). The forward kernel (`build(..., forward=True)`, indexer_forward_topk's
+IndexerTopkSpec(forward_topk=True)) is the slab kernel with the dense indexer's causal limit (per-segment causal
+offsets) that also writes the values.
 
 One CTA of `threads` threads per row; warp w owns one contiguous segment of the row (a multiple of 128 keys, read
 with 128-bit loads, 4 loads in flight per thread). Scores become order-preserving uint32 keys (negative floats: all
@@ -189,11 +192,42 @@ PARAMS_ROWS = [
 ]
 
 
-def build(threads: int, sample: bool, compact_cap: int, rows: bool = False):
+#: The indexer_forward_topk form (IndexerTopkSpec.forward_topk): the slab kernel with the dense indexer's causal limit
+#: (per-segment q_causal_offsets, always causal) that also writes each selected id's score.
+PARAMS_FORWARD = [
+    {"name": "slab", "kind": "ptr", "dtype": "float32", "align": 16},   # (nrows, ld_slab) fp32 scores
+    {"name": "out", "kind": "ptr", "dtype": "int32", "align": 4},       # [B, T, topk] int32 (local ids)
+    {"name": "values", "kind": "ptr", "dtype": "float32", "align": 4},  # [B, T, topk] fp32 (the selected scores)
+    {"name": "cu_q", "kind": "ptr", "dtype": "int32", "align": 4},
+    {"name": "cu_k", "kind": "ptr", "dtype": "int32", "align": 4},
+    {"name": "q_off", "kind": "ptr", "dtype": "int32", "align": 4},     # [segments] causal offsets (has_off)
+    {"name": "n_docs", "kind": "i32"},
+    {"name": "T", "kind": "i32"},
+    {"name": "S", "kind": "i32"},
+    {"name": "n_tblk", "kind": "i32"},                                  # token blocks per batch element
+    {"name": "blk0", "kind": "i32"},                                    # first token block of the slab
+    {"name": "qc", "kind": "i32"},                                      # tokens per token block
+    {"name": "nrows", "kind": "i32"},                                   # slab rows (= blocks * qc)
+    {"name": "topk", "kind": "i32"},
+    {"name": "ratio", "kind": "i32"},
+    {"name": "has_off", "kind": "i32"},
+    {"name": "ld_slab", "kind": "i64"},                                 # a multiple of 4 (16-byte rows)
+]
+
+
+def params(forward: bool) -> list[dict]:
+    """The ABI of the slab kernel: PARAMS_FORWARD for indexer_forward_topk's form, else PARAMS."""
+    return list(PARAMS_FORWARD if forward else PARAMS)
+
+
+def build(threads: int, sample: bool, compact_cap: int, rows: bool = False, forward: bool = False):
     """The top-k kernel of IndexerTopkSpec(threads, sample) (rows=False: over the slab rows, ABI PARAMS) or of
     IndexerTopkRowsSpec(threads, sample) (rows=True: row r of an (n_rows, ld_x) fp32 matrix over its first
-    clamp(lens[r // rows_per_len], 0, n_cols) columns into out[r] and its scores into values[r], ABI PARAMS_ROWS):
-    returns (kernel, host, LAUNCH).
+    clamp(lens[r // rows_per_len], 0, n_cols) columns into out[r] and its scores into values[r], ABI PARAMS_ROWS)
+    or of IndexerTopkSpec(threads, sample, forward_topk=True) (forward=True: the slab rows of indexer_forward_topk,
+    whose causal limit takes the per-segment offsets q_off (row_bounds with p_off, always causal), their ids into
+    out and the selected scores into values, -inf past the valid count; ABI PARAMS_FORWARD): returns (kernel,
+    host, LAUNCH).
 
     threads: 128, 512 or 1024 (CTA size; one CTA per row).  sample: the sampled threshold and the compacted
     candidates in shared memory.  compact_cap: (key, id) entries of shared memory per row (sample only).
@@ -556,6 +590,39 @@ def build(threads: int, sample: bool, compact_cap: int, rows: bool = False):
                 preferred_smem_carveout=-1)
 
         return rows_kernel, rows_host, LAUNCH
+
+    if forward:
+        @cute.kernel
+        def fwd_kernel(p_slab: cute.Pointer, p_out: cute.Pointer, p_val: cute.Pointer, p_cu_q: cute.Pointer,
+                       p_cu_k: cute.Pointer, p_off: cute.Pointer, n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32,
+                       blk0: Int32, qc: Int32, nrows: Int32, topk: Int32, ratio: Int32, has_off: Int32,
+                       ld_slab: Int64):
+            tidx, _, _ = cute.arch.thread_idx()
+            row, _, _ = cute.arch.block_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            lane = cute.arch.lane_idx()
+            blk = blk0 + row // qc
+            b = blk // n_tblk
+            t = (blk - b * n_tblk) * qc + (row - (row // qc) * qc)
+            if t < T:                                      # CTA-uniform: padding rows of a last block exit
+                sh = smem_views()
+                lo, hi = row_bounds(p_cu_q, p_cu_k, n_docs, t, T, S, Int32(1), ratio, p_off, has_off, b)
+                at = (Int64(b) * Int64(T) + Int64(t)) * Int64(topk)
+                mOut = cute.make_tensor(p_out + at, cute.make_layout(topk))
+                mVal = cute.make_tensor(cute.recast_ptr(p_val, dtype=Uint32) + at, cute.make_layout(topk))
+                select(sh, p_slab + Int64(row) * ld_slab, hi - lo, mOut, topk, tidx, warp, lane, True, mVal,
+                       Int32(1))
+
+        @cute.jit
+        def fwd_host(p_slab: cute.Pointer, p_out: cute.Pointer, p_val: cute.Pointer, p_cu_q: cute.Pointer,
+                     p_cu_k: cute.Pointer, p_off: cute.Pointer, n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32,
+                     blk0: Int32, qc: Int32, nrows: Int32, topk: Int32, ratio: Int32, has_off: Int32,
+                     ld_slab: Int64):
+            fwd_kernel(p_slab, p_out, p_val, p_cu_q, p_cu_k, p_off, n_docs, T, S, n_tblk, blk0, qc, nrows, topk,
+                       ratio, has_off, ld_slab).launch(grid=(nrows, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES,
+                                                       min_blocks_per_mp=MIN_CTAS, preferred_smem_carveout=-1)
+
+        return fwd_kernel, fwd_host, LAUNCH
 
     @cute.kernel
     def kernel(p_slab: cute.Pointer, p_out: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,

@@ -1,0 +1,168 @@
+"""Benchmark: the dense indexer forward beside cuDNN frontend DSA's SM90 kernels, in one process on the same tensors
+(GPU): dense scores (dsagen.indexer_scores, BF16 and FP8) against cuDNN's indexer_forward_wrapper, and the combined
+indexer + top-k (dsagen.indexer_forward_topk, with logits, softmax and LSE) against cuDNN's two-call pipeline
+(indexer_forward_wrapper, then indexer_top_k_wrapper with values) and dsagen.lightning_indexer at the same shape.
+
+    python bench/indexer_forward.py [--T 4096 8192 32768] [--topk 2048] [--rounds 7] [--no-cudnn] [--json FILE]
+                                    [--slab-mib 32 128]
+
+B = 1, H = 64, D = 128, S_k = T, ratio 1 (causal), fresh random inputs; FP8: E4M3 q / k with per-(token, head) and
+per-token FP32 descales (amax / 448), BF16 weights. Every group of contenders is timed interleaved
+(common.paired_time_ms: 7 rounds, shuffled order, median), so the ratios are same-run ratios. Rows:
+  scores bf16 / fp8        the dense FP32 scores [1, T, T] (-inf masked), allocated by each call; "+lse" also the
+                           row logsumexp (cuDNN: return_lse=True);
+  forward_topk bf16 / fp8  indices, logits, softmax and LSE; `slab N MiB` the same op with another slab cap;
+  lightning_indexer        dsagen.lightning_indexer(causal=True): ids only (the same score + top-k pipeline);
+  cudnn pipeline           indexer_forward_wrapper(ratio=1) + indexer_top_k_wrapper(return_val=True).
+TFLOP/s counts the causal pairs: 2 H D T (T + 1) / 2.
+--slab-mib: extra forward_topk contenders with those slab caps (the config default is in the notes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import torch
+from common import paired_time_ms
+
+H, D = 64, 128
+
+
+def _cudnn():
+    try:
+        from cudnn import DSA
+    except Exception as e:                       # noqa: BLE001 - the peer is optional
+        print(f"# cuDNN frontend DSA not importable ({type(e).__name__}: {e}); dsagen rows only")
+        return None
+    return DSA
+
+
+def to_fp8(x: torch.Tensor):
+    """E4M3 values and FP32 descales over the last dim (amax / 448)."""
+    amax = x.float().abs().amax(dim=-1).clamp(min=1e-6)
+    scale = amax / 448.0
+    return (x.float() / scale[..., None]).to(torch.float8_e4m3fn), scale.float()
+
+
+def _group(name_fns: list[tuple[str, object]], rounds: int) -> dict[str, float]:
+    names = [n for n, _ in name_fns]
+    times = paired_time_ms([f for _, f in name_fns], rounds=rounds)
+    return dict(zip(names, times))
+
+
+def one_shape(t: int, args, dsa, gen) -> dict:
+    import dsagen
+    from dsagen.kernels.lightning_indexer.forward_topk_host import indexer_forward_topk as host_op
+    from dsagen.kernels.lightning_indexer.forward_topk_host import scratch_bytes
+    from dsagen.kernels.lightning_indexer.spec import forward_topk_config_for
+
+    dev = torch.device("cuda")
+    q = torch.randn((1, t, H, D), device=dev, generator=gen, dtype=torch.bfloat16)
+    k = torch.randn((1, t, D), device=dev, generator=gen, dtype=torch.bfloat16)
+    w = torch.randn((1, t, H), device=dev, generator=gen, dtype=torch.bfloat16)
+    q8, qs = to_fp8(q)                       # (1, t, H, D), (1, t, H)
+    k8, ks = to_fp8(k)                       # (1, t, D), (1, t)
+    k4, k84 = k.unsqueeze(2), k8.unsqueeze(2)
+    ks4 = ks.unsqueeze(-1)
+    lens = torch.arange(1, t + 1, dtype=torch.int32, device=dev)
+    fp8 = dict(precision="fp8", q_scale=qs, k_scale=ks)
+    topk = args.topk
+    rec = {"T": t, "topk": topk}
+
+    scores = [("dsagen bf16", lambda: dsagen.indexer_scores(q, k, w)),
+              ("dsagen bf16 +lse", lambda: dsagen.indexer_scores(q, k, w, return_lse=True)),
+              ("dsagen fp8", lambda: dsagen.indexer_scores(q8, k8, w, **fp8)),
+              ("dsagen fp8 +lse", lambda: dsagen.indexer_scores(q8, k8, w, return_lse=True, **fp8))]
+    if dsa is not None:
+        scores += [("cudnn bf16", lambda: dsa.indexer_forward_wrapper(q, k4, w, ratio=1)["scores"]),
+                   ("cudnn bf16 +lse", lambda: dsa.indexer_forward_wrapper(q, k4, w, ratio=1, return_lse=True)),
+                   ("cudnn fp8", lambda: dsa.indexer_forward_wrapper(q8, k84, w, ratio=1, precision="fp8",
+                                                                     q_scale=qs, k_scale=ks4)["scores"]),
+                   ("cudnn fp8 +lse", lambda: dsa.indexer_forward_wrapper(q8, k84, w, ratio=1, precision="fp8",
+                                                                          q_scale=qs, k_scale=ks4, return_lse=True))]
+    rec["scores_ms"] = _group(scores, args.rounds)
+    torch.cuda.empty_cache()
+
+    def fwd_topk(qq, kk, **kw):
+        return lambda: dsagen.indexer_forward_topk(qq, kk, w, topk, return_softmax=True, return_lse=True, **kw)
+
+    combined = [("forward_topk bf16", fwd_topk(q, k)), ("forward_topk fp8", fwd_topk(q8, k8, **fp8)),
+                ("lightning_indexer", lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True))]
+    base_cfg = forward_topk_config_for(H, D, "bfloat16", "sm_90a")
+    for mib in args.slab_mib:
+        cfg = dataclasses.replace(base_cfg, slab_bytes=mib * 2 ** 20)
+        combined.append((f"forward_topk bf16 slab {mib} MiB", lambda cfg=cfg: host_op(
+            q, k, w, topk, ratio=1, q_causal_offsets=None, cu_seqlens_q=None, cu_seqlens_k=None, width=t,
+            return_softmax=True, return_lse=True, topk_indices_global=True, config=cfg)))
+    if dsa is not None:
+        def pipeline():
+            s = dsa.indexer_forward_wrapper(q, k4, w, ratio=1)["scores"]
+            return dsa.indexer_top_k_wrapper(s.view(t, t), lens, top_k=topk, return_val=True)["indices"]
+        combined.append(("cudnn pipeline", pipeline))
+    rec["combined_ms"] = _group(combined, args.rounds)
+    rec["forward_topk_scratch_mib"] = round(scratch_bytes(H, t, t) / 2 ** 20, 1)
+    if dsa is not None and t <= 8192:           # selection agreement with cuDNN's pipeline (fraction of ids shared)
+        ours = dsagen.indexer_forward_topk(q, k, w, topk, return_softmax=False).indices[0].long()
+        s = dsa.indexer_forward_wrapper(q, k4, w, ratio=1)["scores"]
+        theirs = dsa.indexer_top_k_wrapper(s.view(t, t), lens, top_k=topk, return_val=False)["indices"].long()
+        row = torch.arange(t, device=dev)[:, None] * (t + 1)
+        a, b = (ours + row)[ours >= 0], (theirs + row)[theirs >= 0]
+        rec["ids_shared_with_cudnn"] = round(torch.isin(a, b).float().mean().item(), 6)
+    torch.cuda.empty_cache()
+    return rec
+
+
+def report(rec: dict) -> None:
+    t = rec["T"]
+    flops = 2.0 * H * D * t * (t + 1) / 2
+    print(f"\n## T = {t} (H {H}, D {D}, causal, topk {rec['topk']}); forward_topk scratch "
+          f"{rec['forward_topk_scratch_mib']} MiB" + (f"; ids shared with cuDNN {rec['ids_shared_with_cudnn']}"
+                                                      if "ids_shared_with_cudnn" in rec else ""))
+    for group in ("scores_ms", "combined_ms"):
+        for name, ms in rec[group].items():
+            print(f"{name:<34} {ms:9.3f} ms  {flops / (ms * 1e9):7.1f} TFLOP/s")
+    s, c = rec["scores_ms"], rec["combined_ms"]
+    ratios = []
+    for ours, theirs in (("dsagen bf16", "cudnn bf16"), ("dsagen bf16 +lse", "cudnn bf16 +lse"),
+                         ("dsagen fp8", "cudnn fp8"), ("dsagen fp8 +lse", "cudnn fp8 +lse")):
+        if theirs in s:
+            ratios.append(f"{ours} vs cuDNN {s[theirs] / s[ours]:.2f}x")
+    ratios.append(f"fp8 vs bf16 (dsagen) {s['dsagen bf16'] / s['dsagen fp8']:.2f}x")
+    if "cudnn pipeline" in c:
+        ratios.append(f"forward_topk vs cuDNN pipeline {c['cudnn pipeline'] / c['forward_topk bf16']:.2f}x")
+    ratios.append(f"forward_topk / lightning_indexer {c['forward_topk bf16'] / c['lightning_indexer']:.3f}")
+    print("ratios: " + "; ".join(ratios))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--T", type=int, nargs="+", default=[4096, 8192, 32768])
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--no-cudnn", action="store_true")
+    ap.add_argument("--slab-mib", type=int, nargs="*", default=[])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dsa = None if args.no_cudnn else _cudnn()
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}"
+          + ("  cuDNN frontend DSA (SM90 kernels)" if dsa is not None else ""))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    recs = []
+    for t in args.T:
+        rec = one_shape(t, args, dsa, gen)
+        report(rec)
+        recs.append(rec)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(recs, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Fused dsagen.indexer_forward_topk (cuDNN frontend DSA §4, Combined Indexer Forward + Top-K) on Hopper: the
+lightning indexer's slab pipeline with the dense indexer's mask, never materializing the dense scores.
+
+Called by dsagen.ops.indexer.indexer_forward_topk after the generic validation; this module adds the fused kernels'
+limits and runs them.
+
+How a call runs (notes/kernels/indexer.md, "indexer_forward_topk"):
+  * Query rows are grouped into the score kernel's token blocks (QC = 128 // H tokens of one batch element) and the
+    blocks into slabs of at most ForwardTopkConfig.slab_bytes (32 MiB) / slab_max_rows rows. Per slab, on the
+    current stream: the score kernel (dense_scores form: ratio-causal limit with the per-segment q_causal_offsets,
+    scale 1) writes each row's valid scores into the slab (ld = the longest row, rounded up to 4), then the forward
+    top-k kernel the config's TopkPlan picks for the slab writes the row's selected ids (row-local, ascending, ties
+    at the k-th value to the lower ids) and their scores (the logits) into the outputs.
+  * After the last slab one finishing kernel (topk_softmax_sm90) writes every row's LSE and softmax over its
+    selected slots and, with topk_indices_global, adds the row's key base (BSHD b * S_k, THD cu_seqlens_k[b]).
+  * Scratch: the slab only, bounded by the config and independent of S_q and B (reported by `scratch_bytes`), plus
+    a 16-byte dummy offsets tensor per device.
+  * BSHD calls read nothing on the host: the op is a custom op with a fake impl, runs under torch.compile and is
+    capturable in a CUDA graph once its kernels are loaded. THD calls need max_seqlen_k, which the public op reads
+    from cu_seqlens on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...jit import get_kernel
+from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
+from .host import _check_layout, _tma_view, dummy_offsets, score_ctas, slab_max_candidates
+from .scores_host import _TORCH_DTYPE_NAMES, check_supported as check_scores_supported, fp8_args
+from .spec import ForwardTopkConfig, IndexerTopkSpec, forward_topk_config_for, tokens_per_cta
+
+_OP = "indexer_forward_topk"
+#: Largest top_k the fused path takes (the lightning indexer's limit).
+MAX_TOPK = 2 ** 20
+
+
+@dataclass
+class ForwardKernels:
+    """The loaded kernels of one (device, ForwardTopkConfig). Every kernel of the top-k plan is loaded at the first
+    call, so a warmed-up call can be captured in a CUDA graph at any length."""
+
+    config: ForwardTopkConfig
+    score: LoadedKernel
+    topk: dict[IndexerTopkSpec, LoadedKernel]
+    softmax: LoadedKernel
+
+    def topk_for(self, max_candidates: int, rows: int, num_sms: int) -> LoadedKernel:
+        """The top-k kernel of a slab (TopkPlan.pick)."""
+        return self.topk[self.config.topk.pick(max_candidates, rows, num_sms)]
+
+
+#: (device, H, D, dtype) for forward_topk_config_for's config, (device, config) for a given one -> the kernels
+_kernels: dict[tuple, ForwardKernels] = {}
+
+
+def check_supported(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, top_k: int, packed: bool) -> None:
+    """The fused kernels' limits (ValueError naming the argument and the limit): indexer_scores' (dtypes, H, D,
+    lengths) and top_k <= 2**20. Shape and dtype checks only, so they also run on fake tensors."""
+    check_scores_supported(q, k, weights, packed)
+    if top_k > MAX_TOPK:
+        raise ValueError(f"the fused {_OP} supports top_k <= 2**20 = {MAX_TOPK}, got {top_k}")
+
+
+def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype,
+                 config: ForwardTopkConfig | None = None) -> ForwardKernels:
+    """The loaded kernels of (device, H, D, dtype) and config (None: forward_topk_config_for's); NotImplementedError
+    off sm_90a, ValueError for a config of another H, D or dtype."""
+    index = device_index(device)
+    key = (index, h, d, dtype) if config is None else (index, config)
+    ks = _kernels.get(key)
+    if ks is None:
+        arch = device_arch(index)
+        if arch != "sm_90a":
+            raise NotImplementedError(f"the fused {_OP} has kernels for sm_90a (Hopper) only; cuda:{index} is "
+                                      f"{arch}. Use impl='reference'.")
+        name = _TORCH_DTYPE_NAMES[dtype]
+        if config is None:
+            config = forward_topk_config_for(h, d, name, arch)
+        score = config.score
+        if (score.arch, score.num_heads, score.head_dim, score.dtype) != (arch, h, d, name):
+            raise ValueError(f"config's score kernel {score.name()} does not match the call (arch {arch}, H={h}, "
+                             f"D={d}, {name})")
+        ks = _kernels[key] = ForwardKernels(config, get_kernel(score, index),
+                                            {spec: get_kernel(spec, index) for spec in config.topk.specs()},
+                                            get_kernel(config.softmax, index))
+    return ks
+
+
+def slab_shape(num_heads: int, width: int, total_rows: int, config: ForwardTopkConfig) -> tuple[int, int]:
+    """(rows, ld) of the fp32 score slab for H heads, rows of at most `width` candidates and `total_rows` query rows
+    rounded up to whole token blocks: ld = width rounded up to 4 (16-byte rows for the top-k's loads); rows a
+    multiple of the token block, at most config.slab_max_rows and within config.slab_bytes unless one token block
+    alone is larger, and no more than the call has."""
+    qc = tokens_per_cta(num_heads)
+    ld = -(-max(width, 1) // 4) * 4
+    rows = max(qc, min(config.slab_max_rows, config.slab_bytes // (4 * ld)) // qc * qc)
+    return min(rows, -(-total_rows // qc) * qc), ld
+
+
+def scratch_bytes(num_heads: int, width: int, total_rows: int, config: ForwardTopkConfig | None = None,
+                  head_dim: int = 128, dtype: str = "bfloat16") -> int:
+    """Bytes of scratch a call allocates (the slab): for H heads, rows of at most `width` candidates (BSHD S_k, THD
+    max_seqlen_k) and `total_rows` query rows (B * S_q, THD total_q)."""
+    if config is None:
+        config = forward_topk_config_for(num_heads, head_dim, dtype, "sm_90a")
+    rows, ld = slab_shape(num_heads, width, total_rows, config)
+    return 4 * rows * ld
+
+
+def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, top_k: int, ratio: int,
+        q_causal_offsets: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+        width: int, ids: torch.Tensor, logits: torch.Tensor, softmax: torch.Tensor | None, lse: torch.Tensor | None,
+        global_ids: bool, q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+        config: ForwardTopkConfig | None = None) -> None:
+    """Write the selection of every query row into ids (int32) and logits (fp32), and when given softmax (fp32) and
+    lse (fp32): contiguous [rows, top_k] / [rows] views (BSHD rows = B * S_q, THD total_q). q / k / weights as
+    indexer_forward_topk takes them (k may have its 1-sized head dim); THD when cu_seqlens_q is given (int32,
+    contiguous), width = the longest segment's key count (BSHD: S_k). FP8 q / k take fp32 descales q_scale (q's
+    leading dims and H) and k_scale (k's key dims)."""
+    packed = cu_seqlens_q is not None
+    fp8 = q.dtype == torch.float8_e4m3fn
+    if packed:
+        q4, k3, w3 = q[None], (k.squeeze(1) if k.dim() == 3 else k)[None], weights[None]
+        qs3, ks2 = (q_scale[None], k_scale[None]) if fp8 else (None, None)
+    else:
+        q4, k3, w3 = q, (k.squeeze(2) if k.dim() == 4 else k), weights
+        qs3, ks2 = q_scale, k_scale
+    if fp8:
+        q4, k3 = q4.view(torch.uint8), k3.view(torch.uint8)    # TMA moves the E4M3 bytes as uint8
+    b, t_count, h, d = q4.shape
+    s_count = k3.shape[1]
+    rows = b * t_count
+    if rows == 0 or top_k == 0:
+        if lse is not None:
+            lse.fill_(float("-inf"))                # no slot: every row is empty
+        return
+    if width == 0 or s_count == 0:                  # no key: every row is empty
+        ids.fill_(-1)
+        logits.fill_(float("-inf"))
+        if softmax is not None:
+            softmax.zero_()
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return
+    _check_layout("q_indexer", q4, _OP)
+    _check_layout("k_indexer", k3, _OP)
+    device = q.device
+    kernels = _kernels_for(device, h, d, q.dtype, config)
+    config = kernels.config
+    dummy = dummy_offsets(device)
+    cu_q, cu_k, n_docs = (cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.numel() - 1) if packed else (dummy, dummy, 0)
+    q_off, has_off = (q_causal_offsets, 1) if q_causal_offsets is not None else (dummy, 0)
+    num_sms = device_sm_count(device_index(device))
+    qc = tokens_per_cta(h)
+    n_tblk = -(-t_count // qc)
+    total_blk = b * n_tblk
+    slab_r, ld = slab_shape(h, width, rows, config)
+    blk_per_slab = slab_r // qc
+    slab = torch.empty((slab_r, ld), dtype=torch.float32, device=device)
+    n_chunks = -(-s_count // config.chunk_rows)
+    qv, kv = _tma_view(q4), _tma_view(k3)
+    w_sb, w_st, w_sh = w3.stride()
+    extra = fp8_args(w3, qs3, ks2) if fp8 else ()
+    score_tail = (cu_q, cu_k, n_docs, t_count, s_count, n_tblk)
+    for blk0 in range(0, total_blk, blk_per_slab):
+        nblk = min(blk_per_slab, total_blk - blk0)
+        # the slab's longest row: the ratio-causal bound of its last token (offsets can move it anywhere in [0, S])
+        longest = min(width, slab_max_candidates(blk0, nblk, qc, n_tblk, t_count, s_count, not has_off, ratio,
+                                                 packed))
+        topk_k = kernels.topk_for(longest, nblk * qc, num_sms)
+        kernels.score.launch(qv, kv, w3, slab, *score_tail, blk0, nblk, config.chunk_rows, n_chunks,
+                             score_ctas(nblk * n_chunks, num_sms), 1, ratio, w_sb, w_st, w_sh, ld, 1.0, q_off,
+                             has_off, *extra)
+        topk_k.launch(slab, ids, logits, cu_q, cu_k, q_off, n_docs, t_count, s_count, n_tblk, blk0, qc, nblk * qc,
+                      top_k, ratio, has_off, ld)
+    kernels.softmax.launch(logits, ids, logits if softmax is None else softmax, logits if lse is None else lse,
+                           cu_q, cu_k, q_off, n_docs, t_count, s_count, rows, top_k, ratio, has_off,
+                           int(softmax is not None), int(lse is not None), int(global_ids),
+                           num_sms * config.softmax_ctas_per_sm)
+
+
+@torch.library.custom_op("dsagen::indexer_forward_topk_fused", mutates_args=("ids", "logits", "softmax", "lse"))
+def _forward_topk_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, top_k: int, ratio: int,
+                     q_causal_offsets: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
+                     cu_seqlens_k: torch.Tensor | None, width: int, ids: torch.Tensor, logits: torch.Tensor,
+                     softmax: torch.Tensor | None, lse: torch.Tensor | None, global_ids: bool,
+                     q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> None:
+    run(q, k, weights, top_k, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, width, ids, logits, softmax, lse,
+        global_ids, q_scale, k_scale)
+
+
+@_forward_topk_op.register_fake
+def _(q, k, weights, top_k, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, width, ids, logits, softmax, lse,
+      global_ids, q_scale=None, k_scale=None):
+    return None
+
+
+def indexer_forward_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, top_k: int, *, ratio: int,
+                         q_causal_offsets: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
+                         cu_seqlens_k: torch.Tensor | None, width: int, return_softmax: bool, return_lse: bool,
+                         topk_indices_global: bool, q_scale: torch.Tensor | None = None,
+                         k_scale: torch.Tensor | None = None, config: ForwardTopkConfig | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The fused indexer_forward_topk (inputs validated by dsagen.ops.indexer.indexer_forward_topk). Returns (indices
+    int32, logits fp32, softmax fp32 or None, lse fp32 or None) of shapes [B, S_q, top_k] / [B, S_q] (THD:
+    [total_q, top_k] / [total_q]). Slot order: ascending key ids (ties at the k-th value go to the lower ids), then
+    -1 / -inf / 0 padding. width: S_k (BSHD) or max_seqlen_k (THD). config: None (the op, through the custom op) or
+    another ForwardTopkConfig for the same H, D, dtype (benchmarks; runs the host loop directly).
+
+    Raises ValueError outside the kernels' limits (check_supported; q / k readable by TMA: stride 1 in the last dim,
+    16-byte-aligned base and outer strides), NotImplementedError on a GPU other than sm_90a."""
+    packed = cu_seqlens_q is not None
+    check_supported(q, k, weights, top_k, packed)
+    lead = (q.shape[0],) if packed else tuple(q.shape[:2])
+    dev = q.device
+    ids = torch.empty(lead + (top_k,), dtype=torch.int32, device=dev)
+    logits = torch.empty(lead + (top_k,), dtype=torch.float32, device=dev)
+    softmax = torch.empty(lead + (top_k,), dtype=torch.float32, device=dev) if return_softmax else None
+    lse = torch.empty(lead, dtype=torch.float32, device=dev) if return_lse else None
+    args = (q, k, weights, int(top_k), int(ratio), q_causal_offsets, cu_seqlens_q, cu_seqlens_k, int(width), ids,
+            logits, softmax, lse, bool(topk_indices_global), q_scale, k_scale)
+    if config is not None:
+        run(*args, config=config)
+    else:
+        _forward_topk_op(*args)
+    return ids, logits, softmax, lse

@@ -1,0 +1,134 @@
+"""CPU tests of the fused indexer_forward_topk: its config (the dense_scores score kernel, the forward top-k plan, the
+softmax pass), the slab bound, the forward top-k and softmax kernels' ABI and renders, the op's argument checks, and
+(marked `compile`) cross-compilation for sm_90a with SASS checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsagen
+from dsagen.jit.render import render
+from dsagen.kernels.lightning_indexer.forward_topk_host import MAX_TOPK, check_supported, scratch_bytes, slab_shape
+from dsagen.kernels.lightning_indexer.spec import (IndexerTopkSoftmaxSpec, IndexerTopkSpec, config_for,
+                                                   forward_topk_config_for, scores_config_for)
+from dsagen.spec import SpecError
+
+ARCH = "sm_90a"
+
+
+def test_config_is_the_lightning_pipeline_in_forward_form():
+    cfg = forward_topk_config_for(64, 128, "bfloat16", ARCH)
+    li = config_for(64, 128, "bfloat16", ARCH)
+    assert cfg.score == scores_config_for(64, 128, "bfloat16", ARCH).score       # dense_scores form
+    assert [s.forward_topk for s in cfg.topk.specs()] == [True] * len(li.topk.specs())
+    assert [(s.threads, s.sample) for s in cfg.topk.specs()] == [(s.threads, s.sample) for s in li.topk.specs()]
+    assert cfg.softmax == IndexerTopkSoftmaxSpec(arch=ARCH, threads=256)
+    assert cfg.specs() == (cfg.score, *cfg.topk.specs(), cfg.softmax)
+    assert (cfg.chunk_rows, cfg.slab_bytes, cfg.slab_max_rows) == (li.chunk_rows, 32 * 2 ** 20, 1024)
+    fp8 = forward_topk_config_for(64, 128, "float8_e4m3fn", ARCH)
+    assert fp8.score.dtype == "float8_e4m3fn" and fp8.topk == cfg.topk        # the top-k reads FP32 scores
+
+
+def test_scratch_is_bounded_by_the_slab_cap():
+    cfg = forward_topk_config_for(64, 128, "bfloat16", ARCH)
+    assert scratch_bytes(64, 32768, 32768) == 32 * 2 ** 20                     # 256 rows x 32768
+    assert scratch_bytes(64, 131072, 131072) == 32 * 2 ** 20                   # 64 rows
+    assert scratch_bytes(64, 4096, 4096) == 4 * 1024 * 4096                    # the 1024-row cap: 16 MiB
+    assert slab_shape(64, 4097, 10, cfg) == (10, 4100)                         # ld rounded to 4; no more rows than the call
+    assert slab_shape(64, 5, 3, cfg) == (4, 8)                                 # whole token blocks (2 tokens at H 64)
+    # one token block larger than the cap still runs (16 rows of 2**20 at H = 8)
+    assert slab_shape(8, 2 ** 20, 2 ** 20, forward_topk_config_for(8, 128, "bfloat16", ARCH)) == (16, 2 ** 20)
+
+
+def test_forward_topk_spec_and_renders():
+    spec = IndexerTopkSpec(arch=ARCH, threads=512, sample=True, forward_topk=True)
+    assert spec.can_implement() == (True, "")
+    assert spec.name() == "lightning_indexer_topk_sample1_forward_topk1_sm_90a"
+    src = render(spec)
+    assert "FORWARD_TOPK = True" in src and "CAP = " in src
+    src = render(IndexerTopkSoftmaxSpec(arch=ARCH, threads=128))
+    assert "THREADS = 128\n" in src and "topk_softmax_sm90 import build" in src
+    for bad in (32, 100, 2048):
+        with pytest.raises(SpecError, match="threads"):
+            IndexerTopkSoftmaxSpec(arch=ARCH, threads=bad).check()
+    with pytest.raises(SpecError, match="sm_90a only"):
+        IndexerTopkSoftmaxSpec(arch="sm_100a").check()
+
+
+def test_forward_topk_kernel_abi():
+    """The forward form: the slab kernel's params with values after out, q_off after cu_k, has_off instead of causal."""
+    from dsagen.kernels.lightning_indexer import topk_sm90
+
+    slab, fwd = [p["name"] for p in topk_sm90.params(False)], [p["name"] for p in topk_sm90.params(True)]
+    assert fwd == ["slab", "out", "values", "cu_q", "cu_k", "q_off", "n_docs", "T", "S", "n_tblk", "blk0", "qc",
+                   "nrows", "topk", "ratio", "has_off", "ld_slab"]
+    assert set(slab) - set(fwd) == {"causal"}
+
+
+def test_check_supported_names_the_limit():
+    q = torch.empty(1, 4, 64, 128, dtype=torch.bfloat16)
+    k = torch.empty(1, 5, 128, dtype=torch.bfloat16)
+    w = torch.empty(1, 4, 64, dtype=torch.bfloat16)
+    check_supported(q, k, w, MAX_TOPK, False)
+    with pytest.raises(ValueError, match="top_k <= 2\\*\\*20"):
+        check_supported(q, k, w, MAX_TOPK + 1, False)
+    with pytest.raises(ValueError, match="heads H in"):
+        check_supported(torch.empty(1, 4, 12, 128, dtype=torch.bfloat16), k, torch.empty(1, 4, 12,
+                                                                                          dtype=torch.bfloat16), 4,
+                        False)
+
+
+def test_op_arguments():
+    q, k, w = torch.randn(1, 6, 4, 16), torch.randn(1, 6, 16), torch.randn(1, 6, 4)
+    with pytest.raises(ValueError, match="impl='fused' runs generated CUDA kernels"):
+        dsagen.indexer_forward_topk(q, k, w, 2)
+    with pytest.raises(TypeError, match="deterministic"):
+        dsagen.indexer_forward_topk(q, k, w, 2, deterministic=1, impl="reference")
+    with pytest.raises(ValueError, match="q_scale"):
+        dsagen.indexer_forward_topk(q, k, w, 2, precision="fp8", impl="reference")
+    a = dsagen.indexer_forward_topk(q, k, w, 3, return_lse=True, impl="reference")
+    b = dsagen.indexer_forward_topk(q, k, w, 3, return_lse=True, impl="reference", deterministic=True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_fp8_reference_equals_the_dequantized_call():
+    gen = torch.Generator().manual_seed(0)
+    q8 = (torch.randn(2, 9, 4, 128, generator=gen) * 4).to(torch.float8_e4m3fn)
+    k8 = (torch.randn(2, 7, 128, generator=gen) * 4).to(torch.float8_e4m3fn)
+    w = torch.randn(2, 9, 4, generator=gen)
+    qs, ks = torch.rand(2, 9, 4, generator=gen) + 0.1, torch.rand(2, 7, generator=gen) + 0.1
+    got = dsagen.indexer_forward_topk(q8, k8, w, 5, ratio=1, return_lse=True, impl="reference", precision="fp8",
+                                      q_scale=qs, k_scale=ks)
+    want = dsagen.indexer_forward_topk(q8.float() * qs[..., None], k8.float() * ks[..., None], w, 5, ratio=1,
+                                       return_lse=True, impl="reference")
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+
+
+def _sass(cubin: bytes) -> str:
+    from dsagen.jit.sass import disassemble, find_nvdisasm
+
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    return disassemble(cubin)
+
+
+@pytest.mark.compile
+def test_forward_kernels_compile(tmp_path):
+    """Every forward top-k kernel and the softmax pass: no subroutine calls, the top-k's block size and barriers; the
+    128- and 1024-thread top-k and the softmax pass without spills."""
+    from dsagen.jit.build import compile_module
+    from dsagen.jit.sass import opcode_counts
+
+    cfg = forward_topk_config_for(64, 128, "bfloat16", ARCH)
+    for i, spec in enumerate((*cfg.topk.specs(), cfg.softmax)):
+        ck = compile_module(spec, render(spec), tmp_path / f"b{i}")
+        ops = dict(opcode_counts(_sass(ck.cubin)))
+        assert not ops.get("CALL"), (spec.name(), ops)
+        if isinstance(spec, IndexerTopkSpec):
+            assert ck.record["launch"]["block"] == [spec.threads, 1, 1]
+            if not spec.sample:
+                assert not ops.get("LDL") and not ops.get("STL"), (spec.name(), ops)
+        else:
+            assert not ops.get("LDL") and not ops.get("STL") and ops.get("MUFU", 0) > 0, ops

@@ -85,6 +85,8 @@ _CASES = {
                           [((2, 8, 4), torch.int32)]),
     "indexer_scores": ((_bf16(2, 8, 16, 64), _bf16(2, 32, 64), _bf16(2, 8, 16)), dict(return_lse=True),
                        [((2, 8, 32), torch.float32), ((2, 8), torch.float32)]),
+    "dense_indexer_score_recompute": ((_bf16(2, 8, 16, 64), _bf16(2, 32, 64), _bf16(2, 8, 16)), dict(sm_scale=0.5),
+                                      [((2, 8, 32), torch.float32), ((2, 8), torch.float32)]),
     "indexer_forward_topk": ((_bf16(2, 8, 16, 64), _bf16(2, 32, 64), _bf16(2, 8, 16), 4), dict(return_lse=True),
                              [((2, 8, 4), torch.int32), ((2, 8, 4), torch.float32), ((2, 8, 4), torch.float32),
                               ((2, 8), torch.float32)]),

@@ -452,6 +452,21 @@ def test_thd_fused(op, monkeypatch):
         ck = kw["cu_seqlens_k"]
         assert seen["shapes"] == ((args[0].shape[0], int((ck[1:] - ck[:-1]).max())), (args[0].shape[0],))
         return
+    if op == "dense_indexer_score_recompute":
+        # indexer_scores' kernels: int32 offsets, its output shapes, sm_scale passed through.
+        seen = {}
+
+        def fake_dense(*a, **k):
+            seen.update(k)
+            return "out", "denom"
+
+        monkeypatch.setattr(dsagen.ops._fused, "fused_impl", lambda op, device: fake_dense)
+        assert tuple(fn(*args, **kw)) == ("out", "denom")
+        assert seen["cu_seqlens_q"].dtype == seen["cu_seqlens_k"].dtype == torch.int32
+        ck = kw["cu_seqlens_k"]
+        assert seen["shapes"] == ((args[0].shape[0], int((ck[1:] - ck[:-1]).max())), (args[0].shape[0],))
+        assert seen["sm_scale"] == kw.get("sm_scale", 1.0)
+        return
     if op == "indexer_forward_topk":
         # Its fused kernels take THD too: int32 offsets and the longest segment's key count as the slab width.
         seen = {}

@@ -30,6 +30,7 @@ FUSED: dict[str, str] = {
     "indexer_topk": "dsagen.kernels.indexer_topk.host:indexer_topk",
     "indexer_scores": "dsagen.kernels.lightning_indexer.scores_host:indexer_scores",
     "indexer_forward_topk": "dsagen.kernels.lightning_indexer.forward_topk_host:indexer_forward_topk",
+    "dense_indexer_score_recompute": "dsagen.kernels.lightning_indexer.scores_host:dense_indexer_score_recompute",
     # the scratch size of sparse_attention_backward's workspace (FP32 elements)
     "sparse_attention_backward_workspace_numel": "dsagen.kernels.sparse_mla_bwd.host:workspace_numel",
 }

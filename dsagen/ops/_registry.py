@@ -135,6 +135,20 @@ def _indexer_scores_fake(q_indexer, k_indexer, weights, ratio, q_causal_offsets,
     return q_indexer.new_empty(shape, dtype=acc), lse
 
 
+def _dense_indexer_score_recompute_run(q_indexer, k_indexer, weights, ratio, q_causal_offsets, sm_scale, cu_seqlens_q,
+                                       cu_seqlens_k):
+    return tuple(_public("indexer_training", "dense_indexer_score_recompute")(
+        q_indexer, k_indexer, weights, ratio=ratio, q_causal_offsets=q_causal_offsets, sm_scale=sm_scale,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, impl="fused"))
+
+
+def _dense_indexer_score_recompute_fake(q_indexer, k_indexer, weights, ratio, q_causal_offsets, sm_scale,
+                                        cu_seqlens_q, cu_seqlens_k):
+    """out and denom: indexer_scores' scores and lse (always returned)."""
+    return _indexer_scores_fake(q_indexer, k_indexer, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k,
+                                True, "default", None, None)
+
+
 def _indexer_forward_topk_run(q_indexer, k_indexer, weights, top_k, ratio, q_causal_offsets, return_softmax,
                               return_lse, topk_indices_global, cu_seqlens_q, cu_seqlens_k, deterministic, precision,
                               q_scale, k_scale):
@@ -264,6 +278,9 @@ OPS: tuple[OpDef, ...] = (
           "Tensor? q_causal_offsets=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, bool return_lse=False, "
           "str precision=\"default\", Tensor? q_scale=None, Tensor? k_scale=None",
           ("scores", "lse"), _indexer_scores_run, _indexer_scores_fake, _indexer_scores_run_out),
+    OpDef("dense_indexer_score_recompute", "Tensor q_indexer, Tensor k_indexer, Tensor weights, int ratio=1, "
+          "Tensor? q_causal_offsets=None, float sm_scale=1.0, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None",
+          ("out", "denom"), _dense_indexer_score_recompute_run, _dense_indexer_score_recompute_fake),
     OpDef("indexer_forward_topk", "Tensor q_indexer, Tensor k_indexer, Tensor weights, int top_k, int ratio=1, "
           "Tensor? q_causal_offsets=None, bool return_softmax=True, bool return_lse=False, "
           "bool topk_indices_global=True, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "

@@ -94,6 +94,11 @@ def fused_op(op: str, device: torch.device, packed: bool):
     return fn
 
 
+def int32_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """THD offsets as the fused kernels take them: contiguous int32 (the ops accept int32 or int64)."""
+    return cu_seqlens.to(torch.int32).contiguous()
+
+
 def check_causal_offsets(q_causal_offsets, batch: int, device: torch.device) -> None:
     """q_causal_offsets: None or a [B] int32 tensor on `device`."""
     if q_causal_offsets is None:
@@ -191,8 +196,7 @@ def _fused_scores(q_indexer, k_indexer, weights, ratio, q_causal_offsets, thd, o
     fn = fused_impl("indexer_scores", q_indexer.device)
     cu_q = cu_k = None
     if thd:
-        cu_q = thd["cu_seqlens_q"].to(torch.int32).contiguous()
-        cu_k = thd["cu_seqlens_k"].to(torch.int32).contiguous()
+        cu_q, cu_k = int32_offsets(thd["cu_seqlens_q"]), int32_offsets(thd["cu_seqlens_k"])
     offsets = None if q_causal_offsets is None else q_causal_offsets.contiguous()
     return fn(q_indexer, k_indexer, weights, ratio=ratio, q_causal_offsets=offsets, cu_seqlens_q=cu_q,
               cu_seqlens_k=cu_k, out=out, lse=lse_out, return_lse=want_lse, shapes=shapes, **scales)
@@ -480,8 +484,7 @@ def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weigh
     cu_q = cu_k = None
     width = k_indexer.shape[1]
     if packed:
-        cu_q = thd["cu_seqlens_q"].to(torch.int32).contiguous()
-        cu_k = thd["cu_seqlens_k"].to(torch.int32).contiguous()
+        cu_q, cu_k = int32_offsets(thd["cu_seqlens_q"]), int32_offsets(thd["cu_seqlens_k"])
         width = max_key_len(thd_segments(thd["cu_seqlens_q"], thd["cu_seqlens_k"]))
     offsets = None if q_causal_offsets is None else q_causal_offsets.contiguous()
     scales = dict(q_scale=q_scale, k_scale=k_scale) if fp8 else {}

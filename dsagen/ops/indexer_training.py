@@ -134,7 +134,8 @@ def dense_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Tens
             [total_k, D] or [total_k, 1, D]); weights: [B, S_q, H] (THD: [total_q, H]).
         ratio: >= 1. q_causal_offsets: optional [B] int32 (THD: one per segment). sm_scale: > 0 (default 1).
         cu_seqlens_q, cu_seqlens_k: THD offsets, as for indexer_scores.
-        impl: "fused" (default) or "reference".
+        impl: "fused" (default) or "reference". The fused path (sm_90a) is indexer_scores' (its kernels, limits and
+            layouts) with sm_scale folded into the weights the score kernel stages and the LSE as denom.
 
     Returns:
         DenseIndexerScores(out [B, S_q, S_k], denom [B, S_q]), FP32 (FP64 for FP64 inputs); denom is
@@ -154,8 +155,15 @@ def dense_indexer_score_recompute(q_indexer: torch.Tensor, k_indexer: torch.Tens
         from ..reference.indexer_training import dense_indexer_score_recompute as reference
 
         return reference(q_indexer, k_indexer, weights, **kwargs, **thd)
-    return fused_op("dense_indexer_score_recompute", q_indexer.device, packed)(q_indexer, k_indexer, weights,
-                                                                              **kwargs)
+    from ._fused import fused_impl
+    from .indexer import _scores_shape, int32_offsets
+
+    fn = fused_impl("dense_indexer_score_recompute", q_indexer.device)
+    cu_q, cu_k = (int32_offsets(thd["cu_seqlens_q"]), int32_offsets(thd["cu_seqlens_k"])) if packed else (None, None)
+    offsets = None if q_causal_offsets is None else q_causal_offsets.contiguous()
+    out, denom = fn(q_indexer, k_indexer, weights, ratio=ratio, q_causal_offsets=offsets, sm_scale=sm_scale,
+                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, shapes=_scores_shape(q_indexer, k_indexer, packed, thd))
+    return DenseIndexerScores(out, denom)
 
 
 def _check_backward_common(index_q, weights, index_k, grad_loss, sm_scale, loss_coeff):

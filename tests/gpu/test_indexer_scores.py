@@ -1,4 +1,4 @@
-"""GPU tests of the fused dsagen.indexer_scores (sm_90a): the lightning indexer's score kernel in its dense_scores form
+"""GPU tests of the fused dsagen.indexer_scores and dsagen.dense_indexer_score_recompute (sm_90a): the lightning indexer's score kernel in its dense_scores form
 plus the mask / LSE kernel, through the public op, against the FP64 reference on fresh random inputs.
 
 Checked on every case: masked entries are exactly -inf, valid entries are finite and within
@@ -310,3 +310,23 @@ def test_fp8_packed_strided_scales():
     qs = torch.cat([qs, qs], dim=1)[:, ::2]
     ks = torch.stack([ks, ks], dim=1)[:, 0]
     _fp8_check(q, k, w, qs, ks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+# ----------------------------------------------------------------------------------------------- dense recompute
+@pytest.mark.parametrize("packed", [False, True])
+def test_dense_indexer_score_recompute(packed):
+    """dense_indexer_score_recompute (indexer_scores' kernels, sm_scale folded into the weights, LSE as denom) against
+    the FP64 reference: BSHD B = 2 with offsets and ratio 4, THD with empty segments and rows after the last offset."""
+    gen = torch.Generator().manual_seed(61 + packed)
+    if packed:
+        q, k, w, cu_q, cu_k = _thd([100, 0, 37], [80, 5, 40], 4, 64, 128, gen)
+        kw = dict(ratio=1, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    else:
+        q, k, w = _bshd(2, 301, 150, 64, 128, gen)
+        kw = dict(ratio=4, q_causal_offsets=torch.tensor([20, -100], dtype=torch.int32, device=DEV))
+    poison_allocator()
+    got = dsagen.dense_indexer_score_recompute(q, k, w, sm_scale=0.37, **kw)
+    qd, kd, wd = q.double(), k.double(), w.double()
+    ref = dsagen.dense_indexer_score_recompute(qd, kd, wd, sm_scale=0.37, impl="reference", **kw)
+    mag = dsagen.dense_indexer_score_recompute(qd, kd, wd.abs(), sm_scale=0.37, impl="reference", **kw).out
+    _check(got.out, ref.out, mag, got.denom, ref.denom)

@@ -116,9 +116,10 @@ def fp8_args(w3: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor) -> 
 
 def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int, q_causal_offsets: torch.Tensor | None,
         cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, out: torch.Tensor,
-        lse: torch.Tensor | None, q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> None:
-    """Write the scores into `out` (contiguous fp32 [rows, width] view-compatible) and, when `lse` is not None, the
-    row logsumexps into it (contiguous fp32 [rows]). q / k / weights as indexer_scores takes them (k may have its
+        lse: torch.Tensor | None, q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+        scale: float = 1.0) -> None:
+    """Write the scores (times `scale`, folded into the weights) into `out` (contiguous fp32 [rows, width]
+    view-compatible) and, when `lse` is not None, the row logsumexps into it (contiguous fp32 [rows]). q / k / weights as indexer_scores takes them (k may have its
     1-sized head dim); THD when cu_seqlens_q is given (int32, contiguous). FP8 q / k (float8_e4m3fn) take fp32
     descales q_scale (q's leading dims and H) and k_scale (k's key dims: BSHD [B, S_k], THD [total_k])."""
     packed = cu_seqlens_q is not None
@@ -161,7 +162,7 @@ def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int, q_c
     for blk0, nblk, row0 in launch_ranges(b, t_count, qc, max(1, config.launch_rows // qc)):
         score_k.launch(qv, kv, w3, flat[row0 * width:], cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
                        config.chunk_rows, n_chunks, score_ctas(nblk * n_chunks, num_sms), 1, ratio, w_sb, w_st, w_sh,
-                       width, 1.0, q_off, has_off, *extra)
+                       width, scale, q_off, has_off, *extra)
     mask_k.launch(out, lse if want_lse else out, cu_q, cu_k, q_off, n_docs, t_count, s_count, rows, width, ratio,
                   has_off, int(want_lse), num_sms * config.mask_ctas_per_sm, width)
 
@@ -170,12 +171,14 @@ def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int, q_c
 def _indexer_scores_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int,
                        q_causal_offsets: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
                        cu_seqlens_k: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None,
-                       q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> None:
-    run(q, k, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, out, lse, q_scale, k_scale)
+                       q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                       scale: float = 1.0) -> None:
+    run(q, k, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, out, lse, q_scale, k_scale, scale)
 
 
 @_indexer_scores_op.register_fake
-def _(q, k, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, out, lse, q_scale=None, k_scale=None):
+def _(q, k, weights, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, out, lse, q_scale=None, k_scale=None,
+      scale=1.0):
     return None
 
 
@@ -183,7 +186,7 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, r
                    q_causal_offsets: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
                    cu_seqlens_k: torch.Tensor | None, out: torch.Tensor | None, lse: torch.Tensor | None,
                    return_lse: bool, shapes: tuple[tuple[int, ...], tuple[int, ...]],
-                   q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None
+                   q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None, scale: float = 1.0
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fused indexer_scores (inputs, out and lse already validated by dsagen.ops.indexer.indexer_scores).
     Returns (scores, lse or None): `out` / `lse` when given (contiguous fp32 of shapes[0] / shapes[1]: BSHD
@@ -194,7 +197,8 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, r
     dtype, H in INDEXER_HEADS, D in INDEXER_HEAD_DIMS, S_q and S_k (THD: total_q, total_k) <= 2**20) or a layout TMA
     cannot read (q / k: stride 1 in the last dim, 16-byte-aligned base, 16-byte-multiple outer strides; weights may
     have any strides); NotImplementedError on a GPU other than sm_90a. FP8 (float8_e4m3fn q and k, validated by
-    the op): D = 128, weights bf16 or fp32, q_scale / k_scale fp32 descales of any strides."""
+    the op): D = 128, weights bf16 or fp32, q_scale / k_scale fp32 descales of any strides. scale (> 0): a factor
+    of every score (dense_indexer_score_recompute's sm_scale), folded into the weights the kernel stages."""
     check_supported(q, k, weights, cu_seqlens_q is not None)
     if out is None:
         out = torch.empty(shapes[0], dtype=torch.float32, device=q.device)
@@ -202,5 +206,18 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, r
         lse = torch.empty(shapes[1], dtype=torch.float32, device=q.device)
     lse = lse if return_lse else None
     _indexer_scores_op(q, k, weights, int(ratio), q_causal_offsets, cu_seqlens_q, cu_seqlens_k, out, lse, q_scale,
-                       k_scale)
+                       k_scale, float(scale))
     return out, lse
+
+
+def dense_indexer_score_recompute(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, ratio: int,
+                                  q_causal_offsets: torch.Tensor | None, sm_scale: float,
+                                  cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+                                  shapes: tuple[tuple[int, ...], tuple[int, ...]]
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused dsagen.dense_indexer_score_recompute (cuDNN frontend DSA §8, inputs validated by the public op):
+    indexer_scores' kernels with the scores scaled by sm_scale (folded into the weights) and the LSE as the denom.
+    Returns (out, denom) of shapes[0] / shapes[1] (as indexer_scores); the limits are indexer_scores'."""
+    return indexer_scores(q, k, weights, ratio=ratio, q_causal_offsets=q_causal_offsets, cu_seqlens_q=cu_seqlens_q,
+                          cu_seqlens_k=cu_seqlens_k, out=None, lse=None, return_lse=True, shapes=shapes,
+                          scale=sm_scale)

@@ -4,7 +4,7 @@ indexer + top-k (dsagen.indexer_forward_topk, with logits, softmax and LSE) agai
 (indexer_forward_wrapper, then indexer_top_k_wrapper with values) and dsagen.lightning_indexer at the same shape.
 
     python bench/indexer_forward.py [--T 4096 8192 32768] [--topk 2048] [--rounds 7] [--no-cudnn] [--json FILE]
-                                    [--slab-mib 32 128]
+                                    [--slab-mib 32 128] [--recompute-T 2048 4096 16384]
 
 B = 1, H = 64, D = 128, S_k = T, ratio 1 (causal), fresh random inputs; FP8: E4M3 q / k with per-(token, head) and
 per-token FP32 descales (amax / 448), BF16 weights. Every group of contenders is timed interleaved
@@ -16,6 +16,7 @@ per-token FP32 descales (amax / 448), BF16 weights. Every group of contenders is
   cudnn pipeline           indexer_forward_wrapper(ratio=1) + indexer_top_k_wrapper(return_val=True).
 TFLOP/s counts the causal pairs: 2 H D T (T + 1) / 2.
 --slab-mib: extra forward_topk contenders with those slab caps (the config default is in the notes).
+--recompute-T: dense_indexer_score_recompute (out + denom) beside cuDNN's dense_indexer_score_recompute_wrapper.
 """
 
 from __future__ import annotations
@@ -115,9 +116,33 @@ def one_shape(t: int, args, dsa, gen) -> dict:
     return rec
 
 
+def recompute_shape(t: int, args, dsa, gen) -> dict:
+    """dense_indexer_score_recompute (out + denom) beside cuDNN's dense_indexer_score_recompute_wrapper."""
+    import dsagen
+
+    dev = torch.device("cuda")
+    q = torch.randn((1, t, H, D), device=dev, generator=gen, dtype=torch.bfloat16)
+    k = torch.randn((1, t, D), device=dev, generator=gen, dtype=torch.bfloat16)
+    w = torch.randn((1, t, H), device=dev, generator=gen, dtype=torch.bfloat16)
+    runs = [("dsagen dense recompute", lambda: dsagen.dense_indexer_score_recompute(q, k, w))]
+    if dsa is not None:
+        k4 = k.unsqueeze(2)
+        runs.append(("cudnn dense recompute", lambda: dsa.dense_indexer_score_recompute_wrapper(q, k4, w, ratio=1)))
+    rec = {"T": t, "recompute_ms": _group(runs, args.rounds)}
+    torch.cuda.empty_cache()
+    return rec
+
+
 def report(rec: dict) -> None:
     t = rec["T"]
     flops = 2.0 * H * D * t * (t + 1) / 2
+    if "recompute_ms" in rec:
+        r = rec["recompute_ms"]
+        for name, ms in r.items():
+            print(f"T {t:<6} {name:<28} {ms:9.3f} ms  {flops / (ms * 1e9):7.1f} TFLOP/s")
+        if "cudnn dense recompute" in r:
+            print(f"ratio: dense recompute vs cuDNN {r['cudnn dense recompute'] / r['dsagen dense recompute']:.2f}x")
+        return
     print(f"\n## T = {t} (H {H}, D {D}, causal, topk {rec['topk']}); forward_topk scratch "
           f"{rec['forward_topk_scratch_mib']} MiB" + (f"; ids shared with cuDNN {rec['ids_shared_with_cudnn']}"
                                                       if "ids_shared_with_cudnn" in rec else ""))
@@ -144,6 +169,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--no-cudnn", action="store_true")
     ap.add_argument("--slab-mib", type=int, nargs="*", default=[])
+    ap.add_argument("--recompute-T", type=int, nargs="*", default=[],
+                    help="also time dense_indexer_score_recompute beside cuDNN's at these T")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -154,8 +181,9 @@ def main(argv=None) -> int:
           + ("  cuDNN frontend DSA (SM90 kernels)" if dsa is not None else ""))
     gen = torch.Generator(device="cuda").manual_seed(0)
     recs = []
-    for t in args.T:
-        rec = one_shape(t, args, dsa, gen)
+    shapes = [(t, one_shape) for t in args.T] + [(t, recompute_shape) for t in args.recompute_T]
+    for t, fn in shapes:
+        rec = fn(t, args, dsa, gen)
         report(rec)
         recs.append(rec)
         if args.json:

@@ -5,6 +5,7 @@ indexer + top-k (dsagen.indexer_forward_topk, with logits, softmax and LSE) agai
 
     python bench/indexer_forward.py [--T 4096 8192 32768] [--topk 2048] [--rounds 7] [--no-cudnn] [--json FILE]
                                     [--slab-mib 32 128] [--recompute-T 2048 4096 16384]
+                                    [--scores-variant chunk1024 launch4096]
 
 B = 1, H = 64, D = 128, S_k = T, ratio 1 (causal), fresh random inputs; FP8: E4M3 q / k with per-(token, head) and
 per-token FP32 descales (amax / 448), BF16 weights. Every group of contenders is timed interleaved
@@ -54,6 +55,20 @@ def _group(name_fns: list[tuple[str, object]], rounds: int) -> dict[str, float]:
     return dict(zip(names, times))
 
 
+def _scores_variant(q, k, w, t: int, variant: str):
+    """indexer_scores (+lse) with another ScoresConfig: "chunkN" (candidates per work item) or "launchN" (query rows
+    per score launch), through the host's run (no custom op) into preallocated outputs."""
+    from dsagen.kernels.lightning_indexer.scores_host import run
+    from dsagen.kernels.lightning_indexer.spec import scores_config_for
+
+    field = {"chunk": "chunk_rows", "launch": "launch_rows"}[variant.rstrip("0123456789")]
+    cfg = dataclasses.replace(scores_config_for(H, D, "bfloat16", "sm_90a"),
+                              **{field: int(variant.lstrip("chunklaun"))})
+    out = torch.empty((1, t, t), device=q.device)
+    lse = torch.empty((1, t), device=q.device)
+    return lambda: run(q, k, w, 1, None, None, None, out, lse, config=cfg)
+
+
 def one_shape(t: int, args, dsa, gen) -> dict:
     import dsagen
     from dsagen.kernels.lightning_indexer.forward_topk_host import indexer_forward_topk as host_op
@@ -84,6 +99,8 @@ def one_shape(t: int, args, dsa, gen) -> dict:
                                                                      q_scale=qs, k_scale=ks4)["scores"]),
                    ("cudnn fp8 +lse", lambda: dsa.indexer_forward_wrapper(q8, k84, w, ratio=1, precision="fp8",
                                                                           q_scale=qs, k_scale=ks4, return_lse=True))]
+    for variant in args.scores_variant:
+        scores.append((f"dsagen bf16 +lse {variant}", _scores_variant(q, k, w, t, variant)))
     rec["scores_ms"] = _group(scores, args.rounds)
     torch.cuda.empty_cache()
 
@@ -169,6 +186,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--no-cudnn", action="store_true")
     ap.add_argument("--slab-mib", type=int, nargs="*", default=[])
+    ap.add_argument("--scores-variant", nargs="*", default=[],
+                    help="also time indexer_scores (+lse) with another config: chunkN (work-item candidates), "
+                         "launchN (query rows per launch)")
     ap.add_argument("--recompute-T", type=int, nargs="*", default=[],
                     help="also time dense_indexer_score_recompute beside cuDNN's at these T")
     ap.add_argument("--json", default=None)

@@ -37,7 +37,7 @@ def _own_modules(spec) -> set[str]:
     if isinstance(spec, IndexerScoreSpec):
         return {SCORE}
     if isinstance(spec, IndexerTopkSoftmaxSpec):
-        return {SOFTMAX, MASK}                  # the softmax pass reuses the mask pass's row statistics
+        return {SOFTMAX}
     return {MASK} if isinstance(spec, IndexerScoresMaskSpec) else {TOPK}
 
 

@@ -28,6 +28,7 @@ from cutlass import Float32, Int32, Int64
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.cta import cta_coords
+from dsagen.kernels.common.sm90.reduce import warp_allreduce_pair
 from dsagen.kernels.common.sm90.softmax import merge_softmax_stats
 from dsagen.kernels.lightning_indexer.common_sm90 import row_bounds
 
@@ -85,11 +86,7 @@ def thread_stats(p_row: cute.Pointer, n: Int32, tidx: Int32, threads: cutlass.Co
 @cute.jit
 def warp_merge(m, s):
     """The (max, sum) statistics of the whole warp, in every lane (butterfly shuffles)."""
-    for sh in cutlass.range_constexpr(5):
-        m2 = cute.arch.shuffle_sync_bfly(m, offset=1 << sh)
-        s2 = cute.arch.shuffle_sync_bfly(s, offset=1 << sh)
-        m, s = merge_softmax_stats(m, s, m2, s2)
-    return m, s
+    return warp_allreduce_pair(m, s, merge_softmax_stats)
 
 
 def build(threads: int) -> BuiltKernel:

@@ -73,18 +73,20 @@ def check_supported(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, pac
                          f"rows, got {sk}")
 
 
-def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype
+def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype, config: ScoresConfig | None = None
                  ) -> tuple[ScoresConfig, LoadedKernel, LoadedKernel]:
-    """The config and loaded kernels of (device, H, D, dtype); NotImplementedError off sm_90a."""
+    """The config and loaded kernels of (device, H, D, dtype) and config (None: scores_config_for's);
+    NotImplementedError off sm_90a."""
     index = device_index(device)
-    key = (index, h, d, dtype)
+    key = (index, h, d, dtype) if config is None else (index, config)
     ks = _kernels.get(key)
     if ks is None:
         arch = device_arch(index)
         if arch != "sm_90a":
             raise NotImplementedError(f"the fused indexer_scores has kernels for sm_90a (Hopper) only; cuda:{index} "
                                       f"is {arch}. Use impl='reference'.")
-        config = scores_config_for(h, d, _TORCH_DTYPE_NAMES[dtype], arch)
+        if config is None:
+            config = scores_config_for(h, d, _TORCH_DTYPE_NAMES[dtype], arch)
         ks = _kernels[key] = (config, get_kernel(config.score, index), get_kernel(config.mask, index))
     return ks
 
@@ -117,11 +119,12 @@ def fp8_args(w3: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor) -> 
 def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int, q_causal_offsets: torch.Tensor | None,
         cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, out: torch.Tensor,
         lse: torch.Tensor | None, q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-        scale: float = 1.0) -> None:
+        scale: float = 1.0, config: ScoresConfig | None = None) -> None:
     """Write the scores (times `scale`, folded into the weights) into `out` (contiguous fp32 [rows, width]
     view-compatible) and, when `lse` is not None, the row logsumexps into it (contiguous fp32 [rows]). q / k / weights as indexer_scores takes them (k may have its
     1-sized head dim); THD when cu_seqlens_q is given (int32, contiguous). FP8 q / k (float8_e4m3fn) take fp32
-    descales q_scale (q's leading dims and H) and k_scale (k's key dims: BSHD [B, S_k], THD [total_k])."""
+    descales q_scale (q's leading dims and H) and k_scale (k's key dims: BSHD [B, S_k], THD [total_k]). config: None
+    (scores_config_for's) or another ScoresConfig of the same H, D and dtype (benchmarks)."""
     packed = cu_seqlens_q is not None
     fp8 = q.dtype == torch.float8_e4m3fn
     if packed:
@@ -147,7 +150,7 @@ def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int, q_c
     _check_layout("q_indexer", q4, _OP)
     _check_layout("k_indexer", k3, _OP)
     device = q.device
-    config, score_k, mask_k = _kernels_for(device, h, d, q.dtype)
+    config, score_k, mask_k = _kernels_for(device, h, d, q.dtype, config)
     dummy = dummy_offsets(device)
     cu_q, cu_k, n_docs = (cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.numel() - 1) if packed else (dummy, dummy, 0)
     q_off, has_off = (q_causal_offsets, 1) if q_causal_offsets is not None else (dummy, 0)

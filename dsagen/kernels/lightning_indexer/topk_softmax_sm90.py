@@ -16,9 +16,12 @@ element b = r // T (THD: B = 1). Each row's slots are touched by one CTA only, s
 stream's.
 
 Persistent: min(rows, n_ctas) CTAs of `threads` threads, CTA i takes rows i, i + n_ctas, ... Per row the valid
-logits are read once for the statistics (mask_lse_sm90.thread_stats: online max and sum of exp2, UNROLL loads in
-flight, then a butterfly and a shared-memory merge), the row's log2-domain LSE is broadcast through shared memory,
-and a second pass (the row's 4 * topk bytes are L1 / L2 resident by then) writes the softmax and shifts the ids.
+logits are read once for the statistics (an online max m of the raw logits and s = sum exp2((x - m) log2 e), UNROLL
+loads in flight, then a butterfly and a shared-memory merge), m and log2(s) are broadcast through shared memory, and
+a second pass (the row's 4 * topk bytes are L1 / L2 resident by then) writes softmax = exp2((x - m) log2 e - log2 s)
+and shifts the ids. The difference x - m is taken before any scaling, so it is exact for the logits near the max
+(Sterbenz) and the large probabilities keep FP32 accuracy however large the logits are (an exponent of
+x log2 e - lse2 would carry the rounding of the product, ~1e-5 relative at logits of a few hundred).
 
 Bytes: per row 4 n_r read twice, 4 topk written (softmax), 4 n_r read and written (global ids).
 """
@@ -30,11 +33,50 @@ from cutlass import Float32, Int32, Int64
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.cta import cta_coords
+from dsagen.kernels.common.sm90.reduce import warp_allreduce_pair
 from dsagen.kernels.lightning_indexer.common_sm90 import row_bounds
-from dsagen.kernels.lightning_indexer.mask_lse_sm90 import thread_stats, warp_merge
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+UNROLL = 4                     # logit loads in flight per thread
+
+
+@cute.jit
+def merge_stats(m1, s1, m2, s2):
+    """(max, sum) of two partial statistics of raw logits (m, s = sum of exp2((x - m) log2 e)); (-inf, 0) for two
+    empty ones."""
+    m = cute.arch.fmax(m1, m2)
+    m_sub = m if m > -Float32.inf else Float32(0.0)
+    s = (s1 * cute.math.exp2((m1 - m_sub) * Float32(LOG2E), fastmath=True)
+         + s2 * cute.math.exp2((m2 - m_sub) * Float32(LOG2E), fastmath=True))
+    return m, s
+
+
+@cute.jit
+def thread_stats(p_row: cute.Pointer, n: Int32, tidx: Int32, threads: cutlass.Constexpr):
+    """(m, s): this thread's online max and sum of exp2((x - m) log2 e) over its logits j = tidx + i * threads < n;
+    (-inf, 0) for none. UNROLL loads are issued before their values are used."""
+    m = -Float32.inf
+    s = Float32(0.0)
+    xs = cute.make_rmem_tensor(cute.make_layout(UNROLL), Float32)
+    for j0 in cutlass.range(tidx, n, threads * UNROLL, unroll=1):
+        for u in cutlass.range_constexpr(UNROLL):
+            xs[u] = -Float32.inf
+            if j0 + u * threads < n:
+                xs[u] = (p_row + (j0 + u * threads)).load()
+        mu = cute.arch.fmax(cute.arch.fmax(xs[0], xs[1]), cute.arch.fmax(xs[2], xs[3]))
+        m_new = cute.arch.fmax(m, mu)                  # finite: xs[0] is a valid logit
+        s = s * cute.math.exp2((m - m_new) * Float32(LOG2E), fastmath=True)
+        for u in cutlass.range_constexpr(UNROLL):
+            s += cute.math.exp2((xs[u] - m_new) * Float32(LOG2E), fastmath=True)
+        m = m_new
+    return m, s
+
+
+@cute.jit
+def warp_merge(m, s):
+    """The (max, sum) statistics of the whole warp, in every lane (butterfly shuffles)."""
+    return warp_allreduce_pair(m, s, merge_stats)
 
 PARAMS = [
     {"name": "logits", "kind": "ptr", "dtype": "float32", "align": 4},   # (rows, topk) fp32 selected scores
@@ -69,7 +111,7 @@ def build(threads: int) -> BuiltKernel:
     class Smem:
         red_m: cute.struct.MemRange[Float32, NWARPS]
         red_s: cute.struct.MemRange[Float32, NWARPS]
-        lse2: cute.struct.MemRange[Float32, 1]             # the row's LSE in the log2 domain, for every thread
+        row: cute.struct.MemRange[Float32, 2]              # the row's max logit and log2(sum), for every thread
 
     class K:
         pass
@@ -87,7 +129,7 @@ def build(threads: int) -> BuiltKernel:
         st = cutlass.memory.SmemAllocator().allocate(Smem)
         sM = st.red_m.get_tensor(cute.make_layout(NWARPS))
         sS = st.red_s.get_tensor(cute.make_layout(NWARPS))
-        sL = st.lse2.get_tensor(cute.make_layout(1))
+        sL = st.row.get_tensor(cute.make_layout(2))
         for r in cutlass.range(c.bidx, rows, c.nctas, unroll=1):
             b = r // T
             t = r - b * T
@@ -109,19 +151,24 @@ def build(threads: int) -> BuiltKernel:
                     s = sS[lane]
                 m, s = warp_merge(m, s)
                 if lane == 0:
-                    l2 = -Float32.inf
+                    ls2 = Float32(0.0)
                     if n > 0:
-                        l2 = m + cute.math.log2(s, fastmath=False)
-                    sL[0] = l2
+                        ls2 = cute.math.log2(s, fastmath=False)
+                    sL[0] = m
+                    sL[1] = ls2
                     if want_lse != 0:
-                        (p_lse + r).store(l2 * Float32(LN2))
-            cute.arch.sync_threads()                   # sL holds the row's LSE; sM / sS are free again
-            l2 = sL[0]
+                        v = -Float32.inf
+                        if n > 0:
+                            v = m + ls2 * Float32(LN2)
+                        (p_lse + r).store(v)
+            cute.arch.sync_threads()                   # sL holds the row's statistics; sM / sS are free again
+            m = sL[0]
+            ls2 = sL[1]
             base = lo + b * S                          # BSHD: lo = 0; THD: b = 0, lo = cu_k[d]
             for j in cutlass.range(c.tidx, topk, THREADS, unroll=1):
                 p = Float32(0.0)
                 if j < n:
-                    p = cute.math.exp2((p_row + j).load() * Float32(LOG2E) - l2, fastmath=True)
+                    p = cute.math.exp2(((p_row + j).load() - m) * Float32(LOG2E) - ls2, fastmath=True)
                     if global_ids != 0:
                         p_id = p_ids + at + j
                         p_id.store(p_id.load() + base)

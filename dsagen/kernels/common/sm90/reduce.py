@@ -1,5 +1,6 @@
 """Register and warp reductions of the Hopper kernels: a balanced tree over values a thread holds, sums over the
-lanes that share an accumulator row (a quad) or column (the 8 row groups of a warp), and a warp's inclusive scan.
+lanes that share an accumulator row (a quad) or column (the 8 row groups of a warp), a warp's all-reduce of a pair of
+statistics, and a warp's inclusive scan.
 
 The shuffle helpers are called by every lane of the warp (they are `shfl.sync` with a full mask).
 """
@@ -16,6 +17,17 @@ def tree_reduce(op, vals):
     while len(vals) > 1:
         vals = [op(vals[i], vals[i + 1]) if i + 1 < len(vals) else vals[i] for i in range(0, len(vals), 2)]
     return vals[0]
+
+
+def warp_allreduce_pair(a, b, merge):
+    """(a, b) combined over the 32 lanes of a warp by butterfly shuffles, `merge(a1, b1, a2, b2) -> (a, b)` at each
+    of the 5 steps (unrolled at trace time), in every lane: a softmax's partial (max, sum) statistics. `merge` must be
+    commutative and associative (every lane then holds the same result)."""
+    for sh in range(5):
+        a2 = cute.arch.shuffle_sync_bfly(a, offset=1 << sh)
+        b2 = cute.arch.shuffle_sync_bfly(b, offset=1 << sh)
+        a, b = merge(a, b, a2, b2)
+    return a, b
 
 
 @cute.jit

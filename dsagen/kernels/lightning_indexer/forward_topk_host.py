@@ -6,7 +6,7 @@ limits and runs them.
 
 How a call runs (notes/kernels/indexer.md, "indexer_forward_topk"):
   * Query rows are grouped into the score kernel's token blocks (QC = 128 // H tokens of one batch element) and the
-    blocks into slabs of at most ForwardTopkConfig.slab_bytes (32 MiB) / slab_max_rows rows. Per slab, on the
+    blocks into slabs of at most ForwardTopkConfig.slab_bytes (128 MiB) / slab_max_rows (1024) rows. Per slab, on the
     current stream: the score kernel (dense_scores form: ratio-causal limit with the per-segment q_causal_offsets,
     scale 1) writes each row's valid scores into the slab (ld = the longest row, rounded up to 4), then the forward
     top-k kernel the config's TopkPlan picks for the slab writes the row's selected ids (row-local, ascending, ties

@@ -9,9 +9,10 @@ One layer step on rank r:
 1. all-gather the indexer keys and the KV latent of every rank (`all_gather_single`, formerly
    `all_gather_into_tensor`) and put the chunks back in sequence order, so each rank holds the full
    [B, T, D] keys its queries may see;
-2. for each of its two query chunks, starting at global token `start`: indexer scores with the causal mask
-   placed at `start` (`dsagen.indexer_scores(..., q_causal_offsets=start)`), then the per-row top-k over the
-   first `start + t + 1` columns (`dsagen.indexer_topk`); the ids are global token positions;
+2. for each of its two query chunks, starting at global token `start`: the indexer's top-k with the causal mask
+   placed at `start` (`dsagen.indexer_forward_topk(..., q_causal_offsets=start, topk_indices_global=False)`: row t
+   selects among the first `start + t + 1` keys, without materializing the chunk's [C, T] scores); the ids are
+   global token positions;
 3. sparse attention of the chunk's queries over the gathered KV with those ids (`dsagen.sparse_attention`,
    batched layout: ids are rows of the full kv);
 4. backward by autograd: dq stays local, the gradient of the gathered KV is reduce-scattered back to the
@@ -20,8 +21,8 @@ One layer step on rank r:
    rows, is all-reduced.
 
 `dsagen.lightning_indexer` takes no offset for query rows that start inside the sequence (its causal mask
-places query 0 at token 0), hence `indexer_scores` + `indexer_topk`, the same scores (up to the positive
-factor 1 / sqrt(H * D), which does not change the selection) with the mask at the chunk's global position.
+places query 0 at token 0), hence `indexer_forward_topk`, the same scores (up to the positive factor
+1 / sqrt(H * D), which does not change the selection) with the mask at the chunk's global position.
 
 impl is "fused" on CUDA (NCCL; bf16, D_qk 576, d_v 512) and "reference" on CPU (gloo; plain PyTorch).
 
@@ -153,14 +154,9 @@ def chunk_topk(q_index: torch.Tensor, k_index: torch.Tensor, w_index: torch.Tens
     q_index [B, C, H_i, D_i], k_index [B, T, D_i] (full sequence), w_index [B, C, H_i] -> int32 ids [B, C, topk]
     of global token positions <= the row's own, -1 padded.
     """
-    b, c = q_index.shape[:2]
-    s = k_index.shape[1]
-    offsets = torch.full((b,), start, dtype=torch.int32, device=q_index.device)
-    scores = dsagen.indexer_scores(q_index, k_index, w_index, q_causal_offsets=offsets, impl=impl)  # [B, C, T]
-    lengths = start + 1 + torch.arange(c, dtype=torch.int32, device=q_index.device)
-    lengths = lengths.repeat(b)                                            # one per row of [B * C, T]
-    ids = dsagen.indexer_topk(scores.reshape(b * c, s), lengths, topk, return_values=False, impl=impl).indices
-    return ids.reshape(b, c, topk)
+    offsets = torch.full((q_index.shape[0],), start, dtype=torch.int32, device=q_index.device)
+    return dsagen.indexer_forward_topk(q_index, k_index, w_index, topk, q_causal_offsets=offsets,
+                                       return_softmax=False, topk_indices_global=False, impl=impl).indices
 
 
 def chunk_attention(q: torch.Tensor, kv: torch.Tensor, ids: torch.Tensor, sink: torch.Tensor | None, d_v: int,

@@ -16,7 +16,8 @@ per-token FP32 descales (amax / 448), BF16 weights. Every group of contenders is
   lightning_indexer        dsagen.lightning_indexer(causal=True): ids only (the same score + top-k pipeline);
   cudnn pipeline           indexer_forward_wrapper(ratio=1) + indexer_top_k_wrapper(return_val=True).
 TFLOP/s counts the causal pairs: 2 H D T (T + 1) / 2.
---slab-mib: extra forward_topk contenders with those slab caps (the config default is in the notes).
+--slab-mib / --slab-rows: extra forward_topk contenders with those slab caps (bytes / rows), through the host loop
+with a replaced config, beside the host loop with the default config.
 --recompute-T: dense_indexer_score_recompute (out + denom) beside cuDNN's dense_indexer_score_recompute_wrapper.
 """
 
@@ -110,9 +111,12 @@ def one_shape(t: int, args, dsa, gen) -> dict:
     combined = [("forward_topk bf16", fwd_topk(q, k)), ("forward_topk fp8", fwd_topk(q8, k8, **fp8)),
                 ("lightning_indexer", lambda: dsagen.lightning_indexer(q, k, w, topk, causal=True))]
     base_cfg = forward_topk_config_for(H, D, "bfloat16", "sm_90a")
-    for mib in args.slab_mib:
-        cfg = dataclasses.replace(base_cfg, slab_bytes=mib * 2 ** 20)
-        combined.append((f"forward_topk bf16 slab {mib} MiB", lambda cfg=cfg: host_op(
+    variants = [(f"slab {mib} MiB", dataclasses.replace(base_cfg, slab_bytes=mib * 2 ** 20)) for mib in args.slab_mib]
+    variants += [(f"slab {r} rows", dataclasses.replace(base_cfg, slab_max_rows=r)) for r in args.slab_rows]
+    if variants:
+        variants.insert(0, ("host loop, default config", base_cfg))   # the variants' baseline: no public op
+    for label, cfg in variants:
+        combined.append((f"forward_topk bf16 {label}", lambda cfg=cfg: host_op(
             q, k, w, topk, ratio=1, q_causal_offsets=None, cu_seqlens_q=None, cu_seqlens_k=None, width=t,
             return_softmax=True, return_lse=True, topk_indices_global=True, config=cfg)))
     if dsa is not None:
@@ -186,6 +190,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--no-cudnn", action="store_true")
     ap.add_argument("--slab-mib", type=int, nargs="*", default=[])
+    ap.add_argument("--slab-rows", type=int, nargs="*", default=[],
+                    help="extra forward_topk contenders with these slab row caps")
     ap.add_argument("--scores-variant", nargs="*", default=[],
                     help="also time indexer_scores (+lse) with another config: chunkN (work-item candidates), "
                          "launchN (query rows per launch)")

@@ -25,7 +25,7 @@ def test_config_is_the_lightning_pipeline_in_forward_form():
     assert [(s.threads, s.sample) for s in cfg.topk.specs()] == [(s.threads, s.sample) for s in li.topk.specs()]
     assert cfg.softmax == IndexerTopkSoftmaxSpec(arch=ARCH, threads=256)
     assert cfg.specs() == (cfg.score, *cfg.topk.specs(), cfg.softmax)
-    assert (cfg.chunk_rows, cfg.slab_bytes, cfg.slab_max_rows) == (li.chunk_rows, li.slab_bytes, li.slab_max_rows)
+    assert (cfg.chunk_rows, cfg.slab_bytes, cfg.slab_max_rows) == (li.chunk_rows, li.slab_bytes, 4096)
     fp8 = forward_topk_config_for(64, 128, "float8_e4m3fn", ARCH)
     assert fp8.score.dtype == "float8_e4m3fn" and fp8.topk == cfg.topk        # the top-k reads FP32 scores
 
@@ -34,7 +34,8 @@ def test_scratch_is_bounded_by_the_slab_cap():
     cfg = forward_topk_config_for(64, 128, "bfloat16", ARCH)
     assert scratch_bytes(64, 32768, 32768) == 128 * 2 ** 20                    # 1024 rows x 32768
     assert scratch_bytes(64, 131072, 131072) == 128 * 2 ** 20                  # 256 rows
-    assert scratch_bytes(64, 4096, 4096) == 4 * 1024 * 4096                    # the 1024-row cap: 16 MiB
+    assert scratch_bytes(64, 4096, 4096) == 4 * 4096 * 4096                    # the 4096-row cap: 64 MiB
+    assert scratch_bytes(64, 8192, 8192) == 128 * 2 ** 20                      # 4096 rows
     assert slab_shape(64, 4097, 10, cfg) == (10, 4100)                         # ld rounded to 4; no more rows than the call
     assert slab_shape(64, 5, 3, cfg) == (4, 8)                                 # whole token blocks (2 tokens at H 64)
     # the cap in rows of 2**20 candidates (H = 8: token blocks of 16 rows)

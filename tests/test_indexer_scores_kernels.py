@@ -23,7 +23,7 @@ def test_config_is_the_lightning_indexers_score_kernel_in_dense_form():
     assert cfg.score == IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, dtype="bfloat16", stages=4,
                                          dense_scores=True)
     assert cfg.score.stages == li.score.stages and cfg.chunk_rows == li.chunk_rows
-    assert cfg.launch_rows == li.slab_max_rows and cfg.launch_rows % 128 == 0
+    assert cfg.launch_rows == 8192 and cfg.launch_rows % 128 == 0
     assert cfg.specs() == (cfg.score, cfg.mask) and cfg.mask == IndexerScoresMaskSpec(arch=ARCH, threads=256)
     assert cfg.score.name() == "lightning_indexer_score_dense_scores1_sm_90a"
     assert li.score.name() == "lightning_indexer_score_sm_90a"          # the default spec keeps its name

@@ -15,8 +15,8 @@ How a call runs (notes/kernels/indexer.md, "indexer_forward_topk"):
     selected slots and, with topk_indices_global, adds the row's key base (BSHD b * S_k, THD cu_seqlens_k[b]).
   * Scratch: the slab only, bounded by the config and independent of S_q and B (reported by `scratch_bytes`), plus
     a 16-byte dummy offsets tensor per device.
-  * BSHD calls read nothing on the host: the op is a custom op with a fake impl, runs under torch.compile and is
-    capturable in a CUDA graph once its kernels are loaded. THD calls need max_seqlen_k, which the public op reads
+  * BSHD calls read nothing on the host: under torch.compile the call is a custom op with a fake impl (eager calls
+    skip its dispatch layers, `scores_host.eager`); it is capturable in a CUDA graph once its kernels are loaded. THD calls need max_seqlen_k, which the public op reads
     from cu_seqlens on the host.
 """
 
@@ -29,7 +29,7 @@ import torch
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
 from .host import _check_layout, _tma_view, dummy_offsets, score_ctas, slab_max_candidates
-from .scores_host import _TORCH_DTYPE_NAMES, check_supported as check_scores_supported, fp8_args
+from .scores_host import _TORCH_DTYPE_NAMES, check_supported as check_scores_supported, eager, fp8_args
 from .spec import ForwardTopkConfig, IndexerTopkSpec, forward_topk_config_for, tokens_per_cta
 
 _OP = "indexer_forward_topk"
@@ -222,7 +222,7 @@ def indexer_forward_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor
     lse = torch.empty(lead, dtype=torch.float32, device=dev) if return_lse else None
     args = (q, k, weights, int(top_k), int(ratio), q_causal_offsets, cu_seqlens_q, cu_seqlens_k, int(width), ids,
             logits, softmax, lse, bool(topk_indices_global), q_scale, k_scale)
-    if config is not None:
+    if config is not None or eager(q):
         run(*args, config=config)
     else:
         _forward_topk_op(*args)

@@ -225,13 +225,16 @@ class ScoresConfig:
 @functools.lru_cache(maxsize=None)
 def scores_config_for(num_heads: int, head_dim: int, dtype: str, arch: str) -> ScoresConfig:
     """The configuration of the fused indexer_scores for H, D, dtype and arch: the lightning indexer's measured score
-    kernel (4 stages, work items of 4096 candidates, 1024 query rows per launch: config_for's slab) in its
-    dense_scores form, and a 256-thread finishing kernel with 8 CTAs per SM (2048 threads: every SM's thread slots,
-    for the memory-bound pass). Not yet measured on its own."""
+    kernel (4 stages, work items of 4096 candidates) in its dense_scores form, 8192 query rows per launch, and a
+    256-thread finishing kernel with 8 CTAs per SM (2048 threads: every SM's thread slots, for the memory-bound pass).
+    Launch rows, same process on the H200 (2026-12-03, H 64, +lse, bench/indexer_forward.py --scores-variant): 1024 /
+    8192 / 16384 / 32768 rows: T 4096 0.482 / 0.321 / 0.320 / 0.318 ms, T 8192 1.049 / 0.933 / 0.944 / 0.937, T 32768
+    15.12 / 14.56 / 14.35 / 14.87 (and 14.49 against 13.95 for 1024 / 8192 in another run); work items of 1024
+    candidates were slower (T 32768 16.10 against 14.49)."""
     score = IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype, stages=4,
                              dense_scores=True)
     return ScoresConfig(score=score, mask=IndexerScoresMaskSpec(arch=arch, threads=256), chunk_rows=4096,
-                        launch_rows=1024, mask_ctas_per_sm=8)
+                        launch_rows=8192, mask_ctas_per_sm=8)
 
 
 @dataclass(frozen=True)
@@ -303,13 +306,14 @@ class ForwardTopkConfig:
 def forward_topk_config_for(num_heads: int, head_dim: int, dtype: str, arch: str) -> ForwardTopkConfig:
     """The configuration of the fused indexer_forward_topk for H, D, dtype (bf16 / fp16, or float8_e4m3fn at D 128)
     and arch: the lightning indexer's pipeline (config_for's score kernel, in its dense_scores form, and top-k plan,
-    in their forward_topk form; work items of 4096 candidates) over config_for's slab (at most 128 MiB and 1024
-    rows), then a 256-thread finishing kernel with 8 CTAs per SM. Same process on the H200 (2026-12-03, T = 32768,
-    topk 2048, bench/indexer_forward.py): a 32 MiB slab took 16.81 ms against 15.71 with 128 MiB (lightning_indexer
-    15.27); at T <= 8192 both caps give the same 1024-row slab."""
+    in their forward_topk form; work items of 4096 candidates) over a slab of at most 128 MiB and 4096 rows, then a
+    256-thread finishing kernel with 8 CTAs per SM. Same process on the H200 (2026-12-03, topk 2048, H 64,
+    bench/indexer_forward.py): at T = 32768 a 32 MiB slab took 16.81 ms against 15.71 with 128 MiB
+    (lightning_indexer 15.27); row caps 1024 / 2048 / 4096 / 8192 (128 MiB): T 4096 0.467 / 0.448 / 0.425 / 0.419 ms,
+    T 8192 1.238 / 1.196 / 1.149 / 1.154, T 32768 16.52 / 16.27 / 16.36 / 16.54 (1024 rows there either way)."""
     plan = measured_plan(lambda threads, sample: IndexerTopkSpec(arch=arch, threads=threads, sample=sample,
                                                                  forward_topk=True))
     score = IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype, stages=4,
                              dense_scores=True)
     return ForwardTopkConfig(score=score, topk=plan, softmax=IndexerTopkSoftmaxSpec(arch=arch, threads=256),
-                             chunk_rows=4096, slab_bytes=128 * 2 ** 20, slab_max_rows=1024, softmax_ctas_per_sm=8)
+                             chunk_rows=4096, slab_bytes=128 * 2 ** 20, slab_max_rows=4096, softmax_ctas_per_sm=8)

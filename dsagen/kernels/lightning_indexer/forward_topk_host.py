@@ -29,7 +29,7 @@ import torch
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
 from .host import _check_layout, _tma_view, dummy_offsets, score_ctas, slab_max_candidates
-from .scores_host import _TORCH_DTYPE_NAMES, check_supported as check_scores_supported, eager, fp8_args
+from .scores_host import _TORCH_DTYPE_NAMES, check_supported as check_scores_supported, eager, kernel_inputs
 from .spec import ForwardTopkConfig, IndexerTopkSpec, forward_topk_config_for, tokens_per_cta
 
 _OP = "indexer_forward_topk"
@@ -121,15 +121,7 @@ def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, top_k: int, rat
     contiguous), width = the longest segment's key count (BSHD: S_k). FP8 q / k take fp32 descales q_scale (q's
     leading dims and H) and k_scale (k's key dims)."""
     packed = cu_seqlens_q is not None
-    fp8 = q.dtype == torch.float8_e4m3fn
-    if packed:
-        q4, k3, w3 = q[None], (k.squeeze(1) if k.dim() == 3 else k)[None], weights[None]
-        qs3, ks2 = (q_scale[None], k_scale[None]) if fp8 else (None, None)
-    else:
-        q4, k3, w3 = q, (k.squeeze(2) if k.dim() == 4 else k), weights
-        qs3, ks2 = q_scale, k_scale
-    if fp8:
-        q4, k3 = q4.view(torch.uint8), k3.view(torch.uint8)    # TMA moves the E4M3 bytes as uint8
+    q4, k3, w3, extra = kernel_inputs(q, k, weights, q_scale, k_scale, packed)
     b, t_count, h, d = q4.shape
     s_count = k3.shape[1]
     rows = b * t_count
@@ -163,7 +155,6 @@ def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, top_k: int, rat
     n_chunks = -(-s_count // config.chunk_rows)
     qv, kv = _tma_view(q4), _tma_view(k3)
     w_sb, w_st, w_sh = w3.stride()
-    extra = fp8_args(w3, qs3, ks2) if fp8 else ()
     score_tail = (cu_q, cu_k, n_docs, t_count, s_count, n_tblk)
     for blk0 in range(0, total_blk, blk_per_slab):
         nblk = min(blk_per_slab, total_blk - blk0)

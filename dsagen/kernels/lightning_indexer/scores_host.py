@@ -127,6 +127,23 @@ def fp8_args(w3: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor) -> 
     return (w3, int(w3.dtype == torch.float32), q_scale, *q_scale.stride(), k_scale, *k_scale.stride())
 
 
+def kernel_inputs(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_scale: torch.Tensor | None,
+                  k_scale: torch.Tensor | None, packed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+    """The score kernel's views of an op's inputs: (q [B, T, H, D], k [B, S, D], weights [B, T, H], the FP8 form's
+    trailing arguments or ()). THD inputs (packed) become B = 1 views, k loses its 1-sized head dim, and FP8 q / k
+    (float8_e4m3fn) become uint8 views (TMA moves the E4M3 bytes) with fp8_args of their descales."""
+    fp8 = q.dtype == torch.float8_e4m3fn
+    if packed:
+        q4, k3, w3 = q[None], (k.squeeze(1) if k.dim() == 3 else k)[None], weights[None]
+        qs3, ks2 = (q_scale[None], k_scale[None]) if fp8 else (None, None)
+    else:
+        q4, k3, w3 = q, (k.squeeze(2) if k.dim() == 4 else k), weights
+        qs3, ks2 = q_scale, k_scale
+    if not fp8:
+        return q4, k3, w3, ()
+    return q4.view(torch.uint8), k3.view(torch.uint8), w3, fp8_args(w3, qs3, ks2)
+
+
 def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int, q_causal_offsets: torch.Tensor | None,
         cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, out: torch.Tensor,
         lse: torch.Tensor | None, q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
@@ -137,15 +154,7 @@ def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int, q_c
     descales q_scale (q's leading dims and H) and k_scale (k's key dims: BSHD [B, S_k], THD [total_k]). config: None
     (scores_config_for's) or another ScoresConfig of the same H, D and dtype (benchmarks)."""
     packed = cu_seqlens_q is not None
-    fp8 = q.dtype == torch.float8_e4m3fn
-    if packed:
-        q4, k3, w3 = q[None], (k.squeeze(1) if k.dim() == 3 else k)[None], weights[None]
-        qs3, ks2 = (q_scale[None], k_scale[None]) if fp8 else (None, None)
-    else:
-        q4, k3, w3 = q, (k.squeeze(2) if k.dim() == 4 else k), weights
-        qs3, ks2 = q_scale, k_scale
-    if fp8:
-        q4, k3 = q4.view(torch.uint8), k3.view(torch.uint8)    # TMA moves the E4M3 bytes as uint8
+    q4, k3, w3, extra = kernel_inputs(q, k, weights, q_scale, k_scale, packed)
     b, t_count, h, d = q4.shape
     s_count = k3.shape[1]
     width = out.shape[-1]
@@ -172,7 +181,6 @@ def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int, q_c
     n_chunks = -(-s_count // config.chunk_rows)
     qv, kv = _tma_view(q4), _tma_view(k3)
     w_sb, w_st, w_sh = w3.stride()
-    extra = fp8_args(w3, qs3, ks2) if fp8 else ()
     for blk0, nblk, row0 in launch_ranges(b, t_count, qc, max(1, config.launch_rows // qc)):
         score_k.launch(qv, kv, w3, flat[row0 * width:], cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
                        config.chunk_rows, n_chunks, score_ctas(nblk * n_chunks, num_sms), 1, ratio, w_sb, w_st, w_sh,

@@ -163,3 +163,29 @@ def test_eager_calls_skip_the_custom_op_only_for_real_cuda_tensors():
     assert not eager(torch.empty(2))                                         # CPU: never the host loop
     with FakeTensorMode() as mode:
         assert not eager(mode.from_tensor(torch.empty(2)))
+
+
+def test_loaded_kernels_memoizes_and_checks_the_config(monkeypatch):
+    """The family's kernel loader: one load per (device, H, D, dtype) or per given config, NotImplementedError naming
+    the op off sm_90a, ValueError for a config whose score kernel is of another shape."""
+    from dsagen.kernels.lightning_indexer import host
+
+    arch = {"now": "sm_90a"}
+    monkeypatch.setattr(host, "device_index", lambda device: 0)
+    monkeypatch.setattr(host, "device_arch", lambda index: arch["now"])
+    loads, cache = [], {}
+
+    def load(cfg, index):
+        loads.append((cfg, index))
+        return ("kernels", cfg)
+
+    args = ("indexer_forward_topk", "cuda", 64, 128, torch.bfloat16, "bfloat16")
+    got = host.loaded_kernels(cache, *args, None, forward_topk_config_for, load)
+    assert got == ("kernels", forward_topk_config_for(64, 128, "bfloat16", ARCH))
+    assert host.loaded_kernels(cache, *args, None, forward_topk_config_for, load) is got and len(loads) == 1
+    other = forward_topk_config_for(64, 128, "float16", ARCH)
+    with pytest.raises(ValueError, match="does not match the call"):
+        host.loaded_kernels(cache, *args, other, forward_topk_config_for, load)
+    arch["now"] = "sm_100a"
+    with pytest.raises(NotImplementedError, match="the fused indexer_forward_topk has kernels for sm_90a"):
+        host.loaded_kernels({}, *args, None, forward_topk_config_for, load)

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from ...jit import get_kernel
-from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
-from .host import _check_layout, _tma_view, dummy_offsets, score_ctas, slab_max_candidates
+from ...runtime import LoadedKernel, device_index, device_sm_count
+from .host import _check_layout, _tma_view, dummy_offsets, loaded_kernels, score_ctas, slab_max_candidates
 from .scores_host import _TORCH_DTYPE_NAMES, check_supported as check_scores_supported, eager, kernel_inputs
 from .spec import ForwardTopkConfig, IndexerTopkSpec, forward_topk_config_for, tokens_per_cta
 
@@ -68,25 +68,11 @@ def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype,
                  config: ForwardTopkConfig | None = None) -> ForwardKernels:
     """The loaded kernels of (device, H, D, dtype) and config (None: forward_topk_config_for's); NotImplementedError
     off sm_90a, ValueError for a config of another H, D or dtype."""
-    index = device_index(device)
-    key = (index, h, d, dtype) if config is None else (index, config)
-    ks = _kernels.get(key)
-    if ks is None:
-        arch = device_arch(index)
-        if arch != "sm_90a":
-            raise NotImplementedError(f"the fused {_OP} has kernels for sm_90a (Hopper) only; cuda:{index} is "
-                                      f"{arch}. Use impl='reference'.")
-        name = _TORCH_DTYPE_NAMES[dtype]
-        if config is None:
-            config = forward_topk_config_for(h, d, name, arch)
-        score = config.score
-        if (score.arch, score.num_heads, score.head_dim, score.dtype) != (arch, h, d, name):
-            raise ValueError(f"config's score kernel {score.name()} does not match the call (arch {arch}, H={h}, "
-                             f"D={d}, {name})")
-        ks = _kernels[key] = ForwardKernels(config, get_kernel(score, index),
-                                            {spec: get_kernel(spec, index) for spec in config.topk.specs()},
-                                            get_kernel(config.softmax, index))
-    return ks
+    return loaded_kernels(_kernels, _OP, device, h, d, dtype, _TORCH_DTYPE_NAMES[dtype], config,
+                          forward_topk_config_for, lambda cfg, index: ForwardKernels(
+                              cfg, get_kernel(cfg.score, index),
+                              {spec: get_kernel(spec, index) for spec in cfg.topk.specs()},
+                              get_kernel(cfg.softmax, index)))
 
 
 def slab_shape(num_heads: int, width: int, total_rows: int, config: ForwardTopkConfig) -> tuple[int, int]:

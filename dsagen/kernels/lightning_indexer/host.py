@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -131,26 +132,36 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, stride)
 
 
-def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype,
-                 config: IndexerConfig | None = None) -> IndexerKernels:
+def loaded_kernels(cache: dict, op: str, device: torch.device, h: int, d: int, dtype: torch.dtype, dtype_name: str,
+                   config, config_for: Callable, load: Callable):
+    """The memoized kernels of one of the family's ops for (device, H, D, dtype) and `config` (None: the op's
+    `config_for(h, d, dtype_name, arch)`): `load(config, device index)` on the first call, kept in `cache` under
+    (index, H, D, dtype) or (index, config). NotImplementedError off sm_90a (naming `op`); ValueError for a config
+    whose score kernel is of another arch, H, D or dtype."""
     index = device_index(device)
     key = (index, h, d, dtype) if config is None else (index, config)
-    ks = _kernels.get(key)
+    ks = cache.get(key)
     if ks is None:
         arch = device_arch(index)
         if arch != "sm_90a":
-            raise NotImplementedError(f"the fused lightning_indexer has kernels for sm_90a (Hopper) only; "
-                                      f"cuda:{index} is {arch}. Use impl='reference'.")
-        name = _TORCH_DTYPE_NAMES[dtype]
+            raise NotImplementedError(f"the fused {op} has kernels for sm_90a (Hopper) only; cuda:{index} is {arch}. "
+                                      f"Use impl='reference'.")
         if config is None:
-            config = config_for(h, d, name, arch)
+            config = config_for(h, d, dtype_name, arch)
         score = config.score
-        if (score.arch, score.num_heads, score.head_dim, score.dtype) != (arch, h, d, name):
+        if (score.arch, score.num_heads, score.head_dim, score.dtype) != (arch, h, d, dtype_name):
             raise ValueError(f"config's score kernel {score.name()} does not match the call (arch {arch}, H={h}, "
-                             f"D={d}, {name})")
-        ks = _kernels[key] = IndexerKernels(config, get_kernel(score, index),
-                                            {spec: get_kernel(spec, index) for spec in config.topk.specs()})
+                             f"D={d}, {dtype_name})")
+        ks = cache[key] = load(config, index)
     return ks
+
+
+def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype,
+                 config: IndexerConfig | None = None) -> IndexerKernels:
+    return loaded_kernels(_kernels, "lightning_indexer", device, h, d, dtype, _TORCH_DTYPE_NAMES[dtype], config,
+                          config_for, lambda cfg, index: IndexerKernels(
+                              cfg, get_kernel(cfg.score, index),
+                              {spec: get_kernel(spec, index) for spec in cfg.topk.specs()}))
 
 
 def dummy_offsets(device: torch.device) -> torch.Tensor:

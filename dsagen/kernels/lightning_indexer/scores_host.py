@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 
 from ...jit import get_kernel
-from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
-from .host import _check_layout, _tma_view, dummy_offsets, score_ctas
+from ...runtime import LoadedKernel, device_index, device_sm_count
+from .host import _check_layout, _tma_view, dummy_offsets, loaded_kernels, score_ctas
 from .spec import INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, ScoresConfig, scores_config_for, tokens_per_cta
 
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8_e4m3fn"}
@@ -76,19 +76,9 @@ def check_supported(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, pac
 def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype, config: ScoresConfig | None = None
                  ) -> tuple[ScoresConfig, LoadedKernel, LoadedKernel]:
     """The config and loaded kernels of (device, H, D, dtype) and config (None: scores_config_for's);
-    NotImplementedError off sm_90a."""
-    index = device_index(device)
-    key = (index, h, d, dtype) if config is None else (index, config)
-    ks = _kernels.get(key)
-    if ks is None:
-        arch = device_arch(index)
-        if arch != "sm_90a":
-            raise NotImplementedError(f"the fused indexer_scores has kernels for sm_90a (Hopper) only; cuda:{index} "
-                                      f"is {arch}. Use impl='reference'.")
-        if config is None:
-            config = scores_config_for(h, d, _TORCH_DTYPE_NAMES[dtype], arch)
-        ks = _kernels[key] = (config, get_kernel(config.score, index), get_kernel(config.mask, index))
-    return ks
+    NotImplementedError off sm_90a, ValueError for a config of another H, D or dtype."""
+    return loaded_kernels(_kernels, _OP, device, h, d, dtype, _TORCH_DTYPE_NAMES[dtype], config, scores_config_for,
+                          lambda cfg, index: (cfg, get_kernel(cfg.score, index), get_kernel(cfg.mask, index)))
 
 
 def eager(t: torch.Tensor) -> bool:

@@ -22,6 +22,7 @@ import torch
 import dsagen
 from dsagen.kernels.lightning_indexer.spec import forward_topk_config_for, scores_config_for
 from dsagen.reference.indexer import dequantize_fp8
+from indexer_inputs import bshd as _bshd, fp8_inputs, thd as _thd
 from poison import poison_allocator
 
 ARCH = "sm_90a"
@@ -43,24 +44,6 @@ pytestmark = pytest.mark.gpu
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def _bshd(b, sq, sk, h, d, gen, dtype=torch.bfloat16):
-    q = torch.randn((b, sq, h, d), generator=gen).to(dtype).to(DEV)
-    k = torch.randn((b, sk, d), generator=gen).to(dtype).to(DEV)
-    w = torch.randn((b, sq, h), generator=gen).to(dtype).to(DEV)
-    return q, k, w
-
-
-def _thd(lens_q, lens_k, tail_q, h, d, gen, dtype=torch.bfloat16):
-    """Packed inputs: segments of lens_q / lens_k rows, plus tail_q query rows after the last segment."""
-    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
-    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
-    total_q, total_k = int(cu_q[-1]) + tail_q, int(cu_k[-1]) + 3          # 3 key rows in no segment
-    q = torch.randn((total_q, h, d), generator=gen).to(dtype).to(DEV)
-    k = torch.randn((total_k, d), generator=gen).to(dtype).to(DEV)
-    w = torch.randn((total_q, h), generator=gen).to(dtype).to(DEV)
-    return q, k, w, cu_q.to(DEV), cu_k.to(DEV)
-
-
 def _expected_ids(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     """The top_k column ids of each row of `scores` (rows, W) (-inf: masked) in ascending order, ties at the k-th
     value to the lower ids, -1 padded: a stable descending sort keeps equal scores in id order."""
@@ -241,11 +224,8 @@ def test_softmax_is_the_index_score():
 
 # ----------------------------------------------------------------------------------------------- FP8
 def _fp8_inputs(shape_q, shape_k, shape_w, gen):
-    q = (torch.randn(shape_q, generator=gen) * 4).to(torch.float8_e4m3fn).to(DEV)
-    k = (torch.randn(shape_k, generator=gen) * 4).to(torch.float8_e4m3fn).to(DEV)
-    w = torch.randn(shape_w, generator=gen).to(torch.bfloat16).to(DEV)
-    q_scale = (torch.rand(shape_w, generator=gen) + 0.05).to(DEV)
-    k_scale = (torch.rand(shape_k[:-1], generator=gen) + 0.05).to(DEV)
+    """E4M3 inputs with bf16 weights: q, k, weights, (q_scale, k_scale)."""
+    q, k, w, q_scale, k_scale = fp8_inputs(shape_q, shape_k, shape_w, gen)
     return q, k, w, (q_scale, k_scale)
 
 

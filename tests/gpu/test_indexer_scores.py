@@ -17,6 +17,7 @@ import torch
 
 import dsagen
 from dsagen.kernels.lightning_indexer.spec import scores_config_for
+from indexer_inputs import bshd as _bshd, fp8_inputs as _fp8_inputs, thd as _thd
 from poison import poison_allocator
 
 ARCH = "sm_90a"
@@ -33,24 +34,6 @@ pytestmark = pytest.mark.gpu
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def _bshd(b, sq, sk, h, d, gen, dtype=torch.bfloat16, k4=False):
-    q = torch.randn((b, sq, h, d), generator=gen).to(dtype).to(DEV)
-    k = torch.randn((b, sk, 1, d) if k4 else (b, sk, d), generator=gen).to(dtype).to(DEV)
-    w = torch.randn((b, sq, h), generator=gen).to(dtype).to(DEV)
-    return q, k, w
-
-
-def _thd(lens_q, lens_k, tail_q, h, d, gen, dtype=torch.bfloat16, int64=False):
-    """Packed inputs: segments of lens_q / lens_k rows, plus tail_q query rows after the last segment."""
-    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int64 if int64 else torch.int32)
-    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=cu_q.dtype)
-    total_q, total_k = int(cu_q[-1]) + tail_q, int(cu_k[-1]) + 3          # 3 key rows in no segment
-    q = torch.randn((total_q, h, d), generator=gen).to(dtype).to(DEV)
-    k = torch.randn((total_k, d), generator=gen).to(dtype).to(DEV)
-    w = torch.randn((total_q, h), generator=gen).to(dtype).to(DEV)
-    return q, k, w, cu_q.to(DEV), cu_k.to(DEV)
-
-
 def _expected(q, k, w, **kw):
     """(FP64 scores, FP64 magnitude: the same op with |w| and |.| of the dots, FP64 lse) from the reference."""
     qd, kd, wd = q.double(), k.double(), w.double()
@@ -261,16 +244,6 @@ def test_fused_limits_name_the_argument():
 #: (about 14 on Hopper), so each dot's error is a few 2**-14 of its sum of |products|; 1e-3 of the bound built from
 #: |q8| . |k8| (and |w| q_scale k_scale) covers that with margin while a wrong scale or layout is off by O(1).
 FP8_TOL_REL = 1e-3
-
-
-def _fp8_inputs(shape_q, shape_k, shape_w, gen, w_dtype):
-    """E4M3 q / k (randn * 4: values over E4M3's range of exponents), positive descales, weights of w_dtype."""
-    q = (torch.randn(shape_q, generator=gen) * 4).to(torch.float8_e4m3fn).to(DEV)
-    k = (torch.randn(shape_k, generator=gen) * 4).to(torch.float8_e4m3fn).to(DEV)
-    w = torch.randn(shape_w, generator=gen).to(w_dtype).to(DEV)
-    q_scale = (torch.rand(shape_w, generator=gen) + 0.05).to(DEV)
-    k_scale = (torch.rand(shape_k[:-1], generator=gen) + 0.05).to(DEV)
-    return q, k, w, q_scale, k_scale
 
 
 def _fp8_check(q, k, w, q_scale, k_scale, **kw):

@@ -151,6 +151,17 @@ class IndexerTopkSpec(KernelSpec):
         return {**super().template_context(), "compact_cap": compact_cap(self.threads, self.sample)}
 
 
+def row_pass_reasons(arch: str, threads, kernel: str) -> list[str]:
+    """Why a persistent row pass (IndexerScoresMaskSpec, IndexerTopkSoftmaxSpec) cannot be built: an arch other than
+    sm_90a (naming `kernel`), threads not a multiple of 32 in 64..1024."""
+    out = []
+    if arch != "sm_90a":
+        out.append(f"{kernel} is implemented for sm_90a only, not {arch}")
+    if isinstance(threads, int) and not (64 <= threads <= 1024 and threads % 32 == 0):
+        out.append(f"threads={threads} must be a multiple of 32 in 64..1024")
+    return out
+
+
 @register_spec
 @dataclass(frozen=True)
 class IndexerScoresMaskSpec(KernelSpec):
@@ -169,12 +180,7 @@ class IndexerScoresMaskSpec(KernelSpec):
     threads: int = 256
 
     def reasons(self) -> list[str]:
-        out = super().reasons()
-        if self.arch != "sm_90a":
-            out.append(f"the indexer_scores mask / LSE kernel is implemented for sm_90a only, not {self.arch}")
-        if isinstance(self.threads, int) and not (64 <= self.threads <= 1024 and self.threads % 32 == 0):
-            out.append(f"threads={self.threads} must be a multiple of 32 in 64..1024")
-        return out
+        return super().reasons() + row_pass_reasons(self.arch, self.threads, "the indexer_scores mask / LSE kernel")
 
 
 @register_spec
@@ -194,12 +200,7 @@ class IndexerTopkSoftmaxSpec(KernelSpec):
     threads: int = 256
 
     def reasons(self) -> list[str]:
-        out = super().reasons()
-        if self.arch != "sm_90a":
-            out.append(f"the indexer_forward_topk softmax kernel is implemented for sm_90a only, not {self.arch}")
-        if isinstance(self.threads, int) and not (64 <= self.threads <= 1024 and self.threads % 32 == 0):
-            out.append(f"threads={self.threads} must be a multiple of 32 in 64..1024")
-        return out
+        return super().reasons() + row_pass_reasons(self.arch, self.threads, "the indexer_forward_topk softmax kernel")
 
 
 @dataclass(frozen=True)

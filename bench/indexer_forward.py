@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 
 import torch
@@ -62,9 +63,11 @@ def _scores_variant(q, k, w, t: int, variant: str):
     from dsagen.kernels.lightning_indexer.scores_host import run
     from dsagen.kernels.lightning_indexer.spec import scores_config_for
 
-    field = {"chunk": "chunk_rows", "launch": "launch_rows"}[variant.rstrip("0123456789")]
-    cfg = dataclasses.replace(scores_config_for(H, D, "bfloat16", "sm_90a"),
-                              **{field: int(variant.lstrip("chunklaun"))})
+    m = re.fullmatch(r"(chunk|launch)(\d+)", variant)
+    if m is None:
+        raise SystemExit(f"--scores-variant {variant!r}: expected chunkN or launchN")
+    field = {"chunk": "chunk_rows", "launch": "launch_rows"}[m.group(1)]
+    cfg = dataclasses.replace(scores_config_for(H, D, "bfloat16", "sm_90a"), **{field: int(m.group(2))})
     out = torch.empty((1, t, t), device=q.device)
     lse = torch.empty((1, t), device=q.device)
     return lambda: run(q, k, w, 1, None, None, None, out, lse, config=cfg)

@@ -28,7 +28,8 @@ import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_index, device_sm_count
-from .host import _check_layout, _tma_view, dummy_offsets, loaded_kernels, score_ctas, slab_max_candidates
+from .host import (_check_layout, _tma_view, dummy_offsets, loaded_kernels, score_ctas, slab_max_candidates,
+                   slab_rows)
 from .scores_host import _TORCH_DTYPE_NAMES, check_supported as check_scores_supported, eager, kernel_inputs
 from .spec import ForwardTopkConfig, IndexerTopkSpec, forward_topk_config_for, tokens_per_cta
 
@@ -79,11 +80,9 @@ def slab_shape(num_heads: int, width: int, total_rows: int, config: ForwardTopkC
     """(rows, ld) of the fp32 score slab for H heads, rows of at most `width` candidates and `total_rows` query rows
     rounded up to whole token blocks: ld = width rounded up to 4 (16-byte rows for the top-k's loads); rows a
     multiple of the token block, at most config.slab_max_rows and within config.slab_bytes unless one token block
-    alone is larger, and no more than the call has."""
+    alone is larger (the lightning indexer's slab_rows), and no more than the call has."""
     qc = tokens_per_cta(num_heads)
-    ld = -(-max(width, 1) // 4) * 4
-    rows = max(qc, min(config.slab_max_rows, config.slab_bytes // (4 * ld)) // qc * qc)
-    return min(rows, -(-total_rows // qc) * qc), ld
+    return min(slab_rows(num_heads, width, config), -(-total_rows // qc) * qc), -(-max(width, 1) // 4) * 4
 
 
 def scratch_bytes(num_heads: int, width: int, total_rows: int, config: ForwardTopkConfig | None = None,

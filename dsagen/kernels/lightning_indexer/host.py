@@ -36,7 +36,7 @@ import torch
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
 
 from ...jit import get_kernel
-from .spec import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, IndexerConfig,
+from .spec import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, ForwardTopkConfig, IndexerConfig,
                                      IndexerTopkSpec, config_for, tokens_per_cta)
 
 BACKENDS = ("cute",)
@@ -195,7 +195,7 @@ def score_ctas(n_items: int, num_sms: int) -> int:
     return max(1, min(n_items, num_sms))
 
 
-def slab_rows(num_heads: int, s_count: int, config: IndexerConfig) -> int:
+def slab_rows(num_heads: int, s_count: int, config: IndexerConfig | ForwardTopkConfig) -> int:
     """Rows R of the score slab for H heads and S candidates (a multiple of the token block): at most
     config.slab_max_rows, and R rows fit in config.slab_bytes unless one token block alone is larger."""
     qc = tokens_per_cta(num_heads)

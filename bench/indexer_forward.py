@@ -5,7 +5,7 @@ indexer + top-k (dsagen.indexer_forward_topk, with logits, softmax and LSE) agai
 
     python bench/indexer_forward.py [--T 4096 8192 32768] [--topk 2048] [--rounds 7] [--no-cudnn] [--json FILE]
                                     [--slab-mib 32 128] [--recompute-T 2048 4096 16384]
-                                    [--scores-variant chunk1024 launch4096]
+                                    [--scores-variant chunk1024 launch4096 fp8-stages8]
 
 B = 1, H = 64, D = 128, S_k = T, ratio 1 (causal), fresh random inputs; FP8: E4M3 q / k with per-(token, head) and
 per-token FP32 descales (amax / 448), BF16 weights. Every group of contenders is timed interleaved
@@ -57,19 +57,29 @@ def _group(name_fns: list[tuple[str, object]], rounds: int) -> dict[str, float]:
     return dict(zip(names, times))
 
 
-def _scores_variant(q, k, w, t: int, variant: str):
-    """indexer_scores (+lse) with another ScoresConfig: "chunkN" (candidates per work item) or "launchN" (query rows
-    per score launch), through the host's run (no custom op) into preallocated outputs."""
+def _scores_variant(q, k, w, t: int, variant: str, fp8=None):
+    """indexer_scores (+lse) with another ScoresConfig, through the host's run (no custom op) into preallocated
+    outputs: "chunkN" (candidates per work item), "launchN" (query rows per score launch) or "stagesN" (the score
+    kernel's K ring: 2N slots); "fp8-" before it: the FP8 form (fp8: (q8, k8, q_scale, k_scale))."""
     from dsagen.kernels.lightning_indexer.scores_host import run
     from dsagen.kernels.lightning_indexer.spec import scores_config_for
 
-    m = re.fullmatch(r"(chunk|launch)(\d+)", variant)
+    m = re.fullmatch(r"(fp8-)?(chunk|launch|stages)(\d+)", variant)
     if m is None:
-        raise SystemExit(f"--scores-variant {variant!r}: expected chunkN or launchN")
-    field = {"chunk": "chunk_rows", "launch": "launch_rows"}[m.group(1)]
-    cfg = dataclasses.replace(scores_config_for(H, D, "bfloat16", "sm_90a"), **{field: int(m.group(2))})
+        raise SystemExit(f"--scores-variant {variant!r}: expected [fp8-]chunkN, [fp8-]launchN or [fp8-]stagesN")
+    dtype = "float8_e4m3fn" if m.group(1) else "bfloat16"
+    cfg = scores_config_for(H, D, dtype, "sm_90a")
+    n = int(m.group(3))
+    if m.group(2) == "stages":
+        cfg = dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, stages=n))
+    else:
+        field = {"chunk": "chunk_rows", "launch": "launch_rows"}[m.group(2)]
+        cfg = dataclasses.replace(cfg, **{field: n})
     out = torch.empty((1, t, t), device=q.device)
     lse = torch.empty((1, t), device=q.device)
+    if m.group(1):
+        q8, k8, qs, ks = fp8
+        return lambda: run(q8, k8, w, 1, None, None, None, out, lse, q_scale=qs, k_scale=ks, config=cfg)
     return lambda: run(q, k, w, 1, None, None, None, out, lse, config=cfg)
 
 
@@ -104,7 +114,8 @@ def one_shape(t: int, args, dsa, gen) -> dict:
                    ("cudnn fp8 +lse", lambda: dsa.indexer_forward_wrapper(q8, k84, w, ratio=1, precision="fp8",
                                                                           q_scale=qs, k_scale=ks4, return_lse=True))]
     for variant in args.scores_variant:
-        scores.append((f"dsagen bf16 +lse {variant}", _scores_variant(q, k, w, t, variant)))
+        label = f"dsagen fp8 +lse {variant[4:]}" if variant.startswith("fp8-") else f"dsagen bf16 +lse {variant}"
+        scores.append((label, _scores_variant(q, k, w, t, variant, (q8, k8, qs, ks))))
     rec["scores_ms"] = _group(scores, args.rounds)
     torch.cuda.empty_cache()
 
@@ -197,7 +208,7 @@ def main(argv=None) -> int:
                     help="extra forward_topk contenders with these slab row caps")
     ap.add_argument("--scores-variant", nargs="*", default=[],
                     help="also time indexer_scores (+lse) with another config: chunkN (work-item candidates), "
-                         "launchN (query rows per launch)")
+                         "launchN (query rows per launch), stagesN (K ring of 2N slots); fp8-X: the FP8 form")
     ap.add_argument("--recompute-T", type=int, nargs="*", default=[],
                     help="also time dense_indexer_score_recompute beside cuDNN's at these T")
     ap.add_argument("--json", default=None)

@@ -208,16 +208,42 @@ def test_mask_kernel_compiles(tmp_path):
 
 @pytest.mark.compile
 def test_fp8_score_kernel_uses_qgmma(tmp_path):
-    """The FP8 dense_scores form: D/32 QGMMA.64x128x32 E4M3 x E4M3 (no HGMMA), still waited once, no spills."""
+    """The FP8 dense_scores form: D/32 QGMMA.64x128x32 E4M3 x E4M3 for the scores, then the head sum as 128/16
+    HGMMA.64x8x16 bf16 wgmmas whose A operand is ReLU(S) packed by F2FP.RELU (no FMNMX / FFMA epilogue); each
+    product waited once (ptxas did not serialize the wgmmas), the k descales staged by cp.async (LDGSTS), no
+    spills."""
     from dsagen.jit.build import compile_module
 
     spec = scores_config_for(64, 128, "float8_e4m3fn", ARCH).score
     ck = compile_module(spec, render(spec), tmp_path / "build")
     sass = _sass(ck.cubin)
     assert sass.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 128 // 32
-    assert "HGMMA" not in sass
-    assert sass.count("WARPGROUP.DEPBAR") == 1, "wgmma serialized by ptxas"
+    assert sass.count("HGMMA.64x8x16.F32.BF16") == 128 // 16
+    assert sass.count("F2FP.RELU.BF16.F32.PACK_AB") == 32
+    assert "FFMA" not in sass
+    assert sass.count("WARPGROUP.DEPBAR") == 2, "wgmma serialized by ptxas"
+    assert "LDGSTS" in sass
     assert " LDL" not in sass and " STL" not in sass, "register spills"
+
+
+def test_fp8_kscale_rows_match_the_host_limit(monkeypatch):
+    """The FP8 score kernel stages FP8_KSCALE_ROWS k descales per item slot; the host refuses configs with longer
+    work items (spec.FP8_MAX_CHUNK_ROWS) before loading anything."""
+    import dataclasses
+
+    import torch
+
+    from dsagen.kernels.lightning_indexer import host, score_sm90
+    from dsagen.kernels.lightning_indexer.spec import FP8_MAX_CHUNK_ROWS
+
+    assert score_sm90.FP8_KSCALE_ROWS == FP8_MAX_CHUNK_ROWS
+    cfg = dataclasses.replace(scores_config_for(64, 128, "float8_e4m3fn", ARCH), chunk_rows=2 * FP8_MAX_CHUNK_ROWS)
+    monkeypatch.setattr(host, "device_arch", lambda index: ARCH)      # no GPU here: only the config checks run
+    loads = []
+    with pytest.raises(ValueError, match=f"chunk_rows={2 * FP8_MAX_CHUNK_ROWS}"):
+        host.loaded_kernels({}, "indexer_scores", 0, 64, 128, torch.float8_e4m3fn, "float8_e4m3fn", cfg, None,
+                            lambda c, i: loads.append(c))
+    assert loads == []
 
 
 def test_fp8_spec_limits():
@@ -229,6 +255,20 @@ def test_fp8_spec_limits():
     bad = IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=64, dtype="float8_e4m3fn", dense_scores=False)
     msg = bad.can_implement()[1]
     assert "dense_scores=True" in msg and "head_dim=128" in msg
+    h8 = IndexerScoreSpec(arch=ARCH, num_heads=8, head_dim=128, dtype="float8_e4m3fn", dense_scores=True)
+    assert "num_heads in (16, 32, 64, 128)" in h8.can_implement()[1]     # the head sum's 8 token columns
+
+
+def test_fp8_fused_path_refuses_8_heads():
+    """H = 8 puts 16 tokens in a tile, more than the FP8 kernel's tensor-core head sum holds: the fused path's
+    shape check refuses it (a ValueError naming the heads) before anything runs."""
+    from dsagen.kernels.lightning_indexer.scores_host import check_supported
+
+    q = torch.zeros(1, 4, 8, 128).to(torch.float8_e4m3fn)
+    k = torch.zeros(1, 5, 128).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="FP8 indexer_scores supports q_indexer heads H in"):
+        check_supported(q, k, torch.zeros(1, 4, 8), packed=False)
+    check_supported(torch.zeros(1, 4, 16, 128).to(torch.float8_e4m3fn), k, torch.zeros(1, 4, 16), packed=False)
 
 
 def test_fp8_arguments_are_validated():

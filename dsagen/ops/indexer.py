@@ -239,10 +239,12 @@ def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: to
 
         scores[b, q, k] = sum_h weights[b, q, h] * relu(q_scale[b, q, h] * k_scale[b, k] * (q8[b, q, h, :] . k8[b, k, :]))
 
-    The reference computes exactly this from the dequantized FP32 values. The fused kernel (D = 128 only; QGMMA
-    with FP32 accumulation) computes k_scale[b, k] * sum_h (weights * q_scale)[b, q, h] * relu(q8 . k8), equal for
-    positive descales: the descales must be positive and finite (their values are never read on the host, so this
-    is not checked; a zero, negative or non-finite descale gives another answer than the reference's).
+    The reference computes exactly this from the dequantized FP32 values. The fused kernel (D = 128, H in (16, 32,
+    64, 128); QGMMA with FP32 accumulation) computes k_scale[b, k] * sum_h (weights * q_scale)[b, q, h] *
+    relu(q8 . k8), equal for positive descales: the descales must be positive and finite (their values are never
+    read on the host, so this is not checked; a zero, negative or non-finite descale gives another answer than the
+    reference's). Its head sum runs on the tensor cores with relu(q8 . k8) and weights * q_scale rounded to bf16
+    (FP32 accumulation): a relative 2**-9 per term, far below the E4M3 inputs' own rounding.
 
     Args:
         q_indexer: [B, S_q, H, D] (THD: [total_q, H, D]), fp16/bf16/fp32/fp64; H >= 1, D >= 1.
@@ -416,10 +418,10 @@ def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weigh
 
     impl="fused" (sm_90a; notes/kernels/indexer.md, "indexer_forward_topk"): the lightning indexer's pipeline with
     indexer_scores' mask: per slab of query rows the wgmma score kernel writes the rows' valid scores into a bounded
-    FP32 slab (at most 128 MiB, S_k x 4 KiB below S_k = 32768; never the dense [S_q, S_k] scores), a radix top-k selects from it and writes the ids
-    and their scores, then one pass writes the softmax, the LSE and the global ids. Limits as indexer_scores' fused
-    path (bf16 / fp16 with weights of the same dtype, or FP8 at D = 128; H in (8, 16, 32, 64, 128), D in (64, 128),
-    S_q and S_k <= 2**20) and top_k <= 2**20. The selection is always the deterministic one (ties at the k-th value
+    FP32 slab (at most 128 MiB, S_k x 4 KiB below S_k = 32768; never the dense [S_q, S_k] scores), a radix top-k
+    selects from it and writes the ids and their scores, then one pass writes the softmax, the LSE and the global
+    ids. Limits as indexer_scores' fused path (bf16 / fp16 with weights of the same dtype, or FP8 at D = 128 and
+    H >= 16; H in (8, 16, 32, 64, 128), D in (64, 128), S_q and S_k <= 2**20) and top_k <= 2**20. The selection is always the deterministic one (ties at the k-th value
     go to the lower key ids; repeated calls give identical results), so deterministic=True changes nothing; its
     slots are in ascending key id order. BSHD calls read nothing on the host (torch.compile, CUDA graphs).
 

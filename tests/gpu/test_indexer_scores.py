@@ -23,7 +23,7 @@ from poison import poison_allocator
 ARCH = "sm_90a"
 DEV = "cuda"
 HEAD_SHAPES = [(64, 128), (64, 64), (8, 128), (16, 128), (32, 128), (32, 64), (128, 128), (8, 64)]
-FP8_HEADS = (16, 32, 64)          # cuDNN frontend DSA's SM90 FP8 heads, D = 128
+FP8_HEADS = (16, 32, 64, 128)     # cuDNN frontend DSA SM90 FP8 heads (32, 64) and ours, D = 128
 REQUIRED_SPECS = [s for h, d in HEAD_SHAPES for s in scores_config_for(h, d, "bfloat16", ARCH).specs()] + [
     *scores_config_for(64, 128, "float16", ARCH).specs()] + [
     scores_config_for(h, 128, "float8_e4m3fn", ARCH).score for h in FP8_HEADS]

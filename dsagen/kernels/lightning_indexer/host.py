@@ -36,8 +36,8 @@ import torch
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
 
 from ...jit import get_kernel
-from .spec import (INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, ForwardTopkConfig, IndexerConfig,
-                                     IndexerTopkSpec, config_for, tokens_per_cta)
+from .spec import (FP8_MAX_CHUNK_ROWS, INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, ForwardTopkConfig,
+                   IndexerConfig, IndexerTopkSpec, config_for, tokens_per_cta)
 
 BACKENDS = ("cute",)
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -137,7 +137,8 @@ def loaded_kernels(cache: dict, op: str, device: torch.device, h: int, d: int, d
     """The memoized kernels of one of the family's ops for (device, H, D, dtype) and `config` (None: the op's
     `config_for(h, d, dtype_name, arch)`): `load(config, device index)` on the first call, kept in `cache` under
     (index, H, D, dtype) or (index, config). NotImplementedError off sm_90a (naming `op`); ValueError for a config
-    whose score kernel is of another arch, H, D or dtype."""
+    whose score kernel is of another arch, H, D or dtype, or an FP8 config with work items of more than
+    FP8_MAX_CHUNK_ROWS candidates."""
     index = device_index(device)
     key = (index, h, d, dtype) if config is None else (index, config)
     ks = cache.get(key)
@@ -152,6 +153,9 @@ def loaded_kernels(cache: dict, op: str, device: torch.device, h: int, d: int, d
         if (score.arch, score.num_heads, score.head_dim, score.dtype) != (arch, h, d, dtype_name):
             raise ValueError(f"config's score kernel {score.name()} does not match the call (arch {arch}, H={h}, "
                              f"D={d}, {dtype_name})")
+        if dtype_name == "float8_e4m3fn" and config.chunk_rows > FP8_MAX_CHUNK_ROWS:
+            raise ValueError(f"config's chunk_rows={config.chunk_rows}: the FP8 score kernel stages the k descales "
+                             f"of at most {FP8_MAX_CHUNK_ROWS} candidate rows per work item")
         ks = cache[key] = load(config, index)
     return ks
 

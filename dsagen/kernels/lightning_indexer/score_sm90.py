@@ -21,8 +21,12 @@ causal offsets in the row bounds (row_bounds' p_off: row r of segment g may sele
 and the caller's [rows, S_k] score matrix as the slab; the host passes scale 1 and fills what the kernel leaves
 unwritten (mask_lse_sm90).
 
-Constraints (IndexerScoreSpec.reasons): H in 8..128 dividing 128, D in (64, 128), bf16 / fp16 inputs, 2 <= stages
-and the smem of 2 Q tiles + 2 * stages K tiles within 220 KiB.
+The FP8 form (E4M3 q / k with fp32 descales, dense_scores, D = 128) issues QGMMA k32 steps and does the weighted
+head sum on the tensor cores as well (build's docstring): with the MMA half as long as in bf16, the CUDA-core
+epilogue (64 FMNMX + 64 FFMA per thread and tile) set the tile period.
+
+Constraints (IndexerScoreSpec.reasons): H in 8..128 dividing 128, D in (64, 128), bf16 / fp16 inputs (FP8: H >= 16,
+D = 128, dense_scores), 2 <= stages and the smem of 2 Q tiles + 2 * stages K tiles within 220 KiB.
 """
 import cutlass
 import cutlass.cute as cute
@@ -32,7 +36,8 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.experimental import primitives as prims
 
-from dsagen.kernels.common.sm90.layout import acc_mn_view, sw128
+from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
+from dsagen.kernels.common.sm90.mma import gemm_tile, wgmma_tile
 from dsagen.kernels.common.sm90.ring import ring_wait_free
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
 from dsagen.kernels.lightning_indexer.common_sm90 import row_bounds
@@ -42,6 +47,7 @@ NQ = 1                        # Q tiles per work item (the consumer warpgroups t
 BM = 64                       # K rows per tile (wgmma M)
 THREADS = 512                 # a producer warpgroup + 3 consumer warpgroups
 NCOL = BN // 4                # accumulator columns per thread (2 rows x NCOL values)
+FP8_KSCALE_ROWS = 4096        # FP8: k_scale rows staged per item slot (host.FP8_MAX_CHUNK_ROWS keeps chunk <= it)
 HDR = 8                       # header words per item slot: ntiles (0 = stop), bx, b, t0, kv_lo, kv_hi
 BAR_WG0 = 1                   # named barrier: consumer warpgroup 0 may issue (arrived by warpgroup 1)
 BAR_WG1 = 2                   # named barrier: consumer warpgroup 1 may issue (arrived by warpgroup 0)
@@ -86,8 +92,12 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
     lightning indexer's kernel, unchanged.
     dtype "float8_e4m3fn" (dense_scores, D = 128 only): q and k are E4M3 (TMA moves them as uint8, one 128-column
     box per row, wgmma k32 steps); fp8_params() follow has_off: the scheduler stages w * q_scale (w bf16 or fp32,
-    chosen at run time by w_f32) and the epilogue multiplies each key row's head sum by k_scale, which equals the
-    un-factored sum_h w * relu(q_scale * k_scale * q8 . k8) for positive descales."""
+    chosen at run time by w_f32) as a block-diagonal bf16 matrix (column COLSTEP * jj holds token jj's heads) and
+    the item's k_scale rows (cp.async, completing on the item's info_full); the epilogue packs ReLU(S) to bf16
+    (F2FP.RELU), computes the head sums as a second wgmma (m64 n8 k16, A from registers) and multiplies each key
+    row's sum by k_scale, which equals the un-factored sum_h w * relu(q_scale * k_scale * q8 . k8) for positive
+    descales up to the bf16 rounding of ReLU(S) and of the weights (FP32 accumulation). Work items take at most
+    FP8_KSCALE_ROWS candidates."""
     FP8 = dtype == "float8_e4m3fn"
     DT = cutlass.Float8E4M3FN if FP8 else (cutlass.BFloat16 if dtype == "bfloat16" else cutlass.Float16)
     ELEM = 1 if FP8 else 2        # bytes per q / k element
@@ -103,6 +113,13 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
     K_TILE_BYTES = BM * D * ELEM
     NK = D // (32 if FP8 else 16)  # wgmmas per tile (k16 for 16-bit inputs, k32 for FP8)
     TMA_DT = "uint8" if FP8 else dtype
+    # info_full: the scheduler warp's 32 arrivals; FP8 adds its 32 cp.async arrivals (the item's k_scale rows)
+    INFO_FULL_ARRIVALS = 64 if FP8 else 32
+    # FP8 epilogue: the weighted head sum on the tensor cores (the QGMMA takes half the HGMMA's time, so the CUDA-core
+    # epilogue's 64 FMNMX + 64 FFMA per thread and tile would set the tile period): bf16(ReLU(S)) from registers
+    # times a block-diagonal bf16 weight matrix in smem, N = NB2 columns (token jj's in column COLSTEP * jj, the rest 0)
+    NB2 = 8                       # head-sum wgmma N (>= QC = 128 / H, at most 8 for H >= 16)
+    COLSTEP = 2 if QC <= 4 else 1  # token jj's column of the head sum: COLSTEP * jj (quad lane jj owns it at QC <= 4)
 
     PARAMS = [
         {"name": "q_map", "kind": "tensormap", "encode": tma_recipe(TMA_DT, [BOXC, H, QC, 1])},   # q [B, T, H, D] -> (D, H, T, B)
@@ -151,13 +168,16 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
         k_full: cute.struct.MemRange[Int64, KSLOTS]      # TMA tx (1 arrival)
         k_empty: cute.struct.MemRange[Int64, KSLOTS]     # one arrival per consuming warp
         q_full: cute.struct.MemRange[Int64, 2]           # TMA tx (1 arrival)
-        info_full: cute.struct.MemRange[Int64, 2]        # 32 arrivals: the scheduler warp
+        info_full: cute.struct.MemRange[Int64, 2]        # INFO_FULL_ARRIVALS: the scheduler warp
         info_empty: cute.struct.MemRange[Int64, 2]       # 384 arrivals: the 3 consumer warpgroups, item done
         hdr: cute.struct.MemRange[Int32, 2 * HDR]
         bounds: cute.struct.MemRange[Int32, 2 * 2 * ITEM_TOK]
         wts: cute.struct.MemRange[Float32, 2 * NQ * BN]  # w * scale per (token, head) column
         sQ: cute.struct.Align[cute.struct.MemRange[DT, 2 * NQ * BN * D], 1024]
         sK: cute.struct.Align[cute.struct.MemRange[DT, KSLOTS * BM * D], 1024]
+        if FP8:
+            kscale: cute.struct.MemRange[Float32, 2 * FP8_KSCALE_ROWS]   # k_scale of each item slot's rows (cp.async)
+            wb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, 2 * NB2 * BN], 1024]   # head-sum B
 
     SMEM_BYTES = Smem.size_in_bytes()
     LAUNCH = {"grid": ["n_ctas", 1, 1], "block": [THREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
@@ -189,6 +209,12 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
         lq, lk = sw128(DT, (BN, D, 2 * NQ)), sw128(DT, (BM, D, KSLOTS))
         sQ = st.sQ.get_tensor(lq.outer, swizzle=lq.inner)            # (BN (token, head), D, item slot x Q tile)
         sK = st.sK.get_tensor(lk.outer, swizzle=lk.inner)            # (64 rows, D, slot)
+        sKs = None
+        sWb = None
+        if cutlass.const_expr(FP8):
+            sKs = st.kscale.get_tensor(cute.make_layout(2 * FP8_KSCALE_ROWS))     # (row + slot * FP8_KSCALE_ROWS)
+            lw = sw128(cutlass.BFloat16, (NB2, BN, 2))
+            sWb = st.wb.get_tensor(lw.outer, swizzle=lw.inner)           # (NB2 tokens, BN (token, head) columns, slot)
 
         if warp == 0:
             prims.prefetch_tensormap(q_tma)
@@ -199,7 +225,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                     cute.arch.mbarrier_init(k_empty + i, 4 * NQ)
                 for i in cutlass.range_constexpr(2):
                     cute.arch.mbarrier_init(q_full + i, 1)
-                    cute.arch.mbarrier_init(info_full + i, 32)
+                    cute.arch.mbarrier_init(info_full + i, INFO_FULL_ARRIVALS)
                     cute.arch.mbarrier_init(info_empty + i, 384)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -253,6 +279,19 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                                 else:
                                     wv = (p_w + (Int64(b) * w_sb + Int64(t) * w_st + Int64(col - j * H) * w_sh)).load().to(Float32)
                             sW[col, slot] = wv * scale
+                            if cutlass.const_expr(FP8):
+                                for nn in cutlass.range_constexpr(NB2):     # token j's heads in column COLSTEP * j
+                                    sWb[nn, col, slot] = Float32(cutlass.select_(j * COLSTEP == nn, wv * scale,
+                                                                                 Float32(0.0))).to(cutlass.BFloat16)
+                        if cutlass.const_expr(FP8):
+                            cute.arch.fence_proxy("async.shared", space="cta")   # st.shared weights -> wgmma reads
+                            # the item's k descales, one per K row of its tiles (rows past S read row S - 1, whose
+                            # scores are never stored), landing before the consumers' info_full wait completes
+                            for i in cutlass.range(lane, (kv_hi - kv_lo + BM - 1) // BM * BM, 32, unroll=4):
+                                sk = cutlass.min(kv_lo + i, S - 1)
+                                prims.cp_async_shared_global(sKs.iterator + (slot * FP8_KSCALE_ROWS + i),
+                                                             p_ks + (Int64(b) * ks_sb + Int64(sk) * ks_ss), 4, "ca")
+                            cute.arch.cp_async_mbarrier_arrive_noinc(info_full + slot)
                         if lane == 0:
                             sHdr[slot * HDR] = (kv_hi - kv_lo + BM - 1) // BM
                             sHdr[slot * HDR + 1] = bx
@@ -266,6 +305,8 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                 cute.arch.mbarrier_wait(info_empty + slot, ((pub // 2) % 2) ^ 1)
                 if lane == 0:
                     sHdr[slot * HDR] = 0
+                if cutlass.const_expr(FP8):
+                    cute.arch.cp_async_mbarrier_arrive_noinc(info_full + slot)   # (no copies: arrives at once)
                 cute.arch.mbarrier_arrive(info_full + slot)
             if warp == 0:
                 # TMA: per published item its Q tile (one of 2 buffers), then its K tiles through the ring. Only lane 0
@@ -311,6 +352,14 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
             ksr = cute.make_rmem_tensor(cute.make_layout(2), Float32)     # FP8: k_scale of the thread's 2 rows
             lo_r = cute.make_rmem_tensor(cute.make_layout(QC), Int32)
             hi_r = cute.make_rmem_tensor(cute.make_layout(QC), Int32)
+            if cutlass.const_expr(FP8):
+                # the head sum: acc2 (64 K rows x NB2 tokens) = bf16(ReLU(S)) (registers, acc's own elements) x sWb
+                hs = wgmma_tile(cutlass.BFloat16, None, sWb, (BM, NB2), ctid,
+                                a_regs=cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.BFloat16))
+                hsB = hs.mma.make_fragment_B(hs.thr.partition_B(sWb))            # (.., .., k, slot)
+                lo2 = cute.make_rmem_tensor(cute.make_layout(2), Int32)          # bounds of my 2 head-sum columns
+                hi2 = cute.make_rmem_tensor(cute.make_layout(2), Int32)          # (hi 0: no token, never stored)
+                tok2 = cute.make_rmem_tensor(cute.make_layout(2), Int32)
             quad = lane % 4
             row_in_tile = wwarp * 16 + lane // 4
 
@@ -331,11 +380,23 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                 hq = cwg if cutlass.const_expr(NQ == 2) else 0             # this warpgroup's Q tile of the item
                 qs = slot * NQ + hq
                 row0 = Int64(bx) * ITEM_TOK + hq * QC                      # slab row of its first token
-                for c in cutlass.range_constexpr(NCOL):
-                    wreg[c] = sW[hq * BN + cMN[0, c][1], slot]
-                for jj in cutlass.range_constexpr(QC):
-                    lo_r[jj] = sBounds[2 * (hq * QC + jj), slot]
-                    hi_r[jj] = cutlass.min(sBounds[2 * (hq * QC + jj) + 1, slot], kv_hi)   # also stop at the chunk's end
+                if cutlass.const_expr(FP8):
+                    for c in cutlass.range_constexpr(2):
+                        col = 2 * quad + c
+                        tok = col // COLSTEP
+                        lo2[c] = Int32(0)
+                        hi2[c] = Int32(0)
+                        tok2[c] = Int32(0)
+                        if col % COLSTEP == 0 and tok < QC:
+                            tok2[c] = tok
+                            lo2[c] = sBounds[2 * (hq * QC + tok), slot]
+                            hi2[c] = cutlass.min(sBounds[2 * (hq * QC + tok) + 1, slot], kv_hi)   # chunk's end too
+                else:
+                    for c in cutlass.range_constexpr(NCOL):
+                        wreg[c] = sW[hq * BN + cMN[0, c][1], slot]
+                    for jj in cutlass.range_constexpr(QC):
+                        lo_r[jj] = sBounds[2 * (hq * QC + jj), slot]
+                        hi_r[jj] = cutlass.min(sBounds[2 * (hq * QC + jj) + 1, slot], kv_hi)   # chunk's end too
                 cute.arch.mbarrier_wait(q_full + slot, (j // 2) % 2)
                 for it in cutlass.range((ntiles + 2) // 3, unroll=1):
                     tile = 3 * it + cwg                                       # every third tile
@@ -344,6 +405,9 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                     cute.arch.barrier(barrier_id=BAR_WG0 + cwg, number_of_threads=256)        # my turn
                     if tile < ntiles:
                         cute.arch.mbarrier_wait(k_full + idx, (gt // KSLOTS) % 2)
+                        if cutlass.const_expr(FP8):
+                            for r in cutlass.range_constexpr(2):                 # the k descales of my 2 rows
+                                ksr[r] = sKs[slot * FP8_KSCALE_ROWS + tile * BM + row_in_tile + 8 * r]
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                         warpgroup.fence()
                         for kb in cutlass.range_constexpr(NK):
@@ -351,33 +415,36 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
                         cute.arch.barrier_arrive(barrier_id=BAR_WG0 + (cwg + 1) % 3, number_of_threads=256)  # next turn
-                        if cutlass.const_expr(FP8):
-                            # the rows' k descales, loaded while the wgmmas run
-                            bk = sHdr[slot * HDR + 2]
-                            for r in cutlass.range_constexpr(2):
-                                sk = kv_lo + tile * BM + row_in_tile + 8 * r
-                                ksr[r] = Float32(0.0)
-                                if sk < S:
-                                    ksr[r] = (p_ks + (Int64(bk) * ks_sb + Int64(sk) * ks_ss)).load()
                         warpgroup.wait_group(0)
                         if lane == 0:
                             cute.arch.mbarrier_arrive(k_empty + idx)
-                        s_base = kv_lo + tile * BM + row_in_tile
-                        for r in cutlass.range_constexpr(2):
-                            s = s_base + 8 * r
-                            for jj in cutlass.range_constexpr(QC):
-                                part = Float32(0.0)
+                        if cutlass.const_expr(FP8):
+                            for r in cutlass.range_constexpr(2):
                                 for c in cutlass.range_constexpr(NCOL):
-                                    if cutlass.const_expr((8 * (c // 2)) // H == jj):   # column c belongs to token jj
-                                        part += cutlass.max(accMN[r, c], Float32(0.0)) * wreg[c]
-                                part += cute.arch.shuffle_sync_bfly(part, offset=1)
-                                part += cute.arch.shuffle_sync_bfly(part, offset=2)
-                                if quad == (r * QC + jj) % 4:                # spread the quad's stores over its lanes
-                                    if s >= lo_r[jj] and s < hi_r[jj]:
-                                        off = (row0 + jj) * ld_slab + Int64(s - lo_r[jj])
-                                        if cutlass.const_expr(FP8):
-                                            (p_slab + off).store(part * ksr[r])
-                                        else:
+                                    accMN[r, c] = cutlass.max(accMN[r, c], Float32(0.0))     # ReLU
+                            hs.tA.store(acc_as_frg_a(acc).load().to(cutlass.BFloat16))
+                            gemm_tile(hs.mma, hs.acc, hs.tA, hsB, BN // 16, b_stage=slot)
+                            s_base = kv_lo + tile * BM + row_in_tile
+                            for r in cutlass.range_constexpr(2):
+                                s = s_base + 8 * r
+                                for c in cutlass.range_constexpr(2 if COLSTEP == 1 else 1):   # my token columns
+                                    if s >= lo2[c] and s < hi2[c]:
+                                        off = (row0 + tok2[c]) * ld_slab + Int64(s - lo2[c])
+                                        (p_slab + off).store(hs.acc_mn[r, c] * ksr[r])
+                        else:
+                            s_base = kv_lo + tile * BM + row_in_tile
+                            for r in cutlass.range_constexpr(2):
+                                s = s_base + 8 * r
+                                for jj in cutlass.range_constexpr(QC):
+                                    part = Float32(0.0)
+                                    for c in cutlass.range_constexpr(NCOL):
+                                        if cutlass.const_expr((8 * (c // 2)) // H == jj):   # column c: token jj
+                                            part += cutlass.max(accMN[r, c], Float32(0.0)) * wreg[c]
+                                    part += cute.arch.shuffle_sync_bfly(part, offset=1)
+                                    part += cute.arch.shuffle_sync_bfly(part, offset=2)
+                                    if quad == (r * QC + jj) % 4:            # spread the quad's stores over its lanes
+                                        if s >= lo_r[jj] and s < hi_r[jj]:
+                                            off = (row0 + jj) * ld_slab + Int64(s - lo_r[jj])
                                             (p_slab + off).store(part)
                     else:
                         cute.arch.barrier_arrive(barrier_id=BAR_WG0 + (cwg + 1) % 3, number_of_threads=256)  # (pad turn)

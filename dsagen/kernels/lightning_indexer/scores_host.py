@@ -31,7 +31,8 @@ import torch
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_index, device_sm_count
 from .host import _check_layout, _tma_view, dummy_offsets, loaded_kernels, score_ctas
-from .spec import INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, ScoresConfig, scores_config_for, tokens_per_cta
+from .spec import (INDEXER_FP8_HEADS, INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, ScoresConfig, scores_config_for,
+                   tokens_per_cta)
 
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8_e4m3fn"}
 #: The FP8 form's weights: bf16 (read through w) or fp32 (read through w32); the kernel picks at run time.
@@ -54,6 +55,9 @@ def check_supported(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, pac
         raise ValueError(f"the fused FP8 indexer_scores needs weights in bfloat16 or float32, got {weights.dtype}")
     if fp8 and q.shape[-1] != 128:
         raise ValueError(f"the fused FP8 indexer_scores supports q_indexer head dim D = 128 only, got D={q.shape[-1]}")
+    if fp8 and q.shape[-2] not in INDEXER_FP8_HEADS:
+        raise ValueError(f"the fused FP8 indexer_scores supports q_indexer heads H in {INDEXER_FP8_HEADS}, "
+                         f"got H={q.shape[-2]}")
     if not fp8 and weights.dtype != q.dtype:
         raise ValueError(f"the fused indexer_scores needs weights in q_indexer's dtype ({q.dtype}), got "
                          f"{weights.dtype}; cast them or use impl='reference'")

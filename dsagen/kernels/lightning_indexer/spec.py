@@ -33,6 +33,11 @@ INDEXER_DTYPES = ("bfloat16", "float16")
 #: The FP8 form of the score kernel's dtype field: E4M3 q and k (dense_scores form, head_dim 128 only: one 128-byte
 #: swizzled row of 8-bit elements per key), weights bf16 or fp32 and fp32 descales (score_sm90.fp8_params).
 INDEXER_FP8_DTYPE = "float8_e4m3fn"
+#: Candidates per work item the FP8 score kernel takes at most: it stages an item's k descales in shared memory
+#: (score_sm90.FP8_KSCALE_ROWS, equal by a CPU test).
+FP8_MAX_CHUNK_ROWS = 4096
+#: Heads of the FP8 score kernel: its tensor-core head sum holds at most 8 tokens (128 / H) per tile.
+INDEXER_FP8_HEADS = (16, 32, 64, 128)
 #: Largest sequence length (query rows per batch element, and candidates S) the fused path accepts.
 INDEXER_MAX_T = 2 ** 20
 
@@ -58,7 +63,9 @@ class IndexerScoreSpec(KernelSpec):
 
     num_heads: H, one of INDEXER_HEADS.  head_dim: D, one of INDEXER_HEAD_DIMS.
     dtype: q / k / weights element type ("bfloat16" or "float16"), or "float8_e4m3fn" (dense_scores and head_dim
-    128 only): E4M3 q / k with fp32 descales, bf16 or fp32 weights (score_sm90.fp8_params).
+    128 only): E4M3 q / k with fp32 descales, bf16 or fp32 weights (score_sm90.fp8_params); its head sum runs on
+    the tensor cores (bf16 ReLU(S) times bf16 weights, FP32 accumulation) and its work items take at most
+    FP8_MAX_CHUNK_ROWS candidates.
     stages: K buffering in 128-row units.
     dense_scores: the dsagen.indexer_scores form: the causal limit takes per-segment q_causal_offsets (two more
     params: an int32 pointer and a has-offsets flag) and the slab is the caller's [rows, S_k] score matrix (4-byte
@@ -88,6 +95,9 @@ class IndexerScoreSpec(KernelSpec):
             if self.head_dim != 128:
                 out.append(f"dtype={self.dtype!r} needs head_dim=128 (one 128-byte swizzled row), "
                            f"got {self.head_dim}")
+            if self.num_heads not in INDEXER_FP8_HEADS:
+                out.append(f"dtype={self.dtype!r} needs num_heads in {INDEXER_FP8_HEADS} (at most 8 tokens per "
+                           f"tile for the tensor-core head sum), got {self.num_heads}")
         elif self.dtype not in INDEXER_DTYPES:
             out.append(f"dtype={self.dtype!r} is not supported; choose one of "
                        f"{INDEXER_DTYPES + (INDEXER_FP8_DTYPE,)}")
@@ -103,7 +113,9 @@ class IndexerScoreSpec(KernelSpec):
         kept in step with the smem struct of score_sm90.py (the generator checks the real value)."""
         # 2 item slots x one 128-column Q tile, 2 x stages 64-row K slots
         elem = 1 if self.dtype == INDEXER_FP8_DTYPE else 2
-        return 2 * 128 * self.head_dim * elem + 2 * self.stages * 64 * self.head_dim * elem + 4096
+        # FP8: each item slot's k descales (FP8_MAX_CHUNK_ROWS fp32) and block-diagonal head-sum weights (8 x 128 bf16)
+        fp8 = 2 * (FP8_MAX_CHUNK_ROWS * 4 + 8 * 128 * 2) if self.dtype == INDEXER_FP8_DTYPE else 0
+        return 2 * 128 * self.head_dim * elem + 2 * self.stages * 64 * self.head_dim * elem + 4096 + fp8
 
 
 @register_spec

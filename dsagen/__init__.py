@@ -38,6 +38,7 @@ _OPS = {
     "dense_indexer_score_recompute": "dsagen.ops.indexer_training",
     "indexer_backward": "dsagen.ops.indexer_training",
     "dense_indexer_backward": "dsagen.ops.indexer_training",
+    "dense_indexer_kl_backward": "dsagen.ops.indexer_training",
     "sparse_attention": "dsagen.ops.sparse_attention",
     "sparse_attention_backward": "dsagen.ops.sparse_attention",
     "sparse_attn_score_recompute": "dsagen.ops.sparse_attention",

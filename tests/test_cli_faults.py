@@ -437,6 +437,9 @@ OP_CALLS = {
         attn_sink=_r(H), topk_length=_LEN)),
     "sparse_attn_score_recompute": lambda: (dsagen.sparse_attn_score_recompute, dict(
         q_attn=_r(B, S, H, D), k_attn=_r(B, S, D), lse=_r(B, S, H), topk_indices=_IDS, topk_length=_LEN.view(1, 4))),
+    "dense_indexer_kl_backward": lambda: (dsagen.dense_indexer_kl_backward, dict(
+        q=_r(B, S, H, D), k=_r(B, S, D), lse=_r(B, S, H), index_q=_r(B, S, H, D), weights=_r(B, S, H),
+        index_k=_r(B, S, D), q_causal_offsets=_i32(0))),
     "dense_attn_score_recompute": lambda: (dsagen.dense_attn_score_recompute, dict(
         q=_r(B, S, H, D), k=_r(B, S, D), lse=_r(B, S, H), q_causal_offsets=_i32(0))),
     "qsa_indexed_forward": lambda: (dsagen.qsa_indexed_forward, dict(

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import torch
 
-from ..reference.indexer_training import DenseIndexerScores, IndexerGrads
+from ..reference.indexer_training import DenseIndexerScores, DenseKLResult, IndexerGrads
 from ..validate import FLOAT_DTYPES, check_bool, check_float, check_impl, check_int, check_shape, check_tensor
 from .indexer import (check_causal_offsets, check_dense_inputs, check_indexer_inputs, check_packed_indexer_inputs,
                       fused_op, is_packed)
 
 __all__ = ["sparse_indexer_score_recompute", "dense_indexer_score_recompute", "indexer_backward",
-           "dense_indexer_backward", "DenseIndexerScores", "IndexerGrads"]
+           "dense_indexer_backward", "dense_indexer_kl_backward", "DenseIndexerScores", "DenseKLResult",
+           "IndexerGrads"]
 
 _BACKWARD_NAMES = ("index_q", "index_k", "weights")
 
@@ -317,3 +318,70 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
                          **thd)
     return fused_op("dense_indexer_backward", device, packed)(index_q, weights, index_k, attn_score, attn_l1norm,
                                                               index_score, index_lse, **kwargs)
+
+
+def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, index_q: torch.Tensor,
+                              weights: torch.Tensor, index_k: torch.Tensor, *, softmax_scale: float | None = None,
+                              sm_scale: float = 1.0, loss_coeff: float = 1.0, grad_loss: torch.Tensor | None = None,
+                              ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
+                              impl: str = "fused") -> DenseKLResult:
+    """The dense warm-up indexer loss and its gradients in one call, from the attention and indexer inputs, without
+    any [S_q, S_k] tensor (the three-op path materializes two: dense_attn_score_recompute's and
+    dense_indexer_score_recompute's scores).
+
+    For each query row (b, t) over its ratio-causal columns J = {s < clamp((q_causal_offsets[b] + t + 1) // ratio,
+    0, S_k)}:
+
+        A_s   = sum_h exp(softmax_scale * q[b, t, h] . k[b, s, h // G] - lse[b, t, h])   (dense_attn_score_recompute)
+        tgt_s = A_s / sum_J A                                                            (0 when the sum is 0)
+        p     = softmax_J(sm_scale * sum_h weights[b, t, h] * relu(index_q[b, t, h] . index_k[b, s]))
+        loss  = loss_coeff / (B * S_q) * sum_{b, t} sum_J tgt_s * (log tgt_s - log p_s)
+
+    and returns loss with the gradients of grad_loss * loss with respect to index_q, weights and index_k: exactly
+    dense_indexer_backward fed by the two dense score recomputes (tgt is a constant, as there). Inputs are not
+    modified.
+
+    impl="reference" runs in blocks of query rows and key columns: a first pass over a row block's columns for
+    the target's L1 norm and the indexer logsumexp, a second pass recomputing both for the loss and the gradients,
+    so its memory grows with T, not T^2 (about 64 rows x 1024 columns x max(H_q, H_i) scratch values); it reads the
+    row limits on the host. impl="fused" has no generated kernel yet (NotImplementedError).
+
+    Args:
+        q, k, lse, softmax_scale: the attention inputs as dense_attn_score_recompute takes them (BSHD).
+        index_q: [B, S_q, H_i, D_i]; weights: [B, S_q, H_i]; index_k: [B, S_k, D_i] (index_q's dtype), with q's
+            B and S_q and k's S_k.
+        sm_scale, loss_coeff, grad_loss: as for dense_indexer_backward.
+        ratio, q_causal_offsets: the mask, as for dense_attn_score_recompute.
+        impl: "fused" (default) or "reference".
+
+    Returns:
+        DenseKLResult(loss, d_index_q, d_weights, d_index_k): loss 0-d FP32 (FP64 for FP64 inputs), without
+        grad_loss; each gradient in the dtype and shape of its input.
+
+    Raises:
+        TypeError / ValueError naming the argument, as dense_attn_score_recompute and dense_indexer_backward
+        (and for q / index_q of different B or S_q, or k / index_k of different S_k); NotImplementedError for
+        impl="fused".
+    """
+    from .sparse_attention import check_dense_attn_inputs
+
+    check_impl(impl)
+    k_heads, scale = check_dense_attn_inputs(q, k, lse, softmax_scale, packed=False)
+    b, sq, _, _, sk = _check_backward_common(index_q, weights, index_k, grad_loss, sm_scale, loss_coeff)
+    if index_q.device != q.device:
+        raise ValueError(f"index_q must be on q's device {q.device}, got {index_q.device}")
+    if tuple(q.shape[:2]) != (b, sq):
+        raise ValueError(f"q must have index_q's B and S_q = {(b, sq)}, got shape {tuple(q.shape)}")
+    if k_heads.shape[1] != sk:
+        raise ValueError(f"k must have index_k's S_k = {sk} keys, got shape {tuple(k.shape)}")
+    check_int("ratio", ratio, minimum=1)
+    check_causal_offsets(q_causal_offsets, b, q.device)
+    if impl == "reference":
+        from ..reference.indexer_training import dense_indexer_kl_backward as reference
+
+        return reference(q, k_heads, lse, index_q, weights, index_k, softmax_scale=scale, sm_scale=float(sm_scale),
+                         loss_coeff=float(loss_coeff), grad_loss=grad_loss, ratio=ratio,
+                         q_causal_offsets=q_causal_offsets)
+    return fused_op("dense_indexer_kl_backward", q.device, False)(
+        q, k_heads, lse, index_q, weights, index_k, softmax_scale=scale, sm_scale=float(sm_scale),
+        loss_coeff=float(loss_coeff), grad_loss=grad_loss, ratio=ratio, q_causal_offsets=q_causal_offsets)

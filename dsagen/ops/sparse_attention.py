@@ -463,6 +463,30 @@ def sparse_attn_score_recompute(q_attn: torch.Tensor, k_attn: torch.Tensor, lse:
                                                                     scale, **kwargs)
 
 
+def check_dense_attn_inputs(q, k, lse, softmax_scale, packed: bool) -> tuple[torch.Tensor, float]:
+    """The attention inputs of the dense score recompute and of dense_indexer_kl_backward: q `(B, S_q, H_q, D)`
+    (THD `(total_q, H_q, D)`), k `(B, S_k, H_kv, D)` or `(B, S_k, D)` (THD without B) of q's dtype with H_kv
+    dividing H_q, lse `(B, S_q, H_q)` (THD `(total_q, H_q)`) FP32 / FP64. Returns (k with its head dim, the
+    softmax scale: softmax_scale or 1 / sqrt(D)); TypeError / ValueError naming the argument."""
+    lead = "total_q" if packed else "B, S_q"
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3 if packed else 4)
+    h_q, d = q.shape[-2:]
+    rows = tuple(q.shape[:-2])  # (B, S_q) or (total_q,)
+    check_tensor("k", k, ndim=(2, 3) if packed else (3, 4), device=q.device)
+    check_same_dtype("k", k, "q", q)
+    k_heads = k.unsqueeze(-2) if k.dim() == q.dim() - 1 else k  # MQA keys get H_kv = 1
+    if k_heads.shape[-1] != d or (not packed and k_heads.shape[0] != rows[0]):
+        want = f"(total_k, H_kv, D) or (total_k, D) with D={d}" if packed else \
+            f"(B, S_k, H_kv, D) or (B, S_k, D) with B={rows[0]}, D={d}"
+        raise ValueError(f"k must have shape {want}, got {tuple(k.shape)}")
+    h_kv = k_heads.shape[-2]
+    if h_kv == 0 or h_q % h_kv:
+        raise ValueError(f"k must have H_kv dividing q's H_q={h_q}, got H_kv={h_kv}")
+    check_tensor("lse", lse, dtypes=_SINK_DTYPES, device=q.device)
+    check_shape("lse", lse, (*rows, h_q), f"({lead}, H_q)")
+    return k_heads, _check_scale(softmax_scale, d)
+
+
 def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
                                softmax_scale: float | None = None, *, ratio: int = 1,
                                q_causal_offsets: torch.Tensor | None = None,
@@ -509,22 +533,8 @@ def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tens
     """
     check_impl(impl)
     packed = is_packed(cu_seqlens_q, cu_seqlens_k)
-    lead = "total_q" if packed else "B, S_q"
-    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3 if packed else 4)
-    h_q, d = q.shape[-2:]
+    k_heads, scale = check_dense_attn_inputs(q, k, lse, softmax_scale, packed)
     rows = tuple(q.shape[:-2])  # (B, S_q) or (total_q,)
-    check_tensor("k", k, ndim=(2, 3) if packed else (3, 4), device=q.device)
-    check_same_dtype("k", k, "q", q)
-    k_heads = k.unsqueeze(-2) if k.dim() == q.dim() - 1 else k  # MQA keys get H_kv = 1
-    if k_heads.shape[-1] != d or (not packed and k_heads.shape[0] != rows[0]):
-        want = f"(total_k, H_kv, D) or (total_k, D) with D={d}" if packed else \
-            f"(B, S_k, H_kv, D) or (B, S_k, D) with B={rows[0]}, D={d}"
-        raise ValueError(f"k must have shape {want}, got {tuple(k.shape)}")
-    h_kv = k_heads.shape[-2]
-    if h_kv == 0 or h_q % h_kv:
-        raise ValueError(f"k must have H_kv dividing q's H_q={h_q}, got H_kv={h_kv}")
-    check_tensor("lse", lse, dtypes=_SINK_DTYPES, device=q.device)
-    check_shape("lse", lse, (*rows, h_q), f"({lead}, H_q)")
     check_int("ratio", ratio, minimum=1)
     b = rows[0]
     if packed:
@@ -532,7 +542,6 @@ def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tens
     if q_causal_offsets is not None:
         check_tensor("q_causal_offsets", q_causal_offsets, dtypes=(torch.int32,), device=q.device)
         check_shape("q_causal_offsets", q_causal_offsets, (b,), "(B,)")
-    scale = _check_scale(softmax_scale, d)
     if impl == "reference":
         thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
         return ref.dense_attn_score_recompute(q, k_heads, lse, scale, ratio=ratio, q_causal_offsets=q_causal_offsets,

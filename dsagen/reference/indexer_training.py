@@ -255,3 +255,97 @@ def _dense_indexer_backward_thd(index_q, weights, index_k, attn_score, attn_l1no
             q_causal_offsets=segment_offsets(q_causal_offsets, i), loss_rows=total_q)
         d_q[q0:q1], d_w[q0:q1], d_k[k0:k1] = g.d_index_q[0], g.d_weights[0], g.d_index_k[0]
     return IndexerGrads(d_q, d_w, d_k)
+
+
+class DenseKLResult(NamedTuple):
+    """dense_indexer_kl_backward's result: the KL loss (0-d, the accumulation dtype) and the indexer gradients."""
+
+    loss: torch.Tensor
+    d_index_q: torch.Tensor
+    d_weights: torch.Tensor
+    d_index_k: torch.Tensor
+
+
+def _attn_probs_block(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """sum_h exp(softmax_scale * q[r, h] . k[s, h // G] - lse[r, h]) as [R, C]: q [R, H_q, D], k [C, H_kv, D],
+    lse [R, H_q], all in the accumulation dtype (dense_attn_score_recompute's out on one block, unmasked)."""
+    r, h_q, d = q.shape
+    h_kv = k.shape[1]
+    g = h_q // h_kv
+    qg = q.reshape(r, h_kv, g, d).permute(1, 0, 2, 3).reshape(h_kv, r * g, d)         # (H_kv, R*G, D)
+    s = torch.bmm(qg, k.permute(1, 2, 0)).mul_(softmax_scale)                           # (H_kv, R*G, C)
+    s = s.reshape(h_kv, r, g, -1).permute(1, 0, 2, 3).reshape(r, h_q, -1)
+    return torch.exp(s - lse[..., None]).sum(dim=1)
+
+
+def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, index_q: torch.Tensor,
+                              weights: torch.Tensor, index_k: torch.Tensor, *, softmax_scale: float,
+                              sm_scale: float = 1.0, loss_coeff: float = 1.0, grad_loss: torch.Tensor | None = None,
+                              ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
+                              row_block: int = 64, col_block: int = 1024) -> DenseKLResult:
+    """The dense warm-up indexer loss and its gradients without any [S_q, S_k] tensor. See
+    dsagen.dense_indexer_kl_backward.
+
+    Per batch element and block of `row_block` query rows: a first pass over blocks of `col_block` key columns
+    gives each row's attention L1 norm (the target's denominator) and the indexer logits' logsumexp (online max
+    and sum); a second pass recomputes both blocks, forms dL/dI and accumulates the loss and the gradients.
+    Memory: O(row_block * col_block * max(H_q, H_i)) beyond the inputs and gradients."""
+    acc = accumulate_dtype(q, index_q, weights, index_k)
+    b, sq, h_i, _ = index_q.shape
+    sk = index_k.shape[1]
+    device = index_q.device
+    limit = ratio_causal_limit(sq, sk, ratio, q_causal_offsets, b, device)             # [B, S_q]
+    c = _loss_scale(grad_loss, loss_coeff, b * sq, acc, device)
+    kl_scale = torch.tensor(loss_coeff / max(b * sq, 1), dtype=acc, device=device)   # the loss without grad_loss
+    d_q = torch.zeros(index_q.shape, dtype=acc, device=device)
+    d_w = torch.zeros(weights.shape, dtype=acc, device=device)
+    d_k = torch.zeros(index_k.shape, dtype=acc, device=device)
+    loss = torch.zeros((), dtype=acc, device=device)
+    neg_inf = torch.tensor(float("-inf"), dtype=acc, device=device)
+    zero = torch.zeros((), dtype=acc, device=device)
+    for bi in range(b):
+        qa, ka, la = q[bi].to(acc), k[bi].to(acc), lse[bi].to(acc)
+        iq, ik, w = index_q[bi].to(acc), index_k[bi].to(acc), weights[bi].to(acc)
+        for r0 in range(0, sq, row_block):
+            r1 = min(r0 + row_block, sq)
+            lim = limit[bi, r0:r1, None]                                                 # [R, 1]
+            n_cols = int(lim.max().item()) if r1 > r0 else 0                           # columns any row sees
+            iq_r, w_r = iq[r0:r1], w[r0:r1]
+
+            def block(c0: int, c1: int):
+                """(valid [R, C], attention probs [R, C], ReLU'd dots [R, H_i, C], logits sm_scale * I [R, C])."""
+                valid = torch.arange(c0, c1, device=device) < lim
+                attn = _attn_probs_block(qa[r0:r1], ka[c0:c1], la[r0:r1], softmax_scale)
+                dots = torch.einsum("rhd,cd->rhc", iq_r, ik[c0:c1])
+                logits = sm_scale * torch.einsum("rh,rhc->rc", w_r, torch.relu(dots))
+                return valid, attn, dots, logits
+
+            l1 = torch.zeros(r1 - r0, dtype=acc, device=device)
+            m = torch.full((r1 - r0,), float("-inf"), dtype=acc, device=device)
+            s = torch.zeros(r1 - r0, dtype=acc, device=device)
+            for c0 in range(0, n_cols, col_block):
+                valid, attn, _, logits = block(c0, min(c0 + col_block, n_cols))
+                l1 += torch.where(valid, attn, zero).sum(-1)
+                x = torch.where(valid, logits, neg_inf)
+                m_new = torch.maximum(m, x.max(-1).values)
+                shift = torch.where(torch.isfinite(m_new), m_new, zero)
+                s = s * torch.exp(m - shift) + torch.exp(x - shift[:, None]).sum(-1)
+                m = m_new
+            lse_i = torch.where(s > 0, torch.log(s) + torch.where(torch.isfinite(m), m, zero), neg_inf)
+            has_tgt = l1 > 0
+            inv_l1 = torch.where(has_tgt, 1.0 / torch.where(has_tgt, l1, torch.ones_like(l1)), zero)
+            for c0 in range(0, n_cols, col_block):
+                c1 = min(c0 + col_block, n_cols)
+                valid, attn, dots, logits = block(c0, c1)
+                tgt = torch.where(valid, attn * inv_l1[:, None], zero)
+                logp = torch.where(valid, logits - lse_i[:, None], zero)
+                pos = tgt > 0
+                loss = loss + torch.where(pos, tgt * (torch.log(torch.where(pos, tgt, torch.ones_like(tgt)))
+                                                      - logp), zero).sum()
+                p = torch.where(valid, torch.exp(logp), zero)
+                d_i = (c * sm_scale) * (p * has_tgt.to(acc)[:, None] - tgt)               # sum_J tgt = 1 or 0
+                d_w[bi, r0:r1] += torch.einsum("rc,rhc->rh", d_i, torch.relu(dots))
+                d_dots = d_i[:, None, :] * w_r[..., None] * (dots > 0)
+                d_q[bi, r0:r1] += torch.einsum("rhc,cd->rhd", d_dots, ik[c0:c1])
+                d_k[bi, c0:c1] += torch.einsum("rhc,rhd->cd", d_dots, iq_r)
+    return DenseKLResult(kl_scale * loss, d_q.to(index_q.dtype), d_w.to(weights.dtype), d_k.to(index_k.dtype))

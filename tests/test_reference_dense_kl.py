@@ -125,3 +125,34 @@ def test_fused_has_no_kernel_yet():
     x = _inputs(seed=8)
     with pytest.raises(ValueError, match="fused"):
         dsagen.dense_indexer_kl_backward(**x)
+
+
+def test_packed_segments_equal_the_three_op_path():
+    """THD: an empty segment, rows after the last segment, offsets; equal to the three-op path in THD."""
+    g = torch.Generator().manual_seed(21)
+    total_q, total_k, h_q, d, h_i, d_i = 13, 12, 4, 8, 3, 5
+    x = dict(q=torch.randn(total_q, h_q, d, generator=g, **F64), k=torch.randn(total_k, 1, d, generator=g, **F64),
+             lse=torch.randn(total_q, h_q, generator=g, **F64) * 0.3 + 1.0,
+             index_q=torch.randn(total_q, h_i, d_i, generator=g, **F64),
+             weights=torch.randn(total_q, h_i, generator=g, **F64),
+             index_k=torch.randn(total_k, d_i, generator=g, **F64))
+    cu_q, cu_k = torch.tensor([0, 5, 5, 11], **I32), torch.tensor([0, 6, 8, 12], **I32)
+    off = torch.tensor([2, 0, -1], **I32)
+    thd = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, q_causal_offsets=off, ratio=2)
+    gl = torch.tensor([0.7], **F64)
+    got = dsagen.dense_indexer_kl_backward(**x, softmax_scale=0.4, sm_scale=0.9, loss_coeff=1.5, grad_loss=gl, **thd,
+                                           **REF)
+    attn, l1 = dsagen.dense_attn_score_recompute(x["q"], x["k"], x["lse"], 0.4, **thd, **REF)
+    scores = dsagen.dense_indexer_score_recompute(x["index_q"], x["index_k"], x["weights"], sm_scale=0.9, **thd, **REF)
+    want = dsagen.dense_indexer_backward(x["index_q"], x["weights"], x["index_k"], attn, l1, scores.out, scores.denom,
+                                         grad_loss=gl, sm_scale=0.9, loss_coeff=1.5, **thd, **REF)
+    for a, b in zip((got.d_index_q, got.d_weights, got.d_index_k), want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    assert got.d_index_q[11:].abs().max() == 0                      # rows after the last segment
+    valid = torch.isfinite(scores.out)
+    tgt = torch.where(valid & (l1[:, None] > 0), attn / l1.clamp_min(1e-300)[:, None], torch.zeros_like(attn))
+    logp = torch.where(valid, scores.out - scores.denom[:, None], torch.zeros_like(attn))
+    kl = torch.where(tgt > 0, tgt * (torch.log(tgt.clamp_min(1e-300)) - logp), 0.0).sum()
+    torch.testing.assert_close(got.loss, 1.5 / total_q * kl, rtol=1e-10, atol=1e-13)
+    with pytest.raises(ValueError, match="q must have index_q's total_q"):
+        dsagen.dense_indexer_kl_backward(**dict(x, q=x["q"][:12], lse=x["lse"][:12]), **thd, **REF)

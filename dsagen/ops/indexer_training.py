@@ -324,6 +324,7 @@ def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tenso
                               weights: torch.Tensor, index_k: torch.Tensor, *, softmax_scale: float | None = None,
                               sm_scale: float = 1.0, loss_coeff: float = 1.0, grad_loss: torch.Tensor | None = None,
                               ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
+                              cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                               impl: str = "fused") -> DenseKLResult:
     """The dense warm-up indexer loss and its gradients in one call, from the attention and indexer inputs, without
     any [S_q, S_k] tensor (the three-op path materializes two: dense_attn_score_recompute's and
@@ -346,12 +347,18 @@ def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tenso
     so its memory grows with T, not T^2 (about 64 rows x 1024 columns x max(H_q, H_i) scratch values); it reads the
     row limits on the host. impl="fused" has no generated kernel yet (NotImplementedError).
 
+    Packed THD layout, selected by passing cu_seqlens_q and cu_seqlens_k (read on the host): each segment is
+    computed as a BSHD batch, as dense_indexer_backward does (the loss averages over all total_q rows; rows
+    outside every segment get zero gradients).
+
     Args:
-        q, k, lse, softmax_scale: the attention inputs as dense_attn_score_recompute takes them (BSHD).
+        q, k, lse, softmax_scale: the attention inputs as dense_attn_score_recompute takes them.
         index_q: [B, S_q, H_i, D_i]; weights: [B, S_q, H_i]; index_k: [B, S_k, D_i] (index_q's dtype), with q's
-            B and S_q and k's S_k.
+            B and S_q and k's S_k (THD: [total_q, H_i, D_i], [total_q, H_i], [total_k, D_i] with q's total_q and
+            k's total_k).
         sm_scale, loss_coeff, grad_loss: as for dense_indexer_backward.
-        ratio, q_causal_offsets: the mask, as for dense_attn_score_recompute.
+        ratio, q_causal_offsets: the mask, as for dense_attn_score_recompute (THD: one offset per segment).
+        cu_seqlens_q, cu_seqlens_k: THD offsets, as for dense_indexer_backward.
         impl: "fused" (default) or "reference".
 
     Returns:
@@ -366,22 +373,34 @@ def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tenso
     from .sparse_attention import check_dense_attn_inputs
 
     check_impl(impl)
-    k_heads, scale = check_dense_attn_inputs(q, k, lse, softmax_scale, packed=False)
-    b, sq, _, _, sk = _check_backward_common(index_q, weights, index_k, grad_loss, sm_scale, loss_coeff)
+    packed = is_packed(cu_seqlens_q, cu_seqlens_k)
+    k_heads, scale = check_dense_attn_inputs(q, k, lse, softmax_scale, packed=packed)
+    if packed:
+        b, sq, _, _, sk = check_packed_indexer_inputs(index_q, index_k, weights, cu_seqlens_q, cu_seqlens_k,
+                                                      names=_BACKWARD_NAMES, allow_3d_k=False)
+        _check_grad_loss(grad_loss, index_q.device)
+        check_float("sm_scale", sm_scale, positive=True)
+        check_float("loss_coeff", loss_coeff)
+        lead, want = (sq,), "total_q"
+    else:
+        b, sq, _, _, sk = _check_backward_common(index_q, weights, index_k, grad_loss, sm_scale, loss_coeff)
+        lead, want = (b, sq), "B and S_q"
     if index_q.device != q.device:
         raise ValueError(f"index_q must be on q's device {q.device}, got {index_q.device}")
-    if tuple(q.shape[:2]) != (b, sq):
-        raise ValueError(f"q must have index_q's B and S_q = {(b, sq)}, got shape {tuple(q.shape)}")
-    if k_heads.shape[1] != sk:
-        raise ValueError(f"k must have index_k's S_k = {sk} keys, got shape {tuple(k.shape)}")
+    if tuple(q.shape[:len(lead)]) != lead:
+        raise ValueError(f"q must have index_q's {want} = {lead}, got shape {tuple(q.shape)}")
+    if k_heads.shape[len(lead) - 1] != sk:
+        raise ValueError(f"k must have index_k's {'total_k' if packed else 'S_k'} = {sk} keys, got shape "
+                         f"{tuple(k.shape)}")
     check_int("ratio", ratio, minimum=1)
     check_causal_offsets(q_causal_offsets, b, q.device)
     if impl == "reference":
         from ..reference.indexer_training import dense_indexer_kl_backward as reference
 
+        thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
         return reference(q, k_heads, lse, index_q, weights, index_k, softmax_scale=scale, sm_scale=float(sm_scale),
                          loss_coeff=float(loss_coeff), grad_loss=grad_loss, ratio=ratio,
-                         q_causal_offsets=q_causal_offsets)
-    return fused_op("dense_indexer_kl_backward", q.device, False)(
+                         q_causal_offsets=q_causal_offsets, **thd)
+    return fused_op("dense_indexer_kl_backward", q.device, packed)(
         q, k_heads, lse, index_q, weights, index_k, softmax_scale=scale, sm_scale=float(sm_scale),
         loss_coeff=float(loss_coeff), grad_loss=grad_loss, ratio=ratio, q_causal_offsets=q_causal_offsets)

@@ -282,21 +282,30 @@ def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tenso
                               weights: torch.Tensor, index_k: torch.Tensor, *, softmax_scale: float,
                               sm_scale: float = 1.0, loss_coeff: float = 1.0, grad_loss: torch.Tensor | None = None,
                               ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
-                              row_block: int = 64, col_block: int = 1024) -> DenseKLResult:
+                              cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                              row_block: int = 64, col_block: int = 1024, loss_rows: int | None = None
+                              ) -> DenseKLResult:
     """The dense warm-up indexer loss and its gradients without any [S_q, S_k] tensor. See
-    dsagen.dense_indexer_kl_backward.
+    dsagen.dense_indexer_kl_backward. `loss_rows`: the rows the loss averages over (default B * S_q).
 
     Per batch element and block of `row_block` query rows: a first pass over blocks of `col_block` key columns
     gives each row's attention L1 norm (the target's denominator) and the indexer logits' logsumexp (online max
     and sum); a second pass recomputes both blocks, forms dL/dI and accumulates the loss and the gradients.
-    Memory: O(row_block * col_block * max(H_q, H_i)) beyond the inputs and gradients."""
+    Memory: O(row_block * col_block * max(H_q, H_i)) beyond the inputs and gradients. THD (cu_seqlens_q /
+    cu_seqlens_k given): the BSHD computation per segment (B = 1), the loss averaged over all total_q rows."""
+    kw = dict(softmax_scale=softmax_scale, sm_scale=sm_scale, loss_coeff=loss_coeff, grad_loss=grad_loss,
+              ratio=ratio, row_block=row_block, col_block=col_block)
+    if cu_seqlens_q is not None:
+        return _dense_indexer_kl_backward_thd(q, k, lse, index_q, weights, index_k, q_causal_offsets, cu_seqlens_q,
+                                              cu_seqlens_k, kw)
     acc = accumulate_dtype(q, index_q, weights, index_k)
     b, sq, h_i, _ = index_q.shape
     sk = index_k.shape[1]
     device = index_q.device
     limit = ratio_causal_limit(sq, sk, ratio, q_causal_offsets, b, device)             # [B, S_q]
-    c = _loss_scale(grad_loss, loss_coeff, b * sq, acc, device)
-    kl_scale = torch.tensor(loss_coeff / max(b * sq, 1), dtype=acc, device=device)   # the loss without grad_loss
+    rows = b * sq if loss_rows is None else loss_rows
+    c = _loss_scale(grad_loss, loss_coeff, rows, acc, device)
+    kl_scale = torch.tensor(loss_coeff / max(rows, 1), dtype=acc, device=device)     # the loss without grad_loss
     d_q = torch.zeros(index_q.shape, dtype=acc, device=device)
     d_w = torch.zeros(weights.shape, dtype=acc, device=device)
     d_k = torch.zeros(index_k.shape, dtype=acc, device=device)
@@ -349,3 +358,20 @@ def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tenso
                 d_q[bi, r0:r1] += torch.einsum("rhc,cd->rhd", d_dots, ik[c0:c1])
                 d_k[bi, c0:c1] += torch.einsum("rhc,rhd->cd", d_dots, iq_r)
     return DenseKLResult(kl_scale * loss, d_q.to(index_q.dtype), d_w.to(weights.dtype), d_k.to(index_k.dtype))
+
+
+def _dense_indexer_kl_backward_thd(q, k, lse, index_q, weights, index_k, q_causal_offsets, cu_seqlens_q,
+                                   cu_seqlens_k, kw) -> DenseKLResult:
+    """THD dense_indexer_kl_backward: the BSHD op per segment (B = 1), the loss averaged over all total_q rows
+    (rows after the last segment count there and contribute nothing); gradient rows outside every segment are 0."""
+    total_q = index_q.shape[0]
+    acc = accumulate_dtype(q, index_q, weights, index_k)
+    d_q, d_w, d_k = torch.zeros_like(index_q), torch.zeros_like(weights), torch.zeros_like(index_k)
+    loss = torch.zeros((), dtype=acc, device=index_q.device)
+    for i, (q0, q1, k0, k1) in enumerate(thd_segments(cu_seqlens_q, cu_seqlens_k)):
+        r = dense_indexer_kl_backward(q[None, q0:q1], k[None, k0:k1], lse[None, q0:q1], index_q[None, q0:q1],
+                                      weights[None, q0:q1], index_k[None, k0:k1], **kw,
+                                      q_causal_offsets=segment_offsets(q_causal_offsets, i), loss_rows=total_q)
+        loss = loss + r.loss
+        d_q[q0:q1], d_w[q0:q1], d_k[k0:k1] = r.d_index_q[0], r.d_weights[0], r.d_index_k[0]
+    return DenseKLResult(loss, d_q, d_w, d_k)

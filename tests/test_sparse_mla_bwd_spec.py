@@ -28,6 +28,7 @@ from dsagen.spec import SpecError
     (dict(regs_a=256, regs_b=256), "exceeds 504"),
     (dict(arch="sm_100a"), "sm_90a only"),
     (dict(chunk_buffers_a=3), "chunk_buffers_a=3 must be 1 or 2"),
+    (dict(dkv_l2_evict_last=1), "field dkv_l2_evict_last must be a bool"),
 ])
 def test_invalid_specs_say_why(kw, needle):
     with pytest.raises(SpecError, match=re.escape(needle)):
@@ -118,6 +119,26 @@ def test_two_chunk_accumulators_in_consumer_a_keep_the_products_and_sends(tmp_pa
     for spec in (one, two):
         _, sass = _sass(spec, tmp_path / str(spec.chunk_buffers_a))
         counts.append((len(re.findall(r"HGMMA\.", sass)), len(re.findall(r"REDG\.E\.ADD\.F32x4\S* ", sass))))
+    assert counts[0] == counts[1] and counts[0][1] == 9 * 8
+
+
+@pytest.mark.compile
+def test_dkv_atomics_with_an_l2_evict_last_policy(tmp_path):
+    """dkv_l2_evict_last=True: the same wgmmas and dKV atomics, each red carrying an L2 evict_last policy (PTX: the
+    policy made in the atomic's own asm block; SASS: no more local-memory traffic than the op's kernel)."""
+    from dsagen.jit.build import compile_module
+
+    base = SparseAttnBwdSpec(arch="sm_90a", num_heads=128, d_qk=576)
+    hint = SparseAttnBwdSpec(arch="sm_90a", num_heads=128, d_qk=576, dkv_l2_evict_last=True)
+    assert SparseAttnBwdConfig(dkv_l2_evict_last=True).spec(128, 576, "bfloat16") == hint
+    ptx = compile_module(hint, render(hint), tmp_path / "ptx").ptx
+    assert ptx.count("red.global.add.L2::cache_hint.v4.f32") == ptx.count("createpolicy.fractional.L2::evict_last")
+    assert ptx.count("red.global.add.L2::cache_hint.v4.f32") == 9 * 8
+    counts = []
+    for spec in (base, hint):
+        _, sass = _sass(spec, tmp_path / str(spec.dkv_l2_evict_last))
+        counts.append((len(re.findall(r"HGMMA\.", sass)), len(re.findall(r"REDG\.E\.ADD\.F32x4\S* ", sass)),
+                       len(re.findall(r" (?:LDL|STL)", sass))))
     assert counts[0] == counts[1] and counts[0][1] == 9 * 8
 
 

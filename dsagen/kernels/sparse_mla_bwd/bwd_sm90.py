@@ -98,11 +98,11 @@ def params(dtype: str) -> list[dict]:
 
 
 def build(num_heads: int, d_qk: int, d_v: int, dtype: str, deterministic: bool, regs_producer: int, regs_a: int,
-          regs_b: int, chunk_buffers_a: int = 1) -> BuiltKernel:
+          regs_b: int, chunk_buffers_a: int = 1, dkv_l2_evict_last: bool = False) -> BuiltKernel:
     """A new sparse MLA backward for one SparseAttnBwdSpec's values (SparseMlaBwdSm90 lists the constraints). Each
     call returns distinct function objects, so every rendered module names its own kernel."""
     bwd = SparseMlaBwdSm90(num_heads, d_qk, d_v, dtype, deterministic, regs_producer, regs_a, regs_b,
-                           chunk_buffers_a)
+                           chunk_buffers_a, dkv_l2_evict_last)
     return BuiltKernel.of(params(dtype), bwd, f"min(s_q * {bwd.HB}, n_ctas)")
 
 
@@ -177,7 +177,7 @@ class SparseMlaBwdSm90:
     BAR_PRODUCER = 5                # the producer warpgroup (128) after its grid barrier
 
     def __init__(self, num_heads: int, d_qk: int, d_v: int, dtype: str, deterministic: bool, regs_producer: int,
-                 regs_a: int, regs_b: int, chunk_buffers_a: int = 1):
+                 regs_a: int, regs_b: int, chunk_buffers_a: int = 1, dkv_l2_evict_last: bool = False):
         self.H = num_heads
         self.HB = num_heads // self.M
         self.D_QK = d_qk
@@ -192,6 +192,7 @@ class SparseMlaBwdSm90:
         self.regs = (regs_producer, regs_a, regs_b)
         # dKV chunk accumulators of A and B (2: the next chunk's wgmmas overlap the sends)
         self.chunk_buffers = (chunk_buffers_a, 2)
+        self.dkv_l2_evict_last = dkv_l2_evict_last       # the dKV atomics carry an L2 evict_last policy
         self.Smem = self._smem_struct()
         self.kernel, self.host = self._entry_points()
 
@@ -601,7 +602,8 @@ class SparseMlaBwdSm90:
                 store_slot_row_pair_v4(kMN, cK, r, q4 % 2 == 1, a.p_dkv, item, Int64(a.topk), slot0, n_even,
                                        slot_end, self.D_QK, ch * 64)
             else:
-                add_row_pair_v4(kMN, cK, r, q4 % 2 == 1, a.p_dkv, kv_even, kv_odd, self.D_QK, ch * 64)
+                add_row_pair_v4(kMN, cK, r, q4 % 2 == 1, a.p_dkv, kv_even, kv_odd, self.D_QK, ch * 64,
+                                self.dkv_l2_evict_last)
 
     # --------------------------------------------------------------------------------------------- dQ stores
     @cute.jit

@@ -39,6 +39,8 @@ class SparseAttnBwdSpec(KernelSpec):
     regs_producer / regs_a / regs_b: setmaxnreg budgets of WG0, WG1 and WG2 (the op's: SparseAttnBwdConfig).
     chunk_buffers_a: dKV chunk accumulators of consumer A, 1 or 2 (B has 2: the next chunk's wgmmas are issued
       before the previous chunk's atomics).
+    dkv_l2_evict_last: the dKV atomics carry an L2 evict_last cache policy (as cuDNN frontend's SM90 backward's do);
+      False: no cache hint.
 
     Sequence lengths, top-k width, KV pool size, softmax scale and the CTA count are run-time arguments.
     """
@@ -55,6 +57,7 @@ class SparseAttnBwdSpec(KernelSpec):
     regs_a: int = 240
     regs_b: int = 224
     chunk_buffers_a: int = 1
+    dkv_l2_evict_last: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons() + mla_shape_reasons("sparse attention backward", self.arch, self.num_heads,
@@ -132,6 +135,8 @@ class SparseAttnBwdConfig:
       and 65.7 with 4 GiB (H200, 2026-12-01; a launch of fewer rows leaves SMs idle).
     sync_grid: hold every CTA's producer at the start of each round of items until all CTAs got there (a grid
       barrier; used only when the grid fits the SMs), so the CTAs stay in the same window.
+    dkv_l2_evict_last: the dKV atomics with an L2 evict_last policy (SparseAttnBwdSpec); not measured yet, so the
+      op keeps False.
     """
 
     regs_producer: int = 40
@@ -142,6 +147,7 @@ class SparseAttnBwdConfig:
     bucket_rows: int | None = 4096
     sync_grid: bool = True
     deterministic_chunk_bytes: int = 2**30
+    dkv_l2_evict_last: bool = False
 
     def __post_init__(self) -> None:
         check_grid(self.grid, "SparseAttnBwdConfig")
@@ -154,7 +160,8 @@ class SparseAttnBwdConfig:
         """The kernel spec of this config for a kernel of `num_heads` (64 or 128) heads."""
         return SparseAttnBwdSpec(arch=arch, num_heads=num_heads, d_qk=d_qk, d_v=d_v, dtype=dtype_name(dtype),
                                  deterministic=bool(deterministic), regs_producer=self.regs_producer,
-                                 regs_a=self.regs_a, regs_b=self.regs_b, chunk_buffers_a=self.chunk_buffers_a)
+                                 regs_a=self.regs_a, regs_b=self.regs_b, chunk_buffers_a=self.chunk_buffers_a,
+                                 dkv_l2_evict_last=self.dkv_l2_evict_last)
 
     def n_ctas(self, num_sms: int) -> int:
         """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(items, n_ctas))."""

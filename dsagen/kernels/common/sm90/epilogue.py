@@ -11,7 +11,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
 
-from dsagen.kernels.common.sm90.ptx import pack_f32x2, red_add_v4_f32, st_global_v4_b32, st_global_v4_f32
+from dsagen.kernels.common.sm90.ptx import (pack_f32x2, red_add_v4_f32, red_add_v4_f32_evict_last, st_global_v4_b32,
+                                           st_global_v4_f32)
 
 
 @cute.jit
@@ -92,20 +93,26 @@ def store_row_v4(dst: cute.Pointer, oMN: cute.Tensor, r: int, scale, fp16: bool,
 
 @cute.jit
 def add_row_pair_v4(kMN: cute.Tensor, cK: cute.Tensor, r: int, q_odd, dst: cute.Pointer, id_even, id_odd,
-                    row_len: int, col_base) -> None:
+                    row_len: int, col_base, evict_last: bool = False) -> None:
     """Row r of an FP32 accumulator view `kMN` (cK: its coordinate view) together with the row of the adjacent quad
     (lane l ^ 4), added by 16-byte FP32 atomics (red.global.add.v4.f32) into rows id_even / id_odd of the FP32
     accumulator `dst` (rows of `row_len` elements, 16-byte aligned), columns col_base + the rows' columns; a row
     whose id is negative is skipped. Each transaction covers 128-byte row segments (pair_v4_segments). Addresses
     are formed per transaction from the ids, so no 64-bit pointer stays live across them (the callers run at their
-    register limit)."""
+    register limit). evict_last (trace time): the atomics carry an L2 evict_last policy (red_add_v4_f32_evict_last)."""
     for kp in cutlass.range_constexpr(cute.size(kMN, mode=[1]) // 8):
         va, vb, col_in = pair_v4_segments(kMN, cK, r, kp, q_odd)
         col = col_base + col_in
         if id_even >= 0:
-            red_add_v4_f32(dst + (Int64(id_even) * row_len + col), *va)
+            if const_expr(evict_last):
+                red_add_v4_f32_evict_last(dst + (Int64(id_even) * row_len + col), *va)
+            else:
+                red_add_v4_f32(dst + (Int64(id_even) * row_len + col), *va)
         if id_odd >= 0:
-            red_add_v4_f32(dst + (Int64(id_odd) * row_len + col), *vb)
+            if const_expr(evict_last):
+                red_add_v4_f32_evict_last(dst + (Int64(id_odd) * row_len + col), *vb)
+            else:
+                red_add_v4_f32(dst + (Int64(id_odd) * row_len + col), *vb)
 
 
 @cute.jit

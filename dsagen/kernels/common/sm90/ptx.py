@@ -1,6 +1,6 @@
 """Single PTX instructions that CuTe-DSL 4.8 does not expose, as `dsl_user_op`s: an L2 cache policy and the
 cp.async and 16-byte store that carry it (cp_async_shared_global has no cache hint), a bf16 / fp16 pair pack, the
-16-byte FP32 atomic add and streaming store (red / st .global.v4.f32), and the release / acquire / sleep
+16-byte FP32 atomic add (also with an L2 evict_last policy) and streaming store (red / st .global.v4.f32), and the release / acquire / sleep
 instructions of the grid barrier. Any thread may call any of them; none waits on a barrier.
 """
 
@@ -68,6 +68,22 @@ def _v4_f32(ptx: str, dst: cute.Pointer, values, loc, ip) -> None:
 def red_add_v4_f32(dst: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
     """`red.global.add.v4.f32 [dst], {a, b, c, d}` (dst 16-byte aligned): four FP32 atomic adds, one transaction."""
     _v4_f32("red.global.add.v4.f32", dst, (a, b, c, d), loc, ip)
+
+
+@dsl_user_op
+def red_add_v4_f32_evict_last(dst: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None,
+                              ip=None) -> None:
+    """red_add_v4_f32 with an L2 evict_last cache policy made in the same asm block
+    (`createpolicy.fractional.L2::evict_last.b64 1.0` then `red.global.add.L2::cache_hint.v4.f32`): the FP32
+    accumulator rows it adds into stay in L2 ahead of streamed data, and no policy register stays live between
+    transactions (the callers run at their register limit)."""
+    ops = [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)] + [Float32(v).ir_value(loc=loc, ip=ip)
+                                                                   for v in (a, b, c, d)]
+    llvm.inline_asm(None, ops,
+                    "{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+                    "red.global.add.L2::cache_hint.v4.f32 [$0], {$1, $2, $3, $4}, pol; }",
+                    "l,f,f,f,f,~{memory}", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -226,6 +226,27 @@ def test_fp8_score_kernel_uses_qgmma(tmp_path):
     assert " LDL" not in sass and " STL" not in sass, "register spills"
 
 
+def test_fp8_score_kernel_with_four_consumer_warpgroups(tmp_path):
+    """consumers=4 (FP8 only): 640 threads, setmaxnreg 40 / 112, no spills, the same products per tile; the other
+    dtypes refuse it, as they refuse other counts."""
+    import dataclasses
+    import re
+
+    from dsagen.jit.build import compile_module
+    from dsagen.kernels.lightning_indexer.spec import IndexerScoreSpec
+
+    spec = dataclasses.replace(scores_config_for(64, 128, "float8_e4m3fn", ARCH).score, consumers=4)
+    ck = compile_module(spec, render(spec), tmp_path / "build")
+    sass = _sass(ck.cubin)
+    assert ck.record["launch"]["block"] == [640, 1, 1]
+    regs = re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass)
+    assert sorted(int(v, 16) for v in regs) == [40, 112]
+    assert sass.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4 and sass.count("HGMMA.64x8x16.F32.BF16") == 8
+    assert " LDL" not in sass and " STL" not in sass, "register spills"
+    assert "consumers=4 needs dtype" in IndexerScoreSpec(arch=ARCH, dense_scores=True, consumers=4).can_implement()[1]
+    assert "consumers=2 must be 3 or 4" in IndexerScoreSpec(arch=ARCH, consumers=2).can_implement()[1]
+
+
 def test_fp8_kscale_rows_match_the_host_limit(monkeypatch):
     """The FP8 score kernel stages FP8_KSCALE_ROWS k descales per item slot; the host refuses configs with longer
     work items (spec.FP8_MAX_CHUNK_ROWS) before loading anything."""

@@ -45,7 +45,7 @@ from dsagen.kernels.lightning_indexer.common_sm90 import row_bounds
 BN = 128                      # wgmma N: QC tokens x H heads
 NQ = 1                        # Q tiles per work item (the consumer warpgroups take alternate K tiles)
 BM = 64                       # K rows per tile (wgmma M)
-THREADS = 512                 # a producer warpgroup + 3 consumer warpgroups
+THREADS = 512                 # a producer warpgroup + 3 consumer warpgroups (the FP8 form may take 4: 640)
 NCOL = BN // 4                # accumulator columns per thread (2 rows x NCOL values)
 FP8_KSCALE_ROWS = 4096        # FP8: k_scale rows staged per item slot (host.FP8_MAX_CHUNK_ROWS keeps chunk <= it)
 HDR = 8                       # header words per item slot: ntiles (0 = stop), bx, b, t0, kv_lo, kv_hi
@@ -79,7 +79,7 @@ def fp8_params() -> list:
     ]
 
 
-def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: bool = False):
+def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: bool = False, consumers: int = 3):
     """The score kernel of IndexerScoreSpec(num_heads, head_dim, dtype, stages, dense_scores): returns
     (kernel, host, PARAMS, HOST_ARGS, LAUNCH). Each call makes new kernel and host functions (every rendered module
     names its own kernel).
@@ -97,8 +97,14 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
     (F2FP.RELU), computes the head sums as a second wgmma (m64 n8 k16, A from registers) and multiplies each key
     row's sum by k_scale, which equals the un-factored sum_h w * relu(q_scale * k_scale * q8 . k8) for positive
     descales up to the bf16 rounding of ReLU(S) and of the weights (FP32 accumulation). Work items take at most
-    FP8_KSCALE_ROWS candidates."""
+    FP8_KSCALE_ROWS candidates.
+    consumers: consumer warpgroups taking the K tiles in turn: 3 (setmaxnreg 152), or 4 at 112 registers (FP8 form
+    only, whose tensor-core head sum needs fewer registers): 640 threads."""
     FP8 = dtype == "float8_e4m3fn"
+    NC = consumers                # consumer warpgroups taking the tiles in turn: 3, or 4 (FP8 form)
+    assert NC == 3 or (NC == 4 and FP8), "4 consumer warpgroups fit the registers of the FP8 form only"
+    NTHREADS = 128 * (1 + NC)
+    REGS_C = 152 if NC == 3 else 112   # setmaxnreg of a consumer: 40 + NC * REGS_C <= 65536 / 128 = 512
     DT = cutlass.Float8E4M3FN if FP8 else (cutlass.BFloat16 if dtype == "bfloat16" else cutlass.Float16)
     ELEM = 1 if FP8 else 2        # bytes per q / k element
     BOXC = 128 // ELEM            # columns per 128-byte swizzled TMA box
@@ -169,7 +175,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
         k_empty: cute.struct.MemRange[Int64, KSLOTS]     # one arrival per consuming warp
         q_full: cute.struct.MemRange[Int64, 2]           # TMA tx (1 arrival)
         info_full: cute.struct.MemRange[Int64, 2]        # INFO_FULL_ARRIVALS: the scheduler warp
-        info_empty: cute.struct.MemRange[Int64, 2]       # 384 arrivals: the 3 consumer warpgroups, item done
+        info_empty: cute.struct.MemRange[Int64, 2]       # 128 * NC arrivals: the consumer warpgroups, item done
         hdr: cute.struct.MemRange[Int32, 2 * HDR]
         bounds: cute.struct.MemRange[Int32, 2 * 2 * ITEM_TOK]
         wts: cute.struct.MemRange[Float32, 2 * NQ * BN]  # w * scale per (token, head) column
@@ -180,7 +186,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
             wb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, 2 * NB2 * BN], 1024]   # head-sum B
 
     SMEM_BYTES = Smem.size_in_bytes()
-    LAUNCH = {"grid": ["n_ctas", 1, 1], "block": [THREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
+    LAUNCH = {"grid": ["n_ctas", 1, 1], "block": [NTHREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
 
     @cute.jit
     def body(q_tma, k_tma, p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
@@ -226,7 +232,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                 for i in cutlass.range_constexpr(2):
                     cute.arch.mbarrier_init(q_full + i, 1)
                     cute.arch.mbarrier_init(info_full + i, INFO_FULL_ARRIVALS)
-                    cute.arch.mbarrier_init(info_empty + i, 384)
+                    cute.arch.mbarrier_init(info_empty + i, 128 * NC)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -336,7 +342,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                     ntiles = hdr_word(sHdr, (j % 2) * HDR, lane)
         else:
             # ------------------------------------------------------------------ consumer warpgroups (ping-pong)
-            cute.arch.setmaxregister_increase(152)
+            cute.arch.setmaxregister_increase(REGS_C)
             cwg = wg - 1
             ctid = tidx - 128 * wg
             wwarp = warp % 4
@@ -363,10 +369,11 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
             quad = lane % 4
             row_in_tile = wwarp * 16 + lane // 4
 
-            # Turn order WG0 -> WG1 -> WG2 -> WG0 ...: BAR_WG0 + c is "WG c may issue"; WG c syncs on it, issues, then
-            # arrives on the next warpgroup's. WG2's arrive here lets WG0 take the first turn; WG0's sync after the
-            # loop takes WG2's last arrive, so every barrier generation is complete when the CTA exits.
-            if cwg == 2:
+            # Turn order WG0 -> WG1 -> ... -> WG(NC-1) -> WG0 ...: BAR_WG0 + c is "WG c may issue"; WG c syncs on it,
+            # issues, then arrives on the next warpgroup's. The last warpgroup's arrive here lets WG0 take the first
+            # turn; WG0's sync after the loop takes the last one's final arrive, so every barrier generation is
+            # complete when the CTA exits.
+            if cwg == NC - 1:
                 cute.arch.barrier_arrive(barrier_id=BAR_WG0, number_of_threads=256)
             j = Int32(0)
             g = Int32(0)
@@ -398,8 +405,8 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                         lo_r[jj] = sBounds[2 * (hq * QC + jj), slot]
                         hi_r[jj] = cutlass.min(sBounds[2 * (hq * QC + jj) + 1, slot], kv_hi)   # chunk's end too
                 cute.arch.mbarrier_wait(q_full + slot, (j // 2) % 2)
-                for it in cutlass.range((ntiles + 2) // 3, unroll=1):
-                    tile = 3 * it + cwg                                       # every third tile
+                for it in cutlass.range((ntiles + NC - 1) // NC, unroll=1):
+                    tile = NC * it + cwg                                      # every NC-th tile
                     gt = g + tile
                     idx = gt % KSLOTS
                     cute.arch.barrier(barrier_id=BAR_WG0 + cwg, number_of_threads=256)        # my turn
@@ -414,7 +421,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                             cute.gemm(tiled_mma, acc, tCrA[None, None, kb, idx], tCrB[None, None, kb, qs], acc)
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
-                        cute.arch.barrier_arrive(barrier_id=BAR_WG0 + (cwg + 1) % 3, number_of_threads=256)  # next turn
+                        cute.arch.barrier_arrive(barrier_id=BAR_WG0 + (cwg + 1) % NC, number_of_threads=256)  # next turn
                         warpgroup.wait_group(0)
                         if lane == 0:
                             cute.arch.mbarrier_arrive(k_empty + idx)
@@ -447,7 +454,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                                             off = (row0 + jj) * ld_slab + Int64(s - lo_r[jj])
                                             (p_slab + off).store(part)
                     else:
-                        cute.arch.barrier_arrive(barrier_id=BAR_WG0 + (cwg + 1) % 3, number_of_threads=256)  # (pad turn)
+                        cute.arch.barrier_arrive(barrier_id=BAR_WG0 + (cwg + 1) % NC, number_of_threads=256)  # (pad turn)
                 g += ntiles
                 cute.arch.mbarrier_arrive(info_empty + slot)                 # Q buffer, bounds, weights free
                 j += 1
@@ -517,7 +524,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
             kernel(tq, tk, p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk, chunk, n_chunks, n_ctas,
                    causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off, p_w32, w_f32, p_qs, qs_sb,
                    qs_st, qs_sh, p_ks, ks_sb, ks_ss).launch(
-                grid=(n_ctas, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
+                grid=(n_ctas, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
     elif dense_scores:
         @cute.jit
         def host(p_q: cute.Pointer, p_k: cute.Pointer, B: Int32, q_sh: Int64, q_st: Int64, q_sb: Int64,
@@ -528,7 +535,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
             tq, tk = tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, S)
             kernel(tq, tk, p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk, chunk, n_chunks, n_ctas,
                    causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off).launch(
-                grid=(n_ctas, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
+                grid=(n_ctas, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
     else:
         @cute.jit
         def host(p_q: cute.Pointer, p_k: cute.Pointer, B: Int32, q_sh: Int64, q_st: Int64, q_sb: Int64,
@@ -539,6 +546,6 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
             tq, tk = tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, S)
             kernel(tq, tk, p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk, chunk, n_chunks, n_ctas,
                    causal, ratio, w_sb, w_st, w_sh, ld_slab, scale).launch(
-                grid=(n_ctas, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
+                grid=(n_ctas, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
 
     return kernel, host, PARAMS, HOST_ARGS, LAUNCH

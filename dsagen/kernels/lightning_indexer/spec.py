@@ -67,6 +67,7 @@ class IndexerScoreSpec(KernelSpec):
     the tensor cores (bf16 ReLU(S) times bf16 weights, FP32 accumulation) and its work items take at most
     FP8_MAX_CHUNK_ROWS candidates.
     stages: K buffering in 128-row units.
+    consumers: consumer warpgroups taking the K tiles in turn: 3, or 4 (FP8 only: 640 threads, 112 registers each).
     dense_scores: the dsagen.indexer_scores form: the causal limit takes per-segment q_causal_offsets (two more
     params: an int32 pointer and a has-offsets flag) and the slab is the caller's [rows, S_k] score matrix (4-byte
     aligned base). False (the lightning indexer's kernel) generates exactly the code it had before the field.
@@ -80,11 +81,17 @@ class IndexerScoreSpec(KernelSpec):
     dtype: str = "bfloat16"
     stages: int = 4
     dense_scores: bool = False
+    consumers: int = 3
 
     def reasons(self) -> list[str]:
         out = super().reasons()
         if self.arch != "sm_90a":
             out.append(f"the lightning-indexer score kernel is implemented for sm_90a only, not {self.arch}")
+        if self.consumers not in (3, 4):
+            out.append(f"consumers={self.consumers} must be 3 or 4")
+        elif self.consumers == 4 and self.dtype != INDEXER_FP8_DTYPE:
+            out.append(f"consumers=4 needs dtype={INDEXER_FP8_DTYPE!r} (the other forms need 152 registers per "
+                       f"consumer thread)")
         if self.num_heads not in INDEXER_HEADS:
             out.append(f"num_heads={self.num_heads} is not supported; choose one of {INDEXER_HEADS}")
         if self.head_dim not in INDEXER_HEAD_DIMS:

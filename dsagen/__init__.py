@@ -46,6 +46,8 @@ _OPS = {
     "qsa_indexed_forward": "dsagen.ops.qsa",
     "qsa_bitmap_forward": "dsagen.ops.qsa",
     "native_sparse_attention": "dsagen.ops.nsa",
+    "quantize_kv_fp8": "dsagen.ops.kv_cache",
+    "dequantize_kv_fp8": "dsagen.ops.kv_cache",
 }
 
 # public helpers of the ops that are not ops themselves (no impl argument): name -> module that defines it

@@ -440,6 +440,8 @@ OP_CALLS = {
     "dense_indexer_kl_backward": lambda: (dsagen.dense_indexer_kl_backward, dict(
         q=_r(B, S, H, D), k=_r(B, S, D), lse=_r(B, S, H), index_q=_r(B, S, H, D), weights=_r(B, S, H),
         index_k=_r(B, S, D), q_causal_offsets=_i32(0))),
+    "quantize_kv_fp8": lambda: (dsagen.quantize_kv_fp8, dict(kv=torch.zeros(2, 576, dtype=torch.bfloat16))),
+    "dequantize_kv_fp8": lambda: (dsagen.dequantize_kv_fp8, dict(cache=torch.zeros(2, 656, dtype=torch.uint8))),
     "dense_attn_score_recompute": lambda: (dsagen.dense_attn_score_recompute, dict(
         q=_r(B, S, H, D), k=_r(B, S, D), lse=_r(B, S, H), q_causal_offsets=_i32(0))),
     "qsa_indexed_forward": lambda: (dsagen.qsa_indexed_forward, dict(

@@ -48,6 +48,7 @@ _OPS = {
     "native_sparse_attention": "dsagen.ops.nsa",
     "quantize_kv_fp8": "dsagen.ops.kv_cache",
     "dequantize_kv_fp8": "dsagen.ops.kv_cache",
+    "sparse_attention_decode": "dsagen.ops.kv_cache",
 }
 
 # public helpers of the ops that are not ops themselves (no impl argument): name -> module that defines it

@@ -442,6 +442,9 @@ OP_CALLS = {
         index_k=_r(B, S, D), q_causal_offsets=_i32(0))),
     "quantize_kv_fp8": lambda: (dsagen.quantize_kv_fp8, dict(kv=torch.zeros(2, 576, dtype=torch.bfloat16))),
     "dequantize_kv_fp8": lambda: (dsagen.dequantize_kv_fp8, dict(cache=torch.zeros(2, 656, dtype=torch.uint8))),
+    "sparse_attention_decode": lambda: (dsagen.sparse_attention_decode, dict(
+        q=torch.zeros(1, 1, 2, 576, dtype=torch.bfloat16), kv_cache=torch.zeros(2, 4, 1, 656, dtype=torch.uint8),
+        indices=_i32(0, 5, -1).view(1, 1, 3), topk_length=_i32(2))),
     "dense_attn_score_recompute": lambda: (dsagen.dense_attn_score_recompute, dict(
         q=_r(B, S, H, D), k=_r(B, S, D), lse=_r(B, S, H), q_causal_offsets=_i32(0))),
     "qsa_indexed_forward": lambda: (dsagen.qsa_indexed_forward, dict(

@@ -97,3 +97,61 @@ def test_reader_takes_strided_paged_caches():
 def test_errors_name_the_argument(call, err, text):
     with pytest.raises(err, match=text):
         call()
+
+
+# --- sparse_attention_decode over a paged cache ----------------------------------------------------------------
+
+def _paged_case(seed=3, b=2, s_q=2, h=8, topk=12, n_blocks=6, page=4):
+    """Queries, a page pool in random page order (a block table) and page-encoded indices of logical tokens."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, s_q, h, 576, generator=g)).to(torch.bfloat16)
+    kv = (torch.randn(n_blocks * page, 576, generator=g) * 2).to(torch.bfloat16)     # logical rows of all sequences
+    table = torch.randperm(n_blocks, generator=g)                                    # logical block -> page block
+    cache8 = torch.zeros(n_blocks, page, 1, 656, dtype=torch.uint8)
+    cache16 = torch.zeros(n_blocks, page, 1, 576, dtype=torch.bfloat16)
+    for tok in range(n_blocks * page):
+        cache8[table[tok // page], tok % page, 0] = dsagen.quantize_kv_fp8(kv[tok], **REF)
+        cache16[table[tok // page], tok % page, 0] = kv[tok]
+    logical = torch.randint(0, n_blocks * page, (b, s_q, topk), generator=g)
+    logical[0, 0, 3] = -1                                  # an empty slot
+    logical[1, 1, :] = -1                                  # an empty row
+    paged = torch.where(logical >= 0, table[logical.clamp_min(0) // page] * page + logical.clamp_min(0) % page,
+                        torch.full_like(logical, -1)).to(torch.int32)
+    return q, kv, cache8, cache16, logical.to(torch.int32), paged
+
+
+def test_decode_equals_sparse_attention_on_the_dequantized_rows():
+    q, kv, cache8, cache16, logical, paged = _paged_case()
+    sink = torch.randn(8, generator=torch.Generator().manual_seed(4))
+    length = torch.tensor([10, 12], dtype=torch.int32)
+    deq = dsagen.dequantize_kv_fp8(dsagen.quantize_kv_fp8(kv, **REF), **REF)        # the FP8 cache's values
+    for cache, rows in ((cache8, deq), (cache16, kv)):
+        out, lse = dsagen.sparse_attention_decode(q, cache, paged, attn_sink=sink, topk_length=length, **REF)
+        want_out, want_lse, _ = dsagen.sparse_attention(q, rows[None].expand(2, -1, -1), logical, attn_sink=sink,
+                                                        topk_length=length[:, None].expand(2, 2).contiguous(),
+                                                        d_v=512, **REF)
+        assert out.shape == (2, 2, 8, 512) and out.dtype == torch.bfloat16 and lse.shape == (2, 2, 8)
+        torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+        torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    assert (out[1, 1] == 0).all() and torch.isinf(lse[1, 1]).all()                      # the empty row
+
+
+def test_decode_argument_errors():
+    q, _, cache8, cache16, _, paged = _paged_case()
+    cases = [
+        (dict(q=q.float()), TypeError, "q"),
+        (dict(q=q[..., :512]), ValueError, "q"),
+        (dict(kv_cache=cache8[..., :600]), ValueError, "kv_cache"),
+        (dict(kv_cache=cache16.float()), TypeError, "kv_cache"),
+        (dict(indices=paged.long()), TypeError, "indices"),
+        (dict(indices=paged[:1]), ValueError, "indices"),
+        (dict(topk_length=torch.ones(3, dtype=torch.int32)), ValueError, "topk_length"),
+        (dict(d_v=576), ValueError, "d_v"),
+    ]
+    for bad, err, text in cases:
+        kw = dict(q=q, kv_cache=cache8, indices=paged, impl="reference")
+        kw.update(bad)
+        with pytest.raises(err, match=text):
+            dsagen.sparse_attention_decode(**kw)
+    with pytest.raises(ValueError, match="fused"):
+        dsagen.sparse_attention_decode(q, cache8, paged)

@@ -49,6 +49,8 @@ _OPS = {
     "quantize_kv_fp8": "dsagen.ops.kv_cache",
     "dequantize_kv_fp8": "dsagen.ops.kv_cache",
     "sparse_attention_decode": "dsagen.ops.kv_cache",
+    "quantize_index_k_fp8": "dsagen.ops.kv_cache",
+    "indexer_decode_topk": "dsagen.ops.kv_cache",
 }
 
 # public helpers of the ops that are not ops themselves (no impl argument): name -> module that defines it

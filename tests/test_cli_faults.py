@@ -442,6 +442,11 @@ OP_CALLS = {
         index_k=_r(B, S, D), q_causal_offsets=_i32(0))),
     "quantize_kv_fp8": lambda: (dsagen.quantize_kv_fp8, dict(kv=torch.zeros(2, 576, dtype=torch.bfloat16))),
     "dequantize_kv_fp8": lambda: (dsagen.dequantize_kv_fp8, dict(cache=torch.zeros(2, 656, dtype=torch.uint8))),
+    "quantize_index_k_fp8": lambda: (dsagen.quantize_index_k_fp8, dict(k=torch.zeros(2, 4, 8, dtype=torch.bfloat16))),
+    "indexer_decode_topk": lambda: (dsagen.indexer_decode_topk, dict(
+        q_indexer=torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16), weights=torch.zeros(1, 1, 2),
+        k_cache=torch.zeros(2, 4, 8, dtype=torch.bfloat16), block_table=_i32(1, 0).view(1, 2),
+        cache_seqlens=_i32(5), top_k=2)),
     "sparse_attention_decode": lambda: (dsagen.sparse_attention_decode, dict(
         q=torch.zeros(1, 1, 2, 576, dtype=torch.bfloat16), kv_cache=torch.zeros(2, 4, 1, 656, dtype=torch.uint8),
         indices=_i32(0, 5, -1).view(1, 1, 3), topk_length=_i32(2))),

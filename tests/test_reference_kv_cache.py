@@ -1,5 +1,6 @@
-"""dsagen.quantize_kv_fp8 / dequantize_kv_fp8, impl="reference": DeepSeek-V3.2's FP8 MLA cache format byte by byte
-(FlashMLA's sparse-decode cache, tests/quant.py's V32_FP8Sparse layout), the round trip, and argument errors."""
+"""The paged-cache ops, impl="reference": quantize_kv_fp8 / dequantize_kv_fp8 (DeepSeek-V3.2's FP8 MLA cache format
+byte by byte: FlashMLA's sparse-decode cache, tests/quant.py's V32_FP8Sparse layout), sparse_attention_decode over
+a paged cache, quantize_index_k_fp8 (DeepGEMM's paged index-key layout) and indexer_decode_topk; argument errors."""
 
 from __future__ import annotations
 
@@ -155,3 +156,101 @@ def test_decode_argument_errors():
             dsagen.sparse_attention_decode(**kw)
     with pytest.raises(ValueError, match="fused"):
         dsagen.sparse_attention_decode(q, cache8, paged)
+
+
+# --- the indexer's paged FP8 key cache and the decode-time indexer ------------------------------------------------
+
+def test_index_key_cache_layout_and_round_trip():
+    g = torch.Generator().manual_seed(9)
+    k = (torch.randn(3, 4, 16, generator=g) * 5).to(torch.bfloat16)
+    k[1, 2] = 0.0                                                     # an all-zero key: the 1e-4 floor
+    cache = dsagen.quantize_index_k_fp8(k, **REF)
+    assert cache.shape == (3, 4, 1, 20) and cache.dtype == torch.uint8
+    flat = cache.reshape(3, 80)
+    scale = (k.float().abs().amax(-1).clamp_min(1e-4) / 448.0)                     # [3, 4]
+    assert torch.equal(flat[:, 64:].contiguous().view(torch.float32), scale)      # the block's scales after its values
+    vals = flat[:, :64].contiguous().view(torch.float8_e4m3fn).float().view(3, 4, 16)
+    assert torch.equal(vals, (k.float() * (1.0 / scale[..., None])).to(torch.float8_e4m3fn).float())
+    from dsagen.reference.kv_cache import dequantize_index_k_fp8
+    back = dequantize_index_k_fp8(cache)
+    assert ((back - k.float()).abs() <= k.float().abs() * 2 ** -4 + scale[..., None] * 2 ** -10).all()
+
+
+def _decode_indexer_case(seed=12, b=2, next_n=2, h=4, d=16, bs=4, n_blocks=8, grid=True):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        x = torch.randn(*shape, generator=g) * 2
+        return torch.round(x * 4) / 4 if grid else x            # quarters: every score exact in FP32
+    q, w, k_logical = r(b, next_n, h, d), r(b, next_n, h).float(), r(b, n_blocks * bs // b, d)
+    lengths = torch.tensor([9, 14], dtype=torch.int32)
+    table = torch.randperm(n_blocks, generator=g).to(torch.int32).view(b, n_blocks // b)
+    cache = torch.zeros(n_blocks, bs, d)
+    for bi in range(b):
+        for s in range(n_blocks * bs // b):
+            cache[table[bi, s // bs], s % bs] = k_logical[bi, s]
+    return q, w, k_logical, cache, table, lengths
+
+
+def _brute_decode(q, w, k_logical, table, lengths, top_k, bs):
+    """FP64 scores, ranked by (score desc, position asc), mapped to page ids."""
+    b, next_n = q.shape[:2]
+    out = torch.full((b, next_n, top_k), -1, dtype=torch.int32)
+    for bi in range(b):
+        n = int(lengths[bi])
+        for j in range(next_n):
+            p = n - next_n + j
+            sc = [(float((w[bi, j].double() * torch.relu(q[bi, j].double() @ k_logical[bi, s].double())).sum()), s)
+                  for s in range(p + 1)]
+            ranked = [s for _, s in sorted(sc, key=lambda t: (-t[0], t[1]))][:top_k]
+            out[bi, j, :len(ranked)] = torch.tensor([int(table[bi, s // bs]) * bs + s % bs for s in ranked])
+    return out
+
+
+@pytest.mark.parametrize("top_k", [0, 5, 20])
+def test_decode_indexer_bf16_equals_brute_force(top_k):
+    q, w, k_logical, cache, table, lengths = _decode_indexer_case()
+    got = dsagen.indexer_decode_topk(q.to(torch.bfloat16), w, cache.to(torch.bfloat16), table, lengths, top_k,
+                                     **REF)
+    assert got.shape == (2, 2, top_k) and got.dtype == torch.int32
+    assert torch.equal(got, _brute_decode(q, w, k_logical, table, lengths, top_k, 4))
+
+
+def test_decode_indexer_fp8_equals_bf16_on_the_same_values():
+    """Keys whose scale is a power of two (one entry at 448 x 2**-3 per key) dequantize to bf16-exact values, so the
+    FP8 cache and the bf16 cache of those values give the same ids."""
+    q, w, _, cache, table, lengths = _decode_indexer_case(seed=13, grid=False)
+    cache = torch.randn(cache.shape, generator=torch.Generator().manual_seed(2))
+    cache[..., 0] = 56.0                                              # amax 56 = 448 / 8: scale 2 ** -3
+    cache8 = dsagen.quantize_index_k_fp8(cache, **REF)
+    from dsagen.reference.kv_cache import dequantize_index_k_fp8
+    deq = dequantize_index_k_fp8(cache8)
+    q8 = q.to(torch.float8_e4m3fn)
+    a = dsagen.indexer_decode_topk(q8, w, cache8, table, lengths, 6, **REF)
+    b = dsagen.indexer_decode_topk(q8.to(torch.bfloat16), w, deq.to(torch.bfloat16), table, lengths, 6, **REF)
+    assert torch.equal(deq.to(torch.bfloat16).float(), deq) and torch.equal(a, b)
+
+
+def test_decode_indexer_argument_errors():
+    q, w, _, cache, table, lengths = _decode_indexer_case()
+    qb, cb = q.to(torch.bfloat16), cache.to(torch.bfloat16)
+    base = dict(q_indexer=qb, weights=w, k_cache=cb, block_table=table, cache_seqlens=lengths, top_k=4,
+                impl="reference")
+    cases = [
+        (dict(q_indexer=q), TypeError, "q_indexer"),
+        (dict(weights=w.double()), TypeError, "weights"),
+        (dict(weights=w[:, :1]), ValueError, "weights"),
+        (dict(k_cache=cb[..., :8]), ValueError, "k_cache"),
+        (dict(q_indexer=qb.to(torch.float8_e4m3fn)), TypeError, "k_cache"),
+        (dict(block_table=table[:1]), ValueError, "block_table"),
+        (dict(cache_seqlens=lengths.long()), TypeError, "cache_seqlens"),
+        (dict(cache_seqlens=torch.tensor([1, 14], dtype=torch.int32)), ValueError, "cache_seqlens"),
+        (dict(cache_seqlens=torch.tensor([9, 17], dtype=torch.int32)), ValueError, "cache_seqlens"),
+        (dict(top_k=-1), ValueError, "top_k"),
+    ]
+    for bad, err, text in cases:
+        kw = dict(base, **bad)
+        with pytest.raises(err, match=text):
+            dsagen.indexer_decode_topk(**kw)
+    with pytest.raises(ValueError, match="fused"):
+        dsagen.indexer_decode_topk(qb, w, cb, table, lengths, 4)

@@ -1,5 +1,6 @@
 """DeepSeek-V3.2's FP8 MLA KV cache format (the paged cache FlashMLA's sparse decode reads): the per-token writer a
-serving stack calls when it appends tokens, the reader, and sparse MLA decode over a paged cache. The format, 656
+serving stack calls when it appends tokens, the reader, and sparse MLA decode over a paged cache; and the indexer's
+paged FP8 key cache (DeepGEMM's fp8_paged_mqa_logits layout) with the decode-time indexer over it. The format, 656
 bytes per token (512 E4M3 NoPE values in 4 tiles of 128 with one power-of-two FP32 scale each, then the 64 BF16
 RoPE values), is in dsagen.reference.kv_cache."""
 
@@ -10,7 +11,8 @@ import torch
 from ..validate import check_impl, check_tensor
 from ._fused import fused_impl
 
-__all__ = ["quantize_kv_fp8", "dequantize_kv_fp8", "sparse_attention_decode"]
+__all__ = ["quantize_kv_fp8", "dequantize_kv_fp8", "sparse_attention_decode", "quantize_index_k_fp8",
+           "indexer_decode_topk"]
 
 
 def quantize_kv_fp8(kv: torch.Tensor, *, impl: str = "fused") -> torch.Tensor:
@@ -161,3 +163,127 @@ def _decode_reference(q, kv_cache, indices, attn_sink, topk_length, softmax_scal
     out, lse, _ = sparse_attention(q.reshape(b * s_q, h, d_qk), kv, local, attn_sink=attn_sink,
                                    topk_length=length, softmax_scale=softmax_scale, d_v=d_v, impl="reference")
     return out.view(b, s_q, h, d_v), lse.view(b, s_q, h)
+
+
+def quantize_index_k_fp8(k: torch.Tensor, *, impl: str = "fused") -> torch.Tensor:
+    """Write index keys into the indexer's paged FP8 key cache in DeepGEMM's fp8_paged_mqa_logits layout (the
+    format serving stacks keep the DeepSeek-V3.2 indexer keys in): per page block its block_size x D E4M3 values,
+    token-major, then its block_size FP32 scales s_t = max(amax_t, 1e-4) / 448 (value = k / s_t), the block's
+    block_size x (D + 4) bytes viewed as [block_size, 1, D + 4] (a view of the block, not one token per row).
+
+    Args:
+        k: [num_blocks, block_size, D] bfloat16 / float16 / float32 index keys (page blocks of the cache).
+        impl: "fused" (default; no generated kernel yet: ValueError off the GPU, NotImplementedError on it) or
+            "reference".
+
+    Returns:
+        uint8 [num_blocks, block_size, 1, D + 4] on k's device.
+
+    Raises:
+        TypeError for another dtype; ValueError when k is not 3-D or has D = 0, for a sparse layout, or a bad impl;
+        NotImplementedError for impl="fused" on a GPU.
+    """
+    check_impl(impl)
+    check_tensor("k", k, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=3)
+    if k.shape[-1] == 0:
+        raise ValueError(f"k must have shape [num_blocks, block_size, D] with D >= 1, got {tuple(k.shape)}")
+    if impl == "reference":
+        from ..reference.kv_cache import quantize_index_k_fp8 as reference
+
+        return reference(k)
+    return fused_impl("quantize_index_k_fp8", k.device)(k)
+
+
+def indexer_decode_topk(q_indexer: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
+                        block_table: torch.Tensor, cache_seqlens: torch.Tensor, top_k: int, *,
+                        impl: str = "fused") -> torch.Tensor:
+    """The decode-time lightning indexer over a paged key cache (DeepGEMM's fp8_paged_mqa_logits, then top-k),
+    returning page-encoded ids that sparse_attention_decode takes.
+
+    Batch b holds L_b = cache_seqlens[b] tokens in its pages (block_table[b, i] is the page block of its tokens
+    i * block_size .. (i + 1) * block_size - 1), the last next_n of which are the queries: query j sits at position
+    p = L_b - next_n + j and sees the keys s <= p, s < L_b. Its scores are
+
+        score[s] = sum_h weights[b, j, h] * relu(q_indexer[b, j, h, :] . k[s, :])
+
+    with k the cache's keys (FP8: E4M3 value x its token's scale; the FP8 q's own scale belongs in the weights, as
+    DeepGEMM takes it). The top_k keys by score become page-encoded ids block_table[b, s // block_size] *
+    block_size + s % block_size; rows with fewer visible keys end with -1.
+
+    Args:
+        q_indexer: [B, next_n, H, D] bfloat16, or float8_e4m3fn with the FP8 cache.
+        weights: [B, next_n, H] float32.
+        k_cache: FP8: [num_blocks, block_size, 1, D + 4] uint8 (quantize_index_k_fp8's layout); BF16:
+            [num_blocks, block_size, D] bfloat16.
+        block_table: int32 [B, max_blocks_per_seq]. cache_seqlens: int32 [B], each >= next_n.
+        top_k: >= 0.
+        impl: "fused" (default; no generated kernel yet: ValueError off the GPU, NotImplementedError on it) or
+            "reference" (reads cache_seqlens on the host; slots in descending score, equal scores toward the lower
+            position).
+
+    Returns:
+        int32 [B, next_n, top_k] page-encoded ids, -1 padded.
+
+    Raises:
+        TypeError / ValueError naming the argument for wrong dtypes, shapes, devices or values;
+        NotImplementedError for impl="fused" on a GPU.
+    """
+    check_impl(impl)
+    check_tensor("q_indexer", q_indexer, dtypes=(torch.bfloat16, torch.float8_e4m3fn), ndim=4)
+    b, next_n, h, d = q_indexer.shape
+    dev = q_indexer.device
+    check_tensor("weights", weights, dtypes=(torch.float32,), ndim=3, device=dev)
+    if tuple(weights.shape) != (b, next_n, h):
+        raise ValueError(f"weights must have shape [B, next_n, H] = {(b, next_n, h)}, got {tuple(weights.shape)}")
+    fp8 = q_indexer.dtype == torch.float8_e4m3fn
+    if fp8:
+        check_tensor("k_cache", k_cache, dtypes=(torch.uint8,), ndim=4, device=dev)
+        if k_cache.shape[2] != 1 or k_cache.shape[3] != d + 4:
+            raise ValueError(f"k_cache must have shape [num_blocks, block_size, 1, D + 4 = {d + 4}] with an FP8 "
+                             f"q_indexer, got {tuple(k_cache.shape)}")
+    else:
+        check_tensor("k_cache", k_cache, dtypes=(torch.bfloat16,), ndim=3, device=dev)
+        if k_cache.shape[2] != d:
+            raise ValueError(f"k_cache must have shape [num_blocks, block_size, D = {d}] with a bf16 q_indexer, "
+                             f"got {tuple(k_cache.shape)}")
+    check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
+    if block_table.shape[0] != b:
+        raise ValueError(f"block_table must have shape [B = {b}, max_blocks], got {tuple(block_table.shape)}")
+    check_tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1, device=dev)
+    if cache_seqlens.shape[0] != b:
+        raise ValueError(f"cache_seqlens must have shape [B = {b}], got {tuple(cache_seqlens.shape)}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
+    if impl == "reference":
+        return _indexer_decode_reference(q_indexer, weights, k_cache, block_table, cache_seqlens, top_k, fp8)
+    return fused_impl("indexer_decode_topk", dev)(q_indexer, weights, k_cache, block_table, cache_seqlens, top_k)
+
+
+def _indexer_decode_reference(q, weights, k_cache, block_table, cache_seqlens, top_k, fp8):
+    """Per batch: the sequence's keys from its pages, the scores of its next_n queries, select_topk, page ids."""
+    from ..reference.indexer import select_topk
+    from ..reference.kv_cache import dequantize_index_k_fp8
+
+    b, next_n, h, d = q.shape
+    keys = dequantize_index_k_fp8(k_cache) if fp8 else k_cache.float()                # [num_blocks, bs, D]
+    n_blocks, bs = keys.shape[:2]
+    out = torch.full((b, next_n, top_k), -1, dtype=torch.int32, device=q.device)
+    lengths = cache_seqlens.tolist()
+    for bi in range(b):
+        length = lengths[bi]
+        if length < next_n or length > block_table.shape[1] * bs:
+            raise ValueError(f"cache_seqlens[{bi}] = {length} must be in [next_n = {next_n}, max_blocks x "
+                             f"block_size = {block_table.shape[1] * bs}]")
+        pages = block_table[bi, :-(-length // bs)].long()
+        if ((pages < 0) | (pages >= n_blocks)).any():
+            raise ValueError(f"block_table[{bi}] names a page block outside [0, {n_blocks}) for its "
+                             f"{length} tokens")
+        k = keys[pages].reshape(-1, d)[:length]                                          # [L, D]
+        dots = torch.einsum("jhd,sd->jhs", q[bi].float(), k)
+        scores = torch.einsum("jh,jhs->js", weights[bi].float(), torch.relu(dots))
+        pos = torch.arange(length, device=q.device)
+        valid = pos[None, :] <= (length - next_n + torch.arange(next_n, device=q.device))[:, None]
+        sel = select_topk(scores, valid, top_k)                                            # [next_n, <= top_k]
+        page_ids = pages[sel.clamp_min(0) // bs] * bs + sel.clamp_min(0) % bs
+        out[bi, :, :sel.shape[1]] = torch.where(sel >= 0, page_ids, -1).to(torch.int32)
+    return out

@@ -56,3 +56,33 @@ def dequantize_kv_fp8(cache: torch.Tensor) -> torch.Tensor:
     out[:, :KV_NOPE] = (q * scales[..., None]).view(n, KV_NOPE).to(torch.bfloat16)
     out[:, KV_NOPE:] = b[:, KV_NOPE + 4 * KV_TILES:].contiguous().view(torch.bfloat16)
     return out.view(*lead, KV_DIM)
+
+
+# --- the indexer's paged FP8 key cache (DeepGEMM's fp8_paged_mqa_logits layout) ---------------------------------
+
+def quantize_index_k_fp8(k: torch.Tensor) -> torch.Tensor:
+    """Index keys k [num_blocks, block_size, D] (any float dtype) -> the paged FP8 cache [num_blocks, block_size,
+    1, D + 4] uint8 in DeepGEMM's fp8_paged_mqa_logits layout: each page block holds its block_size x D E4M3 values
+    (token-major) and then its block_size FP32 scales s = max(amax, 1e-4) / 448 (token t's value / s); the
+    [.., 1, D + 4] shape is a view of those block_size x (D + 4) bytes, not one token per row."""
+    n_blocks, bs, d = k.shape
+    x = k.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(SCALE_FLOOR) / E4M3_MAX            # [nb, bs, 1]
+    q = (x * (1.0 / scale)).to(torch.float8_e4m3fn)
+    out = torch.empty((n_blocks, bs * (d + 4)), dtype=torch.uint8, device=k.device)
+    out[:, :bs * d] = q.reshape(n_blocks, bs * d).view(torch.uint8)
+    out[:, bs * d:] = scale.reshape(n_blocks, bs).contiguous().view(torch.uint8)
+    return out.view(n_blocks, bs, 1, d + 4)
+
+
+def dequantize_index_k_fp8(cache: torch.Tensor) -> torch.Tensor:
+    """quantize_index_k_fp8's cache [num_blocks, block_size, 1, D + 4] (uint8) -> FP32 keys [num_blocks,
+    block_size, D] (value x scale)."""
+    n_blocks, bs, _, dd = cache.shape
+    d = dd - 4
+    flat = cache.reshape(n_blocks, bs * dd)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    q = flat[:, :bs * d].contiguous().view(torch.float8_e4m3fn).float().view(n_blocks, bs, d)
+    scale = flat[:, bs * d:].contiguous().view(torch.float32).view(n_blocks, bs, 1)
+    return q * scale

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..reference.kv_cache import KV_DIM, KV_FP8_TOKEN_BYTES
 from ..validate import check_impl, check_tensor
 from ._fused import fused_impl
 
@@ -40,7 +41,7 @@ def quantize_kv_fp8(kv: torch.Tensor, *, impl: str = "fused") -> torch.Tensor:
     """
     check_impl(impl)
     check_tensor("kv", kv, dtypes=(torch.bfloat16,))
-    if kv.dim() == 0 or kv.shape[-1] != 576:
+    if kv.dim() == 0 or kv.shape[-1] != KV_DIM:
         raise ValueError(f"kv must have shape [..., 576] (512 NoPE + 64 RoPE values), got {tuple(kv.shape)}")
     if impl == "reference":
         from ..reference.kv_cache import quantize_kv_fp8 as reference
@@ -69,7 +70,7 @@ def dequantize_kv_fp8(cache: torch.Tensor, *, impl: str = "fused") -> torch.Tens
     """
     check_impl(impl)
     check_tensor("cache", cache, dtypes=(torch.uint8, torch.float8_e4m3fn))
-    if cache.dim() == 0 or cache.shape[-1] != 656:
+    if cache.dim() == 0 or cache.shape[-1] != KV_FP8_TOKEN_BYTES:
         raise ValueError(f"cache must have shape [..., 656] (the FP8 cache's bytes per token), got "
                          f"{tuple(cache.shape)}")
     if impl == "reference":
@@ -113,12 +114,12 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
     check_impl(impl)
     check_tensor("q", q, dtypes=(torch.bfloat16,), ndim=4)
     b, s_q, h, d_qk = q.shape
-    if d_qk != 576:
+    if d_qk != KV_DIM:
         raise ValueError(f"q must have shape [B, s_q, H, 576], got {tuple(q.shape)}")
     check_tensor("kv_cache", kv_cache, dtypes=(torch.uint8, torch.float8_e4m3fn, torch.bfloat16), ndim=4,
                  device=q.device)
     fp8 = kv_cache.dtype != torch.bfloat16
-    if kv_cache.shape[2] != 1 or kv_cache.shape[3] != (656 if fp8 else 576):
+    if kv_cache.shape[2] != 1 or kv_cache.shape[3] != (KV_FP8_TOKEN_BYTES if fp8 else KV_DIM):
         want = "[num_blocks, page_block_size, 1, 656] (FP8)" if fp8 else "[num_blocks, page_block_size, 1, 576] (bf16)"
         raise ValueError(f"kv_cache must have shape {want}, got {tuple(kv_cache.shape)}")
     check_tensor("indices", indices, dtypes=(torch.int32,), ndim=3, device=q.device)

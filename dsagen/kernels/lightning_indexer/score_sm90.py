@@ -45,7 +45,6 @@ from dsagen.kernels.lightning_indexer.common_sm90 import row_bounds
 BN = 128                      # wgmma N: QC tokens x H heads
 NQ = 1                        # Q tiles per work item (the consumer warpgroups take alternate K tiles)
 BM = 64                       # K rows per tile (wgmma M)
-THREADS = 512                 # a producer warpgroup + 3 consumer warpgroups (the FP8 form may take 4: 640)
 NCOL = BN // 4                # accumulator columns per thread (2 rows x NCOL values)
 FP8_KSCALE_ROWS = 4096        # FP8: k_scale rows staged per item slot (host.FP8_MAX_CHUNK_ROWS keeps chunk <= it)
 HDR = 8                       # header words per item slot: ntiles (0 = stop), bx, b, t0, kv_lo, kv_hi
@@ -354,11 +353,12 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), Float32)
             accMN = acc_mn_view(acc)
             cMN = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((BM, BN))))
-            wreg = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)
-            ksr = cute.make_rmem_tensor(cute.make_layout(2), Float32)     # FP8: k_scale of the thread's 2 rows
-            lo_r = cute.make_rmem_tensor(cute.make_layout(QC), Int32)
-            hi_r = cute.make_rmem_tensor(cute.make_layout(QC), Int32)
+            if cutlass.const_expr(not FP8):
+                wreg = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)  # w * scale of my columns
+                lo_r = cute.make_rmem_tensor(cute.make_layout(QC), Int32)      # candidate bounds of the tokens
+                hi_r = cute.make_rmem_tensor(cute.make_layout(QC), Int32)
             if cutlass.const_expr(FP8):
+                ksr = cute.make_rmem_tensor(cute.make_layout(2), Float32)      # k_scale of the thread's 2 rows
                 # the head sum: acc2 (64 K rows x NB2 tokens) = bf16(ReLU(S)) (registers, acc's own elements) x sWb
                 hs = wgmma_tile(cutlass.BFloat16, None, sWb, (BM, NB2), ctid,
                                 a_regs=cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.BFloat16))

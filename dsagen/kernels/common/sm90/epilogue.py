@@ -91,6 +91,9 @@ def store_row_v4(dst: cute.Pointer, oMN: cute.Tensor, r: int, scale, fp16: bool,
         st_global_v4_b32(dst + 32 * jg, w0, w1, w2, w3, policy)
 
 
+_RED_V4 = {False: red_add_v4_f32, True: red_add_v4_f32_evict_last}   # add_row_pair_v4's atomic, by evict_last
+
+
 @cute.jit
 def add_row_pair_v4(kMN: cute.Tensor, cK: cute.Tensor, r: int, q_odd, dst: cute.Pointer, id_even, id_odd,
                     row_len: int, col_base, evict_last: bool = False) -> None:
@@ -100,19 +103,14 @@ def add_row_pair_v4(kMN: cute.Tensor, cK: cute.Tensor, r: int, q_odd, dst: cute.
     whose id is negative is skipped. Each transaction covers 128-byte row segments (pair_v4_segments). Addresses
     are formed per transaction from the ids, so no 64-bit pointer stays live across them (the callers run at their
     register limit). evict_last (trace time): the atomics carry an L2 evict_last policy (red_add_v4_f32_evict_last)."""
+    red = _RED_V4[bool(evict_last)]
     for kp in cutlass.range_constexpr(cute.size(kMN, mode=[1]) // 8):
         va, vb, col_in = pair_v4_segments(kMN, cK, r, kp, q_odd)
         col = col_base + col_in
         if id_even >= 0:
-            if const_expr(evict_last):
-                red_add_v4_f32_evict_last(dst + (Int64(id_even) * row_len + col), *va)
-            else:
-                red_add_v4_f32(dst + (Int64(id_even) * row_len + col), *va)
+            red(dst + (Int64(id_even) * row_len + col), *va)
         if id_odd >= 0:
-            if const_expr(evict_last):
-                red_add_v4_f32_evict_last(dst + (Int64(id_odd) * row_len + col), *vb)
-            else:
-                red_add_v4_f32(dst + (Int64(id_odd) * row_len + col), *vb)
+            red(dst + (Int64(id_odd) * row_len + col), *vb)
 
 
 @cute.jit

@@ -1,7 +1,7 @@
 """Single PTX instructions that CuTe-DSL 4.8 does not expose, as `dsl_user_op`s: an L2 cache policy and the
 cp.async and 16-byte store that carry it (cp_async_shared_global has no cache hint), a bf16 / fp16 pair pack, the
-16-byte FP32 atomic add (also with an L2 evict_last policy) and streaming store (red / st .global.v4.f32), and the release / acquire / sleep
-instructions of the grid barrier. Any thread may call any of them; none waits on a barrier.
+16-byte FP32 atomic add (also with an L2 evict_last policy) and streaming store (red / st .global.v4.f32), and the
+release / acquire / sleep instructions of the grid barrier. Any thread may call any of them; none waits on a barrier.
 """
 
 import cutlass.cute as cute

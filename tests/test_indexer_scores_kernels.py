@@ -49,17 +49,18 @@ def test_templates_render():
 
 
 def test_dense_score_kernel_abi():
-    """dense_scores adds q_off (int32 pointer) and has_off after the lightning indexer's params, and the slab's
-    declared alignment drops to 4 bytes (rows of the caller's matrix); everything else is the default kernel's."""
+    """dense_scores adds q_off (int32 pointer), has_off and fill (the filler warp's switch) after the lightning
+    indexer's params, and the slab's declared alignment drops to 4 bytes (rows of the caller's matrix); everything
+    else is the default kernel's."""
     from dsagen.kernels.lightning_indexer import score_sm90
 
     _, _, params, host_args, launch = score_sm90.build(64, 128, "bfloat16", 4, True)
     _, _, base, base_host, base_launch = score_sm90.build(64, 128, "bfloat16", 4)
-    assert params[-2:] == [{"name": "q_off", "kind": "ptr", "dtype": "int32", "align": 4},
-                           {"name": "has_off", "kind": "i32"}]
+    assert params[-3:] == [{"name": "q_off", "kind": "ptr", "dtype": "int32", "align": 4},
+                           {"name": "has_off", "kind": "i32"}, {"name": "fill", "kind": "i32"}]
     slab = next(p for p in params if p["name"] == "slab")
     assert slab["align"] == 4 and next(p for p in base if p["name"] == "slab")["align"] == 16
-    assert [p for p in params[:-2] if p["name"] != "slab"] == [p for p in base if p["name"] != "slab"]
+    assert [p for p in params[:-3] if p["name"] != "slab"] == [p for p in base if p["name"] != "slab"]
     assert host_args[8:] == params[2:] and base_host[8:] == base[2:]
     assert launch == base_launch
 
@@ -69,7 +70,8 @@ def test_mask_kernel_abi():
 
     built = mask_lse_sm90.build(256)
     assert [p["name"] for p in built.params] == ["out", "lse", "cu_q", "cu_k", "q_off", "n_docs", "T", "S", "rows",
-                                                 "width", "ratio", "has_off", "want_lse", "n_ctas", "ld"]
+                                                 "width", "ratio", "has_off", "want_lse", "fill", "n_ctas",
+                                                 "ld"]
     assert built.launch["grid"] == ["min(rows, n_ctas)", 1, 1] and built.launch["block"] == [256, 1, 1]
     assert built.params[0]["align"] == 4 and built.params[1]["align"] == 4
 

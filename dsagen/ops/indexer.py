@@ -226,8 +226,8 @@ def indexer_scores(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: to
     cu_seqlens_q only locates the rows; q_causal_offsets still places them on the causal timeline.
 
     impl="fused" (sm_90a): the lightning indexer's wgmma score kernel (its dense_scores form) writes each row's
-    valid columns straight into the output, then one pass writes -inf to the masked columns and, with the LSE,
-    reads the valid ones back (notes/kernels/indexer.md, "indexer_scores"). Limits (ValueError otherwise):
+    valid columns straight into the output and, from one otherwise idle warp, -inf to the masked ones; with the
+    LSE one more pass reads the valid columns back (notes/kernels/indexer.md, "indexer_scores"). Limits (ValueError otherwise):
     bf16 / fp16 q_indexer and k_indexer, weights of the same dtype, H in (8, 16, 32, 64, 128), D in (64, 128),
     S_q and S_k (THD: total_q and total_k) <= 2**20, q / k readable by TMA (stride 1 in the last dim, 16-byte
     aligned base and outer strides). BSHD calls read nothing on the host and allocate only the outputs the caller

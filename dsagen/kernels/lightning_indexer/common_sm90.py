@@ -1,8 +1,10 @@
 """Device code shared by the lightning-indexer score and top-k kernels and the indexer_scores finishing kernel
-(sm_90a): a query token's candidate rows."""
+(sm_90a): a query token's candidate rows, and the -inf tail of a dense score row."""
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Uint32
+from cutlass import Float32, Int32, Uint32
+
+from dsagen.kernels.common.sm90.ptx import st_global_v4_f32
 
 
 @cute.jit
@@ -75,3 +77,23 @@ def row_bounds(p_cu_q: cute.Pointer, p_cu_k: cute.Pointer, n_docs: Int32, t: Int
                 lo = cutlass.max(cutlass.min(lo, S), Int32(0))
                 hi = cutlass.max(cutlass.min(lo + count, S), lo)
     return lo, hi
+
+
+@cute.jit
+def fill_tail(p_row: cute.Pointer, n: Int32, width: Int32, tidx: Int32, threads: cutlass.Constexpr):
+    """p_row[j] = -inf for n <= j < width: the masked tail of a dense score row whose first n columns are valid.
+    p_row need only be 4-byte aligned: the up to 3 columns before the first 16-byte boundary and the up to 3 after
+    the last are single fp32 stores, the rest 16-byte streaming stores (st.global.cs.v4: a quarter of the store
+    instructions, which matters when one warp fills beside a kernel's consumers), chunk i by thread i % threads."""
+    if n < width:
+        mis = Int32((p_row + n).toint() % 16) // 4                 # columns past the previous 16-byte boundary
+        head = cutlass.min((4 - mis) % 4, width - n)
+        if tidx < head:
+            (p_row + (n + tidx)).store(-Float32.inf)
+        j0 = n + head
+        nv = (width - j0) // 4
+        for v in cutlass.range(tidx, nv, threads, unroll=2):
+            st_global_v4_f32(p_row + (j0 + 4 * v), -Float32.inf, -Float32.inf, -Float32.inf, -Float32.inf)
+        rest = width - j0 - 4 * nv
+        if tidx < rest:
+            (p_row + (j0 + 4 * nv + tidx)).store(-Float32.inf)

@@ -149,7 +149,7 @@ def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, top_k: int, rat
         topk_k = kernels.topk_for(longest, nblk * qc, num_sms)
         kernels.score.launch(qv, kv, w3, slab, *score_tail, blk0, nblk, config.chunk_rows, n_chunks,
                              score_ctas(nblk * n_chunks, num_sms), 1, ratio, w_sb, w_st, w_sh, ld, 1.0, q_off,
-                             has_off, *extra)
+                             has_off, 0, *extra)            # fill 0: the top-k reads only the valid columns
         topk_k.launch(slab, ids, logits, cu_q, cu_k, q_off, n_docs, t_count, s_count, n_tblk, blk0, qc, nblk * qc,
                       top_k, ratio, has_off, ld)
     kernels.softmax.launch(logits, ids, logits if softmax is None else softmax, logits if lse is None else lse,

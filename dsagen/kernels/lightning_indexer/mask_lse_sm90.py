@@ -5,20 +5,24 @@ The dense_scores score kernel (score_sm90) writes only each row's valid columns:
 of the row's bounds (row_bounds with the causal offsets). This kernel, run after it on the same stream, completes
 every row r of the [rows, width] fp32 score matrix (row stride ld):
 
-    out[r, j] = -inf                                  for n_r <= j < width
+    out[r, j] = -inf                                  for n_r <= j < width (only when fill != 0)
     lse[r]    = log(sum_{j < n_r} exp(out[r, j]))     (-inf when n_r == 0; only when want_lse != 0)
+
+The score kernel fills the tails itself when its `fill` parameter is set (score_sm90's filler warp); this pass then
+runs only for the LSE, with fill = 0.
 
 Row r is query t = r % T of batch element b = r // T (BSHD; packed THD: B = 1, the row's document found by
 row_bounds' binary search over cu_q). The row's valid columns and its -inf tail are disjoint from what the other
 rows touch, so the kernel needs no ordering but the stream's.
 
-Persistent: min(rows, n_ctas) CTAs of `threads` threads, CTA i takes rows i, i + n_ctas, ... Per row every thread
-stores -inf to the tail columns j = n_r + tid, n_r + tid + threads, ... (coalesced fp32 stores; the base may be only
-4-byte aligned), and with want_lse reads the valid columns UNROLL per step (independent loads in flight), keeping an
-online (max, sum of exp2) in the log2 domain; the warps' partial statistics merge by butterfly shuffles, then across
-warps through shared memory (merge_softmax_stats), and thread 0 writes lse[r] = (max + log2(sum)) * ln 2.
+Persistent: min(rows, n_ctas) CTAs of `threads` threads, CTA i takes rows i, i + n_ctas, ... Per row (fill != 0)
+every thread stores -inf to the tail columns j = n_r + tid, n_r + tid + threads, ... (common_sm90.fill_tail:
+coalesced fp32 stores; the base may be only 4-byte aligned), and with want_lse reads the valid columns UNROLL per
+step (independent loads in flight), keeping an online (max, sum of exp2) in the log2 domain; the warps' partial
+statistics merge by butterfly shuffles, then across warps through shared memory (merge_softmax_stats), and thread 0
+writes lse[r] = (max + log2(sum)) * ln 2.
 
-Bytes: per row 4 (width - n_r) written and, with want_lse, 4 n_r read: one pass over the output matrix.
+Bytes: per row 4 (width - n_r) written (fill) and, with want_lse, 4 n_r read: at most one pass over the output.
 """
 import math
 
@@ -30,7 +34,7 @@ from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.cta import cta_coords
 from dsagen.kernels.common.sm90.reduce import warp_allreduce_pair
 from dsagen.kernels.common.sm90.softmax import merge_softmax_stats
-from dsagen.kernels.lightning_indexer.common_sm90 import row_bounds
+from dsagen.kernels.lightning_indexer.common_sm90 import fill_tail, row_bounds
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -50,16 +54,10 @@ PARAMS = [
     {"name": "ratio", "kind": "i32"},
     {"name": "has_off", "kind": "i32"},
     {"name": "want_lse", "kind": "i32"},
+    {"name": "fill", "kind": "i32"},                                     # 0: the tails are already -inf
     {"name": "n_ctas", "kind": "i32"},
     {"name": "ld", "kind": "i64"},
 ]
-
-
-@cute.jit
-def fill_tail(p_row: cute.Pointer, n: Int32, width: Int32, tidx: Int32, threads: cutlass.Constexpr):
-    """p_row[j] = -inf for n <= j < width, column n + tidx + i * threads by this thread."""
-    for j in cutlass.range(n + tidx, width, threads, unroll=1):
-        (p_row + j).store(-Float32.inf)
 
 
 @cute.jit
@@ -110,7 +108,7 @@ def build(threads: int) -> BuiltKernel:
     @cute.kernel
     def kernel(p_out: cute.Pointer, p_lse: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
                p_off: cute.Pointer, n_docs: Int32, T: Int32, S: Int32, rows: Int32, width: Int32, ratio: Int32,
-               has_off: Int32, want_lse: Int32, n_ctas: Int32, ld: Int64):
+               has_off: Int32, want_lse: Int32, fill: Int32, n_ctas: Int32, ld: Int64):
         c = cta_coords()
         lane = cute.arch.lane_idx()
         st = cutlass.memory.SmemAllocator().allocate(Smem)
@@ -122,7 +120,8 @@ def build(threads: int) -> BuiltKernel:
             lo, hi = row_bounds(p_cu_q, p_cu_k, n_docs, t, T, S, Int32(1), ratio, p_off, has_off, b)
             n = cutlass.max(hi - lo, Int32(0))
             p_row = p_out + Int64(r) * ld
-            fill_tail(p_row, n, width, c.tidx, THREADS)
+            if fill != 0:
+                fill_tail(p_row, n, width, c.tidx, THREADS)
             if want_lse != 0:
                 m, s = thread_stats(p_row, n, c.tidx, THREADS)
                 m, s = warp_merge(m, s)
@@ -147,9 +146,10 @@ def build(threads: int) -> BuiltKernel:
     @cute.jit
     def host(p_out: cute.Pointer, p_lse: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
              p_off: cute.Pointer, n_docs: Int32, T: Int32, S: Int32, rows: Int32, width: Int32, ratio: Int32,
-             has_off: Int32, want_lse: Int32, n_ctas: Int32, ld: Int64):
-        kernel(p_out, p_lse, p_cu_q, p_cu_k, p_off, n_docs, T, S, rows, width, ratio, has_off, want_lse, n_ctas,
-               ld).launch(grid=(cutlass.min(rows, n_ctas), 1, 1), block=(THREADS, 1, 1), smem=Smem.size_in_bytes())
+             has_off: Int32, want_lse: Int32, fill: Int32, n_ctas: Int32, ld: Int64):
+        kernel(p_out, p_lse, p_cu_q, p_cu_k, p_off, n_docs, T, S, rows, width, ratio, has_off, want_lse, fill,
+               n_ctas, ld).launch(grid=(cutlass.min(rows, n_ctas), 1, 1), block=(THREADS, 1, 1),
+                                  smem=Smem.size_in_bytes())
 
     K.kernel = kernel
     K.host = host

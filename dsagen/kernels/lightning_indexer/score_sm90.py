@@ -18,8 +18,11 @@ one warpgroup's MMA while the others run their ReLU x weight + head-sum epilogue
 
 The dense_scores form (IndexerScoreSpec.dense_scores, dsagen.indexer_scores) is the same kernel with per-segment
 causal offsets in the row bounds (row_bounds' p_off: row r of segment g may select s < (q_off[g] + t + 1) // ratio)
-and the caller's [rows, S_k] score matrix as the slab; the host passes scale 1 and fills what the kernel leaves
-unwritten (mask_lse_sm90).
+and the caller's [rows, S_k] score matrix as the slab (ld_slab = its width); the host passes scale 1. With
+fill = 1 (indexer_scores) the producer warpgroup's otherwise idle warp 2 writes -inf past each of the launch's rows'
+valid columns while the consumers compute (row rr of the slab by CTA rr % n_ctas; common_sm90.fill_tail), so the
+masked half of a causal score matrix costs no pass of its own; fill = 0 (indexer_forward_topk's slabs, whose top-k
+reads only the valid columns) leaves them. The LSE, when asked, is mask_lse_sm90's pass after it.
 
 The FP8 form (E4M3 q / k with fp32 descales, dense_scores, D = 128) issues QGMMA k32 steps and does the weighted
 head sum on the tensor cores as well (build's docstring): with the MMA half as long as in bf16, the CUDA-core
@@ -40,7 +43,7 @@ from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
 from dsagen.kernels.common.sm90.mma import gemm_tile, wgmma_tile
 from dsagen.kernels.common.sm90.ring import ring_wait_free
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
-from dsagen.kernels.lightning_indexer.common_sm90 import row_bounds
+from dsagen.kernels.lightning_indexer.common_sm90 import fill_tail, row_bounds
 
 BN = 128                      # wgmma N: QC tokens x H heads
 NQ = 1                        # Q tiles per work item (the consumer warpgroups take alternate K tiles)
@@ -154,6 +157,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
         PARAMS += [
             {"name": "q_off", "kind": "ptr", "dtype": "int32", "align": 4},      # [n_segments] causal offsets
             {"name": "has_off", "kind": "i32"},                                  # 0: q_off is not read
+            {"name": "fill", "kind": "i32"},                                     # 1: -inf past each row's valid columns
         ]
     if FP8:
         PARAMS += fp8_params()
@@ -191,11 +195,11 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
     def body(q_tma, k_tma, p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
              n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32, chunk: Int32,
              n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64, w_sh: Int64,
-             ld_slab: Int64, scale: Float32, p_off, has_off, p_w32, w_f32, p_qs, qs_sb, qs_st, qs_sh, p_ks, ks_sb,
-             ks_ss):
-        """The kernel (all forms): q_tma / k_tma are the tensormaps' addresses; p_off / has_off the causal offsets
-        (None at trace time: the lightning indexer's kernel); p_w32 .. ks_ss the FP8 form's fp8_params (None
-        otherwise)."""
+             ld_slab: Int64, scale: Float32, p_off, has_off, fill, p_w32, w_f32, p_qs, qs_sb, qs_st, qs_sh, p_ks,
+             ks_sb, ks_ss):
+        """The kernel (all forms): q_tma / k_tma are the tensormaps' addresses; p_off / has_off / fill the causal
+        offsets and the tail fill (None at trace time: the lightning indexer's kernel); p_w32 .. ks_ss the FP8 form's
+        fp8_params (None otherwise)."""
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -313,6 +317,20 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                 if cutlass.const_expr(FP8):
                     cute.arch.cp_async_mbarrier_arrive_noinc(info_full + slot)   # (no copies: arrives at once)
                 cute.arch.mbarrier_arrive(info_full + slot)
+            if cutlass.const_expr(dense_scores):
+                if warp == 2:
+                    if fill != 0:
+                        # filler: -inf past the valid columns of the slab's rows rr = bid, bid + n_ctas, ... (rows of
+                        # tokens past T, in a partial last block, belong to no query and are left alone)
+                        width = Int32(ld_slab)
+                        for rr in cutlass.range(bid, nblk * ITEM_TOK, n_ctas, unroll=1):
+                            bx = rr // ITEM_TOK
+                            blk = blk0 + bx
+                            b = blk // n_tblk
+                            t = (blk - b * n_tblk) * ITEM_TOK + (rr - bx * ITEM_TOK)
+                            if t < T:
+                                lo, hi = row_bounds(p_cu_q, p_cu_k, n_docs, t, T, S, causal, ratio, p_off, has_off, b)
+                                fill_tail(p_slab + Int64(rr) * ld_slab, cutlass.max(hi - lo, Int32(0)), width, lane, 32)
             if warp == 0:
                 # TMA: per published item its Q tile (one of 2 buffers), then its K tiles through the ring. Only lane 0
                 # reads the header (hdr_word: a shuffle gives the other lanes its value): lane 0's own arrivals on
@@ -469,11 +487,11 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                    p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
                    n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32, chunk: Int32,
                    n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64,
-                   w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32,
+                   w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32, fill: Int32,
                    p_w32: cute.Pointer, w_f32: Int32, p_qs: cute.Pointer, qs_sb: Int64, qs_st: Int64, qs_sh: Int64,
                    p_ks: cute.Pointer, ks_sb: Int64, ks_ss: Int64):
             body(q_map.get_ptr(), k_map.get_ptr(), p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk,
-                 chunk, n_chunks, n_ctas, causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off,
+                 chunk, n_chunks, n_ctas, causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off, fill,
                  p_w32, w_f32, p_qs, qs_sb, qs_st, qs_sh, p_ks, ks_sb, ks_ss)
     elif dense_scores:
         @cute.kernel
@@ -481,9 +499,9 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                    p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
                    n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32, chunk: Int32,
                    n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64,
-                   w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32):
+                   w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32, fill: Int32):
             body(q_map.get_ptr(), k_map.get_ptr(), p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk,
-                 chunk, n_chunks, n_ctas, causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off,
+                 chunk, n_chunks, n_ctas, causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off, fill,
                  None, None, None, None, None, None, None, None, None)
     else:
         @cute.kernel
@@ -493,7 +511,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                    n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64,
                    w_sh: Int64, ld_slab: Int64, scale: Float32):
             body(q_map.get_ptr(), k_map.get_ptr(), p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk,
-                 chunk, n_chunks, n_ctas, causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, None, None,
+                 chunk, n_chunks, n_ctas, causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, None, None, None,
                  None, None, None, None, None, None, None, None, None)
 
     MAP_DT = cutlass.Uint8 if FP8 else DT
@@ -518,12 +536,13 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                  p_cu_k: cute.Pointer, n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32,
                  chunk: Int32, n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64,
                  w_st: Int64, w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32,
+                 fill: Int32,
                  p_w32: cute.Pointer, w_f32: Int32, p_qs: cute.Pointer, qs_sb: Int64, qs_st: Int64, qs_sh: Int64,
                  p_ks: cute.Pointer, ks_sb: Int64, ks_ss: Int64):
             tq, tk = tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, S)
             kernel(tq, tk, p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk, chunk, n_chunks, n_ctas,
-                   causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off, p_w32, w_f32, p_qs, qs_sb,
-                   qs_st, qs_sh, p_ks, ks_sb, ks_ss).launch(
+                   causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off, fill, p_w32, w_f32, p_qs,
+                   qs_sb, qs_st, qs_sh, p_ks, ks_sb, ks_ss).launch(
                 grid=(n_ctas, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
     elif dense_scores:
         @cute.jit
@@ -531,10 +550,11 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                  k_ss: Int64, k_sb: Int64, p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer,
                  p_cu_k: cute.Pointer, n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32,
                  chunk: Int32, n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64,
-                 w_st: Int64, w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32):
+                 w_st: Int64, w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32,
+                 fill: Int32):
             tq, tk = tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, S)
             kernel(tq, tk, p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk, chunk, n_chunks, n_ctas,
-                   causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off).launch(
+                   causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off, fill).launch(
                 grid=(n_ctas, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
     else:
         @cute.jit

@@ -13,11 +13,11 @@ How a call runs (notes/kernels/indexer.md, "indexer_scores"):
     per batch element to keep the row mapping linear.
   * The kernel writes out[r, s - lo_r] = sum_h w * relu(q . k) (scale 1) for lo_r <= s < hi_r, the row's bounds
     with the ratio-causal limit (q_causal_offsets[seg] + t + 1) // ratio clamped to the segment's keys
-    (row_bounds). Then the finishing kernel (mask_lse_sm90) writes -inf to columns hi_r - lo_r .. width - 1 and
-    lse[r] over columns 0 .. hi_r - lo_r - 1 (-inf for none).
-  * Bytes: the scores of the valid columns are written once by the score kernel; the finishing pass writes the
-    masked ones and, for the LSE, reads the valid ones back: output traffic 4 * rows * width written plus
-    4 * (valid entries) read with the LSE. No workspace: besides the caller's (or the op's) out / lse buffers only
+    (row_bounds), and its filler warp writes -inf to columns hi_r - lo_r .. width - 1 (ScoresConfig.score_fills).
+    With the LSE, the finishing kernel (mask_lse_sm90) then writes lse[r] over columns 0 .. hi_r - lo_r - 1 (-inf
+    for none); without it, the score launches are the whole op.
+  * Bytes: every output entry is written once, by the score kernel; the LSE reads the valid ones back: output
+    traffic 4 * rows * width written plus 4 * (valid entries) read with the LSE. No workspace: besides the caller's (or the op's) out / lse buffers only
     a 16-byte dummy offsets tensor per device (made at the first call).
   * Everything a launch needs is a Python int from shapes: no host reads of device values in BSHD, so the op runs
     under torch.compile (a custom op that mutates out / lse, with a fake impl) and inside CUDA-graph capture once
@@ -30,7 +30,7 @@ import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_index, device_sm_count
-from .host import _check_layout, _tma_view, dummy_offsets, loaded_kernels, score_ctas
+from .host import _check_layout, _tma_view, dummy_offsets, eager, loaded_kernels, score_ctas
 from .spec import (INDEXER_FP8_HEADS, INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, ScoresConfig, scores_config_for,
                    tokens_per_cta)
 
@@ -83,17 +83,6 @@ def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype, confi
     NotImplementedError off sm_90a, ValueError for a config of another H, D or dtype."""
     return loaded_kernels(_kernels, _OP, device, h, d, dtype, _TORCH_DTYPE_NAMES[dtype], config, scores_config_for,
                           lambda cfg, index: (cfg, get_kernel(cfg.score, index), get_kernel(cfg.mask, index)))
-
-
-def eager(t: torch.Tensor) -> bool:
-    """Whether a call on `t` may run the host loop directly instead of through its torch.library custom op: a real
-    tensor outside torch.compile / export tracing. The custom op's eager dispatch layers (autograd, ADInplaceOrView and
-    the backend wrapper's checks of the mutated outputs) cost ~0.1 ms of host time per call on the H200's host
-    (2026-12-03: indexer_forward_topk at T 4096 0.590 ms through the op, 0.467 ms calling the host loop), time an
-    isolated call's GPU waits for; the results are the same tensors either way."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return not torch.compiler.is_compiling() and not isinstance(t, FakeTensor) and t.device.type == "cuda"
 
 
 def launch_ranges(batch: int, seqlen_q: int, qc: int, blocks_per_launch: int) -> list[tuple[int, int, int]]:
@@ -178,9 +167,10 @@ def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int, q_c
     for blk0, nblk, row0 in launch_ranges(b, t_count, qc, max(1, config.launch_rows // qc)):
         score_k.launch(qv, kv, w3, flat[row0 * width:], cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
                        config.chunk_rows, n_chunks, score_ctas(nblk * n_chunks, num_sms), 1, ratio, w_sb, w_st, w_sh,
-                       width, scale, q_off, has_off, *extra)
-    mask_k.launch(out, lse if want_lse else out, cu_q, cu_k, q_off, n_docs, t_count, s_count, rows, width, ratio,
-                  has_off, int(want_lse), num_sms * config.mask_ctas_per_sm, width)
+                       width, scale, q_off, has_off, int(config.score_fills), *extra)
+    if want_lse or not config.score_fills:
+        mask_k.launch(out, lse if want_lse else out, cu_q, cu_k, q_off, n_docs, t_count, s_count, rows, width, ratio,
+                      has_off, int(want_lse), int(not config.score_fills), num_sms * config.mask_ctas_per_sm, width)
 
 
 @torch.library.custom_op("dsagen::indexer_scores_fused", mutates_args=("out", "lse"))

@@ -229,13 +229,16 @@ class ScoresConfig:
     score: the dense_scores score kernel.  mask: the finishing kernel.  chunk_rows: candidates per score work item.
     launch_rows: query rows per score launch (a multiple of the token block; a launch's Q tiles stay in L2 while
     its CTAs stream each K chunk, as the lightning indexer's 1024-row slabs do).  mask_ctas_per_sm: the finishing
-    kernel's persistent CTAs per SM."""
+    kernel's persistent CTAs per SM.  score_fills: the score kernel writes the -inf tails (its filler warp, under the
+    consumers' MMA) and the finishing kernel runs only for the LSE; False: the finishing kernel writes them (its own
+    pass over the masked half of the matrix)."""
 
     score: IndexerScoreSpec
     mask: IndexerScoresMaskSpec
     chunk_rows: int
     launch_rows: int
     mask_ctas_per_sm: int
+    score_fills: bool = True
 
     def specs(self) -> tuple[KernelSpec, ...]:
         """The kernels a call runs: the score kernel, then the finishing kernel."""
@@ -250,7 +253,9 @@ def scores_config_for(num_heads: int, head_dim: int, dtype: str, arch: str) -> S
     Launch rows, same process on the H200 (2026-12-03, H 64, +lse, bench/indexer_forward.py --scores-variant): 1024 /
     8192 / 16384 / 32768 rows: T 4096 0.482 / 0.321 / 0.320 / 0.318 ms, T 8192 1.049 / 0.933 / 0.944 / 0.937, T 32768
     15.12 / 14.56 / 14.35 / 14.87 (and 14.49 against 13.95 for 1024 / 8192 in another run); work items of 1024
-    candidates were slower (T 32768 16.10 against 14.49)."""
+    candidates were slower (T 32768 16.10 against 14.49). The score kernel writes the -inf tails (score_fills):
+    same process, scores without the LSE, T 8192 / 32768, BF16 0.847 / 13.57 ms against 0.872 / 14.40 with the
+    finishing kernel's pass, FP8 0.637 / 10.56 against 0.670 / 11.21."""
     score = IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype, stages=4,
                              dense_scores=True)
     return ScoresConfig(score=score, mask=IndexerScoresMaskSpec(arch=arch, threads=256), chunk_rows=4096,

@@ -4,7 +4,8 @@
 
 Compares, in one process: a near-empty torch op, the raw cuLaunchKernel of a prepacked kernel, the
 generated launcher (LoadedKernel.launch), and the public ops dsagen.local_to_global / compactify
-(validation + output allocation + launch) and dsagen.sparse_attention on a tiny call. Each figure: host enqueue microseconds per call, the median
+(validation + output allocation + launch), dsagen.sparse_attention and the indexer ops (lightning_indexer,
+indexer_scores bf16 / fp8, indexer_forward_topk) on a tiny call. Each figure: host enqueue microseconds per call, the median
 of 5 rounds of N calls. Then spawns fresh processes that import dsagen and make the first fused call
 (cache hit) and reports the time to first launch. Writes the numbers as JSON with --json.
 
@@ -142,6 +143,13 @@ def main() -> None:
     aids = torch.randperm(128, generator=gen)[:64].view(1, 64).int().to(dev)
     asink = torch.randn(128, generator=gen).to(dev)
     dsagen.sparse_attention(aq, akv, aids, attn_sink=asink, impl="fused")
+    # tiny indexer calls: 1 x 128 tokens, H 64, D 128, bf16 (FP8 for one row), top-k 64
+    iq = torch.randn((1, 128, 64, 128), generator=gen).bfloat16().to(dev)
+    ik = torch.randn((1, 128, 128), generator=gen).bfloat16().to(dev)
+    iw = torch.randn((1, 128, 64), generator=gen).bfloat16().to(dev)
+    iq8, ik8 = iq.to(torch.float8_e4m3fn), ik.to(torch.float8_e4m3fn)
+    iqs, iks = torch.ones((1, 128, 64), device=dev), torch.ones((1, 128), device=dev)
+    iout = torch.empty((1, 128, 128), device=dev)
     cu_stream = cu.CUstream(stream)
     libcuda = ctypes.CDLL("libcuda.so.1")
     raw = libcuda.cuLaunchKernel
@@ -162,6 +170,14 @@ def main() -> None:
             lambda: dsagen.compactify(ids2d, impl="fused"),
         "dsagen.sparse_attention(impl='fused'), 1 row x H128 x top-k 64 (validate + custom op + 3 allocs + launch)":
             lambda: dsagen.sparse_attention(aq, akv, aids, attn_sink=asink, impl="fused"),
+        "dsagen.lightning_indexer(causal=True), 128 tokens x H64 x top-k 64 (score + top-k launches)":
+            lambda: dsagen.lightning_indexer(iq, ik, iw, 64, causal=True),
+        "dsagen.indexer_scores, 128 tokens x H64 (allocates out)": lambda: dsagen.indexer_scores(iq, ik, iw),
+        "dsagen.indexer_scores(out=)": lambda: dsagen.indexer_scores(iq, ik, iw, out=iout),
+        "dsagen.indexer_scores(precision='fp8', out=)":
+            lambda: dsagen.indexer_scores(iq8, ik8, iw, precision="fp8", q_scale=iqs, k_scale=iks, out=iout),
+        "dsagen.indexer_forward_topk, top-k 64 (score, top-k, softmax launches; 4 outputs)":
+            lambda: dsagen.indexer_forward_topk(iq, ik, iw, 64),
     }
     results = {name: round(per_call_us(fn, args.calls), 2) for name, fn in rows.items()}
     # CUDA-graph replay: 100 op calls captured once; replay cost per captured call

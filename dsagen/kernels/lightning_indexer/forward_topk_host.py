@@ -16,7 +16,7 @@ How a call runs (notes/kernels/indexer.md, "indexer_forward_topk"):
   * Scratch: the slab only, bounded by the config and independent of S_q and B (reported by `scratch_bytes`), plus
     a 16-byte dummy offsets tensor per device.
   * BSHD calls read nothing on the host: under torch.compile the call is a custom op with a fake impl (eager calls
-    skip its dispatch layers, `scores_host.eager`); it is capturable in a CUDA graph once its kernels are loaded. THD calls need max_seqlen_k, which the public op reads
+    skip its dispatch layers, `host.eager`); it is capturable in a CUDA graph once its kernels are loaded. THD calls need max_seqlen_k, which the public op reads
     from cu_seqlens on the host.
 """
 

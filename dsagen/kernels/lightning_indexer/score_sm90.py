@@ -100,13 +100,17 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
     row's sum by k_scale, which equals the un-factored sum_h w * relu(q_scale * k_scale * q8 . k8) for positive
     descales up to the bf16 rounding of ReLU(S) and of the weights (FP32 accumulation). Work items take at most
     FP8_KSCALE_ROWS candidates.
-    consumers: consumer warpgroups taking the K tiles in turn: 3 (setmaxnreg 152), or 4 at 112 registers (FP8 form
+    consumers: consumer warpgroups taking the K tiles in turn: 3 (setmaxnreg 152), or 4 at 104 registers (FP8 form
     only, whose tensor-core head sum needs fewer registers): 640 threads."""
     FP8 = dtype == "float8_e4m3fn"
     NC = consumers                # consumer warpgroups taking the tiles in turn: 3, or 4 (FP8 form)
     assert NC == 3 or (NC == 4 and FP8), "4 consumer warpgroups fit the registers of the FP8 form only"
     NTHREADS = 128 * (1 + NC)
-    REGS_C = 152 if NC == 3 else 112   # setmaxnreg of a consumer: 40 + NC * REGS_C <= 65536 / 128 = 512
+    # setmaxnreg moves registers within the CTA's pool (USETMAXREG.*.CTAPOOL), which holds what the launch gave every
+    # thread: 65536 / NTHREADS rounded down to 8. A consumer's count must keep 128 * (40 + NC * REGS_C) inside it, or
+    # its increase waits forever: 3 consumers: 512 x 128 -> 152; 4: 640 x 96 = 61440 -> 104 (112 hung the kernel).
+    REGS_LAUNCH = 65536 // NTHREADS // 8 * 8
+    REGS_C = min(152, (REGS_LAUNCH * NTHREADS // 128 - 40) // NC // 8 * 8)
     DT = cutlass.Float8E4M3FN if FP8 else (cutlass.BFloat16 if dtype == "bfloat16" else cutlass.Float16)
     ELEM = 1 if FP8 else 2        # bytes per q / k element
     BOXC = 128 // ELEM            # columns per 128-byte swizzled TMA box

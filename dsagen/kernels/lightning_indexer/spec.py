@@ -67,7 +67,7 @@ class IndexerScoreSpec(KernelSpec):
     the tensor cores (bf16 ReLU(S) times bf16 weights, FP32 accumulation) and its work items take at most
     FP8_MAX_CHUNK_ROWS candidates.
     stages: K buffering in 128-row units.
-    consumers: consumer warpgroups taking the K tiles in turn: 3, or 4 (FP8 only: 640 threads, 112 registers each).
+    consumers: consumer warpgroups taking the K tiles in turn: 3, or 4 (FP8 only: 640 threads, 104 registers each).
     dense_scores: the dsagen.indexer_scores form: the causal limit takes per-segment q_causal_offsets (two more
     params: an int32 pointer and a has-offsets flag) and the slab is the caller's [rows, S_k] score matrix (4-byte
     aligned base). False (the lightning indexer's kernel) generates exactly the code it had before the field.

@@ -30,7 +30,9 @@ from dsagen.kernels.lightning_indexer.spec import config_for as indexer_config
 from dsagen.kernels.lightning_indexer.spec import forward_topk_config_for, scores_config_for
 from dsagen.kernels.sparse_mla.spec import SparseAttnFwdConfig, config_for
 from dsagen.kernels.attn_score_recompute import host as rc_host
+from dsagen.kernels.attn_score_recompute import dense_host as drc_host
 from dsagen.kernels.attn_score_recompute.spec import config_for as rc_config_for
+from dsagen.kernels.attn_score_recompute.spec import dense_config_for as drc_config_for
 from dsagen.kernels.indexer_bwd import host as ib_host
 from dsagen.kernels.indexer_bwd.spec import IndexerBwdConfig
 from dsagen.kernels.indexer_bwd.spec import config_for as ib_config_for
@@ -60,7 +62,8 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     RowScatterAddSpec(arch=ARCH, width=w) for w in sorted({INDEXER_SHAPE[1], *(d for _, d in SPARSE_SHAPES)})] + [
     *scores_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).specs()] + [
     *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).specs(),
-    *forward_topk_config_for(*INDEXER_SHAPE, "float8_e4m3fn", ARCH).specs()]
+    *forward_topk_config_for(*INDEXER_SHAPE, "float8_e4m3fn", ARCH).specs()] + [
+    drc_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH) for h, d in SPARSE_SHAPES]
 FORWARD_TOPK_SPECS = forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs()
 
 gpu = pytest.mark.gpu
@@ -141,6 +144,28 @@ def test_attn_score_recompute(h, d_qk):
     want = dsagen.sparse_attn_score_recompute(*args, topk_length=tl[None], impl="reference")
     assert (got - want).abs().max().item() <= 1e-2 * max(want.abs().max().item(), 1e-6)
     assert (got[0, :2] == 0).all()                   # topk_length 0; row 1 without a valid id
+
+
+@gpu
+@pytest.mark.parametrize("h,d_qk", SPARSE_SHAPES, ids=[f"h{h}_d{d}" for h, d in SPARSE_SHAPES])
+def test_dense_attn_score_recompute(h, d_qk):
+    """The dense score recompute's kernel, 3 CTAs looping over 2 x 5 query rows, ratio 4, offsets that empty rows
+    (-9) and reach past the keys (400), unaligned row ends (S_k 131), against the reference."""
+    gen = torch.Generator().manual_seed(h + d_qk + 3)
+    q = (torch.randn((2, 5, h, d_qk), generator=gen) * 0.5).bfloat16().to(DEV)
+    k = (torch.randn((2, 131, d_qk), generator=gen) * 0.5).bfloat16().to(DEV)
+    lse = (torch.rand((2, 5, h), generator=gen) * 4 + 2).to(DEV)
+    off = torch.tensor([-9, 400], dtype=torch.int32, device=DEV)
+    scale = d_qk ** -0.5
+    op = drc_config_for(h, d_qk, "bfloat16", ARCH, None)             # the op's kernel on 3 CTAs
+    got, den = drc_host.dense_attn_score_recompute(q, k, lse, scale, ratio=4, q_causal_offsets=off,
+                                                   config=replace(op, grid=3))
+    want, want_den = dsagen.dense_attn_score_recompute(q, k, lse, scale, ratio=4, q_causal_offsets=off,
+                                                       impl="reference")
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    fin = ~torch.isneginf(want)
+    assert (got[fin] - want[fin]).abs().max().item() <= 1e-2 * max(want[fin].abs().max().item(), 1e-6)
+    assert (den - want_den).abs().max().item() <= 1e-2 * max(want_den.abs().max().item(), 1e-6)
 
 
 @gpu

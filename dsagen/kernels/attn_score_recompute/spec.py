@@ -52,6 +52,37 @@ class AttnScoreRecomputeSpec(KernelSpec):
         return out
 
 
+@register_spec
+@dataclass(frozen=True)
+class DenseAttnScoreRecomputeSpec(KernelSpec):
+    """Fused dense attention score recompute for Hopper (cuDNN frontend DSA §8; kernel:
+    attn_score_recompute/dense_sm90.py, bound by dense_sm90.py.j2): the sparse form's kernel with each query row's
+    visible keys (the ratio-causal limit with per-batch q_causal_offsets) as its consecutive tiles, the dense
+    [rows, S] output (-inf past the visible keys) and each row's denominator (the sum of its visible entries,
+    reduced in a fixed order). Fields as AttnScoreRecomputeSpec's (no prefetch_ids: the ids are computed);
+    budgets 96 / 200: the producer computes its ids and spilled 2 registers at the sparse form's 88 (CPU compile,
+    H 128 D 576).
+    """
+
+    op = "dense_attn_score_recompute"
+    template = "attn_score_recompute/dense_{arch}.py.j2"
+
+    num_heads: int = 128
+    d_qk: int = 576
+    dtype: str = "bfloat16"
+    regs_producer: int = 96
+    regs_consumer: int = 200
+
+    def reasons(self) -> list[str]:
+        out = super().reasons() + mla_shape_reasons("dense score recompute", self.arch, self.num_heads, self.d_qk)
+        if self.dtype not in ("bfloat16", "float16"):
+            out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
+        out.extend(register_budget_reasons({"regs_producer": self.regs_producer,
+                                            "regs_consumer (WG1)": self.regs_consumer,
+                                            "regs_consumer (WG2)": self.regs_consumer}))
+        return out
+
+
 @dataclass(frozen=True)
 class AttnScoreRecomputeConfig:
     """The launch choices of the fused score recompute: register budgets (spec fields) and the grid ("persistent",
@@ -83,3 +114,31 @@ def config_for(num_heads: int, d_qk: int, dtype, arch: str, num_sms: int | None)
     if num_heads == 64 and d_qk == 512:
         return AttnScoreRecomputeConfig(prefetch_ids=True)
     return AttnScoreRecomputeConfig()
+
+
+@dataclass(frozen=True)
+class DenseAttnScoreRecomputeConfig:
+    """The launch choices of the fused dense score recompute: register budgets (spec fields) and the grid
+    ("persistent", one CTA per SM, or an int n: at most n CTAs)."""
+
+    regs_producer: int = 96
+    regs_consumer: int = 200
+    grid: str | int = "persistent"
+
+    def __post_init__(self) -> None:
+        check_grid(self.grid, "DenseAttnScoreRecomputeConfig")
+
+    def spec(self, num_heads: int, d_qk: int, dtype, arch: str = "sm_90a") -> DenseAttnScoreRecomputeSpec:
+        """The kernel spec of this config for a kernel of `num_heads` (64 or 128) heads."""
+        return DenseAttnScoreRecomputeSpec(arch=arch, num_heads=num_heads, d_qk=d_qk, dtype=dtype_name(dtype),
+                                           regs_producer=self.regs_producer, regs_consumer=self.regs_consumer)
+
+    def n_ctas(self, num_sms: int) -> int:
+        """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(rows, n_ctas))."""
+        return grid_ctas(self.grid, num_sms)
+
+
+def dense_config_for(num_heads: int, d_qk: int, dtype, arch: str, num_sms: int | None
+                     ) -> DenseAttnScoreRecomputeConfig:
+    """The config the dense op runs (the sparse form's budgets; not yet measured on a GPU)."""
+    return DenseAttnScoreRecomputeConfig()

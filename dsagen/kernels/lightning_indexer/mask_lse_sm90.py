@@ -16,7 +16,7 @@ row_bounds' binary search over cu_q). The row's valid columns and its -inf tail 
 rows touch, so the kernel needs no ordering but the stream's.
 
 Persistent: min(rows, n_ctas) CTAs of `threads` threads, CTA i takes rows i, i + n_ctas, ... Per row (fill != 0)
-every thread stores -inf to the tail columns j = n_r + tid, n_r + tid + threads, ... (common_sm90.fill_tail:
+every thread stores -inf to the tail columns j = n_r + tid, n_r + tid + threads, ... (dense_rows.fill_tail:
 coalesced fp32 stores; the base may be only 4-byte aligned), and with want_lse reads the valid columns UNROLL per
 step (independent loads in flight), keeping an online (max, sum of exp2) in the log2 domain; the warps' partial
 statistics merge by butterfly shuffles, then across warps through shared memory (merge_softmax_stats), and thread 0
@@ -34,7 +34,8 @@ from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.cta import cta_coords
 from dsagen.kernels.common.sm90.reduce import warp_allreduce_pair
 from dsagen.kernels.common.sm90.softmax import merge_softmax_stats
-from dsagen.kernels.lightning_indexer.common_sm90 import fill_tail, row_bounds
+from dsagen.kernels.common.sm90.dense_rows import fill_tail
+from dsagen.kernels.lightning_indexer.common_sm90 import row_bounds
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)

@@ -20,7 +20,7 @@ The dense_scores form (IndexerScoreSpec.dense_scores, dsagen.indexer_scores) is 
 causal offsets in the row bounds (row_bounds' p_off: row r of segment g may select s < (q_off[g] + t + 1) // ratio)
 and the caller's [rows, S_k] score matrix as the slab (ld_slab = its width); the host passes scale 1. With
 fill = 1 (indexer_scores) the producer warpgroup's otherwise idle warp 2 writes -inf past each of the launch's rows'
-valid columns while the consumers compute (row rr of the slab by CTA rr % n_ctas; common_sm90.fill_tail), so the
+valid columns while the consumers compute (row rr of the slab by CTA rr % n_ctas; dense_rows.fill_tail), so the
 masked half of a causal score matrix costs no pass of its own; fill = 0 (indexer_forward_topk's slabs, whose top-k
 reads only the valid columns) leaves them. The LSE, when asked, is mask_lse_sm90's pass after it.
 
@@ -43,7 +43,8 @@ from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
 from dsagen.kernels.common.sm90.mma import gemm_tile, wgmma_tile
 from dsagen.kernels.common.sm90.ring import ring_wait_free
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
-from dsagen.kernels.lightning_indexer.common_sm90 import fill_tail, row_bounds
+from dsagen.kernels.common.sm90.dense_rows import fill_tail
+from dsagen.kernels.lightning_indexer.common_sm90 import row_bounds
 
 BN = 128                      # wgmma N: QC tokens x H heads
 NQ = 1                        # Q tiles per work item (the consumer warpgroups take alternate K tiles)

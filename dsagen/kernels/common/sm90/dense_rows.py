@@ -1,0 +1,56 @@
+"""Rows of a dense, ratio-causal score matrix (sm_90a device code): the column limit of a query row
+(`causal_count`: cuDNN frontend DSA's ratio-causal mask with per-segment offsets, in 32-bit arithmetic) and the
+masked tail of a row (`fill_tail`: -inf past the visible columns, 16-byte streaming stores). Used by the dense
+indexer scores (lightning_indexer) and the dense attention score recompute (attn_score_recompute).
+"""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32
+
+from dsagen.kernels.common.sm90.ptx import st_global_v4_f32
+
+
+@cute.jit
+def causal_count(p_off: cute.Pointer, has_off: Int32, seg: Int32, pos: Int32, count: Int32, ratio: Int32) -> Int32:
+    """min(count, max(0, (q_off[seg] + pos + 1) // ratio)): the ratio-causal column limit of the query at local
+    position pos >= 0 of batch element / document `seg`, whose query row 0 sits at global token q_off[seg] (0 when
+    has_off == 0; q_off is then never read). Exact for every int32 offset without 64-bit division (which ptxas
+    makes a subroutine call): a negative offset keeps the sum in int32; a non-negative one is split as
+    a * ratio + c, and (c + pos + 1) < 2**31 + 2**20 is divided as an unsigned 32-bit value."""
+    off = Int32(0)
+    if has_off != 0:
+        off = (p_off + seg).load()
+    n = Int32(0)
+    if off < 0:
+        lim = off + pos + 1                       # >= -2**31 + 1: pos + 1 <= 2**20 cannot wrap
+        if lim > 0:
+            n = cutlass.min(count, lim // ratio)
+    else:
+        a = off // ratio
+        if a >= count:
+            n = count
+        else:
+            c = off - a * ratio                   # in [0, ratio)
+            m = Uint32(c) + Uint32(pos + 1)
+            n = cutlass.min(count, a + Int32(m // Uint32(ratio)))
+    return n
+
+
+@cute.jit
+def fill_tail(p_row: cute.Pointer, n: Int32, width: Int32, tidx: Int32, threads: cutlass.Constexpr):
+    """p_row[j] = -inf for n <= j < width: the masked tail of a dense score row whose first n columns are valid.
+    p_row need only be 4-byte aligned: the up to 3 columns before the first 16-byte boundary and the up to 3 after
+    the last are single fp32 stores, the rest 16-byte streaming stores (st.global.cs.v4: a quarter of the store
+    instructions, which matters when one warp fills beside a kernel's consumers), chunk i by thread i % threads."""
+    if n < width:
+        mis = Int32((p_row + n).toint() % 16) // 4                 # columns past the previous 16-byte boundary
+        head = cutlass.min((4 - mis) % 4, width - n)
+        if tidx < head:
+            (p_row + (n + tidx)).store(-Float32.inf)
+        j0 = n + head
+        nv = (width - j0) // 4
+        for v in cutlass.range(tidx, nv, threads, unroll=2):
+            st_global_v4_f32(p_row + (j0 + 4 * v), -Float32.inf, -Float32.inf, -Float32.inf, -Float32.inf)
+        rest = width - j0 - 4 * nv
+        if tidx < rest:
+            (p_row + (j0 + 4 * nv + tidx)).store(-Float32.inf)

@@ -1,0 +1,99 @@
+"""GPU tests of the fused dense attention score recompute kernel (attn_score_recompute.dense_host, the sm_90a kernel
+of DenseAttnScoreRecomputeSpec) against the plain-PyTorch reference of dsagen.dense_attn_score_recompute in FP64 on
+the same bf16 / fp16 values: H 64 / 128 natively and 16 padded, D 512 / 576, odd lengths, ratio 1 and 4, causal
+offsets that empty rows or put them past the keys, B > 1, caller buffers, bitwise reruns.
+
+Build what these need first (CPU, with CuTe-DSL):
+    dsagen build --spec-file tests/gpu/required_specs.json
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dsagen
+from dsagen.kernels.attn_score_recompute import dense_host
+from dsagen.kernels.attn_score_recompute.spec import dense_config_for
+
+ARCH = "sm_90a"
+REQUIRED_SPECS = [dense_config_for(h, d, dt, ARCH, None).spec(h, d, dt, ARCH)
+                  for h, d, dt in [(64, 512, "bfloat16"), (64, 576, "bfloat16"), (128, 512, "bfloat16"),
+                                   (128, 576, "bfloat16"), (64, 576, "float16")]]
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def visible(s_q, s_k, ratio, off):
+    """[S_q, S_k] bool: key s visible from query t (s < clamp((off + t + 1) // ratio, 0, S_k))."""
+    t = torch.arange(s_q, dtype=torch.int64)
+    lim = torch.clamp(torch.div(off + t + 1, ratio, rounding_mode="floor"), 0, s_k)
+    return torch.arange(s_k)[None, :] < lim[:, None]
+
+
+def make_case(b, s_q, s_k, h, d, *, ratio=1, offsets=None, seed=0, dtype=torch.bfloat16):
+    """Random q / k and the true dense per-head LSE over each row's visible keys (FP64; -inf for none)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn((b, s_q, h, d), generator=gen) * 0.5).to(dtype)
+    k = (torch.randn((b, s_k, d), generator=gen) * 0.5).to(dtype)
+    scale = d ** -0.5
+    lse = torch.empty((b, s_q, h), dtype=torch.float64)
+    for i in range(b):
+        off = 0 if offsets is None else int(offsets[i])
+        sc = torch.einsum("thd,sd->ths", q[i].double(), k[i].double()) * scale
+        sc = sc.masked_fill(~visible(s_q, s_k, ratio, off)[:, None, :], -math.inf)
+        lse[i] = torch.logsumexp(sc, dim=-1)
+    off_t = None if offsets is None else torch.tensor(offsets, dtype=torch.int32, device=DEV)
+    return q.to(DEV), k.to(DEV), lse.float().to(DEV), scale, ratio, off_t
+
+
+def check(q, k, lse, scale, ratio, off, out=None, denom=None):
+    got, got_den = dense_host.dense_attn_score_recompute(q, k, lse, scale, ratio=ratio, q_causal_offsets=off,
+                                                         out=out, denom=denom)
+    want, want_den = dsagen.dense_attn_score_recompute(q.double(), k.double(), lse.double(), scale, ratio=ratio,
+                                                       q_causal_offsets=off, impl="reference")
+    assert got.shape == want.shape and got.dtype == torch.float32 and got_den.shape == want_den.shape
+    masked = torch.isneginf(want)
+    assert torch.equal(torch.isneginf(got), masked), "the -inf pattern differs from the mask"
+    assert torch.isfinite(got[~masked]).all()
+    err = (got.double() - want).masked_fill(masked, 0).abs().max().item() if got.numel() else 0.0
+    assert err <= 2e-3 * max(want.masked_fill(masked, 0).abs().max().item() if got.numel() else 0.0, 1e-6), err
+    den_err = (got_den.double() - want_den).abs()
+    assert (den_err <= 1e-3 * want_den.abs() + 1e-5).all(), den_err.max().item()
+    return got, got_den
+
+
+@pytest.mark.parametrize("h,d", [(64, 512), (64, 576), (128, 512), (128, 576)])
+def test_matches_reference(h, d):
+    check(*make_case(1, 301, 301, h, d, seed=h + d))
+
+
+@pytest.mark.parametrize("h", [64, 128])
+def test_ratio_offsets_batches(h):
+    """ratio 4, B 3: offsets that empty the first rows (-40), put rows past every key (5000) and a plain one."""
+    check(*make_case(3, 97, 150, h, 576, ratio=4, offsets=[-40, 5000, 7], seed=h))
+
+
+def test_empty_and_short_rows():
+    """S_k smaller than one tile, rows with no visible key (offset -20): out all -inf, denom 0."""
+    q, k, lse, scale, ratio, off = make_case(2, 33, 5, 64, 512, offsets=[-20, 0], seed=3)
+    got, den = check(q, k, lse, scale, ratio, off)
+    assert torch.isneginf(got[0, :19]).all() and (den[0, :19] == 0).all()
+
+
+def test_padded_heads_and_fp16():
+    check(*make_case(1, 70, 130, 16, 576, seed=5))
+    check(*make_case(1, 70, 130, 64, 576, seed=6, dtype=torch.float16))
+
+
+def test_caller_buffers_and_bitwise_reruns():
+    q, k, lse, scale, ratio, off = make_case(2, 200, 260, 128, 576, ratio=1, offsets=[0, 60], seed=9)
+    out = torch.full((2, 200, 260), 7.0, device=DEV)
+    den = torch.full((2, 200), 7.0, device=DEV)
+    a, ad = check(q, k, lse, scale, ratio, off, out=out, denom=den)
+    assert a.data_ptr() == out.data_ptr() and ad.data_ptr() == den.data_ptr()
+    b, bd = dense_host.dense_attn_score_recompute(q, k, lse, scale, ratio=ratio, q_causal_offsets=off)
+    assert torch.equal(a, b) and torch.equal(ad, bd)

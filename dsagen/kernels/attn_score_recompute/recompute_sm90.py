@@ -114,11 +114,30 @@ class Shared(NamedTuple):
     sKV: Any
     sIds: Any        # [g % NIDS][row]: the tile's ids, -1 where invalid
     sRed: Any        # [column (64)][consumer warp (4)][(g // 2) % 2][consumer]: partial column sums
+    sDen: Any        # the dense form's [consumer thread c < 64][consumer][row parity] (None in the sparse form)
     kv_ready: Any    # [stage * NKB + column block]
     kv_free: Any     # [stage * NKB + column block]
     ids_mbar: Any    # [g % NIDS]
     q_ready: Any     # [column block]
     q_free: Any
+
+
+class ConsumerState(NamedTuple):
+    """A consumer thread's setup (AttnScoreRecomputeSm90.consumer_state), shared by the sparse and dense forms."""
+    w: Any           # 0: WG1, 1: WG2 (run-time: both execute the same code)
+    ctid: Any        # the thread in its consumer (0..127)
+    cwarp: Any       # the warp in the consumer
+    lane: Any
+    mma: Any         # the S wgmma (M = 64 heads of a block, N = the tile's 64 rows)
+    tSrQ: Any        # per 64-head block: Q's fragment [.., .., k-step]
+    tSrK: Any        # the stages' fragment [.., .., k-step, stage]
+    accS: Any        # per head block: S accumulator
+    sMN: Any         # per head block: its (row, column) view
+    cS: Any          # (row, column) coordinates of the accumulator's elements
+    NR: Any          # rows per thread (Python int)
+    NCOL: Any        # columns per thread (Python int)
+    lse_l2: Any      # (NR, head blocks): the row's lse * log2 e
+    keep: Any        # (NCOL,): the tile's column holds a valid id
 
 
 class AttnScoreRecomputeSm90:
@@ -133,6 +152,7 @@ class AttnScoreRecomputeSm90:
     BN = 64                          # gathered rows per tile
     THREADS = 384
     BAR_RED = 1                      # + w: consumer w's partial column sums are in sRed (128 threads)
+    ROW_DENOM = False                # shared memory for per-row denominators (the dense form, dense_sm90)
 
     def __init__(self, num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int,
                  prefetch_ids: bool = False):
@@ -161,6 +181,8 @@ class AttnScoreRecomputeSm90:
             q_free: cute.struct.MemRange[Int64, 1]
             ids: cute.struct.MemRange[Int32, self.NIDS * BN]
             red: cute.struct.MemRange[Float32, 2 * 2 * 4 * BN]
+            if self.ROW_DENOM:
+                den: cute.struct.MemRange[Float32, 2 * 2 * BN]       # the dense form's sDen
             sQ: cute.struct.Align[cute.struct.MemRange[DT, H * D_QK], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[DT, STAGES * BN * D_QK], 1024]
 
@@ -187,8 +209,9 @@ class AttnScoreRecomputeSm90:
         return kernel, host
 
     @cute.jit
-    def body(self, a: KernelArgs):
-        """Shared views and barriers, then the roles: WG0 producer, WG1 and WG2 consumers."""
+    def body(self, a):
+        """Shared views and barriers, then the roles: WG0 producer, WG1 and WG2 consumers (the sparse form's, or
+        the dense form's overrides; `a`: the form's run-time arguments)."""
         DT, H, BN, D_QK = self.dtype, self.H, self.BN, self.D_QK
         c = cta_coords()
         st = cutlass.memory.SmemAllocator().allocate(self.Smem)
@@ -198,6 +221,8 @@ class AttnScoreRecomputeSm90:
                     sKV=st.sKV.get_tensor(lay_kv.outer, swizzle=lay_kv.inner),
                     sIds=st.ids.get_tensor(cute.make_layout(self.NIDS * BN)),
                     sRed=st.red.get_tensor(cute.make_layout((BN, 4, 2, 2), stride=(1, BN, 4 * BN, 8 * BN))),
+                    sDen=(st.den.get_tensor(cute.make_layout((BN, 2, 2), stride=(1, BN, 2 * BN)))
+                          if const_expr(self.ROW_DENOM) else None),
                     kv_ready=st.kv_ready.data_ptr(), kv_free=st.kv_free.data_ptr(), ids_mbar=st.ids_mbar.data_ptr(),
                     q_ready=st.q_ready.data_ptr(), q_free=st.q_free.data_ptr())
         # one ready / free pair per column block of every stage (the ring's stages are the blocks)
@@ -229,97 +254,134 @@ class AttnScoreRecomputeSm90:
             row_ids_ahead(raw, mIdx, ntiles, kmax, lanes.grp, self.PREFETCH_IDS)
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
-                s = g % self.STAGES
-                free_phase = ((g // self.STAGES) % 2) ^ 1
                 tile_ids(ids, raw, mIdx, j, ntiles, kmax, a.n_kv, lanes.grp, self.BN, self.PREFETCH_IDS)
-                for kb in cutlass.range_constexpr(self.NKB):
-                    cute.arch.mbarrier_wait(sh.kv_free + (s * self.NKB + kb), free_phase)
-                    if const_expr(kb == 0):
-                        publish_tile_ids(sh.sIds, (g % self.NIDS) * self.BN, ids, lanes, sh.ids_mbar + (g % self.NIDS))
-                    gather_tile_rows(p.kv_smem, p.sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, lanes.col0, (kb, kb + 1),
-                                     stage=s)
-                    cute.arch.cp_async_mbarrier_arrive_noinc(sh.kv_ready + (s * self.NKB + kb))
+                self.gather_tile(p, sh, lay_kv, a.p_kv, a.ld_kv, g)
             gt += ntiles
             it += 1
 
-    # ------------------------------------------------------------------------------------- consumers (WG1, WG2)
     @cute.jit
-    def consumer(self, a, sh, tidx, bidx, nctas):
-        """Consumer w takes the tiles g = w mod 2 with all H heads: S = Q K^T (one 64 x 64 accumulator per 64 heads),
-        P, its column sums, written by its threads 0..63."""
-        DT, BN, D_QK, NKB = self.dtype, self.BN, self.D_QK, self.NKB
-        cute.arch.setmaxregister_increase(self.regs[1])
-        w = tidx // 128 - 1                       # 0: WG1, 1: WG2 (run-time: both execute the same code)
+    def gather_tile(self, p, sh, lay_kv, p_kv, ld_kv, g):
+        """Tile g of the CTA (stage g % STAGES), its ids in p.ids: per 64-column block, once the tile's consumer
+        freed the stage's block (kv_free), the ids published before block 0 (sIds[g % 2], ids_mbar), then the
+        block's rows (gather_tile_rows, zero-filled for -1) completing kv_ready with noinc arrivals."""
+        s = g % self.STAGES
+        free_phase = ((g // self.STAGES) % 2) ^ 1
+        for kb in cutlass.range_constexpr(self.NKB):
+            cute.arch.mbarrier_wait(sh.kv_free + (s * self.NKB + kb), free_phase)
+            if const_expr(kb == 0):
+                publish_tile_ids(sh.sIds, (g % self.NIDS) * self.BN, p.ids, p.lanes, sh.ids_mbar + (g % self.NIDS))
+            gather_tile_rows(p.kv_smem, p.sw_kv, lay_kv, p_kv, ld_kv, p.ids, p.lanes.col0, (kb, kb + 1), stage=s)
+            cute.arch.cp_async_mbarrier_arrive_noinc(sh.kv_ready + (s * self.NKB + kb))
+
+    # ------------------------------------------------------------------------------------- consumers (WG1, WG2)
+    def consumer_state(self, sh, tidx) -> "ConsumerState":
+        """A consumer thread's setup (after its setmaxnreg): its place, the S wgmma with the fragments of Q (per
+        64-head block) and of the stages, the accumulators and their (row, column) views, and registers for the
+        row's lse and the tile's valid columns."""
+        DT, BN, D_QK = self.dtype, self.BN, self.D_QK
         ctid = tidx % 128
-        cwarp = ctid // 32                        # the warp in the consumer
-        lane = ctid % 32
         mma = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                                 (1, 1, 1), tiler_mn=(64, BN))
         mma.set(warpgroup.Field.ACCUMULATE, True)
         thr = mma.get_slice(ctid)
-        tSrQ = [mma.make_fragment_A(thr.partition_A(cute.local_tile(sh.sQ, (64, D_QK), (mb, 0))))
-                for mb in range(self.NMB)]                               # per head block: [.., .., k-step]
-        tSrK = mma.make_fragment_B(thr.partition_B(sh.sKV))              # [.., .., k-step, stage]
         accS = [cute.make_rmem_tensor(thr.partition_shape_C((64, BN)), Float32) for _ in range(self.NMB)]
         sMN = [acc_mn_view(acc) for acc in accS]
-        cS = acc_mn_view(thr.partition_C(cute.make_identity_tensor((64, BN))))
         NR = cute.size(sMN[0], mode=[0])
         NCOL = cute.size(sMN[0], mode=[1])
-        lse_l2 = cute.make_rmem_tensor((NR, self.NMB), Float32)
-        keep = cute.make_rmem_tensor(NCOL, cutlass.Boolean)
+        return ConsumerState(
+            w=tidx // 128 - 1, ctid=ctid, cwarp=ctid // 32, lane=ctid % 32, mma=mma,
+            tSrQ=[mma.make_fragment_A(thr.partition_A(cute.local_tile(sh.sQ, (64, D_QK), (mb, 0))))
+                  for mb in range(self.NMB)],                            # per head block: [.., .., k-step]
+            tSrK=mma.make_fragment_B(thr.partition_B(sh.sKV)),           # [.., .., k-step, stage]
+            accS=accS, sMN=sMN, cS=acc_mn_view(thr.partition_C(cute.make_identity_tensor((64, BN)))),
+            NR=NR, NCOL=NCOL, lse_l2=cute.make_rmem_tensor((NR, self.NMB), Float32),
+            keep=cute.make_rmem_tensor(NCOL, cutlass.Boolean))
+
+    def load_row_lse(self, cs: "ConsumerState", p_lse, tok) -> None:
+        """lse[tok, h] * log2 e of the thread's rows of every head block into cs.lse_l2 (lse (rows, H) contiguous)."""
+        for mb in range(self.NMB):                  # Python loops: unrolled at trace time
+            for r in range(cs.NR):
+                cs.lse_l2[r, mb] = (p_lse + (Int64(tok) * self.H + 64 * mb + cs.cS[r, 0][0])).load() * LOG2E
+
+    @cute.jit
+    def tile_column_sums(self, cs, sh, g, it, scale_log2):
+        """Tile g (stage g % STAGES) for all heads: its ids' keep mask, S on wgmma (one commit group per column
+        block, block kb - 1 freed once only block kb's group is in flight), P, and the column sums of the thread's
+        rows summed over the warp's 8 row groups into sRed[.., (g // 2) % 2, w]; returns after the consumer's named
+        barrier BAR_RED + w, so its threads may read the 4 warps' partial sums."""
+        BN, NKB = self.BN, self.NKB
+        s = g % self.STAGES
+        ready_phase = (g // self.STAGES) % 2
+        # the tile's ids first: sIds[g % 2] is rewritten after this consumer frees the tile's block 0
+        cute.arch.mbarrier_wait(sh.ids_mbar + (g % self.NIDS), (g // self.NIDS) % 2)
+        tile_keep_mask(cs.keep, sh.sIds, (g % self.NIDS) * BN, cs.cS)
+        for mb in cutlass.range_constexpr(self.NMB):
+            cs.accS[mb].fill(0.0)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(NKB):
+            cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)         # at once after the row's first tile
+            cute.arch.mbarrier_wait(sh.kv_ready + (s * NKB + kb), ready_phase)
+            cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
+            for kk in cutlass.range_constexpr(4):
+                for mb in cutlass.range_constexpr(self.NMB):
+                    cute.gemm(cs.mma, cs.accS[mb], cs.tSrQ[mb][None, None, 4 * kb + kk],
+                              cs.tSrK[None, None, 4 * kb + kk, s], cs.accS[mb])
+            warpgroup.commit_group()
+            if const_expr(kb > 0):
+                warpgroup.wait_group(1)                            # block kb - 1 retired
+                cute.arch.mbarrier_arrive(sh.kv_free + (s * NKB + kb - 1))
+        warpgroup.wait_group(0)
+        cute.arch.mbarrier_arrive(sh.kv_free + (s * NKB + NKB - 1))
+        # P, summed over the thread's rows of every head block, then over the warp's 8 row groups
+        buf = (g // 2) % 2
+        for c in cutlass.range_constexpr(cs.NCOL):
+            t = Float32(0.0)
+            for mb in cutlass.range_constexpr(self.NMB):
+                for r in cutlass.range_constexpr(cs.NR):
+                    t += cute.math.exp2(cs.sMN[mb][r, c] * scale_log2 - cs.lse_l2[r, mb], fastmath=True)
+            t = row_group_sum(t if cs.keep[c] else Float32(0.0))
+            if cs.lane < 4:
+                sh.sRed[cs.cS[0, c][1], cs.cwarp, buf, cs.w] = t
+        cute.arch.barrier(barrier_id=self.BAR_RED + cs.w, number_of_threads=128)
+
+    @cute.jit
+    def free_row_q(self, sh, it):
+        """A consumer thread's end of row `it`: wait until Q's copies landed (rows without a tile too), then free Q
+        (q_free, 256 arrivals) for the producer's next row."""
+        for kb in cutlass.range_constexpr(self.NKB):
+            cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)
+        cute.arch.mbarrier_arrive(sh.q_free)
+
+    @cute.jit
+    def column_total(self, cs, sh, g):
+        """Thread ctid < BN: the total of tile g's column ctid (its 4 warps' partial sums in a fixed order)."""
+        buf = (g // 2) % 2
+        total = Float32(0.0)
+        for part in cutlass.range_constexpr(4):
+            total += sh.sRed[cs.ctid, part, buf, cs.w]
+        return total
+
+    @cute.jit
+    def consumer(self, a, sh, tidx, bidx, nctas):
+        """Consumer w takes the tiles g = w mod 2 with all H heads: S = Q K^T (one 64 x 64 accumulator per 64 heads),
+        P, its column sums, written by its threads 0..63."""
+        cute.arch.setmaxregister_increase(self.regs[1])
+        cs = self.consumer_state(sh, tidx)
         scale_log2 = a.softmax_scale * LOG2E
 
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
             kmax, ntiles = row_slots(a.p_len, a.has_length, a.topk, tok, self.BN)
-            for mb in cutlass.range_constexpr(self.NMB):
-                for r in cutlass.range_constexpr(NR):
-                    lse_l2[r, mb] = (a.p_lse + (Int64(tok) * self.H + 64 * mb + cS[r, 0][0])).load() * LOG2E
-            for j in cutlass.range((gt + w) % 2, ntiles, 2, unroll=1):     # this consumer's tiles of the row
+            self.load_row_lse(cs, a.p_lse, tok)
+            for j in cutlass.range((gt + cs.w) % 2, ntiles, 2, unroll=1):  # this consumer's tiles of the row
                 g = gt + j
-                s = g % self.STAGES
-                ready_phase = (g // self.STAGES) % 2
-                # the tile's ids first: sIds[g % 2] is rewritten after this consumer frees the tile's block 0
-                cute.arch.mbarrier_wait(sh.ids_mbar + (g % self.NIDS), (g // self.NIDS) % 2)
-                tile_keep_mask(keep, sh.sIds, (g % self.NIDS) * BN, cS)
-                for mb in cutlass.range_constexpr(self.NMB):
-                    accS[mb].fill(0.0)
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(NKB):
-                    cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)         # at once after the row's first tile
-                    cute.arch.mbarrier_wait(sh.kv_ready + (s * NKB + kb), ready_phase)
-                    cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
-                    for kk in cutlass.range_constexpr(4):
-                        for mb in cutlass.range_constexpr(self.NMB):
-                            cute.gemm(mma, accS[mb], tSrQ[mb][None, None, 4 * kb + kk],
-                                      tSrK[None, None, 4 * kb + kk, s], accS[mb])
-                    warpgroup.commit_group()
-                    if const_expr(kb > 0):
-                        warpgroup.wait_group(1)                            # block kb - 1 retired
-                        cute.arch.mbarrier_arrive(sh.kv_free + (s * NKB + kb - 1))
-                warpgroup.wait_group(0)
-                cute.arch.mbarrier_arrive(sh.kv_free + (s * NKB + NKB - 1))
-                # P, summed over the thread's rows of every head block, then over the warp's 8 row groups
-                buf = (g // 2) % 2
-                for c in cutlass.range_constexpr(NCOL):
-                    t = Float32(0.0)
-                    for mb in cutlass.range_constexpr(self.NMB):
-                        for r in cutlass.range_constexpr(NR):
-                            t += cute.math.exp2(sMN[mb][r, c] * scale_log2 - lse_l2[r, mb], fastmath=True)
-                    t = row_group_sum(t if keep[c] else Float32(0.0))
-                    if lane < 4:
-                        sh.sRed[cS[0, c][1], cwarp, buf, w] = t
-                cute.arch.barrier(barrier_id=self.BAR_RED + w, number_of_threads=128)
-                if ctid < BN:
-                    slot = j * BN + ctid
-                    total = Float32(0.0)
-                    for part in cutlass.range_constexpr(4):
-                        total += sh.sRed[ctid, part, buf, w]
+                self.tile_column_sums(cs, sh, g, it, scale_log2)
+                if cs.ctid < self.BN:
+                    slot = j * self.BN + cs.ctid
+                    total = self.column_total(cs, sh, g)
                     if slot < a.topk:
                         (a.p_out + (Int64(tok) * a.topk + slot)).store(total)
-            for kb in cutlass.range_constexpr(NKB):
-                cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)   # Q's writes are done (rows without a tile too)
-            cute.arch.mbarrier_arrive(sh.q_free)
+            self.free_row_q(sh, it)
             gt += ntiles
             it += 1

@@ -14,6 +14,18 @@ from ...spec.base import KernelSpec, register_spec
 from ..sparse_mla.checks import check_grid, dtype_name, grid_ctas, mla_shape_reasons, register_budget_reasons
 
 
+def recompute_reasons(spec, what: str) -> list[str]:
+    """Why a score recompute spec (sparse or dense form; fields num_heads, d_qk, dtype, regs_producer,
+    regs_consumer) cannot be built: the MLA shape, the dtype and the three warpgroups' register budgets."""
+    out = mla_shape_reasons(what, spec.arch, spec.num_heads, spec.d_qk)
+    if spec.dtype not in ("bfloat16", "float16"):
+        out.append(f"dtype={spec.dtype!r} must be 'bfloat16' or 'float16'")
+    out.extend(register_budget_reasons({"regs_producer": spec.regs_producer,
+                                        "regs_consumer (WG1)": spec.regs_consumer,
+                                        "regs_consumer (WG2)": spec.regs_consumer}))
+    return out
+
+
 @register_spec
 @dataclass(frozen=True)
 class AttnScoreRecomputeSpec(KernelSpec):
@@ -43,13 +55,7 @@ class AttnScoreRecomputeSpec(KernelSpec):
     prefetch_ids: bool = False
 
     def reasons(self) -> list[str]:
-        out = super().reasons() + mla_shape_reasons("score recompute", self.arch, self.num_heads, self.d_qk)
-        if self.dtype not in ("bfloat16", "float16"):
-            out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
-        out.extend(register_budget_reasons({"regs_producer": self.regs_producer,
-                                            "regs_consumer (WG1)": self.regs_consumer,
-                                            "regs_consumer (WG2)": self.regs_consumer}))
-        return out
+        return super().reasons() + recompute_reasons(self, "score recompute")
 
 
 @register_spec
@@ -74,13 +80,7 @@ class DenseAttnScoreRecomputeSpec(KernelSpec):
     regs_consumer: int = 200
 
     def reasons(self) -> list[str]:
-        out = super().reasons() + mla_shape_reasons("dense score recompute", self.arch, self.num_heads, self.d_qk)
-        if self.dtype not in ("bfloat16", "float16"):
-            out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
-        out.extend(register_budget_reasons({"regs_producer": self.regs_producer,
-                                            "regs_consumer (WG1)": self.regs_consumer,
-                                            "regs_consumer (WG2)": self.regs_consumer}))
-        return out
+        return super().reasons() + recompute_reasons(self, "dense score recompute")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,97 @@
+"""Dense attention score recompute (cuDNN frontend DSA §8): dsagen's fused sm_90a kernel (attn_score_recompute
+dense_host, the kernel of DenseAttnScoreRecomputeSpec) beside cuDNN frontend's SM90 dense_attn_score_recompute_wrapper
+in one process on the same tensors (GPU).
+
+    python bench/dense_attn_recompute.py [--T 2048 4096 16384] [--shapes 128x576 64x512] [--rounds 7] [--no-cudnn]
+
+B = 1, S_k = T, ratio 1 (causal), bf16, lse the true per-head dense LSE (FP32, computed in blocks). Both write the
+whole [T, T] FP32 output (-inf past the causal limit) and the row denominators, into buffers allocated once.
+TFLOP/s over the causal pairs: 2 H D T (T + 1) / 2. Timing: bench/common.paired_time_ms (the contenders
+interleaved, 7 rounds, median; every call from an idle GPU). Before timing, the two outputs are compared: the same
+-inf pattern and the largest difference of the finite entries relative to their largest magnitude (and of denom).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import paired_time_ms  # noqa: E402
+
+from dsagen.kernels.attn_score_recompute import dense_host  # noqa: E402
+
+
+def dense_lse(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """(1, T, H) FP32 logsumexp over s <= t of scale * q[0, t, h] . k[0, s], in blocks of rows."""
+    t, h = q.shape[1], q.shape[2]
+    out = torch.empty(1, t, h, dtype=torch.float32, device=q.device)
+    kf = k[0].float()
+    cols = torch.arange(t, device=q.device)
+    step = max(1, (1 << 27) // (h * t))
+    for r0 in range(0, t, step):
+        r1 = min(t, r0 + step)
+        sc = torch.einsum("thd,sd->ths", q[0, r0:r1].float(), kf) * scale
+        sc.masked_fill_(cols[None, None, :] > torch.arange(r0, r1, device=q.device)[:, None, None], -math.inf)
+        out[0, r0:r1] = torch.logsumexp(sc, dim=-1)
+    return out
+
+
+def one(t: int, h: int, d: int, args, dsa) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(t + h + d)
+    q = (torch.randn((1, t, h, d), device="cuda", generator=gen) * 0.5).bfloat16()
+    k = (torch.randn((1, t, d), device="cuda", generator=gen) * 0.5).bfloat16()
+    scale = d ** -0.5
+    lse = dense_lse(q, k, scale)
+    out, den = torch.empty((1, t, t), device="cuda"), torch.empty((1, t), device="cuda")
+    fns = [("dsagen", lambda: dense_host.dense_attn_score_recompute(q, k, lse, scale, out=out, denom=den))]
+    if dsa is not None:
+        out_c, den_c = torch.empty((1, t, t), device="cuda"), torch.empty((1, t), device="cuda")
+        k4 = k.unsqueeze(2)
+        fns.append(("cudnn", lambda: dsa.dense_attn_score_recompute_wrapper(q, k4, lse, scale, ratio=1, out=out_c,
+                                                                           denom_out=den_c)))
+        for _, f in fns:
+            f()
+        torch.cuda.synchronize()
+        same = torch.equal(torch.isneginf(out), torch.isneginf(out_c))
+        fin = ~torch.isneginf(out_c)
+        rel = ((out[fin] - out_c[fin]).abs().max() / out_c[fin].abs().max().clamp(min=1e-30)).item()
+        drel = ((den - den_c).abs().max() / den_c.abs().max().clamp(min=1e-30)).item()
+        print(f"T {t} H {h} D {d}: -inf pattern equal {same}, out rel diff {rel:.2e}, denom rel diff {drel:.2e}",
+              flush=True)
+    ms = paired_time_ms([f for _, f in fns], rounds=args.rounds)
+    flops = 2 * h * d * t * (t + 1) / 2
+    line = "  ".join(f"{n} {m:.3f} ms ({flops / (m * 1e9):.0f} TFLOP/s)" for (n, _), m in zip(fns, ms))
+    ratio = f"  dsagen vs cudnn {ms[1] / ms[0]:.2f}x" if len(ms) > 1 else ""
+    print(f"T {t} H {h} D {d}: {line}{ratio}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, nargs="+", default=[2048, 4096, 16384])
+    ap.add_argument("--shapes", nargs="+", default=["128x576", "64x512"])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--no-cudnn", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    dsa = None
+    if not args.no_cudnn:
+        try:
+            from cudnn import DSA as dsa
+        except Exception as e:                   # noqa: BLE001 - the peer is optional
+            print(f"# cuDNN frontend DSA not importable ({type(e).__name__}: {e}); dsagen only")
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    for shape in args.shapes:
+        h, d = map(int, shape.split("x"))
+        for t in args.T:
+            one(t, h, d, args, dsa)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -33,9 +33,11 @@ from dsagen.kernels.attn_score_recompute import host as rc_host
 from dsagen.kernels.attn_score_recompute import dense_host as drc_host
 from dsagen.kernels.attn_score_recompute.spec import config_for as rc_config_for
 from dsagen.kernels.attn_score_recompute.spec import dense_config_for as drc_config_for
+from dsagen.kernels.indexer_bwd import dense_host as dib_host
 from dsagen.kernels.indexer_bwd import host as ib_host
 from dsagen.kernels.indexer_bwd.spec import IndexerBwdConfig
 from dsagen.kernels.indexer_bwd.spec import config_for as ib_config_for
+from dsagen.kernels.indexer_bwd.spec import dense_config_for as dib_config_for
 from dsagen.kernels.indexer_score_recompute import host as isr_host
 from dsagen.kernels.indexer_topk.spec import config_for as topk_rows_plan
 from dsagen.kernels.indexer_score_recompute.spec import config_for as isr_config_for
@@ -63,7 +65,8 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     *scores_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).specs()] + [
     *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).specs(),
     *forward_topk_config_for(*INDEXER_SHAPE, "float8_e4m3fn", ARCH).specs()] + [
-    drc_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH) for h, d in SPARSE_SHAPES]
+    drc_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH) for h, d in SPARSE_SHAPES] + [
+    dib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH)]
 FORWARD_TOPK_SPECS = forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs()
 
 gpu = pytest.mark.gpu
@@ -166,6 +169,34 @@ def test_dense_attn_score_recompute(h, d_qk):
     fin = ~torch.isneginf(want)
     assert (got[fin] - want[fin]).abs().max().item() <= 1e-2 * max(want[fin].abs().max().item(), 1e-6)
     assert (den - want_den).abs().max().item() <= 1e-2 * max(want_den.abs().max().item(), 1e-6)
+
+
+@gpu
+def test_dense_indexer_backward():
+    """The dense indexer backward's kernel at the DeepSeek-V3.2 indexer shape, 3 CTAs looping over 2 x 5 query rows,
+    ratio 4, offsets that empty rows (-9) and pass every key (400), S_k 131 (a partial last tile), against the
+    reference."""
+    import math
+
+    gen = torch.Generator().manual_seed(11)
+    h, d = INDEXER_SHAPE
+    q = (torch.randn((2, 5, h, d), generator=gen) * 0.3).bfloat16().to(DEV)
+    w = torch.randn((2, 5, h), generator=gen).bfloat16().to(DEV)
+    k = (torch.randn((2, 131, d), generator=gen) * 0.3).bfloat16().to(DEV)
+    lim = torch.stack([torch.clamp(torch.div(o + torch.arange(5) + 1, 4, rounding_mode="floor"), 0, 131)
+                       for o in (-9, 400)])
+    vis = (torch.arange(131)[None, None, :] < lim[..., None]).to(DEV)
+    attn = torch.rand((2, 5, 131), generator=gen).to(DEV).masked_fill(~vis, -math.inf)
+    index = torch.randn((2, 5, 131), generator=gen).to(DEV).masked_fill(~vis, -math.inf)
+    norm, lse = torch.where(vis, attn, 0.0).sum(-1), torch.logsumexp(index, dim=-1)
+    off = torch.tensor([-9, 400], dtype=torch.int32, device=DEV)
+    args = (q, w, k, attn, norm, index, lse)
+    kw = dict(sm_scale=0.5, ratio=4, q_causal_offsets=off)
+    got = dib_host.dense_indexer_backward(*args, config=replace(dib_config_for(d, "bfloat16", ARCH, None), grid=3),
+                                          **kw)
+    want = dsagen.dense_indexer_backward(*args, impl="reference", **kw)
+    for g_, w_ in zip(got, want):
+        assert (g_.float() - w_.float()).abs().max().item() <= 2e-2 * max(w_.float().abs().max().item(), 1e-6)
 
 
 @gpu

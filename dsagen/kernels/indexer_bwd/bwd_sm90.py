@@ -297,11 +297,11 @@ class IndexerBwdSm90:
         kv = cute.make_rmem_tensor(2, Int32)
         row0 = warp * 16 + lane // 4               # the thread's accumulator rows (slots): row0 and row0 + 8
         policy = l2_evict_first_policy()           # dQ is written once
-        ntiles = (a.topk + BN - 1) // BN
 
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
+            ntiles = self.row_tiles(a, tok)
             for c in cutlass.range_constexpr(NCOL):
                 wreg[c] = (a.p_w + (Int64(tok) * H + cS[0, c][1])).load()
                 dw[c] = Float32(0.0)
@@ -365,6 +365,11 @@ class IndexerBwdSm90:
                 (a.p_dw + (Int64(tok) * H + ctid)).store(total)
             gt += ntiles
             it += 1
+
+    @cute.jit
+    def row_tiles(self, a, tok):
+        """The 64-slot tiles of row tok: every row has ceil(topk / 64) (the dense form overrides it)."""
+        return (a.topk + self.BN - 1) // self.BN
 
     @cute.jit
     def send_dk(self, a, accK, cK, kv, tok, j, c: int, q4):

@@ -46,31 +46,69 @@ class IndexerBwdSpec(KernelSpec):
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA (upper bound): Q, G, the tile ring, ids, dI, dW partials, barriers."""
-        return (2 * (self.num_heads + 64 * self.stages) * self.head_dim + 2 * 64 * self.num_heads
-                + 8 * 64 * self.stages + 32 * self.num_heads + 3 * 1024)
+        return bwd_smem_bytes(self)
 
     def reasons(self) -> list[str]:
-        out = super().reasons()
-        if self.arch != "sm_90a":
-            out.append(f"arch {self.arch!r}: the fused sparse indexer backward exists for sm_90a only (Hopper wgmma); "
-                       f"use impl='reference' elsewhere")
-        if self.num_heads != 64:
-            out.append(f"num_heads={self.num_heads} must be 64 (the op pads fewer heads)")
-        if self.head_dim not in (64, 128):
-            out.append(f"head_dim={self.head_dim} must be 64 or 128")
-        if self.dtype not in ("bfloat16", "float16"):
-            out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
-        if not 2 <= self.stages <= 4:
-            out.append(f"stages={self.stages} must be in 2..4")
-        elif self.num_heads == 64 and self.head_dim in (64, 128) and 2 * (self.smem_bytes() + 1024) > _SMEM_PER_SM:
-            out.append(f"stages={self.stages}: two CTAs of {self.smem_bytes()} bytes of shared memory do not fit an SM")
-        regs = (self.regs_producer, self.regs_consumer)
-        if any(r % 8 or not 24 <= r <= 256 for r in regs):
-            out.append(f"regs_producer/regs_consumer={regs} must each be a multiple of 8 in [24, 256]")
-        elif sum(regs) > 256:
-            out.append(f"regs_producer + regs_consumer = {sum(regs)} exceeds 256 (2 warpgroups x 128 registers at "
-                       f"launch; setmaxnreg cannot grow the pool)")
-        return out
+        return super().reasons() + bwd_reasons(self, "the fused sparse indexer backward")
+
+
+def bwd_smem_bytes(spec) -> int:
+    """Dynamic shared memory of one CTA of an indexer backward kernel (sparse or dense form; upper bound)."""
+    return (2 * (spec.num_heads + 64 * spec.stages) * spec.head_dim + 2 * 64 * spec.num_heads
+            + 8 * 64 * spec.stages + 32 * spec.num_heads + 3 * 1024)
+
+
+def bwd_reasons(spec, what: str) -> list[str]:
+    """Why an indexer backward spec (sparse or dense form) cannot be built: arch, heads, head dim, dtype, stages
+    (two CTAs per SM) and the two warpgroups' register budgets."""
+    out = []
+    if spec.arch != "sm_90a":
+        out.append(f"arch {spec.arch!r}: {what} exists for sm_90a only (Hopper wgmma); use impl='reference' elsewhere")
+    if spec.num_heads != 64:
+        out.append(f"num_heads={spec.num_heads} must be 64 (the op pads fewer heads)")
+    if spec.head_dim not in (64, 128):
+        out.append(f"head_dim={spec.head_dim} must be 64 or 128")
+    if spec.dtype not in ("bfloat16", "float16"):
+        out.append(f"dtype={spec.dtype!r} must be 'bfloat16' or 'float16'")
+    if not 2 <= spec.stages <= 4:
+        out.append(f"stages={spec.stages} must be in 2..4")
+    elif spec.num_heads == 64 and spec.head_dim in (64, 128) and 2 * (bwd_smem_bytes(spec) + 1024) > _SMEM_PER_SM:
+        out.append(f"stages={spec.stages}: two CTAs of {bwd_smem_bytes(spec)} bytes of shared memory do not fit an SM")
+    regs = (spec.regs_producer, spec.regs_consumer)
+    if any(r % 8 or not 24 <= r <= 256 for r in regs):
+        out.append(f"regs_producer/regs_consumer={regs} must each be a multiple of 8 in [24, 256]")
+    elif sum(regs) > 256:
+        out.append(f"regs_producer + regs_consumer = {sum(regs)} exceeds 256 (2 warpgroups x 128 registers at "
+                   f"launch; setmaxnreg cannot grow the pool)")
+    return out
+
+
+@register_spec
+@dataclass(frozen=True)
+class DenseIndexerBwdSpec(KernelSpec):
+    """Fused dense indexer backward for Hopper (cuDNN frontend DSA §10; kernel: indexer_bwd/dense_sm90.py, bound by
+    dense_sm90.py.j2): the sparse form's kernel with each query row's visible keys (the ratio-causal limit with
+    per-batch offsets) as its slots and the score gradient computed from the dense attention / indexer score rows
+    by the producer. dK by FP32 atomics (no deterministic form). Fields as IndexerBwdSpec's but deterministic
+    (budgets 24 / 232 as the sparse form's: no spills, where 40 / 216 spilled; CPU compile, 2026-12-03).
+    """
+
+    op = "dense_indexer_backward"
+    template = "indexer_bwd/dense_{arch}.py.j2"
+
+    num_heads: int = 64
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    stages: int = 4
+    regs_producer: int = 24
+    regs_consumer: int = 232
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one CTA (upper bound), the sparse form's."""
+        return bwd_smem_bytes(self)
+
+    def reasons(self) -> list[str]:
+        return super().reasons() + bwd_reasons(self, "the fused dense indexer backward")
 
 
 @dataclass(frozen=True)
@@ -127,3 +165,33 @@ class IndexerBwdConfig:
 def config_for(head_dim: int, dtype, arch: str, num_sms: int | None) -> IndexerBwdConfig:
     """The config the op runs for `head_dim` and `dtype` on `arch`: one for every shape so far."""
     return IndexerBwdConfig()
+
+
+@dataclass(frozen=True)
+class DenseIndexerBwdConfig:
+    """The launch choices of the fused dense indexer backward: the ring depth and register budgets (spec fields)
+    and the grid ("persistent": two CTAs per SM, or an int n: at most n CTAs)."""
+
+    stages: int = 4
+    regs_producer: int = 24
+    regs_consumer: int = 232
+    grid: str | int = "persistent"
+
+    def __post_init__(self) -> None:
+        if not (self.grid == "persistent" or (isinstance(self.grid, int) and not isinstance(self.grid, bool)
+                                              and self.grid >= 1)):
+            raise ValueError(f"DenseIndexerBwdConfig.grid={self.grid!r} must be 'persistent' or a positive int")
+
+    def spec(self, head_dim: int, dtype: str, arch: str = "sm_90a") -> DenseIndexerBwdSpec:
+        """The kernel spec of this config (64 heads)."""
+        return DenseIndexerBwdSpec(arch=arch, head_dim=head_dim, dtype=dtype, stages=self.stages,
+                                   regs_producer=self.regs_producer, regs_consumer=self.regs_consumer)
+
+    def n_ctas(self, num_sms: int) -> int:
+        """The kernel's n_ctas argument (grid = min(rows, n_ctas))."""
+        return 2 * num_sms if self.grid == "persistent" else int(self.grid)
+
+
+def dense_config_for(head_dim: int, dtype, arch: str, num_sms: int | None) -> DenseIndexerBwdConfig:
+    """The config the dense op runs (the sparse form's ring and budgets; not yet measured on a GPU)."""
+    return DenseIndexerBwdConfig()

@@ -1,0 +1,98 @@
+"""Fused (generated-kernel) dense indexer backward (cuDNN frontend DSA §10) on validated BSHD inputs.
+
+`dense_indexer_backward(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, *, grad_loss,
+sm_scale, loss_coeff, ratio, q_causal_offsets)` flattens the batch, pads 1..63 heads to 64 with zero weights, folds
+c * sm_scale (c = grad_loss * loss_coeff / (B S_q), grad_loss read on the device) into one FP32 value and runs the
+sm_90a kernel of DenseIndexerBwdSpec (indexer_bwd/dense_sm90.py), which reads the dense score rows directly: no
+[S_q, S_k] tensor is made here. Inputs are not modified. dK accumulates by FP32 atomics (not bitwise repeatable).
+
+Not yet called by dsagen.dense_indexer_backward: the op keeps its reference until the GPU tests
+(tests/gpu/test_dense_indexer_backward.py) and the sanitizer case have passed on the H200.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...jit import get_kernel
+from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
+from ..lightning_indexer.host import dummy_offsets
+from ..sparse_mla.host import padded_heads
+from .host import HEADS, supported_reason
+from .spec import DenseIndexerBwdConfig, DenseIndexerBwdSpec, dense_config_for
+
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_INT32_MAX = 2**31 - 1
+_launch_plans: dict = {}
+
+
+def _launch_plan(d: int, dtype: torch.dtype, device: torch.device, config: DenseIndexerBwdConfig | None
+                 ) -> tuple[DenseIndexerBwdSpec, LoadedKernel, int]:
+    """The spec, loaded kernel and n_ctas argument of a call (cached per call shape and config)."""
+    key = (d, dtype, device, config)
+    plan = _launch_plans.get(key)
+    if plan is None:
+        arch = device_arch(device)
+        num_sms = device_sm_count(device_index(device))
+        cfg = dense_config_for(d, dtype, arch, num_sms) if config is None else config
+        spec = cfg.spec(d, _DTYPES[dtype], arch)
+        plan = _launch_plans[key] = (spec, get_kernel(spec, device_index(device)), cfg.n_ctas(num_sms))
+    return plan
+
+
+def _rows_f32(t: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """t viewed as contiguous-row FP32 [rows, width] (a copy only when the dtype or the layout needs one)."""
+    t = t.reshape(rows, width)
+    if t.dtype != torch.float32:
+        t = t.to(torch.float32)
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
+                           attn_score: torch.Tensor, attn_l1norm: torch.Tensor, index_score: torch.Tensor,
+                           index_lse: torch.Tensor, *, grad_loss: torch.Tensor | None = None, sm_scale: float = 1.0,
+                           loss_coeff: float = 1.0, ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
+                           config: DenseIndexerBwdConfig | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused dense indexer backward: index_q `(B, S_q, H, D)` bf16 / fp16 CUDA, weights `(B, S_q, H)`, index_k
+    `(B, S_k, D)`, attn_score / index_score `(B, S_q, S_k)` FP32 (the dense recomputes' outputs), attn_l1norm /
+    index_lse `(B, S_q)`, grad_loss a one-element tensor or None (1), ratio >= 1, q_causal_offsets int32 `(B,)` or
+    None. Returns (d_index_q, d_weights, d_index_k) in the inputs' dtypes, as dsagen.dense_indexer_backward defines
+    them. Raises NotImplementedError (with the reason) for inputs the kernel does not cover."""
+    reason = supported_reason(index_q, index_k)
+    if reason:
+        raise NotImplementedError(f"dense_indexer_backward: {reason}")
+    b, s_q, h, d = index_q.shape
+    s_k = index_k.shape[1]
+    rows, n_k = b * s_q, b * s_k
+    dev = index_q.device
+    if rows == 0 or s_k == 0:
+        return torch.zeros_like(index_q), torch.zeros_like(weights), torch.zeros_like(index_k)
+    if rows > _INT32_MAX or n_k > _INT32_MAX:
+        raise ValueError(f"dense_indexer_backward: {rows} query rows / {n_k} key rows exceed the kernel's int32 "
+                         f"limits")
+    spec, kernel, n_ctas = _launch_plan(d, index_q.dtype, dev, config)
+    cs = torch.full((1,), float(loss_coeff) / rows * float(sm_scale), dtype=torch.float32, device=dev)
+    if grad_loss is not None:
+        cs = cs * grad_loss.to(torch.float32).reshape(1)
+    q = padded_heads(index_q.reshape(rows, h, d), HEADS)
+    w = padded_heads(weights.reshape(rows, h).to(torch.float32), HEADS)
+    keys = index_k.reshape(n_k, d)
+    if keys.stride(1) != 1 or keys.stride(0) % 8 or keys.data_ptr() % 16:
+        keys = keys.contiguous()
+    attn = _rows_f32(attn_score, rows, s_k)
+    idx = _rows_f32(index_score, rows, s_k)
+    if attn.stride(0) != idx.stride(0):
+        idx = idx.contiguous()
+        attn = attn.contiguous()
+    norm = attn_l1norm.reshape(rows).to(torch.float32).contiguous()
+    lse = index_lse.reshape(rows).to(torch.float32).contiguous()
+    q_off, has_off = (q_causal_offsets, 1) if q_causal_offsets is not None else (dummy_offsets(dev), 0)
+    dq = torch.empty((rows, HEADS, d), dtype=index_q.dtype, device=dev)
+    dw = torch.empty((rows, HEADS), dtype=torch.float32, device=dev)
+    dk = torch.zeros((n_k, d), dtype=torch.float32, device=dev)
+    kernel.launch(q, keys, attn, idx, norm, lse, cs, w, dq, dw, dk, q_off, rows, s_q, s_k, int(ratio), has_off,
+                  keys.stride(0), attn.stride(0), n_ctas)
+    d_q = dq[:, :h].reshape(b, s_q, h, d)
+    d_w = dw[:, :h].reshape(b, s_q, h).to(weights.dtype)
+    return d_q, d_w, dk.view(b, s_k, d).to(index_k.dtype)

@@ -1,0 +1,75 @@
+"""GPU tests of the fused dense indexer backward kernel (indexer_bwd.dense_host, the sm_90a kernel of
+DenseIndexerBwdSpec) against the plain-PyTorch reference of dsagen.dense_indexer_backward in FP64 on the same
+bf16 / fp16 values and FP32 score rows: D 128 / 64, 64 heads and 16 padded, odd lengths, ratio 1 and 4, offsets that
+empty rows or pass every key, B > 1, grad_loss on the device, inputs left unmodified.
+
+Build what these need first (CPU, with CuTe-DSL):
+    dsagen build --spec-file tests/gpu/required_specs.json
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dsagen
+from dsagen.kernels.indexer_bwd import dense_host
+from dsagen.kernels.indexer_bwd.spec import dense_config_for
+
+ARCH = "sm_90a"
+REQUIRED_SPECS = [dense_config_for(d, dt, ARCH, None).spec(d, dt, ARCH)
+                  for d, dt in [(128, "bfloat16"), (64, "bfloat16"), (128, "float16")]]
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def make_case(b, s_q, s_k, h, d, *, ratio=1, offsets=None, seed=0, dtype=torch.bfloat16):
+    """Random indexer inputs and dense score rows: attention scores >= 0 with their L1 norms, indexer scores with
+    their LSE, both -inf past each row's ratio-causal limit."""
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn((b, s_q, h, d), generator=gen) * 0.3).to(dtype)
+    w = torch.randn((b, s_q, h), generator=gen).to(dtype)
+    k = (torch.randn((b, s_k, d), generator=gen) * 0.3).to(dtype)
+    offs = [0] * b if offsets is None else offsets
+    lim = torch.stack([torch.clamp(torch.div(o + torch.arange(s_q) + 1, ratio, rounding_mode="floor"), 0, s_k)
+                       for o in offs])
+    vis = torch.arange(s_k)[None, None, :] < lim[..., None]
+    attn = torch.rand((b, s_q, s_k), generator=gen).masked_fill(~vis, -math.inf)
+    index = (torch.randn((b, s_q, s_k), generator=gen) * 2).masked_fill(~vis, -math.inf)
+    norm = torch.where(vis, attn, 0.0).sum(-1)
+    lse = torch.logsumexp(index, dim=-1)
+    off_t = None if offsets is None else torch.tensor(offsets, dtype=torch.int32)
+    return [t.to(DEV) if t is not None else None for t in (q, w, k, attn, norm, index, lse, off_t)]
+
+
+def check(q, w, k, attn, norm, index, lse, off, *, ratio=1, grad=None, sm_scale=0.7, loss_coeff=0.9):
+    before = [t.clone() for t in (q, w, k, attn, norm, index, lse)]
+    kw = dict(grad_loss=grad, sm_scale=sm_scale, loss_coeff=loss_coeff, ratio=ratio, q_causal_offsets=off)
+    got = dense_host.dense_indexer_backward(q, w, k, attn, norm, index, lse, **kw)
+    want = dsagen.dense_indexer_backward(q.double(), w.double(), k.double(), attn.double(), norm.double(),
+                                         index.double(), lse.double(), impl="reference", **kw)
+    for name, g_, w_ in zip(("d_index_q", "d_weights", "d_index_k"), got, want):
+        assert g_.shape == w_.shape, name
+        err = (g_.double() - w_).abs().max().item()
+        assert err <= 1e-2 * max(w_.abs().max().item(), 1e-30), (name, err, w_.abs().max().item())
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, w, k, attn, norm, index, lse)))
+    return got
+
+
+@pytest.mark.parametrize("d", [128, 64])
+def test_matches_reference(d):
+    q, w, k, attn, norm, index, lse, off = make_case(1, 301, 301, 64, d, seed=d)
+    check(q, w, k, attn, norm, index, lse, off)
+
+
+def test_ratio_offsets_batches_and_grad_loss():
+    q, w, k, attn, norm, index, lse, off = make_case(3, 97, 150, 64, 128, ratio=4, offsets=[-40, 5000, 7], seed=2)
+    check(q, w, k, attn, norm, index, lse, off, ratio=4, grad=torch.tensor([1.3], device=DEV))
+
+
+def test_padded_heads_short_rows_and_fp16():
+    check(*make_case(2, 33, 5, 16, 128, offsets=[-20, 0], seed=3))
+    check(*make_case(1, 70, 130, 64, 128, seed=4, dtype=torch.float16))

@@ -1,0 +1,123 @@
+"""CPU tests of the dense indexer backward kernel (indexer_bwd/dense_sm90.py): spec checks, the binding, the
+compiled kernels' SASS, and the host path with a stand-in kernel that computes the kernel's contract in torch."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from dsagen.jit.render import helper_modules, render
+from dsagen.kernels.indexer_bwd.spec import DenseIndexerBwdConfig, DenseIndexerBwdSpec, dense_config_for
+from dsagen.spec import SpecError
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(num_heads=32), "num_heads=32 must be 64"),
+    (dict(head_dim=256), "head_dim=256 must be 64 or 128"),
+    (dict(dtype="float32"), "dtype='float32'"),
+    (dict(stages=5), "stages=5 must be in 2..4"),
+    (dict(regs_consumer=240), "exceeds 256"),
+    (dict(arch="sm_100a"), "sm_90a only"),
+])
+def test_invalid_specs_say_why(kw, needle):
+    with pytest.raises(SpecError, match=re.escape(needle)):
+        DenseIndexerBwdSpec(**{"arch": "sm_90a", **kw}).check()
+
+
+def test_config_and_binding():
+    cfg = dense_config_for(128, "bfloat16", "sm_90a", 132)
+    assert cfg == DenseIndexerBwdConfig() and cfg.n_ctas(132) == 264
+    assert cfg.spec(128, "bfloat16") == DenseIndexerBwdSpec(arch="sm_90a")
+    with pytest.raises(ValueError, match="grid=0"):
+        DenseIndexerBwdConfig(grid=0)
+    src = render(DenseIndexerBwdSpec(arch="sm_90a", head_dim=64))
+    compile(src, "kernel.py", "exec")
+    assert "from dsagen.kernels.indexer_bwd.dense_sm90 import build" in src
+    assert "dsagen.kernels.indexer_bwd.dense_sm90" in helper_modules(src)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d", [128, 64])
+def test_compiles_to_wgmma_and_atomics(d, tmp_path):
+    """The sparse form's products per tile (S, dQ, dK halves), 16-byte FP32 atomics for dK, no spills, budgets
+    inside the CTA pool (two CTAs of 256 threads at 128 registers)."""
+    from dsagen.jit.build import compile_module
+    from dsagen.jit.sass import disassemble, find_nvdisasm
+
+    spec = DenseIndexerBwdSpec(arch="sm_90a", head_dim=d)
+    ck = compile_module(spec, render(spec), tmp_path)
+    assert ck.record["launch"]["block"] == [256, 1, 1]
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    sass = disassemble(ck.cubin)
+    assert "HGMMA" in sass and "REDG.E.ADD.F32x4" in sass.replace(".STRONG.GPU", "")
+    assert not re.findall(r"(LDL|STL)", sass)                                      # no spills
+    budgets = sorted(int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass))
+    assert budgets == sorted([spec.regs_producer, spec.regs_consumer])
+    assert 128 * (spec.regs_producer + spec.regs_consumer) <= 256 * ck.record["regcount"]
+
+
+def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
+    """dense_host's flattening, head padding (zero weights), the folded c * sm_scale with grad_loss, offsets and the
+    dense score rows, with a stand-in for the kernel that computes its contract (dense_sm90's docstring) in torch,
+    against the reference op: B 2, 16 heads padded to 64, ratio 2, offsets that empty rows and pass every key."""
+    import torch
+
+    import dsagen
+    from dsagen.kernels.indexer_bwd import dense_host
+
+    class Kernel:
+        def launch(self, q, keys, attn, index, norm, lse, cs, w, dq, dw, dk, q_off, rows, T, S, ratio, has_off,
+                   ld_k, ld_s, n_ctas):
+            dk.zero_()
+            for tok in range(rows):
+                b, t = divmod(tok, T)
+                off = int(q_off[b]) if has_off else 0
+                hi = min(max((off + t + 1) // ratio, 0), S) if off + t + 1 > 0 else 0
+                kr = keys[b * S:b * S + hi].float()
+                inv = 1.0 / norm[tok] if norm[tok] > 0 else 0.0
+                has = 1.0 if norm[tok] > 0 else 0.0
+                di = cs[0] * (torch.exp(index[tok, :hi] - lse[tok]) * has - attn[tok, :hi] * inv)   # [hi]
+                s = kr @ q[tok].float().T                                                            # [hi, H]
+                dw[tok] = (di[:, None] * torch.relu(s)).sum(0)
+                g = (di[:, None] * w[tok][None, :] * (s > 0)).to(q.dtype).float()
+                dq[tok] = (g.T @ kr).to(dq.dtype)
+                dk[b * S:b * S + hi] += g @ q[tok].float()
+
+    spec = DenseIndexerBwdSpec(arch="sm_90a", head_dim=64)
+    monkeypatch.setattr(dense_host, "_launch_plan", lambda *a, **k: (spec, Kernel(), 3))
+    gen = torch.Generator().manual_seed(6)
+    b, s_q, h, d, s_k = 2, 5, 16, 64, 7
+    q = torch.randn(b, s_q, h, d, generator=gen).bfloat16()
+    w = torch.randn(b, s_q, h, generator=gen).bfloat16()
+    k = torch.randn(b, s_k, d, generator=gen).bfloat16()
+    off = torch.tensor([-3, 40], dtype=torch.int32)
+    attn = torch.rand(b, s_q, s_k, generator=gen)
+    index = torch.randn(b, s_q, s_k, generator=gen)
+    vis = torch.stack([torch.arange(s_k)[None, :] < torch.clamp((int(o) + torch.arange(s_q) + 1) // 2, 0, s_k)[:, None]
+                       for o in off])
+    attn = attn.masked_fill(~vis, -math.inf)
+    index = index.masked_fill(~vis, -math.inf)
+    norm = torch.where(vis, attn, 0.0).sum(-1)
+    lse = torch.logsumexp(index, dim=-1)
+    grad = torch.tensor(1.7)
+    kw = dict(grad_loss=grad, sm_scale=0.3, loss_coeff=0.5, ratio=2, q_causal_offsets=off)
+    got = dense_host.dense_indexer_backward(q, w, k, attn, norm, index, lse, **kw)
+    want = dsagen.dense_indexer_backward(q, w, k, attn, norm, index, lse, impl="reference", **kw)
+    for g_, w_ in zip(got, want):
+        assert g_.shape == w_.shape and g_.dtype == w_.dtype
+        assert torch.allclose(g_.float(), w_.float(), rtol=2e-2, atol=2e-2 * max(w_.float().abs().max().item(), 1e-6))
+
+
+def test_unsupported_inputs_say_why():
+    import torch
+
+    from dsagen.kernels.indexer_bwd import dense_host
+
+    q = torch.zeros(1, 2, 64, 96, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="D=96"):
+        dense_host.dense_indexer_backward(q, torch.zeros(1, 2, 64), torch.zeros(1, 3, 96, dtype=torch.bfloat16),
+                                          torch.zeros(1, 2, 3), torch.ones(1, 2), torch.zeros(1, 2, 3),
+                                          torch.zeros(1, 2))

@@ -121,3 +121,51 @@ def test_unsupported_inputs_say_why():
         dense_host.dense_indexer_backward(q, torch.zeros(1, 2, 64), torch.zeros(1, 3, 96, dtype=torch.bfloat16),
                                           torch.zeros(1, 2, 3), torch.ones(1, 2), torch.zeros(1, 2, 3),
                                           torch.zeros(1, 2))
+
+
+def test_kl_path_composition_on_the_cpu_with_reference_stand_ins(monkeypatch):
+    """kl_host's blocking (whole-row blocks, offsets shifted by the block's first row, loss_coeff scaled to the
+    block, d_index_k summed over blocks) with its three launches stood in by the references of the ops they
+    compute, against the reference dense_indexer_kl_backward: B 2, ratio 2, offsets, blocks of 3 rows."""
+    import torch
+
+    import dsagen
+    from dsagen.kernels.attn_score_recompute import dense_host as attn_host
+    from dsagen.kernels.indexer_bwd import dense_host as bwd_host
+    from dsagen.kernels.indexer_bwd import kl_host
+    from dsagen.kernels.lightning_indexer import scores_host
+
+    def scores(iq, ik, w, *, ratio, q_causal_offsets, scale, **_):
+        return tuple(dsagen.dense_indexer_score_recompute(iq, ik, w, sm_scale=scale, ratio=ratio,
+                                                          q_causal_offsets=q_causal_offsets, impl="reference"))
+
+    def attn(q, k, lse, scale, *, ratio, q_causal_offsets):
+        return tuple(dsagen.dense_attn_score_recompute(q, k, lse, scale, ratio=ratio,
+                                                       q_causal_offsets=q_causal_offsets, impl="reference"))
+
+    def bwd(*args, **kw):
+        return tuple(dsagen.dense_indexer_backward(*args, impl="reference", **kw))
+
+    monkeypatch.setattr(scores_host, "indexer_scores", scores)
+    monkeypatch.setattr(attn_host, "dense_attn_score_recompute", attn)
+    monkeypatch.setattr(bwd_host, "dense_indexer_backward", bwd)
+    gen = torch.Generator().manual_seed(8)
+    b, s_q, s_k, h, d, h_i, d_i = 2, 7, 9, 4, 16, 4, 8
+    q = torch.randn(b, s_q, h, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, s_k, d, generator=gen, dtype=torch.float64)
+    iq = torch.randn(b, s_q, h_i, d_i, generator=gen, dtype=torch.float64)
+    w = torch.randn(b, s_q, h_i, generator=gen, dtype=torch.float64)
+    ik = torch.randn(b, s_k, d_i, generator=gen, dtype=torch.float64)
+    off = torch.tensor([-2, 3], dtype=torch.int32)
+    scale = d ** -0.5
+    vis = torch.stack([torch.arange(s_k)[None, :] < torch.clamp((int(o) + torch.arange(s_q) + 1) // 2, 0, s_k)[:, None]
+                       for o in off])
+    sc = torch.einsum("bthd,bsd->bths", q, k) * scale
+    lse = torch.logsumexp(sc.masked_fill(~vis[:, :, None, :], -math.inf), dim=-1)
+    kw = dict(softmax_scale=scale, sm_scale=0.6, loss_coeff=0.8, grad_loss=torch.tensor(1.5, dtype=torch.float64),
+              ratio=2, q_causal_offsets=off)
+    got = kl_host.dense_indexer_kl_backward(q, k, lse, iq, w, ik, scratch_bytes=6 * 4 * s_k * 3, **kw)
+    want = dsagen.dense_indexer_kl_backward(q, k, lse, iq, w, ik, impl="reference", **kw)
+    assert kl_host.block_rows(s_q, s_k, 6 * 4 * s_k * 3) == 3
+    for g_, w_ in zip(got, want):
+        assert torch.allclose(g_.double(), w_.double(), rtol=1e-6, atol=1e-9), (g_, w_)

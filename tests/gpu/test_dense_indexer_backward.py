@@ -15,12 +15,16 @@ import pytest
 import torch
 
 import dsagen
-from dsagen.kernels.indexer_bwd import dense_host
+from dsagen.kernels.attn_score_recompute.spec import dense_config_for as attn_dense_config_for
+from dsagen.kernels.indexer_bwd import dense_host, kl_host
 from dsagen.kernels.indexer_bwd.spec import dense_config_for
+from dsagen.kernels.lightning_indexer.spec import scores_config_for
 
 ARCH = "sm_90a"
 REQUIRED_SPECS = [dense_config_for(d, dt, ARCH, None).spec(d, dt, ARCH)
-                  for d, dt in [(128, "bfloat16"), (64, "bfloat16"), (128, "float16")]]
+                  for d, dt in [(128, "bfloat16"), (64, "bfloat16"), (128, "float16")]] + [
+    attn_dense_config_for(64, 512, "bfloat16", ARCH, None).spec(64, 512, "bfloat16", ARCH),
+    *scores_config_for(64, 128, "bfloat16", ARCH).specs()]
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -73,3 +77,32 @@ def test_ratio_offsets_batches_and_grad_loss():
 def test_padded_heads_short_rows_and_fp16():
     check(*make_case(2, 33, 5, 16, 128, offsets=[-20, 0], seed=3))
     check(*make_case(1, 70, 130, 64, 128, seed=4, dtype=torch.float16))
+
+
+def test_kl_path_matches_reference():
+    """kl_host (the three fused launches per block of whole rows) against the reference dense_indexer_kl_backward:
+    B 2, ratio 1, offsets, a scratch that forces blocks of 40 rows."""
+    gen = torch.Generator().manual_seed(12)
+    b, s_q, s_k = 2, 150, 150
+    q = (torch.randn((b, s_q, 64, 512), generator=gen) * 0.5).bfloat16().to(DEV)
+    k = (torch.randn((b, s_k, 512), generator=gen) * 0.5).bfloat16().to(DEV)
+    iq = (torch.randn((b, s_q, 64, 128), generator=gen) * 0.3).bfloat16().to(DEV)
+    w = torch.randn((b, s_q, 64), generator=gen).bfloat16().to(DEV)
+    ik = (torch.randn((b, s_k, 128), generator=gen) * 0.3).bfloat16().to(DEV)
+    off = torch.tensor([0, 20], dtype=torch.int32, device=DEV)
+    scale = 512 ** -0.5
+    # the true per-head attention LSE over each row's visible keys
+    sc = torch.einsum("bthd,bsd->bths", q.double(), k.double()) * scale
+    lim = torch.stack([torch.clamp(o + torch.arange(s_q, device=DEV) + 1, 0, s_k) for o in off])
+    vis = torch.arange(s_k, device=DEV)[None, None, :] < lim[..., None]
+    lse = torch.logsumexp(sc.masked_fill(~vis[:, :, None, :], -math.inf), dim=-1).float()
+    kw = dict(softmax_scale=scale, sm_scale=128 ** -0.5, loss_coeff=0.7, grad_loss=torch.tensor(1.2, device=DEV),
+              ratio=1, q_causal_offsets=off)
+    assert kl_host.block_rows(s_q, s_k, 6 * 4 * s_k * 40) == 40
+    got = kl_host.dense_indexer_kl_backward(q, k, lse, iq, w, ik, scratch_bytes=6 * 4 * s_k * 40, **kw)
+    want = dsagen.dense_indexer_kl_backward(q.double(), k.double(), lse.double(), iq.double(), w.double(),
+                                            ik.double(), impl="reference", **kw)
+    assert abs(got.loss.item() - want.loss.item()) <= 1e-3 * abs(want.loss.item()) + 1e-6
+    for name, g_, w_ in zip(("d_index_q", "d_weights", "d_index_k"), got[1:], want[1:]):
+        err = (g_.double() - w_).abs().max().item()
+        assert err <= 2e-2 * max(w_.abs().max().item(), 1e-30), (name, err)

@@ -15,7 +15,7 @@ import torch
 
 from ...runtime import LoadedKernel
 from ..lightning_indexer.host import dummy_offsets
-from ..sparse_mla.host import head_padded_launch_plan, padded_heads
+from ..sparse_mla.host import gather_rows, head_padded_launch_plan, padded_heads
 from .spec import DenseAttnScoreRecomputeConfig, DenseAttnScoreRecomputeSpec, dense_config_for
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -78,9 +78,7 @@ def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tens
     hp = spec.num_heads
     qf = padded_heads(q.reshape(rows, h, d), hp)
     lse_f = padded_heads(lse.reshape(rows, h).to(torch.float32), hp, float("inf"))
-    keys = k.reshape(n_kv, d)
-    if keys.stride(1) != 1 or keys.stride(0) % 8 or keys.data_ptr() % 16:
-        keys = keys.clone(memory_format=torch.contiguous_format)
+    keys = gather_rows(k.reshape(n_kv, d))
     q_off, has_off = (q_causal_offsets, 1) if q_causal_offsets is not None else (dummy_offsets(dev), 0)
     kernel.launch(qf, keys, lse_f, out, denom, q_off, rows, s_q, s_k, int(ratio), has_off, qf.stride(0),
                   keys.stride(0), s_k, float(softmax_scale), n_ctas)

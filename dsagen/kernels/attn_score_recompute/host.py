@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ...runtime import LoadedKernel
-from ..sparse_mla.host import head_padded_launch_plan, padded_heads
+from ..sparse_mla.host import gather_rows, head_padded_launch_plan, padded_heads
 from .spec import AttnScoreRecomputeConfig, AttnScoreRecomputeSpec, config_for
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -95,9 +95,7 @@ def run(q_attn: torch.Tensor, k_attn: torch.Tensor, lse: torch.Tensor, topk_indi
     hp = spec.num_heads
     q = padded_heads(q_attn.reshape(rows, h, d), hp)
     lse_f = padded_heads(lse.reshape(rows, h).to(torch.float32), hp, float("inf"))
-    keys = k_attn.reshape(n_kv, d)
-    if keys.stride(1) != 1 or keys.stride(0) % 8 or keys.data_ptr() % 16:
-        keys = keys.clone(memory_format=torch.contiguous_format)
+    keys = gather_rows(k_attn.reshape(n_kv, d))
     ids = topk_indices.reshape(rows, topk)
     if not topk_indices_global and b > 1:
         # local ids: range-check against S_k, then move to the batch's rows (never aliasing another batch)

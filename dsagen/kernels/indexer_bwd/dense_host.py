@@ -17,7 +17,7 @@ import torch
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
 from ..lightning_indexer.host import dummy_offsets
-from ..sparse_mla.host import padded_heads
+from ..sparse_mla.host import gather_rows, padded_heads
 from .host import HEADS, supported_reason
 from .spec import DenseIndexerBwdConfig, DenseIndexerBwdSpec, dense_config_for
 
@@ -77,9 +77,7 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
         cs = cs * grad_loss.to(torch.float32).reshape(1)
     q = padded_heads(index_q.reshape(rows, h, d), HEADS)
     w = padded_heads(weights.reshape(rows, h).to(torch.float32), HEADS)
-    keys = index_k.reshape(n_k, d)
-    if keys.stride(1) != 1 or keys.stride(0) % 8 or keys.data_ptr() % 16:
-        keys = keys.contiguous()
+    keys = gather_rows(index_k.reshape(n_k, d))
     attn = _rows_f32(attn_score, rows, s_k)
     idx = _rows_f32(index_score, rows, s_k)
     if attn.stride(0) != idx.stride(0):

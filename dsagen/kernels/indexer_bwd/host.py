@@ -28,7 +28,7 @@ from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
 from ..indices.host import batch_flat_ids
 from ..row_scatter_add.host import INDEX_SLOTS, RowScatter
-from ..sparse_mla.host import padded_heads
+from ..sparse_mla.host import gather_rows, padded_heads
 from ..sparse_mla_bwd.host import slot_windows
 from .spec import IndexerBwdConfig, IndexerBwdSpec, config_for
 
@@ -108,9 +108,7 @@ def run(index_q, weights, index_k, attn_score, index_score, topk_indices, grad_l
                      win_out=torch.empty((rows, 2), dtype=torch.int32, device=dev))
     q = padded_heads(index_q.reshape(rows, h, d), HEADS)
     w = padded_heads(weights.reshape(rows, h).to(torch.float32), HEADS)
-    keys = index_k.reshape(n_k, d)
-    if keys.stride(1) != 1 or keys.stride(0) % 8 or keys.data_ptr() % 16:
-        keys = keys.contiguous()
+    keys = gather_rows(index_k.reshape(n_k, d))
     dq = torch.empty((rows, HEADS, d), dtype=index_q.dtype, device=dev)
     dw = torch.empty((rows, HEADS), dtype=torch.float32, device=dev)
     dk = torch.zeros((n_k, d), dtype=torch.float32, device=dev)

@@ -17,7 +17,7 @@ import torch
 
 from ...runtime import LoadedKernel
 from ..indices.host import batch_flat_ids
-from ..sparse_mla.host import head_padded_launch_plan, padded_heads
+from ..sparse_mla.host import gather_rows, head_padded_launch_plan, padded_heads
 from .spec import IndexerScoreRecomputeConfig, IndexerScoreRecomputeSpec, config_for
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -68,9 +68,7 @@ def run(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weights: torch.Tensor,
     hp = spec.num_heads
     q = padded_heads(q_indexer.reshape(rows, h, d), hp)
     w = padded_heads(weights.reshape(rows, h).to(torch.float32) * (float(sm_scale) * math.log2(math.e)), hp)
-    keys = k_indexer.reshape(n_k, d)
-    if keys.stride(1) != 1 or keys.stride(0) % 8 or keys.data_ptr() % 16:
-        keys = keys.clone(memory_format=torch.contiguous_format)
+    keys = gather_rows(k_indexer.reshape(n_k, d))
     ids = topk_indices.reshape(rows, topk)
     if b > 1:
         ids = batch_flat_ids(topk_indices, s_k, topk_indices_global)   # an id never aliases another batch

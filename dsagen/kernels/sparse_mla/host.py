@@ -46,6 +46,15 @@ def padded_heads(t: torch.Tensor, hp: int, fill: float = 0.0) -> torch.Tensor:
     return out
 
 
+def gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """t `(rows, D)` as the row gathers read it (16-byte cp.async chunks): t itself when its columns are unit-stride,
+    its row stride a multiple of 8 elements and its base 16-byte aligned, else a fresh contiguous copy (`clone`, not
+    `contiguous()`, which would return a contiguous but misaligned t as is)."""
+    if t.stride(1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
 def head_padded_launch_plan(cache: dict, h: int, d: int, dtype: torch.dtype, device: torch.device, config,
                             config_for, dtype_names: dict) -> tuple:
     """(spec, loaded kernel, n_ctas argument) of a call of a family whose kernels serve kernel_heads(h) heads (64

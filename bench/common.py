@@ -11,6 +11,27 @@ from typing import Callable
 import torch
 
 
+def cudnn_dsa():
+    """cuDNN frontend's DSA module (the same-process peer of the DSA benchmarks), or None with a note printed when it
+    cannot be imported (the peer is optional: the benchmark then times dsagen alone)."""
+    try:
+        from cudnn import DSA
+    except Exception as e:                       # noqa: BLE001 - the peer is optional
+        print(f"# cuDNN frontend DSA not importable ({type(e).__name__}: {e}); dsagen rows only")
+        return None
+    return DSA
+
+
+def print_paired(label: str, fns: list[tuple[str, Callable[[], object]]], flops: float, rounds: int) -> list[float]:
+    """Time the (name, fn) contenders interleaved (paired_time_ms) and print one line: `label: name ms (TFLOP/s)
+    ...`, and with a second contender (the peer) the first's speedup over it. Returns the milliseconds."""
+    ms = paired_time_ms([f for _, f in fns], rounds=rounds)
+    line = "  ".join(f"{n} {m:.3f} ms ({flops / (m * 1e9):.0f} TFLOP/s)" for (n, _), m in zip(fns, ms))
+    ratio = f"  {fns[0][0]} vs {fns[1][0]} {ms[1] / ms[0]:.2f}x" if len(ms) > 1 else ""
+    print(f"{label}: {line}{ratio}", flush=True)
+    return ms
+
+
 def cuda_time_ms(fn: Callable[[], object], calls: int = 1, rounds: int = 5, queued: bool = False) -> float:
     """Milliseconds per call of `fn` on the current CUDA stream: one warm-up call, then `rounds` rounds of
     `calls` back-to-back calls between two CUDA events; the median over rounds of each round's mean.

@@ -21,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import paired_time_ms  # noqa: E402
+from common import cudnn_dsa, print_paired  # noqa: E402
 
 from dsagen.kernels.attn_score_recompute import dense_host  # noqa: E402
 
@@ -63,11 +63,7 @@ def one(t: int, h: int, d: int, args, dsa) -> None:
         drel = ((den - den_c).abs().max() / den_c.abs().max().clamp(min=1e-30)).item()
         print(f"T {t} H {h} D {d}: -inf pattern equal {same}, out rel diff {rel:.2e}, denom rel diff {drel:.2e}",
               flush=True)
-    ms = paired_time_ms([f for _, f in fns], rounds=args.rounds)
-    flops = 2 * h * d * t * (t + 1) / 2
-    line = "  ".join(f"{n} {m:.3f} ms ({flops / (m * 1e9):.0f} TFLOP/s)" for (n, _), m in zip(fns, ms))
-    ratio = f"  dsagen vs cudnn {ms[1] / ms[0]:.2f}x" if len(ms) > 1 else ""
-    print(f"T {t} H {h} D {d}: {line}{ratio}", flush=True)
+    print_paired(f"T {t} H {h} D {d}", fns, 2 * h * d * t * (t + 1) / 2, args.rounds)
 
 
 def main() -> None:
@@ -79,12 +75,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    dsa = None
-    if not args.no_cudnn:
-        try:
-            from cudnn import DSA as dsa
-        except Exception as e:                   # noqa: BLE001 - the peer is optional
-            print(f"# cuDNN frontend DSA not importable ({type(e).__name__}: {e}); dsagen only")
+    dsa = None if args.no_cudnn else cudnn_dsa()
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}")
     for shape in args.shapes:
         h, d = map(int, shape.split("x"))

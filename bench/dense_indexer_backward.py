@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import paired_time_ms  # noqa: E402
+from common import cudnn_dsa, print_paired  # noqa: E402
 
 from dsagen.kernels.indexer_bwd import dense_host  # noqa: E402
 
@@ -61,11 +61,7 @@ def one(t: int, d: int, args, dsa) -> None:
                                 (theirs["d_index_q"], theirs["d_weights"], theirs["d_index_k"].view_as(mine[2]))):
             rel = ((a_.float() - b_.float()).abs().max() / b_.float().abs().max().clamp(min=1e-30)).item()
             print(f"T {t} D {d}: {name} rel diff {rel:.2e}", flush=True)
-    ms = paired_time_ms([f for _, f in fns], rounds=args.rounds)
-    flops = 6 * H * d * t * (t + 1) / 2
-    line = "  ".join(f"{n} {m:.3f} ms ({flops / (m * 1e9):.0f} TFLOP/s)" for (n, _), m in zip(fns, ms))
-    ratio = f"  dsagen vs cudnn {ms[1] / ms[0]:.2f}x" if len(ms) > 1 else ""
-    print(f"T {t} D {d}: {line}{ratio}", flush=True)
+    print_paired(f"T {t} D {d}", fns, 6 * H * d * t * (t + 1) / 2, args.rounds)
 
 
 def main() -> None:
@@ -77,12 +73,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    dsa = None
-    if not args.no_cudnn:
-        try:
-            from cudnn import DSA as dsa
-        except Exception as e:                   # noqa: BLE001 - the peer is optional
-            print(f"# cuDNN frontend DSA not importable ({type(e).__name__}: {e}); dsagen only")
+    dsa = None if args.no_cudnn else cudnn_dsa()
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}")
     for t in args.T:
         one(t, args.D, args, dsa)

@@ -30,18 +30,9 @@ import re
 import sys
 
 import torch
-from common import paired_time_ms
+from common import cudnn_dsa, paired_time_ms
 
 H, D = 64, 128
-
-
-def _cudnn():
-    try:
-        from cudnn import DSA
-    except Exception as e:                       # noqa: BLE001 - the peer is optional
-        print(f"# cuDNN frontend DSA not importable ({type(e).__name__}: {e}); dsagen rows only")
-        return None
-    return DSA
 
 
 def to_fp8(x: torch.Tensor):
@@ -223,7 +214,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    dsa = None if args.no_cudnn else _cudnn()
+    dsa = None if args.no_cudnn else cudnn_dsa()
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}"
           + ("  cuDNN frontend DSA (SM90 kernels)" if dsa is not None else ""))
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -36,7 +36,7 @@ from cutlass import Float32, Int32, Int64
 
 from dsagen.kernels.attn_score_recompute.recompute_sm90 import AttnScoreRecomputeSm90
 from dsagen.kernels.built import BuiltKernel
-from dsagen.kernels.common.sm90.dense_rows import causal_count, fill_tail
+from dsagen.kernels.common.sm90.dense_rows import fill_tail, row_limit
 from dsagen.kernels.common.sm90.gather import load_row_tile, row_gather_producer
 
 LOG2E = math.log2(math.e)
@@ -121,13 +121,6 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
 
         return kernel, host
 
-    @cute.jit
-    def row_keys(self, a: DenseArgs, tok):
-        """(b, hi, ntiles) of row tok: its batch element, its visible keys [0, hi) and their 64-key tiles."""
-        b = tok // a.T
-        hi = causal_count(a.p_off, a.has_off, b, tok - b * a.T, a.S, a.ratio)
-        return b, hi, (hi + self.BN - 1) // self.BN
-
     # ------------------------------------------------------------------------------------------- producer (WG0)
     @cute.jit
     def producer(self, a, sh, st, lay_q, lay_kv, tidx, bidx, nctas):
@@ -139,7 +132,8 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
-            b, hi, ntiles = self.row_keys(a, tok)
+            b, hi = row_limit(a.p_off, a.has_off, tok, a.T, a.S, a.ratio)
+            ntiles = (hi + self.BN - 1) // self.BN
             load_row_tile(p.q_smem, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D_QK, lanes, p.policy, it,
                           sh.q_free, sh.q_ready, per_block=True)
             for j in cutlass.range(ntiles, unroll=1):
@@ -163,7 +157,8 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
-            _, hi, ntiles = self.row_keys(a, tok)
+            _, hi = row_limit(a.p_off, a.has_off, tok, a.T, a.S, a.ratio)
+            ntiles = (hi + BN - 1) // BN
             p_row = a.p_out + Int64(tok) * a.ld_out
             self.load_row_lse(cs, a.p_lse, tok)
             den = Float32(0.0)                                             # threads ctid < BN: their columns' sum

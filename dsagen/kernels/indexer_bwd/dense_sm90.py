@@ -26,7 +26,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from dsagen.kernels.built import BuiltKernel
-from dsagen.kernels.common.sm90.dense_rows import causal_count
+from dsagen.kernels.common.sm90.dense_rows import row_limit
 from dsagen.kernels.common.sm90.gather import gather_ring_tile, load_row_tile, row_gather_producer
 from dsagen.kernels.indexer_bwd.bwd_sm90 import IndexerBwdSm90
 
@@ -124,15 +124,9 @@ class DenseIndexerBwdSm90(IndexerBwdSm90):
         return kernel, host
 
     @cute.jit
-    def row_keys(self, a: DenseArgs, tok):
-        """(b, hi) of row tok: its batch element and its visible keys [0, hi)."""
-        b = tok // a.T
-        return b, causal_count(a.p_off, a.has_off, b, tok - b * a.T, a.S, a.ratio)
-
-    @cute.jit
     def row_tiles(self, a, tok):
         """The row's 64-key tiles over its visible keys."""
-        _, hi = self.row_keys(a, tok)
+        _, hi = row_limit(a.p_off, a.has_off, tok, a.T, a.S, a.ratio)
         return (hi + self.BN - 1) // self.BN
 
     # ------------------------------------------------------------------------------------------- producer (WG0)
@@ -148,7 +142,7 @@ class DenseIndexerBwdSm90(IndexerBwdSm90):
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
-            b, hi = self.row_keys(a, tok)
+            b, hi = row_limit(a.p_off, a.has_off, tok, a.T, a.S, a.ratio)
             ntiles = (hi + self.BN - 1) // self.BN
             load_row_tile(p.q_smem, lay_q, a.p_q + Int64(tok) * (self.H * self.D), self.H, self.D, lanes, p.policy,
                           it, sh.q_free, sh.q_full)

@@ -1,7 +1,8 @@
 """Rows of a dense, ratio-causal score matrix (sm_90a device code): the column limit of a query row
-(`causal_count`: cuDNN frontend DSA's ratio-causal mask with per-segment offsets, in 32-bit arithmetic) and the
-masked tail of a row (`fill_tail`: -inf past the visible columns, 16-byte streaming stores). Used by the dense
-indexer scores (lightning_indexer) and the dense attention score recompute (attn_score_recompute).
+(`causal_count`: cuDNN frontend DSA's ratio-causal mask with per-segment offsets, in 32-bit arithmetic; `row_limit`
+for a flat BSHD row) and the masked tail of a row (`fill_tail`: -inf past the visible columns, 16-byte streaming
+stores). Used by the dense indexer scores (lightning_indexer), the dense attention score recompute
+(attn_score_recompute) and the dense indexer backward (indexer_bwd).
 """
 import cutlass
 import cutlass.cute as cute
@@ -34,6 +35,14 @@ def causal_count(p_off: cute.Pointer, has_off: Int32, seg: Int32, pos: Int32, co
             m = Uint32(c) + Uint32(pos + 1)
             n = cutlass.min(count, a + Int32(m // Uint32(ratio)))
     return n
+
+
+@cute.jit
+def row_limit(p_off: cute.Pointer, has_off: Int32, tok: Int32, T: Int32, S: Int32, ratio: Int32):
+    """(b, hi) of query row tok = b * T + t of a BSHD batch (T query rows and S keys per batch element): its batch
+    element and its visible keys [0, hi), hi = causal_count with b's offset."""
+    b = tok // T
+    return b, causal_count(p_off, has_off, b, tok - b * T, S, ratio)
 
 
 @cute.jit

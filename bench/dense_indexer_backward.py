@@ -47,12 +47,11 @@ def one(t: int, d: int, args, dsa) -> None:
     q, w, k, attn, norm, index, lse, grad = inputs(t, d)
     fns = [("dsagen", lambda: dense_host.dense_indexer_backward(q, w, k, attn, norm, index, lse, grad_loss=grad))]
     if dsa is not None:
-        k4 = k.unsqueeze(2)
         pool = [(attn.clone(), index.clone()) for _ in range(args.rounds + 2)]
 
         def cudnn():
             a, i = pool.pop()
-            return dsa.dense_indexer_backward_wrapper(q, w, k4, a, norm, i, lse, grad, ratio=1)
+            return dsa.dense_indexer_backward_wrapper(q, w, k, a, norm, i, lse, grad, ratio=1)
 
         fns.append(("cudnn", cudnn))
         mine = fns[0][1]()

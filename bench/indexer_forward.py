@@ -5,7 +5,7 @@ indexer + top-k (dsagen.indexer_forward_topk, with logits, softmax and LSE) agai
 
     python bench/indexer_forward.py [--T 4096 8192 32768] [--topk 2048] [--rounds 7] [--no-cudnn] [--json FILE]
                                     [--slab-mib 32 128] [--recompute-T 2048 4096 16384]
-                                    [--scores-variant chunk1024 launch4096 fp8-stages8 fp8-consumers4]
+                                    [--scores-variant chunk1024 launch4096 fp8-stages8 fp8-consumers3]
 
 B = 1, H = 64, D = 128, S_k = T, ratio 1 (causal), fresh random inputs; FP8: E4M3 q / k with per-(token, head) and
 per-token FP32 descales (amax / 448), BF16 weights. Every group of contenders is timed interleaved
@@ -51,7 +51,7 @@ def _group(name_fns: list[tuple[str, object]], rounds: int) -> dict[str, float]:
 def _scores_variant(q, k, w, t: int, variant: str, fp8=None):
     """indexer_scores (+lse) with another ScoresConfig, through the host's run (no custom op) into preallocated
     outputs: "chunkN" (candidates per work item), "launchN" (query rows per score launch), "stagesN" (the score
-    kernel's K ring: 2N slots) or "consumersN" (its consumer warpgroups: 4 for the FP8 form only); "fillN" without
+    kernel's K ring: 2N slots) or "consumersN" (its consumer warpgroups: 3, or 4 for the FP8 form only, its default); "fillN" without
     the LSE: fill1 the score kernel writes the -inf tails (the default), fill0 the finishing kernel's own pass does;
     "fp8-" before it: the FP8 form (fp8: (q8, k8, q_scale, k_scale))."""
     from dsagen.kernels.lightning_indexer.scores_host import run
@@ -60,7 +60,7 @@ def _scores_variant(q, k, w, t: int, variant: str, fp8=None):
     m = re.fullmatch(r"(fp8-)?(chunk|launch|stages|consumers|fill)(\d+)", variant)
     if m is None:
         raise SystemExit(f"--scores-variant {variant!r}: expected [fp8-]chunkN, [fp8-]launchN, [fp8-]stagesN, "
-                         f"[fp8-]fill0 / fill1 or fp8-consumers4")
+                         f"[fp8-]fill0 / fill1 or fp8-consumers3 / 4")
     dtype = "float8_e4m3fn" if m.group(1) else "bfloat16"
     cfg = scores_config_for(H, D, dtype, "sm_90a")
     n = int(m.group(3))
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scores-variant", nargs="*", default=[],
                     help="also time indexer_scores (+lse) with another config: chunkN (work-item candidates), "
                          "launchN (query rows per launch), stagesN (K ring of 2N slots), consumersN (consumer "
-                         "warpgroups); fp8-X: the FP8 form (fp8-consumers4)")
+                         "warpgroups; the FP8 form's default is 4); fp8-X: the FP8 form (fp8-consumers3)")
     ap.add_argument("--recompute-T", type=int, nargs="*", default=[],
                     help="also time dense_indexer_score_recompute beside cuDNN's at these T")
     ap.add_argument("--json", default=None)

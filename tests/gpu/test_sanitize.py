@@ -588,14 +588,15 @@ def test_local_to_global():
 
 
 @gpu
-def test_indexer_scores_fp8():
-    """indexer_scores(precision="fp8"): the FP8 score kernel (uint8 TMA boxes, QGMMA, descale loads) under the
-    sanitizer, BSHD with odd S_q and one negative offset; the mask matches the reference's."""
+@pytest.mark.parametrize("h", [16, 32, 64, 128])
+def test_indexer_scores_fp8(h):
+    """indexer_scores(precision="fp8"): the FP8 score kernel (uint8 TMA boxes, QGMMA, descale loads, four consumer
+    warpgroups) under the sanitizer, BSHD with odd S_q and one negative offset; the mask matches the reference's."""
     gen = torch.Generator().manual_seed(313)
-    q = (torch.randn((2, 151, 64, 128), generator=gen) * 4).to(torch.float8_e4m3fn).to(DEV)
+    q = (torch.randn((2, 151, h, 128), generator=gen) * 4).to(torch.float8_e4m3fn).to(DEV)
     k = (torch.randn((2, 70, 128), generator=gen) * 4).to(torch.float8_e4m3fn).to(DEV)
-    w = torch.randn((2, 151, 64), generator=gen).bfloat16().to(DEV)
-    qs = (torch.rand((2, 151, 64), generator=gen) + 0.05).to(DEV)
+    w = torch.randn((2, 151, h), generator=gen).bfloat16().to(DEV)
+    qs = (torch.rand((2, 151, h), generator=gen) + 0.05).to(DEV)
     ks = (torch.rand((2, 70), generator=gen) + 0.05).to(DEV)
     kw = dict(ratio=4, q_causal_offsets=torch.tensor([-40, 300], dtype=torch.int32, device=DEV), precision="fp8",
               q_scale=qs, k_scale=ks)

@@ -149,6 +149,8 @@ def test_kl_path_composition_on_the_cpu_with_reference_stand_ins(monkeypatch):
     monkeypatch.setattr(scores_host, "indexer_scores", scores)
     monkeypatch.setattr(attn_host, "dense_attn_score_recompute", attn)
     monkeypatch.setattr(bwd_host, "dense_indexer_backward", bwd)
+    for host in (attn_host, bwd_host):                 # the stand-ins take FP64 and any D
+        monkeypatch.setattr(host, "supported_reason", lambda *_: "")
     gen = torch.Generator().manual_seed(8)
     b, s_q, s_k, h, d, h_i, d_i = 2, 7, 9, 4, 16, 4, 8
     q = torch.randn(b, s_q, h, d, generator=gen, dtype=torch.float64)
@@ -169,3 +171,28 @@ def test_kl_path_composition_on_the_cpu_with_reference_stand_ins(monkeypatch):
     assert kl_host.block_rows(s_q, s_k, 6 * 4 * s_k * 3) == 3
     for g_, w_ in zip(got, want):
         assert torch.allclose(g_.double(), w_.double(), rtol=1e-6, atol=1e-9), (g_, w_)
+
+
+def test_kl_path_refuses_inputs_outside_the_kernels_before_any_launch(monkeypatch):
+    """kl_host names the limit (attention D, indexer H) and launches nothing: no stand-in is ever called."""
+    import pytest
+    import torch
+
+    from dsagen.kernels.attn_score_recompute import dense_host as attn_host
+    from dsagen.kernels.indexer_bwd import kl_host
+    from dsagen.kernels.lightning_indexer import scores_host
+
+    def never(*_, **__):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(scores_host, "indexer_scores", never)
+    monkeypatch.setattr(attn_host, "dense_attn_score_recompute", never)
+    bf = dict(dtype=torch.bfloat16)
+    q, k, lse = torch.zeros(1, 4, 64, 256, **bf), torch.zeros(1, 4, 256, **bf), torch.zeros(1, 4, 64)
+    iq, w, ik = torch.zeros(1, 4, 64, 128, **bf), torch.zeros(1, 4, 64, **bf), torch.zeros(1, 4, 128, **bf)
+    with pytest.raises(NotImplementedError, match="D=256"):
+        kl_host.dense_indexer_kl_backward(q, k, lse, iq, w, ik, softmax_scale=0.1)
+    q, k = torch.zeros(1, 4, 64, 576, **bf), torch.zeros(1, 4, 576, **bf)
+    iq, w = torch.zeros(1, 4, 96, 128, **bf), torch.zeros(1, 4, 96, **bf)
+    with pytest.raises(NotImplementedError, match="H=96"):
+        kl_host.dense_indexer_kl_backward(q, k, lse, iq, w, ik, softmax_scale=0.1)

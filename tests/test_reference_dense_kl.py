@@ -120,7 +120,7 @@ def test_bad_inputs_name_the_argument(bad, err):
         dsagen.dense_indexer_kl_backward(**x, **REF)
 
 
-def test_fused_has_no_kernel_yet():
+def test_fused_refuses_cpu_inputs():
     """impl="fused" (the default) is refused on CPU tensors like every fused op; no silent reference fallback."""
     x = _inputs(seed=8)
     with pytest.raises(ValueError, match="fused"):

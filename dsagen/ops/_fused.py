@@ -5,8 +5,8 @@ fused kernel yet: `fused_impl` raises NotImplementedError naming the op and the 
 to the reference silently.
 
 Ops that run under `torch.compile` (the sparse MLA forward and backward, the autograd backward that calls the
-latter, both score recomputes, the indexer backward, the standalone top-k, indexer_scores and indexer_forward_topk) may be resolved for the first time while
-Dynamo traces: `importlib.import_module` cannot be traced, so
+latter, the score recomputes, the indexer backwards, the dense warm-up loss path, the standalone top-k,
+indexer_scores and indexer_forward_topk) may be resolved for the first time while Dynamo traces: `importlib.import_module` cannot be traced, so
 their host modules are also listed in `_TRACEABLE_IMPORTS`, whose loaders are plain `from ... import` statements
 that Dynamo executes. A `torch.compile(fullgraph=True)` program therefore needs no eager warm-up call to find them.
 """
@@ -31,6 +31,9 @@ FUSED: dict[str, str] = {
     "indexer_scores": "dsagen.kernels.lightning_indexer.scores_host:indexer_scores",
     "indexer_forward_topk": "dsagen.kernels.lightning_indexer.forward_topk_host:indexer_forward_topk",
     "dense_indexer_score_recompute": "dsagen.kernels.lightning_indexer.scores_host:dense_indexer_score_recompute",
+    "dense_attn_score_recompute": "dsagen.kernels.attn_score_recompute.dense_host:dense_attn_score_recompute",
+    "dense_indexer_backward": "dsagen.kernels.indexer_bwd.dense_host:dense_indexer_backward",
+    "dense_indexer_kl_backward": "dsagen.kernels.indexer_bwd.kl_host:dense_indexer_kl_backward",
     # the scratch size of sparse_attention_backward's workspace (FP32 elements)
     "sparse_attention_backward_workspace_numel": "dsagen.kernels.sparse_mla_bwd.host:workspace_numel",
 }
@@ -61,6 +64,21 @@ def _indexer_bwd_host():
     return host
 
 
+def _dense_attn_score_recompute_host():
+    from ..kernels.attn_score_recompute import dense_host
+    return dense_host
+
+
+def _dense_indexer_bwd_host():
+    from ..kernels.indexer_bwd import dense_host
+    return dense_host
+
+
+def _dense_indexer_kl_host():
+    from ..kernels.indexer_bwd import kl_host
+    return kl_host
+
+
 def _indexer_topk_host():
     from ..kernels.indexer_topk import host
     return host
@@ -83,6 +101,9 @@ _TRACEABLE_IMPORTS: dict[str, Callable] = {
     "dsagen.kernels.attn_score_recompute.host": _attn_score_recompute_host,
     "dsagen.kernels.indexer_score_recompute.host": _indexer_score_recompute_host,
     "dsagen.kernels.indexer_bwd.host": _indexer_bwd_host,
+    "dsagen.kernels.attn_score_recompute.dense_host": _dense_attn_score_recompute_host,
+    "dsagen.kernels.indexer_bwd.dense_host": _dense_indexer_bwd_host,
+    "dsagen.kernels.indexer_bwd.kl_host": _dense_indexer_kl_host,
     "dsagen.kernels.indexer_topk.host": _indexer_topk_host,
     "dsagen.kernels.lightning_indexer.scores_host": _indexer_scores_host,
     "dsagen.kernels.lightning_indexer.forward_topk_host": _indexer_forward_topk_host,

@@ -149,6 +149,35 @@ def _dense_indexer_score_recompute_fake(q_indexer, k_indexer, weights, ratio, q_
                                 True, "default", None, None)
 
 
+def _dense_indexer_backward_run(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse,
+                                grad_loss, sm_scale, loss_coeff, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k):
+    return tuple(_public("indexer_training", "dense_indexer_backward")(
+        index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss=grad_loss,
+        sm_scale=sm_scale, loss_coeff=loss_coeff, ratio=ratio, q_causal_offsets=q_causal_offsets,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, impl="fused"))
+
+
+def _dense_indexer_backward_fake(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse,
+                                 grad_loss, sm_scale, loss_coeff, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k):
+    """(d_index_q, d_weights, d_index_k), each shaped and typed as the tensor it is the gradient of."""
+    return torch.empty_like(index_q), torch.empty_like(weights), torch.empty_like(index_k)
+
+
+def _dense_indexer_kl_backward_run(q, k, lse, index_q, weights, index_k, softmax_scale, sm_scale, loss_coeff,
+                                   grad_loss, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k):
+    return tuple(_public("indexer_training", "dense_indexer_kl_backward")(
+        q, k, lse, index_q, weights, index_k, softmax_scale=softmax_scale, sm_scale=sm_scale, loss_coeff=loss_coeff,
+        grad_loss=grad_loss, ratio=ratio, q_causal_offsets=q_causal_offsets, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, impl="fused"))
+
+
+def _dense_indexer_kl_backward_fake(q, k, lse, index_q, weights, index_k, softmax_scale, sm_scale, loss_coeff,
+                                    grad_loss, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k):
+    """loss 0-d FP32 (FP64 for FP64 inputs), then the gradients shaped and typed as index_q, weights, index_k."""
+    loss = q.new_empty((), dtype=_acc_dtype(q, lse, index_q, weights, index_k))
+    return loss, torch.empty_like(index_q), torch.empty_like(weights), torch.empty_like(index_k)
+
+
 def _indexer_forward_topk_run(q_indexer, k_indexer, weights, top_k, ratio, q_causal_offsets, return_softmax,
                               return_lse, topk_indices_global, cu_seqlens_q, cu_seqlens_k, deterministic, precision,
                               q_scale, k_scale):
@@ -266,6 +295,25 @@ def _sparse_attn_score_recompute_fake(q_attn, k_attn, lse, topk_indices, softmax
     return (q_attn.new_empty(topk_indices.shape, dtype=_acc_dtype(q_attn, lse)),)
 
 
+def _dense_attn_score_recompute_run(q, k, lse, softmax_scale, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k):
+    return tuple(_public("sparse_attention", "dense_attn_score_recompute")(
+        q, k, lse, softmax_scale, ratio=ratio, q_causal_offsets=q_causal_offsets, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, impl="fused"))
+
+
+def _dense_attn_score_recompute_fake(q, k, lse, softmax_scale, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k):
+    """out `(B, S_q, S_k)` and denom `(B, S_q)` (THD: `(total_q, max_seqlen_k)`, a data-dependent width, and
+    `(total_q,)`), FP32 (FP64 for FP64 inputs)."""
+    acc = _acc_dtype(q, lse)
+    if cu_seqlens_q is not None:
+        rows = (q.shape[0],)
+        shape = rows + (torch.library.get_ctx().new_dynamic_size(),)
+    else:
+        rows = tuple(q.shape[:2])
+        shape = rows + (k.shape[1],)
+    return q.new_empty(shape, dtype=acc), q.new_empty(rows, dtype=acc)
+
+
 OPS: tuple[OpDef, ...] = (
     OpDef("compactify", "Tensor topk_idxs, Tensor? topk_length=None", ("compact_idxs", "lengths"),
           _compactify_run, _compactify_fake),
@@ -281,6 +329,17 @@ OPS: tuple[OpDef, ...] = (
     OpDef("dense_indexer_score_recompute", "Tensor q_indexer, Tensor k_indexer, Tensor weights, int ratio=1, "
           "Tensor? q_causal_offsets=None, float sm_scale=1.0, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None",
           ("out", "denom"), _dense_indexer_score_recompute_run, _dense_indexer_score_recompute_fake),
+    OpDef("dense_indexer_backward", "Tensor index_q, Tensor weights, Tensor index_k, Tensor attn_score, "
+          "Tensor attn_l1norm, Tensor index_score, Tensor index_lse, Tensor? grad_loss=None, float sm_scale=1.0, "
+          "float loss_coeff=1.0, int ratio=1, Tensor? q_causal_offsets=None, Tensor? cu_seqlens_q=None, "
+          "Tensor? cu_seqlens_k=None",
+          ("d_index_q", "d_weights", "d_index_k"), _dense_indexer_backward_run, _dense_indexer_backward_fake),
+    OpDef("dense_indexer_kl_backward", "Tensor q, Tensor k, Tensor lse, Tensor index_q, Tensor weights, "
+          "Tensor index_k, float? softmax_scale=None, float sm_scale=1.0, float loss_coeff=1.0, "
+          "Tensor? grad_loss=None, int ratio=1, Tensor? q_causal_offsets=None, Tensor? cu_seqlens_q=None, "
+          "Tensor? cu_seqlens_k=None",
+          ("loss", "d_index_q", "d_weights", "d_index_k"), _dense_indexer_kl_backward_run,
+          _dense_indexer_kl_backward_fake),
     OpDef("indexer_forward_topk", "Tensor q_indexer, Tensor k_indexer, Tensor weights, int top_k, int ratio=1, "
           "Tensor? q_causal_offsets=None, bool return_softmax=True, bool return_lse=False, "
           "bool topk_indices_global=True, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
@@ -305,6 +364,9 @@ OPS: tuple[OpDef, ...] = (
     OpDef("sparse_attn_score_recompute", "Tensor q_attn, Tensor k_attn, Tensor lse, Tensor topk_indices, "
           "float? softmax_scale=None, Tensor? topk_length=None, bool topk_indices_global=False",
           ("target",), _sparse_attn_score_recompute_run, _sparse_attn_score_recompute_fake),
+    OpDef("dense_attn_score_recompute", "Tensor q, Tensor k, Tensor lse, float? softmax_scale=None, int ratio=1, "
+          "Tensor? q_causal_offsets=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None",
+          ("out", "denom"), _dense_attn_score_recompute_run, _dense_attn_score_recompute_fake),
 )
 
 

@@ -19,7 +19,7 @@ also take the packed THD layout, selected by passing cu_seqlens_q / cu_seqlens_k
 mask, which cuDNN frontend DSA defines per "batch or THD segment", and §10 consumes §8's outputs with the same offsets.
 In THD the loss averages over all total_q packed rows (the analogue of B * S_q). The sparse ops stay BSHD, as
 in cuDNN frontend DSA (§9: THD callers use B = 1 views with global ids). The default impl is "fused", as for every dsagen
-op (no fused kernel takes THD yet).
+op (no fused kernel takes THD yet: impl="fused" with cu_seqlens raises NotImplementedError).
 """
 
 from __future__ import annotations
@@ -277,7 +277,9 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
         impl: "fused" (default) or "reference".
 
     Returns:
-        IndexerGrads(d_index_q, d_weights, d_index_k), each in the dtype and shape of its input.
+        IndexerGrads(d_index_q, d_weights, d_index_k), each in the dtype and shape of its input. impl="fused"
+        (BSHD; H <= 64, D 64 / 128, bf16 / fp16) reads the score rows as they are (no [S_q, S_k] copy for FP32
+        row-contiguous scores); d_weights and d_index_q are bitwise repeatable, d_index_k sums FP32 atomics.
 
     Raises:
         as indexer_backward, plus the ratio / q_causal_offsets / cu_seqlens checks of indexer_scores;
@@ -316,8 +318,8 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
         thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
         return reference(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, **kwargs,
                          **thd)
-    return fused_op("dense_indexer_backward", device, packed)(index_q, weights, index_k, attn_score, attn_l1norm,
-                                                              index_score, index_lse, **kwargs)
+    return IndexerGrads(*fused_op("dense_indexer_backward", device, packed)(
+        index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, **kwargs))
 
 
 def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, index_q: torch.Tensor,
@@ -345,7 +347,11 @@ def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tenso
     impl="reference" runs in blocks of query rows and key columns: a first pass over a row block's columns for
     the target's L1 norm and the indexer logsumexp, a second pass recomputing both for the loss and the gradients,
     so its memory grows with T, not T^2 (about 64 rows x 1024 columns x max(H_q, H_i) scratch values); it reads the
-    row limits on the host. impl="fused" has no generated kernel yet (NotImplementedError).
+    row limits on the host. impl="fused" (BSHD) runs per batch element and block of whole query rows three
+    generated kernels: the indexer scores with their LSE, the dense attention scores with their L1 norms and the
+    dense indexer backward, with at most 1 GiB of score scratch (R = 2^30 / (24 S_k) rows per block), so its memory
+    also grows with T; the fused kernels' limits apply (attention H <= 128, D 512 / 576, one key head; indexer
+    H <= 64, D 64 / 128; bf16 / fp16), and d_index_k sums FP32 atomics (not bitwise repeatable).
 
     Packed THD layout, selected by passing cu_seqlens_q and cu_seqlens_k (read on the host): each segment is
     computed as a BSHD batch, as dense_indexer_backward does (the loss averages over all total_q rows; rows
@@ -368,7 +374,7 @@ def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tenso
     Raises:
         TypeError / ValueError naming the argument, as dense_attn_score_recompute and dense_indexer_backward
         (and for q / index_q of different B or S_q, or k / index_k of different S_k); NotImplementedError for
-        impl="fused".
+        impl="fused" with THD offsets or inputs outside the fused kernels' limits (the message names the limit).
     """
     from .sparse_attention import check_dense_attn_inputs
 

@@ -34,7 +34,9 @@ from ..kernels.lightning_indexer.spec import INDEXER_DTYPES, INDEXER_HEAD_DIMS, 
 from ..kernels.lightning_indexer.spec import INDEXER_FP8_DTYPE, config_for as indexer_config
 from ..kernels.lightning_indexer.spec import forward_topk_config_for, scores_config_for
 from ..kernels.attn_score_recompute.spec import config_for as attn_score_recompute_config
+from ..kernels.attn_score_recompute.spec import dense_config_for as dense_attn_score_recompute_config
 from ..kernels.indexer_bwd.spec import config_for as indexer_bwd_config
+from ..kernels.indexer_bwd.spec import dense_config_for as dense_indexer_bwd_config
 from ..kernels.indexer_score_recompute.spec import config_for as indexer_score_recompute_config
 from ..kernels.indexer_topk.spec import config_for as indexer_topk_config
 from ..kernels.row_scatter_add.spec import RowScatterAddSpec
@@ -205,6 +207,9 @@ def specs_for_model(model: ModelAttention, arch: str) -> list[KernelSpec]:
                            .spec(model.index_head_dim, model.dtype, arch, deterministic=deterministic))
             # ... whose deterministic d_index_k rows the row scatter-add sums
             out.append(RowScatterAddSpec(arch=arch, width=model.index_head_dim))
+            # dense indexer backward (the dense warm-up stage; its scores come from indexer_scores' kernels)
+            out.append(dense_indexer_bwd_config(model.index_head_dim, model.dtype, arch, None)
+                       .spec(model.index_head_dim, model.dtype, arch))
     if hopper:
         # sparse MLA forward: one kernel for prefill and decode (config_for: one config for every call size)
         h = mla_kernel_heads(model.num_heads)
@@ -224,6 +229,9 @@ def specs_for_model(model: ModelAttention, arch: str) -> list[KernelSpec]:
         out.append(RowScatterAddSpec(arch=arch, width=model.d_qk))
         # sparse attention score recompute (the indexer's training target)
         out.append(attn_score_recompute_config(h, model.d_qk, model.dtype, arch, None)
+                   .spec(h, model.d_qk, model.dtype, arch))
+        # ... and its dense form (the dense warm-up stage's target)
+        out.append(dense_attn_score_recompute_config(h, model.d_qk, model.dtype, arch, None)
                    .spec(h, model.d_qk, model.dtype, arch))
     return [s.check() for s in dict.fromkeys(out)]
 

@@ -97,3 +97,25 @@ def test_caller_buffers_and_bitwise_reruns():
     assert a.data_ptr() == out.data_ptr() and ad.data_ptr() == den.data_ptr()
     b, bd = dense_host.dense_attn_score_recompute(q, k, lse, scale, ratio=ratio, q_causal_offsets=off)
     assert torch.equal(a, b) and torch.equal(ad, bd)
+
+
+def test_public_op_compile_graph_and_out_variant():
+    """dsagen.dense_attn_score_recompute (impl="fused", the default) runs this kernel: equal to the host's result,
+    under torch.compile(fullgraph=True), in a captured CUDA graph, and through torch.ops.dsagen's _out variant."""
+    q, k, lse, scale, ratio, off = make_case(2, 77, 90, 64, 576, ratio=4, offsets=[30, 300], seed=21)
+    want, want_den = dense_host.dense_attn_score_recompute(q, k, lse, scale, ratio=ratio, q_causal_offsets=off)
+    got, got_den = dsagen.dense_attn_score_recompute(q, k, lse, scale, ratio=ratio, q_causal_offsets=off)
+    assert torch.equal(got, want) and torch.equal(got_den, want_den)
+    compiled = torch.compile(lambda *a: dsagen.dense_attn_score_recompute(*a, scale, ratio=ratio, q_causal_offsets=off),
+                             fullgraph=True)
+    c_out, c_den = compiled(q, k, lse)
+    assert torch.equal(c_out, want) and torch.equal(c_den, want_den)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_den = dsagen.dense_attn_score_recompute(q, k, lse, scale, ratio=ratio, q_causal_offsets=off)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, want) and torch.equal(g_den, want_den)
+    o_out, o_den = torch.full_like(want, 3.0), torch.full_like(want_den, 3.0)
+    torch.ops.dsagen.dense_attn_score_recompute_out(q, k, lse, scale, ratio, off, out_out=o_out, out_denom=o_den)
+    assert torch.equal(o_out, want) and torch.equal(o_den, want_den)

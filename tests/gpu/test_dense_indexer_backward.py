@@ -106,3 +106,55 @@ def test_kl_path_matches_reference():
     for name, g_, w_ in zip(("d_index_q", "d_weights", "d_index_k"), got[1:], want[1:]):
         err = (g_.double() - w_).abs().max().item()
         assert err <= 2e-2 * max(w_.abs().max().item(), 1e-30), (name, err)
+
+
+def test_public_op_compile_and_graph():
+    """dsagen.dense_indexer_backward (impl="fused", the default) runs this kernel: within the atomics' rounding of
+    the host's result (d_index_k sums FP32 atomics; the others bitwise), under torch.compile(fullgraph=True) and in
+    a captured CUDA graph with grad_loss on the device."""
+    q, w, k, attn, norm, index, lse, off = make_case(2, 95, 95, 64, 128, ratio=4, offsets=[5, 40], seed=31)
+    kw = dict(grad_loss=torch.tensor([1.3], device=DEV), sm_scale=0.5, loss_coeff=0.8, ratio=4, q_causal_offsets=off)
+    want = dense_host.dense_indexer_backward(q, w, k, attn, norm, index, lse, **kw)
+
+    def same(got):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.allclose(got[2].float(), want[2].float(), rtol=1e-2, atol=1e-2 * want[2].float().abs().max())
+
+    same(dsagen.dense_indexer_backward(q, w, k, attn, norm, index, lse, **kw))
+    same(torch.compile(lambda *a: dsagen.dense_indexer_backward(*a, **kw), fullgraph=True)(
+        q, w, k, attn, norm, index, lse))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = dsagen.dense_indexer_backward(q, w, k, attn, norm, index, lse, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    same(captured)
+
+
+def test_kl_public_op_compile_and_graph():
+    """dsagen.dense_indexer_kl_backward (impl="fused") runs kl_host: within the atomics' rounding of kl_host's
+    result, under torch.compile(fullgraph=True) and in a captured CUDA graph."""
+    gen = torch.Generator().manual_seed(13)
+    b, s_q, s_k = 1, 70, 70
+    q = (torch.randn((b, s_q, 64, 576), generator=gen) * 0.5).bfloat16().to(DEV)
+    k = (torch.randn((b, s_k, 576), generator=gen) * 0.5).bfloat16().to(DEV)
+    lse = (torch.rand((b, s_q, 64), generator=gen) + 3.0).to(DEV)
+    iq = (torch.randn((b, s_q, 64, 128), generator=gen) * 0.3).bfloat16().to(DEV)
+    w = torch.randn((b, s_q, 64), generator=gen).bfloat16().to(DEV)
+    ik = (torch.randn((b, s_k, 128), generator=gen) * 0.3).bfloat16().to(DEV)
+    kw = dict(softmax_scale=576 ** -0.5, sm_scale=128 ** -0.5, grad_loss=torch.tensor(0.9, device=DEV), ratio=1)
+    want = kl_host.dense_indexer_kl_backward(q, k, lse, iq, w, ik, **kw)
+
+    def close(got):
+        assert torch.allclose(got.loss, want.loss, rtol=1e-5)
+        for g_, w_ in zip(got[1:], want[1:]):
+            assert torch.allclose(g_.float(), w_.float(), rtol=1e-2, atol=1e-2 * w_.float().abs().max())
+
+    close(dsagen.dense_indexer_kl_backward(q, k, lse, iq, w, ik, **kw))
+    close(torch.compile(lambda *a: dsagen.dense_indexer_kl_backward(*a, **kw), fullgraph=True)(q, k, lse, iq, w, ik))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = dsagen.dense_indexer_kl_backward(q, k, lse, iq, w, ik, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    close(captured)

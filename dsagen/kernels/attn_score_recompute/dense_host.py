@@ -5,8 +5,8 @@ heads to 64 and 65..127 to 128 (padded heads get lse = +inf: P = 0) and runs the
 DenseAttnScoreRecomputeSpec (attn_score_recompute/dense_sm90.py), which writes the whole [B * S_q, S_k] output
 (the visible head sums, -inf past them) and each row's denominator. Nothing synchronizes with the host.
 
-Not yet called by dsagen.dense_attn_score_recompute: the op keeps its reference until the GPU tests
-(tests/gpu/test_dense_attn_recompute.py) and the sanitizer cases have passed on the H200.
+dsagen.dense_attn_score_recompute(impl="fused") calls it (GPU tests: tests/gpu/test_dense_attn_recompute.py; the
+sanitizer case test_dense_attn_score_recompute).
 """
 
 from __future__ import annotations

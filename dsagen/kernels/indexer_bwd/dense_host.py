@@ -6,8 +6,8 @@ c * sm_scale (c = grad_loss * loss_coeff / (B S_q), grad_loss read on the device
 sm_90a kernel of DenseIndexerBwdSpec (indexer_bwd/dense_sm90.py), which reads the dense score rows directly: no
 [S_q, S_k] tensor is made here. Inputs are not modified. dK accumulates by FP32 atomics (not bitwise repeatable).
 
-Not yet called by dsagen.dense_indexer_backward: the op keeps its reference until the GPU tests
-(tests/gpu/test_dense_indexer_backward.py) and the sanitizer case have passed on the H200.
+dsagen.dense_indexer_backward(impl="fused") calls it (GPU tests: tests/gpu/test_dense_indexer_backward.py; the
+sanitizer case test_dense_indexer_backward).
 """
 
 from __future__ import annotations

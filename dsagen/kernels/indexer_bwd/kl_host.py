@@ -12,8 +12,8 @@ and the block's loss sum_{visible} tgt (log tgt - (logit - lse)) (tgt = attn / l
 reduction. The causal limit of the block's local row t is that of row r0 + t: the block gets q_causal_offsets + r0.
 Scratch: two [R, S_k] FP32 score blocks plus the loss's temporaries, R = max(1, scratch_bytes // (6 * 4 * S_k)).
 
-Not yet called by dsagen.dense_indexer_kl_backward: two of its three kernels (the dense attention recompute and
-the dense indexer backward) have not run on a GPU yet (notes/kernels/indexer_backward.md).
+dsagen.dense_indexer_kl_backward(impl="fused") calls it. Inputs outside the three kernels' limits are refused
+(NotImplementedError naming the limit) before any launch.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tenso
     `(B, S_k, D)` (or `(B, S_k, 1, D)`), lse `(B, S_q, H)`, index_q `(B, S_q, H_i, D_i)`, weights `(B, S_q, H_i)`,
     index_k `(B, S_k, D_i)`; the other arguments as dsagen.dense_indexer_kl_backward takes them. Returns
     DenseKLResult(loss FP32 0-d, d_index_q, d_weights, d_index_k) in the inputs' dtypes (module docstring)."""
+    for reason in (attn_host.supported_reason(q, k), bwd_host.supported_reason(index_q, index_k)):
+        if reason:
+            raise NotImplementedError(f"dense_indexer_kl_backward: {reason}")
     b, s_q = index_q.shape[0], index_q.shape[1]
     s_k = index_k.shape[1]
     dev = index_q.device

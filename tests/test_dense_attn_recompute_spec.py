@@ -115,3 +115,17 @@ def test_unsupported_inputs_say_why():
     assert "MQA" in dense_host.supported_reason(q, torch.zeros(1, 3, 2, 576, dtype=torch.bfloat16))
     with pytest.raises(NotImplementedError, match="float32"):
         dense_host.dense_attn_score_recompute(q.float(), torch.zeros(1, 3, 576), torch.zeros(1, 2, 64), 0.1)
+
+
+def test_caller_buffers_of_another_shape_dtype_or_layout_are_refused():
+    """A ValueError naming the buffer, raised before any launch (the kernel writes rows of ld_out = S_k floats)."""
+    import torch
+
+    from dsagen.kernels.attn_score_recompute import dense_host
+
+    q = torch.zeros(1, 3, 64, 576, dtype=torch.bfloat16)
+    k, lse = torch.zeros(1, 5, 576, dtype=torch.bfloat16), torch.zeros(1, 3, 64)
+    for kw, name in ((dict(out=torch.zeros(1, 3, 6)), "out"), (dict(out=torch.zeros(1, 5, 3).transpose(1, 2)), "out"),
+                     (dict(denom=torch.zeros(1, 3, dtype=torch.float64)), "denom")):
+        with pytest.raises(ValueError, match=name):
+            dense_host.dense_attn_score_recompute(q, k, lse, 0.1, **kw)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ...runtime import LoadedKernel
-from ..lightning_indexer.host import dummy_offsets
+from ..lightning_indexer.host import dummy_offsets, eager
 from ..sparse_mla.host import gather_rows, head_padded_launch_plan, padded_heads
 from .spec import DenseAttnScoreRecomputeConfig, DenseAttnScoreRecomputeSpec, dense_config_for
 
@@ -54,32 +54,70 @@ def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tens
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused dense score recompute: q `(B, S_q, H, D)` bf16 / fp16 CUDA, k `(B, S_k, D)` (or `(B, S_k, 1, D)`),
     lse `(B, S_q, H)` FP32 natural-log, ratio >= 1, q_causal_offsets int32 `(B,)` or None; out `(B, S_q, S_k)` and
-    denom `(B, S_q)` FP32 contiguous caller buffers or None (allocated). Returns (out, denom) as
-    dsagen.dense_attn_score_recompute defines them. Raises NotImplementedError (with the reason) for inputs the
-    kernel does not cover, ValueError past its int32 limits."""
+    denom `(B, S_q)` FP32 contiguous caller buffers or None (allocated). config: None (the op's, through the custom
+    op `dsagen::dense_attn_score_recompute_fused`, opaque to torch.compile; an eager call on real CUDA tensors
+    launches directly, lightning_indexer.host.eager) or another config (a direct launch, for
+    benchmarks and tests). Returns (out, denom) as dsagen.dense_attn_score_recompute defines them. Raises
+    NotImplementedError (with the reason) for inputs the kernel does not cover, ValueError for a caller buffer of
+    another shape, dtype or layout and past the kernel's int32 limits, before anything is written."""
     reason = supported_reason(q, k)
     if reason:
         raise NotImplementedError(f"dense_attn_score_recompute: {reason}")
+    b, s_q = q.shape[0], q.shape[1]
+    s_k = k.shape[1]
+    if b * s_q > _MAX_GRID_X or b * s_k > 2**31 - 1:
+        raise ValueError(f"dense_attn_score_recompute: {b * s_q} query rows / {b * s_k} key rows exceed the "
+                         f"kernel's int32 limits")
+    out = _buffer("out", out, (b, s_q, s_k), q.device)
+    denom = _buffer("denom", denom, (b, s_q), q.device)
+    if config is not None or eager(q):
+        run(q, k, lse, softmax_scale, ratio, q_causal_offsets, out, denom, config)
+    else:
+        _fused_op(q, k, lse, float(softmax_scale), int(ratio), q_causal_offsets, out, denom)
+    return out, denom
+
+
+def _buffer(name: str, t: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A caller's FP32 output buffer, checked (contiguous, of `shape`, on `device`), or a new one."""
+    if t is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or t.device != device:
+        raise ValueError(f"dense_attn_score_recompute: {name} must be a contiguous float32 tensor of shape {shape} "
+                         f"on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
+                         + ("" if t.is_contiguous() else " (not contiguous)"))
+    return t
+
+
+@torch.library.custom_op("dsagen::dense_attn_score_recompute_fused", mutates_args=("out", "denom"))
+def _fused_op(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, softmax_scale: float, ratio: int,
+              q_causal_offsets: torch.Tensor | None, out: torch.Tensor, denom: torch.Tensor) -> None:
+    """The fused kernel as a custom op writing out and denom (opaque to torch.compile; CUDA-graph capturable once
+    the kernel is loaded)."""
+    run(q, k, lse, softmax_scale, ratio, q_causal_offsets, out, denom)
+
+
+@_fused_op.register_fake
+def _(q, k, lse, softmax_scale, ratio, q_causal_offsets, out, denom):
+    return None
+
+
+def run(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, softmax_scale: float, ratio: int,
+        q_causal_offsets: torch.Tensor | None, out: torch.Tensor, denom: torch.Tensor,
+        config: DenseAttnScoreRecomputeConfig | None = None) -> None:
+    """The launch on checked inputs and buffers (see dense_attn_score_recompute)."""
     b, s_q, h, d = q.shape
     s_k = k.shape[1]
     rows, n_kv = b * s_q, b * s_k
-    dev = q.device
-    out = torch.empty((b, s_q, s_k), dtype=torch.float32, device=dev) if out is None else out
-    denom = torch.empty((b, s_q), dtype=torch.float32, device=dev) if denom is None else denom
     if rows == 0:
-        return out, denom
+        return
     if s_k == 0:
         denom.zero_()
-        return out, denom
-    if rows > _MAX_GRID_X or n_kv > 2**31 - 1:
-        raise ValueError(f"dense_attn_score_recompute: {rows} query rows / {n_kv} key rows exceed the kernel's "
-                         f"int32 limits")
-    spec, kernel, n_ctas = _launch_plan(h, d, q.dtype, dev, config)
+        return
+    spec, kernel, n_ctas = _launch_plan(h, d, q.dtype, q.device, config)
     hp = spec.num_heads
     qf = padded_heads(q.reshape(rows, h, d), hp)
     lse_f = padded_heads(lse.reshape(rows, h).to(torch.float32), hp, float("inf"))
     keys = gather_rows(k.reshape(n_kv, d))
-    q_off, has_off = (q_causal_offsets, 1) if q_causal_offsets is not None else (dummy_offsets(dev), 0)
+    q_off, has_off = (q_causal_offsets, 1) if q_causal_offsets is not None else (dummy_offsets(q.device), 0)
     kernel.launch(qf, keys, lse_f, out, denom, q_off, rows, s_q, s_k, int(ratio), has_off, qf.stride(0),
                   keys.stride(0), s_k, float(softmax_scale), n_ctas)
-    return out, denom

@@ -16,7 +16,7 @@ import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
-from ..lightning_indexer.host import dummy_offsets
+from ..lightning_indexer.host import dummy_offsets, eager
 from ..sparse_mla.host import gather_rows, padded_heads
 from .host import HEADS, supported_reason
 from .spec import DenseIndexerBwdConfig, DenseIndexerBwdSpec, dense_config_for
@@ -57,20 +57,53 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
     """The fused dense indexer backward: index_q `(B, S_q, H, D)` bf16 / fp16 CUDA, weights `(B, S_q, H)`, index_k
     `(B, S_k, D)`, attn_score / index_score `(B, S_q, S_k)` FP32 (the dense recomputes' outputs), attn_l1norm /
     index_lse `(B, S_q)`, grad_loss a one-element tensor or None (1), ratio >= 1, q_causal_offsets int32 `(B,)` or
-    None. Returns (d_index_q, d_weights, d_index_k) in the inputs' dtypes, as dsagen.dense_indexer_backward defines
-    them. Raises NotImplementedError (with the reason) for inputs the kernel does not cover."""
+    None. config: None (the op's, through the custom op `dsagen::dense_indexer_backward_fused`, opaque to
+    torch.compile; an eager call on real CUDA tensors launches directly, lightning_indexer.host.eager) or another
+    config (a direct launch, for benchmarks and tests). Returns (d_index_q, d_weights,
+    d_index_k) in the inputs' dtypes, as dsagen.dense_indexer_backward defines them. Raises NotImplementedError
+    (with the reason) for inputs the kernel does not cover."""
     reason = supported_reason(index_q, index_k)
     if reason:
         raise NotImplementedError(f"dense_indexer_backward: {reason}")
+    rows, n_k = index_q.shape[0] * index_q.shape[1], index_k.shape[0] * index_k.shape[1]
+    if rows > _INT32_MAX or n_k > _INT32_MAX:
+        raise ValueError(f"dense_indexer_backward: {rows} query rows / {n_k} key rows exceed the kernel's int32 "
+                         f"limits")
+    if config is not None or eager(index_q):
+        return run(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale,
+                   loss_coeff, ratio, q_causal_offsets, config)
+    return _fused_op(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss,
+                     float(sm_scale), float(loss_coeff), int(ratio), q_causal_offsets)
+
+
+@torch.library.custom_op("dsagen::dense_indexer_backward_fused", mutates_args=())
+def _fused_op(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, attn_score: torch.Tensor,
+              attn_l1norm: torch.Tensor, index_score: torch.Tensor, index_lse: torch.Tensor,
+              grad_loss: torch.Tensor | None, sm_scale: float, loss_coeff: float, ratio: int,
+              q_causal_offsets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused backward as a custom op (opaque to torch.compile; CUDA-graph capturable once the kernel is
+    loaded)."""
+    return run(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale,
+               loss_coeff, ratio, q_causal_offsets)
+
+
+@_fused_op.register_fake
+def _(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale, loss_coeff,
+      ratio, q_causal_offsets):
+    return torch.empty_like(index_q), torch.empty_like(weights), torch.empty_like(index_k)
+
+
+def run(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, attn_score: torch.Tensor,
+        attn_l1norm: torch.Tensor, index_score: torch.Tensor, index_lse: torch.Tensor, grad_loss: torch.Tensor | None,
+        sm_scale: float, loss_coeff: float, ratio: int, q_causal_offsets: torch.Tensor | None,
+        config: DenseIndexerBwdConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The launch on checked inputs (see dense_indexer_backward); new output tensors."""
     b, s_q, h, d = index_q.shape
     s_k = index_k.shape[1]
     rows, n_k = b * s_q, b * s_k
     dev = index_q.device
     if rows == 0 or s_k == 0:
         return torch.zeros_like(index_q), torch.zeros_like(weights), torch.zeros_like(index_k)
-    if rows > _INT32_MAX or n_k > _INT32_MAX:
-        raise ValueError(f"dense_indexer_backward: {rows} query rows / {n_k} key rows exceed the kernel's int32 "
-                         f"limits")
     spec, kernel, n_ctas = _launch_plan(d, index_q.dtype, dev, config)
     cs = torch.full((1,), float(loss_coeff) / rows * float(sm_scale), dtype=torch.float32, device=dev)
     if grad_loss is not None:

@@ -260,7 +260,7 @@ def eager(t: torch.Tensor) -> bool:
     the backend wrapper's checks of the mutated outputs) cost ~0.1 ms of host time per call on the H200's host
     (2026-12-03: indexer_forward_topk at T 4096 0.590 ms through the op, 0.467 ms calling the host loop), time an
     isolated call's GPU waits for; the results are the same tensors either way. Used by lightning_indexer,
-    indexer_scores and indexer_forward_topk."""
+    indexer_scores, indexer_forward_topk and the dense warm-up hosts (dense attention recompute, indexer backward)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     return not torch.compiler.is_compiling() and not isinstance(t, FakeTensor) and t.device.type == "cuda"

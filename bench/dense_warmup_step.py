@@ -79,8 +79,8 @@ def one(t: int, args, dsa) -> None:
     names = [n for n, _ in fns]
     if "cudnn 3 calls" in names:
         c = ms[names.index("cudnn 3 calls")]
-        print(f"T {t}: 3 ops vs cuDNN {c / ms[0]:.2f}x; kl path / 3 ops {ms[names.index('dsagen kl path')] / ms[0]:.2f}",
-              flush=True)
+        kl = ms[names.index("dsagen kl path")]
+        print(f"T {t}: 3 ops vs cuDNN {c / ms[0]:.2f}x; kl path / 3 ops {kl / ms[0]:.2f}", flush=True)
 
 
 def peak(t: int) -> None:

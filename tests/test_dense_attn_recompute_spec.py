@@ -72,8 +72,7 @@ def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
     from dsagen.kernels.attn_score_recompute import dense_host
 
     class Kernel:
-        def launch(self, q, keys, lse, out, denom, q_off, rows, T, S, ratio, has_off, ld_q, ld_kv, ld_out, scale,
-                   n_ctas):
+        def launch(self, q, keys, lse, out, denom, q_off, rows, T, S, ratio, has_off, ld_q, ld_out, scale, n_ctas):
             flat, den = out.view(rows, ld_out), denom.view(rows)
             for tok in range(rows):
                 b, t = divmod(tok, T)

@@ -58,7 +58,8 @@ def test_deepseek_v32_kernels():
                                                                        RowScatterAddSpec(arch="sm_90a", width=576)]
     assert [s.op for s in specs_for_model(DEEPSEEK_V32, "sm_100a")] == ["compactify", "local_to_global"]
     assert missing_ops_for_model(DEEPSEEK_V32, "sm_100a") == [
-        "dense_attn_score_recompute", "dense_indexer_backward", "indexer_backward", "indexer_forward_topk_softmax", "indexer_scores_mask_lse", "indexer_topk",
+        "dense_attn_score_recompute", "dense_indexer_backward", "indexer_backward", "indexer_forward_topk_softmax",
+        "indexer_scores_mask_lse", "indexer_topk",
         "lightning_indexer_score", "lightning_indexer_topk", "row_scatter_add",
         "sparse_attention_bwd", "sparse_attention_bwd_order", "sparse_attention_fwd", "sparse_attn_score_recompute",
         "sparse_indexer_score_recompute"]

@@ -6,9 +6,9 @@ to the reference silently.
 
 Ops that run under `torch.compile` (the sparse MLA forward and backward, the autograd backward that calls the
 latter, the score recomputes, the indexer backwards, the dense warm-up loss path, the standalone top-k,
-indexer_scores and indexer_forward_topk) may be resolved for the first time while Dynamo traces: `importlib.import_module` cannot be traced, so
-their host modules are also listed in `_TRACEABLE_IMPORTS`, whose loaders are plain `from ... import` statements
-that Dynamo executes. A `torch.compile(fullgraph=True)` program therefore needs no eager warm-up call to find them.
+indexer_scores and indexer_forward_topk) may be resolved for the first time while Dynamo traces:
+`importlib.import_module` cannot be traced, so their host modules are also listed in `_TRACEABLE_IMPORTS`, whose
+loaders are plain `from ... import` statements that Dynamo executes. A `torch.compile(fullgraph=True)` program therefore needs no eager warm-up call to find them.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ Layout: BSHD (cuDNN frontend DSA's primary layout). The dense ops (dense_indexer
 also take the packed THD layout, selected by passing cu_seqlens_q / cu_seqlens_k: §8 applies §3's ratio-causal
 mask, which cuDNN frontend DSA defines per "batch or THD segment", and §10 consumes §8's outputs with the same offsets.
 In THD the loss averages over all total_q packed rows (the analogue of B * S_q). The sparse ops stay BSHD, as
-in cuDNN frontend DSA (§9: THD callers use B = 1 views with global ids). The default impl is "fused", as for every dsagen
-op (no fused kernel takes THD yet: impl="fused" with cu_seqlens raises NotImplementedError).
+in cuDNN frontend DSA (§9: THD callers use B = 1 views with global ids). The default impl is "fused", as for every
+dsagen op (no fused kernel of these ops takes THD yet: impl="fused" with cu_seqlens raises NotImplementedError).
 """
 
 from __future__ import annotations

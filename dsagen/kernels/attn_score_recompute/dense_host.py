@@ -119,5 +119,5 @@ def run(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, softmax_scale: floa
     lse_f = padded_heads(lse.reshape(rows, h).to(torch.float32), hp, float("inf"))
     keys = gather_rows(k.reshape(n_kv, d))
     q_off, has_off = (q_causal_offsets, 1) if q_causal_offsets is not None else (dummy_offsets(q.device), 0)
-    kernel.launch(qf, keys, lse_f, out, denom, q_off, rows, s_q, s_k, int(ratio), has_off, qf.stride(0),
-                  keys.stride(0), s_k, float(softmax_scale), n_ctas)
+    kernel.launch(qf, keys, lse_f, out, denom, q_off, rows, s_q, s_k, int(ratio), has_off, qf.stride(0), s_k,
+                  float(softmax_scale), n_ctas)

@@ -9,9 +9,12 @@ s < hi = clamp((q_off[b] + t + 1) // ratio, 0, S) (q_off[b] = 0 without offsets)
     denom[tok]  = sum_{s < hi} out[tok, s]                                                 (0 when hi = 0)
 
 The sparse form's kernel with the gathered ids replaced by the row's consecutive keys: the producer warpgroup
-gathers tile j's rows b * S + 64 j + n (n < 64; -1, zero-filled, past hi) through the same 64 x 64 column-block
-stages, so everything the sparse kernel's docstring says about Q, the stages, the two consumers and their mbarriers
-holds here. What differs is the consumers' row end:
+loads tile j's rows b * S + 64 j .. + 63 into the same 64 x 64 column-block stages as one TMA box per block (warp 0;
+kv_ready[block] expects 1 arrival plus the box's 8 KB; rows past the key tensor arrive as zeros, rows past hi are
+loaded and masked by the ids it still publishes, b * S + key or -1 past hi), so everything the sparse kernel's
+docstring says about Q (still cp.async), the stages, the two consumers and their mbarriers holds here. Against the
+cp.async gather of the first form the TMA boxes took 4-9% off (H200, 2026-12-03, BENCHMARKS.md). What differs is the
+consumers' row end:
   * each consumer thread c < 64 keeps the running sum of the column totals it wrote for the row (its tiles in
     order); at the row's end both consumers put them into sDen[row parity][consumer][c] and meet on the named
     barrier BAR_DEN (256 threads); warp 0 of consumer 0 then adds the 128 partial sums in a fixed order (4 per lane,
@@ -23,7 +26,8 @@ holds here. What differs is the consumers' row end:
 Rows without a visible key: no tile, out all -inf, denom 0.
 
 Constraints (DenseAttnScoreRecomputeSpec.reasons): those of the sparse form (H 64 or 128, D 512 or 576, bf16 /
-fp16, register budgets); the host keeps q rows 16-byte aligned, k as B * S contiguous rows of D (row stride ld_kv),
+fp16, register budgets); the host keeps q rows 16-byte aligned, k as B * S rows of D (the tensormap's view: unit
+column stride, 16-byte aligned base and row stride),
 lse contiguous [rows, H] fp32, out contiguous [rows, ld_out] fp32 (ld_out >= S), denom [rows] fp32.
 """
 
@@ -32,12 +36,14 @@ from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+import cutlass.experimental.cuda as xcuda
+from cutlass import Float32, Int32, Int64, const_expr
 
 from dsagen.kernels.attn_score_recompute.recompute_sm90 import AttnScoreRecomputeSm90
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.dense_rows import fill_tail, row_limit
-from dsagen.kernels.common.sm90.gather import load_row_tile, row_gather_producer
+from dsagen.kernels.common.sm90.gather import load_row_tile, publish_tile_ids, row_gather_producer
+from dsagen.kernels.common.sm90.tma import tma_load_box, tma_recipe
 
 LOG2E = math.log2(math.e)
 
@@ -46,7 +52,7 @@ def params(dtype: str) -> list[dict]:
     """The kernel's flat ABI, in order (a new list on every call); `dtype`: "bfloat16" or "float16"."""
     return [
         {"name": "q", "kind": "ptr", "dtype": dtype, "align": 16},            # (rows, H, D_QK), row stride ld_q
-        {"name": "kv", "kind": "ptr", "dtype": dtype, "align": 16},           # (B * S, D_QK), row stride ld_kv
+        {"name": "k_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, 64])},  # kv (B * S, D_QK) -> (D, B S)
         {"name": "lse", "kind": "ptr", "dtype": "float32", "align": 4},       # (rows, H) contiguous
         {"name": "out", "kind": "ptr", "dtype": "float32", "align": 4},       # (rows, ld_out)
         {"name": "denom", "kind": "ptr", "dtype": "float32", "align": 4},     # (rows,)
@@ -57,11 +63,18 @@ def params(dtype: str) -> list[dict]:
         {"name": "ratio", "kind": "i32"},
         {"name": "has_off", "kind": "i32"},
         {"name": "ld_q", "kind": "i64"},
-        {"name": "ld_kv", "kind": "i64"},
         {"name": "ld_out", "kind": "i64"},
         {"name": "softmax_scale", "kind": "f32"},
         {"name": "n_ctas", "kind": "i32"},
     ]
+
+
+def host_args(dtype: str) -> list[dict]:
+    """The host entry's arguments (HOST_ARGS): PARAMS with the key tensormap replaced by what `host` encodes it from,
+    the key rows' pointer, count and row stride (elements)."""
+    p = params(dtype)
+    return [p[0], {"name": "kv", "kind": "ptr", "dtype": dtype, "align": 16}, {"name": "n_kv", "kind": "i32"},
+            {"name": "ld_kv", "kind": "i64"}] + p[2:]
 
 
 def build(num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int) -> BuiltKernel:
@@ -72,9 +85,9 @@ def build(num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consum
 
 
 class DenseArgs(NamedTuple):
-    """The kernel's run-time arguments (its flat ABI but n_ctas)."""
+    """The kernel's run-time arguments (its flat ABI but n_ctas; k_tma: the key tensormap's address)."""
     p_q: Any
-    p_kv: Any
+    k_tma: Any
     p_lse: Any
     p_out: Any
     p_den: Any
@@ -85,7 +98,6 @@ class DenseArgs(NamedTuple):
     ratio: Any
     has_off: Any
     ld_q: Any
-    ld_kv: Any
     ld_out: Any
     softmax_scale: Any
 
@@ -97,38 +109,46 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
 
     BAR_DEN = 3                      # both consumers' partial denominators are in sDen (256 threads)
     ROW_DENOM = True                 # the shared struct gets sDen
+    KV_READY_ARRIVALS = 1            # kv_ready: warp 0's TMA arrive + the box's transaction bytes
 
     def __init__(self, num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int):
         super().__init__(num_heads, d_qk, dtype, regs_producer, regs_consumer, prefetch_ids=False)
 
     def _entry_points(self):
         k = self
+        DT, D_QK = self.dtype, self.D_QK
 
         @cute.kernel
-        def kernel(p_q: cute.Pointer, p_kv: cute.Pointer, p_lse: cute.Pointer, p_out: cute.Pointer,
-                   p_den: cute.Pointer, p_off: cute.Pointer, rows: Int32, T: Int32, S: Int32, ratio: Int32,
-                   has_off: Int32, ld_q: Int64, ld_kv: Int64, ld_out: Int64, softmax_scale: Float32, n_ctas: Int32):
-            k.body(DenseArgs(p_q, p_kv, p_lse, p_out, p_den, p_off, rows, T, S, ratio, has_off, ld_q, ld_kv,
-                                   ld_out, softmax_scale))
+        def kernel(p_q: cute.Pointer, k_map: cutlass.GridConstant[xcuda.TensorMap], p_lse: cute.Pointer,
+                   p_out: cute.Pointer, p_den: cute.Pointer, p_off: cute.Pointer, rows: Int32, T: Int32, S: Int32,
+                   ratio: Int32, has_off: Int32, ld_q: Int64, ld_out: Int64, softmax_scale: Float32, n_ctas: Int32):
+            k.body(DenseArgs(p_q, k_map.get_ptr(), p_lse, p_out, p_den, p_off, rows, T, S, ratio, has_off, ld_q,
+                             ld_out, softmax_scale))
 
         @cute.jit
-        def host(p_q: cute.Pointer, p_kv: cute.Pointer, p_lse: cute.Pointer, p_out: cute.Pointer,
-                 p_den: cute.Pointer, p_off: cute.Pointer, rows: Int32, T: Int32, S: Int32, ratio: Int32,
-                 has_off: Int32, ld_q: Int64, ld_kv: Int64, ld_out: Int64, softmax_scale: Float32, n_ctas: Int32):
-            kernel(p_q, p_kv, p_lse, p_out, p_den, p_off, rows, T, S, ratio, has_off, ld_q, ld_kv, ld_out,
-                   softmax_scale, n_ctas).launch(grid=(cutlass.min(rows, n_ctas), 1, 1), block=(k.THREADS, 1, 1),
-                                                 smem=k.Smem.size_in_bytes(), min_blocks_per_mp=1)
+        def host(p_q: cute.Pointer, p_kv: cute.Pointer, n_kv: Int32, ld_kv: Int64, p_lse: cute.Pointer,
+                 p_out: cute.Pointer, p_den: cute.Pointer, p_off: cute.Pointer, rows: Int32, T: Int32, S: Int32,
+                 ratio: Int32, has_off: Int32, ld_q: Int64, ld_out: Int64, softmax_scale: Float32, n_ctas: Int32):
+            # the key rows (n_kv, D_QK) -> TMA dims (D_QK, n_kv); strides in 16-byte units (8 elements)
+            tk = xcuda.create_tensor_map_tiled(global_address=p_kv.toint(), dtype=DT, global_dims=[D_QK, n_kv],
+                                               global_strides=[ld_kv // 8], box_dims=[64, k.BN],
+                                               swizzle=xcuda.TensorMapSwizzle.s128b)
+            kernel(p_q, tk, p_lse, p_out, p_den, p_off, rows, T, S, ratio, has_off, ld_q, ld_out, softmax_scale,
+                   n_ctas).launch(grid=(cutlass.min(rows, n_ctas), 1, 1), block=(k.THREADS, 1, 1),
+                                  smem=k.Smem.size_in_bytes(), min_blocks_per_mp=1)
 
         return kernel, host
 
     # ------------------------------------------------------------------------------------------- producer (WG0)
     @cute.jit
     def producer(self, a, sh, st, lay_q, lay_kv, tidx, bidx, nctas):
-        """Per row: Q block by block, then per tile the consecutive key rows' ids (-1 past hi), published before
-        block 0, and the rows one 64-column block at a time (the sparse form's producer with computed ids)."""
+        """Per row: Q block by block (cp.async), then per tile the consecutive key rows' ids (-1 past hi), published
+        before block 0 for the consumers' column mask, and the tile's rows b * S + 64 j .. + 63 one 64-column TMA box
+        at a time (warp 0; rows past the key tensor arrive as zeros, rows past hi are loaded and never stored)."""
         cute.arch.setmaxregister_decrease(self.regs[0])
         p = row_gather_producer(tidx, st.sQ, st.sKV, lay_kv, self.BN)
         lanes, ids = p.lanes, p.ids
+        warp = tidx // 32
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
@@ -140,9 +160,25 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
                 for i in cutlass.range_constexpr(self.BN // 16):
                     key = j * self.BN + lanes.grp + 16 * i
                     ids[i] = b * a.S + key if key < hi else Int32(-1)
-                self.gather_tile(p, sh, lay_kv, a.p_kv, a.ld_kv, gt + j)
+                self.load_tile(p, sh, a.k_tma, b * a.S + j * self.BN, warp, gt + j)
             gt += ntiles
             it += 1
+
+    @cute.jit
+    def load_tile(self, p, sh, k_tma, row0, warp, g):
+        """Tile g of the CTA (stage g % STAGES), key rows row0 .. row0 + 63: per 64-column block, once the tile's
+        consumer freed the stage's block (kv_free), the ids published before block 0, then warp 0's TMA box of the
+        block completing kv_ready (1 arrival + the box's bytes)."""
+        s = g % self.STAGES
+        free_phase = ((g // self.STAGES) % 2) ^ 1
+        stage = sh.sKV[None, None, s].iterator
+        for kb in cutlass.range_constexpr(self.NKB):
+            cute.arch.mbarrier_wait(sh.kv_free + (s * self.NKB + kb), free_phase)
+            if const_expr(kb == 0):
+                publish_tile_ids(sh.sIds, (g % self.NIDS) * self.BN, p.ids, p.lanes, sh.ids_mbar + (g % self.NIDS))
+            if warp == 0:
+                tma_load_box(k_tma, stage + kb * self.BN * 64, (kb * 64, row0), sh.kv_ready + (s * self.NKB + kb),
+                             self.BN * 64 * 2)
 
     # ------------------------------------------------------------------------------------- consumers (WG1, WG2)
     @cute.jit

@@ -153,6 +153,7 @@ class AttnScoreRecomputeSm90:
     THREADS = 384
     BAR_RED = 1                      # + w: consumer w's partial column sums are in sRed (128 threads)
     ROW_DENOM = False                # shared memory for per-row denominators (the dense form, dense_sm90)
+    KV_READY_ARRIVALS = 128          # kv_ready: the gather's noinc arrivals (the dense form's TMA: 1 + bytes)
 
     def __init__(self, num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int,
                  prefetch_ids: bool = False):
@@ -226,7 +227,8 @@ class AttnScoreRecomputeSm90:
                     kv_ready=st.kv_ready.data_ptr(), kv_free=st.kv_free.data_ptr(), ids_mbar=st.ids_mbar.data_ptr(),
                     q_ready=st.q_ready.data_ptr(), q_free=st.q_free.data_ptr())
         # one ready / free pair per column block of every stage (the ring's stages are the blocks)
-        init_mbarriers(c.warp, ring_mbarriers(sh.kv_ready, sh.kv_free, self.STAGES * self.NKB, 128, 128)
+        init_mbarriers(c.warp, ring_mbarriers(sh.kv_ready, sh.kv_free, self.STAGES * self.NKB,
+                                              self.KV_READY_ARRIVALS, 128)
                        + [(sh.ids_mbar + b, 16) for b in range(self.NIDS)]
                        + [(sh.q_ready + kb, 128) for kb in range(self.NKB)] + [(sh.q_free, 256)])
         if c.wg == 0:

@@ -1,7 +1,8 @@
-"""The TMA form of the tile producer: a tile of an SW128 shared layout loaded as 64-column (128-byte) boxes by
-one elected thread, completing a ring stage's ready mbarrier by its transaction count (ring.py: a TMA ring's
-ready[s] expects 1 arrival). `tma_recipe` is the host side: the `encode` recipe of a `tensormap` PARAMS entry,
-which the runtime turns into the CUtensorMap of the tensor the op passes (notes/design.md, "The rendered module").
+"""The TMA form of the tile producer: a tile of an SW128 shared layout loaded as 64-column (128-byte) boxes by one
+elected thread (`tma_load_tile`; `tma_load_box`: one box at any column), completing a ring stage's ready mbarrier by
+its transaction count (ring.py: a TMA ring's ready[s] expects 1 arrival). `tma_recipe` is the host side: the
+`encode` recipe of a `tensormap` PARAMS entry, which the runtime turns into the CUtensorMap of the tensor the op
+passes (notes/design.md, "The rendered module").
 
 An SW128 tile (layout.sw128) of R rows x D columns stores its 64-column blocks one after the other, each exactly one
 TMA box of R rows x 64 columns, so box kb lands at the tile's first element + kb * R * 64.
@@ -35,3 +36,13 @@ def tma_load_tile(tma_ptr, boxes, full, tile_bytes: int) -> None:
             for kb in cutlass.range_constexpr(n_boxes):
                 prims.cp_async_bulk_tensor_shared_cta_global(dst + kb * box_elems, tma_ptr, (kb * 64,) + coord_tail,
                                                              full)
+
+
+@cute.jit
+def tma_load_box(tma_ptr, dst, coords, full, nbytes: int) -> None:
+    """One elected thread of the calling warp announces `nbytes` (one box's) on the mbarrier `full` (arrive +
+    expect_tx) and loads the box at tensor coordinates `coords` (innermost first) to the shared pointer `dst`: a
+    single box of any column offset, where tma_load_tile takes a tile's boxes from column 0 on."""
+    with cute.arch.elect_one():
+        cute.arch.mbarrier_arrive_and_expect_tx(full, nbytes)
+        prims.cp_async_bulk_tensor_shared_cta_global(dst, tma_ptr, coords, full)

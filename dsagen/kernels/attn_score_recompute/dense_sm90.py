@@ -8,17 +8,25 @@ s < hi = clamp((q_off[b] + t + 1) // ratio, 0, S) (q_off[b] = 0 without offsets)
     out[tok, s] = -inf                                                                     for hi <= s < S
     denom[tok]  = sum_{s < hi} out[tok, s]                                                 (0 when hi = 0)
 
-The sparse form's kernel with the gathered ids replaced by the row's consecutive keys: the producer warpgroup
-loads tile j's rows b * S + 64 j .. + 63 into the same 64 x 64 column-block stages as one TMA box per block (warp 0;
-kv_ready[block] expects 1 arrival plus the box's 8 KB; rows past the key tensor arrive as zeros, rows past hi are
-loaded and masked by the ids it still publishes, b * S + key or -1 past hi), so everything the sparse kernel's
-docstring says about Q (still cp.async), the stages, the two consumers and their mbarriers holds here. Against the
-cp.async gather of the first form the TMA boxes took 4-9% off (H200, 2026-12-03, BENCHMARKS.md). What differs is the
-consumers' row end:
-  * each consumer thread c < 64 keeps the running sum of the column totals it wrote for the row (its tiles in
-    order); at the row's end both consumers put them into sDen[row parity][consumer][c] and meet on the named
-    barrier BAR_DEN (256 threads); warp 0 of consumer 0 then adds the 128 partial sums in a fixed order (4 per lane,
-    then a butterfly) and writes denom[tok]: bitwise repeatable;
+The sparse form's CTA (one query row at a time, persistent over rows; Q resident, cp.async in 64-column blocks with
+a ready mbarrier each; the key tiles of 64 rows in the same 64 x 64 column-block stages with ready / free mbarriers
+per block; two consumer warpgroups on alternate tiles) with the keys and the products turned around:
+  * producer: the row's tiles are the consecutive key rows b * S + 64 j .. + 63, one TMA box per 64-column block
+    (warp 0; kv_ready[block] expects 1 arrival plus the box's 8 KB; rows past the key tensor arrive as zeros, rows
+    past hi are loaded and never stored); before block 0 it still publishes the tile's ids (b * S + key, -1 past
+    hi) on ids_mbar, the consumers' turn guard (class docstring). Against the sparse form's cp.async gather the
+    boxes took 4-9% off.
+  * consumers: S^T = K Q^T with the keys as the wgmma's M (64, from the stage) and the heads as its N (H, from the
+    resident Q): D / 16 instructions of 64 x H x 16 per tile, a 64 x H accumulator, so the shared-memory operands
+    are read once per k-step (the sparse form's M = heads reads the 64-key block once per 64 heads). Each thread
+    holds two key rows (lane / 4 and + 8 of its warp's 16) over H / 4 heads: P = exp2(S * scale log2 e - lse log2 e)
+    summed over its heads, then over its quad (two shuffles): every key's head sum in registers, no shared memory or
+    named barrier per tile. Lane 4 m + r writes key row r of the pair when the key is below hi and adds it to its
+    running denominator;
+  * the row's end: the 64 writing lanes of each consumer put their sums into sDen[slot][consumer][row parity] (slot
+    = warp * 16 + (lane / 4) * 2 + lane % 4) and both consumers meet on the named barrier BAR_DEN (256 threads);
+    warp 0 of consumer 0 then adds the 128 partial sums in a fixed order (4 per lane, then a butterfly) and writes
+    denom[tok]: bitwise repeatable;
   * all 256 consumer threads write -inf to columns hi .. S - 1 (the toolkit's dense_rows.fill_tail: 16-byte
     streaming stores between single fp32 stores at an unaligned row start / end);
   * only then does every consumer thread arrive on q_free, so the producer's next Q (and with it the other
@@ -27,8 +35,8 @@ Rows without a visible key: no tile, out all -inf, denom 0.
 
 Constraints (DenseAttnScoreRecomputeSpec.reasons): those of the sparse form (H 64 or 128, D 512 or 576, bf16 /
 fp16, register budgets); the host keeps q rows 16-byte aligned, k as B * S rows of D (the tensormap's view: unit
-column stride, 16-byte aligned base and row stride),
-lse contiguous [rows, H] fp32, out contiguous [rows, ld_out] fp32 (ld_out >= S), denom [rows] fp32.
+column stride, 16-byte aligned base and row stride), lse contiguous [rows, H] fp32, out contiguous [rows, ld_out]
+fp32 (ld_out >= S), denom [rows] fp32.
 """
 
 import math
@@ -37,12 +45,16 @@ from typing import Any, NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.experimental.cuda as xcuda
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from dsagen.kernels.attn_score_recompute.recompute_sm90 import AttnScoreRecomputeSm90
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.dense_rows import fill_tail, row_limit
 from dsagen.kernels.common.sm90.gather import load_row_tile, publish_tile_ids, row_gather_producer
+from dsagen.kernels.common.sm90.layout import acc_mn_view
+from dsagen.kernels.common.sm90.reduce import quad_sum
 from dsagen.kernels.common.sm90.tma import tma_load_box, tma_recipe
 
 LOG2E = math.log2(math.e)
@@ -104,8 +116,14 @@ class DenseArgs(NamedTuple):
 
 class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
     """The kernel of one DenseAttnScoreRecomputeSpec (module docstring): `kernel` and `host` (grid min(rows,
-    n_ctas), 384 threads, min_blocks_per_mp=1); the sparse form's body, shared tiles (plus sDen), tile gather and
-    tile column sums, with its own producer (computed ids) and consumer (dense row, denominator, -inf tail)."""
+    n_ctas), 384 threads, min_blocks_per_mp=1); the sparse form's body, shared tiles (plus sDen; its sRed stays
+    unused) and barriers, with its own producer (TMA key boxes) and consumer (keys as M, the head sums in registers,
+    denominator, -inf tail). The consumers read no ids, but wait for each tile's ids_mbar as the sparse form's do:
+    with one stage (H 128) a consumer's next tile g + 2 has the parity of tile g on every kv_ready, so its wait on
+    block 0 would pass on tile g's completed phase while tile g + 1's is pending; the producer publishes tile g's
+    ids only after tile g - 1 freed block 0, which it frees after its own wait on that block (blocks kb > 0 follow
+    by the same chain: tile g + 2's block kb - 1 was loaded after tile g + 1 freed it, after its wait on block
+    kb)."""
 
     BAR_DEN = 3                      # both consumers' partial denominators are in sDen (256 threads)
     ROW_DENOM = True                 # the shared struct gets sDen
@@ -142,24 +160,23 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
     # ------------------------------------------------------------------------------------------- producer (WG0)
     @cute.jit
     def producer(self, a, sh, st, lay_q, lay_kv, tidx, bidx, nctas):
-        """Per row: Q block by block (cp.async), then per tile the consecutive key rows' ids (-1 past hi), published
-        before block 0 for the consumers' column mask, and the tile's rows b * S + 64 j .. + 63 one 64-column TMA box
-        at a time (warp 0; rows past the key tensor arrive as zeros, rows past hi are loaded and never stored)."""
+        """Per row: Q block by block (cp.async), then the row's tiles, key rows b * S + 64 j .. + 63, one 64-column
+        TMA box at a time (warp 0; rows past the key tensor arrive as zeros, rows past hi are loaded and never
+        stored)."""
         cute.arch.setmaxregister_decrease(self.regs[0])
         p = row_gather_producer(tidx, st.sQ, st.sKV, lay_kv, self.BN)
-        lanes, ids = p.lanes, p.ids
         warp = tidx // 32
         gt = Int32(0)
         it = Int32(0)
         for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
             b, hi = row_limit(a.p_off, a.has_off, tok, a.T, a.S, a.ratio)
             ntiles = (hi + self.BN - 1) // self.BN
-            load_row_tile(p.q_smem, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D_QK, lanes, p.policy, it,
+            load_row_tile(p.q_smem, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D_QK, p.lanes, p.policy, it,
                           sh.q_free, sh.q_ready, per_block=True)
             for j in cutlass.range(ntiles, unroll=1):
                 for i in cutlass.range_constexpr(self.BN // 16):
-                    key = j * self.BN + lanes.grp + 16 * i
-                    ids[i] = b * a.S + key if key < hi else Int32(-1)
+                    key = j * self.BN + p.lanes.grp + 16 * i
+                    p.ids[i] = b * a.S + key if key < hi else Int32(-1)
                 self.load_tile(p, sh, a.k_tma, b * a.S + j * self.BN, warp, gt + j)
             gt += ntiles
             it += 1
@@ -167,8 +184,9 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
     @cute.jit
     def load_tile(self, p, sh, k_tma, row0, warp, g):
         """Tile g of the CTA (stage g % STAGES), key rows row0 .. row0 + 63: per 64-column block, once the tile's
-        consumer freed the stage's block (kv_free), the ids published before block 0, then warp 0's TMA box of the
-        block completing kv_ready (1 arrival + the box's bytes)."""
+        consumer freed the stage's block (kv_free), the tile's ids published before block 0 (sIds[g % 2], ids_mbar:
+        the consumers' turn guard, class docstring), then warp 0's TMA box of the block completing kv_ready (1
+        arrival + the box's bytes)."""
         s = g % self.STAGES
         free_phase = ((g // self.STAGES) % 2) ^ 1
         stage = sh.sKV[None, None, s].iterator
@@ -183,11 +201,28 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
     # ------------------------------------------------------------------------------------- consumers (WG1, WG2)
     @cute.jit
     def consumer(self, a, sh, tidx, bidx, nctas):
-        """Consumer w takes the tiles g = w mod 2 with all H heads (the sparse form's S, P and column sums), writes
-        the visible columns, then at the row's end the denominator and the -inf tail (module docstring)."""
-        BN = self.BN
+        """Consumer w takes the tiles g = w mod 2 of each row: S^T = K Q^T on wgmma (M = the tile's 64 keys from the
+        stage, N = the H heads of the resident Q), P = exp2(S * scale log2 e - lse log2 e) summed over the thread's
+        heads and its quad (every key's head sum in registers), the visible keys written by lanes 4 m and 4 m + 1
+        (key rows r = lane % 4 of the thread's two), then at the row's end the denominator and the -inf tail
+        (module docstring)."""
+        BN, NKB, H = self.BN, self.NKB, self.H
         cute.arch.setmaxregister_increase(self.regs[1])
-        cs = self.consumer_state(sh, tidx)
+        w = tidx // 128 - 1
+        ctid = tidx % 128
+        lane = ctid % 32
+        mma = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K,
+                                                Float32, (1, 1, 1), tiler_mn=(BN, H))
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+        thr = mma.get_slice(ctid)
+        tKrK = mma.make_fragment_A(thr.partition_A(sh.sKV))          # [.., .., k-step, stage]
+        tKrQ = mma.make_fragment_B(thr.partition_B(sh.sQ))           # [.., .., k-step]
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((BN, H)), Float32)
+        accMN = acc_mn_view(acc)
+        cMN = acc_mn_view(thr.partition_C(cute.make_identity_tensor((BN, H))))
+        NCOL = cute.size(accMN, mode=[1])
+        lse_l2 = cute.make_rmem_tensor(NCOL, Float32)                # lse * log2 e of the thread's head columns
+        den_slot = (ctid // 32) * 16 + (lane // 4) * 2 + lane % 4    # lanes 4 m, 4 m + 1: its sDen entry
         scale_log2 = a.softmax_scale * LOG2E
 
         gt = Int32(0)
@@ -196,33 +231,55 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
             _, hi = row_limit(a.p_off, a.has_off, tok, a.T, a.S, a.ratio)
             ntiles = (hi + BN - 1) // BN
             p_row = a.p_out + Int64(tok) * a.ld_out
-            self.load_row_lse(cs, a.p_lse, tok)
-            den = Float32(0.0)                                             # threads ctid < BN: their columns' sum
-            for j in cutlass.range((gt + cs.w) % 2, ntiles, 2, unroll=1):  # this consumer's tiles of the row
+            for c in cutlass.range_constexpr(NCOL):
+                lse_l2[c] = (a.p_lse + (Int64(tok) * H + cMN[0, c][1])).load() * LOG2E
+            den = Float32(0.0)                                         # lanes 4 m + r: its key rows' sum
+            for j in cutlass.range((gt + w) % 2, ntiles, 2, unroll=1):  # this consumer's tiles of the row
                 g = gt + j
-                self.tile_column_sums(cs, sh, g, it, scale_log2)
-                if cs.ctid < BN:
-                    key = j * BN + cs.ctid
-                    total = self.column_total(cs, sh, g)
-                    if key < hi:
+                st = g % self.STAGES
+                ready_phase = (g // self.STAGES) % 2
+                # the turn guard: tile g's ids are published once tile g - 1 freed block 0 of the stage, so a
+                # consumer two tiles ahead never takes the previous phase of kv_ready[0] for its own (STAGES = 1)
+                cute.arch.mbarrier_wait(sh.ids_mbar + (g % self.NIDS), (g // self.NIDS) % 2)
+                acc.fill(0.0)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(NKB):
+                    cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)     # at once after the row's first tile
+                    cute.arch.mbarrier_wait(sh.kv_ready + (st * NKB + kb), ready_phase)
+                    cute.arch.fence_proxy("async.shared", space="cta")   # Q's cp.async writes -> wgmma reads
+                    for kk in cutlass.range_constexpr(4):
+                        cute.gemm(mma, acc, tKrK[None, None, 4 * kb + kk, st], tKrQ[None, None, 4 * kb + kk], acc)
+                    warpgroup.commit_group()
+                    if const_expr(kb > 0):
+                        warpgroup.wait_group(1)                         # block kb - 1 retired
+                        cute.arch.mbarrier_arrive(sh.kv_free + (st * NKB + kb - 1))
+                warpgroup.wait_group(0)
+                cute.arch.mbarrier_arrive(sh.kv_free + (st * NKB + NKB - 1))
+                for r in cutlass.range_constexpr(2):
+                    part = Float32(0.0)
+                    for c in cutlass.range_constexpr(NCOL):
+                        part += cute.math.exp2(accMN[r, c] * scale_log2 - lse_l2[c], fastmath=True)
+                    total = quad_sum(part)
+                    key = j * BN + cMN[r, 0][0]                         # the thread's key rows: lane / 4 (+ 8)
+                    if lane % 4 == r and key < hi:
                         (p_row + key).store(total)
                         den += total
             # the row's end: denominator (fixed order), -inf tail, then Q may be replaced
             par = it % 2
-            if cs.ctid < BN:
-                sh.sDen[cs.ctid, cs.w, par] = den
+            if lane % 4 < 2:
+                sh.sDen[den_slot, w, par] = den
             cute.arch.barrier(barrier_id=self.BAR_DEN, number_of_threads=256)
-            if cs.w == 0:
-                if cs.ctid < 32:
-                    part = Float32(0.0)
+            if w == 0:
+                if ctid < 32:
+                    total = Float32(0.0)
                     for q4 in cutlass.range_constexpr(4):                   # values 4 lane + q4 of the 128
-                        idx = 4 * cs.lane + q4
-                        part += sh.sDen[idx % BN, idx // BN, par]
+                        idx = 4 * lane + q4
+                        total += sh.sDen[idx % BN, idx // BN, par]
                     for sh_off in cutlass.range_constexpr(5):
-                        part += cute.arch.shuffle_sync_bfly(part, offset=1 << (4 - sh_off))
-                    if cs.lane == 0:
-                        (a.p_den + tok).store(part)
-            fill_tail(p_row, hi, a.S, cs.ctid + 128 * cs.w, 256)
+                        total += cute.arch.shuffle_sync_bfly(total, offset=1 << (4 - sh_off))
+                    if lane == 0:
+                        (a.p_den + tok).store(total)
+            fill_tail(p_row, hi, a.S, ctid + 128 * w, 256)
             self.free_row_q(sh, it)
             gt += ntiles
             it += 1

@@ -170,13 +170,16 @@ def _specs_from_args(args) -> list:
                   f"(impl='fused' ops needing them raise NotImplementedError there); building the rest",
                   file=sys.stderr)
 
+    serving = args.serving
+    if serving and not (args.preset or models):
+        raise ConfigError("--serving selects among the kernels of a --preset or --model; give one")
     for arch in preset_arches:
         for name in args.preset or ():
-            specs.extend(get_preset(name, arch))
-            say_missing(f"preset {name!r}", arch, missing_ops(name, arch))
+            specs.extend(get_preset(name, arch, serving))
+            say_missing(f"preset {name!r}", arch, missing_ops(name, arch, serving))
         for path, model in models:
-            specs.extend(specs_for_model(model, arch))
-            say_missing(f"model {path}", arch, missing_ops_for_model(model, arch))
+            specs.extend(specs_for_model(model, arch, serving))
+            say_missing(f"model {path}", arch, missing_ops_for_model(model, arch, serving))
     for text in args.spec or ():
         d = _json_of(text, f"--spec {text!r}")
         specs.extend(_spec_of(d, f"--spec {text!r}", a) for a in arches or [None])
@@ -604,9 +607,9 @@ def _split_arches(values: Iterable[str]) -> list[str]:
 
 
 def pack_selection(ops: Iterable[str] = (), arches: Iterable[str] = (), presets: Iterable[str] = (),
-              models: Iterable[str] = (), tp: int = 1):
-    """The pack.Selection of `dsagen pack`'s options: --op, --arch, --preset, --model (with --tp). The kernels of
-    a preset or model are those `dsagen build` builds for it (`get_preset`, `specs_for_model`) on every
+              models: Iterable[str] = (), tp: int = 1, serving: bool = False):
+    """The pack.Selection of `dsagen pack`'s options: --op, --arch, --preset, --model (with --tp and --serving). The
+    kernels of a preset or model are those `dsagen build` builds for it (`get_preset`, `specs_for_model`) on every
     given arch, or on every known arch when none is given; the options intersect."""
     from .spec import ARCHES, get_preset
     from .spec.model_config import load_model_config, specs_for_model
@@ -616,15 +619,18 @@ def pack_selection(ops: Iterable[str] = (), arches: Iterable[str] = (), presets:
     arch_list = _split_arches(arches)
     if tp != 1 and not models:
         raise ConfigError(f"--tp {tp}: only --model configs are split over GPUs; give --model")
+    if serving and not (presets or models):
+        raise ConfigError("--serving selects among the kernels of a --preset or --model; give one")
     spec_set = None
     if presets or models:
         targets = arch_list or sorted(ARCHES)
         loaded = [load_model_config(path, tp) for path in models]
         spec_set = frozenset(s.canonical_json() for a in targets for s in
-                             [x for name in presets for x in get_preset(name, a)]
-                             + [x for model in loaded for x in specs_for_model(model, a)])
+                             [x for name in presets for x in get_preset(name, a, serving)]
+                             + [x for model in loaded for x in specs_for_model(model, a, serving)])
     words = ([f"--preset {n}" for n in presets] + [f"--model {m}" for m in models]
-             + ([f"--tp {tp}"] if tp != 1 else []) + [f"--op {o}" for o in ops] + [f"--arch {a}" for a in arch_list])
+             + ([f"--tp {tp}"] if tp != 1 else []) + (["--serving"] if serving else [])
+             + [f"--op {o}" for o in ops] + [f"--arch {a}" for a in arch_list])
     return Selection(frozenset(ops) if ops else None, frozenset(arch_list) if arch_list else None, spec_set,
                      " ".join(words))
 
@@ -633,7 +639,7 @@ def _pack_selection(args):
     """The pack.Selection of `dsagen pack`'s --preset, --model (--tp), --op and --arch options (resolved here, in
     the command line: the store knows entries, never specs or presets)."""
     return pack_selection(ops=args.op or (), arches=args.arch or (), presets=args.preset or (),
-                          models=args.model or (), tp=args.tp)
+                          models=args.model or (), tp=args.tp, serving=args.serving)
 
 
 def cmd_pack(args) -> int:
@@ -864,6 +870,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="a Hugging Face-style config.json of a DeepSeek sparse-attention model (repeatable)")
     b.add_argument("--tp", type=int, default=1, metavar="N",
                    help="with --model: N GPUs split the sparse MLA's query heads (default 1)")
+    b.add_argument("--serving", action="store_true",
+                   help="with --preset / --model: only the kernels a serving deployment runs (the forward ops; no "
+                        "backward, score recompute or dense warm-up kernels)")
     b.add_argument("--spec", action="append", metavar="JSON", help="one spec as JSON (repeatable; format below)")
     b.add_argument("--spec-file", action="append", metavar="FILE",
                    help="a JSON file with one spec or a list of specs (repeatable)")
@@ -909,6 +918,8 @@ def make_parser() -> argparse.ArgumentParser:
     pk.add_argument("--model", action="append", metavar="CONFIG.json",
                     help="only the kernels `dsagen build --model CONFIG.json` builds (repeatable)")
     pk.add_argument("--tp", type=int, default=1, metavar="N", help="with --model: as dsagen build --tp (default 1)")
+    pk.add_argument("--serving", action="store_true",
+                    help="with --preset / --model: only the kernels dsagen build --serving builds for them")
     pk.add_argument("--op", action="append", metavar="OP", help="only the entries of this op (repeatable)")
     pk.add_argument("--arch", action="append", metavar="ARCH",
                     help="only the entries for this arch (repeatable, or comma-separated); with --preset or "

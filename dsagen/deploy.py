@@ -25,12 +25,13 @@ class KernelsNotCached(KernelNotCached):
 
 
 def preload(model: str | os.PathLike | dict | None = None, specs: Iterable[Any] | None = None,
-            device: Any = None, *, tensor_parallel: int = 1) -> list:
+            device: Any = None, *, tensor_parallel: int = 1, serving: bool = False) -> list:
     """Resolve and load every kernel of a model (or of a list of specs) before serving.
 
     `model` is a Hugging Face-style config of a DeepSeek sparse-attention model: the path of its config.json or
     the parsed dict (the fields `dsagen build --model` reads; `tensor_parallel` splits the query heads as
-    `--tp` does). Its kernels are those `dsagen build --model` builds, for the arch of `device`. `specs` are
+    `--tp` does). Its kernels are those `dsagen build --model` builds, for the arch of `device` (`serving=True`:
+    those of `dsagen build --model --serving`, the forward ops' kernels without the training ones). `specs` are
     kernel specs (dsagen.spec), taken as they are (their own arch). Both may be given; duplicates load once.
 
     With a CUDA device (`device`, default the current one), each kernel is loaded as the ops would load it
@@ -53,7 +54,7 @@ def preload(model: str | os.PathLike | dict | None = None, specs: Iterable[Any] 
         raise ConfigError("dsagen.preload: give a model config (path or dict) or a list of specs")
     index = _cuda_index(device)
     arches = [_device_arch(index)] if index is not None else _default_arches()
-    todo = _unique([*_model_specs(model, arches, tensor_parallel), *(specs or ())])
+    todo = _unique([*_model_specs(model, arches, tensor_parallel, bool(serving)), *(specs or ())])
     done, missing = [], []
     for spec in todo:
         try:
@@ -92,8 +93,10 @@ def _default_arches() -> list[str]:
     return (env.ARCH.get() or "sm_90a").split(",")
 
 
-def _model_specs(model: str | os.PathLike | dict | None, arches: list[str], tensor_parallel: int) -> list:
-    """The specs `dsagen build --model` names for `model` on each arch (none without a model)."""
+def _model_specs(model: str | os.PathLike | dict | None, arches: list[str], tensor_parallel: int,
+                 serving: bool = False) -> list:
+    """The specs `dsagen build --model` (with --serving: `serving`) names for `model` on each arch (none without a
+    model)."""
     if model is None:
         return []
     from .spec.model_config import load_model_config, model_from_config, specs_for_model
@@ -102,7 +105,7 @@ def _model_specs(model: str | os.PathLike | dict | None, arches: list[str], tens
         attention = model_from_config(model, "dsagen.preload(model=...)", tensor_parallel)
     else:
         attention = load_model_config(model, tensor_parallel)
-    return [s for arch in arches for s in specs_for_model(attention, arch)]
+    return [s for arch in arches for s in specs_for_model(attention, arch, serving)]
 
 
 def _unique(specs: list) -> list:

@@ -307,3 +307,12 @@ def test_verify_reports_every_entry_below_a_badly_named_folder(cache_env, capsys
     assert [line.split()[2] for line in out.splitlines() if line.startswith("MISFILED")] == \
         sorted([str(bad_arch), str(bad_shard)])
     assert "empty-folder" not in out and "2 misfiled folder(s)" in out
+
+
+def test_preload_serving_looks_up_only_the_serving_kernels(cache_env, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    serving = specs_for_model(model_from_config(json.loads(CONFIG.read_text())), "sm_90a", serving=True)
+    assert 0 < len(serving) < len(_model_specs())
+    with pytest.raises(dsagen.deploy.KernelsNotCached) as e:
+        dsagen.preload(model=str(CONFIG), serving=True)
+    assert e.value.missing == serving

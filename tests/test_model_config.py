@@ -210,3 +210,32 @@ def test_build_model_builds_v32_and_a_smaller_variant(cache_env, tmp_path, capsy
     #         forwards, 2 MLA backwards and their id ordering, the attention score recompute and its dense form, and
     #         the row scatter-add of each deterministic backward (D 64 and 576)
     assert lines[-1].endswith(f"{n_small} cached, 0 to build (dry run: nothing compiled)")
+
+
+SERVING_OPS = {"compactify", "local_to_global", "lightning_indexer_score", "lightning_indexer_topk",
+               "indexer_scores_mask_lse", "indexer_forward_topk_softmax", "indexer_topk", "sparse_attention_fwd"}
+
+
+def test_serving_keeps_the_forward_kernels_and_leaves_training_out():
+    full = specs_for_model(DEEPSEEK_V32, "sm_90a")
+    serving = specs_for_model(DEEPSEEK_V32, "sm_90a", serving=True)
+    assert serving == [s for s in full if s.op in SERVING_OPS]              # a subset, in the same order
+    assert {s.op for s in serving} == SERVING_OPS
+    assert {s.op for s in full} - SERVING_OPS == {
+        "sparse_indexer_score_recompute", "indexer_backward", "row_scatter_add", "dense_indexer_backward",
+        "sparse_attention_bwd", "sparse_attention_bwd_order", "sparse_attn_score_recompute",
+        "dense_attn_score_recompute"}
+    assert get_preset("deepseek-v3.2", "sm_90a", serving=True) == serving
+    assert missing_ops("deepseek-v3.2", "sm_100a", serving=True) == sorted(SERVING_OPS - {"compactify",
+                                                                                         "local_to_global"})
+
+
+def test_build_serving_dry_run_lists_only_the_serving_kernels(cache_env, capsys):
+    assert main(["build", "--model", str(EXAMPLE), "--serving", "--dry-run", "--arch", "sm_90a"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    n = len(specs_for_model(DEEPSEEK_V32, "sm_90a", serving=True))
+    assert lines[-1] == f"{n} kernel(s): 0 cached, {n} to build (dry run: nothing compiled)"
+    assert main(["build", "--spec", json.dumps({"op": "compactify", "fields": {"arch": "sm_90a"}}),
+                 "--serving"]) == 2
+    assert "--serving selects among the kernels of a --preset or --model" in capsys.readouterr().err
+    assert not cache_env.exists()

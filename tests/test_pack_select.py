@@ -258,3 +258,17 @@ def test_an_installed_wheel_for_another_cuda_or_format_is_skipped_with_a_warning
             assert any("skipping the installed kernel wheel dsagen-kernels 1.0" in m and why in m for m in msgs), msgs
     finally:
         installed.forget()
+
+
+def test_pack_serving_selects_the_forward_kernels_of_a_preset(cache_env, tmp_path, capsys):
+    """--serving narrows --preset / --model to the kernels dsagen build --serving builds; alone it is an error."""
+    from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdOrderSpec
+
+    k = _cache()
+    store = CacheStore.from_env()
+    bwd = _commit(store, SparseAttnBwdOrderSpec(arch="sm_90a")).key             # a training kernel of the preset
+    p = k[PRESET.name() + "@sm_90a"]
+    assert _pack_keys(tmp_path, "--preset", "deepseek-v3.2", "--arch", "sm_90a") == {p, bwd}
+    assert _pack_keys(tmp_path, "--preset", "deepseek-v3.2", "--arch", "sm_90a", "--serving") == {p}
+    assert main(["pack", "--out", str(tmp_path / "s.tar"), "--serving"]) == 2
+    assert "--serving selects among the kernels of a --preset or --model" in capsys.readouterr().err

@@ -170,13 +170,17 @@ DEEPSEEK_V32 = ModelAttention(num_heads=128, kv_lora_rank=512, qk_rope_head_dim=
                               index_head_dim=128, index_topk=2048, dtype="bfloat16")
 
 
-def specs_for_model(model: ModelAttention, arch: str) -> list[KernelSpec]:
+def specs_for_model(model: ModelAttention, arch: str, serving: bool = False) -> list[KernelSpec]:
     """Every kernel spec `model` needs on `arch`, validated, in a fixed order without duplicates.
 
     One line (or block) per kernel family, each built by the family's own `config_for(...)`: the preset and
     `dsagen build --model` both come through here. A family that has no kernel for `arch` yet adds nothing
     there (`missing_ops_for_model` names its ops). To add a family: append its specs below, guarded by the
-    arches it exists for.
+    arches it exists for, and by `not serving` when only training runs it.
+
+    serving: only the kernels of the forward ops a serving deployment runs (the index post-processing, the
+    lightning indexer, the dense indexer forward and combined indexer + top-k, the standalone top-k, the sparse MLA
+    forward); the training kernels (the backwards, the score recomputes, the dense warm-up kernels) are left out.
     """
     model.check()
     get_arch(arch)
@@ -196,6 +200,7 @@ def specs_for_model(model: ModelAttention, arch: str) -> list[KernelSpec]:
             out.extend(forward_topk_config_for(model.index_n_heads, model.index_head_dim, dtype, arch).specs())
         # standalone indexer top-k (any width; its plan's kernels serve every row length)
         out.extend(indexer_topk_config(arch).specs())
+    if hopper and not serving:
         # sparse indexer score recompute (the indexer's distribution over the selected slots, for its KL loss)
         hi = kernel_heads(model.index_n_heads)
         out.append(indexer_score_recompute_config(hi, model.index_head_dim, model.dtype, arch, None)
@@ -218,6 +223,8 @@ def specs_for_model(model: ModelAttention, arch: str) -> list[KernelSpec]:
         # ... and its lse_prefix kernel, which also returns lse_indexer (sparse_attention(..., indexer_topk=N))
         out.append(sparse_mla_config(h, model.d_qk, model.dtype, None, arch, None)
                    .spec(h, model.d_qk, model.dtype, arch, d_v=model.d_v, lse_prefix=True))
+    if hopper and not serving:
+        h = mla_kernel_heads(model.num_heads)
         # sparse MLA backward: the atomic kernel autograd runs by default and the deterministic one it runs under
         # torch.use_deterministic_algorithms
         for deterministic in (False, True):
@@ -236,10 +243,11 @@ def specs_for_model(model: ModelAttention, arch: str) -> list[KernelSpec]:
     return [s.check() for s in dict.fromkeys(out)]
 
 
-def missing_ops_for_model(model: ModelAttention, arch: str) -> list[str]:
-    """The ops `model` has kernels for on some arch but not on `arch`, sorted ([] when none)."""
-    everywhere = {s.op for a in ARCHES for s in specs_for_model(model, a)}
-    return sorted(everywhere - {s.op for s in specs_for_model(model, arch)})
+def missing_ops_for_model(model: ModelAttention, arch: str, serving: bool = False) -> list[str]:
+    """The ops `model` has kernels for on some arch but not on `arch`, sorted ([] when none); `serving` as for
+    specs_for_model."""
+    everywhere = {s.op for a in ARCHES for s in specs_for_model(model, a, serving)}
+    return sorted(everywhere - {s.op for s in specs_for_model(model, arch, serving)})
 
 
 def _int_field(config: dict, name: str, where: str) -> int:

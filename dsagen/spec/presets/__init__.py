@@ -1,6 +1,8 @@
 """Model presets: the set of kernel specs a model needs, one small module per model.
 
-A preset module defines `NAME` (the CLI name), `DESCRIPTION` and `specs(arch: str) -> list[KernelSpec]`.
+A preset module defines `NAME` (the CLI name), `DESCRIPTION` and `specs(arch: str, serving: bool = False) ->
+list[KernelSpec]` (serving: only the forward ops' kernels a serving deployment runs, as
+model_config.specs_for_model).
 Adding a model is adding a module here; it is found by name, nothing else to register.
 """
 
@@ -35,25 +37,26 @@ def _module(name: str) -> ModuleType:
     return mods[name]
 
 
-def get_preset(name: str, arch: str) -> list[KernelSpec]:
-    """The validated specs of preset `name` for `arch`.
+def get_preset(name: str, arch: str, serving: bool = False) -> list[KernelSpec]:
+    """The validated specs of preset `name` for `arch` (serving: only those a serving deployment runs).
 
     Raises SpecError (a ValueError) for an unknown preset (naming the known ones) or arch. The list
     may lack ops that have no kernel for `arch` yet; `missing_ops` names them.
     """
     mod = _module(name)
     get_arch(arch)
-    return [s.check() for s in mod.specs(arch)]
+    return [s.check() for s in mod.specs(arch, serving)]
 
 
-def missing_ops(name: str, arch: str) -> list[str]:
-    """The ops preset `name` has kernels for on some arch but not on `arch`, sorted ([] when none)."""
+def missing_ops(name: str, arch: str, serving: bool = False) -> list[str]:
+    """The ops preset `name` has kernels for on some arch but not on `arch`, sorted ([] when none); `serving` as
+    for get_preset."""
     from ..arch import ARCHES
 
     mod = _module(name)
     get_arch(arch)
-    everywhere = {s.op for a in ARCHES for s in mod.specs(a)}
-    return sorted(everywhere - {s.op for s in mod.specs(arch)})
+    everywhere = {s.op for a in ARCHES for s in mod.specs(a, serving)}
+    return sorted(everywhere - {s.op for s in mod.specs(arch, serving)})
 
 
 def preset_description(name: str) -> str:

@@ -12,6 +12,7 @@ NAME = "deepseek-v3.2"
 DESCRIPTION = "DeepSeek-V3.2 sparse attention (indexer H64 D128 top-2048; MLA H128 576/512)"
 
 
-def specs(arch: str) -> list[KernelSpec]:
-    """Every kernel DeepSeek-V3.2's sparse attention needs on `arch` (those that exist there so far)."""
-    return specs_for_model(DEEPSEEK_V32, arch)
+def specs(arch: str, serving: bool = False) -> list[KernelSpec]:
+    """Every kernel DeepSeek-V3.2's sparse attention needs on `arch` (those that exist there so far); serving: only
+    those a serving deployment runs (no training kernels)."""
+    return specs_for_model(DEEPSEEK_V32, arch, serving)

@@ -21,6 +21,8 @@ from dsagen.spec import SpecError
     (dict(dtype="float32"), "dtype='float32'"),
     (dict(regs_consumer=240), "exceeds 504"),
     (dict(arch="sm_100a"), "sm_90a only"),
+    (dict(row_pairs=True), "row_pairs needs num_heads=64"),
+    (dict(num_heads=64, row_pairs=1), "field row_pairs must be a bool"),
 ])
 def test_invalid_specs_say_why(kw, needle):
     with pytest.raises(SpecError, match=re.escape(needle)):
@@ -33,6 +35,8 @@ def test_config_and_binding():
     assert cfg.spec(128, 576, "bfloat16") == DenseAttnScoreRecomputeSpec(arch="sm_90a")
     with pytest.raises(ValueError, match="grid=-1"):
         DenseAttnScoreRecomputeConfig(grid=-1)
+    pairs = DenseAttnScoreRecomputeConfig(row_pairs=True)
+    assert pairs.spec(64, 512, "bfloat16").row_pairs and not pairs.spec(128, 576, "bfloat16").row_pairs
     src = render(DenseAttnScoreRecomputeSpec(arch="sm_90a", num_heads=64, d_qk=512))
     compile(src, "kernel.py", "exec")
     assert "from dsagen.kernels.attn_score_recompute.dense_sm90 import build" in src
@@ -40,21 +44,22 @@ def test_config_and_binding():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("h,d", [(128, 576), (64, 512)])
-def test_compiles_to_wgmma(h, d, tmp_path):
-    """S^T = K Q^T per tile as D / 16 wgmmas of M = 64 keys and N = H heads; the TMA key boxes (one per 64-column
-    block); no named barrier per tile (the head sum stays in registers), only the row end's over both consumers' 256
-    threads (id 3); no spills; register budgets that fit the CTA's pool (setmaxnreg moves registers inside it)."""
+@pytest.mark.parametrize("h,d,pairs", [(128, 576, False), (64, 512, False), (64, 576, True)])
+def test_compiles_to_wgmma(h, d, pairs, tmp_path):
+    """S^T = K Q^T per tile as D / 16 wgmmas of M = 64 keys and N = H heads (with row_pairs N = 128: two rows' 64);
+    the TMA key boxes (one per 64-column block); no named barrier per tile (the head sums stay in registers), only
+    the item end's over both consumers' 256 threads (id 3); no spills; register budgets that fit the CTA's pool
+    (setmaxnreg moves registers inside it)."""
     from dsagen.jit.build import compile_module
     from dsagen.jit.sass import disassemble, find_nvdisasm
 
-    spec = DenseAttnScoreRecomputeSpec(arch="sm_90a", num_heads=h, d_qk=d)
+    spec = DenseAttnScoreRecomputeSpec(arch="sm_90a", num_heads=h, d_qk=d, row_pairs=pairs)
     ck = compile_module(spec, render(spec), tmp_path)
     assert ck.record["launch"]["block"] == [384, 1, 1] and ck.record["launch"]["smem"] <= 227 * 1024
     if find_nvdisasm() is None:
         pytest.skip("nvdisasm not found")
     sass = disassemble(ck.cubin)
-    assert len(re.findall(rf"HGMMA\.64x{h}x16\.F32\.BF16 ", sass)) == d // 16
+    assert len(re.findall(rf"HGMMA\.64x{2 * h if pairs else h}x16\.F32\.BF16 ", sass)) == d // 16
     assert len(re.findall(r"UTMALDG", sass)) == d // 64
     assert re.findall(r"BAR\.SYNC\.DEFER_BLOCKING [^\n;]*", sass) == ["BAR.SYNC.DEFER_BLOCKING 0x0 ",
                                                                        "BAR.SYNC.DEFER_BLOCKING 0x3, 0x100 "]

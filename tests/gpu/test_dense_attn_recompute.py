@@ -16,12 +16,14 @@ import torch
 
 import dsagen
 from dsagen.kernels.attn_score_recompute import dense_host
-from dsagen.kernels.attn_score_recompute.spec import dense_config_for
+from dsagen.kernels.attn_score_recompute.spec import DenseAttnScoreRecomputeConfig, dense_config_for
 
 ARCH = "sm_90a"
+PAIRS = DenseAttnScoreRecomputeConfig(row_pairs=True)
 REQUIRED_SPECS = [dense_config_for(h, d, dt, ARCH, None).spec(h, d, dt, ARCH)
                   for h, d, dt in [(64, 512, "bfloat16"), (64, 576, "bfloat16"), (128, 512, "bfloat16"),
-                                   (128, 576, "bfloat16"), (64, 576, "float16")]]
+                                   (128, 576, "bfloat16"), (64, 576, "float16")]] + [
+    PAIRS.spec(64, d, "bfloat16", ARCH) for d in (512, 576)]
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -50,9 +52,9 @@ def make_case(b, s_q, s_k, h, d, *, ratio=1, offsets=None, seed=0, dtype=torch.b
     return q.to(DEV), k.to(DEV), lse.float().to(DEV), scale, ratio, off_t
 
 
-def check(q, k, lse, scale, ratio, off, out=None, denom=None):
+def check(q, k, lse, scale, ratio, off, out=None, denom=None, config=None):
     got, got_den = dense_host.dense_attn_score_recompute(q, k, lse, scale, ratio=ratio, q_causal_offsets=off,
-                                                         out=out, denom=denom)
+                                                         out=out, denom=denom, config=config)
     want, want_den = dsagen.dense_attn_score_recompute(q.double(), k.double(), lse.double(), scale, ratio=ratio,
                                                        q_causal_offsets=off, impl="reference")
     assert got.shape == want.shape and got.dtype == torch.float32 and got_den.shape == want_den.shape
@@ -87,6 +89,22 @@ def test_empty_and_short_rows():
 def test_padded_heads_and_fp16():
     check(*make_case(1, 70, 130, 16, 576, seed=5))
     check(*make_case(1, 70, 130, 64, 576, seed=6, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("d", [512, 576])
+def test_row_pairs(d):
+    """row_pairs (two query rows per item, 64 heads each): odd T (the last row alone), B 3 with offsets that empty
+    rows, reach past every key and differ between batch elements, ratio 1 and 4, 16 heads padded to 64; the same
+    -inf pattern as the one-row kernel and values within 1e-6 of its (each row's head sums run over the same
+    columns in the same order; the denominators' partial sums may fall to the other consumer)."""
+    for b, t, s_k, h, ratio, offs, seed in ((1, 301, 301, 64, 1, None, 31), (3, 97, 150, 64, 4, [-40, 5000, 7], 32),
+                                           (2, 33, 5, 16, 1, [-20, 0], 33)):
+        q, k, lse, scale, ratio, off = make_case(b, t, s_k, h, d, ratio=ratio, offsets=offs, seed=seed + d)
+        got, den = check(q, k, lse, scale, ratio, off, config=PAIRS)
+        one, one_den = dense_host.dense_attn_score_recompute(q, k, lse, scale, ratio=ratio, q_causal_offsets=off)
+        assert torch.equal(torch.isneginf(got), torch.isneginf(one))
+        fin = ~torch.isneginf(one)
+        assert torch.allclose(got[fin], one[fin], rtol=1e-6, atol=0) and torch.allclose(den, one_den, rtol=1e-6)
 
 
 def test_caller_buffers_and_bitwise_reruns():

@@ -172,6 +172,25 @@ def test_dense_attn_score_recompute(h, d_qk):
 
 
 @gpu
+def test_dense_attn_score_recompute_row_pairs():
+    """The dense score recompute's row_pairs kernel (64 heads, two rows per item), 3 CTAs over B 2 x T 5 (odd: a
+    last row alone), ratio 4, offsets that empty rows and reach past the keys, S_k 131, against the reference."""
+    gen = torch.Generator().manual_seed(77)
+    q = (torch.randn((2, 5, 64, 512), generator=gen) * 0.5).bfloat16().to(DEV)
+    k = (torch.randn((2, 131, 512), generator=gen) * 0.5).bfloat16().to(DEV)
+    lse = (torch.rand((2, 5, 64), generator=gen) * 4 + 2).to(DEV)
+    off = torch.tensor([-9, 400], dtype=torch.int32, device=DEV)
+    cfg = replace(drc_config_for(64, 512, "bfloat16", ARCH, None), grid=3, row_pairs=True)
+    got, den = drc_host.dense_attn_score_recompute(q, k, lse, 512 ** -0.5, ratio=4, q_causal_offsets=off, config=cfg)
+    want, want_den = dsagen.dense_attn_score_recompute(q, k, lse, 512 ** -0.5, ratio=4, q_causal_offsets=off,
+                                                       impl="reference")
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    fin = ~torch.isneginf(want)
+    assert (got[fin] - want[fin]).abs().max().item() <= 1e-2 * max(want[fin].abs().max().item(), 1e-6)
+    assert (den - want_den).abs().max().item() <= 1e-2 * max(want_den.abs().max().item(), 1e-6)
+
+
+@gpu
 def test_dense_indexer_backward():
     """The dense indexer backward's kernel at the DeepSeek-V3.2 indexer shape, 3 CTAs looping over 2 x 5 query rows,
     ratio 4, offsets that empty rows (-9) and pass every key (400), S_k 131 (a partial last tile), against the

@@ -33,6 +33,15 @@ per block; two consumer warpgroups on alternate tiles) with the keys and the pro
     consumer's next row end, which rewrites sDen[the other parity] anyway) follows the reads of sDen.
 Rows without a visible key: no tile, out all -inf, denom 0.
 
+row_pairs (64 heads; DenseAttnScoreRecomputeSpec.row_pairs): an item is two consecutive query rows of a batch element
+(the last row of an odd T alone; items = B * ceil(T / 2)); Q holds both rows' heads as rows 0..63 and 64..127 of a
+128-row tile (two cp.async row sets per 64-column block, one ready mbarrier each, as one row's), so the wgmma's
+N = 128 covers both rows and each key tile, loaded once up to the later row's limit, feeds both: half the key traffic
+and shared-memory operand reads per FLOP of the one-row form at 64 heads. The thread's columns c < NCOL / 2 are the
+first row's heads (the accumulator's 8-column groups below 64), so each key row gets two head sums; lanes 4 m + r
+write the first row's, 4 m + 2 + r the second's, and each row's denominator is summed by its own warp of consumer 0
+from sDen[.., .., parity, row]. One stage, as at 128 heads.
+
 Constraints (DenseAttnScoreRecomputeSpec.reasons): those of the sparse form (H 64 or 128, D 512 or 576, bf16 /
 fp16, register budgets); the host keeps q rows 16-byte aligned, k as B * S rows of D (the tensormap's view: unit
 column stride, 16-byte aligned base and row stride), lse contiguous [rows, H] fp32, out contiguous [rows, ld_out]
@@ -52,7 +61,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from dsagen.kernels.attn_score_recompute.recompute_sm90 import AttnScoreRecomputeSm90
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.dense_rows import fill_tail, row_limit
-from dsagen.kernels.common.sm90.gather import load_row_tile, publish_tile_ids, row_gather_producer
+from dsagen.kernels.common.sm90.gather import (cp_async_tiles_rows, load_row_tile, publish_tile_ids,
+                                               row_gather_producer)
 from dsagen.kernels.common.sm90.layout import acc_mn_view
 from dsagen.kernels.common.sm90.reduce import quad_sum
 from dsagen.kernels.common.sm90.tma import tma_load_box, tma_recipe
@@ -89,10 +99,11 @@ def host_args(dtype: str) -> list[dict]:
             {"name": "ld_kv", "kind": "i64"}] + p[2:]
 
 
-def build(num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int) -> BuiltKernel:
+def build(num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int,
+          row_pairs: bool = False) -> BuiltKernel:
     """A new dense score recompute kernel for one DenseAttnScoreRecomputeSpec's values (distinct function objects
     on every call, so every rendered module names its own kernel)."""
-    k = DenseAttnScoreRecomputeSm90(num_heads, d_qk, dtype, regs_producer, regs_consumer)
+    k = DenseAttnScoreRecomputeSm90(num_heads, d_qk, dtype, regs_producer, regs_consumer, row_pairs)
     return BuiltKernel.of(params(dtype), k, "min(rows, n_ctas)")
 
 
@@ -129,8 +140,14 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
     ROW_DENOM = True                 # the shared struct gets sDen
     KV_READY_ARRIVALS = 1            # kv_ready: warp 0's TMA arrive + the box's transaction bytes
 
-    def __init__(self, num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int):
-        super().__init__(num_heads, d_qk, dtype, regs_producer, regs_consumer, prefetch_ids=False)
+    def __init__(self, num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int,
+                 row_pairs: bool = False):
+        self.PAIRS = row_pairs
+        self.HR = num_heads                       # heads per query row (lse's row stride)
+        self.DEN_ROWS = 2 if row_pairs else 1     # query rows per item
+        # the base's H is the Q tile's rows and the wgmma's N: both rows' heads with row_pairs (and one stage)
+        super().__init__(2 * num_heads if row_pairs else num_heads, d_qk, dtype, regs_producer, regs_consumer,
+                         prefetch_ids=False)
 
     def _entry_points(self):
         k = self
@@ -159,20 +176,52 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
 
     # ------------------------------------------------------------------------------------------- producer (WG0)
     @cute.jit
+    def items(self, a):
+        """The number of items: query rows, or with row_pairs pairs of consecutive rows of a batch element (the last
+        row of an odd T alone)."""
+        n = a.rows
+        if const_expr(self.PAIRS):
+            n = (a.rows // a.T) * ((a.T + 1) // 2)
+        return n
+
+    @cute.jit
+    def item_rows(self, a, item):
+        """(tok0, tok1, has1) of an item: its first row, its second (tok0 itself when it has none) and whether it
+        has one. Without row_pairs: (item, item, False)."""
+        if const_expr(not self.PAIRS):
+            return item, item, False
+        per = (a.T + 1) // 2
+        b = item // per
+        t0 = 2 * (item - b * per)
+        tok0 = b * a.T + t0
+        has1 = t0 + 1 < a.T
+        tok1 = tok0 + 1 if has1 else tok0
+        return tok0, tok1, has1
+
+    @cute.jit
     def producer(self, a, sh, st, lay_q, lay_kv, tidx, bidx, nctas):
-        """Per row: Q block by block (cp.async), then the row's tiles, key rows b * S + 64 j .. + 63, one 64-column
-        TMA box at a time (warp 0; rows past the key tensor arrive as zeros, rows past hi are loaded and never
-        stored)."""
+        """Per item: Q block by block (cp.async; with row_pairs both rows' heads, rows 0..63 and 64..127 of the
+        tile), then the item's tiles, key rows b * S + 64 j .. + 63 up to the later row's limit, one 64-column TMA box
+        at a time (warp 0; rows past the key tensor arrive as zeros, rows past a row's limit are loaded and never
+        stored for it); before block 0 the tile's ids (b * S + key, -1 past the limit) on ids_mbar, the consumers'
+        turn guard (class docstring)."""
         cute.arch.setmaxregister_decrease(self.regs[0])
         p = row_gather_producer(tidx, st.sQ, st.sKV, lay_kv, self.BN)
         warp = tidx // 32
         gt = Int32(0)
         it = Int32(0)
-        for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
-            b, hi = row_limit(a.p_off, a.has_off, tok, a.T, a.S, a.ratio)
+        for item in cutlass.range(bidx, self.items(a), nctas, unroll=1):
+            tok0, tok1, has1 = self.item_rows(a, item)
+            b, hi = row_limit(a.p_off, a.has_off, tok0, a.T, a.S, a.ratio)
+            if const_expr(self.PAIRS):
+                _, hi1 = row_limit(a.p_off, a.has_off, tok1, a.T, a.S, a.ratio)
+                hi = cutlass.max(hi, hi1)
             ntiles = (hi + self.BN - 1) // self.BN
-            load_row_tile(p.q_smem, lay_q, a.p_q + Int64(tok) * a.ld_q, self.H, self.D_QK, p.lanes, p.policy, it,
-                          sh.q_free, sh.q_ready, per_block=True)
+            if const_expr(self.PAIRS):
+                self.load_pair_q(p, sh, lay_q, a.p_q + Int64(tok0) * a.ld_q, a.p_q + Int64(tok1) * a.ld_q, it)
+            else:
+                load_row_tile(p.q_smem, lay_q, a.p_q + Int64(tok0) * a.ld_q, self.H, self.D_QK, p.lanes, p.policy,
+                              it, sh.q_free, sh.q_ready, per_block=True)
             for j in cutlass.range(ntiles, unroll=1):
                 for i in cutlass.range_constexpr(self.BN // 16):
                     key = j * self.BN + p.lanes.grp + 16 * i
@@ -180,6 +229,19 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
                 self.load_tile(p, sh, a.k_tma, b * a.S + j * self.BN, warp, gt + j)
             gt += ntiles
             it += 1
+
+    @cute.jit
+    def load_pair_q(self, p, sh, lay_q, src0, src1, it):
+        """row_pairs: item `it`'s two rows of Q (64 heads each, row stride D) into rows 0..63 and 64..127 of the tile,
+        once the consumers freed it (q_free), one ready mbarrier per 64-column block (128 noinc arrivals, as
+        load_row_tile's per_block)."""
+        cute.arch.mbarrier_wait(sh.q_free, (it % 2) ^ 1)
+        half = lay_q.outer((self.HR, 0)) * 2                      # bytes from row 0 to row 64 of a block (affine)
+        for kb in cutlass.range_constexpr(self.NKB):
+            cp_async_tiles_rows(((p.q_smem, lay_q, src0, self.D_QK, (kb, kb + 1)),
+                                 (p.q_smem + half, lay_q, src1, self.D_QK, (kb, kb + 1))),
+                                self.HR, p.lanes.grp, p.lanes.col0, p.policy)
+            cute.arch.cp_async_mbarrier_arrive_noinc(sh.q_ready + kb)
 
     @cute.jit
     def load_tile(self, p, sh, k_tma, row0, warp, g):
@@ -201,12 +263,13 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
     # ------------------------------------------------------------------------------------- consumers (WG1, WG2)
     @cute.jit
     def consumer(self, a, sh, tidx, bidx, nctas):
-        """Consumer w takes the tiles g = w mod 2 of each row: S^T = K Q^T on wgmma (M = the tile's 64 keys from the
-        stage, N = the H heads of the resident Q), P = exp2(S * scale log2 e - lse log2 e) summed over the thread's
-        heads and its quad (every key's head sum in registers), the visible keys written by lanes 4 m and 4 m + 1
-        (key rows r = lane % 4 of the thread's two), then at the row's end the denominator and the -inf tail
-        (module docstring)."""
-        BN, NKB, H = self.BN, self.NKB, self.H
+        """Consumer w takes the tiles g = w mod 2 of each item: S^T = K Q^T on wgmma (M = the tile's 64 keys from the
+        stage, N = the tile's H columns of resident Q: the row's heads, or with row_pairs both rows' 64), P =
+        exp2(S * scale log2 e - lse log2 e) summed over the thread's columns of each row and over its quad (every
+        key's head sums in registers; with row_pairs columns c < NCOL / 2 are the first row's), the visible keys
+        written by lanes 4 m + r (key row r of the thread's two; with row_pairs lanes 4 m + 2 + r write the second
+        row's), then at the item's end the denominators and the -inf tails (module docstring)."""
+        BN, NKB, H, HR = self.BN, self.NKB, self.H, self.HR
         cute.arch.setmaxregister_increase(self.regs[1])
         w = tidx // 128 - 1
         ctid = tidx % 128
@@ -221,20 +284,36 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
         accMN = acc_mn_view(acc)
         cMN = acc_mn_view(thr.partition_C(cute.make_identity_tensor((BN, H))))
         NCOL = cute.size(accMN, mode=[1])
-        lse_l2 = cute.make_rmem_tensor(NCOL, Float32)                # lse * log2 e of the thread's head columns
-        den_slot = (ctid // 32) * 16 + (lane // 4) * 2 + lane % 4    # lanes 4 m, 4 m + 1: its sDen entry
+        # with row_pairs the first half of the thread's columns are the first row's heads: accumulator columns go
+        # (2 adjacent, then 8-column groups), so columns c < NCOL / 2 are the groups below H / 2
+        NC0 = NCOL // 2 if const_expr(self.PAIRS) else NCOL
+        lse_l2 = cute.make_rmem_tensor(NCOL, Float32)                # lse * log2 e of the thread's columns
+        # its sDen entry: lanes 4 m + r (r < 2) write the first row, with row_pairs 4 m + 2 + r the second
+        den_slot = (ctid // 32) * 16 + (lane // 4) * 2 + (lane % 2 if const_expr(self.PAIRS) else lane % 4)
         scale_log2 = a.softmax_scale * LOG2E
 
         gt = Int32(0)
         it = Int32(0)
-        for tok in cutlass.range(bidx, a.rows, nctas, unroll=1):
-            _, hi = row_limit(a.p_off, a.has_off, tok, a.T, a.S, a.ratio)
+        for item in cutlass.range(bidx, self.items(a), nctas, unroll=1):
+            tok0, tok1, has1 = self.item_rows(a, item)
+            _, hi0 = row_limit(a.p_off, a.has_off, tok0, a.T, a.S, a.ratio)
+            hi = hi0
+            hi1 = Int32(0)                                             # 0: the item has no second row
+            if const_expr(self.PAIRS):
+                _, hi_next = row_limit(a.p_off, a.has_off, tok1, a.T, a.S, a.ratio)
+                hi1 = hi_next if has1 else Int32(0)
+                hi = cutlass.max(hi0, hi1)
             ntiles = (hi + BN - 1) // BN
-            p_row = a.p_out + Int64(tok) * a.ld_out
+            p_row0 = a.p_out + Int64(tok0) * a.ld_out
+            p_row1 = a.p_out + Int64(tok1) * a.ld_out if const_expr(self.PAIRS) else p_row0
             for c in cutlass.range_constexpr(NCOL):
-                lse_l2[c] = (a.p_lse + (Int64(tok) * H + cMN[0, c][1])).load() * LOG2E
-            den = Float32(0.0)                                         # lanes 4 m + r: its key rows' sum
-            for j in cutlass.range((gt + w) % 2, ntiles, 2, unroll=1):  # this consumer's tiles of the row
+                if const_expr(self.PAIRS):
+                    tok_c = tok0 if c < NC0 else tok1
+                    lse_l2[c] = (a.p_lse + (Int64(tok_c) * HR + cMN[0, c][1] % HR)).load() * LOG2E
+                else:
+                    lse_l2[c] = (a.p_lse + (Int64(tok0) * HR + cMN[0, c][1])).load() * LOG2E
+            den = Float32(0.0)                                         # the sum of the keys this lane wrote
+            for j in cutlass.range((gt + w) % 2, ntiles, 2, unroll=1):  # this consumer's tiles of the item
                 g = gt + j
                 st = g % self.STAGES
                 ready_phase = (g // self.STAGES) % 2
@@ -244,7 +323,7 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
                 acc.fill(0.0)
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(NKB):
-                    cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)     # at once after the row's first tile
+                    cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)     # at once after the item's first tile
                     cute.arch.mbarrier_wait(sh.kv_ready + (st * NKB + kb), ready_phase)
                     cute.arch.fence_proxy("async.shared", space="cta")   # Q's cp.async writes -> wgmma reads
                     for kk in cutlass.range_constexpr(4):
@@ -256,30 +335,44 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
                 warpgroup.wait_group(0)
                 cute.arch.mbarrier_arrive(sh.kv_free + (st * NKB + NKB - 1))
                 for r in cutlass.range_constexpr(2):
-                    part = Float32(0.0)
-                    for c in cutlass.range_constexpr(NCOL):
-                        part += cute.math.exp2(accMN[r, c] * scale_log2 - lse_l2[c], fastmath=True)
-                    total = quad_sum(part)
+                    part0 = Float32(0.0)
+                    for c in cutlass.range_constexpr(NC0):
+                        part0 += cute.math.exp2(accMN[r, c] * scale_log2 - lse_l2[c], fastmath=True)
+                    total0 = quad_sum(part0)
                     key = j * BN + cMN[r, 0][0]                         # the thread's key rows: lane / 4 (+ 8)
-                    if lane % 4 == r and key < hi:
-                        (p_row + key).store(total)
-                        den += total
-            # the row's end: denominator (fixed order), -inf tail, then Q may be replaced
+                    if lane % 4 == r and key < hi0:
+                        (p_row0 + key).store(total0)
+                        den += total0
+                    if const_expr(self.PAIRS):
+                        part1 = Float32(0.0)
+                        for c in cutlass.range_constexpr(NC0, NCOL):
+                            part1 += cute.math.exp2(accMN[r, c] * scale_log2 - lse_l2[c], fastmath=True)
+                        total1 = quad_sum(part1)
+                        if lane % 4 == r + 2 and key < hi1:
+                            (p_row1 + key).store(total1)
+                            den += total1
+            # the item's end: denominators (fixed order), -inf tails, then Q may be replaced
             par = it % 2
-            if lane % 4 < 2:
-                sh.sDen[den_slot, w, par] = den
+            if const_expr(self.PAIRS):
+                sh.sDen[den_slot, w, par, (lane % 4) // 2] = den
+            elif lane % 4 < 2:
+                sh.sDen[den_slot, w, par, 0] = den
             cute.arch.barrier(barrier_id=self.BAR_DEN, number_of_threads=256)
             if w == 0:
-                if ctid < 32:
-                    total = Float32(0.0)
-                    for q4 in cutlass.range_constexpr(4):                   # values 4 lane + q4 of the 128
-                        idx = 4 * lane + q4
-                        total += sh.sDen[idx % BN, idx // BN, par]
-                    for sh_off in cutlass.range_constexpr(5):
-                        total += cute.arch.shuffle_sync_bfly(total, offset=1 << (4 - sh_off))
-                    if lane == 0:
-                        (a.p_den + tok).store(total)
-            fill_tail(p_row, hi, a.S, ctid + 128 * w, 256)
+                for rr in cutlass.range_constexpr(self.DEN_ROWS):
+                    if (ctid < 32 if rr == 0 else ctid // 32 == rr):      # warp rr sums row rr's 128 partials
+                        total = Float32(0.0)
+                        for q4 in cutlass.range_constexpr(4):             # values 4 lane + q4 of the 128
+                            idx = 4 * lane + q4
+                            total += sh.sDen[idx % BN, idx // BN, par, rr]
+                        for sh_off in cutlass.range_constexpr(5):
+                            total += cute.arch.shuffle_sync_bfly(total, offset=1 << (4 - sh_off))
+                        if (lane == 0 if rr == 0 else lane == 0 and has1):
+                            (a.p_den + (tok0 if rr == 0 else tok1)).store(total)
+            fill_tail(p_row0, hi0, a.S, ctid + 128 * w, 256)
+            if const_expr(self.PAIRS):
+                if has1:
+                    fill_tail(p_row1, hi1, a.S, ctid + 128 * w, 256)
             self.free_row_q(sh, it)
             gt += ntiles
             it += 1

@@ -114,7 +114,7 @@ class Shared(NamedTuple):
     sKV: Any
     sIds: Any        # [g % NIDS][row]: the tile's ids, -1 where invalid
     sRed: Any        # [column (64)][consumer warp (4)][(g // 2) % 2][consumer]: partial column sums
-    sDen: Any        # the dense form's [consumer thread c < 64][consumer][row parity] (None in the sparse form)
+    sDen: Any        # the dense form's [slot < 64][consumer][item parity][row of the item] (None in the sparse form)
     kv_ready: Any    # [stage * NKB + column block]
     kv_free: Any     # [stage * NKB + column block]
     ids_mbar: Any    # [g % NIDS]
@@ -153,6 +153,7 @@ class AttnScoreRecomputeSm90:
     THREADS = 384
     BAR_RED = 1                      # + w: consumer w's partial column sums are in sRed (128 threads)
     ROW_DENOM = False                # shared memory for per-row denominators (the dense form, dense_sm90)
+    DEN_ROWS = 1                     # ... for this many query rows per item
     KV_READY_ARRIVALS = 128          # kv_ready: the gather's noinc arrivals (the dense form's TMA: 1 + bytes)
 
     def __init__(self, num_heads: int, d_qk: int, dtype: str, regs_producer: int, regs_consumer: int,
@@ -183,7 +184,7 @@ class AttnScoreRecomputeSm90:
             ids: cute.struct.MemRange[Int32, self.NIDS * BN]
             red: cute.struct.MemRange[Float32, 2 * 2 * 4 * BN]
             if self.ROW_DENOM:
-                den: cute.struct.MemRange[Float32, 2 * 2 * BN]       # the dense form's sDen
+                den: cute.struct.MemRange[Float32, 2 * 2 * BN * self.DEN_ROWS]      # the dense form's sDen
             sQ: cute.struct.Align[cute.struct.MemRange[DT, H * D_QK], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[DT, STAGES * BN * D_QK], 1024]
 
@@ -222,7 +223,8 @@ class AttnScoreRecomputeSm90:
                     sKV=st.sKV.get_tensor(lay_kv.outer, swizzle=lay_kv.inner),
                     sIds=st.ids.get_tensor(cute.make_layout(self.NIDS * BN)),
                     sRed=st.red.get_tensor(cute.make_layout((BN, 4, 2, 2), stride=(1, BN, 4 * BN, 8 * BN))),
-                    sDen=(st.den.get_tensor(cute.make_layout((BN, 2, 2), stride=(1, BN, 2 * BN)))
+                    sDen=(st.den.get_tensor(cute.make_layout((BN, 2, 2, self.DEN_ROWS),
+                                                             stride=(1, BN, 2 * BN, 4 * BN)))
                           if const_expr(self.ROW_DENOM) else None),
                     kv_ready=st.kv_ready.data_ptr(), kv_free=st.kv_free.data_ptr(), ids_mbar=st.ids_mbar.data_ptr(),
                     q_ready=st.q_ready.data_ptr(), q_free=st.q_free.data_ptr())

@@ -68,6 +68,9 @@ class DenseAttnScoreRecomputeSpec(KernelSpec):
     reduced in a fixed order). Fields as AttnScoreRecomputeSpec's (no prefetch_ids: the ids are computed);
     budgets 96 / 200: the producer computes its ids and spilled 2 registers at the sparse form's 88 (CPU compile,
     H 128 D 576).
+
+    row_pairs (num_heads 64 only): each CTA item is two consecutive query rows of a batch element, their 2 x 64
+    heads one N = 128 operand of resident Q, so each key tile feeds both rows (half the key traffic per FLOP).
     """
 
     op = "dense_attn_score_recompute"
@@ -78,9 +81,14 @@ class DenseAttnScoreRecomputeSpec(KernelSpec):
     dtype: str = "bfloat16"
     regs_producer: int = 96
     regs_consumer: int = 200
+    row_pairs: bool = False
 
     def reasons(self) -> list[str]:
-        return super().reasons() + recompute_reasons(self, "dense score recompute")
+        out = super().reasons() + recompute_reasons(self, "dense score recompute")
+        if self.row_pairs and self.num_heads != 64:
+            out.append(f"row_pairs needs num_heads=64 (two rows' heads make the N = 128 operand), got "
+                       f"{self.num_heads}")
+        return out
 
 
 @dataclass(frozen=True)
@@ -118,12 +126,14 @@ def config_for(num_heads: int, d_qk: int, dtype, arch: str, num_sms: int | None)
 
 @dataclass(frozen=True)
 class DenseAttnScoreRecomputeConfig:
-    """The launch choices of the fused dense score recompute: register budgets (spec fields) and the grid
-    ("persistent", one CTA per SM, or an int n: at most n CTAs)."""
+    """The launch choices of the fused dense score recompute: register budgets (spec fields), the grid
+    ("persistent", one CTA per SM, or an int n: at most n CTAs) and row_pairs (the spec field; used by kernels of
+    64 heads, ignored at 128)."""
 
     regs_producer: int = 96
     regs_consumer: int = 200
     grid: str | int = "persistent"
+    row_pairs: bool = False
 
     def __post_init__(self) -> None:
         check_grid(self.grid, "DenseAttnScoreRecomputeConfig")
@@ -131,7 +141,8 @@ class DenseAttnScoreRecomputeConfig:
     def spec(self, num_heads: int, d_qk: int, dtype, arch: str = "sm_90a") -> DenseAttnScoreRecomputeSpec:
         """The kernel spec of this config for a kernel of `num_heads` (64 or 128) heads."""
         return DenseAttnScoreRecomputeSpec(arch=arch, num_heads=num_heads, d_qk=d_qk, dtype=dtype_name(dtype),
-                                           regs_producer=self.regs_producer, regs_consumer=self.regs_consumer)
+                                           regs_producer=self.regs_producer, regs_consumer=self.regs_consumer,
+                                           row_pairs=self.row_pairs and num_heads == 64)
 
     def n_ctas(self, num_sms: int) -> int:
         """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(rows, n_ctas))."""
@@ -140,5 +151,6 @@ class DenseAttnScoreRecomputeConfig:
 
 def dense_config_for(num_heads: int, d_qk: int, dtype, arch: str, num_sms: int | None
                      ) -> DenseAttnScoreRecomputeConfig:
-    """The config the dense op runs (the sparse form's budgets; not yet measured on a GPU)."""
+    """The config the dense op runs: the sparse form's budgets, one query row per item (row_pairs, built for 64
+    heads, has not run on a GPU yet)."""
     return DenseAttnScoreRecomputeConfig()

@@ -22,6 +22,18 @@ def cudnn_dsa():
     return DSA
 
 
+def dsa_bench_start(no_cudnn: bool):
+    """The start of a DSA benchmark beside cuDNN: exits without a CUDA GPU, prints the GPU and torch version, and
+    returns cuDNN frontend's DSA module (cudnn_dsa) or None with --no-cudnn (`no_cudnn`) or where it is missing."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    dsa = None if no_cudnn else cudnn_dsa()
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    return dsa
+
+
 def print_paired(label: str, fns: list[tuple[str, Callable[[], object]]], flops: float, rounds: int) -> list[float]:
     """Time the (name, fn) contenders interleaved (paired_time_ms) and print one line: `label: name ms (TFLOP/s)
     ...`, and with a second contender (the peer) the first's speedup over it. Returns the milliseconds."""

@@ -24,7 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cudnn_dsa, print_paired  # noqa: E402
+from common import dsa_bench_start, print_paired  # noqa: E402
 
 from dsagen.kernels.attn_score_recompute import dense_host  # noqa: E402
 from dsagen.kernels.attn_score_recompute.spec import DenseAttnScoreRecomputeConfig  # noqa: E402
@@ -93,10 +93,7 @@ def main() -> None:
     ap.add_argument("--no-cudnn", action="store_true")
     ap.add_argument("--row-pairs", action="store_true", help="at 64 heads also time the row_pairs kernel")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
-    dsa = None if args.no_cudnn else cudnn_dsa()
-    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    dsa = dsa_bench_start(args.no_cudnn)
     for shape in args.shapes:
         h, d = map(int, shape.split("x"))
         for t in args.T:

@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cudnn_dsa, print_paired  # noqa: E402
+from common import dsa_bench_start, print_paired  # noqa: E402
 
 from dsagen.kernels.indexer_bwd import dense_host  # noqa: E402
 
@@ -70,10 +70,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--no-cudnn", action="store_true")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
-    dsa = None if args.no_cudnn else cudnn_dsa()
-    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    dsa = dsa_bench_start(args.no_cudnn)
     for t in args.T:
         one(t, args.D, args, dsa)
         torch.cuda.empty_cache()

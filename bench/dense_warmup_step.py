@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cudnn_dsa, print_paired  # noqa: E402
+from common import dsa_bench_start, print_paired  # noqa: E402
 from dense_attn_recompute import dense_lse  # noqa: E402
 
 import dsagen  # noqa: E402
@@ -106,10 +106,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-cudnn", action="store_true")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
-    dsa = None if args.no_cudnn else cudnn_dsa()
-    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    dsa = dsa_bench_start(args.no_cudnn)
     for t in args.T:
         one(t, args, dsa)
         torch.cuda.empty_cache()

@@ -269,7 +269,7 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
         key's head sums in registers; with row_pairs columns c < NCOL / 2 are the first row's), the visible keys
         written by lanes 4 m + r (key row r of the thread's two; with row_pairs lanes 4 m + 2 + r write the second
         row's), then at the item's end the denominators and the -inf tails (module docstring)."""
-        BN, NKB, H, HR = self.BN, self.NKB, self.H, self.HR
+        BN, H, HR = self.BN, self.H, self.HR
         cute.arch.setmaxregister_increase(self.regs[1])
         w = tidx // 128 - 1
         ctid = tidx % 128
@@ -322,18 +322,7 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
                 cute.arch.mbarrier_wait(sh.ids_mbar + (g % self.NIDS), (g // self.NIDS) % 2)
                 acc.fill(0.0)
                 warpgroup.fence()
-                for kb in cutlass.range_constexpr(NKB):
-                    cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)     # at once after the item's first tile
-                    cute.arch.mbarrier_wait(sh.kv_ready + (st * NKB + kb), ready_phase)
-                    cute.arch.fence_proxy("async.shared", space="cta")   # Q's cp.async writes -> wgmma reads
-                    for kk in cutlass.range_constexpr(4):
-                        cute.gemm(mma, acc, tKrK[None, None, 4 * kb + kk, st], tKrQ[None, None, 4 * kb + kk], acc)
-                    warpgroup.commit_group()
-                    if const_expr(kb > 0):
-                        warpgroup.wait_group(1)                         # block kb - 1 retired
-                        cute.arch.mbarrier_arrive(sh.kv_free + (st * NKB + kb - 1))
-                warpgroup.wait_group(0)
-                cute.arch.mbarrier_arrive(sh.kv_free + (st * NKB + NKB - 1))
+                self.tile_products(sh, st, ready_phase, it, mma, [(acc, tKrK, st, tKrQ, None)])
                 for r in cutlass.range_constexpr(2):
                     part0 = Float32(0.0)
                     for c in cutlass.range_constexpr(NC0):

@@ -313,7 +313,7 @@ class AttnScoreRecomputeSm90:
         block, block kb - 1 freed once only block kb's group is in flight), P, and the column sums of the thread's
         rows summed over the warp's 8 row groups into sRed[.., (g // 2) % 2, w]; returns after the consumer's named
         barrier BAR_RED + w, so its threads may read the 4 warps' partial sums."""
-        BN, NKB = self.BN, self.NKB
+        BN = self.BN
         s = g % self.STAGES
         ready_phase = (g // self.STAGES) % 2
         # the tile's ids first: sIds[g % 2] is rewritten after this consumer frees the tile's block 0
@@ -322,20 +322,8 @@ class AttnScoreRecomputeSm90:
         for mb in cutlass.range_constexpr(self.NMB):
             cs.accS[mb].fill(0.0)
         warpgroup.fence()
-        for kb in cutlass.range_constexpr(NKB):
-            cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)         # at once after the row's first tile
-            cute.arch.mbarrier_wait(sh.kv_ready + (s * NKB + kb), ready_phase)
-            cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
-            for kk in cutlass.range_constexpr(4):
-                for mb in cutlass.range_constexpr(self.NMB):
-                    cute.gemm(cs.mma, cs.accS[mb], cs.tSrQ[mb][None, None, 4 * kb + kk],
-                              cs.tSrK[None, None, 4 * kb + kk, s], cs.accS[mb])
-            warpgroup.commit_group()
-            if const_expr(kb > 0):
-                warpgroup.wait_group(1)                            # block kb - 1 retired
-                cute.arch.mbarrier_arrive(sh.kv_free + (s * NKB + kb - 1))
-        warpgroup.wait_group(0)
-        cute.arch.mbarrier_arrive(sh.kv_free + (s * NKB + NKB - 1))
+        self.tile_products(sh, s, ready_phase, it, cs.mma,
+                           [(cs.accS[mb], cs.tSrQ[mb], None, cs.tSrK, s) for mb in range(self.NMB)])
         # P, summed over the thread's rows of every head block, then over the warp's 8 row groups
         buf = (g // 2) % 2
         for c in cutlass.range_constexpr(cs.NCOL):
@@ -347,6 +335,32 @@ class AttnScoreRecomputeSm90:
             if cs.lane < 4:
                 sh.sRed[cs.cS[0, c][1], cs.cwarp, buf, cs.w] = t
         cute.arch.barrier(barrier_id=self.BAR_RED + cs.w, number_of_threads=128)
+
+    @cute.jit
+    def tile_products(self, sh, s, ready_phase, it, mma, terms):
+        """A consumer's products of the tile in stage s, block by block: per 64-column block kb, wait for Q's block
+        (q_ready, parity it % 2) and the stage's (kv_ready, ready_phase), issue the block's 4 k-steps of every term
+        as one commit group, and free block kb - 1 (kv_free) once only block kb's group is in flight; the last block
+        is freed after all retired. terms: ((acc, A, A's stage or None, B, B's stage or None), ...), each k-step k a
+        wgmma acc += A[.., .., k(, stage)] x B[.., .., k(, stage)] (the sparse form: per 64-head block, Q x the
+        stage's keys; the dense form: the stage's keys x Q)."""
+        NKB = self.NKB
+        for kb in cutlass.range_constexpr(NKB):
+            cute.arch.mbarrier_wait(sh.q_ready + kb, it % 2)         # at once after the row's first tile
+            cute.arch.mbarrier_wait(sh.kv_ready + (s * NKB + kb), ready_phase)
+            cute.arch.fence_proxy("async.shared", space="cta")   # cp.async writes -> wgmma reads
+            for kk in cutlass.range_constexpr(4):
+                k = 4 * kb + kk
+                for acc, a_op, a_st, b_op, b_st in terms:
+                    a_k = a_op[None, None, k] if const_expr(a_st is None) else a_op[None, None, k, a_st]
+                    b_k = b_op[None, None, k] if const_expr(b_st is None) else b_op[None, None, k, b_st]
+                    cute.gemm(mma, acc, a_k, b_k, acc)
+            warpgroup.commit_group()
+            if const_expr(kb > 0):
+                warpgroup.wait_group(1)                            # block kb - 1 retired
+                cute.arch.mbarrier_arrive(sh.kv_free + (s * NKB + kb - 1))
+        warpgroup.wait_group(0)
+        cute.arch.mbarrier_arrive(sh.kv_free + (s * NKB + NKB - 1))
 
     @cute.jit
     def free_row_q(self, sh, it):

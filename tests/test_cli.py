@@ -391,8 +391,11 @@ def test_killing_build_stops_its_workers(sig, cache_env, tmp_path):
     marks.mkdir()
     env = dict(os.environ, DSAGEN_TEST_MARKS=str(marks), PYTHONPATH=str(ROOT))
     specs = [CompactifySpec(arch="sm_90a").canonical_json(), SPEC]
+    # the build starts with SIGINT's default disposition, as from a terminal: a test run launched as a background
+    # job (`cmd &` in a script) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
     parent = subprocess.Popen([sys.executable, str(script), "build", "--spec", specs[0], "--spec", specs[1],
-                               "-j", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               "-j", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert _wait(lambda: len(list(marks.iterdir())) == 2, 60), "the two workers did not start"
         workers = [int(p.name) for p in marks.iterdir()]

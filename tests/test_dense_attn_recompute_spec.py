@@ -80,7 +80,8 @@ def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
 
     class Kernel:
         def launch(self, q, keys, lse, out, denom, q_off, rows, T, S, ratio, has_off, ld_q, ld_out, scale, n_ctas):
-            flat, den = out.view(rows, ld_out), denom.view(rows)
+            flat = torch.as_strided(out, (rows, S), (ld_out, 1), out.storage_offset())   # rows ld_out apart
+            den = denom.view(rows)
             for tok in range(rows):
                 b, t = divmod(tok, T)
                 off = int(q_off[b]) if has_off else 0
@@ -135,3 +136,49 @@ def test_caller_buffers_of_another_shape_dtype_or_layout_are_refused():
                      (dict(denom=torch.zeros(1, 3, dtype=torch.float64)), "denom")):
         with pytest.raises(ValueError, match=name):
             dense_host.dense_attn_score_recompute(q, k, lse, 0.1, **kw)
+
+
+def test_packed_segments_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
+    """THD: one launch per segment with rows of keys, on views of the (total_q, max_seqlen_k) output (rows W apart);
+    an empty segment, one without keys, rows after the last segment; against the reference's THD form."""
+    import math
+
+    import torch
+
+    import dsagen
+    from dsagen.kernels.attn_score_recompute import dense_host
+
+    launches = []
+
+    class Kernel:
+        def launch(self, q, keys, lse, out, denom, q_off, rows, T, S, ratio, has_off, ld_q, ld_out, scale, n_ctas):
+            launches.append((rows, S, ld_out))
+            flat = torch.as_strided(out, (rows, S), (ld_out, 1), out.storage_offset())
+            for tok in range(rows):
+                off = int(q_off[0]) if has_off else 0
+                hi = min(max((off + tok + 1) // ratio, 0), S) if off + tok + 1 > 0 else 0
+                s = torch.einsum("hd,sd->hs", q[tok].float(), keys[:hi].float()) * scale
+                p = torch.exp(s - lse[tok].view(-1, 1)).sum(0)
+                flat[tok, :hi] = p
+                flat[tok, hi:S] = -math.inf
+                denom.view(rows)[tok] = p.sum()
+
+    spec = DenseAttnScoreRecomputeSpec(arch="sm_90a", num_heads=64, d_qk=512)
+    monkeypatch.setattr(dense_host, "_launch_plan", lambda *a, **k: (spec, Kernel(), 3))
+    gen = torch.Generator().manual_seed(6)
+    cu_q = torch.tensor([0, 4, 4, 9, 12], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 8, 8, 13], dtype=torch.int32)
+    q = torch.randn(14, 16, 512, generator=gen).bfloat16()
+    k = torch.randn(13, 512, generator=gen).bfloat16()
+    lse = torch.randn(14, 16, generator=gen) + 20.0
+    off = torch.tensor([2, 0, 5, -1], dtype=torch.int32)
+    kw = dict(ratio=2, q_causal_offsets=off, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    got, den = dense_host.dense_attn_score_recompute_packed(q, k, lse, 0.05, **kw)
+    want, want_den = dsagen.dense_attn_score_recompute(q, k, lse, 0.05, impl="reference", **kw)
+    assert launches == [(4, 6, 6), (3, 5, 6)]                   # segments 1 (no rows) and 2 (no keys) launch nothing
+    assert got.shape == want.shape == (14, 6) and den.shape == want_den.shape
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    fin = ~torch.isneginf(want)
+    assert torch.allclose(got[fin], want[fin].float(), rtol=1e-4, atol=1e-6)
+    assert torch.allclose(den, want_den.float(), rtol=1e-4, atol=1e-6)
+    assert torch.isneginf(got[12:]).all() and (den[12:] == 0).all()              # rows after the last segment

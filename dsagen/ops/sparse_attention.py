@@ -17,7 +17,7 @@ from ._fused import fused_impl
 from ..reference import sparse_attention as ref
 from ..validate import (FLOAT_DTYPES, check_bool, check_cu_seqlens_pair, check_float, check_impl, check_int,
                         check_same_dtype, check_shape, check_tensor)
-from .indexer import fused_op, is_packed
+from .indexer import is_packed
 
 _INT32_MAX = 2**31 - 1
 _SINK_DTYPES = (torch.float32, torch.float64)
@@ -528,8 +528,8 @@ def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tens
     Raises:
         TypeError / ValueError naming the argument for wrong dtypes, shapes, devices or values (cu_seqlens:
         not int32/int64, passed alone, not 1-D, empty, not starting at 0, decreasing, past the packed
-        rows, different segment counts); ValueError for impl="fused" on CPU; NotImplementedError where no
-        fused kernel exists (every THD call).
+        rows, different segment counts); ValueError for impl="fused" on CPU; NotImplementedError for inputs
+        the fused kernel does not take (it names the limit: bf16 / fp16, D 512 / 576, H <= 128, one key head).
     """
     check_impl(impl)
     packed = is_packed(cu_seqlens_q, cu_seqlens_k)
@@ -546,8 +546,11 @@ def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tens
         thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
         return ref.dense_attn_score_recompute(q, k_heads, lse, scale, ratio=ratio, q_causal_offsets=q_causal_offsets,
                                               **thd)
-    return fused_op("dense_attn_score_recompute", q.device, packed)(q, k_heads, lse, scale, ratio=ratio,
-                                                                   q_causal_offsets=q_causal_offsets)
+    from . import _fused                     # looked up per call (tests stand a fake in for it)
+
+    thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
+    return _fused.fused_impl("dense_attn_score_recompute", q.device)(q, k_heads, lse, scale, ratio=ratio,
+                                                                     q_causal_offsets=q_causal_offsets, **thd)
 
 
 __all__ = ["sparse_attention", "sparse_attention_backward", "sparse_attention_backward_workspace",

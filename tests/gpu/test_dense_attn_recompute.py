@@ -137,3 +137,27 @@ def test_public_op_compile_graph_and_out_variant():
     o_out, o_den = torch.full_like(want, 3.0), torch.full_like(want_den, 3.0)
     torch.ops.dsagen.dense_attn_score_recompute_out(q, k, lse, scale, ratio, off, out_out=o_out, out_denom=o_den)
     assert torch.equal(o_out, want) and torch.equal(o_den, want_den)
+
+
+def test_packed_segments():
+    """The THD layout through dsagen.dense_attn_score_recompute (one launch per segment on views of the
+    (total_q, max_seqlen_k) output): segments without rows or keys, per-segment offsets, ratio 4, rows after the last
+    segment, against the FP64 reference's THD form."""
+    gen = torch.Generator().manual_seed(41)
+    cu_q = torch.tensor([0, 70, 70, 131, 200], dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0, 90, 150, 150, 290], dtype=torch.int32, device=DEV)
+    q = (torch.randn((205, 64, 576), generator=gen) * 0.5).bfloat16().to(DEV)
+    k = (torch.randn((290, 576), generator=gen) * 0.5).bfloat16().to(DEV)
+    lse = (torch.rand((205, 64), generator=gen) * 4 + 6).to(DEV)
+    kw = dict(ratio=4, q_causal_offsets=torch.tensor([30, 0, 7, 400], dtype=torch.int32, device=DEV),
+              cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    got, den = dsagen.dense_attn_score_recompute(q, k, lse, 576 ** -0.5, **kw)
+    want, want_den = dsagen.dense_attn_score_recompute(q.double(), k.double(), lse.double(), 576 ** -0.5,
+                                                       impl="reference", **kw)
+    assert got.shape == want.shape == (205, 140) and den.shape == want_den.shape
+    masked = torch.isneginf(want)
+    assert torch.equal(torch.isneginf(got), masked)
+    err = (got.double() - want).masked_fill(masked, 0).abs().max().item()
+    assert err <= 2e-3 * want.masked_fill(masked, 0).abs().max().item(), err
+    assert ((den.double() - want_den).abs() <= 1e-3 * want_den.abs() + 1e-5).all()
+    assert torch.isneginf(got[200:]).all() and (den[200:] == 0).all()

@@ -50,7 +50,8 @@ def _launch_plan(h: int, d: int, dtype: torch.dtype, device: torch.device,
 def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, softmax_scale: float, *,
                                ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
                                out: torch.Tensor | None = None, denom: torch.Tensor | None = None,
-                               config: DenseAttnScoreRecomputeConfig | None = None
+                               config: DenseAttnScoreRecomputeConfig | None = None,
+                               cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused dense score recompute: q `(B, S_q, H, D)` bf16 / fp16 CUDA, k `(B, S_k, D)` (or `(B, S_k, 1, D)`),
     lse `(B, S_q, H)` FP32 natural-log, ratio >= 1, q_causal_offsets int32 `(B,)` or None; out `(B, S_q, S_k)` and
@@ -59,7 +60,13 @@ def dense_attn_score_recompute(q: torch.Tensor, k: torch.Tensor, lse: torch.Tens
     launches directly, lightning_indexer.host.eager) or another config (a direct launch, for
     benchmarks and tests). Returns (out, denom) as dsagen.dense_attn_score_recompute defines them. Raises
     NotImplementedError (with the reason) for inputs the kernel does not cover, ValueError for a caller buffer of
-    another shape, dtype or layout and past the kernel's int32 limits, before anything is written."""
+    another shape, dtype or layout and past the kernel's int32 limits, before anything is written.
+    cu_seqlens_q / cu_seqlens_k (validated, both): the packed THD layout, dense_attn_score_recompute_packed (no
+    caller buffers there)."""
+    if cu_seqlens_q is not None:
+        return dense_attn_score_recompute_packed(q, k, lse, softmax_scale, ratio=ratio,
+                                                 q_causal_offsets=q_causal_offsets, cu_seqlens_q=cu_seqlens_q,
+                                                 cu_seqlens_k=cu_seqlens_k, config=config)
     reason = supported_reason(q, k)
     if reason:
         raise NotImplementedError(f"dense_attn_score_recompute: {reason}")
@@ -104,7 +111,9 @@ def _(q, k, lse, softmax_scale, ratio, q_causal_offsets, out, denom):
 def run(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, softmax_scale: float, ratio: int,
         q_causal_offsets: torch.Tensor | None, out: torch.Tensor, denom: torch.Tensor,
         config: DenseAttnScoreRecomputeConfig | None = None) -> None:
-    """The launch on checked inputs and buffers (see dense_attn_score_recompute)."""
+    """The launch on checked inputs and buffers (see dense_attn_score_recompute): out `(B, S_q, S_k)` with unit
+    column stride and rows `out.stride(-2)` apart (a contiguous tensor, or a THD segment's rows of a wider one),
+    denom `(B, S_q)` contiguous."""
     b, s_q, h, d = q.shape
     s_k = k.shape[1]
     rows, n_kv = b * s_q, b * s_k
@@ -119,5 +128,35 @@ def run(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, softmax_scale: floa
     lse_f = padded_heads(lse.reshape(rows, h).to(torch.float32), hp, float("inf"))
     keys = gather_rows(k.reshape(n_kv, d))
     q_off, has_off = (q_causal_offsets, 1) if q_causal_offsets is not None else (dummy_offsets(q.device), 0)
-    kernel.launch(qf, keys, lse_f, out, denom, q_off, rows, s_q, s_k, int(ratio), has_off, qf.stride(0), s_k,
-                  float(softmax_scale), n_ctas)
+    kernel.launch(qf, keys, lse_f, out, denom, q_off, rows, s_q, s_k, int(ratio), has_off, qf.stride(0),
+                  out.stride(-2), float(softmax_scale), n_ctas)
+
+
+def dense_attn_score_recompute_packed(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, softmax_scale: float, *,
+                                      ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
+                                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                                      config: DenseAttnScoreRecomputeConfig | None = None
+                                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused dense score recompute in the packed THD layout, as dsagen.dense_attn_score_recompute defines it:
+    q `(total_q, H, D)`, k `(total_k, D)` (or `(total_k, 1, D)`), lse `(total_q, H)`, validated offsets (read on the
+    host: not CUDA-graph capturable). Returns out `(total_q, W)`, W = max_seqlen_k (column j of a row of segment b is
+    key row cu_seqlens_k[b] + j; -inf past the segment's keys) and denom `(total_q,)` (0 for rows with nothing
+    visible and rows after the last segment). One launch per non-empty segment, as a BSHD batch of one on views
+    (its rows of out, W apart); q_causal_offsets[b] is the segment's."""
+    reason = supported_reason(q[None], k[None])
+    if reason:
+        raise NotImplementedError(f"dense_attn_score_recompute: {reason}")
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    width = max((ck[i + 1] - ck[i] for i in range(len(ck) - 1)), default=0)
+    out = torch.full((q.shape[0], width), float("-inf"), dtype=torch.float32, device=q.device)
+    denom = torch.zeros((q.shape[0],), dtype=torch.float32, device=q.device)
+    for b in range(len(cq) - 1):
+        r0, r1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if r1 == r0 or k1 == k0:
+            continue                                    # no row, or no key: -inf and 0 as filled
+        if r1 - r0 > _MAX_GRID_X or k1 - k0 > 2**31 - 1:
+            raise ValueError(f"dense_attn_score_recompute: segment {b} exceeds the kernel's int32 limits")
+        off = None if q_causal_offsets is None else q_causal_offsets[b:b + 1]
+        run(q[None, r0:r1], k[None, k0:k1], lse[None, r0:r1], softmax_scale, ratio, off,
+            out[None, r0:r1, :k1 - k0], denom[None, r0:r1], config)
+    return out, denom

@@ -59,6 +59,29 @@ def test_compiles_to_wgmma_and_atomics(d, tmp_path):
     assert 128 * (spec.regs_producer + spec.regs_consumer) <= 256 * ck.record["regcount"]
 
 
+class _StandInKernel:
+    """The dense backward kernel's contract (dense_sm90's docstring) in torch, for the host paths on the CPU."""
+
+    def launch(self, q, keys, attn, index, norm, lse, cs, w, dq, dw, dk, q_off, rows, T, S, ratio, has_off, ld_k,
+               ld_s, n_ctas):
+        import torch
+
+        dk.zero_()
+        for tok in range(rows):
+            b, t = divmod(tok, T)
+            off = int(q_off[b]) if has_off else 0
+            hi = min(max((off + t + 1) // ratio, 0), S) if off + t + 1 > 0 else 0
+            kr = keys[b * S:b * S + hi].float()
+            inv = 1.0 / norm[tok] if norm[tok] > 0 else 0.0
+            has = 1.0 if norm[tok] > 0 else 0.0
+            di = cs[0] * (torch.exp(index[tok, :hi] - lse[tok]) * has - attn[tok, :hi] * inv)   # [hi]
+            s = kr @ q[tok].float().T                                                            # [hi, H]
+            dw[tok] = (di[:, None] * torch.relu(s)).sum(0)
+            g = (di[:, None] * w[tok][None, :] * (s > 0)).to(q.dtype).float()
+            dq[tok] = (g.T @ kr).to(dq.dtype)
+            dk[b * S:b * S + hi] += g @ q[tok].float()
+
+
 def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
     """dense_host's flattening, head padding (zero weights), the folded c * sm_scale with grad_loss, offsets and the
     dense score rows, with a stand-in for the kernel that computes its contract (dense_sm90's docstring) in torch,
@@ -68,26 +91,8 @@ def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
     import dsagen
     from dsagen.kernels.indexer_bwd import dense_host
 
-    class Kernel:
-        def launch(self, q, keys, attn, index, norm, lse, cs, w, dq, dw, dk, q_off, rows, T, S, ratio, has_off,
-                   ld_k, ld_s, n_ctas):
-            dk.zero_()
-            for tok in range(rows):
-                b, t = divmod(tok, T)
-                off = int(q_off[b]) if has_off else 0
-                hi = min(max((off + t + 1) // ratio, 0), S) if off + t + 1 > 0 else 0
-                kr = keys[b * S:b * S + hi].float()
-                inv = 1.0 / norm[tok] if norm[tok] > 0 else 0.0
-                has = 1.0 if norm[tok] > 0 else 0.0
-                di = cs[0] * (torch.exp(index[tok, :hi] - lse[tok]) * has - attn[tok, :hi] * inv)   # [hi]
-                s = kr @ q[tok].float().T                                                            # [hi, H]
-                dw[tok] = (di[:, None] * torch.relu(s)).sum(0)
-                g = (di[:, None] * w[tok][None, :] * (s > 0)).to(q.dtype).float()
-                dq[tok] = (g.T @ kr).to(dq.dtype)
-                dk[b * S:b * S + hi] += g @ q[tok].float()
-
     spec = DenseIndexerBwdSpec(arch="sm_90a", head_dim=64)
-    monkeypatch.setattr(dense_host, "_launch_plan", lambda *a, **k: (spec, Kernel(), 3))
+    monkeypatch.setattr(dense_host, "_launch_plan", lambda *a, **k: (spec, _StandInKernel(), 3))
     gen = torch.Generator().manual_seed(6)
     b, s_q, h, d, s_k = 2, 5, 16, 64, 7
     q = torch.randn(b, s_q, h, d, generator=gen).bfloat16()
@@ -109,6 +114,44 @@ def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
     for g_, w_ in zip(got, want):
         assert g_.shape == w_.shape and g_.dtype == w_.dtype
         assert torch.allclose(g_.float(), w_.float(), rtol=2e-2, atol=2e-2 * max(w_.float().abs().max().item(), 1e-6))
+
+
+def test_packed_segments_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
+    """THD: one launch per segment on views of the (total_q, W) score rows (W wider than every segment), c over all
+    total_q rows; segments without rows or keys and rows after the last segment get zero gradients; against the
+    reference's THD form."""
+    import torch
+
+    import dsagen
+    from dsagen.kernels.indexer_bwd import dense_host
+
+    spec = DenseIndexerBwdSpec(arch="sm_90a", head_dim=64)
+    monkeypatch.setattr(dense_host, "_launch_plan", lambda *a, **k: (spec, _StandInKernel(), 3))
+    gen = torch.Generator().manual_seed(9)
+    cu_q = torch.tensor([0, 4, 4, 9, 12], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 8, 8, 13], dtype=torch.int32)
+    total_q, total_k, h, d, width = 14, 13, 16, 64, 8
+    q = torch.randn(total_q, h, d, generator=gen).bfloat16()
+    w = torch.randn(total_q, h, generator=gen).bfloat16()
+    k = torch.randn(total_k, d, generator=gen).bfloat16()
+    off = torch.tensor([2, 0, 5, -1], dtype=torch.int32)
+    vis = torch.zeros(total_q, width, dtype=torch.bool)            # the recomputes' masks: segment-local columns
+    for b in range(4):
+        for r in range(int(cu_q[b]), int(cu_q[b + 1])):
+            hi = min(max((int(off[b]) + r - int(cu_q[b]) + 1) // 2, 0), int(cu_k[b + 1] - cu_k[b]))
+            vis[r, :hi] = True
+    attn = torch.rand(total_q, width, generator=gen).masked_fill(~vis, -math.inf)
+    index = torch.randn(total_q, width, generator=gen).masked_fill(~vis, -math.inf)
+    norm = torch.where(vis, attn, 0.0).sum(-1)                     # the L1 norms the attention recompute returns
+    lse = torch.logsumexp(index, dim=-1)
+    kw = dict(grad_loss=torch.tensor(1.3), sm_scale=0.4, loss_coeff=0.7, ratio=2, q_causal_offsets=off,
+              cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    got = dense_host.dense_indexer_backward(q, w, k, attn, norm, index, lse, **kw)
+    want = dsagen.dense_indexer_backward(q, w, k, attn, norm, index, lse, impl="reference", **kw)
+    for g_, w_ in zip(got, want):
+        assert g_.shape == w_.shape and g_.dtype == w_.dtype
+        assert torch.allclose(g_.float(), w_.float(), rtol=2e-2, atol=2e-2 * max(w_.float().abs().max().item(), 1e-6))
+    assert not got[0][12:].any() and not got[1][12:].any() and not got[0][4:9].any()
 
 
 def test_unsupported_inputs_say_why():

@@ -467,16 +467,16 @@ def test_thd_fused(op, monkeypatch):
         assert seen["shapes"] == ((args[0].shape[0], int((ck[1:] - ck[:-1]).max())), (args[0].shape[0],))
         assert seen["sm_scale"] == kw.get("sm_scale", 1.0)
         return
-    if op == "dense_attn_score_recompute":
-        # Its fused host takes THD (one launch per segment): the call reaches it with the offsets.
+    if op in ("dense_attn_score_recompute", "dense_indexer_backward"):
+        # Their fused hosts take THD (one launch per segment): the call reaches them with the offsets.
         seen = {}
 
-        def fake_attn(*a, **k):
+        def fake_host(*a, **k):
             seen.update(k)
-            return "out", "denom"
+            return ("out", "denom") if op == "dense_attn_score_recompute" else ("dq", "dw", "dk")
 
-        monkeypatch.setattr(dsagen.ops._fused, "fused_impl", lambda op, device: fake_attn)
-        assert tuple(fn(*args, **kw)) == ("out", "denom")
+        monkeypatch.setattr(dsagen.ops._fused, "fused_impl", lambda name, device: fake_host)
+        assert tuple(fn(*args, **kw)) in (("out", "denom"), ("dq", "dw", "dk"))
         assert seen["cu_seqlens_q"] is kw["cu_seqlens_q"] and seen["cu_seqlens_k"] is kw["cu_seqlens_k"]
         return
     if op == "indexer_forward_topk":

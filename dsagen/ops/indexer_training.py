@@ -278,8 +278,9 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
 
     Returns:
         IndexerGrads(d_index_q, d_weights, d_index_k), each in the dtype and shape of its input. impl="fused"
-        (BSHD; H <= 64, D 64 / 128, bf16 / fp16) reads the score rows as they are (no [S_q, S_k] copy for FP32
-        row-contiguous scores); d_weights and d_index_q are bitwise repeatable, d_index_k sums FP32 atomics.
+        (H <= 64, D 64 / 128, bf16 / fp16; THD: one launch per segment, the offsets read on the host) reads the
+        score rows as they are (no [S_q, S_k] copy for FP32 scores with unit column stride); d_weights and
+        d_index_q are bitwise repeatable, d_index_k sums FP32 atomics.
 
     Raises:
         as indexer_backward, plus the ratio / q_causal_offsets / cu_seqlens checks of indexer_scores;
@@ -318,8 +319,11 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
         thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
         return reference(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, **kwargs,
                          **thd)
-    return IndexerGrads(*fused_op("dense_indexer_backward", device, packed)(
-        index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, **kwargs))
+    from . import _fused                     # looked up per call (tests stand a fake in for it)
+
+    thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
+    return IndexerGrads(*_fused.fused_impl("dense_indexer_backward", device)(
+        index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, **kwargs, **thd))
 
 
 def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, index_q: torch.Tensor,

@@ -158,3 +158,36 @@ def test_kl_public_op_compile_and_graph():
     graph.replay()
     torch.cuda.synchronize()
     close(captured)
+
+
+def test_packed_segments():
+    """The THD layout through dsagen.dense_indexer_backward (one launch per segment on views of the (total_q, W)
+    score rows, c over all total_q rows): segments without rows or keys, per-segment offsets, ratio 4, rows after
+    the last segment, against the FP64 reference's THD form; inputs left unmodified."""
+    gen = torch.Generator().manual_seed(43)
+    cq, ck, offs, width = [0, 70, 70, 131, 200], [0, 90, 150, 150, 290], [30, 0, 7, 400], 160
+    q = (torch.randn((205, 64, 128), generator=gen) * 0.3).bfloat16()
+    w = torch.randn((205, 64), generator=gen).bfloat16()
+    k = (torch.randn((290, 128), generator=gen) * 0.3).bfloat16()
+    vis = torch.zeros((205, width), dtype=torch.bool)
+    for b in range(4):
+        for r in range(cq[b], cq[b + 1]):
+            vis[r, :min(max((offs[b] + r - cq[b] + 1) // 4, 0), ck[b + 1] - ck[b])] = True
+    attn = torch.rand((205, width), generator=gen).masked_fill(~vis, -math.inf)
+    index = (torch.randn((205, width), generator=gen) * 2).masked_fill(~vis, -math.inf)
+    norm = torch.where(vis, attn, 0.0).sum(-1)
+    lse = torch.logsumexp(index, dim=-1)
+    args = [t.to(DEV) for t in (q, w, k, attn, norm, index, lse)]
+    before = [t.clone() for t in args]
+    kw = dict(grad_loss=torch.tensor([1.1], device=DEV), sm_scale=0.6, loss_coeff=0.9, ratio=4,
+              q_causal_offsets=torch.tensor(offs, dtype=torch.int32, device=DEV),
+              cu_seqlens_q=torch.tensor(cq, dtype=torch.int32, device=DEV),
+              cu_seqlens_k=torch.tensor(ck, dtype=torch.int32, device=DEV))
+    got = dsagen.dense_indexer_backward(*args, **kw)
+    want = dsagen.dense_indexer_backward(*[t.double() for t in args], impl="reference", **kw)
+    for name, g_, w_ in zip(("d_index_q", "d_weights", "d_index_k"), got, want):
+        assert g_.shape == w_.shape, name
+        err = (g_.double() - w_).abs().max().item()
+        assert err <= 1e-2 * max(w_.abs().max().item(), 1e-30), (name, err)
+    assert all(torch.equal(a, b) for a, b in zip(before, args))
+    assert not got.d_index_q[200:].any() and not got.d_weights[200:].any()

@@ -52,7 +52,8 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
                            attn_score: torch.Tensor, attn_l1norm: torch.Tensor, index_score: torch.Tensor,
                            index_lse: torch.Tensor, *, grad_loss: torch.Tensor | None = None, sm_scale: float = 1.0,
                            loss_coeff: float = 1.0, ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
-                           config: DenseIndexerBwdConfig | None = None
+                           config: DenseIndexerBwdConfig | None = None, cu_seqlens_q: torch.Tensor | None = None,
+                           cu_seqlens_k: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused dense indexer backward: index_q `(B, S_q, H, D)` bf16 / fp16 CUDA, weights `(B, S_q, H)`, index_k
     `(B, S_k, D)`, attn_score / index_score `(B, S_q, S_k)` FP32 (the dense recomputes' outputs), attn_l1norm /
@@ -61,7 +62,13 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
     torch.compile; an eager call on real CUDA tensors launches directly, lightning_indexer.host.eager) or another
     config (a direct launch, for benchmarks and tests). Returns (d_index_q, d_weights,
     d_index_k) in the inputs' dtypes, as dsagen.dense_indexer_backward defines them. Raises NotImplementedError
-    (with the reason) for inputs the kernel does not cover."""
+    (with the reason) for inputs the kernel does not cover. cu_seqlens_q / cu_seqlens_k (validated, both): the
+    packed THD layout, dense_indexer_backward_packed."""
+    if cu_seqlens_q is not None:
+        return dense_indexer_backward_packed(index_q, weights, index_k, attn_score, attn_l1norm, index_score,
+                                             index_lse, grad_loss=grad_loss, sm_scale=sm_scale, loss_coeff=loss_coeff,
+                                             ratio=ratio, q_causal_offsets=q_causal_offsets,
+                                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, config=config)
     reason = supported_reason(index_q, index_k)
     if reason:
         raise NotImplementedError(f"dense_indexer_backward: {reason}")
@@ -127,3 +134,37 @@ def run(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, att
     d_q = dq[:, :h].reshape(b, s_q, h, d)
     d_w = dw[:, :h].reshape(b, s_q, h).to(weights.dtype)
     return d_q, d_w, dk.view(b, s_k, d).to(index_k.dtype)
+
+
+def dense_indexer_backward_packed(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
+                                  attn_score: torch.Tensor, attn_l1norm: torch.Tensor, index_score: torch.Tensor,
+                                  index_lse: torch.Tensor, *, grad_loss: torch.Tensor | None = None,
+                                  sm_scale: float = 1.0, loss_coeff: float = 1.0, ratio: int = 1,
+                                  q_causal_offsets: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor,
+                                  cu_seqlens_k: torch.Tensor, config: DenseIndexerBwdConfig | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused dense indexer backward in the packed THD layout, as dsagen.dense_indexer_backward defines it:
+    index_q `(total_q, H, D)`, weights `(total_q, H)`, index_k `(total_k, D)`, the score rows `(total_q, W)` (W >=
+    max_seqlen_k, segment-local columns), attn_l1norm / index_lse `(total_q,)`, validated offsets (read on the host:
+    not CUDA-graph capturable). One launch per segment with rows and keys, as a BSHD batch of one on views (its
+    score rows keep their stride W), with loss_coeff * rows / total_q so that c = grad_loss * loss_coeff / total_q
+    as over the whole pack; gradient rows of no segment (and of segments without keys) are 0."""
+    reason = supported_reason(index_q, index_k)
+    if reason:
+        raise NotImplementedError(f"dense_indexer_backward: {reason}")
+    total_q = index_q.shape[0]
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    d_q, d_w, d_k = torch.zeros_like(index_q), torch.zeros_like(weights), torch.zeros_like(index_k)
+    for b in range(len(cq) - 1):
+        r0, r1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if r1 == r0 or k1 == k0:
+            continue
+        off = None if q_causal_offsets is None else q_causal_offsets[b:b + 1]
+        g_q, g_w, g_k = run(index_q[None, r0:r1], weights[None, r0:r1], index_k[None, k0:k1],
+                            attn_score[None, r0:r1, :k1 - k0], attn_l1norm[None, r0:r1],
+                            index_score[None, r0:r1, :k1 - k0], index_lse[None, r0:r1], grad_loss, sm_scale,
+                            float(loss_coeff) * (r1 - r0) / total_q, ratio, off, config)
+        d_q[r0:r1] = g_q[0]
+        d_w[r0:r1] = g_w[0]
+        d_k[k0:k1] = g_k[0]
+    return d_q, d_w, d_k

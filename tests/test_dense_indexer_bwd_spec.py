@@ -169,7 +169,8 @@ def test_unsupported_inputs_say_why():
 def test_kl_path_composition_on_the_cpu_with_reference_stand_ins(monkeypatch):
     """kl_host's blocking (whole-row blocks, offsets shifted by the block's first row, loss_coeff scaled to the
     block, d_index_k summed over blocks) with its three launches stood in by the references of the ops they
-    compute, against the reference dense_indexer_kl_backward: B 2, ratio 2, offsets, blocks of 3 rows."""
+    compute, against the reference dense_indexer_kl_backward: B 2, ratio 2, offsets, blocks of 3 rows; and the same
+    batch packed as THD segments (with an empty one between them)."""
     import torch
 
     import dsagen
@@ -214,6 +215,16 @@ def test_kl_path_composition_on_the_cpu_with_reference_stand_ins(monkeypatch):
     assert kl_host.block_rows(s_q, s_k, 6 * 4 * s_k * 3) == 3
     for g_, w_ in zip(got, want):
         assert torch.allclose(g_.double(), w_.double(), rtol=1e-6, atol=1e-9), (g_, w_)
+    # THD: the same two batch elements as segments 0 and 2 around an empty one: the same loss and gradients
+    thd = dict(kw, q_causal_offsets=torch.tensor([-2, 0, 3], dtype=torch.int32),
+               cu_seqlens_q=torch.tensor([0, 7, 7, 14], dtype=torch.int32),
+               cu_seqlens_k=torch.tensor([0, 9, 9, 18], dtype=torch.int32))
+    flat = [t.flatten(0, 1) for t in (q, k, lse, iq, w, ik)]
+    packed = kl_host.dense_indexer_kl_backward(*flat, scratch_bytes=6 * 4 * s_k * 3, **thd)
+    want_thd = dsagen.dense_indexer_kl_backward(*flat, impl="reference", **thd)
+    for g_, w_, b_ in zip(packed, want_thd, got):
+        assert torch.allclose(g_.double(), w_.double(), rtol=1e-6, atol=1e-9)
+        assert torch.allclose(g_.double(), b_.double().reshape(g_.shape), rtol=1e-6, atol=1e-9)
 
 
 def test_kl_path_refuses_inputs_outside_the_kernels_before_any_launch(monkeypatch):

@@ -83,17 +83,6 @@ def is_packed(cu_seqlens_q, cu_seqlens_k) -> bool:
     return cu_seqlens_q is not None or cu_seqlens_k is not None
 
 
-def fused_op(op: str, device: torch.device, packed: bool):
-    """fused_impl(op, device), refusing the THD layout, which no generated kernel takes yet."""
-    from ._fused import fused_impl
-
-    fn = fused_impl(op, device)
-    if packed:
-        raise NotImplementedError(f"{op}: no fused kernel takes the THD layout (cu_seqlens_q / cu_seqlens_k) "
-                                  f"yet; use impl='reference'")
-    return fn
-
-
 def int32_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """THD offsets as the fused kernels take them: contiguous int32 (the ops accept int32 or int64)."""
     return cu_seqlens.to(torch.int32).contiguous()

@@ -19,7 +19,7 @@ also take the packed THD layout, selected by passing cu_seqlens_q / cu_seqlens_k
 mask, which cuDNN frontend DSA defines per "batch or THD segment", and §10 consumes §8's outputs with the same offsets.
 In THD the loss averages over all total_q packed rows (the analogue of B * S_q). The sparse ops stay BSHD, as
 in cuDNN frontend DSA (§9: THD callers use B = 1 views with global ids). The default impl is "fused", as for every
-dsagen op (no fused kernel of these ops takes THD yet: impl="fused" with cu_seqlens raises NotImplementedError).
+dsagen op (the fused dense ops take THD per segment, reading the offsets on the host; the sparse ones stay BSHD).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from ..reference.indexer_training import DenseIndexerScores, DenseKLResult, IndexerGrads
 from ..validate import FLOAT_DTYPES, check_bool, check_float, check_impl, check_int, check_shape, check_tensor
 from .indexer import (check_causal_offsets, check_dense_inputs, check_indexer_inputs, check_packed_indexer_inputs,
-                      fused_op, is_packed)
+                      is_packed)
 
 __all__ = ["sparse_indexer_score_recompute", "dense_indexer_score_recompute", "indexer_backward",
            "dense_indexer_backward", "dense_indexer_kl_backward", "DenseIndexerScores", "DenseKLResult",
@@ -351,7 +351,8 @@ def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tenso
     impl="reference" runs in blocks of query rows and key columns: a first pass over a row block's columns for
     the target's L1 norm and the indexer logsumexp, a second pass recomputing both for the loss and the gradients,
     so its memory grows with T, not T^2 (about 64 rows x 1024 columns x max(H_q, H_i) scratch values); it reads the
-    row limits on the host. impl="fused" (BSHD) runs per batch element and block of whole query rows three
+    row limits on the host. impl="fused" (BSHD; THD per segment, the offsets read on the host) runs per batch
+    element and block of whole query rows three
     generated kernels: the indexer scores with their LSE, the dense attention scores with their L1 norms and the
     dense indexer backward, with at most 1 GiB of score scratch (R = 2^30 / (24 S_k) rows per block), so its memory
     also grows with T; the fused kernels' limits apply (attention H <= 128, D 512 / 576, one key head; indexer
@@ -378,7 +379,7 @@ def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tenso
     Raises:
         TypeError / ValueError naming the argument, as dense_attn_score_recompute and dense_indexer_backward
         (and for q / index_q of different B or S_q, or k / index_k of different S_k); NotImplementedError for
-        impl="fused" with THD offsets or inputs outside the fused kernels' limits (the message names the limit).
+        impl="fused" with inputs outside the fused kernels' limits (the message names the limit).
     """
     from .sparse_attention import check_dense_attn_inputs
 
@@ -411,6 +412,9 @@ def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tenso
         return reference(q, k_heads, lse, index_q, weights, index_k, softmax_scale=scale, sm_scale=float(sm_scale),
                          loss_coeff=float(loss_coeff), grad_loss=grad_loss, ratio=ratio,
                          q_causal_offsets=q_causal_offsets, **thd)
-    return fused_op("dense_indexer_kl_backward", q.device, packed)(
+    from . import _fused                     # looked up per call (tests stand a fake in for it)
+
+    thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
+    return _fused.fused_impl("dense_indexer_kl_backward", q.device)(
         q, k_heads, lse, index_q, weights, index_k, softmax_scale=scale, sm_scale=float(sm_scale),
-        loss_coeff=float(loss_coeff), grad_loss=grad_loss, ratio=ratio, q_causal_offsets=q_causal_offsets)
+        loss_coeff=float(loss_coeff), grad_loss=grad_loss, ratio=ratio, q_causal_offsets=q_causal_offsets, **thd)

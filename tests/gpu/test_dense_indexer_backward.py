@@ -191,3 +191,30 @@ def test_packed_segments():
         assert err <= 1e-2 * max(w_.abs().max().item(), 1e-30), (name, err)
     assert all(torch.equal(a, b) for a, b in zip(before, args))
     assert not got.d_index_q[200:].any() and not got.d_weights[200:].any()
+
+
+def test_kl_path_packed_segments():
+    """dsagen.dense_indexer_kl_backward (impl="fused") in the THD layout: each segment through kl_host as a batch of
+    one with the loss averaged over all total_q rows; an empty segment and rows after the last one; against the
+    FP64 reference's THD form."""
+    gen = torch.Generator().manual_seed(17)
+    cq, ck = [0, 60, 60, 130], [0, 80, 80, 150]
+    q = (torch.randn((134, 64, 512), generator=gen) * 0.5).bfloat16().to(DEV)
+    k = (torch.randn((150, 512), generator=gen) * 0.5).bfloat16().to(DEV)
+    lse = (torch.rand((134, 64), generator=gen) + 3.0).to(DEV)
+    iq = (torch.randn((134, 64, 128), generator=gen) * 0.3).bfloat16().to(DEV)
+    w = torch.randn((134, 64), generator=gen).bfloat16().to(DEV)
+    ik = (torch.randn((150, 128), generator=gen) * 0.3).bfloat16().to(DEV)
+    kw = dict(softmax_scale=512 ** -0.5, sm_scale=128 ** -0.5, loss_coeff=0.8, grad_loss=torch.tensor(1.1, device=DEV),
+              ratio=1, q_causal_offsets=torch.tensor([5, 0, 40], dtype=torch.int32, device=DEV),
+              cu_seqlens_q=torch.tensor(cq, dtype=torch.int32, device=DEV),
+              cu_seqlens_k=torch.tensor(ck, dtype=torch.int32, device=DEV))
+    got = dsagen.dense_indexer_kl_backward(q, k, lse, iq, w, ik, **kw)
+    want = dsagen.dense_indexer_kl_backward(q.double(), k.double(), lse.double(), iq.double(), w.double(),
+                                            ik.double(), impl="reference", **kw)
+    assert abs(got.loss.item() - want.loss.item()) <= 1e-3 * abs(want.loss.item()) + 1e-6
+    for name, g_, w_ in zip(("d_index_q", "d_weights", "d_index_k"), got[1:], want[1:]):
+        assert g_.shape == w_.shape, name
+        err = (g_.double() - w_).abs().max().item()
+        assert err <= 2e-2 * max(w_.abs().max().item(), 1e-30), (name, err)
+    assert not got.d_index_q[130:].any()

@@ -39,18 +39,27 @@ def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tenso
                               weights: torch.Tensor, index_k: torch.Tensor, *, softmax_scale: float,
                               sm_scale: float = 1.0, loss_coeff: float = 1.0, grad_loss: torch.Tensor | None = None,
                               ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
-                              scratch_bytes: int = SCRATCH_BYTES) -> DenseKLResult:
+                              cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                              scratch_bytes: int = SCRATCH_BYTES, loss_rows: int | None = None) -> DenseKLResult:
     """The fused dense warm-up loss path on validated BSHD inputs: q `(B, S_q, H, D)` attention queries, k
     `(B, S_k, D)` (or `(B, S_k, 1, D)`), lse `(B, S_q, H)`, index_q `(B, S_q, H_i, D_i)`, weights `(B, S_q, H_i)`,
     index_k `(B, S_k, D_i)`; the other arguments as dsagen.dense_indexer_kl_backward takes them. Returns
-    DenseKLResult(loss FP32 0-d, d_index_q, d_weights, d_index_k) in the inputs' dtypes (module docstring)."""
-    for reason in (attn_host.supported_reason(q, k), bwd_host.supported_reason(index_q, index_k)):
+    DenseKLResult(loss FP32 0-d, d_index_q, d_weights, d_index_k) in the inputs' dtypes (module docstring).
+    loss_rows: the rows the loss averages over (default B * S_q). cu_seqlens_q / cu_seqlens_k (validated, both):
+    the packed THD layout, each segment as a batch of one with loss_rows = total_q (the offsets read on the host)."""
+    packed = cu_seqlens_q is not None
+    bshd = (lambda t: t[None]) if packed else (lambda t: t)            # THD tensors checked as a batch of one
+    for reason in (attn_host.supported_reason(bshd(q), bshd(k)), bwd_host.supported_reason(index_q, index_k)):
         if reason:
             raise NotImplementedError(f"dense_indexer_kl_backward: {reason}")
+    if packed:
+        return _packed(q, k, lse, index_q, weights, index_k, softmax_scale=softmax_scale, sm_scale=sm_scale,
+                       loss_coeff=loss_coeff, grad_loss=grad_loss, ratio=ratio, q_causal_offsets=q_causal_offsets,
+                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, scratch_bytes=scratch_bytes)
     b, s_q = index_q.shape[0], index_q.shape[1]
     s_k = index_k.shape[1]
     dev = index_q.device
-    rows_total = b * s_q
+    rows_total = b * s_q if loss_rows is None else loss_rows
     d_q = torch.zeros_like(index_q)
     d_w = torch.zeros_like(weights)
     d_k = torch.zeros(index_k.shape, dtype=torch.float32, device=dev)
@@ -79,6 +88,29 @@ def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tenso
             d_w[bi, rows] = g_w[0]
             d_k[bi] += g_k[0].float()
     return DenseKLResult(loss * (loss_coeff / rows_total), d_q, d_w, d_k.to(index_k.dtype))
+
+
+def _packed(q, k, lse, index_q, weights, index_k, *, cu_seqlens_q, cu_seqlens_k, q_causal_offsets, **kw
+            ) -> DenseKLResult:
+    """THD: every segment with rows and keys as a BSHD batch of one on views, its loss averaged over all total_q
+    rows (loss_rows); gradient rows of no segment are 0."""
+    total_q = index_q.shape[0]
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    d_q, d_w, d_k = torch.zeros_like(index_q), torch.zeros_like(weights), torch.zeros_like(index_k)
+    loss = torch.zeros((), dtype=torch.float32, device=index_q.device)
+    for b in range(len(cq) - 1):
+        r0, r1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if r1 == r0 or k1 == k0:
+            continue
+        off = None if q_causal_offsets is None else q_causal_offsets[b:b + 1]
+        res = dense_indexer_kl_backward(q[None, r0:r1], k[None, k0:k1], lse[None, r0:r1], index_q[None, r0:r1],
+                                        weights[None, r0:r1], index_k[None, k0:k1], q_causal_offsets=off,
+                                        loss_rows=total_q, **kw)
+        loss = loss + res.loss
+        d_q[r0:r1] = res.d_index_q[0]
+        d_w[r0:r1] = res.d_weights[0]
+        d_k[k0:k1] = res.d_index_k[0]
+    return DenseKLResult(loss, d_q, d_w, d_k)
 
 
 def block_loss(attn: torch.Tensor, l1: torch.Tensor, logits: torch.Tensor, lse_i: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,9 @@ class _StandInKernel:
                ld_s, n_ctas):
         import torch
 
-        dk.zero_()
+        slots = dk.dim() == 3                        # the deterministic kernel: per-slot rows [rows, S, D]
+        if not slots:
+            dk.zero_()
         for tok in range(rows):
             b, t = divmod(tok, T)
             off = int(q_off[b]) if has_off else 0
@@ -79,7 +81,10 @@ class _StandInKernel:
             dw[tok] = (di[:, None] * torch.relu(s)).sum(0)
             g = (di[:, None] * w[tok][None, :] * (s > 0)).to(q.dtype).float()
             dq[tok] = (g.T @ kr).to(dq.dtype)
-            dk[b * S:b * S + hi] += g @ q[tok].float()
+            if slots:
+                dk[tok, :hi] = g @ q[tok].float()
+            else:
+                dk[b * S:b * S + hi] += g @ q[tok].float()
 
 
 def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
@@ -92,7 +97,8 @@ def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
     from dsagen.kernels.indexer_bwd import dense_host
 
     spec = DenseIndexerBwdSpec(arch="sm_90a", head_dim=64)
-    monkeypatch.setattr(dense_host, "_launch_plan", lambda *a, **k: (spec, _StandInKernel(), 3))
+    monkeypatch.setattr(dense_host, "_launch_plan",
+                        lambda *a, **k: (spec, _StandInKernel(), 3, DenseIndexerBwdConfig()))
     gen = torch.Generator().manual_seed(6)
     b, s_q, h, d, s_k = 2, 5, 16, 64, 7
     q = torch.randn(b, s_q, h, d, generator=gen).bfloat16()
@@ -116,6 +122,47 @@ def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
         assert torch.allclose(g_.float(), w_.float(), rtol=2e-2, atol=2e-2 * max(w_.float().abs().max().item(), 1e-6))
 
 
+def test_deterministic_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
+    """deterministic=True: launches over blocks of query rows (slot_bytes fitting 2 rows of S_k x D FP32), each a
+    batch of one with the offset shifted to its first row, whose per-slot rows are summed over the rows; the same
+    gradients as the reference, B 2, ratio 2, offsets that empty rows and pass every key."""
+    import torch
+
+    import dsagen
+    from dsagen.kernels.indexer_bwd import dense_host
+
+    launches = []
+
+    class Recording(_StandInKernel):
+        def launch(self, *a):
+            launches.append((a[12], tuple(a[10].shape), int(a[11][0])))     # rows, slot rows' shape, offset
+            super().launch(*a)
+
+    cfg = DenseIndexerBwdConfig(slot_bytes=2 * 7 * 64 * 4)
+    spec = cfg.spec(64, "bfloat16", deterministic=True)
+    monkeypatch.setattr(dense_host, "_launch_plan", lambda *a, **k: (spec, Recording(), 3, cfg))
+    gen = torch.Generator().manual_seed(12)
+    b, s_q, h, d, s_k = 2, 5, 16, 64, 7
+    q = torch.randn(b, s_q, h, d, generator=gen).bfloat16()
+    w = torch.randn(b, s_q, h, generator=gen).bfloat16()
+    k = torch.randn(b, s_k, d, generator=gen).bfloat16()
+    off = torch.tensor([-3, 40], dtype=torch.int32)
+    vis = torch.stack([torch.arange(s_k)[None, :] < torch.clamp((int(o) + torch.arange(s_q) + 1) // 2, 0, s_k)[:, None]
+                       for o in off])
+    attn = torch.rand(b, s_q, s_k, generator=gen).masked_fill(~vis, -math.inf)
+    index = torch.randn(b, s_q, s_k, generator=gen).masked_fill(~vis, -math.inf)
+    norm = torch.where(vis, attn, 0.0).sum(-1)
+    lse = torch.logsumexp(index, dim=-1)
+    kw = dict(grad_loss=torch.tensor(0.8), sm_scale=0.3, loss_coeff=0.5, ratio=2, q_causal_offsets=off)
+    got = dense_host.dense_indexer_backward(q, w, k, attn, norm, index, lse, deterministic=True, **kw)
+    want = dsagen.dense_indexer_backward(q, w, k, attn, norm, index, lse, impl="reference", **kw)
+    assert launches == [(2, (2, 7, 64), -3), (2, (2, 7, 64), -1), (1, (1, 7, 64), 1),
+                        (2, (2, 7, 64), 40), (2, (2, 7, 64), 42), (1, (1, 7, 64), 44)]
+    for g_, w_ in zip(got, want):
+        assert g_.shape == w_.shape and g_.dtype == w_.dtype
+        assert torch.allclose(g_.float(), w_.float(), rtol=2e-2, atol=2e-2 * max(w_.float().abs().max().item(), 1e-6))
+
+
 def test_packed_segments_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
     """THD: one launch per segment on views of the (total_q, W) score rows (W wider than every segment), c over all
     total_q rows; segments without rows or keys and rows after the last segment get zero gradients; against the
@@ -126,7 +173,8 @@ def test_packed_segments_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
     from dsagen.kernels.indexer_bwd import dense_host
 
     spec = DenseIndexerBwdSpec(arch="sm_90a", head_dim=64)
-    monkeypatch.setattr(dense_host, "_launch_plan", lambda *a, **k: (spec, _StandInKernel(), 3))
+    monkeypatch.setattr(dense_host, "_launch_plan",
+                        lambda *a, **k: (spec, _StandInKernel(), 3, DenseIndexerBwdConfig()))
     gen = torch.Generator().manual_seed(9)
     cu_q = torch.tensor([0, 4, 4, 9, 12], dtype=torch.int32)
     cu_k = torch.tensor([0, 6, 8, 8, 13], dtype=torch.int32)

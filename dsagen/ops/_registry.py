@@ -150,15 +150,17 @@ def _dense_indexer_score_recompute_fake(q_indexer, k_indexer, weights, ratio, q_
 
 
 def _dense_indexer_backward_run(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse,
-                                grad_loss, sm_scale, loss_coeff, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k):
+                                grad_loss, sm_scale, loss_coeff, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k,
+                                deterministic):
     return tuple(_public("indexer_training", "dense_indexer_backward")(
         index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss=grad_loss,
         sm_scale=sm_scale, loss_coeff=loss_coeff, ratio=ratio, q_causal_offsets=q_causal_offsets,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, impl="fused"))
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, deterministic=deterministic, impl="fused"))
 
 
 def _dense_indexer_backward_fake(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse,
-                                 grad_loss, sm_scale, loss_coeff, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k):
+                                 grad_loss, sm_scale, loss_coeff, ratio, q_causal_offsets, cu_seqlens_q, cu_seqlens_k,
+                                 deterministic):
     """(d_index_q, d_weights, d_index_k), each shaped and typed as the tensor it is the gradient of."""
     return torch.empty_like(index_q), torch.empty_like(weights), torch.empty_like(index_k)
 
@@ -332,7 +334,7 @@ OPS: tuple[OpDef, ...] = (
     OpDef("dense_indexer_backward", "Tensor index_q, Tensor weights, Tensor index_k, Tensor attn_score, "
           "Tensor attn_l1norm, Tensor index_score, Tensor index_lse, Tensor? grad_loss=None, float sm_scale=1.0, "
           "float loss_coeff=1.0, int ratio=1, Tensor? q_causal_offsets=None, Tensor? cu_seqlens_q=None, "
-          "Tensor? cu_seqlens_k=None",
+          "Tensor? cu_seqlens_k=None, bool deterministic=False",
           ("d_index_q", "d_weights", "d_index_k"), _dense_indexer_backward_run, _dense_indexer_backward_fake),
     OpDef("dense_indexer_kl_backward", "Tensor q, Tensor k, Tensor lse, Tensor index_q, Tensor weights, "
           "Tensor index_k, float? softmax_scale=None, float sm_scale=1.0, float loss_coeff=1.0, "

@@ -245,7 +245,7 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
                            index_lse: torch.Tensor, *, grad_loss: torch.Tensor | None = None, sm_scale: float = 1.0,
                            loss_coeff: float = 1.0, ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
                            cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
-                           impl: str = "fused") -> IndexerGrads:
+                           deterministic: bool = False, impl: str = "fused") -> IndexerGrads:
     """Gradients of the dense (full-KV) indexer KL loss (cuDNN frontend DSA §10, Dense Indexer Backward).
 
     The loss of indexer_backward with J = the ratio-causal columns k < clamp((q_causal_offsets[b] + q + 1)
@@ -274,13 +274,16 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
         grad_loss, sm_scale, loss_coeff: as for indexer_backward. ratio: >= 1.
         q_causal_offsets: optional [B] int32 (THD: one per segment).
         cu_seqlens_q, cu_seqlens_k: THD offsets, as for indexer_scores.
+        deterministic: impl="fused" makes d_index_k bitwise repeatable too: per-slot dK rows of blocks of query
+            rows (at most 1 GiB of FP32 each) summed over the rows in a fixed order, instead of FP32 atomics
+            (the reference is deterministic either way).
         impl: "fused" (default) or "reference".
 
     Returns:
         IndexerGrads(d_index_q, d_weights, d_index_k), each in the dtype and shape of its input. impl="fused"
         (H <= 64, D 64 / 128, bf16 / fp16; THD: one launch per segment, the offsets read on the host) reads the
         score rows as they are (no [S_q, S_k] copy for FP32 scores with unit column stride); d_weights and
-        d_index_q are bitwise repeatable, d_index_k sums FP32 atomics.
+        d_index_q are bitwise repeatable, d_index_k sums FP32 atomics unless deterministic.
 
     Raises:
         as indexer_backward, plus the ratio / q_causal_offsets / cu_seqlens checks of indexer_scores;
@@ -311,6 +314,7 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
         _check_score("index_lse", index_lse, (b, sq), "[B, S_q]", device)
     check_int("ratio", ratio, minimum=1)
     check_causal_offsets(q_causal_offsets, b, device)
+    check_bool("deterministic", deterministic)
     kwargs = dict(grad_loss=grad_loss, sm_scale=float(sm_scale), loss_coeff=float(loss_coeff), ratio=ratio,
                   q_causal_offsets=q_causal_offsets)
     if impl == "reference":
@@ -323,7 +327,8 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
 
     thd = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k) if packed else {}
     return IndexerGrads(*_fused.fused_impl("dense_indexer_backward", device)(
-        index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, **kwargs, **thd))
+        index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, **kwargs, **thd,
+        deterministic=deterministic))
 
 
 def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, index_q: torch.Tensor,

@@ -212,9 +212,11 @@ def specs_for_model(model: ModelAttention, arch: str, serving: bool = False) -> 
                            .spec(model.index_head_dim, model.dtype, arch, deterministic=deterministic))
             # ... whose deterministic d_index_k rows the row scatter-add sums
             out.append(RowScatterAddSpec(arch=arch, width=model.index_head_dim))
-            # dense indexer backward (the dense warm-up stage; its scores come from indexer_scores' kernels)
-            out.append(dense_indexer_bwd_config(model.index_head_dim, model.dtype, arch, None)
-                       .spec(model.index_head_dim, model.dtype, arch))
+            # dense indexer backward (the dense warm-up stage; its scores come from indexer_scores' kernels):
+            # atomic d_index_k and the deterministic kernel (per-slot rows the host sums)
+            for deterministic in (False, True):
+                out.append(dense_indexer_bwd_config(model.index_head_dim, model.dtype, arch, None)
+                           .spec(model.index_head_dim, model.dtype, arch, deterministic=deterministic))
     if hopper:
         # sparse MLA forward: one kernel for prefill and decode (config_for: one config for every call size)
         h = mla_kernel_heads(model.num_heads)

@@ -17,12 +17,13 @@ import torch
 import dsagen
 from dsagen.kernels.attn_score_recompute.spec import dense_config_for as attn_dense_config_for
 from dsagen.kernels.indexer_bwd import dense_host, kl_host
-from dsagen.kernels.indexer_bwd.spec import dense_config_for
+from dsagen.kernels.indexer_bwd.spec import DenseIndexerBwdConfig, dense_config_for
 from dsagen.kernels.lightning_indexer.spec import scores_config_for
 
 ARCH = "sm_90a"
 REQUIRED_SPECS = [dense_config_for(d, dt, ARCH, None).spec(d, dt, ARCH)
                   for d, dt in [(128, "bfloat16"), (64, "bfloat16"), (128, "float16")]] + [
+    dense_config_for(128, "bfloat16", ARCH, None).spec(128, "bfloat16", ARCH, deterministic=True)] + [
     attn_dense_config_for(64, 512, "bfloat16", ARCH, None).spec(64, 512, "bfloat16", ARCH),
     *scores_config_for(64, 128, "bfloat16", ARCH).specs()]
 
@@ -49,10 +50,12 @@ def make_case(b, s_q, s_k, h, d, *, ratio=1, offsets=None, seed=0, dtype=torch.b
     return [t.to(DEV) if t is not None else None for t in (q, w, k, attn, norm, index, lse, off_t)]
 
 
-def check(q, w, k, attn, norm, index, lse, off, *, ratio=1, grad=None, sm_scale=0.7, loss_coeff=0.9):
+def check(q, w, k, attn, norm, index, lse, off, *, ratio=1, grad=None, sm_scale=0.7, loss_coeff=0.9,
+          deterministic=False, config=None):
     before = [t.clone() for t in (q, w, k, attn, norm, index, lse)]
     kw = dict(grad_loss=grad, sm_scale=sm_scale, loss_coeff=loss_coeff, ratio=ratio, q_causal_offsets=off)
-    got = dense_host.dense_indexer_backward(q, w, k, attn, norm, index, lse, **kw)
+    got = dense_host.dense_indexer_backward(q, w, k, attn, norm, index, lse, deterministic=deterministic,
+                                            config=config, **kw)
     want = dsagen.dense_indexer_backward(q.double(), w.double(), k.double(), attn.double(), norm.double(),
                                          index.double(), lse.double(), impl="reference", **kw)
     for name, g_, w_ in zip(("d_index_q", "d_weights", "d_index_k"), got, want):
@@ -77,6 +80,20 @@ def test_ratio_offsets_batches_and_grad_loss():
 def test_padded_heads_short_rows_and_fp16():
     check(*make_case(2, 33, 5, 16, 128, offsets=[-20, 0], seed=3))
     check(*make_case(1, 70, 130, 64, 128, seed=4, dtype=torch.float16))
+
+
+def test_deterministic_matches_reference_and_reruns_bitwise():
+    """deterministic=True: the per-slot kernel in blocks of query rows (the op's 1 GiB, and 7 rows per block),
+    ratio 4, offsets, B 2; every gradient bitwise equal across calls and between the two block sizes."""
+    q, w, k, attn, norm, index, lse, off = make_case(2, 95, 130, 64, 128, ratio=4, offsets=[5, -20], seed=51)
+    a = check(q, w, k, attn, norm, index, lse, off, ratio=4, deterministic=True)
+    small = DenseIndexerBwdConfig(slot_bytes=7 * 130 * 128 * 4)
+    b = check(q, w, k, attn, norm, index, lse, off, ratio=4, deterministic=True, config=small)
+    c = dense_host.dense_indexer_backward(q, w, k, attn, norm, index, lse, sm_scale=0.7, loss_coeff=0.9, ratio=4,
+                                          q_causal_offsets=off, deterministic=True)
+    assert all(torch.equal(x, y) for x, y in zip(a, c))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])     # d_index_q, d_weights: per row either way
+    assert torch.allclose(a[2].float(), b[2].float(), rtol=1e-5, atol=1e-6)   # other blocks, other sums
 
 
 def test_kl_path_matches_reference():

@@ -66,7 +66,8 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).specs(),
     *forward_topk_config_for(*INDEXER_SHAPE, "float8_e4m3fn", ARCH).specs()] + [
     drc_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH) for h, d in SPARSE_SHAPES] + [
-    dib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH)]
+    dib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH, deterministic=det)
+    for det in (False, True)]
 FORWARD_TOPK_SPECS = forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs()
 
 gpu = pytest.mark.gpu
@@ -191,10 +192,11 @@ def test_dense_attn_score_recompute_row_pairs():
 
 
 @gpu
-def test_dense_indexer_backward():
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dense_indexer_backward(deterministic):
     """The dense indexer backward's kernel at the DeepSeek-V3.2 indexer shape, 3 CTAs looping over 2 x 5 query rows,
     ratio 4, offsets that empty rows (-9) and pass every key (400), S_k 131 (a partial last tile), against the
-    reference."""
+    reference; deterministic: the per-slot rows in blocks of 2 query rows."""
     import math
 
     gen = torch.Generator().manual_seed(11)
@@ -211,8 +213,8 @@ def test_dense_indexer_backward():
     off = torch.tensor([-9, 400], dtype=torch.int32, device=DEV)
     args = (q, w, k, attn, norm, index, lse)
     kw = dict(sm_scale=0.5, ratio=4, q_causal_offsets=off)
-    got = dib_host.dense_indexer_backward(*args, config=replace(dib_config_for(d, "bfloat16", ARCH, None), grid=3),
-                                          **kw)
+    cfg = replace(dib_config_for(d, "bfloat16", ARCH, None), grid=3, slot_bytes=2 * 131 * d * 4)
+    got = dib_host.dense_indexer_backward(*args, config=cfg, deterministic=deterministic, **kw)
     want = dsagen.dense_indexer_backward(*args, impl="reference", **kw)
     for g_, w_ in zip(got, want):
         assert (g_.float() - w_.float()).abs().max().item() <= 2e-2 * max(w_.float().abs().max().item(), 1e-6)

@@ -26,17 +26,18 @@ _INT32_MAX = 2**31 - 1
 _launch_plans: dict = {}
 
 
-def _launch_plan(d: int, dtype: torch.dtype, device: torch.device, config: DenseIndexerBwdConfig | None
-                 ) -> tuple[DenseIndexerBwdSpec, LoadedKernel, int]:
-    """The spec, loaded kernel and n_ctas argument of a call (cached per call shape and config)."""
-    key = (d, dtype, device, config)
+def _launch_plan(d: int, dtype: torch.dtype, device: torch.device, config: DenseIndexerBwdConfig | None,
+                 deterministic: bool = False
+                 ) -> tuple[DenseIndexerBwdSpec, LoadedKernel, int, DenseIndexerBwdConfig]:
+    """The spec, loaded kernel, n_ctas argument and config of a call (cached per call shape, config and mode)."""
+    key = (d, dtype, device, config, deterministic)
     plan = _launch_plans.get(key)
     if plan is None:
         arch = device_arch(device)
         num_sms = device_sm_count(device_index(device))
         cfg = dense_config_for(d, dtype, arch, num_sms) if config is None else config
-        spec = cfg.spec(d, _DTYPES[dtype], arch)
-        plan = _launch_plans[key] = (spec, get_kernel(spec, device_index(device)), cfg.n_ctas(num_sms))
+        spec = cfg.spec(d, _DTYPES[dtype], arch, deterministic=deterministic)
+        plan = _launch_plans[key] = (spec, get_kernel(spec, device_index(device)), cfg.n_ctas(num_sms), cfg)
     return plan
 
 
@@ -53,7 +54,7 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
                            index_lse: torch.Tensor, *, grad_loss: torch.Tensor | None = None, sm_scale: float = 1.0,
                            loss_coeff: float = 1.0, ratio: int = 1, q_causal_offsets: torch.Tensor | None = None,
                            config: DenseIndexerBwdConfig | None = None, cu_seqlens_q: torch.Tensor | None = None,
-                           cu_seqlens_k: torch.Tensor | None = None
+                           cu_seqlens_k: torch.Tensor | None = None, deterministic: bool = False
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused dense indexer backward: index_q `(B, S_q, H, D)` bf16 / fp16 CUDA, weights `(B, S_q, H)`, index_k
     `(B, S_k, D)`, attn_score / index_score `(B, S_q, S_k)` FP32 (the dense recomputes' outputs), attn_l1norm /
@@ -63,12 +64,14 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
     config (a direct launch, for benchmarks and tests). Returns (d_index_q, d_weights,
     d_index_k) in the inputs' dtypes, as dsagen.dense_indexer_backward defines them. Raises NotImplementedError
     (with the reason) for inputs the kernel does not cover. cu_seqlens_q / cu_seqlens_k (validated, both): the
-    packed THD layout, dense_indexer_backward_packed."""
+    packed THD layout, dense_indexer_backward_packed. deterministic: d_index_k bitwise repeatable (per-slot rows
+    summed over the query rows in a fixed order, run)."""
     if cu_seqlens_q is not None:
         return dense_indexer_backward_packed(index_q, weights, index_k, attn_score, attn_l1norm, index_score,
                                              index_lse, grad_loss=grad_loss, sm_scale=sm_scale, loss_coeff=loss_coeff,
                                              ratio=ratio, q_causal_offsets=q_causal_offsets,
-                                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, config=config)
+                                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, config=config,
+                                             deterministic=deterministic)
     reason = supported_reason(index_q, index_k)
     if reason:
         raise NotImplementedError(f"dense_indexer_backward: {reason}")
@@ -78,40 +81,44 @@ def dense_indexer_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k
                          f"limits")
     if config is not None or eager(index_q):
         return run(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale,
-                   loss_coeff, ratio, q_causal_offsets, config)
+                   loss_coeff, ratio, q_causal_offsets, config, bool(deterministic))
     return _fused_op(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss,
-                     float(sm_scale), float(loss_coeff), int(ratio), q_causal_offsets)
+                     float(sm_scale), float(loss_coeff), int(ratio), q_causal_offsets, bool(deterministic))
 
 
 @torch.library.custom_op("dsagen::dense_indexer_backward_fused", mutates_args=())
 def _fused_op(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, attn_score: torch.Tensor,
               attn_l1norm: torch.Tensor, index_score: torch.Tensor, index_lse: torch.Tensor,
               grad_loss: torch.Tensor | None, sm_scale: float, loss_coeff: float, ratio: int,
-              q_causal_offsets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              q_causal_offsets: torch.Tensor | None, deterministic: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused backward as a custom op (opaque to torch.compile; CUDA-graph capturable once the kernel is
     loaded)."""
     return run(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale,
-               loss_coeff, ratio, q_causal_offsets)
+               loss_coeff, ratio, q_causal_offsets, None, deterministic)
 
 
 @_fused_op.register_fake
 def _(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale, loss_coeff,
-      ratio, q_causal_offsets):
+      ratio, q_causal_offsets, deterministic):
     return torch.empty_like(index_q), torch.empty_like(weights), torch.empty_like(index_k)
 
 
 def run(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, attn_score: torch.Tensor,
         attn_l1norm: torch.Tensor, index_score: torch.Tensor, index_lse: torch.Tensor, grad_loss: torch.Tensor | None,
         sm_scale: float, loss_coeff: float, ratio: int, q_causal_offsets: torch.Tensor | None,
-        config: DenseIndexerBwdConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The launch on checked inputs (see dense_indexer_backward); new output tensors."""
+        config: DenseIndexerBwdConfig | None = None, deterministic: bool = False
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The launch on checked inputs (see dense_indexer_backward); new output tensors. deterministic: per batch
+    element, launches over blocks of query rows whose per-slot dK rows ([rows, S_k, D] FP32, at most
+    config.slot_bytes) are summed over the rows by one torch reduction each and added in block order."""
     b, s_q, h, d = index_q.shape
     s_k = index_k.shape[1]
     rows, n_k = b * s_q, b * s_k
     dev = index_q.device
     if rows == 0 or s_k == 0:
         return torch.zeros_like(index_q), torch.zeros_like(weights), torch.zeros_like(index_k)
-    spec, kernel, n_ctas = _launch_plan(d, index_q.dtype, dev, config)
+    spec, kernel, n_ctas, cfg = _launch_plan(d, index_q.dtype, dev, config, deterministic)
     cs = torch.full((1,), float(loss_coeff) / rows * float(sm_scale), dtype=torch.float32, device=dev)
     if grad_loss is not None:
         cs = cs * grad_loss.to(torch.float32).reshape(1)
@@ -129,8 +136,22 @@ def run(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, att
     dq = torch.empty((rows, HEADS, d), dtype=index_q.dtype, device=dev)
     dw = torch.empty((rows, HEADS), dtype=torch.float32, device=dev)
     dk = torch.zeros((n_k, d), dtype=torch.float32, device=dev)
-    kernel.launch(q, keys, attn, idx, norm, lse, cs, w, dq, dw, dk, q_off, rows, s_q, s_k, int(ratio), has_off,
-                  keys.stride(0), attn.stride(0), n_ctas)
+    if not deterministic:
+        kernel.launch(q, keys, attn, idx, norm, lse, cs, w, dq, dw, dk, q_off, rows, s_q, s_k, int(ratio), has_off,
+                      keys.stride(0), attn.stride(0), n_ctas)
+    else:
+        step = max(1, min(s_q, cfg.slot_bytes // (s_k * d * 4)))
+        slots = torch.empty((step, s_k, d), dtype=torch.float32, device=dev)
+        for bi in range(b):
+            b_off = q_causal_offsets[bi:bi + 1] if q_causal_offsets is not None else None
+            for r0 in range(0, s_q, step):
+                n, t0 = min(step, s_q - r0), bi * s_q + r0      # rows [t0, t0 + n): a batch of one of n rows
+                part = slots[:n].zero_()
+                off = (b_off + r0 if b_off is not None else torch.full((1,), r0, dtype=torch.int32, device=dev))
+                kernel.launch(q[t0:t0 + n], keys[bi * s_k:(bi + 1) * s_k], attn[t0:t0 + n], idx[t0:t0 + n],
+                              norm[t0:t0 + n], lse[t0:t0 + n], cs, w[t0:t0 + n], dq[t0:t0 + n], dw[t0:t0 + n], part,
+                              off, n, n, s_k, int(ratio), 1, keys.stride(0), attn.stride(0), n_ctas)
+                dk[bi * s_k:(bi + 1) * s_k] += part.sum(0)
     d_q = dq[:, :h].reshape(b, s_q, h, d)
     d_w = dw[:, :h].reshape(b, s_q, h).to(weights.dtype)
     return d_q, d_w, dk.view(b, s_k, d).to(index_k.dtype)
@@ -141,8 +162,8 @@ def dense_indexer_backward_packed(index_q: torch.Tensor, weights: torch.Tensor, 
                                   index_lse: torch.Tensor, *, grad_loss: torch.Tensor | None = None,
                                   sm_scale: float = 1.0, loss_coeff: float = 1.0, ratio: int = 1,
                                   q_causal_offsets: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor,
-                                  cu_seqlens_k: torch.Tensor, config: DenseIndexerBwdConfig | None = None
-                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                  cu_seqlens_k: torch.Tensor, config: DenseIndexerBwdConfig | None = None,
+                                  deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused dense indexer backward in the packed THD layout, as dsagen.dense_indexer_backward defines it:
     index_q `(total_q, H, D)`, weights `(total_q, H)`, index_k `(total_k, D)`, the score rows `(total_q, W)` (W >=
     max_seqlen_k, segment-local columns), attn_l1norm / index_lse `(total_q,)`, validated offsets (read on the host:
@@ -163,7 +184,7 @@ def dense_indexer_backward_packed(index_q: torch.Tensor, weights: torch.Tensor, 
         g_q, g_w, g_k = run(index_q[None, r0:r1], weights[None, r0:r1], index_k[None, k0:k1],
                             attn_score[None, r0:r1, :k1 - k0], attn_l1norm[None, r0:r1],
                             index_score[None, r0:r1, :k1 - k0], index_lse[None, r0:r1], grad_loss, sm_scale,
-                            float(loss_coeff) * (r1 - r0) / total_q, ratio, off, config)
+                            float(loss_coeff) * (r1 - r0) / total_q, ratio, off, config, deterministic)
         d_q[r0:r1] = g_q[0]
         d_w[r0:r1] = g_w[0]
         d_k[k0:k1] = g_k[0]

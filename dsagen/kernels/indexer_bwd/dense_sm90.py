@@ -12,7 +12,9 @@ computed by the producer's group leaders from the dense score rows instead of re
 (the reference's p * sum_J tgt - tgt with sum_J tgt = 1, the definition of the L1 norm of the row's visible
 attention scores, and 0 without them). The gathered rows are b * S + s (-1, zero-filled, past hi); S, G, dW, dQ and
 the dK atomics are the sparse form's (its consumer, with this form's per-row tile count). dK is the caller's zeroed
-FP32 [B * S, D] accumulator: the atomics make it not bitwise repeatable (no deterministic form yet).
+FP32 [B * S, D] accumulator: the atomics make it not bitwise repeatable. deterministic: the sparse form's per-slot
+stores instead, slot = key: dk is then a zeroed FP32 [rows, S, D] buffer (row tok's key s at (tok * S + s) * D; the
+tiles' slots past hi store zeros, slots past the last tile stay as zeroed), which the host sums over the rows.
 
 Constraints (DenseIndexerBwdSpec.reasons): those of the sparse form's non-deterministic kernel; attn / index rows
 FP32 with row stride ld_s (at least S), norm / lse FP32 [rows], q_off int32 [B] (read when has_off).
@@ -46,7 +48,7 @@ def params(dtype: str) -> list[dict]:
         {"name": "w", "kind": "ptr", "dtype": "float32", "align": 4},         # (rows, H) contiguous
         {"name": "dq", "kind": "ptr", "dtype": dtype, "align": 16},           # (rows, H, D) contiguous
         {"name": "dw", "kind": "ptr", "dtype": "float32", "align": 4},        # (rows, H) contiguous
-        {"name": "dk", "kind": "ptr", "dtype": "float32", "align": 16},       # (B * S, D) zeroed
+        {"name": "dk", "kind": "ptr", "dtype": "float32", "align": 16},       # (B * S, D) zeroed (det.: (rows, S, D))
         {"name": "q_off", "kind": "ptr", "dtype": "int32", "align": 4},       # (B,) causal offsets, when has_off
         {"name": "rows", "kind": "i32"},                                      # B * T
         {"name": "T", "kind": "i32"},
@@ -60,10 +62,10 @@ def params(dtype: str) -> list[dict]:
 
 
 def build(num_heads: int, head_dim: int, dtype: str, stages: int, regs_producer: int,
-          regs_consumer: int) -> BuiltKernel:
+          regs_consumer: int, deterministic: bool = False) -> BuiltKernel:
     """A new dense indexer backward kernel for one DenseIndexerBwdSpec's values (distinct function objects on every
     call, so every rendered module names its own kernel)."""
-    k = DenseIndexerBwdSm90(num_heads, head_dim, dtype, stages, regs_producer, regs_consumer)
+    k = DenseIndexerBwdSm90(num_heads, head_dim, dtype, stages, regs_producer, regs_consumer, deterministic)
     return BuiltKernel.of(params(dtype), k, "min(rows, n_ctas)")
 
 
@@ -97,8 +99,8 @@ class DenseIndexerBwdSm90(IndexerBwdSm90):
     threads, two CTAs per SM); the sparse form's body, consumer and dK sends, with its own producer and tile count."""
 
     def __init__(self, num_heads: int, head_dim: int, dtype: str, stages: int, regs_producer: int,
-                 regs_consumer: int):
-        super().__init__(num_heads, head_dim, dtype, False, stages, regs_producer, regs_consumer)
+                 regs_consumer: int, deterministic: bool = False):
+        super().__init__(num_heads, head_dim, dtype, deterministic, stages, regs_producer, regs_consumer)
 
     def _entry_points(self):
         k = self

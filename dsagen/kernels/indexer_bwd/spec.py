@@ -89,8 +89,10 @@ class DenseIndexerBwdSpec(KernelSpec):
     """Fused dense indexer backward for Hopper (cuDNN frontend DSA §10; kernel: indexer_bwd/dense_sm90.py, bound by
     dense_sm90.py.j2): the sparse form's kernel with each query row's visible keys (the ratio-causal limit with
     per-batch offsets) as its slots and the score gradient computed from the dense attention / indexer score rows
-    by the producer. dK by FP32 atomics (no deterministic form). Fields as IndexerBwdSpec's but deterministic
-    (budgets 24 / 232 as the sparse form's: no spills, where 40 / 216 spilled; CPU compile, 2026-12-03).
+    by the producer. dK by FP32 atomics, or with deterministic=True the sparse form's per-slot dK rows (slot = key:
+    a [rows, S_k, D] FP32 buffer per launch, which the host sums over the rows in a fixed order). Fields as
+    IndexerBwdSpec's (budgets 24 / 232 as the sparse form's: no spills, where 40 / 216 spilled; CPU compile,
+    2026-12-03).
     """
 
     op = "dense_indexer_backward"
@@ -102,6 +104,7 @@ class DenseIndexerBwdSpec(KernelSpec):
     stages: int = 4
     regs_producer: int = 24
     regs_consumer: int = 232
+    deterministic: bool = False
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA (upper bound), the sparse form's."""
@@ -169,23 +172,27 @@ def config_for(head_dim: int, dtype, arch: str, num_sms: int | None) -> IndexerB
 
 @dataclass(frozen=True)
 class DenseIndexerBwdConfig:
-    """The launch choices of the fused dense indexer backward: the ring depth and register budgets (spec fields)
-    and the grid ("persistent": two CTAs per SM, or an int n: at most n CTAs)."""
+    """The launch choices of the fused dense indexer backward: the ring depth and register budgets (spec fields),
+    the grid ("persistent": two CTAs per SM, or an int n: at most n CTAs) and, for deterministic mode, the most
+    bytes of per-slot dK rows one launch stores (its query rows are chosen so that they fit)."""
 
     stages: int = 4
     regs_producer: int = 24
     regs_consumer: int = 232
     grid: str | int = "persistent"
+    slot_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if not (self.grid == "persistent" or (isinstance(self.grid, int) and not isinstance(self.grid, bool)
                                               and self.grid >= 1)):
             raise ValueError(f"DenseIndexerBwdConfig.grid={self.grid!r} must be 'persistent' or a positive int")
 
-    def spec(self, head_dim: int, dtype: str, arch: str = "sm_90a") -> DenseIndexerBwdSpec:
-        """The kernel spec of this config (64 heads)."""
+    def spec(self, head_dim: int, dtype: str, arch: str = "sm_90a", deterministic: bool = False
+             ) -> DenseIndexerBwdSpec:
+        """The kernel spec of this config (64 heads): the atomic kernel, or the deterministic one."""
         return DenseIndexerBwdSpec(arch=arch, head_dim=head_dim, dtype=dtype, stages=self.stages,
-                                   regs_producer=self.regs_producer, regs_consumer=self.regs_consumer)
+                                   regs_producer=self.regs_producer, regs_consumer=self.regs_consumer,
+                                   deterministic=deterministic)
 
     def n_ctas(self, num_sms: int) -> int:
         """The kernel's n_ctas argument (grid = min(rows, n_ctas))."""

@@ -87,6 +87,25 @@ class _StandInKernel:
                 dk[b * S:b * S + hi] += g @ q[tok].float()
 
 
+def _bshd_case(seed: int):
+    """B 2, S_q 5, 16 heads (padded to 64 by the host), D 64, S_k 7, ratio 2, offsets -3 (empty first rows) and 40
+    (every key): (q, w, k, attn, norm, index, lse, offsets) with the dense recomputes' -inf masks and L1 norms."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    b, s_q, h, d, s_k = 2, 5, 16, 64, 7
+    q = torch.randn(b, s_q, h, d, generator=gen).bfloat16()
+    w = torch.randn(b, s_q, h, generator=gen).bfloat16()
+    k = torch.randn(b, s_k, d, generator=gen).bfloat16()
+    off = torch.tensor([-3, 40], dtype=torch.int32)
+    vis = torch.stack([torch.arange(s_k)[None, :] < torch.clamp((int(o) + torch.arange(s_q) + 1) // 2, 0, s_k)[:, None]
+                       for o in off])
+    attn = torch.rand(b, s_q, s_k, generator=gen).masked_fill(~vis, -math.inf)
+    index = torch.randn(b, s_q, s_k, generator=gen).masked_fill(~vis, -math.inf)
+    norm = torch.where(vis, attn, 0.0).sum(-1)
+    return q, w, k, attn, norm, index, torch.logsumexp(index, dim=-1), off
+
+
 def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
     """dense_host's flattening, head padding (zero weights), the folded c * sm_scale with grad_loss, offsets and the
     dense score rows, with a stand-in for the kernel that computes its contract (dense_sm90's docstring) in torch,
@@ -99,20 +118,7 @@ def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
     spec = DenseIndexerBwdSpec(arch="sm_90a", head_dim=64)
     monkeypatch.setattr(dense_host, "_launch_plan",
                         lambda *a, **k: (spec, _StandInKernel(), 3, DenseIndexerBwdConfig()))
-    gen = torch.Generator().manual_seed(6)
-    b, s_q, h, d, s_k = 2, 5, 16, 64, 7
-    q = torch.randn(b, s_q, h, d, generator=gen).bfloat16()
-    w = torch.randn(b, s_q, h, generator=gen).bfloat16()
-    k = torch.randn(b, s_k, d, generator=gen).bfloat16()
-    off = torch.tensor([-3, 40], dtype=torch.int32)
-    attn = torch.rand(b, s_q, s_k, generator=gen)
-    index = torch.randn(b, s_q, s_k, generator=gen)
-    vis = torch.stack([torch.arange(s_k)[None, :] < torch.clamp((int(o) + torch.arange(s_q) + 1) // 2, 0, s_k)[:, None]
-                       for o in off])
-    attn = attn.masked_fill(~vis, -math.inf)
-    index = index.masked_fill(~vis, -math.inf)
-    norm = torch.where(vis, attn, 0.0).sum(-1)
-    lse = torch.logsumexp(index, dim=-1)
+    q, w, k, attn, norm, index, lse, off = _bshd_case(6)
     grad = torch.tensor(1.7)
     kw = dict(grad_loss=grad, sm_scale=0.3, loss_coeff=0.5, ratio=2, q_causal_offsets=off)
     got = dense_host.dense_indexer_backward(q, w, k, attn, norm, index, lse, **kw)
@@ -141,18 +147,7 @@ def test_deterministic_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
     cfg = DenseIndexerBwdConfig(slot_bytes=2 * 7 * 64 * 4)
     spec = cfg.spec(64, "bfloat16", deterministic=True)
     monkeypatch.setattr(dense_host, "_launch_plan", lambda *a, **k: (spec, Recording(), 3, cfg))
-    gen = torch.Generator().manual_seed(12)
-    b, s_q, h, d, s_k = 2, 5, 16, 64, 7
-    q = torch.randn(b, s_q, h, d, generator=gen).bfloat16()
-    w = torch.randn(b, s_q, h, generator=gen).bfloat16()
-    k = torch.randn(b, s_k, d, generator=gen).bfloat16()
-    off = torch.tensor([-3, 40], dtype=torch.int32)
-    vis = torch.stack([torch.arange(s_k)[None, :] < torch.clamp((int(o) + torch.arange(s_q) + 1) // 2, 0, s_k)[:, None]
-                       for o in off])
-    attn = torch.rand(b, s_q, s_k, generator=gen).masked_fill(~vis, -math.inf)
-    index = torch.randn(b, s_q, s_k, generator=gen).masked_fill(~vis, -math.inf)
-    norm = torch.where(vis, attn, 0.0).sum(-1)
-    lse = torch.logsumexp(index, dim=-1)
+    q, w, k, attn, norm, index, lse, off = _bshd_case(12)
     kw = dict(grad_loss=torch.tensor(0.8), sm_scale=0.3, loss_coeff=0.5, ratio=2, q_causal_offsets=off)
     got = dense_host.dense_indexer_backward(q, w, k, attn, norm, index, lse, deterministic=True, **kw)
     want = dsagen.dense_indexer_backward(q, w, k, attn, norm, index, lse, impl="reference", **kw)

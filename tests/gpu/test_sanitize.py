@@ -150,12 +150,17 @@ def test_attn_score_recompute(h, d_qk):
     assert (got[0, :2] == 0).all()                   # topk_length 0; row 1 without a valid id
 
 
+DENSE_ATTN_CASES = [(h, d, False) for h, d in SPARSE_SHAPES] + [(64, 512, True)]
+
+
 @gpu
-@pytest.mark.parametrize("h,d_qk", SPARSE_SHAPES, ids=[f"h{h}_d{d}" for h, d in SPARSE_SHAPES])
-def test_dense_attn_score_recompute(h, d_qk):
+@pytest.mark.parametrize("h,d_qk,row_pairs", DENSE_ATTN_CASES,
+                         ids=[f"h{h}_d{d}" + ("_pairs" if p else "") for h, d, p in DENSE_ATTN_CASES])
+def test_dense_attn_score_recompute(h, d_qk, row_pairs):
     """The dense score recompute's kernel, 3 CTAs looping over 2 x 5 query rows, ratio 4, offsets that empty rows
-    (-9) and reach past the keys (400), unaligned row ends (S_k 131), against the reference."""
-    gen = torch.Generator().manual_seed(h + d_qk + 3)
+    (-9) and reach past the keys (400), unaligned row ends (S_k 131), against the reference; row_pairs: the 64-head
+    kernel with two rows per item (T 5 odd: a last row alone)."""
+    gen = torch.Generator().manual_seed(h + d_qk + 3 + int(row_pairs))
     q = (torch.randn((2, 5, h, d_qk), generator=gen) * 0.5).bfloat16().to(DEV)
     k = (torch.randn((2, 131, d_qk), generator=gen) * 0.5).bfloat16().to(DEV)
     lse = (torch.rand((2, 5, h), generator=gen) * 4 + 2).to(DEV)
@@ -163,27 +168,8 @@ def test_dense_attn_score_recompute(h, d_qk):
     scale = d_qk ** -0.5
     op = drc_config_for(h, d_qk, "bfloat16", ARCH, None)             # the op's kernel on 3 CTAs
     got, den = drc_host.dense_attn_score_recompute(q, k, lse, scale, ratio=4, q_causal_offsets=off,
-                                                   config=replace(op, grid=3))
+                                                   config=replace(op, grid=3, row_pairs=row_pairs))
     want, want_den = dsagen.dense_attn_score_recompute(q, k, lse, scale, ratio=4, q_causal_offsets=off,
-                                                       impl="reference")
-    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
-    fin = ~torch.isneginf(want)
-    assert (got[fin] - want[fin]).abs().max().item() <= 1e-2 * max(want[fin].abs().max().item(), 1e-6)
-    assert (den - want_den).abs().max().item() <= 1e-2 * max(want_den.abs().max().item(), 1e-6)
-
-
-@gpu
-def test_dense_attn_score_recompute_row_pairs():
-    """The dense score recompute's row_pairs kernel (64 heads, two rows per item), 3 CTAs over B 2 x T 5 (odd: a
-    last row alone), ratio 4, offsets that empty rows and reach past the keys, S_k 131, against the reference."""
-    gen = torch.Generator().manual_seed(77)
-    q = (torch.randn((2, 5, 64, 512), generator=gen) * 0.5).bfloat16().to(DEV)
-    k = (torch.randn((2, 131, 512), generator=gen) * 0.5).bfloat16().to(DEV)
-    lse = (torch.rand((2, 5, 64), generator=gen) * 4 + 2).to(DEV)
-    off = torch.tensor([-9, 400], dtype=torch.int32, device=DEV)
-    cfg = replace(drc_config_for(64, 512, "bfloat16", ARCH, None), grid=3, row_pairs=True)
-    got, den = drc_host.dense_attn_score_recompute(q, k, lse, 512 ** -0.5, ratio=4, q_causal_offsets=off, config=cfg)
-    want, want_den = dsagen.dense_attn_score_recompute(q, k, lse, 512 ** -0.5, ratio=4, q_causal_offsets=off,
                                                        impl="reference")
     assert torch.equal(torch.isneginf(got), torch.isneginf(want))
     fin = ~torch.isneginf(want)

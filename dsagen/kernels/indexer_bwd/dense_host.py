@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from ...jit import get_kernel
-from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
+from ...runtime import LoadedKernel
 from ..lightning_indexer.host import dummy_offsets, eager
 from ..sparse_mla.host import gather_rows, padded_heads
-from .host import HEADS, supported_reason
+from .host import HEADS, cached_plan, supported_reason
 from .spec import DenseIndexerBwdConfig, DenseIndexerBwdSpec, dense_config_for
 
-_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _INT32_MAX = 2**31 - 1
 _launch_plans: dict = {}
 
@@ -30,15 +28,7 @@ def _launch_plan(d: int, dtype: torch.dtype, device: torch.device, config: Dense
                  deterministic: bool = False
                  ) -> tuple[DenseIndexerBwdSpec, LoadedKernel, int, DenseIndexerBwdConfig]:
     """The spec, loaded kernel, n_ctas argument and config of a call (cached per call shape, config and mode)."""
-    key = (d, dtype, device, config, deterministic)
-    plan = _launch_plans.get(key)
-    if plan is None:
-        arch = device_arch(device)
-        num_sms = device_sm_count(device_index(device))
-        cfg = dense_config_for(d, dtype, arch, num_sms) if config is None else config
-        spec = cfg.spec(d, _DTYPES[dtype], arch, deterministic=deterministic)
-        plan = _launch_plans[key] = (spec, get_kernel(spec, device_index(device)), cfg.n_ctas(num_sms), cfg)
-    return plan
+    return cached_plan(_launch_plans, dense_config_for, d, dtype, device, deterministic, config)
 
 
 def _rows_f32(t: torch.Tensor, rows: int, width: int) -> torch.Tensor:

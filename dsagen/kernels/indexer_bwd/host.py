@@ -54,18 +54,26 @@ def supported_reason(index_q: torch.Tensor, index_k: torch.Tensor) -> str:
 _launch_plans: dict = {}
 
 
-def _launch_plan(d: int, dtype: torch.dtype, device: torch.device, deterministic: bool,
-                 config: IndexerBwdConfig | None) -> tuple[IndexerBwdSpec, LoadedKernel, int, IndexerBwdConfig]:
-    """The spec, loaded kernel, n_ctas argument and config of a call (cached per call shape and config)."""
+def cached_plan(cache: dict, op_config_for, d: int, dtype: torch.dtype, device: torch.device, deterministic: bool,
+                config) -> tuple:
+    """(spec, loaded kernel, n_ctas argument, config) of a call of an indexer backward family (the sparse form with
+    config_for, the dense one with dense_config_for: configs with spec(d, dtype name, arch, deterministic=) and
+    n_ctas(num_sms)); config None: op_config_for's. Cached in `cache` per call shape, mode and config."""
     key = (d, dtype, device, deterministic, config)
-    plan = _launch_plans.get(key)
+    plan = cache.get(key)
     if plan is None:
         arch = device_arch(device)
         num_sms = device_sm_count(device_index(device))
-        cfg = config_for(d, dtype, arch, num_sms) if config is None else config
+        cfg = op_config_for(d, dtype, arch, num_sms) if config is None else config
         spec = cfg.spec(d, _DTYPES[dtype], arch, deterministic=deterministic)
-        plan = _launch_plans[key] = (spec, get_kernel(spec, device_index(device)), cfg.n_ctas(num_sms), cfg)
+        plan = cache[key] = (spec, get_kernel(spec, device_index(device)), cfg.n_ctas(num_sms), cfg)
     return plan
+
+
+def _launch_plan(d: int, dtype: torch.dtype, device: torch.device, deterministic: bool,
+                 config: IndexerBwdConfig | None) -> tuple[IndexerBwdSpec, LoadedKernel, int, IndexerBwdConfig]:
+    """The spec, loaded kernel, n_ctas argument and config of a call (cached per call shape and config)."""
+    return cached_plan(_launch_plans, config_for, d, dtype, device, deterministic, config)
 
 
 def score_grad(attn_score: torch.Tensor, index_score: torch.Tensor, valid: torch.Tensor, grad_loss, loss_coeff: float,

@@ -19,11 +19,11 @@ from dsagen.kernels.attn_score_recompute import dense_host
 from dsagen.kernels.attn_score_recompute.spec import DenseAttnScoreRecomputeConfig, dense_config_for
 
 ARCH = "sm_90a"
-PAIRS = DenseAttnScoreRecomputeConfig(row_pairs=True)
+ONE_ROW = DenseAttnScoreRecomputeConfig(row_pairs=False)
 REQUIRED_SPECS = [dense_config_for(h, d, dt, ARCH, None).spec(h, d, dt, ARCH)
                   for h, d, dt in [(64, 512, "bfloat16"), (64, 576, "bfloat16"), (128, 512, "bfloat16"),
                                    (128, 576, "bfloat16"), (64, 576, "float16")]] + [
-    PAIRS.spec(64, d, "bfloat16", ARCH) for d in (512, 576)]
+    ONE_ROW.spec(64, d, "bfloat16", ARCH) for d in (512, 576)]
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -92,16 +92,18 @@ def test_padded_heads_and_fp16():
 
 
 @pytest.mark.parametrize("d", [512, 576])
-def test_row_pairs(d):
-    """row_pairs (two query rows per item, 64 heads each): odd T (the last row alone), B 3 with offsets that empty
-    rows, reach past every key and differ between batch elements, ratio 1 and 4, 16 heads padded to 64; the same
-    -inf pattern as the one-row kernel and values within 1e-6 of its (each row's head sums run over the same
-    columns in the same order; the denominators' partial sums may fall to the other consumer)."""
+def test_row_pairs_against_one_row(d):
+    """The 64-head default, row_pairs (two query rows per item, 64 heads each), against the reference and the
+    one-row kernel: odd T (the last row alone), B 3 with offsets that empty rows, reach past every key and differ
+    between batch elements, ratio 1 and 4, 16 heads padded to 64; the same -inf pattern as the one-row kernel and
+    values within 1e-6 of its (each row's head sums run over the same columns in the same order; the denominators'
+    partial sums may fall to the other consumer)."""
     for b, t, s_k, h, ratio, offs, seed in ((1, 301, 301, 64, 1, None, 31), (3, 97, 150, 64, 4, [-40, 5000, 7], 32),
                                            (2, 33, 5, 16, 1, [-20, 0], 33)):
         q, k, lse, scale, ratio, off = make_case(b, t, s_k, h, d, ratio=ratio, offsets=offs, seed=seed + d)
-        got, den = check(q, k, lse, scale, ratio, off, config=PAIRS)
-        one, one_den = dense_host.dense_attn_score_recompute(q, k, lse, scale, ratio=ratio, q_causal_offsets=off)
+        got, den = check(q, k, lse, scale, ratio, off)
+        one, one_den = dense_host.dense_attn_score_recompute(q, k, lse, scale, ratio=ratio, q_causal_offsets=off,
+                                                             config=ONE_ROW)
         assert torch.equal(torch.isneginf(got), torch.isneginf(one))
         fin = ~torch.isneginf(one)
         assert torch.allclose(got[fin], one[fin], rtol=1e-6, atol=0) and torch.allclose(den, one_den, rtol=1e-6)

@@ -271,7 +271,10 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
         row's), then at the item's end the denominators and the -inf tails (module docstring)."""
         BN, H, HR = self.BN, self.H, self.HR
         cute.arch.setmaxregister_increase(self.regs[1])
-        w = tidx // 128 - 1
+        # the consumer and its warp as warp-uniform values: ptxas serializes every wgmma of a loop whose trip count or
+        # branches it cannot prove uniform within a warp (C7520, "WG.AR in divergent path")
+        w = cute.arch.make_warp_uniform(tidx // 128 - 1)
+        cwarp = cute.arch.make_warp_uniform((tidx // 32) % 4)
         ctid = tidx % 128
         lane = ctid % 32
         mma = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K,
@@ -349,7 +352,7 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
             cute.arch.barrier(barrier_id=self.BAR_DEN, number_of_threads=256)
             if w == 0:
                 for rr in cutlass.range_constexpr(self.DEN_ROWS):
-                    if (ctid < 32 if rr == 0 else ctid // 32 == rr):      # warp rr sums row rr's 128 partials
+                    if cwarp == rr:                                       # warp rr sums row rr's 128 partials
                         total = Float32(0.0)
                         for q4 in cutlass.range_constexpr(4):             # values 4 lane + q4 of the 128
                             idx = 4 * lane + q4
@@ -358,10 +361,10 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
                             total += cute.arch.shuffle_sync_bfly(total, offset=1 << (4 - sh_off))
                         if (lane == 0 if rr == 0 else lane == 0 and has1):
                             (a.p_den + (tok0 if rr == 0 else tok1)).store(total)
-            fill_tail(p_row0, hi0, a.S, ctid + 128 * w, 256)
+            fill_tail(p_row0, hi0, a.S, ctid + 128 * w, 256, uniform_trips=True)
             if const_expr(self.PAIRS):
                 if has1:
-                    fill_tail(p_row1, hi1, a.S, ctid + 128 * w, 256)
+                    fill_tail(p_row1, hi1, a.S, ctid + 128 * w, 256, uniform_trips=True)
             self.free_row_q(sh, it)
             gt += ntiles
             it += 1

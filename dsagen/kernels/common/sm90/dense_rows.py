@@ -46,11 +46,15 @@ def row_limit(p_off: cute.Pointer, has_off: Int32, tok: Int32, T: Int32, S: Int3
 
 
 @cute.jit
-def fill_tail(p_row: cute.Pointer, n: Int32, width: Int32, tidx: Int32, threads: cutlass.Constexpr):
+def fill_tail(p_row: cute.Pointer, n: Int32, width: Int32, tidx: Int32, threads: cutlass.Constexpr,
+              uniform_trips: cutlass.Constexpr = False):
     """p_row[j] = -inf for n <= j < width: the masked tail of a dense score row whose first n columns are valid.
     p_row need only be 4-byte aligned: the up to 3 columns before the first 16-byte boundary and the up to 3 after
     the last are single fp32 stores, the rest 16-byte streaming stores (st.global.cs.v4: a quarter of the store
-    instructions, which matters when one warp fills beside a kernel's consumers), chunk i by thread i % threads."""
+    instructions, which matters when one warp fills beside a kernel's consumers), chunk i by thread i % threads.
+    uniform_trips: every thread runs the same number of loop trips (the last one's store predicated), for callers
+    that issue wgmma after the fill: a loop whose trip count depends on the thread index is a divergent path to
+    ptxas, which then serializes the caller's wgmma (C7520)."""
     if n < width:
         mis = Int32((p_row + n).toint() % 16) // 4                 # columns past the previous 16-byte boundary
         head = cutlass.min((4 - mis) % 4, width - n)
@@ -58,8 +62,14 @@ def fill_tail(p_row: cute.Pointer, n: Int32, width: Int32, tidx: Int32, threads:
             (p_row + (n + tidx)).store(-Float32.inf)
         j0 = n + head
         nv = (width - j0) // 4
-        for v in cutlass.range(tidx, nv, threads, unroll=2):
-            st_global_v4_f32(p_row + (j0 + 4 * v), -Float32.inf, -Float32.inf, -Float32.inf, -Float32.inf)
+        if cutlass.const_expr(uniform_trips):
+            for v0 in cutlass.range(0, nv, threads, unroll=2):
+                v = v0 + tidx
+                if v < nv:
+                    st_global_v4_f32(p_row + (j0 + 4 * v), -Float32.inf, -Float32.inf, -Float32.inf, -Float32.inf)
+        else:
+            for v in cutlass.range(tidx, nv, threads, unroll=2):
+                st_global_v4_f32(p_row + (j0 + 4 * v), -Float32.inf, -Float32.inf, -Float32.inf, -Float32.inf)
         rest = width - j0 - 4 * nv
         if tidx < rest:
             (p_row + (j0 + 4 * nv + tidx)).store(-Float32.inf)

@@ -200,5 +200,6 @@ class DenseIndexerBwdConfig:
 
 
 def dense_config_for(head_dim: int, dtype, arch: str, num_sms: int | None) -> DenseIndexerBwdConfig:
-    """The config the dense op runs (the sparse form's ring and budgets; not yet measured on a GPU)."""
+    """The config the dense op runs: the sparse form's ring and budgets (1.27-1.33x cuDNN's SM90 kernel at T 2048-16384
+    on the H200, 2026-12-03; BENCHMARKS.md "Dense warm-up step")."""
     return DenseIndexerBwdConfig()

@@ -55,6 +55,9 @@ def test_compiles_to_wgmma(h, d, prefetch, tmp_path):
     # both consumers run the same code on alternate tiles: per tile D / 16 k-steps of one 64 x 64 wgmma per 64 heads
     assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 ", sass)) == (h // 64) * (d // 16)
     assert not re.findall(r"HGMMA\.64x(?!64x)\d+x16", sass)
+    # waited about once per 64-column block: ptxas did not serialize the wgmma (C7520, as it did with prefetch_ids
+    # while its id loads sat behind a branch on the row's tile count)
+    assert sass.count("WARPGROUP.DEPBAR") <= d // 64 + 1, "wgmma serialized by ptxas"
     # one place: each consumer's own named barrier (id 1 + w, a register) over its 128 threads
     assert len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING R\d+, 0x80", sass)) == 1
     assert not re.findall(r"(LDL|STL)", sass)                                      # no spills

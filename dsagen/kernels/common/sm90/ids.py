@@ -59,10 +59,10 @@ def valid_tile_ids(ids, raw, n_rows) -> None:
 @cute.jit
 def row_ids_ahead(raw, mIdx: cute.Tensor, ntiles, limit, grp, prefetch: bool) -> None:
     """At a row's start, with prefetch: its first tile's raw ids into `raw` (load_tile_ids_raw), for tile_ids to check;
-    nothing without it."""
+    nothing without it. No branch on ntiles (slots past `limit` load nothing): ptxas took such a branch in the
+    producer as a divergent path and serialized the consumers' wgmma (C7520)."""
     if const_expr(prefetch):
-        if ntiles > 0:
-            load_tile_ids_raw(raw, mIdx, 0, limit, grp)
+        load_tile_ids_raw(raw, mIdx, 0, limit, grp)
 
 
 @cute.jit

@@ -46,6 +46,16 @@ def dense_lse(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     return out
 
 
+def compare(out: torch.Tensor, den: torch.Tensor, ref_out: torch.Tensor, ref_den: torch.Tensor) -> str:
+    """Whether out has ref_out's -inf pattern, and the largest differences of the finite entries and of the
+    denominators, each relative to the reference's largest magnitude."""
+    same = torch.equal(torch.isneginf(out), torch.isneginf(ref_out))
+    fin = ~torch.isneginf(ref_out)
+    rel = ((out[fin] - ref_out[fin]).abs().max() / ref_out[fin].abs().max().clamp(min=1e-30)).item()
+    drel = ((den - ref_den).abs().max() / ref_den.abs().max().clamp(min=1e-30)).item()
+    return f"-inf pattern equal {same}, out rel diff {rel:.2e}, denom rel diff {drel:.2e}"
+
+
 def one(t: int, h: int, d: int, args, dsa) -> None:
     gen = torch.Generator(device="cuda").manual_seed(t + h + d)
     q = (torch.randn((1, t, h, d), device="cuda", generator=gen) * 0.5).bfloat16()
@@ -62,12 +72,7 @@ def one(t: int, h: int, d: int, args, dsa) -> None:
         for _, f in fns:
             f()
         torch.cuda.synchronize()
-        same = torch.equal(torch.isneginf(out), torch.isneginf(out_c))
-        fin = ~torch.isneginf(out_c)
-        rel = ((out[fin] - out_c[fin]).abs().max() / out_c[fin].abs().max().clamp(min=1e-30)).item()
-        drel = ((den - den_c).abs().max() / den_c.abs().max().clamp(min=1e-30)).item()
-        print(f"T {t} H {h} D {d}: -inf pattern equal {same}, out rel diff {rel:.2e}, denom rel diff {drel:.2e}",
-              flush=True)
+        print(f"T {t} H {h} D {d}: {compare(out, den, out_c, den_c)}", flush=True)
     if args.one_row and h == 64:
         out_p, den_p = torch.empty((1, t, t), device="cuda"), torch.empty((1, t), device="cuda")
         one_row = DenseAttnScoreRecomputeConfig(row_pairs=False)
@@ -76,10 +81,7 @@ def one(t: int, h: int, d: int, args, dsa) -> None:
         fns[0][1]()
         fns[-1][1]()
         torch.cuda.synchronize()
-        fin = ~torch.isneginf(out)
-        rel = ((out_p[fin] - out[fin]).abs().max() / out[fin].abs().max().clamp(min=1e-30)).item()
-        print(f"T {t} H {h} D {d}: one row -inf pattern equal {torch.equal(torch.isneginf(out_p), ~fin)}, out rel diff "
-              f"{rel:.2e}, denom rel diff {((den_p - den).abs().max() / den.abs().max()).item():.2e}", flush=True)
+        print(f"T {t} H {h} D {d}: one row {compare(out_p, den_p, out, den)}", flush=True)
     ms = print_paired(f"T {t} H {h} D {d}", fns, 2 * h * d * t * (t + 1) / 2, args.rounds)
     if len(fns) == 3:
         print(f"T {t} H {h} D {d}: one row vs cudnn {ms[1] / ms[2]:.2f}x, default vs one row {ms[2] / ms[0]:.2f}x",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ...reference.indexer import max_key_len, segment_offsets, thd_segments
 from ...runtime import LoadedKernel
 from ..lightning_indexer.host import dummy_offsets, eager
 from ..sparse_mla.host import gather_rows, head_padded_launch_plan, padded_heads
@@ -146,17 +147,15 @@ def dense_attn_score_recompute_packed(q: torch.Tensor, k: torch.Tensor, lse: tor
     reason = supported_reason(q[None], k[None])
     if reason:
         raise NotImplementedError(f"dense_attn_score_recompute: {reason}")
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    width = max((ck[i + 1] - ck[i] for i in range(len(ck) - 1)), default=0)
-    out = torch.full((q.shape[0], width), float("-inf"), dtype=torch.float32, device=q.device)
+    segments = thd_segments(cu_seqlens_q, cu_seqlens_k)
+    out = torch.full((q.shape[0], max_key_len(segments)), float("-inf"), dtype=torch.float32, device=q.device)
     denom = torch.zeros((q.shape[0],), dtype=torch.float32, device=q.device)
-    for b in range(len(cq) - 1):
-        r0, r1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+    for b, (r0, r1, k0, k1) in enumerate(segments):
         if r1 == r0 or k1 == k0:
             continue                                    # no row, or no key: -inf and 0 as filled
         if r1 - r0 > _MAX_GRID_X or k1 - k0 > 2**31 - 1:
             raise ValueError(f"dense_attn_score_recompute: segment {b} exceeds the kernel's int32 limits")
-        off = None if q_causal_offsets is None else q_causal_offsets[b:b + 1]
+        off = segment_offsets(q_causal_offsets, b)
         run(q[None, r0:r1], k[None, k0:k1], lse[None, r0:r1], softmax_scale, ratio, off,
             out[None, r0:r1, :k1 - k0], denom[None, r0:r1], config)
     return out, denom

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ...reference.indexer import segment_offsets, thd_segments
 from ...runtime import LoadedKernel
 from ..lightning_indexer.host import dummy_offsets, eager
 from ..sparse_mla.host import gather_rows, padded_heads
@@ -164,13 +165,11 @@ def dense_indexer_backward_packed(index_q: torch.Tensor, weights: torch.Tensor, 
     if reason:
         raise NotImplementedError(f"dense_indexer_backward: {reason}")
     total_q = index_q.shape[0]
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     d_q, d_w, d_k = torch.zeros_like(index_q), torch.zeros_like(weights), torch.zeros_like(index_k)
-    for b in range(len(cq) - 1):
-        r0, r1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+    for b, (r0, r1, k0, k1) in enumerate(thd_segments(cu_seqlens_q, cu_seqlens_k)):
         if r1 == r0 or k1 == k0:
             continue
-        off = None if q_causal_offsets is None else q_causal_offsets[b:b + 1]
+        off = segment_offsets(q_causal_offsets, b)
         g_q, g_w, g_k = run(index_q[None, r0:r1], weights[None, r0:r1], index_k[None, k0:k1],
                             attn_score[None, r0:r1, :k1 - k0], attn_l1norm[None, r0:r1],
                             index_score[None, r0:r1, :k1 - k0], index_lse[None, r0:r1], grad_loss, sm_scale,

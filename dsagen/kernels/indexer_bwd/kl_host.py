@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ...reference.indexer import segment_offsets, thd_segments
 from ...reference.indexer_training import DenseKLResult
 from ..attn_score_recompute import dense_host as attn_host
 from ..lightning_indexer import scores_host
@@ -95,14 +96,12 @@ def _packed(q, k, lse, index_q, weights, index_k, *, cu_seqlens_q, cu_seqlens_k,
     """THD: every segment with rows and keys as a BSHD batch of one on views, its loss averaged over all total_q
     rows (loss_rows); gradient rows of no segment are 0."""
     total_q = index_q.shape[0]
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     d_q, d_w, d_k = torch.zeros_like(index_q), torch.zeros_like(weights), torch.zeros_like(index_k)
     loss = torch.zeros((), dtype=torch.float32, device=index_q.device)
-    for b in range(len(cq) - 1):
-        r0, r1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+    for b, (r0, r1, k0, k1) in enumerate(thd_segments(cu_seqlens_q, cu_seqlens_k)):
         if r1 == r0 or k1 == k0:
             continue
-        off = None if q_causal_offsets is None else q_causal_offsets[b:b + 1]
+        off = segment_offsets(q_causal_offsets, b)
         res = dense_indexer_kl_backward(q[None, r0:r1], k[None, k0:k1], lse[None, r0:r1], index_q[None, r0:r1],
                                         weights[None, r0:r1], index_k[None, k0:k1], q_causal_offsets=off,
                                         loss_rows=total_q, **kw)

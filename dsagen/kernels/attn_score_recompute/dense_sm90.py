@@ -292,7 +292,7 @@ class DenseAttnScoreRecomputeSm90(AttnScoreRecomputeSm90):
         NC0 = NCOL // 2 if const_expr(self.PAIRS) else NCOL
         lse_l2 = cute.make_rmem_tensor(NCOL, Float32)                # lse * log2 e of the thread's columns
         # its sDen entry: lanes 4 m + r (r < 2) write the first row, with row_pairs 4 m + 2 + r the second
-        den_slot = (ctid // 32) * 16 + (lane // 4) * 2 + (lane % 2 if const_expr(self.PAIRS) else lane % 4)
+        den_slot = cwarp * 16 + (lane // 4) * 2 + (lane % 2 if const_expr(self.PAIRS) else lane % 4)
         scale_log2 = a.softmax_scale * LOG2E
 
         gt = Int32(0)

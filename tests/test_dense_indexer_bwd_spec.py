@@ -62,8 +62,8 @@ def test_compiles_to_wgmma_and_atomics(d, tmp_path):
 class _StandInKernel:
     """The dense backward kernel's contract (dense_sm90's docstring) in torch, for the host paths on the CPU."""
 
-    def launch(self, q, keys, attn, index, norm, lse, cs, w, dq, dw, dk, q_off, rows, T, S, ratio, has_off, ld_k,
-               ld_s, n_ctas):
+    def launch(self, q, keys, attn, index, norm, lse, cs, w, dq, dw, dk, q_off, loss, rows, T, S, ratio, has_off,
+               has_loss, ld_k, ld_s, n_ctas):
         import torch
 
         slots = dk.dim() == 3                        # the deterministic kernel: per-slot rows [rows, S, D]
@@ -76,7 +76,13 @@ class _StandInKernel:
             kr = keys[b * S:b * S + hi].float()
             inv = 1.0 / norm[tok] if norm[tok] > 0 else 0.0
             has = 1.0 if norm[tok] > 0 else 0.0
-            di = cs[0] * (torch.exp(index[tok, :hi] - lse[tok]) * has - attn[tok, :hi] * inv)   # [hi]
+            tgt = attn[tok, :hi] * inv
+            di = cs[0] * (torch.exp(index[tok, :hi] - lse[tok]) * has - tgt)                     # [hi]
+            if has_loss:                             # the row's KL sum as 4 partials (here all in the first)
+                pos = tgt > 0
+                kl = torch.where(pos, tgt * (torch.log(torch.where(pos, tgt, 1.0)) - (index[tok, :hi] - lse[tok])),
+                                 0.0).sum()
+                loss[tok] = torch.stack([kl, kl.new_zeros(()), kl.new_zeros(()), kl.new_zeros(())])
             s = kr @ q[tok].float().T                                                            # [hi, H]
             dw[tok] = (di[:, None] * torch.relu(s)).sum(0)
             g = (di[:, None] * w[tok][None, :] * (s > 0)).to(q.dtype).float()
@@ -128,6 +134,31 @@ def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
         assert torch.allclose(g_.float(), w_.float(), rtol=2e-2, atol=2e-2 * max(w_.float().abs().max().item(), 1e-6))
 
 
+def test_kl_block_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
+    """kl_block_backward: the atomic kernel's launch with has_loss (its per-row KL partials summed) and the same
+    gradients as dense_indexer_backward; the KL sum against the loss of the reference dense_indexer_kl_backward's
+    definition computed here from the score rows: B 2, 16 heads, ratio 2, offsets that empty rows (norm 0)."""
+    import torch
+
+    from dsagen.kernels.indexer_bwd import dense_host
+
+    spec = DenseIndexerBwdSpec(arch="sm_90a", head_dim=64)
+    monkeypatch.setattr(dense_host, "_launch_plan",
+                        lambda *a, **k: (spec, _StandInKernel(), 3, DenseIndexerBwdConfig()))
+    q, w, k, attn, norm, index, lse, off = _bshd_case(7)
+    kw = dict(grad_loss=torch.tensor(1.7), sm_scale=0.3, loss_coeff=0.5, ratio=2, q_causal_offsets=off)
+    g_q, g_w, g_k, kl = dense_host.kl_block_backward(q, w, k, attn, norm, index, lse, **kw)
+    want = dense_host.dense_indexer_backward(q, w, k, attn, norm, index, lse, **kw)
+    assert torch.equal(g_q, want[0]) and torch.equal(g_w, want[1])
+    assert g_k.dtype == torch.float32 and torch.equal(g_k.to(k.dtype), want[2])
+    tgt = torch.where(torch.isneginf(attn), 0.0, attn).double() / norm.double()[..., None]
+    tgt = torch.where(norm[..., None] > 0, tgt, 0.0)
+    terms = tgt * (torch.log(tgt) - (index.double() - lse.double()[..., None]))
+    assert (norm == 0).any()                                        # an empty row: it adds nothing
+    terms = terms[tgt > 0]
+    assert kl.shape == () and abs(kl.item() - terms.sum().item()) <= 1e-5 * terms.abs().sum().item()
+
+
 def test_deterministic_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
     """deterministic=True: launches over blocks of query rows (slot_bytes fitting 2 rows of S_k x D FP32), each a
     batch of one with the offset shifted to its first row, whose per-slot rows are summed over the rows; the same
@@ -141,7 +172,7 @@ def test_deterministic_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
 
     class Recording(_StandInKernel):
         def launch(self, *a):
-            launches.append((a[12], tuple(a[10].shape), int(a[11][0])))     # rows, slot rows' shape, offset
+            launches.append((a[13], tuple(a[10].shape), int(a[11][0])))     # rows, slot rows' shape, offset
             super().launch(*a)
 
     cfg = DenseIndexerBwdConfig(slot_bytes=2 * 7 * 64 * 4)
@@ -230,12 +261,16 @@ def test_kl_path_composition_on_the_cpu_with_reference_stand_ins(monkeypatch):
         return tuple(dsagen.dense_attn_score_recompute(q, k, lse, scale, ratio=ratio,
                                                        q_causal_offsets=q_causal_offsets, impl="reference"))
 
-    def bwd(*args, **kw):
-        return tuple(dsagen.dense_indexer_backward(*args, impl="reference", **kw))
+    def bwd(iq, w, ik, attn, l1, logits, lse_i, **kw):      # the kernel's contract: gradients and the block's KL
+        grads = dsagen.dense_indexer_backward(iq, w, ik, attn, l1, logits, lse_i, impl="reference", **kw)
+        tgt = torch.where(torch.isneginf(attn), 0.0, attn) / torch.where(l1 > 0, l1, math.inf)[..., None]
+        pos = tgt > 0
+        kl = torch.where(pos, tgt * (torch.log(torch.where(pos, tgt, 1.0)) - (logits - lse_i[..., None])), 0.0)
+        return grads[0], grads[1], grads[2].double(), kl.sum()
 
     monkeypatch.setattr(scores_host, "indexer_scores", scores)
     monkeypatch.setattr(attn_host, "dense_attn_score_recompute", attn)
-    monkeypatch.setattr(bwd_host, "dense_indexer_backward", bwd)
+    monkeypatch.setattr(bwd_host, "kl_block_backward", bwd)
     for host in (attn_host, bwd_host):                 # the stand-ins take FP64 and any D
         monkeypatch.setattr(host, "supported_reason", lambda *_: "")
     gen = torch.Generator().manual_seed(8)
@@ -253,9 +288,9 @@ def test_kl_path_composition_on_the_cpu_with_reference_stand_ins(monkeypatch):
     lse = torch.logsumexp(sc.masked_fill(~vis[:, :, None, :], -math.inf), dim=-1)
     kw = dict(softmax_scale=scale, sm_scale=0.6, loss_coeff=0.8, grad_loss=torch.tensor(1.5, dtype=torch.float64),
               ratio=2, q_causal_offsets=off)
-    got = kl_host.dense_indexer_kl_backward(q, k, lse, iq, w, ik, scratch_bytes=6 * 4 * s_k * 3, **kw)
+    got = kl_host.dense_indexer_kl_backward(q, k, lse, iq, w, ik, scratch_bytes=2 * 4 * s_k * 3, **kw)
     want = dsagen.dense_indexer_kl_backward(q, k, lse, iq, w, ik, impl="reference", **kw)
-    assert kl_host.block_rows(s_q, s_k, 6 * 4 * s_k * 3) == 3
+    assert kl_host.block_rows(s_q, s_k, 2 * 4 * s_k * 3) == 3
     for g_, w_ in zip(got, want):
         assert torch.allclose(g_.double(), w_.double(), rtol=1e-6, atol=1e-9), (g_, w_)
     # THD: the same two batch elements as segments 0 and 2 around an empty one: the same loss and gradients
@@ -263,11 +298,13 @@ def test_kl_path_composition_on_the_cpu_with_reference_stand_ins(monkeypatch):
                cu_seqlens_q=torch.tensor([0, 7, 7, 14], dtype=torch.int32),
                cu_seqlens_k=torch.tensor([0, 9, 9, 18], dtype=torch.int32))
     flat = [t.flatten(0, 1) for t in (q, k, lse, iq, w, ik)]
-    packed = kl_host.dense_indexer_kl_backward(*flat, scratch_bytes=6 * 4 * s_k * 3, **thd)
+    packed = kl_host.dense_indexer_kl_backward(*flat, scratch_bytes=2 * 4 * s_k * 3, **thd)
     want_thd = dsagen.dense_indexer_kl_backward(*flat, impl="reference", **thd)
-    for g_, w_, b_ in zip(packed, want_thd, got):
+    whole = kl_host.dense_indexer_kl_backward(*flat, **thd)        # one block per segment: outputs as returned
+    for g_, w_, b_, o_ in zip(packed, want_thd, got, whole):
         assert torch.allclose(g_.double(), w_.double(), rtol=1e-6, atol=1e-9)
         assert torch.allclose(g_.double(), b_.double().reshape(g_.shape), rtol=1e-6, atol=1e-9)
+        assert o_.shape == w_.shape and torch.allclose(o_.double(), w_.double(), rtol=1e-6, atol=1e-9)
 
 
 def test_kl_path_refuses_inputs_outside_the_kernels_before_any_launch(monkeypatch):

@@ -357,11 +357,11 @@ def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tenso
     the target's L1 norm and the indexer logsumexp, a second pass recomputing both for the loss and the gradients,
     so its memory grows with T, not T^2 (about 64 rows x 1024 columns x max(H_q, H_i) scratch values); it reads the
     row limits on the host. impl="fused" (BSHD; THD per segment, the offsets read on the host) runs per batch
-    element and block of whole query rows three
-    generated kernels: the indexer scores with their LSE, the dense attention scores with their L1 norms and the
-    dense indexer backward, with at most 1 GiB of score scratch (R = 2^30 / (24 S_k) rows per block), so its memory
-    also grows with T; the fused kernels' limits apply (attention H <= 128, D 512 / 576, one key head; indexer
-    H <= 64, D 64 / 128; bf16 / fp16), and d_index_k sums FP32 atomics (not bitwise repeatable).
+    element and block of whole query rows three generated kernels: the indexer scores with their LSE, the dense
+    attention scores with their L1 norms and the dense indexer backward (which also sums the loss), with at most
+    1 GiB of score scratch (R = 2^30 / (8 S_k) rows per block), so its memory also grows with T; the fused kernels'
+    limits apply (attention H <= 128, D 512 / 576, one key head; indexer H <= 64, D 64 / 128; bf16 / fp16), and
+    d_index_k sums FP32 atomics (not bitwise repeatable).
 
     Packed THD layout, selected by passing cu_seqlens_q and cu_seqlens_k (read on the host): each segment is
     computed as a BSHD batch, as dense_indexer_backward does (the loss averages over all total_q rows; rows

@@ -96,27 +96,30 @@ def test_deterministic_matches_reference_and_reruns_bitwise():
     assert torch.allclose(a[2].float(), b[2].float(), rtol=1e-5, atol=1e-6)   # other blocks, other sums
 
 
-def test_kl_path_matches_reference():
-    """kl_host (the three fused launches per block of whole rows) against the reference dense_indexer_kl_backward:
-    B 2, ratio 1, offsets, a scratch that forces blocks of 40 rows."""
-    gen = torch.Generator().manual_seed(12)
+@pytest.mark.parametrize("ratio, offsets", [(1, [0, 20]), (4, [-9, 37])])
+def test_kl_path_matches_reference(ratio, offsets):
+    """kl_host (the three fused launches per block of whole rows; the loss summed by the backward kernel) against
+    the reference dense_indexer_kl_backward: B 2, offsets (at ratio 4 the first rows see no key), a scratch that
+    forces blocks of 40 rows."""
+    gen = torch.Generator().manual_seed(12 + ratio)
     b, s_q, s_k = 2, 150, 150
     q = (torch.randn((b, s_q, 64, 512), generator=gen) * 0.5).bfloat16().to(DEV)
     k = (torch.randn((b, s_k, 512), generator=gen) * 0.5).bfloat16().to(DEV)
     iq = (torch.randn((b, s_q, 64, 128), generator=gen) * 0.3).bfloat16().to(DEV)
     w = torch.randn((b, s_q, 64), generator=gen).bfloat16().to(DEV)
     ik = (torch.randn((b, s_k, 128), generator=gen) * 0.3).bfloat16().to(DEV)
-    off = torch.tensor([0, 20], dtype=torch.int32, device=DEV)
+    off = torch.tensor(offsets, dtype=torch.int32, device=DEV)
     scale = 512 ** -0.5
-    # the true per-head attention LSE over each row's visible keys
+    # the true per-head attention LSE over each row's visible keys (0 for rows without keys: never read)
     sc = torch.einsum("bthd,bsd->bths", q.double(), k.double()) * scale
-    lim = torch.stack([torch.clamp(o + torch.arange(s_q, device=DEV) + 1, 0, s_k) for o in off])
+    lim = torch.stack([torch.clamp(torch.div(o + torch.arange(s_q, device=DEV) + 1, ratio, rounding_mode="floor"),
+                                   0, s_k) for o in off])
     vis = torch.arange(s_k, device=DEV)[None, None, :] < lim[..., None]
-    lse = torch.logsumexp(sc.masked_fill(~vis[:, :, None, :], -math.inf), dim=-1).float()
+    lse = torch.logsumexp(sc.masked_fill(~vis[:, :, None, :], -math.inf), dim=-1).nan_to_num(0.0, 0.0, 0.0).float()
     kw = dict(softmax_scale=scale, sm_scale=128 ** -0.5, loss_coeff=0.7, grad_loss=torch.tensor(1.2, device=DEV),
-              ratio=1, q_causal_offsets=off)
-    assert kl_host.block_rows(s_q, s_k, 6 * 4 * s_k * 40) == 40
-    got = kl_host.dense_indexer_kl_backward(q, k, lse, iq, w, ik, scratch_bytes=6 * 4 * s_k * 40, **kw)
+              ratio=ratio, q_causal_offsets=off)
+    assert kl_host.block_rows(s_q, s_k, 2 * 4 * s_k * 40) == 40
+    got = kl_host.dense_indexer_kl_backward(q, k, lse, iq, w, ik, scratch_bytes=2 * 4 * s_k * 40, **kw)
     want = dsagen.dense_indexer_kl_backward(q.double(), k.double(), lse.double(), iq.double(), w.double(),
                                             ik.double(), impl="reference", **kw)
     assert abs(got.loss.item() - want.loss.item()) <= 1e-3 * abs(want.loss.item()) + 1e-6

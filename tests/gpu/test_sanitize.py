@@ -178,11 +178,12 @@ def test_dense_attn_score_recompute(h, d_qk, row_pairs):
 
 
 @gpu
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_dense_indexer_backward(deterministic):
+@pytest.mark.parametrize("mode", ["atomic", "deterministic", "kl"])
+def test_dense_indexer_backward(mode):
     """The dense indexer backward's kernel at the DeepSeek-V3.2 indexer shape, 3 CTAs looping over 2 x 5 query rows,
     ratio 4, offsets that empty rows (-9) and pass every key (400), S_k 131 (a partial last tile), against the
-    reference; deterministic: the per-slot rows in blocks of 2 query rows."""
+    reference; deterministic: the per-slot rows in blocks of 2 query rows; kl: the atomic kernel with the KL loss
+    partials (the fused loss path's launch, kl_block_backward), its KL sum against the reference's."""
     import math
 
     gen = torch.Generator().manual_seed(11)
@@ -200,8 +201,15 @@ def test_dense_indexer_backward(deterministic):
     args = (q, w, k, attn, norm, index, lse)
     kw = dict(sm_scale=0.5, ratio=4, q_causal_offsets=off)
     cfg = replace(dib_config_for(d, "bfloat16", ARCH, None), grid=3, slot_bytes=2 * 131 * d * 4)
-    got = dib_host.dense_indexer_backward(*args, config=cfg, deterministic=deterministic, **kw)
     want = dsagen.dense_indexer_backward(*args, impl="reference", **kw)
+    if mode == "kl":
+        *got, kl = dib_host.kl_block_backward(*args, **kw)
+        tgt = torch.where(vis, attn, 0.0).double() / torch.where(norm > 0, norm, math.inf).double()[..., None]
+        terms = tgt * (torch.log(tgt) - (index.double() - lse.double()[..., None]))
+        terms = terms[tgt > 0]
+        assert abs(kl.item() - terms.sum().item()) <= 1e-4 * terms.abs().sum().item()
+    else:
+        got = dib_host.dense_indexer_backward(*args, config=cfg, deterministic=mode == "deterministic", **kw)
     for g_, w_ in zip(got, want):
         assert (g_.float() - w_.float()).abs().max().item() <= 2e-2 * max(w_.float().abs().max().item(), 1e-6)
 

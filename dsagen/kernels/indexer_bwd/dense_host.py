@@ -12,6 +12,8 @@ sanitizer case test_dense_indexer_backward).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ...reference.indexer import segment_offsets, thd_segments
@@ -95,6 +97,50 @@ def _(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse
     return torch.empty_like(index_q), torch.empty_like(weights), torch.empty_like(index_k)
 
 
+class _Operands(NamedTuple):
+    """A call's kernel operands (run's flattening of dense_indexer_backward's arguments)."""
+    q: torch.Tensor          # (rows, HEADS, D), heads padded with zero weights
+    keys: torch.Tensor       # (B * S_k, D)
+    attn: torch.Tensor       # (rows, ld_s) FP32
+    idx: torch.Tensor        # (rows, ld_s) FP32, attn's row stride
+    norm: torch.Tensor       # (rows,) FP32
+    lse: torch.Tensor        # (rows,) FP32
+    cs: torch.Tensor         # (1,) FP32: grad_loss * loss_coeff / rows * sm_scale
+    w: torch.Tensor          # (rows, HEADS) FP32
+    q_off: torch.Tensor      # (B,) int32 (a dummy when has_off is 0)
+    has_off: int
+
+
+def _operands(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale,
+              loss_coeff, q_causal_offsets) -> _Operands:
+    """The kernel operands of checked non-empty inputs (copies only where a dtype or layout needs one)."""
+    b, s_q, h, d = index_q.shape
+    s_k = index_k.shape[1]
+    rows, dev = b * s_q, index_q.device
+    cs = torch.full((1,), float(loss_coeff) / rows * float(sm_scale), dtype=torch.float32, device=dev)
+    if grad_loss is not None:
+        cs = cs * grad_loss.to(torch.float32).reshape(1)
+    attn = _rows_f32(attn_score, rows, s_k)
+    idx = _rows_f32(index_score, rows, s_k)
+    if attn.stride(0) != idx.stride(0):
+        idx = idx.contiguous()
+        attn = attn.contiguous()
+    q_off, has_off = (q_causal_offsets, 1) if q_causal_offsets is not None else (dummy_offsets(dev), 0)
+    return _Operands(padded_heads(index_q.reshape(rows, h, d), HEADS), gather_rows(index_k.reshape(b * s_k, d)),
+                     attn, idx, attn_l1norm.reshape(rows).to(torch.float32).contiguous(),
+                     index_lse.reshape(rows).to(torch.float32).contiguous(), cs,
+                     padded_heads(weights.reshape(rows, h).to(torch.float32), HEADS), q_off, has_off)
+
+
+def _launch(kernel: LoadedKernel, o: _Operands, dq, dw, dk, loss_parts, rows: int, s_q: int, s_k: int, ratio: int,
+            n_ctas: int) -> None:
+    """One launch over `rows` query rows of o (or of the row slices the deterministic path passes in o's place);
+    loss_parts (rows, 4) FP32 or None (the KL partials are not computed; norm stands in for the unread pointer)."""
+    kernel.launch(o.q, o.keys, o.attn, o.idx, o.norm, o.lse, o.cs, o.w, dq, dw, dk, o.q_off,
+                  o.norm if loss_parts is None else loss_parts, rows, s_q, s_k, int(ratio), o.has_off,
+                  int(loss_parts is not None), o.keys.stride(0), o.attn.stride(0), n_ctas)
+
+
 def run(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, attn_score: torch.Tensor,
         attn_l1norm: torch.Tensor, index_score: torch.Tensor, index_lse: torch.Tensor, grad_loss: torch.Tensor | None,
         sm_scale: float, loss_coeff: float, ratio: int, q_causal_offsets: torch.Tensor | None,
@@ -110,26 +156,13 @@ def run(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, att
     if rows == 0 or s_k == 0:
         return torch.zeros_like(index_q), torch.zeros_like(weights), torch.zeros_like(index_k)
     spec, kernel, n_ctas, cfg = _launch_plan(d, index_q.dtype, dev, config, deterministic)
-    cs = torch.full((1,), float(loss_coeff) / rows * float(sm_scale), dtype=torch.float32, device=dev)
-    if grad_loss is not None:
-        cs = cs * grad_loss.to(torch.float32).reshape(1)
-    q = padded_heads(index_q.reshape(rows, h, d), HEADS)
-    w = padded_heads(weights.reshape(rows, h).to(torch.float32), HEADS)
-    keys = gather_rows(index_k.reshape(n_k, d))
-    attn = _rows_f32(attn_score, rows, s_k)
-    idx = _rows_f32(index_score, rows, s_k)
-    if attn.stride(0) != idx.stride(0):
-        idx = idx.contiguous()
-        attn = attn.contiguous()
-    norm = attn_l1norm.reshape(rows).to(torch.float32).contiguous()
-    lse = index_lse.reshape(rows).to(torch.float32).contiguous()
-    q_off, has_off = (q_causal_offsets, 1) if q_causal_offsets is not None else (dummy_offsets(dev), 0)
+    o = _operands(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale,
+                  loss_coeff, q_causal_offsets)
     dq = torch.empty((rows, HEADS, d), dtype=index_q.dtype, device=dev)
     dw = torch.empty((rows, HEADS), dtype=torch.float32, device=dev)
     dk = torch.zeros((n_k, d), dtype=torch.float32, device=dev)
     if not deterministic:
-        kernel.launch(q, keys, attn, idx, norm, lse, cs, w, dq, dw, dk, q_off, rows, s_q, s_k, int(ratio), has_off,
-                      keys.stride(0), attn.stride(0), n_ctas)
+        _launch(kernel, o, dq, dw, dk, None, rows, s_q, s_k, ratio, n_ctas)
     else:
         step = max(1, min(s_q, cfg.slot_bytes // (s_k * d * 4)))
         slots = torch.empty((step, s_k, d), dtype=torch.float32, device=dev)
@@ -139,13 +172,67 @@ def run(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, att
                 n, t0 = min(step, s_q - r0), bi * s_q + r0      # rows [t0, t0 + n): a batch of one of n rows
                 part = slots[:n].zero_()
                 off = (b_off + r0 if b_off is not None else torch.full((1,), r0, dtype=torch.int32, device=dev))
-                kernel.launch(q[t0:t0 + n], keys[bi * s_k:(bi + 1) * s_k], attn[t0:t0 + n], idx[t0:t0 + n],
-                              norm[t0:t0 + n], lse[t0:t0 + n], cs, w[t0:t0 + n], dq[t0:t0 + n], dw[t0:t0 + n], part,
-                              off, n, n, s_k, int(ratio), 1, keys.stride(0), attn.stride(0), n_ctas)
+                block = _Operands(o.q[t0:t0 + n], o.keys[bi * s_k:(bi + 1) * s_k], o.attn[t0:t0 + n],
+                                  o.idx[t0:t0 + n], o.norm[t0:t0 + n], o.lse[t0:t0 + n], o.cs, o.w[t0:t0 + n], off, 1)
+                _launch(kernel, block, dq[t0:t0 + n], dw[t0:t0 + n], part, None, n, n, s_k, ratio, n_ctas)
                 dk[bi * s_k:(bi + 1) * s_k] += part.sum(0)
     d_q = dq[:, :h].reshape(b, s_q, h, d)
     d_w = dw[:, :h].reshape(b, s_q, h).to(weights.dtype)
     return d_q, d_w, dk.view(b, s_k, d).to(index_k.dtype)
+
+
+def kl_block_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, attn_score: torch.Tensor,
+                      attn_l1norm: torch.Tensor, index_score: torch.Tensor, index_lse: torch.Tensor, *,
+                      grad_loss: torch.Tensor | None = None, sm_scale: float = 1.0, loss_coeff: float = 1.0,
+                      ratio: int = 1, q_causal_offsets: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dense indexer backward of one block of the fused KL loss path (kl_host) with the block's KL sum from the
+    same launch: the inputs as dense_indexer_backward takes them (BSHD, non-empty, supported: kl_host checks).
+    Returns (d_index_q, d_weights in the inputs' dtypes, d_index_k FP32 `(B, S_k, D)` (FP32 atomics), kl FP32 0-d):
+    kl = sum over the rows and their visible keys with tgt = attn / norm > 0 of tgt * (log tgt - (index - lse))
+    (the rows' per-warp partials summed in a fixed order), not scaled by loss_coeff. Eager calls launch directly;
+    under tracing the custom op `dsagen::dense_indexer_kl_block_fused`."""
+    if eager(index_q):
+        return _kl_run(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss,
+                       float(sm_scale), float(loss_coeff), int(ratio), q_causal_offsets)
+    return _kl_op(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss,
+                  float(sm_scale), float(loss_coeff), int(ratio), q_causal_offsets)
+
+
+def _kl_run(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale,
+            loss_coeff, ratio, q_causal_offsets):
+    """kl_block_backward's launch (the atomic kernel with has_loss); new output tensors."""
+    b, s_q, h, d = index_q.shape
+    s_k = index_k.shape[1]
+    rows, dev = b * s_q, index_q.device
+    _, kernel, n_ctas, _ = _launch_plan(d, index_q.dtype, dev, None, False)
+    o = _operands(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale,
+                  loss_coeff, q_causal_offsets)
+    dq = torch.empty((rows, HEADS, d), dtype=index_q.dtype, device=dev)
+    dw = torch.empty((rows, HEADS), dtype=torch.float32, device=dev)
+    dk = torch.zeros((b * s_k, d), dtype=torch.float32, device=dev)
+    parts = torch.empty((rows, 4), dtype=torch.float32, device=dev)
+    _launch(kernel, o, dq, dw, dk, parts, rows, s_q, s_k, ratio, n_ctas)
+    return (dq[:, :h].reshape(b, s_q, h, d), dw[:, :h].reshape(b, s_q, h).to(weights.dtype), dk.view(b, s_k, d),
+            parts.sum())
+
+
+@torch.library.custom_op("dsagen::dense_indexer_kl_block_fused", mutates_args=())
+def _kl_op(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, attn_score: torch.Tensor,
+           attn_l1norm: torch.Tensor, index_score: torch.Tensor, index_lse: torch.Tensor,
+           grad_loss: torch.Tensor | None, sm_scale: float, loss_coeff: float, ratio: int,
+           q_causal_offsets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kl_block_backward as a custom op (opaque to torch.compile; CUDA-graph capturable once the kernel is
+    loaded)."""
+    return _kl_run(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale,
+                   loss_coeff, ratio, q_causal_offsets)
+
+
+@_kl_op.register_fake
+def _(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale, loss_coeff,
+      ratio, q_causal_offsets):
+    return (torch.empty_like(index_q), torch.empty_like(weights),
+            index_k.new_empty(index_k.shape, dtype=torch.float32), index_q.new_empty((), dtype=torch.float32))
 
 
 def dense_indexer_backward_packed(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,

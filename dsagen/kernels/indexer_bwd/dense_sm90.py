@@ -10,7 +10,13 @@ computed by the producer's group leaders from the dense score rows instead of re
     dI[s] = cs * (p * [norm[tok] > 0] - tgt)             (cs = c * sm_scale, one FP32 value read on the device)
 
 (the reference's p * sum_J tgt - tgt with sum_J tgt = 1, the definition of the L1 norm of the row's visible
-attention scores, and 0 without them). The gathered rows are b * S + s (-1, zero-filled, past hi); S, G, dW, dQ and
+attention scores, and 0 without them). With has_loss, the same leaders also sum the row's part of the KL loss of the
+warm-up's fused loss path (indexer_bwd/kl_host.py),
+
+    kl[tok] = sum_{s < hi, tgt > 0} tgt * (log tgt - (index[tok, s] - lse[tok]))
+
+(log2 and exp2 units, times ln 2 at the end), and each of the producer's 4 warps stores its leaders' sum (butterfly
+shuffles) at loss[tok, warp]: the row's loss is the sum of its 4 partials, in a fixed order (no atomics). The gathered rows are b * S + s (-1, zero-filled, past hi); S, G, dW, dQ and
 the dK atomics are the sparse form's (its consumer, with this form's per-row tile count). dK is the caller's zeroed
 FP32 [B * S, D] accumulator: the atomics make it not bitwise repeatable. deterministic: the sparse form's per-slot
 stores instead, slot = key: dk is then a zeroed FP32 [rows, S, D] buffer (row tok's key s at (tok * S + s) * D; the
@@ -33,6 +39,7 @@ from dsagen.kernels.common.sm90.gather import gather_ring_tile, load_row_tile, r
 from dsagen.kernels.indexer_bwd.bwd_sm90 import IndexerBwdSm90
 
 LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 
 def params(dtype: str) -> list[dict]:
@@ -50,11 +57,13 @@ def params(dtype: str) -> list[dict]:
         {"name": "dw", "kind": "ptr", "dtype": "float32", "align": 4},        # (rows, H) contiguous
         {"name": "dk", "kind": "ptr", "dtype": "float32", "align": 16},       # (B * S, D) zeroed (det.: (rows, S, D))
         {"name": "q_off", "kind": "ptr", "dtype": "int32", "align": 4},       # (B,) causal offsets, when has_off
+        {"name": "loss", "kind": "ptr", "dtype": "float32", "align": 4},      # (rows, 4) KL partials, when has_loss
         {"name": "rows", "kind": "i32"},                                      # B * T
         {"name": "T", "kind": "i32"},
         {"name": "S", "kind": "i32"},
         {"name": "ratio", "kind": "i32"},
         {"name": "has_off", "kind": "i32"},
+        {"name": "has_loss", "kind": "i32"},
         {"name": "ld_k", "kind": "i64"},
         {"name": "ld_s", "kind": "i64"},
         {"name": "n_ctas", "kind": "i32"},
@@ -84,11 +93,13 @@ class DenseArgs(NamedTuple):
     p_dw: Any
     p_dk: Any
     p_off: Any
+    p_loss: Any
     rows: Any
     T: Any
     S: Any
     ratio: Any
     has_off: Any
+    has_loss: Any
     ld_k: Any
     ld_s: Any
     topk: Any
@@ -108,18 +119,20 @@ class DenseIndexerBwdSm90(IndexerBwdSm90):
         @cute.kernel
         def kernel(p_q: cute.Pointer, p_k: cute.Pointer, p_attn: cute.Pointer, p_index: cute.Pointer,
                    p_norm: cute.Pointer, p_lse: cute.Pointer, p_cs: cute.Pointer, p_w: cute.Pointer,
-                   p_dq: cute.Pointer, p_dw: cute.Pointer, p_dk: cute.Pointer, p_off: cute.Pointer, rows: Int32,
-                   T: Int32, S: Int32, ratio: Int32, has_off: Int32, ld_k: Int64, ld_s: Int64, n_ctas: Int32):
-            k.body(DenseArgs(p_q, p_k, p_attn, p_index, p_norm, p_lse, p_cs, p_w, p_dq, p_dw, p_dk, p_off, rows, T,
-                             S, ratio, has_off, ld_k, ld_s, S))
+                   p_dq: cute.Pointer, p_dw: cute.Pointer, p_dk: cute.Pointer, p_off: cute.Pointer,
+                   p_loss: cute.Pointer, rows: Int32, T: Int32, S: Int32, ratio: Int32, has_off: Int32,
+                   has_loss: Int32, ld_k: Int64, ld_s: Int64, n_ctas: Int32):
+            k.body(DenseArgs(p_q, p_k, p_attn, p_index, p_norm, p_lse, p_cs, p_w, p_dq, p_dw, p_dk, p_off, p_loss,
+                             rows, T, S, ratio, has_off, has_loss, ld_k, ld_s, S))
 
         @cute.jit
         def host(p_q: cute.Pointer, p_k: cute.Pointer, p_attn: cute.Pointer, p_index: cute.Pointer,
                  p_norm: cute.Pointer, p_lse: cute.Pointer, p_cs: cute.Pointer, p_w: cute.Pointer,
-                 p_dq: cute.Pointer, p_dw: cute.Pointer, p_dk: cute.Pointer, p_off: cute.Pointer, rows: Int32,
-                 T: Int32, S: Int32, ratio: Int32, has_off: Int32, ld_k: Int64, ld_s: Int64, n_ctas: Int32):
-            kernel(p_q, p_k, p_attn, p_index, p_norm, p_lse, p_cs, p_w, p_dq, p_dw, p_dk, p_off, rows, T, S, ratio,
-                   has_off, ld_k, ld_s, n_ctas).launch(
+                 p_dq: cute.Pointer, p_dw: cute.Pointer, p_dk: cute.Pointer, p_off: cute.Pointer,
+                 p_loss: cute.Pointer, rows: Int32, T: Int32, S: Int32, ratio: Int32, has_off: Int32,
+                 has_loss: Int32, ld_k: Int64, ld_s: Int64, n_ctas: Int32):
+            kernel(p_q, p_k, p_attn, p_index, p_norm, p_lse, p_cs, p_w, p_dq, p_dw, p_dk, p_off, p_loss, rows, T, S,
+                   ratio, has_off, has_loss, ld_k, ld_s, n_ctas).launch(
                 grid=(cutlass.min(rows, n_ctas), 1, 1), block=(k.THREADS, 1, 1), smem=k.Smem.size_in_bytes(),
                 min_blocks_per_mp=k.CTAS_PER_SM, preferred_smem_carveout=100)
 
@@ -157,6 +170,7 @@ class DenseIndexerBwdSm90(IndexerBwdSm90):
             if norm > Float32(0.0):
                 inv = Float32(1.0) / norm
                 has = Float32(1.0)
+            kl = Float32(0.0)                      # the leader's part of the row's KL sum (log2 units)
             for j in cutlass.range(ntiles, unroll=1):
                 g = gt + j
                 s = g % self.STAGES
@@ -170,10 +184,18 @@ class DenseIndexerBwdSm90(IndexerBwdSm90):
                         key = j * self.BN + grp + 16 * i
                         di = Float32(0.0)
                         if key < hi:
-                            pr = cute.math.exp2((row_index + key).load() * LOG2E - lse2, fastmath=False)
-                            di = cs * (pr * has - (row_attn + key).load() * inv)
+                            x2 = (row_index + key).load() * LOG2E - lse2
+                            tgt = (row_attn + key).load() * inv
+                            di = cs * (cute.math.exp2(x2, fastmath=False) * has - tgt)
+                            if a.has_loss != 0 and tgt > Float32(0.0):
+                                kl += tgt * (cute.math.log2(tgt, fastmath=False) - x2)
                         sh.sIds[s * self.BN + grp + 16 * i] = ids[i]
                         sh.sDI[s * self.BN + grp + 16 * i] = di
                     cute.arch.mbarrier_arrive(sh.kv_ready + s)
+            if a.has_loss != 0:
+                kl += cute.arch.shuffle_sync_bfly(kl, offset=8)
+                kl += cute.arch.shuffle_sync_bfly(kl, offset=16)
+                if tidx % 32 == 0:
+                    (a.p_loss + (Int64(tok) * 4 + tidx // 32)).store(kl * LN2)
             gt += ntiles
             it += 1

@@ -6,11 +6,12 @@ Per batch element and block of R query rows (whole rows: every key column of a r
 statistics are complete within one block), three launches on the block's rows:
   * indexer scores with sm_scale and their LSE (lightning_indexer.scores_host.indexer_scores, scale=sm_scale);
   * the dense attention scores and their L1 norms (attn_score_recompute.dense_host);
-  * the dense indexer backward (indexer_bwd.dense_host) with loss_coeff * R / (B S_q), so its c is the whole
-    loss's grad_loss * loss_coeff / (B S_q); d_index_k summed over the blocks in FP32;
-and the block's loss sum_{visible} tgt (log tgt - (logit - lse)) (tgt = attn / l1, 0 where l1 = 0) as a torch
-reduction. The causal limit of the block's local row t is that of row r0 + t: the block gets q_causal_offsets + r0.
-Scratch: two [R, S_k] FP32 score blocks plus the loss's temporaries, R = max(1, scratch_bytes // (6 * 4 * S_k)).
+  * the dense indexer backward with the block's KL sum sum_{visible} tgt (log tgt - (logit - lse)) (tgt = attn / l1,
+    0 where l1 = 0) from the same launch (indexer_bwd.dense_host.kl_block_backward), with loss_coeff * R / (B S_q),
+    so its c is the whole loss's grad_loss * loss_coeff / (B S_q); d_index_k summed over the blocks in FP32.
+The causal limit of the block's local row t is that of row r0 + t: the block gets q_causal_offsets + r0.
+Scratch: the two [R, S_k] FP32 score blocks, R = max(1, scratch_bytes // (2 * 4 * S_k)). With one block (B 1,
+R = S_q) the backward's outputs are returned as they are, without copies.
 
 dsagen.dense_indexer_kl_backward(impl="fused") calls it. Inputs outside the three kernels' limits are refused
 (NotImplementedError naming the limit) before any launch.
@@ -31,9 +32,8 @@ SCRATCH_BYTES = 1 << 30
 
 
 def block_rows(s_q: int, s_k: int, scratch_bytes: int = SCRATCH_BYTES) -> int:
-    """Query rows per block: six [R, S_k] FP32 matrices (two score blocks, the loss's temporaries) in scratch_bytes,
-    at least 1 and at most S_q."""
-    return max(1, min(s_q, scratch_bytes // (6 * 4 * max(s_k, 1))))
+    """Query rows per block: the two [R, S_k] FP32 score blocks in scratch_bytes, at least 1 and at most S_q."""
+    return max(1, min(s_q, scratch_bytes // (2 * 4 * max(s_k, 1))))
 
 
 def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, index_q: torch.Tensor,
@@ -61,33 +61,36 @@ def dense_indexer_kl_backward(q: torch.Tensor, k: torch.Tensor, lse: torch.Tenso
     s_k = index_k.shape[1]
     dev = index_q.device
     rows_total = b * s_q if loss_rows is None else loss_rows
-    d_q = torch.zeros_like(index_q)
-    d_w = torch.zeros_like(weights)
-    d_k = torch.zeros(index_k.shape, dtype=torch.float32, device=dev)
-    loss = torch.zeros((), dtype=torch.float32, device=dev)
-    if rows_total == 0 or s_k == 0:
-        return DenseKLResult(loss, d_q, d_w, d_k.to(index_k.dtype))
+    if rows_total == 0 or s_k == 0 or s_q == 0:
+        return DenseKLResult(torch.zeros((), dtype=torch.float32, device=dev), torch.zeros_like(index_q),
+                             torch.zeros_like(weights), torch.zeros_like(index_k))
     offs = (torch.zeros(b, dtype=torch.int32, device=dev) if q_causal_offsets is None
             else q_causal_offsets.to(torch.int32))
     rb = block_rows(s_q, s_k, scratch_bytes)
-    for bi in range(b):
-        for r0 in range(0, s_q, rb):
-            r1 = min(s_q, r0 + rb)
-            off = offs[bi:bi + 1] + r0
-            rows = slice(r0, r1)
-            iq, w = index_q[bi:bi + 1, rows], weights[bi:bi + 1, rows]
-            logits, lse_i = scores_host.indexer_scores(
-                iq, index_k[bi:bi + 1], w, ratio=ratio, q_causal_offsets=off, cu_seqlens_q=None, cu_seqlens_k=None,
-                out=None, lse=None, return_lse=True, shapes=((1, r1 - r0, s_k), (1, r1 - r0)), scale=sm_scale)
-            attn, l1 = attn_host.dense_attn_score_recompute(q[bi:bi + 1, rows], k[bi:bi + 1], lse[bi:bi + 1, rows],
-                                                            softmax_scale, ratio=ratio, q_causal_offsets=off)
-            loss = loss + block_loss(attn, l1, logits, lse_i)
-            g_q, g_w, g_k = bwd_host.dense_indexer_backward(
-                iq, w, index_k[bi:bi + 1], attn, l1, logits, lse_i, grad_loss=grad_loss, sm_scale=sm_scale,
-                loss_coeff=loss_coeff * (r1 - r0) / rows_total, ratio=ratio, q_causal_offsets=off)
+    blocks = [(bi, r0, min(s_q, r0 + rb)) for bi in range(b) for r0 in range(0, s_q, rb)]
+    if len(blocks) > 1:
+        d_q, d_w = torch.empty_like(index_q), torch.empty_like(weights)
+        d_k = torch.zeros(index_k.shape, dtype=torch.float32, device=dev)
+    loss = None
+    for bi, r0, r1 in blocks:
+        off = offs[bi:bi + 1] + r0
+        rows = slice(r0, r1)
+        iq, w = index_q[bi:bi + 1, rows], weights[bi:bi + 1, rows]
+        logits, lse_i = scores_host.indexer_scores(
+            iq, index_k[bi:bi + 1], w, ratio=ratio, q_causal_offsets=off, cu_seqlens_q=None, cu_seqlens_k=None,
+            out=None, lse=None, return_lse=True, shapes=((1, r1 - r0, s_k), (1, r1 - r0)), scale=sm_scale)
+        attn, l1 = attn_host.dense_attn_score_recompute(q[bi:bi + 1, rows], k[bi:bi + 1], lse[bi:bi + 1, rows],
+                                                        softmax_scale, ratio=ratio, q_causal_offsets=off)
+        g_q, g_w, g_k, kl = bwd_host.kl_block_backward(
+            iq, w, index_k[bi:bi + 1], attn, l1, logits, lse_i, grad_loss=grad_loss, sm_scale=sm_scale,
+            loss_coeff=loss_coeff * (r1 - r0) / rows_total, ratio=ratio, q_causal_offsets=off)
+        loss = kl if loss is None else loss + kl
+        if len(blocks) == 1:
+            d_q, d_w, d_k = g_q, g_w, g_k
+        else:
             d_q[bi, rows] = g_q[0]
             d_w[bi, rows] = g_w[0]
-            d_k[bi] += g_k[0].float()
+            d_k[bi] += g_k[0]
     return DenseKLResult(loss * (loss_coeff / rows_total), d_q, d_w, d_k.to(index_k.dtype))
 
 
@@ -110,13 +113,3 @@ def _packed(q, k, lse, index_q, weights, index_k, *, cu_seqlens_q, cu_seqlens_k,
         d_w[r0:r1] = res.d_weights[0]
         d_k[k0:k1] = res.d_index_k[0]
     return DenseKLResult(loss, d_q, d_w, d_k)
-
-
-def block_loss(attn: torch.Tensor, l1: torch.Tensor, logits: torch.Tensor, lse_i: torch.Tensor) -> torch.Tensor:
-    """sum over the block's visible entries of tgt (log tgt - (logit - lse_i)), tgt = attn / l1 (0 where l1 <= 0;
-    masked entries are -inf in both score blocks)."""
-    inv = torch.where(l1 > 0, 1.0 / torch.where(l1 > 0, l1, 1.0), 0.0)
-    tgt = torch.where(torch.isneginf(attn), 0.0, attn) * inv[..., None]
-    pos = tgt > 0
-    logp = torch.where(pos, logits - lse_i[..., None], 0.0)
-    return torch.where(pos, tgt * (torch.log(torch.where(pos, tgt, 1.0)) - logp), 0.0).sum()

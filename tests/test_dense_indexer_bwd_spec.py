@@ -20,6 +20,7 @@ from dsagen.spec import SpecError
     (dict(stages=5), "stages=5 must be in 2..4"),
     (dict(regs_consumer=240), "exceeds 256"),
     (dict(arch="sm_100a"), "sm_90a only"),
+    (dict(kl_loss=True, deterministic=True), "kl_loss=True needs deterministic=False"),
 ])
 def test_invalid_specs_say_why(kw, needle):
     with pytest.raises(SpecError, match=re.escape(needle)):
@@ -39,20 +40,27 @@ def test_config_and_binding():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("d", [128, 64])
-def test_compiles_to_wgmma_and_atomics(d, tmp_path):
+@pytest.mark.parametrize("d, kl_loss", [(128, False), (64, False), (128, True)])
+def test_compiles_to_wgmma_and_atomics(d, kl_loss, tmp_path):
     """The sparse form's products per tile (S, dQ, dK halves), 16-byte FP32 atomics for dK, no spills, budgets
-    inside the CTA pool (two CTAs of 256 threads at 128 registers)."""
+    inside the CTA pool (two CTAs of 256 threads at 128 registers); the kl_loss kernel also has the loss's log2
+    (libdevice's: FFMA polynomial, no MUFU.LG2) and its 4 partials' butterfly shuffles."""
     from dsagen.jit.build import compile_module
     from dsagen.jit.sass import disassemble, find_nvdisasm
 
-    spec = DenseIndexerBwdSpec(arch="sm_90a", head_dim=d)
+    spec = DenseIndexerBwdSpec(arch="sm_90a", head_dim=d, kl_loss=kl_loss)
     ck = compile_module(spec, render(spec), tmp_path)
     assert ck.record["launch"]["block"] == [256, 1, 1]
     if find_nvdisasm() is None:
         pytest.skip("nvdisasm not found")
     sass = disassemble(ck.cubin)
     assert "HGMMA" in sass and "REDG.E.ADD.F32x4" in sass.replace(".STRONG.GPU", "")
+    if kl_loss:
+        counts = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("FFMA", "SHFL.BFLY")}
+        base_spec = DenseIndexerBwdSpec(arch="sm_90a", head_dim=d)
+        base = disassemble(compile_module(base_spec, render(base_spec), tmp_path / "plain").cubin)
+        plain = {op: len(re.findall(rf"\b{op}\b", base)) for op in counts}
+        assert counts["FFMA"] > plain["FFMA"] and counts["SHFL.BFLY"] == plain["SHFL.BFLY"] + 2, (counts, plain)
     assert not re.findall(r"(LDL|STL)", sass)                                      # no spills
     budgets = sorted(int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass))
     assert budgets == sorted([spec.regs_producer, spec.regs_consumer])
@@ -62,8 +70,10 @@ def test_compiles_to_wgmma_and_atomics(d, tmp_path):
 class _StandInKernel:
     """The dense backward kernel's contract (dense_sm90's docstring) in torch, for the host paths on the CPU."""
 
+    kl_loss = False                                  # the kl_loss kernel's stand-in sets it
+
     def launch(self, q, keys, attn, index, norm, lse, cs, w, dq, dw, dk, q_off, loss, rows, T, S, ratio, has_off,
-               has_loss, ld_k, ld_s, n_ctas):
+               ld_k, ld_s, n_ctas):
         import torch
 
         slots = dk.dim() == 3                        # the deterministic kernel: per-slot rows [rows, S, D]
@@ -78,7 +88,7 @@ class _StandInKernel:
             has = 1.0 if norm[tok] > 0 else 0.0
             tgt = attn[tok, :hi] * inv
             di = cs[0] * (torch.exp(index[tok, :hi] - lse[tok]) * has - tgt)                     # [hi]
-            if has_loss:                             # the row's KL sum as 4 partials (here all in the first)
+            if self.kl_loss:                         # the row's KL sum as 4 partials (here all in the first)
                 pos = tgt > 0
                 kl = torch.where(pos, tgt * (torch.log(torch.where(pos, tgt, 1.0)) - (index[tok, :hi] - lse[tok])),
                                  0.0).sum()
@@ -135,16 +145,21 @@ def test_host_path_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
 
 
 def test_kl_block_on_the_cpu_with_a_stand_in_kernel(monkeypatch):
-    """kl_block_backward: the atomic kernel's launch with has_loss (its per-row KL partials summed) and the same
+    """kl_block_backward: the kl_loss kernel's launch (its per-row KL partials summed) and the same
     gradients as dense_indexer_backward; the KL sum against the loss of the reference dense_indexer_kl_backward's
     definition computed here from the score rows: B 2, 16 heads, ratio 2, offsets that empty rows (norm 0)."""
     import torch
 
     from dsagen.kernels.indexer_bwd import dense_host
 
-    spec = DenseIndexerBwdSpec(arch="sm_90a", head_dim=64)
-    monkeypatch.setattr(dense_host, "_launch_plan",
-                        lambda *a, **k: (spec, _StandInKernel(), 3, DenseIndexerBwdConfig()))
+    class KLStandIn(_StandInKernel):
+        kl_loss = True
+
+    def plan(*a, kl_loss=False):                     # the kl_loss kernel only where the host asks for it
+        spec = DenseIndexerBwdSpec(arch="sm_90a", head_dim=64, kl_loss=kl_loss)
+        return spec, (KLStandIn() if kl_loss else _StandInKernel()), 3, DenseIndexerBwdConfig()
+
+    monkeypatch.setattr(dense_host, "_launch_plan", plan)
     q, w, k, attn, norm, index, lse, off = _bshd_case(7)
     kw = dict(grad_loss=torch.tensor(1.7), sm_scale=0.3, loss_coeff=0.5, ratio=2, q_causal_offsets=off)
     g_q, g_w, g_k, kl = dense_host.kl_block_backward(q, w, k, attn, norm, index, lse, **kw)

@@ -204,9 +204,10 @@ def test_build_model_builds_v32_and_a_smaller_variant(cache_env, tmp_path, capsy
     lines = capsys.readouterr().out.splitlines()
     assert all(line.split()[2] == "cached" and line.split()[-1] == "DSAGEN_CACHE_DIR" for line in lines[2:-1])
     n_small = len(specs_for_model(load_model_config(small), "sm_90a"))
-    assert n_small == 32                               # 2 index ops, 5 indexer, the dense indexer forward (its
+    assert n_small == 33                               # 2 index ops, 5 indexer, the dense indexer forward (its
     #         score kernel and mask pass), the combined indexer + top-k (4 top-k forms and its softmax pass; no FP8 at
-    #         D 64), 4 indexer top-k, the indexer score recompute, 2 indexer backwards and 2 dense ones, 2 MLA
+    #         D 64), 4 indexer top-k, the indexer score recompute, 2 indexer backwards and 3 dense ones (atomic,
+    #         deterministic, the KL loss path's), 2 MLA
     #         forwards, 2 MLA backwards and their id ordering, the attention score recompute and its dense form, and
     #         the row scatter-add of each deterministic backward (D 64 and 576)
     assert lines[-1].endswith(f"{n_small} cached, 0 to build (dry run: nothing compiled)")

@@ -217,6 +217,9 @@ def specs_for_model(model: ModelAttention, arch: str, serving: bool = False) -> 
             for deterministic in (False, True):
                 out.append(dense_indexer_bwd_config(model.index_head_dim, model.dtype, arch, None)
                            .spec(model.index_head_dim, model.dtype, arch, deterministic=deterministic))
+            # ... and the fused loss path's (dense_indexer_kl_backward): the atomic kernel that also sums the loss
+            out.append(dense_indexer_bwd_config(model.index_head_dim, model.dtype, arch, None)
+                       .spec(model.index_head_dim, model.dtype, arch, kl_loss=True))
     if hopper:
         # sparse MLA forward: one kernel for prefill and decode (config_for: one config for every call size)
         h = mla_kernel_heads(model.num_heads)

@@ -23,7 +23,8 @@ from dsagen.kernels.lightning_indexer.spec import scores_config_for
 ARCH = "sm_90a"
 REQUIRED_SPECS = [dense_config_for(d, dt, ARCH, None).spec(d, dt, ARCH)
                   for d, dt in [(128, "bfloat16"), (64, "bfloat16"), (128, "float16")]] + [
-    dense_config_for(128, "bfloat16", ARCH, None).spec(128, "bfloat16", ARCH, deterministic=True)] + [
+    dense_config_for(128, "bfloat16", ARCH, None).spec(128, "bfloat16", ARCH, deterministic=True),
+    dense_config_for(128, "bfloat16", ARCH, None).spec(128, "bfloat16", ARCH, kl_loss=True)] + [
     attn_dense_config_for(64, 512, "bfloat16", ARCH, None).spec(64, 512, "bfloat16", ARCH),
     *scores_config_for(64, 128, "bfloat16", ARCH).specs()]
 

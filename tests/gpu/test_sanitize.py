@@ -67,7 +67,8 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     *forward_topk_config_for(*INDEXER_SHAPE, "float8_e4m3fn", ARCH).specs()] + [
     drc_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH) for h, d in SPARSE_SHAPES] + [
     dib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH, deterministic=det)
-    for det in (False, True)]
+    for det in (False, True)] + [
+    dib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH, kl_loss=True)]
 FORWARD_TOPK_SPECS = forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs()
 
 gpu = pytest.mark.gpu

@@ -28,10 +28,11 @@ _launch_plans: dict = {}
 
 
 def _launch_plan(d: int, dtype: torch.dtype, device: torch.device, config: DenseIndexerBwdConfig | None,
-                 deterministic: bool = False
+                 deterministic: bool = False, kl_loss: bool = False
                  ) -> tuple[DenseIndexerBwdSpec, LoadedKernel, int, DenseIndexerBwdConfig]:
-    """The spec, loaded kernel, n_ctas argument and config of a call (cached per call shape, config and mode)."""
-    return cached_plan(_launch_plans, dense_config_for, d, dtype, device, deterministic, config)
+    """The spec, loaded kernel, n_ctas argument and config of a call (cached per call shape, config and mode;
+    kl_loss: the KL path's kernel)."""
+    return cached_plan(_launch_plans, dense_config_for, d, dtype, device, deterministic, config, kl_loss=kl_loss)
 
 
 def _rows_f32(t: torch.Tensor, rows: int, width: int) -> torch.Tensor:
@@ -135,10 +136,11 @@ def _operands(index_q, weights, index_k, attn_score, attn_l1norm, index_score, i
 def _launch(kernel: LoadedKernel, o: _Operands, dq, dw, dk, loss_parts, rows: int, s_q: int, s_k: int, ratio: int,
             n_ctas: int) -> None:
     """One launch over `rows` query rows of o (or of the row slices the deterministic path passes in o's place);
-    loss_parts (rows, 4) FP32 or None (the KL partials are not computed; norm stands in for the unread pointer)."""
+    loss_parts: (rows, 4) FP32 for the kl_loss kernel, None for the others (norm stands in for the unread
+    pointer)."""
     kernel.launch(o.q, o.keys, o.attn, o.idx, o.norm, o.lse, o.cs, o.w, dq, dw, dk, o.q_off,
                   o.norm if loss_parts is None else loss_parts, rows, s_q, s_k, int(ratio), o.has_off,
-                  int(loss_parts is not None), o.keys.stride(0), o.attn.stride(0), n_ctas)
+                  o.keys.stride(0), o.attn.stride(0), n_ctas)
 
 
 def run(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, attn_score: torch.Tensor,
@@ -201,11 +203,11 @@ def kl_block_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: tor
 
 def _kl_run(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale,
             loss_coeff, ratio, q_causal_offsets):
-    """kl_block_backward's launch (the atomic kernel with has_loss); new output tensors."""
+    """kl_block_backward's launch (the kl_loss kernel); new output tensors."""
     b, s_q, h, d = index_q.shape
     s_k = index_k.shape[1]
     rows, dev = b * s_q, index_q.device
-    _, kernel, n_ctas, _ = _launch_plan(d, index_q.dtype, dev, None, False)
+    _, kernel, n_ctas, _ = _launch_plan(d, index_q.dtype, dev, None, False, kl_loss=True)
     o = _operands(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale,
                   loss_coeff, q_causal_offsets)
     dq = torch.empty((rows, HEADS, d), dtype=index_q.dtype, device=dev)

@@ -10,7 +10,7 @@ computed by the producer's group leaders from the dense score rows instead of re
     dI[s] = cs * (p * [norm[tok] > 0] - tgt)             (cs = c * sm_scale, one FP32 value read on the device)
 
 (the reference's p * sum_J tgt - tgt with sum_J tgt = 1, the definition of the L1 norm of the row's visible
-attention scores, and 0 without them). With has_loss, the same leaders also sum the row's part of the KL loss of the
+attention scores, and 0 without them). With kl_loss (a spec field), the same leaders also sum the row's part of the KL loss of the
 warm-up's fused loss path (indexer_bwd/kl_host.py),
 
     kl[tok] = sum_{s < hi, tgt > 0} tgt * (log tgt - (index[tok, s] - lse[tok]))
@@ -57,13 +57,12 @@ def params(dtype: str) -> list[dict]:
         {"name": "dw", "kind": "ptr", "dtype": "float32", "align": 4},        # (rows, H) contiguous
         {"name": "dk", "kind": "ptr", "dtype": "float32", "align": 16},       # (B * S, D) zeroed (det.: (rows, S, D))
         {"name": "q_off", "kind": "ptr", "dtype": "int32", "align": 4},       # (B,) causal offsets, when has_off
-        {"name": "loss", "kind": "ptr", "dtype": "float32", "align": 4},      # (rows, 4) KL partials, when has_loss
+        {"name": "loss", "kind": "ptr", "dtype": "float32", "align": 4},      # (rows, 4) KL partials (kl_loss)
         {"name": "rows", "kind": "i32"},                                      # B * T
         {"name": "T", "kind": "i32"},
         {"name": "S", "kind": "i32"},
         {"name": "ratio", "kind": "i32"},
         {"name": "has_off", "kind": "i32"},
-        {"name": "has_loss", "kind": "i32"},
         {"name": "ld_k", "kind": "i64"},
         {"name": "ld_s", "kind": "i64"},
         {"name": "n_ctas", "kind": "i32"},
@@ -71,10 +70,10 @@ def params(dtype: str) -> list[dict]:
 
 
 def build(num_heads: int, head_dim: int, dtype: str, stages: int, regs_producer: int,
-          regs_consumer: int, deterministic: bool = False) -> BuiltKernel:
+          regs_consumer: int, deterministic: bool = False, kl_loss: bool = False) -> BuiltKernel:
     """A new dense indexer backward kernel for one DenseIndexerBwdSpec's values (distinct function objects on every
     call, so every rendered module names its own kernel)."""
-    k = DenseIndexerBwdSm90(num_heads, head_dim, dtype, stages, regs_producer, regs_consumer, deterministic)
+    k = DenseIndexerBwdSm90(num_heads, head_dim, dtype, stages, regs_producer, regs_consumer, deterministic, kl_loss)
     return BuiltKernel.of(params(dtype), k, "min(rows, n_ctas)")
 
 
@@ -99,7 +98,6 @@ class DenseArgs(NamedTuple):
     S: Any
     ratio: Any
     has_off: Any
-    has_loss: Any
     ld_k: Any
     ld_s: Any
     topk: Any
@@ -110,8 +108,9 @@ class DenseIndexerBwdSm90(IndexerBwdSm90):
     threads, two CTAs per SM); the sparse form's body, consumer and dK sends, with its own producer and tile count."""
 
     def __init__(self, num_heads: int, head_dim: int, dtype: str, stages: int, regs_producer: int,
-                 regs_consumer: int, deterministic: bool = False):
+                 regs_consumer: int, deterministic: bool = False, kl_loss: bool = False):
         super().__init__(num_heads, head_dim, dtype, deterministic, stages, regs_producer, regs_consumer)
+        self.KL = kl_loss
 
     def _entry_points(self):
         k = self
@@ -121,18 +120,18 @@ class DenseIndexerBwdSm90(IndexerBwdSm90):
                    p_norm: cute.Pointer, p_lse: cute.Pointer, p_cs: cute.Pointer, p_w: cute.Pointer,
                    p_dq: cute.Pointer, p_dw: cute.Pointer, p_dk: cute.Pointer, p_off: cute.Pointer,
                    p_loss: cute.Pointer, rows: Int32, T: Int32, S: Int32, ratio: Int32, has_off: Int32,
-                   has_loss: Int32, ld_k: Int64, ld_s: Int64, n_ctas: Int32):
+                   ld_k: Int64, ld_s: Int64, n_ctas: Int32):
             k.body(DenseArgs(p_q, p_k, p_attn, p_index, p_norm, p_lse, p_cs, p_w, p_dq, p_dw, p_dk, p_off, p_loss,
-                             rows, T, S, ratio, has_off, has_loss, ld_k, ld_s, S))
+                             rows, T, S, ratio, has_off, ld_k, ld_s, S))
 
         @cute.jit
         def host(p_q: cute.Pointer, p_k: cute.Pointer, p_attn: cute.Pointer, p_index: cute.Pointer,
                  p_norm: cute.Pointer, p_lse: cute.Pointer, p_cs: cute.Pointer, p_w: cute.Pointer,
                  p_dq: cute.Pointer, p_dw: cute.Pointer, p_dk: cute.Pointer, p_off: cute.Pointer,
                  p_loss: cute.Pointer, rows: Int32, T: Int32, S: Int32, ratio: Int32, has_off: Int32,
-                 has_loss: Int32, ld_k: Int64, ld_s: Int64, n_ctas: Int32):
+                 ld_k: Int64, ld_s: Int64, n_ctas: Int32):
             kernel(p_q, p_k, p_attn, p_index, p_norm, p_lse, p_cs, p_w, p_dq, p_dw, p_dk, p_off, p_loss, rows, T, S,
-                   ratio, has_off, has_loss, ld_k, ld_s, n_ctas).launch(
+                   ratio, has_off, ld_k, ld_s, n_ctas).launch(
                 grid=(cutlass.min(rows, n_ctas), 1, 1), block=(k.THREADS, 1, 1), smem=k.Smem.size_in_bytes(),
                 min_blocks_per_mp=k.CTAS_PER_SM, preferred_smem_carveout=100)
 
@@ -184,15 +183,19 @@ class DenseIndexerBwdSm90(IndexerBwdSm90):
                         key = j * self.BN + grp + 16 * i
                         di = Float32(0.0)
                         if key < hi:
-                            x2 = (row_index + key).load() * LOG2E - lse2
-                            tgt = (row_attn + key).load() * inv
-                            di = cs * (cute.math.exp2(x2, fastmath=False) * has - tgt)
-                            if a.has_loss != 0 and tgt > Float32(0.0):
-                                kl += tgt * (cute.math.log2(tgt, fastmath=False) - x2)
+                            if cutlass.const_expr(self.KL):
+                                x2 = (row_index + key).load() * LOG2E - lse2
+                                tgt = (row_attn + key).load() * inv
+                                di = cs * (cute.math.exp2(x2, fastmath=False) * has - tgt)
+                                if tgt > Float32(0.0):
+                                    kl += tgt * (cute.math.log2(tgt, fastmath=False) - x2)
+                            else:
+                                pr = cute.math.exp2((row_index + key).load() * LOG2E - lse2, fastmath=False)
+                                di = cs * (pr * has - (row_attn + key).load() * inv)
                         sh.sIds[s * self.BN + grp + 16 * i] = ids[i]
                         sh.sDI[s * self.BN + grp + 16 * i] = di
                     cute.arch.mbarrier_arrive(sh.kv_ready + s)
-            if a.has_loss != 0:
+            if cutlass.const_expr(self.KL):
                 kl += cute.arch.shuffle_sync_bfly(kl, offset=8)
                 kl += cute.arch.shuffle_sync_bfly(kl, offset=16)
                 if tidx % 32 == 0:

@@ -55,17 +55,18 @@ _launch_plans: dict = {}
 
 
 def cached_plan(cache: dict, op_config_for, d: int, dtype: torch.dtype, device: torch.device, deterministic: bool,
-                config) -> tuple:
+                config, **spec_kw) -> tuple:
     """(spec, loaded kernel, n_ctas argument, config) of a call of an indexer backward family (the sparse form with
-    config_for, the dense one with dense_config_for: configs with spec(d, dtype name, arch, deterministic=) and
-    n_ctas(num_sms)); config None: op_config_for's. Cached in `cache` per call shape, mode and config."""
-    key = (d, dtype, device, deterministic, config)
+    config_for, the dense one with dense_config_for: configs with spec(d, dtype name, arch, deterministic=,
+    **spec_kw) and n_ctas(num_sms)); config None: op_config_for's. Cached in `cache` per call shape, mode and
+    config."""
+    key = (d, dtype, device, deterministic, config, *sorted(spec_kw.items()))
     plan = cache.get(key)
     if plan is None:
         arch = device_arch(device)
         num_sms = device_sm_count(device_index(device))
         cfg = op_config_for(d, dtype, arch, num_sms) if config is None else config
-        spec = cfg.spec(d, _DTYPES[dtype], arch, deterministic=deterministic)
+        spec = cfg.spec(d, _DTYPES[dtype], arch, deterministic=deterministic, **spec_kw)
         plan = cache[key] = (spec, get_kernel(spec, device_index(device)), cfg.n_ctas(num_sms), cfg)
     return plan
 

@@ -92,7 +92,9 @@ class DenseIndexerBwdSpec(KernelSpec):
     by the producer. dK by FP32 atomics, or with deterministic=True the sparse form's per-slot dK rows (slot = key:
     a [rows, S_k, D] FP32 buffer per launch, which the host sums over the rows in a fixed order). Fields as
     IndexerBwdSpec's (budgets 24 / 232 as the sparse form's: no spills, where 40 / 216 spilled; CPU compile,
-    2026-12-03).
+    2026-12-03). kl_loss: the kernel of dense_indexer_kl_backward's fused path, whose producer also sums each row's
+    KL loss (atomic d_index_k only). A compile-time field, not a run-time flag: the flag's unused branch made the
+    plain kernel 5-7% slower (H200, 2026-12-03, beside cuDNN: 1.20-1.25x where it was 1.27-1.33x).
     """
 
     op = "dense_indexer_backward"
@@ -105,13 +107,17 @@ class DenseIndexerBwdSpec(KernelSpec):
     regs_producer: int = 24
     regs_consumer: int = 232
     deterministic: bool = False
+    kl_loss: bool = False
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA (upper bound), the sparse form's."""
         return bwd_smem_bytes(self)
 
     def reasons(self) -> list[str]:
-        return super().reasons() + bwd_reasons(self, "the fused dense indexer backward")
+        out = super().reasons() + bwd_reasons(self, "the fused dense indexer backward")
+        if self.kl_loss and self.deterministic:
+            out.append("kl_loss=True needs deterministic=False (the KL path's kernel adds d_index_k atomically)")
+        return out
 
 
 @dataclass(frozen=True)
@@ -187,12 +193,13 @@ class DenseIndexerBwdConfig:
                                               and self.grid >= 1)):
             raise ValueError(f"DenseIndexerBwdConfig.grid={self.grid!r} must be 'persistent' or a positive int")
 
-    def spec(self, head_dim: int, dtype: str, arch: str = "sm_90a", deterministic: bool = False
-             ) -> DenseIndexerBwdSpec:
-        """The kernel spec of this config (64 heads): the atomic kernel, or the deterministic one."""
+    def spec(self, head_dim: int, dtype: str, arch: str = "sm_90a", deterministic: bool = False,
+             kl_loss: bool = False) -> DenseIndexerBwdSpec:
+        """The kernel spec of this config (64 heads): the atomic kernel, the deterministic one, or (kl_loss) the
+        atomic one that also sums the KL loss (dense_indexer_kl_backward's)."""
         return DenseIndexerBwdSpec(arch=arch, head_dim=head_dim, dtype=dtype, stages=self.stages,
                                    regs_producer=self.regs_producer, regs_consumer=self.regs_consumer,
-                                   deterministic=deterministic)
+                                   deterministic=deterministic, kl_loss=kl_loss)
 
     def n_ctas(self, num_sms: int) -> int:
         """The kernel's n_ctas argument (grid = min(rows, n_ctas))."""

@@ -17,7 +17,8 @@ per-token FP32 descales (amax / 448), BF16 weights. Every group of contenders is
   cudnn pipeline           indexer_forward_wrapper(ratio=1) + indexer_top_k_wrapper(return_val=True).
 TFLOP/s counts the causal pairs: 2 H D T (T + 1) / 2.
 --slab-mib / --slab-rows: extra forward_topk contenders with those slab caps (bytes / rows), through the host loop
-with a replaced config, beside the host loop with the default config.
+with a replaced config, beside the host loop with the default config; --topk-longest-first: one more, with the
+longest_first score kernel.
 --recompute-T: dense_indexer_score_recompute (out + denom) beside cuDNN's dense_indexer_score_recompute_wrapper.
 """
 
@@ -53,14 +54,15 @@ def _scores_variant(q, k, w, t: int, variant: str, fp8=None):
     outputs: "chunkN" (candidates per work item), "launchN" (query rows per score launch), "stagesN" (the score
     kernel's K ring: 2N slots) or "consumersN" (its consumer warpgroups: 3, or 4 for the FP8 form only, its default); "fillN" without
     the LSE: fill1 the score kernel writes the -inf tails (the default), fill0 the finishing kernel's own pass does;
+    "longestN" without the LSE: the score kernel's longest_first item order (1) or the forward order (0);
     "fp8-" before it: the FP8 form (fp8: (q8, k8, q_scale, k_scale))."""
     from dsagen.kernels.lightning_indexer.scores_host import run
     from dsagen.kernels.lightning_indexer.spec import scores_config_for
 
-    m = re.fullmatch(r"(fp8-)?(chunk|launch|stages|consumers|fill)(\d+)", variant)
+    m = re.fullmatch(r"(fp8-)?(chunk|launch|stages|consumers|fill|longest)(\d+)", variant)
     if m is None:
         raise SystemExit(f"--scores-variant {variant!r}: expected [fp8-]chunkN, [fp8-]launchN, [fp8-]stagesN, "
-                         f"[fp8-]fill0 / fill1 or fp8-consumers3 / 4")
+                         f"[fp8-]fill0 / fill1, [fp8-]longest0 / longest1 or fp8-consumers3 / 4")
     dtype = "float8_e4m3fn" if m.group(1) else "bfloat16"
     cfg = scores_config_for(H, D, dtype, "sm_90a")
     n = int(m.group(3))
@@ -68,11 +70,13 @@ def _scores_variant(q, k, w, t: int, variant: str, fp8=None):
         cfg = dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, **{m.group(2): n}))
     elif m.group(2) == "fill":
         cfg = dataclasses.replace(cfg, score_fills=bool(n))
+    elif m.group(2) == "longest":
+        cfg = dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, longest_first=bool(n)))
     else:
         field = {"chunk": "chunk_rows", "launch": "launch_rows"}[m.group(2)]
         cfg = dataclasses.replace(cfg, **{field: n})
     out = torch.empty((1, t, t), device=q.device)
-    lse = None if m.group(2) == "fill" else torch.empty((1, t), device=q.device)
+    lse = None if m.group(2) in ("fill", "longest") else torch.empty((1, t), device=q.device)
     if m.group(1):
         q8, k8, qs, ks = fp8
         return lambda: run(q8, k8, w, 1, None, None, None, out, lse, q_scale=qs, k_scale=ks, config=cfg)
@@ -110,7 +114,7 @@ def one_shape(t: int, args, dsa, gen) -> dict:
                    ("cudnn fp8 +lse", lambda: dsa.indexer_forward_wrapper(q8, k84, w, ratio=1, precision="fp8",
                                                                           q_scale=qs, k_scale=ks4, return_lse=True))]
     for variant in args.scores_variant:
-        lse = "" if "fill" in variant else " +lse"
+        lse = "" if "fill" in variant or "longest" in variant else " +lse"
         label = f"dsagen fp8{lse} {variant[4:]}" if variant.startswith("fp8-") else f"dsagen bf16{lse} {variant}"
         scores.append((label, _scores_variant(q, k, w, t, variant, (q8, k8, qs, ks))))
     rec["scores_ms"] = _group(scores, args.rounds)
@@ -124,6 +128,9 @@ def one_shape(t: int, args, dsa, gen) -> dict:
     base_cfg = forward_topk_config_for(H, D, "bfloat16", "sm_90a")
     variants = [(f"slab {mib} MiB", dataclasses.replace(base_cfg, slab_bytes=mib * 2 ** 20)) for mib in args.slab_mib]
     variants += [(f"slab {r} rows", dataclasses.replace(base_cfg, slab_max_rows=r)) for r in args.slab_rows]
+    if args.topk_longest_first:
+        variants.append(("longest_first score kernel", dataclasses.replace(
+            base_cfg, score=dataclasses.replace(base_cfg.score, longest_first=True))))
     if variants:
         variants.insert(0, ("host loop, default config", base_cfg))   # the variants' baseline: no public op
     for label, cfg in variants:
@@ -207,6 +214,8 @@ def main(argv=None) -> int:
                     help="also time indexer_scores (+lse) with another config: chunkN (work-item candidates), "
                          "launchN (query rows per launch), stagesN (K ring of 2N slots), consumersN (consumer "
                          "warpgroups; the FP8 form's default is 4); fp8-X: the FP8 form (fp8-consumers3)")
+    ap.add_argument("--topk-longest-first", action="store_true",
+                    help="also time forward_topk (bf16, host loop) with the longest_first score kernel")
     ap.add_argument("--recompute-T", type=int, nargs="*", default=[],
                     help="also time dense_indexer_score_recompute beside cuDNN's at these T")
     ap.add_argument("--json", default=None)

@@ -252,6 +252,30 @@ def test_fp8_score_kernel_with_four_consumer_warpgroups(tmp_path):
     assert "consumers=2 must be 3 or 4" in IndexerScoreSpec(arch=ARCH, consumers=2).can_implement()[1]
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_longest_first_changes_only_the_scheduler(dtype, tmp_path):
+    """longest_first (the snake over the CTAs in reverse item order): the consumers' products, waits and budgets of
+    the default form, no spills and no subroutine call (its divisions are 32-bit); the field is in the kernel's
+    name."""
+    import dataclasses
+    import re
+
+    from dsagen.jit.build import compile_module
+
+    base = scores_config_for(64, 128, dtype, ARCH).score
+    spec = dataclasses.replace(base, longest_first=True)
+    assert "longest_first1" in spec.name() and "longest_first" not in base.name()
+    sass = _sass(compile_module(spec, render(spec), tmp_path / "lf").cubin)
+    ref = _sass(compile_module(base, render(base), tmp_path / "base").cubin)
+    for op in ("HGMMA.64x128x16", "QGMMA.64x128x32", "HGMMA.64x8x16", "WARPGROUP.DEPBAR", "F2FP.RELU"):
+        assert sass.count(op) == ref.count(op), op
+    assert " LDL" not in sass and " STL" not in sass, "register spills"
+    assert " CALL" not in sass, "a subroutine call in a setmaxnreg kernel"
+    budgets = sorted(int(x, 16) for x in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d, )?(0x[0-9a-f]+)", sass))
+    assert budgets == sorted(int(x, 16) for x in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d, )?(0x[0-9a-f]+)", ref))
+
+
 def test_fp8_kscale_rows_match_the_host_limit(monkeypatch):
     """The FP8 score kernel stages FP8_KSCALE_ROWS k descales per item slot; the host refuses configs with longer
     work items (spec.FP8_MAX_CHUNK_ROWS) before loading anything."""

@@ -8,7 +8,10 @@ for the query rows r = (b, t) of `nblk` consecutive token blocks starting at blo
 limit, packed document). Nothing outside those ranges is written.
 
 Work item = (token block in the slab, chunk of `chunk` candidate rows); item w is chunk w // nblk, block w % nblk.
-CTA i of the `n_ctas` CTAs (about one per SM) takes items i, i + n_ctas, ...
+CTA i of the `n_ctas` CTAs (about one per SM) takes items i, i + n_ctas, ... With longest_first (a build flag), round
+j of the CTAs takes the items N - 1 - (j n_ctas + p) (N = nblk * n_chunks items), p = i in even rounds and
+n_ctas - 1 - i in odd ones: the last blocks (the longest causal rows) first, and each CTA's sum of item lengths
+balanced by the snake, so the launch does not end on the CTAs that drew the longest rows last.
 Warpgroup 0: warp 1 (scheduler) computes each item's row bounds, skips items without candidates and publishes the
 rest (bounds, fp32 weights x scale, header) into a 2-entry smem ring; warp 0 (TMA) loads each published item's Q
 tile into one of 2 Q buffers, then the item's 64-row K tiles through a 2 * stages-slot ring. Warpgroups 1, 2 and 3
@@ -82,7 +85,8 @@ def fp8_params() -> list:
     ]
 
 
-def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: bool = False, consumers: int = 3):
+def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: bool = False, consumers: int = 3,
+          longest_first: bool = False):
     """The score kernel of IndexerScoreSpec(num_heads, head_dim, dtype, stages, dense_scores): returns
     (kernel, host, PARAMS, HOST_ARGS, LAUNCH). Each call makes new kernel and host functions (every rendered module
     names its own kernel).
@@ -102,7 +106,9 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
     descales up to the bf16 rounding of ReLU(S) and of the weights (FP32 accumulation). Work items take at most
     FP8_KSCALE_ROWS candidates.
     consumers: consumer warpgroups taking the K tiles in turn: 3 (setmaxnreg 152), or 4 at 104 registers (FP8 form
-    only, whose tensor-core head sum needs fewer registers): 640 threads."""
+    only, whose tensor-core head sum needs fewer registers): 640 threads.
+    longest_first: the scheduler takes the items in reverse order, in a snake over the CTAs (module docstring);
+    False generates the code it had before the flag."""
     FP8 = dtype == "float8_e4m3fn"
     NC = consumers                # consumer warpgroups taking the tiles in turn: 3, or 4 (FP8 form)
     assert NC == 3 or (NC == 4 and FP8), "4 consumer warpgroups fit the registers of the FP8 form only"
@@ -250,9 +256,18 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
             if warp == 1:
                 # scheduler: bounds of this CTA's items; publish those with candidates, then a stop entry
                 pub = Int32(0)
-                for w in cutlass.range(bid, nblk * n_chunks, n_ctas, unroll=1):
-                    c = w // nblk
-                    bx = w - c * nblk
+                n_items = nblk * n_chunks
+                n_slots = n_items
+                if cutlass.const_expr(longest_first):
+                    n_slots = (n_items + n_ctas - 1) // n_ctas * n_ctas     # whole rounds; slots past N are empty
+                for w in cutlass.range(bid, n_slots, n_ctas, unroll=1):
+                    wi = w
+                    if cutlass.const_expr(longest_first):
+                        rnd = w // n_ctas
+                        pos = rnd * n_ctas + (bid if rnd % 2 == 0 else n_ctas - 1 - bid)
+                        wi = cutlass.max(n_items - 1 - pos, Int32(0))         # an empty slot computes item 0 ...
+                    c = wi // nblk
+                    bx = wi - c * nblk
                     blk = blk0 + bx
                     b = blk // n_tblk
                     t0 = (blk - b * n_tblk) * ITEM_TOK
@@ -270,6 +285,9 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                         hi_v = cutlass.max(hi_v, cute.arch.shuffle_sync_bfly(hi_v, offset=1 << sh))
                     kv_lo = cutlass.max(lo_v, c * chunk)
                     kv_hi = cutlass.min(hi_v, c * chunk + chunk)
+                    if cutlass.const_expr(longest_first):
+                        if n_items - 1 - pos < 0:                           # ... and publishes nothing
+                            kv_hi = kv_lo
                     if kv_hi > kv_lo:
                         slot = pub % 2
                         cute.arch.mbarrier_wait(info_empty + slot, ((pub // 2) % 2) ^ 1)

@@ -71,6 +71,9 @@ class IndexerScoreSpec(KernelSpec):
     dense_scores: the dsagen.indexer_scores form: the causal limit takes per-segment q_causal_offsets (two more
     params: an int32 pointer and a has-offsets flag) and the slab is the caller's [rows, S_k] score matrix (4-byte
     aligned base). False (the lightning indexer's kernel) generates exactly the code it had before the field.
+    longest_first: the scheduler takes the work items in reverse order (the longest causal rows first) in a snake
+    over the CTAs, which balances the CTAs' work when the rows' lengths ramp (score_sm90's docstring); False
+    generates the code the kernel had before the field.
     """
 
     op = "lightning_indexer_score"
@@ -82,6 +85,7 @@ class IndexerScoreSpec(KernelSpec):
     stages: int = 4
     dense_scores: bool = False
     consumers: int = 3
+    longest_first: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons()

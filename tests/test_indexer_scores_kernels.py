@@ -276,6 +276,35 @@ def test_longest_first_changes_only_the_scheduler(dtype, tmp_path):
     assert budgets == sorted(int(x, 16) for x in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d, )?(0x[0-9a-f]+)", ref))
 
 
+@pytest.mark.compile
+def test_fp8_two_q_tiles_per_item(tmp_path):
+    """q_tiles=2 (FP8, 4 consumers): each consumer still issues D/32 QGMMA and the 8 head-sum HGMMA per tile, each
+    waited once, no spills; 2 Q tiles and 2 head-sum B matrices per item slot in shared memory; the host's token
+    blocks are item_tokens (4 tokens at H 64); the spec refuses it elsewhere and the slab pipeline refuses it."""
+    import dataclasses
+
+    from dsagen.jit.build import compile_module
+    from dsagen.kernels.lightning_indexer.spec import forward_topk_config_for, item_tokens
+
+    base = scores_config_for(64, 128, "float8_e4m3fn", ARCH).score
+    spec = dataclasses.replace(base, q_tiles=2)
+    assert item_tokens(spec) == 4 and item_tokens(base) == 2
+    ck = compile_module(spec, render(spec), tmp_path / "build")
+    sass = _sass(ck.cubin)
+    assert sass.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4 and sass.count("HGMMA.64x8x16.F32.BF16") == 8
+    assert sass.count("WARPGROUP.DEPBAR") == 2, "wgmma serialized by ptxas"
+    assert " LDL" not in sass and " STL" not in sass, "register spills"
+    base_smem = compile_module(base, render(base), tmp_path / "base").record["launch"]["smem"]
+    # per item slot one more Q tile (128 x 128 bytes), head-sum B (8 x 128 bf16) and 128 fp32 weights
+    assert ck.record["launch"]["smem"] == base_smem + 2 * (128 * 128 + 8 * 128 * 2 + 128 * 4)
+    bf16 = dataclasses.replace(scores_config_for(64, 128, "bfloat16", ARCH).score, q_tiles=2)
+    assert "q_tiles=2 needs dtype" in bf16.can_implement()[1]
+    assert "q_tiles=3 must be 1 or 2" in dataclasses.replace(base, q_tiles=3).can_implement()[1]
+    cfg = forward_topk_config_for(64, 128, "float8_e4m3fn", ARCH)
+    with pytest.raises(ValueError, match="q_tiles=2"):
+        dataclasses.replace(cfg, score=spec)
+
+
 def test_fp8_kscale_rows_match_the_host_limit(monkeypatch):
     """The FP8 score kernel stages FP8_KSCALE_ROWS k descales per item slot; the host refuses configs with longer
     work items (spec.FP8_MAX_CHUNK_ROWS) before loading anything."""

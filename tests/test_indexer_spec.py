@@ -39,7 +39,8 @@ def test_specs_hold_only_what_changes_the_code():
     import dataclasses
 
     assert {f.name for f in dataclasses.fields(IndexerScoreSpec)} == {"arch", "num_heads", "head_dim", "dtype", "stages",
-                                                                    "dense_scores", "consumers", "longest_first"}
+                                                                    "dense_scores", "consumers", "longest_first",
+                                                                    "q_tiles"}
     assert {f.name for f in dataclasses.fields(IndexerTopkSpec)} == {"arch", "threads", "sample", "forward_topk"}
     a = config_for(64, 128, "bfloat16", "sm_90a")
     assert a.score.name() == "lightning_indexer_score_sm_90a"
@@ -118,9 +119,9 @@ def test_score_template_renders(h, d):
     assert f"H = {h}\n" in src and f"D = {d}\n" in src and 'DTYPE = "bfloat16"\n' in src and "STAGES = 4\n" in src
     assert 'SYMBOL = "dsagen_lightning_indexer_score' in src
     assert "from dsagen.kernels.lightning_indexer.score_sm90 import build" in src
-    assert "DENSE_SCORES = False\n" in src and "LONGEST_FIRST = False\n" in src
+    assert "DENSE_SCORES = False\n" in src and "LONGEST_FIRST = False\n" in src and "Q_TILES = 1\n" in src
     assert ("kernel, host, PARAMS, HOST_ARGS, LAUNCH = build(H, D, DTYPE, STAGES, DENSE_SCORES, CONSUMERS, "
-            "LONGEST_FIRST)") in src
+            "LONGEST_FIRST,\n                                                Q_TILES)") in src
 
 
 def test_topk_template_renders():

@@ -50,7 +50,6 @@ from dsagen.kernels.common.sm90.dense_rows import fill_tail
 from dsagen.kernels.lightning_indexer.common_sm90 import row_bounds
 
 BN = 128                      # wgmma N: QC tokens x H heads
-NQ = 1                        # Q tiles per work item (the consumer warpgroups take alternate K tiles)
 BM = 64                       # K rows per tile (wgmma M)
 NCOL = BN // 4                # accumulator columns per thread (2 rows x NCOL values)
 FP8_KSCALE_ROWS = 4096        # FP8: k_scale rows staged per item slot (host.FP8_MAX_CHUNK_ROWS keeps chunk <= it)
@@ -86,7 +85,7 @@ def fp8_params() -> list:
 
 
 def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: bool = False, consumers: int = 3,
-          longest_first: bool = False):
+          longest_first: bool = False, q_tiles: int = 1):
     """The score kernel of IndexerScoreSpec(num_heads, head_dim, dtype, stages, dense_scores): returns
     (kernel, host, PARAMS, HOST_ARGS, LAUNCH). Each call makes new kernel and host functions (every rendered module
     names its own kernel).
@@ -108,7 +107,13 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
     consumers: consumer warpgroups taking the K tiles in turn: 3 (setmaxnreg 152), or 4 at 104 registers (FP8 form
     only, whose tensor-core head sum needs fewer registers): 640 threads.
     longest_first: the scheduler takes the items in reverse order, in a snake over the CTAs (module docstring);
-    False generates the code it had before the flag."""
+    False generates the code it had before the flag.
+    q_tiles: Q tiles per work item (NQ): 1, or 2 (FP8 form with 4 consumers only): the item holds 2 * 128 / H
+    tokens and each K tile is multiplied by both Q tiles, by the two warpgroups of a consumer pair (warpgroup c takes
+    Q tile c % 2 and the item's tiles p, p + 2, ... with p = c // 2), so every K tile is read from L2 once per twice
+    as many query tokens."""
+    NQ = q_tiles
+    assert NQ == 1 or (NQ == 2 and consumers == 4 and dtype == "float8_e4m3fn"), "q_tiles=2: FP8 with 4 consumers"
     FP8 = dtype == "float8_e4m3fn"
     NC = consumers                # consumer warpgroups taking the tiles in turn: 3, or 4 (FP8 form)
     assert NC == 3 or (NC == 4 and FP8), "4 consumer warpgroups fit the registers of the FP8 form only"
@@ -126,6 +131,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
     D = head_dim
     QC = BN // H                  # query tokens per Q tile
     ITEM_TOK = NQ * QC            # query tokens per work item (token block)
+    TPR = NC // NQ                # K tiles per round of the consumers' turns (NQ warpgroups multiply each tile)
     KSLOTS = 2 * stages           # 64-row K buffers in the ring
     KB = D // BOXC                # 128-byte TMA boxes per row
     Q_BYTES = BN * D * ELEM
@@ -197,7 +203,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
         sK: cute.struct.Align[cute.struct.MemRange[DT, KSLOTS * BM * D], 1024]
         if FP8:
             kscale: cute.struct.MemRange[Float32, 2 * FP8_KSCALE_ROWS]   # k_scale of each item slot's rows (cp.async)
-            wb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, 2 * NB2 * BN], 1024]   # head-sum B
+            wb: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, 2 * NQ * NB2 * BN], 1024]   # head-sum B
 
     SMEM_BYTES = Smem.size_in_bytes()
     LAUNCH = {"grid": ["n_ctas", 1, 1], "block": [NTHREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
@@ -233,8 +239,9 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
         sWb = None
         if cutlass.const_expr(FP8):
             sKs = st.kscale.get_tensor(cute.make_layout(2 * FP8_KSCALE_ROWS))     # (row + slot * FP8_KSCALE_ROWS)
-            lw = sw128(cutlass.BFloat16, (NB2, BN, 2))
-            sWb = st.wb.get_tensor(lw.outer, swizzle=lw.inner)           # (NB2 tokens, BN (token, head) columns, slot)
+            lw = sw128(cutlass.BFloat16, (NB2, BN, 2 * NQ))
+            sWb = st.wb.get_tensor(lw.outer, swizzle=lw.inner)           # (NB2 tokens, BN (token, head) columns,
+            #                                                              item slot x Q tile)
 
         if warp == 0:
             prims.prefetch_tensormap(q_tma)
@@ -312,9 +319,11 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                                     wv = (p_w + (Int64(b) * w_sb + Int64(t) * w_st + Int64(col - j * H) * w_sh)).load().to(Float32)
                             sW[col, slot] = wv * scale
                             if cutlass.const_expr(FP8):
-                                for nn in cutlass.range_constexpr(NB2):     # token j's heads in column COLSTEP * j
-                                    sWb[nn, col, slot] = Float32(cutlass.select_(j * COLSTEP == nn, wv * scale,
-                                                                                 Float32(0.0))).to(cutlass.BFloat16)
+                                hf = (32 * i) // BN                          # the column's Q tile (trace-time)
+                                jt = j - hf * QC                             # its token within that tile
+                                for nn in cutlass.range_constexpr(NB2):     # token jt's heads in column COLSTEP * jt
+                                    sWb[nn, col - hf * BN, slot * NQ + hf] = Float32(cutlass.select_(
+                                        jt * COLSTEP == nn, wv * scale, Float32(0.0))).to(cutlass.BFloat16)
                         if cutlass.const_expr(FP8):
                             cute.arch.fence_proxy("async.shared", space="cta")   # st.shared weights -> wgmma reads
                             # the item's k descales, one per K row of its tiles (rows past S read row S - 1, whose
@@ -425,7 +434,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                 bx = sHdr[slot * HDR + 1]
                 kv_lo = sHdr[slot * HDR + 4]
                 kv_hi = sHdr[slot * HDR + 5]
-                hq = cwg if cutlass.const_expr(NQ == 2) else 0             # this warpgroup's Q tile of the item
+                hq = cwg % NQ                                              # this warpgroup's Q tile of the item
                 qs = slot * NQ + hq
                 row0 = Int64(bx) * ITEM_TOK + hq * QC                      # slab row of its first token
                 if cutlass.const_expr(FP8):
@@ -446,8 +455,8 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                         lo_r[jj] = sBounds[2 * (hq * QC + jj), slot]
                         hi_r[jj] = cutlass.min(sBounds[2 * (hq * QC + jj) + 1, slot], kv_hi)   # chunk's end too
                 cute.arch.mbarrier_wait(q_full + slot, (j // 2) % 2)
-                for it in cutlass.range((ntiles + NC - 1) // NC, unroll=1):
-                    tile = NC * it + cwg                                      # every NC-th tile
+                for it in cutlass.range((ntiles + TPR - 1) // TPR, unroll=1):
+                    tile = TPR * it + cwg // NQ                               # every TPR-th tile
                     gt = g + tile
                     idx = gt % KSLOTS
                     cute.arch.barrier(barrier_id=BAR_WG0 + cwg, number_of_threads=256)        # my turn
@@ -471,7 +480,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                                 for c in cutlass.range_constexpr(NCOL):
                                     accMN[r, c] = cutlass.max(accMN[r, c], Float32(0.0))     # ReLU
                             hs.tA.store(acc_as_frg_a(acc).load().to(cutlass.BFloat16))
-                            gemm_tile(hs.mma, hs.acc, hs.tA, hsB, BN // 16, b_stage=slot)
+                            gemm_tile(hs.mma, hs.acc, hs.tA, hsB, BN // 16, b_stage=qs)
                             s_base = kv_lo + tile * BM + row_in_tile
                             for r in cutlass.range_constexpr(2):
                                 s = s_base + 8 * r

@@ -31,8 +31,8 @@ import torch
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_index, device_sm_count
 from .host import _check_layout, _tma_view, dummy_offsets, eager, loaded_kernels, score_ctas
-from .spec import (INDEXER_FP8_HEADS, INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, ScoresConfig, scores_config_for,
-                   tokens_per_cta)
+from .spec import (INDEXER_FP8_HEADS, INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, ScoresConfig, item_tokens,
+                   scores_config_for)
 
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8_e4m3fn"}
 #: The FP8 form's weights: bf16 (read through w) or fp32 (read through w32); the kernel picks at run time.
@@ -159,7 +159,7 @@ def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int, q_c
     q_off, has_off = (q_causal_offsets, 1) if q_causal_offsets is not None else (dummy, 0)
     num_sms = device_sm_count(device_index(device))
     flat = out.view(-1)
-    qc = tokens_per_cta(h)
+    qc = item_tokens(config.score)
     n_tblk = -(-t_count // qc)
     n_chunks = -(-s_count // config.chunk_rows)
     qv, kv = _tma_view(q4), _tma_view(k3)

@@ -43,8 +43,13 @@ INDEXER_MAX_T = 2 ** 20
 
 
 def tokens_per_cta(num_heads: int) -> int:
-    """Query tokens one score work item covers: the wgmma N tile (128 columns) holds tokens x heads."""
+    """Query tokens one Q tile covers: the wgmma N tile (128 columns) holds tokens x heads."""
     return 128 // num_heads
+
+
+def item_tokens(spec) -> int:
+    """Query tokens one work item (token block) of the score kernel `spec` covers: its Q tiles' tokens."""
+    return tokens_per_cta(spec.num_heads) * spec.q_tiles
 
 
 @register_spec
@@ -74,6 +79,9 @@ class IndexerScoreSpec(KernelSpec):
     longest_first: the scheduler takes the work items in reverse order (the longest causal rows first) in a snake
     over the CTAs, which balances the CTAs' work when the rows' lengths ramp (score_sm90's docstring); False
     generates the code the kernel had before the field.
+    q_tiles: Q tiles per work item: 1, or 2 (FP8 with 4 consumers, indexer_scores only): items of 2 * 128 / H
+    tokens whose K tiles each pair of consumer warpgroups multiplies by both Q tiles (half the K bytes per query
+    token); item_tokens(spec) is what the host's token blocks must use.
     """
 
     op = "lightning_indexer_score"
@@ -86,11 +94,16 @@ class IndexerScoreSpec(KernelSpec):
     dense_scores: bool = False
     consumers: int = 3
     longest_first: bool = False
+    q_tiles: int = 1
 
     def reasons(self) -> list[str]:
         out = super().reasons()
         if self.arch != "sm_90a":
             out.append(f"the lightning-indexer score kernel is implemented for sm_90a only, not {self.arch}")
+        if self.q_tiles not in (1, 2):
+            out.append(f"q_tiles={self.q_tiles} must be 1 or 2")
+        elif self.q_tiles == 2 and (self.dtype != INDEXER_FP8_DTYPE or self.consumers != 4):
+            out.append(f"q_tiles=2 needs dtype={INDEXER_FP8_DTYPE!r} and consumers=4 (consumer pairs share a K tile)")
         if self.consumers not in (3, 4):
             out.append(f"consumers={self.consumers} must be 3 or 4")
         elif self.consumers == 4 and self.dtype != INDEXER_FP8_DTYPE:
@@ -323,7 +336,8 @@ class ForwardTopkConfig:
     score: the dense_scores score kernel (it fills the slab).  topk: the forward top-k kernels and the per-slab
     choice among them.  softmax: the finishing kernel.  chunk_rows: candidates per score work item.
     slab_bytes / slab_max_rows: caps of the fp32 score slab (bytes, rows), which never grows with S_q or B.
-    softmax_ctas_per_sm: the finishing kernel's persistent CTAs per SM."""
+    softmax_ctas_per_sm: the finishing kernel's persistent CTAs per SM. The score kernel has one Q tile per item
+    (q_tiles=1: the slab's token blocks are tokens_per_cta(H) rows)."""
 
     score: IndexerScoreSpec
     topk: TopkPlan
@@ -332,6 +346,11 @@ class ForwardTopkConfig:
     slab_bytes: int
     slab_max_rows: int
     softmax_ctas_per_sm: int
+
+    def __post_init__(self) -> None:
+        if self.score.q_tiles != 1:
+            raise ValueError(f"ForwardTopkConfig.score.q_tiles={self.score.q_tiles}: the slab pipeline takes score "
+                             f"kernels of one Q tile per item")
 
     def specs(self) -> tuple[KernelSpec, ...]:
         """Every kernel a call may run: the score kernel, the plan's top-k kernels, the finishing kernel."""

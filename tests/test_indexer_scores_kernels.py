@@ -21,11 +21,13 @@ def test_config_is_the_lightning_indexers_score_kernel_in_dense_form():
     cfg = scores_config_for(64, 128, "bfloat16", ARCH)
     li = config_for(64, 128, "bfloat16", ARCH)
     assert cfg.score == IndexerScoreSpec(arch=ARCH, num_heads=64, head_dim=128, dtype="bfloat16", stages=4,
-                                         dense_scores=True)
+                                         dense_scores=True, longest_first=True)
+    fp8 = scores_config_for(64, 128, "float8_e4m3fn", ARCH).score
+    assert (fp8.consumers, fp8.longest_first, fp8.q_tiles) == (4, True, 2)
     assert cfg.score.stages == li.score.stages and cfg.chunk_rows == li.chunk_rows
     assert cfg.launch_rows == 8192 and cfg.launch_rows % 128 == 0
     assert cfg.specs() == (cfg.score, cfg.mask) and cfg.mask == IndexerScoresMaskSpec(arch=ARCH, threads=256)
-    assert cfg.score.name() == "lightning_indexer_score_dense_scores1_sm_90a"
+    assert cfg.score.name() == "lightning_indexer_score_dense_scores1_longest_first1_sm_90a"
     assert li.score.name() == "lightning_indexer_score_sm_90a"          # the default spec keeps its name
     assert scores_config_for(64, 128, "bfloat16", ARCH) is cfg
 
@@ -263,7 +265,7 @@ def test_longest_first_changes_only_the_scheduler(dtype, tmp_path):
 
     from dsagen.jit.build import compile_module
 
-    base = scores_config_for(64, 128, dtype, ARCH).score
+    base = dataclasses.replace(scores_config_for(64, 128, dtype, ARCH).score, longest_first=False)
     spec = dataclasses.replace(base, longest_first=True)
     assert "longest_first1" in spec.name() and "longest_first" not in base.name()
     sass = _sass(compile_module(spec, render(spec), tmp_path / "lf").cubin)
@@ -286,9 +288,9 @@ def test_fp8_two_q_tiles_per_item(tmp_path):
     from dsagen.jit.build import compile_module
     from dsagen.kernels.lightning_indexer.spec import forward_topk_config_for, item_tokens
 
-    base = scores_config_for(64, 128, "float8_e4m3fn", ARCH).score
-    spec = dataclasses.replace(base, q_tiles=2)
-    assert item_tokens(spec) == 4 and item_tokens(base) == 2
+    spec = scores_config_for(64, 128, "float8_e4m3fn", ARCH).score
+    base = dataclasses.replace(spec, q_tiles=1)
+    assert spec.q_tiles == 2 and item_tokens(spec) == 4 and item_tokens(base) == 2
     ck = compile_module(spec, render(spec), tmp_path / "build")
     sass = _sass(ck.cubin)
     assert sass.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4 and sass.count("HGMMA.64x8x16.F32.BF16") == 8

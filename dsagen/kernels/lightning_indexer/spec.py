@@ -279,9 +279,14 @@ def scores_config_for(num_heads: int, head_dim: int, dtype: str, arch: str) -> S
     15.12 / 14.56 / 14.35 / 14.87 (and 14.49 against 13.95 for 1024 / 8192 in another run); work items of 1024
     candidates were slower (T 32768 16.10 against 14.49). The score kernel writes the -inf tails (score_fills):
     same process, scores without the LSE, T 8192 / 32768, BF16 0.847 / 13.57 ms against 0.872 / 14.40 with the
-    finishing kernel's pass, FP8 0.637 / 10.56 against 0.670 / 11.21."""
+    finishing kernel's pass, FP8 0.637 / 10.56 against 0.670 / 11.21. The score kernel takes its items longest first
+    (longest_first) and, in FP8, two Q tiles per item (q_tiles=2): same process (2026-12-03, H 64, scores without
+    the LSE into a preallocated output, T 4096 / 8192 / 32768), BF16 0.261 / 0.913 / 14.18 ms against 0.266 /
+    0.943 / 14.13 in the forward order; FP8 longest first 0.205 / 0.677 / 9.738 against 0.210 / 0.684 / 9.898, two
+    Q tiles 0.206 / 0.655 / 9.106 against 0.213 / 0.686 / 9.808."""
     score = IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype, stages=4,
-                             dense_scores=True, consumers=dense_score_consumers(dtype))
+                             dense_scores=True, consumers=dense_score_consumers(dtype), longest_first=True,
+                             q_tiles=2 if dtype == INDEXER_FP8_DTYPE else 1)
     return ScoresConfig(score=score, mask=IndexerScoresMaskSpec(arch=arch, threads=256), chunk_rows=4096,
                         launch_rows=8192, mask_ctas_per_sm=8)
 
@@ -365,10 +370,12 @@ def forward_topk_config_for(num_heads: int, head_dim: int, dtype: str, arch: str
     256-thread finishing kernel with 8 CTAs per SM. Same process on the H200 (2026-12-03, topk 2048, H 64,
     bench/indexer_forward.py): at T = 32768 a 32 MiB slab took 16.81 ms against 15.71 with 128 MiB
     (lightning_indexer 15.27); row caps 1024 / 2048 / 4096 / 8192 (128 MiB): T 4096 0.467 / 0.448 / 0.425 / 0.419 ms,
-    T 8192 1.238 / 1.196 / 1.149 / 1.154, T 32768 16.52 / 16.27 / 16.36 / 16.54 (1024 rows there either way)."""
+    T 8192 1.238 / 1.196 / 1.149 / 1.154, T 32768 16.52 / 16.27 / 16.36 / 16.54 (1024 rows there either way).
+    The score kernel takes its items longest first (longest_first; same process, 2026-12-03, bf16 through the host
+    loop: 0.369 / 1.200 / 16.52 ms at T 4096 / 8192 / 32768 against 0.378 / 1.201 / 16.66)."""
     plan = measured_plan(lambda threads, sample: IndexerTopkSpec(arch=arch, threads=threads, sample=sample,
                                                                  forward_topk=True))
     score = IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype, stages=4,
-                             dense_scores=True, consumers=dense_score_consumers(dtype))
+                             dense_scores=True, consumers=dense_score_consumers(dtype), longest_first=True)
     return ForwardTopkConfig(score=score, topk=plan, softmax=IndexerTopkSoftmaxSpec(arch=arch, threads=256),
                              chunk_rows=4096, slab_bytes=128 * 2 ** 20, slab_max_rows=4096, softmax_ctas_per_sm=8)

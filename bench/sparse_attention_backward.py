@@ -4,6 +4,7 @@ backward, in one run (GPU).
     python bench/sparse_attention_backward.py [--quick] [--reps N] [--ref-max-T T] [--cases 0,2] [--kv N]
     python bench/sparse_attention_backward.py --cases 0 --bucket-rows 2048 4096 8192     # KV window sizes
     python bench/sparse_attention_backward.py --cases 0 --configs '[{}, {"regs_producer": 48, "regs_a": 232}]'
+    python bench/sparse_attention_backward.py --cases 0 --deterministic --configs '[{}, {"regs_a": 232, "regs_b": 232}]'
     python bench/sparse_attention_backward.py --cases 0,4 --item-split        # the same work in items of 3 sizes
     python bench/sparse_attention_backward.py --cases 0 --id-order            # each row's ids drawn / sorted / shuffled
     python bench/sparse_attention_backward.py --cases 0 --clocks 4            # SM clock and power while it runs
@@ -61,24 +62,25 @@ def make_inputs(s_q, h, d_qk, n_kv, topk):
     return q, kv, dout, ids, sink, scale, out, lse
 
 
-def config_sweep(s_q, h, d_qk, n_kv, topk, reps, overrides):
-    """The atomic mode's ms for each dict of SparseAttnBwdConfig field overrides in `overrides` ({}: the op's
-    config), timed interleaved round by round on the same inputs."""
+def config_sweep(s_q, h, d_qk, n_kv, topk, reps, overrides, deterministic=False):
+    """The atomic (or deterministic) mode's ms for each dict of SparseAttnBwdConfig field overrides in `overrides`
+    ({}: the op's config), timed interleaved round by round on the same inputs."""
     import dataclasses
 
     from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
     inputs = make_inputs(s_q, h, d_qk, n_kv, topk)
     configs = [dataclasses.replace(SparseAttnBwdConfig(), **o) for o in overrides]
-    return paired_time_ms([op_call(inputs, config=c) for c in configs], calls=reps)
+    return paired_time_ms([op_call(inputs, config=c, deterministic=deterministic) for c in configs], calls=reps)
 
 
-def op_call(inputs, ids=None, config=None):
-    """One atomic-mode call of the op on make_inputs' tensors (`ids`: other ids of the same shape; `config`: a
-    SparseAttnBwdConfig, None for the op's)."""
+def op_call(inputs, ids=None, config=None, deterministic=False):
+    """One call of the op (atomic mode unless `deterministic`) on make_inputs' tensors (`ids`: other ids of the
+    same shape; `config`: a SparseAttnBwdConfig, None for the op's)."""
     q, kv, dout, ids0, sink, scale, out, lse = inputs
     ids = ids0 if ids is None else ids
     return lambda: bwd_host.sparse_attention_backward(q, kv, out, dout, lse, ids, attn_sink=sink, topk_length=None,
-                                                      softmax_scale=scale, d_v=512, config=config)
+                                                      softmax_scale=scale, d_v=512, config=config,
+                                                      deterministic=deterministic)
 
 
 def item_split(s_q, h, d_qk, n_kv, topk, reps):
@@ -181,6 +183,7 @@ def main() -> None:
                     help="instead of the table: the atomic mode's ms per KV window size (0: no ordering)")
     ap.add_argument("--configs", help="instead of the table: the atomic mode's ms per config, a JSON list of "
                                       "SparseAttnBwdConfig field overrides ({}: the op's config)")
+    ap.add_argument("--deterministic", action="store_true", help="with --configs: the deterministic mode's ms")
     ap.add_argument("--item-split", action="store_true",
                     help="instead of the table: the same work as (T, topk), (T/2, 2 topk) and (2T, topk/2)")
     ap.add_argument("--id-order", action="store_true",
@@ -203,7 +206,7 @@ def main() -> None:
     if overrides is not None:
         for s_q, h, d, n_kv in cases:
             n_kv = args.kv or n_kv
-            ms = config_sweep(s_q, h, d, n_kv, args.topk, args.reps, overrides)
+            ms = config_sweep(s_q, h, d, n_kv, args.topk, args.reps, overrides, args.deterministic)
             print(f"T {s_q} H {h} D {d} KV {n_kv}:", flush=True)
             for o, t in zip(overrides, ms):
                 print(f"  {t:8.3f} ms  {backward_flops(s_q, h, d, args.topk) / t / 1e9:6.1f} TFLOP/s  "

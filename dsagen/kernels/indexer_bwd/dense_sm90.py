@@ -10,17 +10,19 @@ computed by the producer's group leaders from the dense score rows instead of re
     dI[s] = cs * (p * [norm[tok] > 0] - tgt)             (cs = c * sm_scale, one FP32 value read on the device)
 
 (the reference's p * sum_J tgt - tgt with sum_J tgt = 1, the definition of the L1 norm of the row's visible
-attention scores, and 0 without them). With kl_loss (a spec field), the same leaders also sum the row's part of the KL loss of the
-warm-up's fused loss path (indexer_bwd/kl_host.py),
+attention scores, and 0 without them). With kl_loss (a spec field), the same leaders also sum the row's part of the
+KL loss of the warm-up's fused loss path (indexer_bwd/kl_host.py),
 
     kl[tok] = sum_{s < hi, tgt > 0} tgt * (log tgt - (index[tok, s] - lse[tok]))
 
 (log2 and exp2 units, times ln 2 at the end), and each of the producer's 4 warps stores its leaders' sum (butterfly
-shuffles) at loss[tok, warp]: the row's loss is the sum of its 4 partials, in a fixed order (no atomics). The gathered rows are b * S + s (-1, zero-filled, past hi); S, G, dW, dQ and
-the dK atomics are the sparse form's (its consumer, with this form's per-row tile count). dK is the caller's zeroed
-FP32 [B * S, D] accumulator: the atomics make it not bitwise repeatable. deterministic: the sparse form's per-slot
-stores instead, slot = key: dk is then a zeroed FP32 [rows, S, D] buffer (row tok's key s at (tok * S + s) * D; the
-tiles' slots past hi store zeros, slots past the last tile stay as zeroed), which the host sums over the rows.
+shuffles) at loss[tok, warp]: the row's loss is the sum of its 4 partials, in a fixed order (no atomics).
+
+The gathered rows are b * S + s (-1, zero-filled, past hi); S, G, dW, dQ and the dK atomics are the sparse form's
+(its consumer, with this form's per-row tile count). dK is the caller's zeroed FP32 [B * S, D] accumulator: the
+atomics make it not bitwise repeatable. deterministic: the sparse form's per-slot stores instead, slot = key: dk is
+then a zeroed FP32 [rows, S, D] buffer (row tok's key s at (tok * S + s) * D; the tiles' slots past hi store zeros,
+slots past the last tile stay as zeroed), which the host sums over the rows.
 
 Constraints (DenseIndexerBwdSpec.reasons): those of the sparse form's non-deterministic kernel; attn / index rows
 FP32 with row stride ld_s (at least S), norm / lse FP32 [rows], q_off int32 [B] (read when has_off).

@@ -18,7 +18,8 @@ per-token FP32 descales (amax / 448), BF16 weights. Every group of contenders is
 TFLOP/s counts the causal pairs: 2 H D T (T + 1) / 2.
 --slab-mib / --slab-rows: extra forward_topk contenders with those slab caps (bytes / rows), through the host loop
 with a replaced config, beside the host loop with the default config; --topk-longest-first: one more, with the
-longest_first score kernel.
+longest_first score kernel; --host-path: FP8 scores through out= and through the host's run (what the public
+op's validation and dispatch add).
 --recompute-T: dense_indexer_score_recompute (out + denom) beside cuDNN's dense_indexer_score_recompute_wrapper.
 """
 
@@ -120,6 +121,16 @@ def one_shape(t: int, args, dsa, gen) -> dict:
         lse = "" if any(x in variant for x in ("fill", "longest", "qtiles")) else " +lse"
         label = f"dsagen fp8{lse} {variant[4:]}" if variant.startswith("fp8-") else f"dsagen bf16{lse} {variant}"
         scores.append((label, _scores_variant(q, k, w, t, variant, (q8, k8, qs, ks))))
+    if args.host_path:
+        from dsagen.kernels.lightning_indexer.scores_host import run as host_run
+
+        out = torch.empty((1, t, t), device=dev)
+        scores += [("dsagen fp8 out=", lambda: dsagen.indexer_scores(q8, k8, w, out=out, **fp8)),
+                   ("dsagen fp8 host run, out", lambda: host_run(q8, k8, w, 1, None, None, None, out, None,
+                                                                  q_scale=qs, k_scale=ks)),
+                   ("dsagen fp8 host run, new out", lambda: host_run(q8, k8, w, 1, None, None, None,
+                                                                      torch.empty((1, t, t), device=dev), None,
+                                                                      q_scale=qs, k_scale=ks))]
     rec["scores_ms"] = _group(scores, args.rounds)
     torch.cuda.empty_cache()
 
@@ -217,6 +228,9 @@ def main(argv=None) -> int:
                     help="also time indexer_scores (+lse) with another config: chunkN (work-item candidates), "
                          "launchN (query rows per launch), stagesN (K ring of 2N slots), consumersN (consumer "
                          "warpgroups; the FP8 form's default is 4); fp8-X: the FP8 form (fp8-consumers3)")
+    ap.add_argument("--host-path", action="store_true",
+                    help="also time FP8 indexer_scores with out=, and its host run (no validation or dispatch) into "
+                         "the same or a new output: what the public op's host path adds")
     ap.add_argument("--topk-longest-first", action="store_true",
                     help="also time forward_topk (bf16, host loop) with the longest_first score kernel")
     ap.add_argument("--recompute-T", type=int, nargs="*", default=[],

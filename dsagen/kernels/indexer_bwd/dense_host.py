@@ -143,6 +143,22 @@ def _launch(kernel: LoadedKernel, o: _Operands, dq, dw, dk, loss_parts, rows: in
                   o.keys.stride(0), o.attn.stride(0), n_ctas)
 
 
+def _new_grads(index_q: torch.Tensor, n_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's outputs for index_q `(B, S_q, H, D)` and n_k key rows: dq `(rows, HEADS, D)` in q's dtype, dw
+    `(rows, HEADS)` FP32 (both written whole by the kernel) and the zeroed FP32 dK accumulator `(n_k, D)`."""
+    rows, d, dev = index_q.shape[0] * index_q.shape[1], index_q.shape[3], index_q.device
+    return (torch.empty((rows, HEADS, d), dtype=index_q.dtype, device=dev),
+            torch.empty((rows, HEADS), dtype=torch.float32, device=dev),
+            torch.zeros((n_k, d), dtype=torch.float32, device=dev))
+
+
+def _unpadded(dq: torch.Tensor, dw: torch.Tensor, index_q: torch.Tensor, weights: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """dq / dw without the padded heads, in index_q's shape and weights' shape and dtype."""
+    b, s_q, h, d = index_q.shape
+    return dq[:, :h].reshape(b, s_q, h, d), dw[:, :h].reshape(b, s_q, h).to(weights.dtype)
+
+
 def run(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, attn_score: torch.Tensor,
         attn_l1norm: torch.Tensor, index_score: torch.Tensor, index_lse: torch.Tensor, grad_loss: torch.Tensor | None,
         sm_scale: float, loss_coeff: float, ratio: int, q_causal_offsets: torch.Tensor | None,
@@ -151,7 +167,7 @@ def run(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, att
     """The launch on checked inputs (see dense_indexer_backward); new output tensors. deterministic: per batch
     element, launches over blocks of query rows whose per-slot dK rows ([rows, S_k, D] FP32, at most
     config.slot_bytes) are summed over the rows by one torch reduction each and added in block order."""
-    b, s_q, h, d = index_q.shape
+    b, s_q, _, d = index_q.shape
     s_k = index_k.shape[1]
     rows, n_k = b * s_q, b * s_k
     dev = index_q.device
@@ -160,9 +176,7 @@ def run(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, att
     spec, kernel, n_ctas, cfg = _launch_plan(d, index_q.dtype, dev, config, deterministic)
     o = _operands(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale,
                   loss_coeff, q_causal_offsets)
-    dq = torch.empty((rows, HEADS, d), dtype=index_q.dtype, device=dev)
-    dw = torch.empty((rows, HEADS), dtype=torch.float32, device=dev)
-    dk = torch.zeros((n_k, d), dtype=torch.float32, device=dev)
+    dq, dw, dk = _new_grads(index_q, n_k)
     if not deterministic:
         _launch(kernel, o, dq, dw, dk, None, rows, s_q, s_k, ratio, n_ctas)
     else:
@@ -178,9 +192,7 @@ def run(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, att
                                   o.idx[t0:t0 + n], o.norm[t0:t0 + n], o.lse[t0:t0 + n], o.cs, o.w[t0:t0 + n], off, 1)
                 _launch(kernel, block, dq[t0:t0 + n], dw[t0:t0 + n], part, None, n, n, s_k, ratio, n_ctas)
                 dk[bi * s_k:(bi + 1) * s_k] += part.sum(0)
-    d_q = dq[:, :h].reshape(b, s_q, h, d)
-    d_w = dw[:, :h].reshape(b, s_q, h).to(weights.dtype)
-    return d_q, d_w, dk.view(b, s_k, d).to(index_k.dtype)
+    return *_unpadded(dq, dw, index_q, weights), dk.view(b, s_k, d).to(index_k.dtype)
 
 
 def kl_block_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, attn_score: torch.Tensor,
@@ -204,19 +216,16 @@ def kl_block_backward(index_q: torch.Tensor, weights: torch.Tensor, index_k: tor
 def _kl_run(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale,
             loss_coeff, ratio, q_causal_offsets):
     """kl_block_backward's launch (the kl_loss kernel); new output tensors."""
-    b, s_q, h, d = index_q.shape
+    b, s_q, _, d = index_q.shape
     s_k = index_k.shape[1]
     rows, dev = b * s_q, index_q.device
     _, kernel, n_ctas, _ = _launch_plan(d, index_q.dtype, dev, None, False, kl_loss=True)
     o = _operands(index_q, weights, index_k, attn_score, attn_l1norm, index_score, index_lse, grad_loss, sm_scale,
                   loss_coeff, q_causal_offsets)
-    dq = torch.empty((rows, HEADS, d), dtype=index_q.dtype, device=dev)
-    dw = torch.empty((rows, HEADS), dtype=torch.float32, device=dev)
-    dk = torch.zeros((b * s_k, d), dtype=torch.float32, device=dev)
+    dq, dw, dk = _new_grads(index_q, b * s_k)
     parts = torch.empty((rows, 4), dtype=torch.float32, device=dev)
     _launch(kernel, o, dq, dw, dk, parts, rows, s_q, s_k, ratio, n_ctas)
-    return (dq[:, :h].reshape(b, s_q, h, d), dw[:, :h].reshape(b, s_q, h).to(weights.dtype), dk.view(b, s_k, d),
-            parts.sum())
+    return *_unpadded(dq, dw, index_q, weights), dk.view(b, s_k, d), parts.sum()
 
 
 @torch.library.custom_op("dsagen::dense_indexer_kl_block_fused", mutates_args=())

@@ -308,3 +308,33 @@ def test_fused_limits_name_the_argument():
         dsagen.indexer_forward_topk(q, k, w, 2 ** 20 + 1)
     with pytest.raises(ValueError, match="k_indexer must have stride 1"):
         dsagen.indexer_forward_topk(q, k.transpose(1, 2).contiguous().transpose(1, 2), w, 4)
+
+
+# ----------------------------------------------------------------------------------------------- fast path
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fast_path_repeats_the_full_path(fp8):
+    """Eager BSHD calls of a signature that passed once run by their plan (dsagen.ops._fast_path): on new inputs of
+    the same signature (several slabs, B 2, offsets) every output equals the full path's bytes, and is checked."""
+    from dsagen.ops import indexer as ix
+
+    gen = torch.Generator().manual_seed(71)
+    off = torch.tensor([5, 300], dtype=torch.int32, device=DEV)
+    t = forward_topk_config_for(64, 128, "bfloat16", "sm_90a").slab_max_rows + 300     # two slabs per element
+
+    def inputs():
+        if fp8:
+            q, k, w, scales = _fp8_inputs((2, t, 64, 128), (2, 700, 128), (2, t, 64), gen)
+            return q, k, w, scales, dict(precision="fp8", q_scale=scales[0], k_scale=scales[1])
+        q, k, w = _bshd(2, t, 700, 64, 128, gen)
+        return q, k, w, None, {}
+
+    q, k, w, _, s = inputs()
+    ix._FORWARD_TOPK_FAST.clear()
+    dsagen.indexer_forward_topk(q, k, w, 300, return_lse=True, ratio=4, q_causal_offsets=off, **s)
+    assert len(ix._FORWARD_TOPK_FAST) == 1
+    q, k, w, scales, s = inputs()
+    fast = dsagen.indexer_forward_topk(q, k, w, 300, return_lse=True, ratio=4, q_causal_offsets=off, **s)
+    ix._FORWARD_TOPK_FAST.clear()
+    want = _run_case(q, k, w, 300, fp8=scales, ratio=4, q_causal_offsets=off)
+    for a, b in zip(fast, want):
+        assert torch.equal(a, b)

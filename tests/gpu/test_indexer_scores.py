@@ -303,3 +303,57 @@ def test_dense_indexer_score_recompute(packed):
     ref = dsagen.dense_indexer_score_recompute(qd, kd, wd, sm_scale=0.37, impl="reference", **kw)
     mag = dsagen.dense_indexer_score_recompute(qd, kd, wd.abs(), sm_scale=0.37, impl="reference", **kw).out
     _check(got.out, ref.out, mag, got.denom, ref.denom)
+
+
+# ----------------------------------------------------------------------------------------------- fast path
+@pytest.mark.parametrize("precision", ["default", "fp8"])
+def test_fast_path_repeats_the_full_path(precision):
+    """Eager BSHD calls of a signature that passed once run by their plan (dsagen.ops._fast_path): on new inputs of
+    the same signature it gives the full path's bytes, scores and LSE, with and without out= / lse_out=."""
+    from dsagen.ops import indexer as ix
+
+    gen = torch.Generator().manual_seed(61)
+    shape = ((2, 301, 64, 128), (2, 257, 128), (2, 301, 64))
+    off = torch.tensor([-40, 700], dtype=torch.int32, device=DEV)
+
+    def inputs():
+        if precision == "fp8":
+            q, k, w, qs, ks = _fp8_inputs(*shape, gen, torch.bfloat16)
+            return (q, k, w), dict(precision="fp8", q_scale=qs, k_scale=ks)
+        return _bshd(2, 301, 257, 64, 128, gen), {}
+
+    (q, k, w), s = inputs()
+    ix._SCORES_FAST.clear()
+    dsagen.indexer_scores(q, k, w, ratio=4, q_causal_offsets=off, return_lse=True, **s)     # full path: plan kept
+    assert len(ix._SCORES_FAST) == 1
+    (q, k, w), s = inputs()
+    fast, fast_lse = dsagen.indexer_scores(q, k, w, ratio=4, q_causal_offsets=off, return_lse=True, **s)
+    out, lse = torch.full_like(fast, float("nan")), torch.full_like(fast_lse, float("nan"))
+    for _ in range(2):                                                    # full path, then its plan
+        got = dsagen.indexer_scores(q, k, w, ratio=4, q_causal_offsets=off, return_lse=True, out=out, lse_out=lse,
+                                    **s)
+        assert got[0] is out and got[1] is lse
+    assert len(ix._SCORES_FAST) == 2
+    ix._SCORES_FAST.clear()
+    want, want_lse = dsagen.indexer_scores(q, k, w, ratio=4, q_causal_offsets=off, return_lse=True, **s)
+    assert torch.equal(fast, want) and torch.equal(fast_lse, want_lse)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    if precision == "default":
+        ref, mag, lse_ref = _expected(q, k, w, ratio=4, q_causal_offsets=off)
+        _check(fast, ref, mag, fast_lse, lse_ref)
+
+
+def test_fast_path_misaligned_input_still_refused():
+    """A plan is only for its signature, whose base addresses were 16-byte aligned: the same shapes and strides at a
+    misaligned address take the full path and its ValueError (TMA)."""
+    gen = torch.Generator().manual_seed(62)
+    q, k, w, qs, ks = _fp8_inputs((1, 128, 64, 128), (1, 128, 128), (1, 128, 64), gen, torch.bfloat16)
+    s = dict(precision="fp8", q_scale=qs, k_scale=ks)
+    dsagen.indexer_scores(q, k, w, **s)
+    dsagen.indexer_scores(q, k, w, **s)
+    buf = torch.empty(q.numel() + 16, dtype=torch.uint8, device=DEV)
+    q_odd = buf[1:1 + q.numel()].view(torch.float8_e4m3fn).view(q.shape)
+    q_odd.copy_(q)
+    assert q_odd.stride() == q.stride()
+    with pytest.raises(ValueError, match="q_indexer.*16-byte-aligned"):
+        dsagen.indexer_scores(q_odd, k, w, **s)

@@ -23,14 +23,15 @@ How a call runs (notes/kernels/indexer.md, "indexer_forward_topk"):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_index, device_sm_count
-from .host import (_check_layout, _tma_view, dummy_offsets, loaded_kernels, score_ctas, slab_max_candidates,
-                   slab_rows)
-from .scores_host import _TORCH_DTYPE_NAMES, check_supported as check_scores_supported, eager, kernel_inputs
+from .host import _check_layout, dummy_offsets, loaded_kernels, score_ctas, slab_max_candidates, slab_rows
+from .scores_host import (_TORCH_DTYPE_NAMES, _tma_strides, _with_strides, check_supported as check_scores_supported,
+                          eager, fp8_args, fp8_flags, input_views)
 from .spec import ForwardTopkConfig, IndexerTopkSpec, forward_topk_config_for, tokens_per_cta
 
 _OP = "indexer_forward_topk"
@@ -95,67 +96,114 @@ def scratch_bytes(num_heads: int, width: int, total_rows: int, config: ForwardTo
     return 4 * rows * ld
 
 
+class ForwardTopkLaunch:
+    """The launches of one call signature: everything of `run` that follows from the shapes, strides, dtypes and
+    flags (kernels, slab shape, per-slab top-k kernel and grid, scalar arguments), computed once; calling it with
+    tensors of that signature allocates the slab and launches the kernels on their pointers. Built by `run` for
+    every call and kept by dsagen.indexer_forward_topk's fast path per signature (dsagen.ops._fast_path). Arguments
+    as `run`'s."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, top_k: int, ratio: int,
+                 q_causal_offsets: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None, width: int,
+                 softmax: torch.Tensor | None, lse: torch.Tensor | None, global_ids: bool,
+                 q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                 config: ForwardTopkConfig | None = None):
+        self.packed = packed = cu_seqlens_q is not None
+        self.fp8 = q.dtype == torch.float8_e4m3fn
+        q4, k3, w3, qs3, ks2 = input_views(q, k, weights, q_scale, k_scale, packed)
+        b, t_count, h, d = q4.shape
+        s_count = k3.shape[1]
+        rows = b * t_count
+        self.no_slot = rows == 0 or top_k == 0              # only the LSE (-inf) to write
+        self.no_key = width == 0 or s_count == 0            # every row empty
+        if self.no_slot or self.no_key:
+            return
+        _check_layout("q_indexer", q4, _OP)
+        _check_layout("k_indexer", k3, _OP)
+        device = q.device
+        self.device = device
+        self.kernels = kernels = _kernels_for(device, h, d, q.dtype, config)
+        config = kernels.config
+        self.dummy = dummy_offsets(device)
+        n_docs = cu_seqlens_q.numel() - 1 if packed else 0
+        has_off = int(q_causal_offsets is not None)
+        num_sms = device_sm_count(device_index(device))
+        qc = tokens_per_cta(h)
+        n_tblk = -(-t_count // qc)
+        total_blk = b * n_tblk
+        self.slab_shape = slab_r, ld = slab_shape(h, width, rows, config)
+        blk_per_slab = slab_r // qc
+        n_chunks = -(-s_count // config.chunk_rows)
+        self.q_strides, self.k_strides = _tma_strides(q4), _tma_strides(k3)
+        self.fp8_flags = fp8_flags(w3, qs3, ks2) if self.fp8 else None
+        self.has_off, self.n_docs = has_off, n_docs
+        self.score_scalars = (n_docs, t_count, s_count, n_tblk)
+        self.score_mid = (config.chunk_rows, n_chunks)
+        self.score_tail = (1, ratio, *w3.stride(), ld, 1.0)
+        self.slabs = []
+        for blk0 in range(0, total_blk, blk_per_slab):
+            nblk = min(blk_per_slab, total_blk - blk0)
+            # the slab's longest row: the ratio-causal bound of its last token (offsets can move it anywhere in
+            # [0, S])
+            longest = min(width, slab_max_candidates(blk0, nblk, qc, n_tblk, t_count, s_count, not has_off, ratio,
+                                                     packed))
+            self.slabs.append((blk0, nblk, score_ctas(nblk * n_chunks, num_sms),
+                               kernels.topk_for(longest, nblk * qc, num_sms)))
+        self.topk_scalars = (n_docs, t_count, s_count, n_tblk)
+        self.qc = qc
+        self.topk_tail = (top_k, ratio, has_off, ld)
+        self.softmax_scalars = (n_docs, t_count, s_count, rows, top_k, ratio, has_off, int(softmax is not None),
+                                int(lse is not None), int(global_ids), num_sms * config.softmax_ctas_per_sm)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_causal_offsets: torch.Tensor | None,
+                 cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, ids: torch.Tensor,
+                 logits: torch.Tensor, softmax: torch.Tensor | None, lse: torch.Tensor | None,
+                 q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> None:
+        if self.no_slot:
+            if lse is not None:
+                lse.fill_(float("-inf"))                # no slot: every row is empty
+            return
+        if self.no_key:                                 # no key: every row is empty
+            ids.fill_(-1)
+            logits.fill_(float("-inf"))
+            if softmax is not None:
+                softmax.zero_()
+            if lse is not None:
+                lse.fill_(float("-inf"))
+            return
+        q4, k3, w3, qs, ks = input_views(q, k, weights, q_scale, k_scale, self.packed)
+        extra = fp8_args(w3, qs, ks, self.fp8_flags) if self.fp8 else ()
+        qv, kv = _with_strides(q4, self.q_strides), _with_strides(k3, self.k_strides)
+        dummy = self.dummy
+        cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if self.packed else (dummy, dummy)
+        q_off = dummy if q_causal_offsets is None else q_causal_offsets
+        kernels, has_off = self.kernels, self.has_off
+        slab = torch.empty(self.slab_shape, dtype=torch.float32, device=self.device)
+        score_head = (cu_q, cu_k, *self.score_scalars)
+        for blk0, nblk, n_ctas, topk_k in self.slabs:
+            kernels.score.launch(qv, kv, w3, slab, *score_head, blk0, nblk, *self.score_mid, n_ctas, *self.score_tail,
+                                 q_off, has_off, 0, *extra)          # fill 0: the top-k reads only the valid columns
+            topk_k.launch(slab, ids, logits, cu_q, cu_k, q_off, *self.topk_scalars, blk0, self.qc, nblk * self.qc,
+                          *self.topk_tail)
+        kernels.softmax.launch(logits, ids, logits if softmax is None else softmax, logits if lse is None else lse,
+                               cu_q, cu_k, q_off, *self.softmax_scalars)
+
+
 def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, top_k: int, ratio: int,
         q_causal_offsets: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
         width: int, ids: torch.Tensor, logits: torch.Tensor, softmax: torch.Tensor | None, lse: torch.Tensor | None,
         global_ids: bool, q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-        config: ForwardTopkConfig | None = None) -> None:
+        config: ForwardTopkConfig | None = None) -> ForwardTopkLaunch:
     """Write the selection of every query row into ids (int32) and logits (fp32), and when given softmax (fp32) and
     lse (fp32): contiguous [rows, top_k] / [rows] views (BSHD rows = B * S_q, THD total_q). q / k / weights as
     indexer_forward_topk takes them (k may have its 1-sized head dim); THD when cu_seqlens_q is given (int32,
     contiguous), width = the longest segment's key count (BSHD: S_k). FP8 q / k take fp32 descales q_scale (q's
-    leading dims and H) and k_scale (k's key dims)."""
-    packed = cu_seqlens_q is not None
-    q4, k3, w3, extra = kernel_inputs(q, k, weights, q_scale, k_scale, packed)
-    b, t_count, h, d = q4.shape
-    s_count = k3.shape[1]
-    rows = b * t_count
-    if rows == 0 or top_k == 0:
-        if lse is not None:
-            lse.fill_(float("-inf"))                # no slot: every row is empty
-        return
-    if width == 0 or s_count == 0:                  # no key: every row is empty
-        ids.fill_(-1)
-        logits.fill_(float("-inf"))
-        if softmax is not None:
-            softmax.zero_()
-        if lse is not None:
-            lse.fill_(float("-inf"))
-        return
-    _check_layout("q_indexer", q4, _OP)
-    _check_layout("k_indexer", k3, _OP)
-    device = q.device
-    kernels = _kernels_for(device, h, d, q.dtype, config)
-    config = kernels.config
-    dummy = dummy_offsets(device)
-    cu_q, cu_k, n_docs = (cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.numel() - 1) if packed else (dummy, dummy, 0)
-    q_off, has_off = (q_causal_offsets, 1) if q_causal_offsets is not None else (dummy, 0)
-    num_sms = device_sm_count(device_index(device))
-    qc = tokens_per_cta(h)
-    n_tblk = -(-t_count // qc)
-    total_blk = b * n_tblk
-    slab_r, ld = slab_shape(h, width, rows, config)
-    blk_per_slab = slab_r // qc
-    slab = torch.empty((slab_r, ld), dtype=torch.float32, device=device)
-    n_chunks = -(-s_count // config.chunk_rows)
-    qv, kv = _tma_view(q4), _tma_view(k3)
-    w_sb, w_st, w_sh = w3.stride()
-    score_tail = (cu_q, cu_k, n_docs, t_count, s_count, n_tblk)
-    for blk0 in range(0, total_blk, blk_per_slab):
-        nblk = min(blk_per_slab, total_blk - blk0)
-        # the slab's longest row: the ratio-causal bound of its last token (offsets can move it anywhere in [0, S])
-        longest = min(width, slab_max_candidates(blk0, nblk, qc, n_tblk, t_count, s_count, not has_off, ratio,
-                                                 packed))
-        topk_k = kernels.topk_for(longest, nblk * qc, num_sms)
-        kernels.score.launch(qv, kv, w3, slab, *score_tail, blk0, nblk, config.chunk_rows, n_chunks,
-                             score_ctas(nblk * n_chunks, num_sms), 1, ratio, w_sb, w_st, w_sh, ld, 1.0, q_off,
-                             has_off, 0, *extra)            # fill 0: the top-k reads only the valid columns
-        topk_k.launch(slab, ids, logits, cu_q, cu_k, q_off, n_docs, t_count, s_count, n_tblk, blk0, qc, nblk * qc,
-                      top_k, ratio, has_off, ld)
-    kernels.softmax.launch(logits, ids, logits if softmax is None else softmax, logits if lse is None else lse,
-                           cu_q, cu_k, q_off, n_docs, t_count, s_count, rows, top_k, ratio, has_off,
-                           int(softmax is not None), int(lse is not None), int(global_ids),
-                           num_sms * config.softmax_ctas_per_sm)
+    leading dims and H) and k_scale (k's key dims). Returns the call's ForwardTopkLaunch (the plan a later call of
+    the same signature can reuse)."""
+    plan = ForwardTopkLaunch(q, k, weights, top_k, ratio, q_causal_offsets, cu_seqlens_q, width, softmax, lse,
+                             global_ids, q_scale, k_scale, config)
+    plan(q, k, weights, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, ids, logits, softmax, lse, q_scale, k_scale)
+    return plan
 
 
 @torch.library.custom_op("dsagen::indexer_forward_topk_fused", mutates_args=("ids", "logits", "softmax", "lse"))
@@ -178,28 +226,57 @@ def indexer_forward_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor
                          q_causal_offsets: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
                          cu_seqlens_k: torch.Tensor | None, width: int, return_softmax: bool, return_lse: bool,
                          topk_indices_global: bool, q_scale: torch.Tensor | None = None,
-                         k_scale: torch.Tensor | None = None, config: ForwardTopkConfig | None = None
+                         k_scale: torch.Tensor | None = None, config: ForwardTopkConfig | None = None,
+                         keep_plan: Callable[[Callable], None] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The fused indexer_forward_topk (inputs validated by dsagen.ops.indexer.indexer_forward_topk). Returns (indices
     int32, logits fp32, softmax fp32 or None, lse fp32 or None) of shapes [B, S_q, top_k] / [B, S_q] (THD:
     [total_q, top_k] / [total_q]). Slot order: ascending key ids (ties at the k-th value go to the lower ids), then
     -1 / -inf / 0 padding. width: S_k (BSHD) or max_seqlen_k (THD). config: None (the op, through the custom op) or
-    another ForwardTopkConfig for the same H, D, dtype (benchmarks; runs the host loop directly).
+    another ForwardTopkConfig for the same H, D, dtype (benchmarks; runs the host loop directly). keep_plan: called
+    after an eager BSHD call of the op's config with a plan that repeats the call for tensors of the same signature
+    (`ForwardTopkCall`, the public op's fast path).
 
     Raises ValueError outside the kernels' limits (check_supported; q / k readable by TMA: stride 1 in the last dim,
     16-byte-aligned base and outer strides), NotImplementedError on a GPU other than sm_90a."""
     packed = cu_seqlens_q is not None
     check_supported(q, k, weights, top_k, packed)
-    lead = (q.shape[0],) if packed else tuple(q.shape[:2])
-    dev = q.device
-    ids = torch.empty(lead + (top_k,), dtype=torch.int32, device=dev)
-    logits = torch.empty(lead + (top_k,), dtype=torch.float32, device=dev)
-    softmax = torch.empty(lead + (top_k,), dtype=torch.float32, device=dev) if return_softmax else None
-    lse = torch.empty(lead, dtype=torch.float32, device=dev) if return_lse else None
-    args = (q, k, weights, int(top_k), int(ratio), q_causal_offsets, cu_seqlens_q, cu_seqlens_k, int(width), ids,
-            logits, softmax, lse, bool(topk_indices_global), q_scale, k_scale)
+    outputs = ForwardTopkCall.new_outputs(q, top_k, packed, return_softmax, return_lse)
+    args = (q, k, weights, int(top_k), int(ratio), q_causal_offsets, cu_seqlens_q, cu_seqlens_k, int(width),
+            *outputs, bool(topk_indices_global), q_scale, k_scale)
     if config is not None or eager(q):
-        run(*args, config=config)
+        launch = run(*args, config=config)
+        if keep_plan is not None and config is None and not packed:
+            keep_plan(ForwardTopkCall(launch, top_k, return_softmax, return_lse))
     else:
         _forward_topk_op(*args)
-    return ids, logits, softmax, lse
+    return outputs
+
+
+class ForwardTopkCall:
+    """indexer_forward_topk's eager BSHD call by plan: allocates the four outputs, runs the ForwardTopkLaunch,
+    returns (indices, logits, softmax or None, lse or None). For tensors of the signature it was made from only (the
+    public op's fast path)."""
+
+    def __init__(self, launch: ForwardTopkLaunch, top_k: int, return_softmax: bool, return_lse: bool):
+        self.launch, self.top_k, self.return_softmax, self.return_lse = launch, top_k, return_softmax, return_lse
+
+    @staticmethod
+    def new_outputs(q: torch.Tensor, top_k: int, packed: bool, return_softmax: bool, return_lse: bool) -> tuple:
+        """(ids int32, logits fp32, softmax fp32 or None, lse fp32 or None) of a call on q: [B, S_q, top_k] /
+        [B, S_q] (THD [total_q, top_k] / [total_q])."""
+        lead = (q.shape[0],) if packed else tuple(q.shape[:2])
+        dev = q.device
+        ids = torch.empty(lead + (top_k,), dtype=torch.int32, device=dev)
+        logits = torch.empty(lead + (top_k,), dtype=torch.float32, device=dev)
+        softmax = torch.empty(lead + (top_k,), dtype=torch.float32, device=dev) if return_softmax else None
+        lse = torch.empty(lead, dtype=torch.float32, device=dev) if return_lse else None
+        return ids, logits, softmax, lse
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_causal_offsets: torch.Tensor | None,
+                 q_scale: torch.Tensor | None, k_scale: torch.Tensor | None) -> tuple:
+        outputs = self.new_outputs(q, self.top_k, False, self.return_softmax, self.return_lse)
+        if q_causal_offsets is not None:
+            q_causal_offsets = q_causal_offsets.contiguous()
+        self.launch(q, k, weights, q_causal_offsets, None, None, *outputs, q_scale, k_scale)
+        return outputs

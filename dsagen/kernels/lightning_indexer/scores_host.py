@@ -26,6 +26,8 @@ How a call runs (notes/kernels/indexer.md, "indexer_scores"):
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ...jit import get_kernel
@@ -103,74 +105,142 @@ def launch_ranges(batch: int, seqlen_q: int, qc: int, blocks_per_launch: int) ->
     return out
 
 
-def fp8_args(w3: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor) -> tuple:
+def fp8_flags(w3: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor) -> tuple:
+    """What of the FP8 kernel's trailing arguments is not a pointer: (w is fp32, q_scale's strides, k_scale's)."""
+    return int(w3.dtype == torch.float32), q_scale.stride(), k_scale.stride()
+
+
+def fp8_args(w3: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor, flags: tuple | None = None) -> tuple:
     """The FP8 kernel's trailing arguments (score_sm90.fp8_params) for weights w3 [B, T, H] (bf16 or fp32),
     q_scale [B, T, H] and k_scale [B, S] (fp32, any strides): the weights go through both pointers, the kernel
-    reads the one of their dtype."""
-    return (w3, int(w3.dtype == torch.float32), q_scale, *q_scale.stride(), k_scale, *k_scale.stride())
+    reads the one of their dtype. flags: fp8_flags of tensors of the same signature (computed when None)."""
+    w_f32, qs_strides, ks_strides = fp8_flags(w3, q_scale, k_scale) if flags is None else flags
+    return (w3, w_f32, q_scale, *qs_strides, k_scale, *ks_strides)
+
+
+def input_views(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_scale: torch.Tensor | None,
+                k_scale: torch.Tensor | None, packed: bool) -> tuple[torch.Tensor, ...]:
+    """The score kernel's views of an op's inputs: (q [B, T, H, D], k [B, S, D], weights [B, T, H], q_scale
+    [B, T, H] or None, k_scale [B, S] or None). THD inputs (packed) become B = 1 views, k loses its 1-sized head
+    dim, and FP8 q / k (float8_e4m3fn) become uint8 views (TMA moves the E4M3 bytes)."""
+    if packed:
+        q4, k3, w3 = q[None], (k.squeeze(1) if k.dim() == 3 else k)[None], weights[None]
+        qs3, ks2 = (q_scale[None], k_scale[None]) if q_scale is not None else (None, None)
+    else:
+        q4, k3, w3 = q, (k.squeeze(2) if k.dim() == 4 else k), weights
+        qs3, ks2 = q_scale, k_scale
+    if q.dtype == torch.float8_e4m3fn:
+        q4, k3 = q4.view(torch.uint8), k3.view(torch.uint8)
+    return q4, k3, w3, qs3, ks2
 
 
 def kernel_inputs(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_scale: torch.Tensor | None,
                   k_scale: torch.Tensor | None, packed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
-    """The score kernel's views of an op's inputs: (q [B, T, H, D], k [B, S, D], weights [B, T, H], the FP8 form's
-    trailing arguments or ()). THD inputs (packed) become B = 1 views, k loses its 1-sized head dim, and FP8 q / k
-    (float8_e4m3fn) become uint8 views (TMA moves the E4M3 bytes) with fp8_args of their descales."""
-    fp8 = q.dtype == torch.float8_e4m3fn
-    if packed:
-        q4, k3, w3 = q[None], (k.squeeze(1) if k.dim() == 3 else k)[None], weights[None]
-        qs3, ks2 = (q_scale[None], k_scale[None]) if fp8 else (None, None)
-    else:
-        q4, k3, w3 = q, (k.squeeze(2) if k.dim() == 4 else k), weights
-        qs3, ks2 = q_scale, k_scale
-    if not fp8:
-        return q4, k3, w3, ()
-    return q4.view(torch.uint8), k3.view(torch.uint8), w3, fp8_args(w3, qs3, ks2)
+    """input_views' (q [B, T, H, D], k [B, S, D], weights [B, T, H]) and the FP8 form's trailing arguments
+    (fp8_args of the descales) or ()."""
+    q4, k3, w3, qs3, ks2 = input_views(q, k, weights, q_scale, k_scale, packed)
+    return q4, k3, w3, (fp8_args(w3, qs3, ks2) if q.dtype == torch.float8_e4m3fn else ())
+
+
+class ScoresLaunch:
+    """The score (and finishing) launches of one call signature: everything of `run` that follows from the shapes,
+    strides, dtypes and flags (kernels, launch ranges, grid sizes, scalar arguments), computed once; calling it with
+    tensors of that signature launches the kernels on their pointers. Built by `run` for every call, and kept by
+    dsagen.indexer_scores' fast path per signature (dsagen.ops._fast_path). Arguments as `run`'s."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int,
+                 q_causal_offsets: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None, out: torch.Tensor,
+                 lse: torch.Tensor | None, q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                 scale: float = 1.0, config: ScoresConfig | None = None):
+        self.packed = packed = cu_seqlens_q is not None
+        self.fp8 = q.dtype == torch.float8_e4m3fn
+        q4, k3, w3, qs3, ks2 = input_views(q, k, weights, q_scale, k_scale, packed)
+        b, t_count, h, d = q4.shape
+        s_count = k3.shape[1]
+        self.width = width = out.shape[-1]
+        self.want_lse = lse is not None
+        self.empty = b * t_count == 0                     # no row: nothing to write
+        self.no_column = width == 0 or s_count == 0       # every row empty: -inf everywhere
+        if self.empty or self.no_column:
+            return
+        _check_layout("q_indexer", q4, _OP)
+        _check_layout("k_indexer", k3, _OP)
+        device = q.device
+        self.config, self.score_k, self.mask_k = config, score_k, _ = _kernels_for(device, h, d, q.dtype, config)
+        self.dummy = dummy_offsets(device)
+        self.n_docs = cu_seqlens_q.numel() - 1 if packed else 0
+        self.has_off = int(q_causal_offsets is not None)
+        num_sms = device_sm_count(device_index(device))
+        qc = item_tokens(config.score)
+        n_chunks = -(-s_count // config.chunk_rows)
+        self.q_strides, self.k_strides = _tma_strides(q4), _tma_strides(k3)
+        self.w_strides = w3.stride()
+        self.fp8_flags = fp8_flags(w3, qs3, ks2) if self.fp8 else None
+        self.launches = [(row0 * width, blk0, nblk, score_ctas(nblk * n_chunks, num_sms))
+                         for blk0, nblk, row0 in launch_ranges(b, t_count, qc, max(1, config.launch_rows // qc))]
+        self.score_scalars = (t_count, s_count, -(-t_count // qc), config.chunk_rows, n_chunks)
+        self.score_tail = (1, ratio)
+        self.scale = scale
+        self.mask_scalars = (t_count, s_count, b * t_count, width, ratio)
+        self.run_mask = self.want_lse or not config.score_fills
+        self.mask_ctas = num_sms * config.mask_ctas_per_sm
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_causal_offsets: torch.Tensor | None,
+                 cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, out: torch.Tensor,
+                 lse: torch.Tensor | None, q_scale: torch.Tensor | None = None,
+                 k_scale: torch.Tensor | None = None) -> None:
+        if self.empty:
+            return
+        if self.no_column:
+            out.fill_(float("-inf"))
+            if self.want_lse:
+                lse.fill_(float("-inf"))
+            return
+        q4, k3, w3, qs, ks = input_views(q, k, weights, q_scale, k_scale, self.packed)
+        extra = fp8_args(w3, qs, ks, self.fp8_flags) if self.fp8 else ()
+        qv, kv = _with_strides(q4, self.q_strides), _with_strides(k3, self.k_strides)
+        dummy = self.dummy
+        cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if self.packed else (dummy, dummy)
+        q_off = dummy if q_causal_offsets is None else q_causal_offsets
+        width, n_docs, has_off, config = self.width, self.n_docs, self.has_off, self.config
+        flat = out.view(-1)
+        t_count, s_count, n_tblk, chunk_rows, n_chunks = self.score_scalars
+        for off, blk0, nblk, n_ctas in self.launches:
+            self.score_k.launch(qv, kv, w3, flat[off:] if off else flat, cu_q, cu_k, n_docs, t_count, s_count,
+                                n_tblk, blk0, nblk, chunk_rows, n_chunks, n_ctas, *self.score_tail, *self.w_strides,
+                                width, self.scale, q_off, has_off, int(config.score_fills), *extra)
+        if self.run_mask:
+            want_lse = self.want_lse
+            t_count, s_count, rows, width, ratio = self.mask_scalars
+            self.mask_k.launch(out, lse if want_lse else out, cu_q, cu_k, q_off, n_docs, t_count, s_count, rows,
+                               width, ratio, has_off, int(want_lse), int(not config.score_fills), self.mask_ctas,
+                               width)
+
+
+def _tma_strides(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides `_tma_view` gives `t`, or None when they are t's own."""
+    v = _tma_view(t)
+    return None if v is t else v.stride()
+
+
+def _with_strides(t: torch.Tensor, strides: tuple[int, ...] | None) -> torch.Tensor:
+    return t if strides is None else t.as_strided(t.shape, strides)
 
 
 def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int, q_causal_offsets: torch.Tensor | None,
         cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, out: torch.Tensor,
         lse: torch.Tensor | None, q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-        scale: float = 1.0, config: ScoresConfig | None = None) -> None:
+        scale: float = 1.0, config: ScoresConfig | None = None) -> ScoresLaunch:
     """Write the scores (times `scale`, folded into the weights) into `out` (contiguous fp32 [rows, width]
-    view-compatible) and, when `lse` is not None, the row logsumexps into it (contiguous fp32 [rows]). q / k / weights as indexer_scores takes them (k may have its
-    1-sized head dim); THD when cu_seqlens_q is given (int32, contiguous). FP8 q / k (float8_e4m3fn) take fp32
-    descales q_scale (q's leading dims and H) and k_scale (k's key dims: BSHD [B, S_k], THD [total_k]). config: None
-    (scores_config_for's) or another ScoresConfig of the same H, D and dtype (benchmarks)."""
-    packed = cu_seqlens_q is not None
-    q4, k3, w3, extra = kernel_inputs(q, k, weights, q_scale, k_scale, packed)
-    b, t_count, h, d = q4.shape
-    s_count = k3.shape[1]
-    width = out.shape[-1]
-    rows = b * t_count
-    want_lse = lse is not None
-    if rows == 0:
-        return
-    if width == 0 or s_count == 0:
-        out.fill_(float("-inf"))              # no column (width 0) or no key: every row is empty
-        if want_lse:
-            lse.fill_(float("-inf"))
-        return
-    _check_layout("q_indexer", q4, _OP)
-    _check_layout("k_indexer", k3, _OP)
-    device = q.device
-    config, score_k, mask_k = _kernels_for(device, h, d, q.dtype, config)
-    dummy = dummy_offsets(device)
-    cu_q, cu_k, n_docs = (cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.numel() - 1) if packed else (dummy, dummy, 0)
-    q_off, has_off = (q_causal_offsets, 1) if q_causal_offsets is not None else (dummy, 0)
-    num_sms = device_sm_count(device_index(device))
-    flat = out.view(-1)
-    qc = item_tokens(config.score)
-    n_tblk = -(-t_count // qc)
-    n_chunks = -(-s_count // config.chunk_rows)
-    qv, kv = _tma_view(q4), _tma_view(k3)
-    w_sb, w_st, w_sh = w3.stride()
-    for blk0, nblk, row0 in launch_ranges(b, t_count, qc, max(1, config.launch_rows // qc)):
-        score_k.launch(qv, kv, w3, flat[row0 * width:], cu_q, cu_k, n_docs, t_count, s_count, n_tblk, blk0, nblk,
-                       config.chunk_rows, n_chunks, score_ctas(nblk * n_chunks, num_sms), 1, ratio, w_sb, w_st, w_sh,
-                       width, scale, q_off, has_off, int(config.score_fills), *extra)
-    if want_lse or not config.score_fills:
-        mask_k.launch(out, lse if want_lse else out, cu_q, cu_k, q_off, n_docs, t_count, s_count, rows, width, ratio,
-                      has_off, int(want_lse), int(not config.score_fills), num_sms * config.mask_ctas_per_sm, width)
+    view-compatible) and, when `lse` is not None, the row logsumexps into it (contiguous fp32 [rows]). q / k /
+    weights as indexer_scores takes them (k may have its 1-sized head dim); THD when cu_seqlens_q is given (int32,
+    contiguous). FP8 q / k (float8_e4m3fn) take fp32 descales q_scale (q's leading dims and H) and k_scale (k's key
+    dims: BSHD [B, S_k], THD [total_k]). config: None (scores_config_for's) or another ScoresConfig of the same H, D
+    and dtype (benchmarks). Returns the call's ScoresLaunch (the plan a later call of the same signature can reuse)."""
+    plan = ScoresLaunch(q, k, weights, ratio, q_causal_offsets, cu_seqlens_q, out, lse, q_scale, k_scale, scale,
+                        config)
+    plan(q, k, weights, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, out, lse, q_scale, k_scale)
+    return plan
 
 
 @torch.library.custom_op("dsagen::indexer_scores_fused", mutates_args=("out", "lse"))
@@ -192,8 +262,8 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, r
                    q_causal_offsets: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
                    cu_seqlens_k: torch.Tensor | None, out: torch.Tensor | None, lse: torch.Tensor | None,
                    return_lse: bool, shapes: tuple[tuple[int, ...], tuple[int, ...]],
-                   q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None, scale: float = 1.0
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None, scale: float = 1.0,
+                   keep_plan: Callable[[Callable], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fused indexer_scores (inputs, out and lse already validated by dsagen.ops.indexer.indexer_scores).
     Returns (scores, lse or None): `out` / `lse` when given (contiguous fp32 of shapes[0] / shapes[1]: BSHD
     [B, S_q, S_k] / [B, S_q], THD [total_q, max_seqlen_k] / [total_q]), else new tensors of those shapes, allocated
@@ -204,8 +274,12 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, r
     cannot read (q / k: stride 1 in the last dim, 16-byte-aligned base, 16-byte-multiple outer strides; weights may
     have any strides); NotImplementedError on a GPU other than sm_90a. FP8 (float8_e4m3fn q and k, validated by
     the op): D = 128, weights bf16 or fp32, q_scale / k_scale fp32 descales of any strides. scale (> 0): a factor
-    of every score (dense_indexer_score_recompute's sm_scale), folded into the weights the kernel stages."""
+    of every score (dense_indexer_score_recompute's sm_scale), folded into the weights the kernel stages.
+
+    keep_plan: called after an eager BSHD call with a plan that repeats this call for tensors of the same signature
+    (`ScoresCall`: the public op's fast path keeps it per dsagen.ops._fast_path.call_signature)."""
     check_supported(q, k, weights, cu_seqlens_q is not None)
+    out_given, lse_given = out is not None, lse is not None
     if out is None:
         out = torch.empty(shapes[0], dtype=torch.float32, device=q.device)
     if return_lse and lse is None:
@@ -214,10 +288,37 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, r
     args = (q, k, weights, int(ratio), q_causal_offsets, cu_seqlens_q, cu_seqlens_k, out, lse, q_scale, k_scale,
             float(scale))
     if eager(q):
-        run(*args)
+        launch = run(*args)
+        if keep_plan is not None and cu_seqlens_q is None:
+            keep_plan(ScoresCall(launch, shapes, q.device, out_given, return_lse and not lse_given, return_lse))
     else:
         _indexer_scores_op(*args)
     return out, lse
+
+
+class ScoresCall:
+    """indexer_scores' eager BSHD call by plan: allocates the outputs the caller did not pass (shapes as the call
+    it was made from), runs the ScoresLaunch, returns (scores, lse or None). For tensors of the signature it was
+    made from only (the public op's fast path)."""
+
+    def __init__(self, launch: ScoresLaunch, shapes: tuple[tuple[int, ...], tuple[int, ...]], device: torch.device,
+                 out_given: bool, new_lse: bool, return_lse: bool):
+        self.launch, self.shapes, self.device = launch, shapes, device
+        self.out_given, self.new_lse, self.return_lse = out_given, new_lse, return_lse
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_causal_offsets: torch.Tensor | None,
+                 out: torch.Tensor | None, lse: torch.Tensor | None, q_scale: torch.Tensor | None,
+                 k_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.out_given:
+            out = torch.empty(self.shapes[0], dtype=torch.float32, device=self.device)
+        if self.new_lse:
+            lse = torch.empty(self.shapes[1], dtype=torch.float32, device=self.device)
+        elif not self.return_lse:
+            lse = None
+        if q_causal_offsets is not None:
+            q_causal_offsets = q_causal_offsets.contiguous()
+        self.launch(q, k, weights, q_causal_offsets, None, None, out, lse, q_scale, k_scale)
+        return out, lse
 
 
 def dense_indexer_score_recompute(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *, ratio: int,

@@ -1,0 +1,130 @@
+"""The signature-keyed fast path of eager fused calls (dsagen.ops._fast_path) and its use by indexer_scores, on the
+CPU: keys tell apart every property the ops' checks read, and the public op runs a stored plan or takes its full
+path (checks included) and stores the plan it returns. The kernels' side runs in tests/gpu/test_indexer_scores.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsagen
+from dsagen.ops import indexer as ix
+from dsagen.ops._fast_path import FastPaths, call_signature, eager_call
+
+
+def test_signature_tells_apart_what_checks_read():
+    base = torch.zeros(4, 8)
+    key = call_signature(base, 1, True)
+    assert key == call_signature(torch.ones(4, 8), 1, True)            # values never enter
+    others = [
+        (torch.zeros(8, 4), 1, True),                                    # shape
+        (torch.zeros(8, 4).t(), 1, True),                                # strides
+        (torch.zeros(4, 8, dtype=torch.float64), 1, True),               # dtype
+        (torch.zeros(4, 9)[:, 1:], 1, True),                             # base address modulo 16 (and strides)
+        (torch.zeros(4, 8, requires_grad=True), 1, True),                # requires_grad
+        (torch.nn.Parameter(torch.zeros(4, 8)), 1, True),                # tensor type
+        (base, 1.0, True),                                               # scalar type (1.0 == 1)
+        (base, True, True),                                              # bool is not int
+        (base, 1, 1),
+        (base, 1, None),
+    ]
+    for args in others:
+        assert call_signature(*args) != key, args
+    with torch.no_grad():
+        assert call_signature(base, 1, True) != key                      # autograd recording
+
+
+def test_signature_of_misaligned_view_differs():
+    flat = torch.zeros(64, dtype=torch.uint8)
+    assert call_signature(flat[16:48].view(4, 8)) != call_signature(flat[1:33].view(4, 8))
+    assert call_signature(flat[16:48].view(4, 8)) == call_signature(flat[32:64].view(4, 8))
+
+
+def test_signature_none_for_unkeyable_arguments():
+    assert call_signature(torch.zeros(2), [1, 2]) is None                 # unhashable
+    assert call_signature(torch.zeros(2, 2).to_sparse()) is None          # no strides
+
+
+def test_fast_paths_store_and_evict():
+    paths = FastPaths("op", capacity=2)
+    paths.put(None, len)                                                  # no key: nothing kept
+    assert len(paths) == 0 and paths.get(None) is None
+    paths.put(("a",), len)
+    paths.put(("b",), sum)
+    paths.put(("a",), max)                                                # replaces, keeps the size
+    assert len(paths) == 2 and paths.get(("a",)) is max
+    paths.put(("c",), min)                                                # evicts the oldest key
+    assert paths.get(("a",)) is None and paths.get(("b",)) is sum and paths.get(("c",)) is min
+    paths.clear()
+    assert len(paths) == 0
+
+
+def test_eager_call():
+    assert eager_call(torch.zeros(1))
+    assert not eager_call(torch.nn.Parameter(torch.zeros(1)))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        assert not eager_call(torch.zeros(1))
+
+
+def _inputs(b=1, sq=6, sk=6, h=16, d=64):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, sq, h, d, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(b, sk, d, generator=g, dtype=torch.bfloat16)
+    w = torch.randn(b, sq, h, generator=g, dtype=torch.bfloat16)
+    return q, k, w
+
+
+@pytest.fixture
+def fake_fused(monkeypatch):
+    """dsagen.indexer_scores' fused host replaced by one that records its calls and hands back a plan that
+    records its own (so the public op's wiring runs on the CPU)."""
+    calls = {"full": 0, "plan": 0}
+
+    def plan(q, k, w, q_off, out, lse, qs, ks):
+        calls["plan"] += 1
+        return torch.full((q.shape[0], q.shape[1], k.shape[1]), 2.0), None
+
+    def host(q, k, w, *, keep_plan=None, shapes, **kw):
+        calls["full"] += 1
+        if keep_plan is not None:
+            keep_plan(plan)
+        return torch.full(shapes[0], 1.0), None
+
+    monkeypatch.setattr("dsagen.ops._fused.fused_impl", lambda name, device: host)
+    ix._SCORES_FAST.clear()
+    yield calls
+    ix._SCORES_FAST.clear()
+
+
+def test_indexer_scores_runs_stored_plan(fake_fused):
+    q, k, w = _inputs()
+    assert dsagen.indexer_scores(q, k, w).eq(1.0).all()                   # full path, stores the plan
+    assert fake_fused == {"full": 1, "plan": 0} and len(ix._SCORES_FAST) == 1
+    q2, k2, w2 = _inputs()
+    assert dsagen.indexer_scores(q2, k2, w2).eq(2.0).all()                # same signature: the plan
+    assert fake_fused == {"full": 1, "plan": 1}
+    dsagen.indexer_scores(q, k, w, ratio=2)                               # another signature: full path
+    assert fake_fused == {"full": 2, "plan": 1} and len(ix._SCORES_FAST) == 2
+
+
+def test_indexer_scores_bad_input_after_plan_still_checked(fake_fused):
+    q, k, w = _inputs()
+    dsagen.indexer_scores(q, k, w)
+    with pytest.raises(ValueError, match="weights"):
+        dsagen.indexer_scores(q, k, w[:, :, :8])
+    with pytest.raises(TypeError, match="ratio"):
+        dsagen.indexer_scores(q, k, w, ratio=1.0)
+    with pytest.raises(ValueError, match="lse_out"):
+        dsagen.indexer_scores(q, k, w, lse_out=torch.empty(1, 6))
+    assert fake_fused["plan"] == 0
+
+
+def test_indexer_scores_no_fast_path_for_thd_or_reference(fake_fused):
+    q, k, w = _inputs()
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    dsagen.indexer_scores(q[0], k[0], w[0], cu_seqlens_q=cu, cu_seqlens_k=cu)
+    dsagen.indexer_scores(q[0], k[0], w[0], cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert fake_fused == {"full": 2, "plan": 0} and len(ix._SCORES_FAST) == 0
+    ref = dsagen.indexer_scores(q, k, w, impl="reference")
+    assert torch.isfinite(ref[0, -1]).all() and len(ix._SCORES_FAST) == 0

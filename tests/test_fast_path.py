@@ -128,3 +128,34 @@ def test_indexer_scores_no_fast_path_for_thd_or_reference(fake_fused):
     assert fake_fused == {"full": 2, "plan": 0} and len(ix._SCORES_FAST) == 0
     ref = dsagen.indexer_scores(q, k, w, impl="reference")
     assert torch.isfinite(ref[0, -1]).all() and len(ix._SCORES_FAST) == 0
+
+
+def test_lightning_indexer_runs_stored_plan(monkeypatch):
+    from dsagen.ops import lightning_indexer as li
+
+    calls = {"full": 0, "plan": 0}
+
+    def plan(q, k, w, cu_q, cu_k):
+        calls["plan"] += 1
+        return torch.full((q.shape[0], q.shape[1], 4), 2, dtype=torch.int32)
+
+    def host(q, k, w, topk, *, keep_plan=None, **kw):
+        calls["full"] += 1
+        if keep_plan is not None:
+            keep_plan(plan)
+        return torch.full((q.shape[0], q.shape[1], topk), 1, dtype=torch.int32)
+
+    monkeypatch.setattr("dsagen.ops._fused.fused_impl", lambda name, device: host)
+    li._FAST.clear()
+    q, k, w = _inputs()
+    try:
+        assert dsagen.lightning_indexer(q, k, w, 4, causal=True).eq(1).all()
+        assert dsagen.lightning_indexer(*_inputs(), 4, causal=True).eq(2).all()
+        assert calls == {"full": 1, "plan": 1}
+        with pytest.raises(TypeError, match="causal"):                    # another signature: checked
+            dsagen.lightning_indexer(q, k, w, 4, causal=1)
+        cu = torch.tensor([0, 6], dtype=torch.int32)
+        dsagen.lightning_indexer(q, k, w, 4, causal=True, cu_seqlens=cu, cu_seqlens_k=cu, check_offsets=True)
+        assert calls == {"full": 2, "plan": 1} and len(li._FAST) == 1      # check_offsets reads values: no plan
+    finally:
+        li._FAST.clear()

@@ -467,3 +467,33 @@ def test_cuda_graph_capture(slabs):
     assert torch.equal(out, want)
     lo, hi = _bounds(600, 600, True, 1)
     _check_rows(out, _scores(q, k, w), lo, hi, 48)
+
+
+# ------------------------------------------------------------------------------------------------ fast path
+@pytest.mark.parametrize("packed", [False, True])
+def test_fast_path_repeats_the_full_path(packed):
+    """Eager calls of a signature that passed once run by their plan (dsagen.ops._fast_path): on new inputs of the
+    same signature (several slabs; packed documents with new offsets) the ids equal the full path's and are
+    checked against the scores."""
+    from dsagen.ops import lightning_indexer as li
+
+    gen = torch.Generator().manual_seed(47)
+    t = config_for(64, 128, "bfloat16", "sm_90a").slab_max_rows * 2 + 77
+
+    def call(q, k, w, cu_q=None, cu_k=None):
+        return dsagen.lightning_indexer(q, k, w, 64, causal=True, compress_ratio=4 if packed else 1,
+                                        cu_seqlens=cu_q, cu_seqlens_k=cu_k)
+
+    offs = []
+    for cut in (300, 1900):
+        cu = torch.tensor([0, cut, t], dtype=torch.int32)
+        offs.append((cu.cuda(), (cu // 4).cuda()) if packed else (None, None))
+    s = t // 4 if packed else t
+    li._FAST.clear()
+    call(*_inputs(1, t, 64, 128, s, gen), *offs[0])
+    assert len(li._FAST) == 1
+    q, k, w = _inputs(1, t, 64, 128, s, gen)
+    fast = call(q, k, w, *offs[1])
+    li._FAST.clear()
+    want = _run_and_check(q, k, w, 64, True, 4 if packed else 1, *offs[1])
+    assert torch.equal(fast, want)

@@ -29,9 +29,10 @@ import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_index, device_sm_count
-from .host import _check_layout, dummy_offsets, loaded_kernels, score_ctas, slab_max_candidates, slab_rows
-from .scores_host import (_TORCH_DTYPE_NAMES, _tma_strides, _with_strides, check_supported as check_scores_supported,
-                          eager, fp8_args, fp8_flags, input_views)
+from .host import (_check_layout, _tma_strides, _with_strides, dummy_offsets, loaded_kernels, score_ctas,
+                   slab_max_candidates, slab_rows)
+from .scores_host import (_TORCH_DTYPE_NAMES, check_supported as check_scores_supported, eager, fp8_args, fp8_flags,
+                          input_views)
 from .spec import ForwardTopkConfig, IndexerTopkSpec, forward_topk_config_for, tokens_per_cta
 
 _OP = "indexer_forward_topk"
@@ -159,18 +160,28 @@ class ForwardTopkLaunch:
                  cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, ids: torch.Tensor,
                  logits: torch.Tensor, softmax: torch.Tensor | None, lse: torch.Tensor | None,
                  q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None) -> None:
-        if self.no_slot:
-            if lse is not None:
-                lse.fill_(float("-inf"))                # no slot: every row is empty
-            return
-        if self.no_key:                                 # no key: every row is empty
-            ids.fill_(-1)
+        self.launch(q, k, weights, q_causal_offsets, cu_seqlens_q, cu_seqlens_k, (ids, logits, softmax, lse),
+                    q_scale, k_scale)
+
+    def launch(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_causal_offsets: torch.Tensor | None,
+               cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+               outputs: tuple | Callable[[], tuple], q_scale: torch.Tensor | None = None,
+               k_scale: torch.Tensor | None = None) -> tuple:
+        """The call's launches into outputs = (ids, logits, softmax or None, lse or None), or a callable making them,
+        called after the first score launch (so the allocations' host time overlaps that kernel). Returns them."""
+        if self.no_slot or self.no_key:
+            ids, logits, softmax, lse = outputs = outputs() if callable(outputs) else outputs
+            if self.no_slot:
+                if lse is not None:
+                    lse.fill_(float("-inf"))            # no slot: every row is empty
+                return outputs
+            ids.fill_(-1)                               # no key: every row is empty
             logits.fill_(float("-inf"))
             if softmax is not None:
                 softmax.zero_()
             if lse is not None:
                 lse.fill_(float("-inf"))
-            return
+            return outputs
         q4, k3, w3, qs, ks = input_views(q, k, weights, q_scale, k_scale, self.packed)
         extra = fp8_args(w3, qs, ks, self.fp8_flags) if self.fp8 else ()
         qv, kv = _with_strides(q4, self.q_strides), _with_strides(k3, self.k_strides)
@@ -183,10 +194,14 @@ class ForwardTopkLaunch:
         for blk0, nblk, n_ctas, topk_k in self.slabs:
             kernels.score.launch(qv, kv, w3, slab, *score_head, blk0, nblk, *self.score_mid, n_ctas, *self.score_tail,
                                  q_off, has_off, 0, *extra)          # fill 0: the top-k reads only the valid columns
+            if callable(outputs):
+                outputs = outputs()
+            ids, logits, softmax, lse = outputs
             topk_k.launch(slab, ids, logits, cu_q, cu_k, q_off, *self.topk_scalars, blk0, self.qc, nblk * self.qc,
                           *self.topk_tail)
         kernels.softmax.launch(logits, ids, logits if softmax is None else softmax, logits if lse is None else lse,
                                cu_q, cu_k, q_off, *self.softmax_scalars)
+        return outputs
 
 
 def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, top_k: int, ratio: int,
@@ -254,9 +269,9 @@ def indexer_forward_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor
 
 
 class ForwardTopkCall:
-    """indexer_forward_topk's eager BSHD call by plan: allocates the four outputs, runs the ForwardTopkLaunch,
-    returns (indices, logits, softmax or None, lse or None). For tensors of the signature it was made from only (the
-    public op's fast path)."""
+    """indexer_forward_topk's eager BSHD call by plan: runs the ForwardTopkLaunch, allocating the four outputs after
+    its first launch, and returns (indices, logits, softmax or None, lse or None). For tensors of the signature it
+    was made from only (the public op's fast path)."""
 
     def __init__(self, launch: ForwardTopkLaunch, top_k: int, return_softmax: bool, return_lse: bool):
         self.launch, self.top_k, self.return_softmax, self.return_lse = launch, top_k, return_softmax, return_lse
@@ -275,8 +290,7 @@ class ForwardTopkCall:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_causal_offsets: torch.Tensor | None,
                  q_scale: torch.Tensor | None, k_scale: torch.Tensor | None) -> tuple:
-        outputs = self.new_outputs(q, self.top_k, False, self.return_softmax, self.return_lse)
         if q_causal_offsets is not None:
             q_causal_offsets = q_causal_offsets.contiguous()
-        self.launch(q, k, weights, q_causal_offsets, None, None, *outputs, q_scale, k_scale)
-        return outputs
+        return self.launch(q, k, weights, q_causal_offsets, None, None, lambda: self.new_outputs(
+            q, self.top_k, False, self.return_softmax, self.return_lse), q_scale, k_scale)

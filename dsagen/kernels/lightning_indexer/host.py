@@ -208,49 +208,90 @@ def slab_rows(num_heads: int, s_count: int, config: IndexerConfig | ForwardTopkC
     return max(qc, rows)
 
 
-def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, causal: bool, compress_ratio: int,
-         cu_seqlens: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-         config: IndexerConfig | None = None) -> torch.Tensor:
-    b, t_count, h, d = q.shape
-    s_count = k.shape[1]
-    device = q.device
-    out = torch.empty((b, t_count, topk), dtype=torch.int32, device=device)
-    if topk == 0 or b == 0 or t_count == 0:
-        return out
-    if s_count == 0:
-        return out.fill_(-1)
-    _check_layout("q", q)
-    _check_layout("k", k)
-    index = device_index(device)
-    kernels = _kernels_for(device, h, d, q.dtype, config)
-    score_k, config = kernels.score, kernels.config
-    chunk_rows = config.chunk_rows
+class IndexerLaunch:
+    """The launches of one lightning_indexer call signature: everything of `_run` that follows from the shapes,
+    strides, dtypes and flags (kernels, slab shape, per-slab top-k kernel and grid, scalars), computed once; calling
+    it with tensors of that signature allocates the slab and the output (after the first score launch, so that host
+    time overlaps the kernel) and launches. Built by `_run` for every call and kept by dsagen.lightning_indexer's fast
+    path per signature (dsagen.ops._fast_path)."""
 
-    qc = tokens_per_cta(h)
-    n_tblk = -(-t_count // qc)
-    total_blk = b * n_tblk
-    ld = -(-s_count // 4) * 4
-    blk_per_slab = min(slab_rows(h, s_count, config) // qc, total_blk)
-    slab = torch.empty((blk_per_slab * qc, ld), dtype=torch.float32, device=device)
-    n_chunks = -(-s_count // chunk_rows)
-    if cu_seqlens is not None:
-        cu_q, cu_k, n_docs = cu_seqlens, cu_seqlens_k, cu_seqlens.numel() - 1
-    else:
-        cu_q = cu_k = dummy_offsets(device)
-        n_docs = 0
-    qv, kv = _tma_view(q), _tma_view(k)
-    w_sb, w_st, w_sh = weights.stride()
-    scale = 1.0 / math.sqrt(h * d)
-    causal_i = int(bool(causal))
-    num_sms = device_sm_count(index)      # persistent grid, wide top-k choice
-    score_tail = (cu_q, cu_k, n_docs, t_count, s_count, n_tblk)
-    for blk0 in range(0, total_blk, blk_per_slab):
-        nblk = min(blk_per_slab, total_blk - blk0)
-        topk_k = kernels.topk_for(slab_max_candidates(blk0, nblk, qc, n_tblk, t_count, s_count, causal, compress_ratio,
-                                                      cu_seqlens is not None), nblk * qc, num_sms)
-        score_k.launch(qv, kv, weights, slab, *score_tail, blk0, nblk, chunk_rows, n_chunks,
-                       score_ctas(nblk * n_chunks, num_sms), causal_i, compress_ratio, w_sb, w_st, w_sh, ld, scale)
-        topk_k.launch(slab, out, *score_tail, blk0, qc, nblk * qc, topk, causal_i, compress_ratio, ld)
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, causal: bool,
+                 compress_ratio: int, cu_seqlens: torch.Tensor | None, config: IndexerConfig | None = None):
+        b, t_count, h, d = q.shape
+        s_count = k.shape[1]
+        self.device = device = q.device
+        self.out_shape = (b, t_count, topk)
+        self.no_slot = topk == 0 or b == 0 or t_count == 0
+        self.no_key = s_count == 0
+        if self.no_slot or self.no_key:
+            return
+        _check_layout("q", q)
+        _check_layout("k", k)
+        index = device_index(device)
+        self.kernels = kernels = _kernels_for(device, h, d, q.dtype, config)
+        config = kernels.config
+        chunk_rows = config.chunk_rows
+        qc = tokens_per_cta(h)
+        n_tblk = -(-t_count // qc)
+        total_blk = b * n_tblk
+        ld = -(-s_count // 4) * 4
+        blk_per_slab = min(slab_rows(h, s_count, config) // qc, total_blk)
+        self.slab_shape = (blk_per_slab * qc, ld)
+        n_chunks = -(-s_count // chunk_rows)
+        self.packed = cu_seqlens is not None
+        self.dummy = None if self.packed else dummy_offsets(device)
+        n_docs = cu_seqlens.numel() - 1 if self.packed else 0
+        self.q_strides, self.k_strides = _tma_strides(q), _tma_strides(k)
+        causal_i = int(bool(causal))
+        num_sms = device_sm_count(index)      # persistent grid, wide top-k choice
+        self.scalars = (n_docs, t_count, s_count, n_tblk)
+        self.score_tail = (causal_i, compress_ratio, *weights.stride(), ld, 1.0 / math.sqrt(h * d))
+        self.qc, self.topk_tail = qc, (topk, causal_i, compress_ratio, ld)
+        self.slabs = []
+        for blk0 in range(0, total_blk, blk_per_slab):
+            nblk = min(blk_per_slab, total_blk - blk0)
+            topk_k = kernels.topk_for(slab_max_candidates(blk0, nblk, qc, n_tblk, t_count, s_count, causal,
+                                                          compress_ratio, self.packed), nblk * qc, num_sms)
+            self.slabs.append((blk0, nblk, chunk_rows, n_chunks, score_ctas(nblk * n_chunks, num_sms), topk_k))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                 cu_seqlens_k: torch.Tensor | None) -> torch.Tensor:
+        if self.no_slot or self.no_key:
+            out = torch.empty(self.out_shape, dtype=torch.int32, device=self.device)
+            return out if self.no_slot else out.fill_(-1)
+        slab = torch.empty(self.slab_shape, dtype=torch.float32, device=self.device)
+        cu_q, cu_k = (cu_seqlens, cu_seqlens_k) if self.packed else (self.dummy, self.dummy)
+        qv, kv = _with_strides(q, self.q_strides), _with_strides(k, self.k_strides)
+        score_head = (cu_q, cu_k, *self.scalars)
+        out = None
+        for blk0, nblk, chunk_rows, n_chunks, n_ctas, topk_k in self.slabs:
+            self.kernels.score.launch(qv, kv, weights, slab, *score_head, blk0, nblk, chunk_rows, n_chunks, n_ctas,
+                                      *self.score_tail)
+            if out is None:
+                out = torch.empty(self.out_shape, dtype=torch.int32, device=self.device)
+            topk_k.launch(slab, out, *score_head, blk0, self.qc, nblk * self.qc, *self.topk_tail)
+        return out
+
+
+def _tma_strides(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides `_tma_view` gives `t`, or None when they are t's own."""
+    v = _tma_view(t)
+    return None if v is t else v.stride()
+
+
+def _with_strides(t: torch.Tensor, strides: tuple[int, ...] | None) -> torch.Tensor:
+    """`t` with the strides `_tma_strides` computed for its signature (itself when None)."""
+    return t if strides is None else t.as_strided(t.shape, strides)
+
+
+def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, causal: bool, compress_ratio: int,
+         cu_seqlens: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, config: IndexerConfig | None = None,
+         keep_plan: Callable[[Callable], None] | None = None) -> torch.Tensor:
+    """The fused call's launches (IndexerLaunch); keep_plan, when given, gets the plan."""
+    plan = IndexerLaunch(q, k, weights, topk, causal, compress_ratio, cu_seqlens, config)
+    out = plan(q, k, weights, cu_seqlens, cu_seqlens_k)
+    if keep_plan is not None:
+        keep_plan(plan)
     return out
 
 
@@ -280,7 +321,8 @@ def _(q, k, weights, topk, causal, compress_ratio, cu_seqlens, cu_seqlens_k):
 
 def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, *, causal: bool,
                       compress_ratio: int, cu_seqlens: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-                      kernel_options: dict | None, config: IndexerConfig | None = None) -> torch.Tensor:
+                      kernel_options: dict | None, config: IndexerConfig | None = None,
+                      keep_plan: Callable[[Callable], None] | None = None) -> torch.Tensor:
     """The fused lightning_indexer (inputs already validated by dsagen.ops.lightning_indexer).
 
     config: None (the op: config_for's choices) or another IndexerConfig for the same H, D, dtype and arch
@@ -295,12 +337,14 @@ def lightning_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, t
     INDEXER_HEADS, D in INDEXER_HEAD_DIMS, T, S, topk <= 2**20) or a layout TMA cannot read (q / k need
     stride 1 in the last dimension, a 16-byte-aligned base and 16-byte-multiple outer strides; weights
     may have any strides); TypeError for dtypes other than one shared bfloat16 / float16;
-    NotImplementedError on a GPU other than sm_90a.
+    NotImplementedError on a GPU other than sm_90a. keep_plan: called after an eager call of the op's config with
+    the IndexerLaunch that repeats it for tensors of the same signature (the public op's fast path).
     """
     check_backend(kernel_options)
     check_supported(q, k, weights, topk)
     if config is not None or eager(q):
         # eager calls run the host loop directly: the custom op's dispatch layers (autograd, the backend wrapper's
         # output checks) cost ~60 us of host time per call on the H200's host, the same launches either way
-        return _run(q, k, weights, topk, bool(causal), int(compress_ratio), cu_seqlens, cu_seqlens_k, config)
+        return _run(q, k, weights, topk, bool(causal), int(compress_ratio), cu_seqlens, cu_seqlens_k, config,
+                    keep_plan if config is None else None)
     return _lightning_indexer_op(q, k, weights, topk, bool(causal), int(compress_ratio), cu_seqlens, cu_seqlens_k)

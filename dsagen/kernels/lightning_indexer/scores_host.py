@@ -32,7 +32,7 @@ import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_index, device_sm_count
-from .host import _check_layout, _tma_view, dummy_offsets, eager, loaded_kernels, score_ctas
+from .host import _check_layout, _tma_strides, _with_strides, dummy_offsets, eager, loaded_kernels, score_ctas
 from .spec import (INDEXER_FP8_HEADS, INDEXER_HEAD_DIMS, INDEXER_HEADS, INDEXER_MAX_T, ScoresConfig, item_tokens,
                    scores_config_for)
 
@@ -215,16 +215,6 @@ class ScoresLaunch:
             self.mask_k.launch(out, lse if want_lse else out, cu_q, cu_k, q_off, n_docs, t_count, s_count, rows,
                                width, ratio, has_off, int(want_lse), int(not config.score_fills), self.mask_ctas,
                                width)
-
-
-def _tma_strides(t: torch.Tensor) -> tuple[int, ...] | None:
-    """The strides `_tma_view` gives `t`, or None when they are t's own."""
-    v = _tma_view(t)
-    return None if v is t else v.stride()
-
-
-def _with_strides(t: torch.Tensor, strides: tuple[int, ...] | None) -> torch.Tensor:
-    return t if strides is None else t.as_strided(t.shape, strides)
 
 
 def run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ratio: int, q_causal_offsets: torch.Tensor | None,

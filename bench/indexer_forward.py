@@ -17,8 +17,8 @@ per-token FP32 descales (amax / 448), BF16 weights. Every group of contenders is
   cudnn pipeline           indexer_forward_wrapper(ratio=1) + indexer_top_k_wrapper(return_val=True).
 TFLOP/s counts the causal pairs: 2 H D T (T + 1) / 2.
 --slab-mib / --slab-rows: extra forward_topk contenders with those slab caps (bytes / rows), through the host loop
-with a replaced config, beside the host loop with the default config; --topk-longest-first: one more, with the
-longest_first score kernel; --host-path: FP8 scores through out= and through the host's run (what the public
+with a replaced config, beside the host loop with the default config; --topk-finish-pass: one more, whose top-k
+kernels leave the finish (LSE, softmax, global ids) to the separate finishing kernel; --host-path: FP8 scores through out= and through the host's run (what the public
 op's validation and dispatch add).
 --recompute-T: dense_indexer_score_recompute (out + denom) beside cuDNN's dense_indexer_score_recompute_wrapper.
 """
@@ -142,9 +142,8 @@ def one_shape(t: int, args, dsa, gen) -> dict:
     base_cfg = forward_topk_config_for(H, D, "bfloat16", "sm_90a")
     variants = [(f"slab {mib} MiB", dataclasses.replace(base_cfg, slab_bytes=mib * 2 ** 20)) for mib in args.slab_mib]
     variants += [(f"slab {r} rows", dataclasses.replace(base_cfg, slab_max_rows=r)) for r in args.slab_rows]
-    if args.topk_longest_first:
-        variants.append(("longest_first score kernel", dataclasses.replace(
-            base_cfg, score=dataclasses.replace(base_cfg.score, longest_first=True))))
+    if args.topk_finish_pass:
+        variants.append(("finishing kernel", forward_topk_config_for(H, D, "bfloat16", "sm_90a", finish_in_topk=False)))
     if variants:
         variants.insert(0, ("host loop, default config", base_cfg))   # the variants' baseline: no public op
     for label, cfg in variants:
@@ -231,8 +230,8 @@ def main(argv=None) -> int:
     ap.add_argument("--host-path", action="store_true",
                     help="also time FP8 indexer_scores with out=, and its host run (no validation or dispatch) into "
                          "the same or a new output: what the public op's host path adds")
-    ap.add_argument("--topk-longest-first", action="store_true",
-                    help="also time forward_topk (bf16, host loop) with the longest_first score kernel")
+    ap.add_argument("--topk-finish-pass", action="store_true",
+                    help="also time forward_topk (bf16, host loop) with the separate finishing kernel")
     ap.add_argument("--recompute-T", type=int, nargs="*", default=[],
                     help="also time dense_indexer_score_recompute beside cuDNN's at these T")
     ap.add_argument("--json", default=None)

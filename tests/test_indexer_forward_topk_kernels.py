@@ -4,6 +4,8 @@ softmax pass), the slab bound, the forward top-k and softmax kernels' ABI and re
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -21,10 +23,18 @@ def test_config_is_the_lightning_pipeline_in_forward_form():
     cfg = forward_topk_config_for(64, 128, "bfloat16", ARCH)
     li = config_for(64, 128, "bfloat16", ARCH)
     assert cfg.score == scores_config_for(64, 128, "bfloat16", ARCH).score       # dense_scores form
-    assert [s.forward_topk for s in cfg.topk.specs()] == [True] * len(li.topk.specs())
+    assert [(s.forward_topk, s.softmax) for s in cfg.topk.specs()] == [(True, True)] * len(li.topk.specs())
     assert [(s.threads, s.sample) for s in cfg.topk.specs()] == [(s.threads, s.sample) for s in li.topk.specs()]
-    assert cfg.softmax == IndexerTopkSoftmaxSpec(arch=ARCH, threads=256)
-    assert cfg.specs() == (cfg.score, *cfg.topk.specs(), cfg.softmax)
+    assert cfg.softmax is None                                                  # the top-k kernels finish the rows
+    assert cfg.specs() == (cfg.score, *cfg.topk.specs())
+    sep = forward_topk_config_for(64, 128, "bfloat16", ARCH, finish_in_topk=False)
+    assert [s.softmax for s in sep.topk.specs()] == [False] * len(li.topk.specs())
+    assert sep.softmax == IndexerTopkSoftmaxSpec(arch=ARCH, threads=256)
+    assert sep.specs() == (sep.score, *sep.topk.specs(), sep.softmax)
+    with pytest.raises(ValueError, match="finish their rows"):
+        dataclasses.replace(cfg, softmax=sep.softmax)
+    with pytest.raises(ValueError, match="finish their rows"):
+        dataclasses.replace(sep, softmax=None)
     assert (cfg.chunk_rows, cfg.slab_bytes, cfg.slab_max_rows) == (li.chunk_rows, li.slab_bytes, 4096)
     fp8 = forward_topk_config_for(64, 128, "float8_e4m3fn", ARCH)
     assert fp8.score.dtype == "float8_e4m3fn" and fp8.topk == cfg.topk        # the top-k reads FP32 scores
@@ -47,7 +57,11 @@ def test_forward_topk_spec_and_renders():
     assert spec.can_implement() == (True, "")
     assert spec.name() == "lightning_indexer_topk_sample1_forward_topk1_sm_90a"
     src = render(spec)
-    assert "FORWARD_TOPK = True" in src and "CAP = " in src
+    assert "FORWARD_TOPK = True" in src and "CAP = " in src and "SOFTMAX = False" in src
+    soft = IndexerTopkSpec(arch=ARCH, threads=128, forward_topk=True, softmax=True)
+    assert soft.can_implement() == (True, "") and "SOFTMAX = True" in render(soft)
+    assert soft.name() == "lightning_indexer_topk_t128_forward_topk1_softmax1_sm_90a"
+    assert "forward_topk=True" in IndexerTopkSpec(arch=ARCH, softmax=True).can_implement()[1]
     src = render(IndexerTopkSoftmaxSpec(arch=ARCH, threads=128))
     assert "THREADS = 128\n" in src and "topk_softmax_sm90 import build" in src
     for bad in (32, 100, 2048):
@@ -65,6 +79,8 @@ def test_forward_topk_kernel_abi():
     assert fwd == ["slab", "out", "values", "cu_q", "cu_k", "q_off", "n_docs", "T", "S", "n_tblk", "blk0", "qc",
                    "nrows", "topk", "ratio", "has_off", "ld_slab"]
     assert set(slab) - set(fwd) == {"causal"}
+    soft = [p["name"] for p in topk_sm90.params(True, softmax=True)]
+    assert soft == fwd + ["softmax", "lse", "want_soft", "want_lse", "global_ids"]
 
 
 def test_check_supported_names_the_limit():
@@ -117,20 +133,29 @@ def _sass(cubin: bytes) -> str:
 
 @pytest.mark.compile
 def test_forward_kernels_compile(tmp_path):
-    """Every forward top-k kernel and the softmax pass: no subroutine calls, the top-k's block size and barriers; the
-    128- and 1024-thread top-k and the softmax pass without spills."""
+    """Every forward top-k kernel (both forms: finishing their rows, or not) and the softmax pass: no subroutine
+    calls, the top-k's block size and barriers; the 128- and 1024-thread top-k and the softmax pass without spills;
+    the finishing forms compute exponentials (MUFU)."""
     from dsagen.jit.build import compile_module
     from dsagen.jit.sass import opcode_counts
 
     cfg = forward_topk_config_for(64, 128, "bfloat16", ARCH)
-    for i, spec in enumerate((*cfg.topk.specs(), cfg.softmax)):
+    sep = forward_topk_config_for(64, 128, "bfloat16", ARCH, finish_in_topk=False)
+    for i, spec in enumerate((*cfg.topk.specs(), *sep.topk.specs(), sep.softmax)):
         ck = compile_module(spec, render(spec), tmp_path / f"b{i}")
-        ops = dict(opcode_counts(_sass(ck.cubin)))
+        sass = _sass(ck.cubin)
+        ops = dict(opcode_counts(sass))
         assert not ops.get("CALL"), (spec.name(), ops)
         if isinstance(spec, IndexerTopkSpec):
             assert ck.record["launch"]["block"] == [spec.threads, 1, 1]
-            if not spec.sample:
-                assert not ops.get("LDL") and not ops.get("STL"), (spec.name(), ops)
+            spills = ops.get("LDL", 0) + ops.get("STL", 0)
+            if not spec.sample and not spec.softmax:
+                assert not spills, (spec.name(), ops)
+            elif not spec.sample:
+                # the finishing form at 128 threads (64 registers) keeps a few row values in local memory across
+                # the selection: spill code in its prologue and finish, once per row (7 instructions, 2026-12-04)
+                assert spills <= 8, (spec.name(), ops)
+            assert ("MUFU.EX2" in sass) == spec.softmax, spec.name()
         else:
             assert not ops.get("LDL") and not ops.get("STL") and ops.get("MUFU", 0) > 0, ops
 

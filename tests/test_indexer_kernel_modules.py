@@ -29,7 +29,8 @@ def _specs():
     return [*config_for(64, 128, "bfloat16", "sm_90a").specs(), IndexerTopkSpec(arch="sm_90a", threads=512),
             IndexerScoreSpec(arch="sm_90a", num_heads=8, head_dim=64, dtype="float16", stages=2),
             *scores_config_for(64, 128, "bfloat16", "sm_90a").specs(),
-            *forward_topk_config_for(64, 128, "bfloat16", "sm_90a").specs()]
+            *forward_topk_config_for(64, 128, "bfloat16", "sm_90a").specs(),
+            *forward_topk_config_for(64, 128, "bfloat16", "sm_90a", finish_in_topk=False).specs()]
 
 
 def _own_modules(spec) -> set[str]:
@@ -38,7 +39,8 @@ def _own_modules(spec) -> set[str]:
         return {SCORE}
     if isinstance(spec, IndexerTopkSoftmaxSpec):
         return {SOFTMAX}
-    return {MASK} if isinstance(spec, IndexerScoresMaskSpec) else {TOPK}
+    # the top-k kernels' finishing form shares the finishing kernel's row code (topk_softmax_sm90.finish_row)
+    return {MASK} if isinstance(spec, IndexerScoresMaskSpec) else {TOPK, SOFTMAX}
 
 
 def test_templates_only_bind_a_spec():

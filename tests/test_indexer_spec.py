@@ -41,7 +41,8 @@ def test_specs_hold_only_what_changes_the_code():
     assert {f.name for f in dataclasses.fields(IndexerScoreSpec)} == {"arch", "num_heads", "head_dim", "dtype", "stages",
                                                                     "dense_scores", "consumers", "longest_first",
                                                                     "q_tiles"}
-    assert {f.name for f in dataclasses.fields(IndexerTopkSpec)} == {"arch", "threads", "sample", "forward_topk"}
+    assert {f.name for f in dataclasses.fields(IndexerTopkSpec)} == {"arch", "threads", "sample", "forward_topk",
+                                                                   "softmax"}
     a = config_for(64, 128, "bfloat16", "sm_90a")
     assert a.score.name() == "lightning_indexer_score_sm_90a"
     assert IndexerScoreSpec(arch="sm_90a", num_heads=8, head_dim=64).name() == "lightning_indexer_score_h8_d64_sm_90a"
@@ -128,8 +129,8 @@ def test_topk_template_renders():
     src = render(IndexerTopkSpec(arch="sm_90a", threads=512))
     assert "THREADS = 512\n" in src and "SAMPLE = False\n" in src
     assert "from dsagen.kernels.lightning_indexer.topk_sm90 import build, params" in src
-    assert "FORWARD_TOPK = False" in src and "PARAMS = params(FORWARD_TOPK)\n" in src
-    assert "kernel, host, LAUNCH = build(THREADS, SAMPLE, CAP, forward=FORWARD_TOPK)" in src
+    assert "FORWARD_TOPK = False" in src and "PARAMS = params(FORWARD_TOPK, SOFTMAX)\n" in src
+    assert "kernel, host, LAUNCH = build(THREADS, SAMPLE, CAP, forward=FORWARD_TOPK, softmax=SOFTMAX)" in src
     fwd = render(IndexerTopkSpec(arch="sm_90a", threads=128, forward_topk=True))
     assert "FORWARD_TOPK = True" in fwd and "indexer_forward_topk's form" in fwd
 

@@ -58,8 +58,8 @@ def test_deepseek_v32_kernels():
                                                                        RowScatterAddSpec(arch="sm_90a", width=576)]
     assert [s.op for s in specs_for_model(DEEPSEEK_V32, "sm_100a")] == ["compactify", "local_to_global"]
     assert missing_ops_for_model(DEEPSEEK_V32, "sm_100a") == [
-        "dense_attn_score_recompute", "dense_indexer_backward", "indexer_backward", "indexer_forward_topk_softmax",
-        "indexer_scores_mask_lse", "indexer_topk",
+        "dense_attn_score_recompute", "dense_indexer_backward", "indexer_backward", "indexer_scores_mask_lse",
+        "indexer_topk",
         "lightning_indexer_score", "lightning_indexer_topk", "row_scatter_add",
         "sparse_attention_bwd", "sparse_attention_bwd_order", "sparse_attention_fwd", "sparse_attn_score_recompute",
         "sparse_indexer_score_recompute"]
@@ -183,7 +183,7 @@ def test_dry_run_lists_and_compiles_nothing(cache_env, capsys):
     assert all(line.split()[2:4] == ["to", "build"] for line in lines[2:-1])
     assert lines[-1] == f"{len(names)} kernel(s): 0 cached, {len(names)} to build (dry run: nothing compiled)"
     assert ("has no sm_100a kernels yet for: dense_attn_score_recompute, dense_indexer_backward, indexer_backward, "
-            "indexer_forward_topk_softmax, indexer_scores_mask_lse, indexer_topk, lightning_indexer_score") in cap.err
+            "indexer_scores_mask_lse, indexer_topk, lightning_indexer_score") in cap.err
     assert all(len(line) <= 100 for line in lines)
     assert not cache_env.exists()                      # nothing written, not even the cache root
 
@@ -204,8 +204,8 @@ def test_build_model_builds_v32_and_a_smaller_variant(cache_env, tmp_path, capsy
     lines = capsys.readouterr().out.splitlines()
     assert all(line.split()[2] == "cached" and line.split()[-1] == "DSAGEN_CACHE_DIR" for line in lines[2:-1])
     n_small = len(specs_for_model(load_model_config(small), "sm_90a"))
-    assert n_small == 33                               # 2 index ops, 5 indexer, the dense indexer forward (its
-    #         score kernel and mask pass), the combined indexer + top-k (4 top-k forms and its softmax pass; no FP8 at
+    assert n_small == 32                               # 2 index ops, 5 indexer, the dense indexer forward (its
+    #         score kernel and mask pass), the combined indexer + top-k (4 top-k forms that finish their rows; no FP8 at
     #         D 64), 4 indexer top-k, the indexer score recompute, 2 indexer backwards and 3 dense ones (atomic,
     #         deterministic, the KL loss path's), 2 MLA
     #         forwards, 2 MLA backwards and their id ordering, the attention score recompute and its dense form, and
@@ -214,7 +214,7 @@ def test_build_model_builds_v32_and_a_smaller_variant(cache_env, tmp_path, capsy
 
 
 SERVING_OPS = {"compactify", "local_to_global", "lightning_indexer_score", "lightning_indexer_topk",
-               "indexer_scores_mask_lse", "indexer_forward_topk_softmax", "indexer_topk", "sparse_attention_fwd"}
+               "indexer_scores_mask_lse", "indexer_topk", "sparse_attention_fwd"}
 
 
 def test_serving_keeps_the_forward_kernels_and_leaves_training_out():

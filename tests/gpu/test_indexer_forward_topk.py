@@ -35,7 +35,8 @@ REQUIRED_SPECS = [s for h, d in HEAD_SHAPES for dt in ("bfloat16",)
                   ] + [s for h in FP8_HEADS for cfg in (forward_topk_config_for(h, 128, "float8_e4m3fn", ARCH),
                                                         scores_config_for(h, 128, "float8_e4m3fn", ARCH))
                        for s in cfg.specs()] + [
-    *forward_topk_config_for(64, 128, "float16", ARCH).specs(), *scores_config_for(64, 128, "float16", ARCH).specs()]
+    *forward_topk_config_for(64, 128, "float16", ARCH).specs(), *scores_config_for(64, 128, "float16", ARCH).specs(),
+    *forward_topk_config_for(64, 128, "bfloat16", ARCH, finish_in_topk=False).specs()]
 TOL_REL = 3e-5
 TOL_ABS = 1e-5
 SOFT_TOL = 2e-5
@@ -199,6 +200,31 @@ def test_many_slabs_cross_batch_elements():
     want = dsagen.indexer_forward_topk(q, k, w, 40, return_lse=True)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_finish_in_topk_equals_finishing_kernel(packed):
+    """The top-k kernels' own finish (the default) against the separate finishing kernel (finish_in_topk=False):
+    bitwise the same ids, logits, softmax and LSE, with and without softmax / LSE / global ids, over several
+    slabs (a 1 MiB slab), B 2 with offsets or packed documents with an empty one."""
+    from dsagen.kernels.lightning_indexer.forward_topk_host import indexer_forward_topk as host_op
+
+    gen = torch.Generator().manual_seed(93)
+    kw = dict(ratio=4, q_causal_offsets=None, cu_seqlens_q=None, cu_seqlens_k=None)
+    if packed:
+        q, k, w, cu_q, cu_k = _thd([700, 0, 800], [175, 0, 200], 5, 64, 128, gen)
+        kw.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, width=200)
+    else:
+        q, k, w = _bshd(2, 1500, 375, 64, 128, gen)
+        kw.update(q_causal_offsets=torch.tensor([-40, 300], dtype=torch.int32, device=DEV), width=375)
+    fused, sep = (dataclasses.replace(forward_topk_config_for(64, 128, "bfloat16", ARCH, finish_in_topk=f),
+                                      slab_bytes=2 ** 20) for f in (True, False))
+    for soft, lse, glob in ((True, True, True), (False, True, False), (True, False, True), (False, False, False)):
+        flags = dict(return_softmax=soft, return_lse=lse, topk_indices_global=glob)
+        got = host_op(q, k, w, 100, config=fused, **kw, **flags)
+        want = host_op(q, k, w, 100, config=sep, **kw, **flags)
+        for a, b in zip(got, want):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), flags
 
 
 def test_deterministic_reruns_and_ties():

@@ -64,12 +64,14 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     RowScatterAddSpec(arch=ARCH, width=w) for w in sorted({INDEXER_SHAPE[1], *(d for _, d in SPARSE_SHAPES)})] + [
     *scores_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).specs()] + [
     *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).specs(),
-    *forward_topk_config_for(*INDEXER_SHAPE, "float8_e4m3fn", ARCH).specs()] + [
+    *forward_topk_config_for(*INDEXER_SHAPE, "float8_e4m3fn", ARCH).specs(),
+    *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, finish_in_topk=False).specs()] + [
     drc_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH) for h, d in SPARSE_SHAPES] + [
     dib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH, deterministic=det)
     for det in (False, True)] + [
     dib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH, kl_loss=True)]
-FORWARD_TOPK_SPECS = forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs()
+FORWARD_TOPK_SPECS = (*forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs(),
+                      *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, finish_in_topk=False).topk.specs())
 
 gpu = pytest.mark.gpu
 DEV = "cuda"
@@ -455,7 +457,8 @@ def test_topk_kernel(spec):
 def test_forward_topk_kernel(spec):
     """Each forward top-k kernel (indexer_forward_topk's plan) alone on slab rows written only over their valid
     columns, one row per batch element with causal offsets that give n <= topk, short rows and rows long enough for
-    the sampled threshold: ids exact against a sort, values the selected scores, -1 / -inf padding."""
+    the sampled threshold: ids exact against a sort, values the selected scores, -1 / -inf padding; the finishing
+    form's softmax, LSE and global ids too."""
     from dsagen.jit import get_kernel
 
     kern = get_kernel(spec, 0)
@@ -472,7 +475,13 @@ def test_forward_topk_kernel(spec):
     out = torch.empty((rows, 1, topk), dtype=torch.int32, device=DEV)
     val = torch.empty((rows, 1, topk), dtype=torch.float32, device=DEV)
     # args: slab, out, values, cu_q, cu_k, q_off, n_docs, T, S, n_tblk, blk0, qc, nrows, topk, ratio, has_off, ld
-    kern.launch(slab, out, val, dummy, dummy, off, 0, 1, s_k, 1, 0, 1, rows, topk, 1, 1, ld)
+    args = (slab, out, val, dummy, dummy, off, 0, 1, s_k, 1, 0, 1, rows, topk, 1, 1, ld)
+    soft = torch.empty((rows, 1, topk), dtype=torch.float32, device=DEV)
+    lse = torch.empty((rows, 1), dtype=torch.float32, device=DEV)
+    if spec.softmax:              # the finishing form: + softmax, lse, want_soft, want_lse, global_ids
+        kern.launch(*args, soft, lse, 1, 1, 1)
+    else:
+        kern.launch(*args)
     torch.cuda.synchronize()
     got, got_v = out[:, 0].cpu().long(), val[:, 0].cpu()
     for r, n in enumerate(lens):
@@ -480,9 +489,14 @@ def test_forward_topk_kernel(spec):
             want = torch.where(torch.arange(topk) < n, torch.arange(topk), -1)
         else:
             want = torch.sort(torch.sort(vals[r], descending=True, stable=True).indices[:topk]).values
-        assert torch.equal(got[r], want), f"n={n}: {got[r][:16].tolist()} vs {want[:16].tolist()}"
         want_v = torch.where(want >= 0, vals[r][want.clamp(min=0)], float("-inf"))
         assert torch.equal(got_v[r], want_v)
+        if spec.softmax:          # row r is batch element r: global ids r * S + local
+            want = torch.where(want >= 0, want + r * s_k, want)
+            p = torch.softmax(want_v.double(), -1)
+            assert (soft[r, 0].cpu().double() - p).abs().max() <= 1e-6
+            assert abs(lse[r, 0].item() - torch.logsumexp(want_v.double(), -1).item()) <= 1e-5
+        assert torch.equal(got[r], want), f"n={n}: {got[r][:16].tolist()} vs {want[:16].tolist()}"
 
 
 def _forward_topk_check(res, q, k, w, top_k, **kw):

@@ -6,13 +6,15 @@ limits and runs them.
 
 How a call runs (notes/kernels/indexer.md, "indexer_forward_topk"):
   * Query rows are grouped into the score kernel's token blocks (QC = 128 // H tokens of one batch element) and the
-    blocks into slabs of at most ForwardTopkConfig.slab_bytes (128 MiB) / slab_max_rows (1024) rows. Per slab, on the
+    blocks into slabs of at most ForwardTopkConfig.slab_bytes (128 MiB) / slab_max_rows (4096) rows. Per slab, on the
     current stream: the score kernel (dense_scores form: ratio-causal limit with the per-segment q_causal_offsets,
     scale 1) writes each row's valid scores into the slab (ld = the longest row, rounded up to 4), then the forward
     top-k kernel the config's TopkPlan picks for the slab writes the row's selected ids (row-local, ascending, ties
-    at the k-th value to the lower ids) and their scores (the logits) into the outputs.
-  * After the last slab one finishing kernel (topk_softmax_sm90) writes every row's LSE and softmax over its
-    selected slots and, with topk_indices_global, adds the row's key base (BSHD b * S_k, THD cu_seqlens_k[b]).
+    at the k-th value to the lower ids) and their scores (the logits) into the outputs, and (its softmax form, the
+    default) finishes the row: its LSE and softmax over the selected slots and, with topk_indices_global, the row's
+    key base added to its ids (BSHD b * S_k, THD cu_seqlens_k[b]).
+  * A config with a finishing kernel (ForwardTopkConfig.softmax, topk_softmax_sm90) does the finish after the last
+    slab instead, reading the outputs back.
   * Scratch: the slab only, bounded by the config and independent of S_q and B (reported by `scratch_bytes`), plus
     a 16-byte dummy offsets tensor per device.
   * BSHD calls read nothing on the host: under torch.compile the call is a custom op with a fake impl (eager calls
@@ -48,7 +50,7 @@ class ForwardKernels:
     config: ForwardTopkConfig
     score: LoadedKernel
     topk: dict[IndexerTopkSpec, LoadedKernel]
-    softmax: LoadedKernel
+    softmax: LoadedKernel | None                 # None: the top-k kernels finish their rows
 
     def topk_for(self, max_candidates: int, rows: int, num_sms: int) -> LoadedKernel:
         """The top-k kernel of a slab (TopkPlan.pick)."""
@@ -75,7 +77,7 @@ def _kernels_for(device: torch.device, h: int, d: int, dtype: torch.dtype,
                           forward_topk_config_for, lambda cfg, index: ForwardKernels(
                               cfg, get_kernel(cfg.score, index),
                               {spec: get_kernel(spec, index) for spec in cfg.topk.specs()},
-                              get_kernel(cfg.softmax, index)))
+                              None if cfg.softmax is None else get_kernel(cfg.softmax, index)))
 
 
 def slab_shape(num_heads: int, width: int, total_rows: int, config: ForwardTopkConfig) -> tuple[int, int]:
@@ -153,8 +155,9 @@ class ForwardTopkLaunch:
         self.topk_scalars = (n_docs, t_count, s_count, n_tblk)
         self.qc = qc
         self.topk_tail = (top_k, ratio, has_off, ld)
-        self.softmax_scalars = (n_docs, t_count, s_count, rows, top_k, ratio, has_off, int(softmax is not None),
-                                int(lse is not None), int(global_ids), num_sms * config.softmax_ctas_per_sm)
+        self.finish_flags = (int(softmax is not None), int(lse is not None), int(global_ids))
+        self.softmax_scalars = (n_docs, t_count, s_count, rows, top_k, ratio, has_off, *self.finish_flags,
+                                num_sms * config.softmax_ctas_per_sm)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_causal_offsets: torch.Tensor | None,
                  cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, ids: torch.Tensor,
@@ -197,10 +200,15 @@ class ForwardTopkLaunch:
             if callable(outputs):
                 outputs = outputs()
             ids, logits, softmax, lse = outputs
-            topk_k.launch(slab, ids, logits, cu_q, cu_k, q_off, *self.topk_scalars, blk0, self.qc, nblk * self.qc,
-                          *self.topk_tail)
-        kernels.softmax.launch(logits, ids, logits if softmax is None else softmax, logits if lse is None else lse,
-                               cu_q, cu_k, q_off, *self.softmax_scalars)
+            soft_arg, lse_arg = logits if softmax is None else softmax, logits if lse is None else lse
+            if kernels.softmax is None:             # the top-k kernel finishes its rows
+                topk_k.launch(slab, ids, logits, cu_q, cu_k, q_off, *self.topk_scalars, blk0, self.qc,
+                              nblk * self.qc, *self.topk_tail, soft_arg, lse_arg, *self.finish_flags)
+            else:
+                topk_k.launch(slab, ids, logits, cu_q, cu_k, q_off, *self.topk_scalars, blk0, self.qc,
+                              nblk * self.qc, *self.topk_tail)
+        if kernels.softmax is not None:
+            kernels.softmax.launch(logits, ids, soft_arg, lse_arg, cu_q, cu_k, q_off, *self.softmax_scalars)
         return outputs
 
 
@@ -274,7 +282,7 @@ class ForwardTopkCall:
     was made from only (the public op's fast path)."""
 
     def __init__(self, launch: ForwardTopkLaunch, top_k: int, return_softmax: bool, return_lse: bool):
-        self.launch, self.top_k, self.return_softmax, self.return_lse = launch, top_k, return_softmax, return_lse
+        self.plan, self.top_k, self.return_softmax, self.return_lse = launch, top_k, return_softmax, return_lse
 
     @staticmethod
     def new_outputs(q: torch.Tensor, top_k: int, packed: bool, return_softmax: bool, return_lse: bool) -> tuple:
@@ -292,5 +300,5 @@ class ForwardTopkCall:
                  q_scale: torch.Tensor | None, k_scale: torch.Tensor | None) -> tuple:
         if q_causal_offsets is not None:
             q_causal_offsets = q_causal_offsets.contiguous()
-        return self.launch(q, k, weights, q_causal_offsets, None, None, lambda: self.new_outputs(
+        return self.plan.launch(q, k, weights, q_causal_offsets, None, None, lambda: self.new_outputs(
             q, self.top_k, False, self.return_softmax, self.return_lse), q_scale, k_scale)

@@ -167,6 +167,9 @@ class IndexerTopkSpec(KernelSpec):
     forward_topk: the dsagen.indexer_forward_topk form: the causal limit takes per-segment q_causal_offsets (the
     dense indexer's mask, always causal) and the selected scores are written beside the ids (three more params:
     values, q_off, has_off; no causal flag). False generates the lightning indexer's kernel.
+    softmax (forward_topk only): the CTA also finishes its row after the selection, as IndexerTopkSoftmaxSpec's
+    kernel would (the row's LSE and softmax over the selected slots, the global ids; five more params: softmax,
+    lse, want_soft, want_lse, global_ids), so indexer_forward_topk runs no finishing kernel.
     """
 
     op = "lightning_indexer_topk"
@@ -175,11 +178,14 @@ class IndexerTopkSpec(KernelSpec):
     threads: int = 512
     sample: bool = False
     forward_topk: bool = False
+    softmax: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons()
         if self.arch != "sm_90a":
             out.append(f"the lightning-indexer top-k kernel is implemented for sm_90a only, not {self.arch}")
+        if self.softmax and not self.forward_topk:
+            out.append("softmax=True is a form of the forward_topk kernel (it needs forward_topk=True)")
         return out + topk_kernel_reasons(self.threads, self.sample)
 
     def template_context(self) -> dict[str, Any]:
@@ -339,14 +345,15 @@ class ForwardTopkConfig:
     a variant to dsagen.kernels.lightning_indexer.forward_topk_host.indexer_forward_topk(..., config=...)).
 
     score: the dense_scores score kernel (it fills the slab).  topk: the forward top-k kernels and the per-slab
-    choice among them.  softmax: the finishing kernel.  chunk_rows: candidates per score work item.
+    choice among them.  softmax: the finishing kernel, or None when the top-k kernels finish their rows themselves
+    (their specs' softmax=True).  chunk_rows: candidates per score work item.
     slab_bytes / slab_max_rows: caps of the fp32 score slab (bytes, rows), which never grows with S_q or B.
     softmax_ctas_per_sm: the finishing kernel's persistent CTAs per SM. The score kernel has one Q tile per item
     (q_tiles=1: the slab's token blocks are tokens_per_cta(H) rows)."""
 
     score: IndexerScoreSpec
     topk: TopkPlan
-    softmax: IndexerTopkSoftmaxSpec
+    softmax: IndexerTopkSoftmaxSpec | None
     chunk_rows: int
     slab_bytes: int
     slab_max_rows: int
@@ -356,26 +363,33 @@ class ForwardTopkConfig:
         if self.score.q_tiles != 1:
             raise ValueError(f"ForwardTopkConfig.score.q_tiles={self.score.q_tiles}: the slab pipeline takes score "
                              f"kernels of one Q tile per item")
+        finishing = [spec.softmax for spec in self.topk.specs()]
+        if any(f != (self.softmax is None) for f in finishing):
+            raise ValueError("ForwardTopkConfig: the top-k kernels must finish their rows (IndexerTopkSpec.softmax) "
+                             "exactly when there is no finishing kernel (softmax=None)")
 
     def specs(self) -> tuple[KernelSpec, ...]:
-        """Every kernel a call may run: the score kernel, the plan's top-k kernels, the finishing kernel."""
-        return (self.score, *self.topk.specs(), self.softmax)
+        """Every kernel a call may run: the score kernel, the plan's top-k kernels, the finishing kernel if any."""
+        return (self.score, *self.topk.specs()) + ((self.softmax,) if self.softmax is not None else ())
 
 
 @functools.lru_cache(maxsize=None)
-def forward_topk_config_for(num_heads: int, head_dim: int, dtype: str, arch: str) -> ForwardTopkConfig:
+def forward_topk_config_for(num_heads: int, head_dim: int, dtype: str, arch: str,
+                            finish_in_topk: bool = True) -> ForwardTopkConfig:
     """The configuration of the fused indexer_forward_topk for H, D, dtype (bf16 / fp16, or float8_e4m3fn at D 128)
     and arch: the lightning indexer's pipeline (config_for's score kernel, in its dense_scores form, and top-k plan,
-    in their forward_topk form; work items of 4096 candidates) over a slab of at most 128 MiB and 4096 rows, then a
-    256-thread finishing kernel with 8 CTAs per SM. Same process on the H200 (2026-12-03, topk 2048, H 64,
+    in their forward_topk form; work items of 4096 candidates) over a slab of at most 128 MiB and 4096 rows; the
+    top-k kernels finish their rows (IndexerTopkSpec.softmax), or with finish_in_topk=False a 256-thread finishing
+    kernel with 8 CTAs per SM does, after the last slab. Same process on the H200 (2026-12-03, topk 2048, H 64,
     bench/indexer_forward.py): at T = 32768 a 32 MiB slab took 16.81 ms against 15.71 with 128 MiB
     (lightning_indexer 15.27); row caps 1024 / 2048 / 4096 / 8192 (128 MiB): T 4096 0.467 / 0.448 / 0.425 / 0.419 ms,
     T 8192 1.238 / 1.196 / 1.149 / 1.154, T 32768 16.52 / 16.27 / 16.36 / 16.54 (1024 rows there either way).
     The score kernel takes its items longest first (longest_first; same process, 2026-12-03, bf16 through the host
     loop: 0.369 / 1.200 / 16.52 ms at T 4096 / 8192 / 32768 against 0.378 / 1.201 / 16.66)."""
     plan = measured_plan(lambda threads, sample: IndexerTopkSpec(arch=arch, threads=threads, sample=sample,
-                                                                 forward_topk=True))
+                                                                 forward_topk=True, softmax=finish_in_topk))
     score = IndexerScoreSpec(arch=arch, num_heads=num_heads, head_dim=head_dim, dtype=dtype, stages=4,
                              dense_scores=True, consumers=dense_score_consumers(dtype), longest_first=True)
-    return ForwardTopkConfig(score=score, topk=plan, softmax=IndexerTopkSoftmaxSpec(arch=arch, threads=256),
+    finish = None if finish_in_topk else IndexerTopkSoftmaxSpec(arch=arch, threads=256)
+    return ForwardTopkConfig(score=score, topk=plan, softmax=finish,
                              chunk_rows=4096, slab_bytes=128 * 2 ** 20, slab_max_rows=4096, softmax_ctas_per_sm=8)

@@ -9,7 +9,9 @@ ids), or 0..n-1 followed by -1 when n <= topk. The rows kernel does the same for
 n = clamp(lens[r // rows_per_len], 0, n_cols) columns, into out[r, :], and writes each selected id's score beside it
 (values[r, :], -inf past the valid count). The forward kernel (`build(..., forward=True)`, indexer_forward_topk's
 IndexerTopkSpec(forward_topk=True)) is the slab kernel with the dense indexer's causal limit (per-segment causal
-offsets) that also writes the values.
+offsets) that also writes the values; its softmax form (IndexerTopkSpec.softmax) then finishes the row in the same
+CTA, as topk_softmax_sm90's kernel would (LSE, softmax over the selected slots, global ids), from the row's 8 * topk
+bytes it has just written (L2).
 
 One CTA of `threads` threads per row; warp w owns one contiguous segment of the row (a multiple of 128 keys, read
 with 128-bit loads, 4 loads in flight per thread). Scores become order-preserving uint32 keys (negative floats: all
@@ -39,10 +41,11 @@ memory (masked keys).
 """
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 
 from dsagen.kernels.common.sm90.reduce import warp_inclusive_scan
 from dsagen.kernels.lightning_indexer.common_sm90 import row_bounds
+from dsagen.kernels.lightning_indexer.topk_softmax_sm90 import finish_row
 
 NBINS = 256
 VEC = 4                                # keys per 128-bit load
@@ -215,19 +218,35 @@ PARAMS_FORWARD = [
 ]
 
 
-def params(forward: bool) -> list[dict]:
-    """The ABI of the slab kernel: PARAMS_FORWARD for indexer_forward_topk's form, else PARAMS."""
+#: The forward form that also finishes its rows (IndexerTopkSpec.softmax): PARAMS_FORWARD, then the finishing
+#: kernel's outputs and flags (topk_softmax_sm90.PARAMS: softmax, lse, want_soft, want_lse, global_ids).
+PARAMS_FORWARD_SOFTMAX = PARAMS_FORWARD + [
+    {"name": "softmax", "kind": "ptr", "dtype": "float32", "align": 4},  # [B, T, topk] fp32 (want_soft)
+    {"name": "lse", "kind": "ptr", "dtype": "float32", "align": 4},      # [B, T] fp32 (want_lse)
+    {"name": "want_soft", "kind": "i32"},
+    {"name": "want_lse", "kind": "i32"},
+    {"name": "global_ids", "kind": "i32"},                              # add the row's key base to its ids
+]
+
+
+def params(forward: bool, softmax: bool = False) -> list[dict]:
+    """The ABI of the slab kernel: PARAMS_FORWARD for indexer_forward_topk's form (PARAMS_FORWARD_SOFTMAX when it
+    finishes the rows), else PARAMS."""
+    if softmax:
+        return list(PARAMS_FORWARD_SOFTMAX)
     return list(PARAMS_FORWARD if forward else PARAMS)
 
 
-def build(threads: int, sample: bool, compact_cap: int, rows: bool = False, forward: bool = False):
+def build(threads: int, sample: bool, compact_cap: int, rows: bool = False, forward: bool = False,
+          softmax: bool = False):
     """The top-k kernel of IndexerTopkSpec(threads, sample) (rows=False: over the slab rows, ABI PARAMS) or of
     IndexerTopkRowsSpec(threads, sample) (rows=True: row r of an (n_rows, ld_x) fp32 matrix over its first
     clamp(lens[r // rows_per_len], 0, n_cols) columns into out[r] and its scores into values[r], ABI PARAMS_ROWS)
     or of IndexerTopkSpec(threads, sample, forward_topk=True) (forward=True: the slab rows of indexer_forward_topk,
     whose causal limit takes the per-segment offsets q_off (row_bounds with p_off, always causal), their ids into
-    out and the selected scores into values, -inf past the valid count; ABI PARAMS_FORWARD): returns (kernel,
-    host, LAUNCH).
+    out and the selected scores into values, -inf past the valid count; ABI PARAMS_FORWARD; with softmax=True also
+    each row's finish, ABI PARAMS_FORWARD_SOFTMAX: the LSE, the softmax over the selected slots and the global ids
+    of topk_softmax_sm90, so indexer_forward_topk needs no finishing kernel): returns (kernel, host, LAUNCH).
 
     threads: 128, 512 or 1024 (CTA size; one CTA per row).  sample: the sampled threshold and the compacted
     candidates in shared memory.  compact_cap: (key, id) entries of shared memory per row (sample only).
@@ -592,11 +611,13 @@ def build(threads: int, sample: bool, compact_cap: int, rows: bool = False, forw
         return rows_kernel, rows_host, LAUNCH
 
     if forward:
-        @cute.kernel
-        def fwd_kernel(p_slab: cute.Pointer, p_out: cute.Pointer, p_val: cute.Pointer, p_cu_q: cute.Pointer,
-                       p_cu_k: cute.Pointer, p_off: cute.Pointer, n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32,
-                       blk0: Int32, qc: Int32, nrows: Int32, topk: Int32, ratio: Int32, has_off: Int32,
-                       ld_slab: Int64):
+        @cute.jit
+        def fwd_row(p_slab, p_out, p_val, p_cu_q, p_cu_k, p_off, n_docs, T, S, n_tblk, blk0, qc, topk, ratio, has_off,
+                    ld_slab, p_soft=None, p_lse=None, want_soft=None, want_lse=None, global_ids=None):
+            """Slab row block_idx.x: its selection (ids, values) and, with p_soft given at trace time (the softmax
+            form), its finish (topk_softmax_sm90.finish_row: LSE, softmax, global ids) once the whole CTA's
+            writes of the row are visible (a block barrier); the warp histograms, free after `select`, hold the
+            finish's statistics."""
             tidx, _, _ = cute.arch.thread_idx()
             row, _, _ = cute.arch.block_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -612,6 +633,54 @@ def build(threads: int, sample: bool, compact_cap: int, rows: bool = False, forw
                 mVal = cute.make_tensor(cute.recast_ptr(p_val, dtype=Uint32) + at, cute.make_layout(topk))
                 select(sh, p_slab + Int64(row) * ld_slab, hi - lo, mOut, topk, tidx, warp, lane, True, mVal,
                        Int32(1))
+                if cutlass.const_expr(p_soft is not None):
+                    cute.arch.sync_threads()              # every slot of the row written, select's smem free
+                    # the row's bounds again rather than kept live across select (the 128-thread form's budget)
+                    row2, _, _ = cute.arch.block_idx()
+                    blk2 = blk0 + row2 // qc
+                    b2 = blk2 // n_tblk
+                    t2 = (blk2 - b2 * n_tblk) * qc + (row2 - (row2 // qc) * qc)
+                    lo2, hi2 = row_bounds(p_cu_q, p_cu_k, n_docs, t2, T, S, Int32(1), ratio, p_off, has_off, b2)
+                    r2 = Int64(b2) * Int64(T) + Int64(t2)
+                    p_stats = cute.recast_ptr(sh[0].iterator, dtype=Float32)
+                    sM = cute.make_tensor(p_stats, cute.make_layout(NWARPS))
+                    sS = cute.make_tensor(p_stats + NWARPS, cute.make_layout(NWARPS))
+                    sL = cute.make_tensor(p_stats + 2 * NWARPS, cute.make_layout(2))
+                    n = cutlass.min(cutlass.max(hi2 - lo2, Int32(0)), topk)
+                    finish_row(p_val + r2 * Int64(topk), p_out + r2 * Int64(topk), p_soft + r2 * Int64(topk),
+                               p_lse + r2, n, topk, lo2 + b2 * S, want_soft, want_lse, global_ids, tidx, warp, lane,
+                               sM, sS, sL, THREADS)
+
+        if softmax:
+            @cute.kernel
+            def fwd_kernel(p_slab: cute.Pointer, p_out: cute.Pointer, p_val: cute.Pointer, p_cu_q: cute.Pointer,
+                           p_cu_k: cute.Pointer, p_off: cute.Pointer, n_docs: Int32, T: Int32, S: Int32,
+                           n_tblk: Int32, blk0: Int32, qc: Int32, nrows: Int32, topk: Int32, ratio: Int32,
+                           has_off: Int32, ld_slab: Int64, p_soft: cute.Pointer, p_lse: cute.Pointer,
+                           want_soft: Int32, want_lse: Int32, global_ids: Int32):
+                fwd_row(p_slab, p_out, p_val, p_cu_q, p_cu_k, p_off, n_docs, T, S, n_tblk, blk0, qc, topk, ratio,
+                        has_off, ld_slab, p_soft, p_lse, want_soft, want_lse, global_ids)
+
+            @cute.jit
+            def fwd_host(p_slab: cute.Pointer, p_out: cute.Pointer, p_val: cute.Pointer, p_cu_q: cute.Pointer,
+                         p_cu_k: cute.Pointer, p_off: cute.Pointer, n_docs: Int32, T: Int32, S: Int32,
+                         n_tblk: Int32, blk0: Int32, qc: Int32, nrows: Int32, topk: Int32, ratio: Int32,
+                         has_off: Int32, ld_slab: Int64, p_soft: cute.Pointer, p_lse: cute.Pointer,
+                         want_soft: Int32, want_lse: Int32, global_ids: Int32):
+                fwd_kernel(p_slab, p_out, p_val, p_cu_q, p_cu_k, p_off, n_docs, T, S, n_tblk, blk0, qc, nrows, topk,
+                           ratio, has_off, ld_slab, p_soft, p_lse, want_soft, want_lse, global_ids).launch(
+                    grid=(nrows, 1, 1), block=(THREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=MIN_CTAS,
+                    preferred_smem_carveout=-1)
+
+            return fwd_kernel, fwd_host, LAUNCH
+
+        @cute.kernel
+        def fwd_kernel(p_slab: cute.Pointer, p_out: cute.Pointer, p_val: cute.Pointer, p_cu_q: cute.Pointer,
+                       p_cu_k: cute.Pointer, p_off: cute.Pointer, n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32,
+                       blk0: Int32, qc: Int32, nrows: Int32, topk: Int32, ratio: Int32, has_off: Int32,
+                       ld_slab: Int64):
+            fwd_row(p_slab, p_out, p_val, p_cu_q, p_cu_k, p_off, n_docs, T, S, n_tblk, blk0, qc, topk, ratio,
+                    has_off, ld_slab)
 
         @cute.jit
         def fwd_host(p_slab: cute.Pointer, p_out: cute.Pointer, p_val: cute.Pointer, p_cu_q: cute.Pointer,

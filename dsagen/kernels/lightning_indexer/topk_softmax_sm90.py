@@ -78,6 +78,55 @@ def warp_merge(m, s):
     """The (max, sum) statistics of the whole warp, in every lane (butterfly shuffles)."""
     return warp_allreduce_pair(m, s, merge_stats)
 
+@cute.jit
+def finish_row(p_row: cute.Pointer, p_ids_row: cute.Pointer, p_soft_row: cute.Pointer, p_lse_r: cute.Pointer, n: Int32,
+               topk: Int32, base: Int32, want_soft: Int32, want_lse: Int32, global_ids: Int32, tidx: Int32,
+               warp: Int32, lane: Int32, sM: cute.Tensor, sS: cute.Tensor, sL: cute.Tensor,
+               threads: cutlass.Constexpr):
+    """One row's finish by a CTA of `threads` threads (all of them call it): over the row's n valid logits at p_row
+    (of its topk slots) the LSE into p_lse_r (want_lse), the softmax into p_soft_row[0, topk) (want_soft; 0 past
+    n) and, with global_ids, `base` added to the row's n ids at p_ids_row. sM / sS: `threads // 32` floats of shared
+    memory each, sL: 2 (the row's max and log2(sum)). Returns with every thread past its reads of sL; the next
+    row's first shared-memory writes (sM / sS) come before its first barrier, after which warp 0 rewrites sL."""
+    nwarps = threads // 32
+    m, s = thread_stats(p_row, n, tidx, threads)
+    m, s = warp_merge(m, s)
+    if lane == 0:
+        sM[warp] = m
+        sS[warp] = s
+    cute.arch.sync_threads()
+    if warp == 0:
+        m = -Float32.inf
+        s = Float32(0.0)
+        if lane < nwarps:
+            m = sM[lane]
+            s = sS[lane]
+        m, s = warp_merge(m, s)
+        if lane == 0:
+            ls2 = Float32(0.0)
+            if n > 0:
+                ls2 = cute.math.log2(s, fastmath=False)
+            sL[0] = m
+            sL[1] = ls2
+            if want_lse != 0:
+                v = -Float32.inf
+                if n > 0:
+                    v = m + ls2 * Float32(LN2)
+                p_lse_r.store(v)
+    cute.arch.sync_threads()                   # sL holds the row's statistics; sM / sS are free again
+    m = sL[0]
+    ls2 = sL[1]
+    for j in cutlass.range(tidx, topk, threads, unroll=1):
+        p = Float32(0.0)
+        if j < n:
+            p = cute.math.exp2(((p_row + j).load() - m) * Float32(LOG2E) - ls2, fastmath=True)
+            if global_ids != 0:
+                p_id = p_ids_row + j
+                p_id.store(p_id.load() + base)
+        if want_soft != 0:
+            (p_soft_row + j).store(p)
+
+
 PARAMS = [
     {"name": "logits", "kind": "ptr", "dtype": "float32", "align": 4},   # (rows, topk) fp32 selected scores
     {"name": "ids", "kind": "ptr", "dtype": "int32", "align": 4},        # (rows, topk) int32, row-local in, out
@@ -137,45 +186,8 @@ def build(threads: int) -> BuiltKernel:
             n = cutlass.min(cutlass.max(hi - lo, Int32(0)), topk)
             at = Int64(r) * Int64(topk)
             p_row = p_logits + at
-            m, s = thread_stats(p_row, n, c.tidx, THREADS)
-            m, s = warp_merge(m, s)
-            if lane == 0:
-                sM[c.warp] = m
-                sS[c.warp] = s
-            cute.arch.sync_threads()
-            if c.warp == 0:
-                m = -Float32.inf
-                s = Float32(0.0)
-                if lane < NWARPS:
-                    m = sM[lane]
-                    s = sS[lane]
-                m, s = warp_merge(m, s)
-                if lane == 0:
-                    ls2 = Float32(0.0)
-                    if n > 0:
-                        ls2 = cute.math.log2(s, fastmath=False)
-                    sL[0] = m
-                    sL[1] = ls2
-                    if want_lse != 0:
-                        v = -Float32.inf
-                        if n > 0:
-                            v = m + ls2 * Float32(LN2)
-                        (p_lse + r).store(v)
-            cute.arch.sync_threads()                   # sL holds the row's statistics; sM / sS are free again
-            m = sL[0]
-            ls2 = sL[1]
-            base = lo + b * S                          # BSHD: lo = 0; THD: b = 0, lo = cu_k[d]
-            for j in cutlass.range(c.tidx, topk, THREADS, unroll=1):
-                p = Float32(0.0)
-                if j < n:
-                    p = cute.math.exp2(((p_row + j).load() - m) * Float32(LOG2E) - ls2, fastmath=True)
-                    if global_ids != 0:
-                        p_id = p_ids + at + j
-                        p_id.store(p_id.load() + base)
-                if want_soft != 0:
-                    (p_soft + at + j).store(p)
-            # the next row's first shared-memory writes (sM / sS) come before its first barrier, after which
-            # warp 0 rewrites sL: every thread has read sL by then
+            finish_row(p_row, p_ids + at, p_soft + at, p_lse + r, n, topk, lo + b * S, want_soft, want_lse,
+                       global_ids, c.tidx, c.warp, lane, sM, sS, sL, THREADS)
 
     @cute.jit
     def host(p_logits: cute.Pointer, p_ids: cute.Pointer, p_soft: cute.Pointer, p_lse: cute.Pointer,

@@ -424,8 +424,8 @@ def indexer_forward_topk(q_indexer: torch.Tensor, k_indexer: torch.Tensor, weigh
     impl="fused" (sm_90a; notes/kernels/indexer.md, "indexer_forward_topk"): the lightning indexer's pipeline with
     indexer_scores' mask: per slab of query rows the wgmma score kernel writes the rows' valid scores into a bounded
     FP32 slab (at most 4096 rows and 128 MiB: S_k x 16 KiB below S_k = 8192; never the dense [S_q, S_k] scores), a
-    radix top-k selects from it and writes the ids and their scores, then one pass writes the softmax, the LSE and
-    the global ids. Limits as indexer_scores' fused path (bf16 / fp16 with weights of the same dtype, or FP8 at D =
+    radix top-k selects from it, writes the ids and their scores and, in the same CTA, the row's softmax, LSE and
+    global ids. Limits as indexer_scores' fused path (bf16 / fp16 with weights of the same dtype, or FP8 at D =
     128 and H >= 16; H in (8, 16, 32, 64, 128), D in (64, 128), S_q and S_k <= 2**20) and top_k <= 2**20. The
     selection is always the deterministic one (ties at the k-th value go to the lower key ids; repeated calls give
     identical results), so deterministic=True changes nothing; its slots are in ascending key id order. BSHD calls

@@ -159,3 +159,42 @@ def test_lightning_indexer_runs_stored_plan(monkeypatch):
         assert calls == {"full": 2, "plan": 1} and len(li._FAST) == 1      # check_offsets reads values: no plan
     finally:
         li._FAST.clear()
+
+
+def test_sparse_attention_runs_stored_plan_without_autograd(monkeypatch):
+    from dsagen.ops import sparse_attention as sa
+
+    calls = {"full": 0, "plan": 0}
+
+    def launch(q, kv, ids, sink, length):
+        calls["plan"] += 1
+        s_q, h = q.shape[:2]
+        return torch.full((s_q, h, 512), 2.0), torch.zeros(s_q, h), torch.zeros(s_q, h)
+
+    def host(q, kv, ids, *, keep_plan=None, **kw):
+        calls["full"] += 1
+        if keep_plan is not None:
+            keep_plan(launch)
+        s_q, h = q.shape[:2]
+        return torch.full((s_q, h, 512), 1.0), torch.zeros(s_q, h), torch.zeros(s_q, h)
+
+    monkeypatch.setattr(sa, "fused_impl", lambda name, device: host)
+    sa._FAST.clear()
+    g = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(2, 3, 4, 576, generator=g), torch.randn(2, 5, 576, generator=g)
+    ids = torch.randint(0, 5, (2, 3, 8), generator=g, dtype=torch.int32)
+    try:
+        out, lse, mx = dsagen.sparse_attention(q, kv, ids)                       # full path: the plan kept
+        assert out.shape == (2, 3, 4, 512) and out.eq(1.0).all() and calls == {"full": 1, "plan": 0}
+        out, lse, mx, lse_i = dsagen.sparse_attention(q, kv, ids, indexer_topk=0)  # another signature
+        assert lse_i is None and calls == {"full": 2, "plan": 0}
+        out, lse, mx = dsagen.sparse_attention(q.clone(), kv.clone(), ids.clone())   # batched layout by the plan
+        assert out.shape == (2, 3, 4, 512) and out.eq(2.0).all() and calls == {"full": 2, "plan": 1}
+        qg = q.clone().requires_grad_()
+        with torch.no_grad():
+            dsagen.sparse_attention(qg, kv, ids)                                  # no grad recorded: may keep
+        assert calls["plan"] == 1 and len(sa._FAST) == 3
+        with pytest.raises(TypeError, match="topk_idxs"):
+            dsagen.sparse_attention(q, kv, ids.long())                            # another signature: checked
+    finally:
+        sa._FAST.clear()

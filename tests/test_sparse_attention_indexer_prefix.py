@@ -282,7 +282,7 @@ class _FusedStandIn:
     def __call__(self, op, device):
         if op == "sparse_attention":
             def forward(q, kv, topk_idxs, *, attn_sink, topk_length, softmax_scale, d_v, config=None,
-                        indexer_topk=0):
+                        indexer_topk=0, keep_plan=None):      # keeps no plan: every call takes the full path
                 self.forward_kwargs.append(indexer_topk)
                 outs = ref.sparse_attention_forward(q, kv, topk_idxs, attn_sink=attn_sink, topk_length=topk_length,
                                                     softmax_scale=softmax_scale, d_v=d_v,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ._fast_path import FastPaths, call_signature, eager_call
 from ._fused import fused_impl
 from ..reference import sparse_attention as ref
 from ..validate import (FLOAT_DTYPES, check_bool, check_cu_seqlens_pair, check_float, check_impl, check_int,
@@ -23,14 +24,19 @@ _INT32_MAX = 2**31 - 1
 _SINK_DTYPES = (torch.float32, torch.float64)
 # the fused forward snapshots its running softmax state after each pair of 64-slot tiles
 _FUSED_INDEXER_STEP = 128
+#: sparse_attention's plans of eager fused calls without autograd, by signature (dsagen.ops._fast_path)
+_FAST = FastPaths("sparse_attention")
 
 
-def _forward(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl, indexer_topk=0):
+def _forward(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl, indexer_topk=0, keep_plan=None):
     """The flat-layout forward by `impl`, without autograd: (out, lse, max_logits), plus lse_indexer when
-    indexer_topk > 0 (0 asks for none; the fused host takes the argument only then)."""
+    indexer_topk > 0 (0 asks for none; the fused host takes the argument only then). keep_plan: the fast path's
+    store (sparse_attention), handed to the fused host."""
     kwargs = dict(attn_sink=attn_sink, topk_length=topk_length, softmax_scale=softmax_scale, d_v=d_v)
     if indexer_topk:
         kwargs["indexer_topk"] = indexer_topk
+    if keep_plan is not None:
+        kwargs["keep_plan"] = keep_plan
     if impl == "reference":
         return ref.sparse_attention_forward(q, kv, topk_idxs, **kwargs)
     return fused_impl("sparse_attention", q.device)(q, kv, topk_idxs, **kwargs)
@@ -48,14 +54,14 @@ def _backward(q, kv, out, dout, lse, topk_idxs, attn_sink, topk_length, softmax_
         d_v=d_v, deterministic=deterministic, workspace=workspace)
 
 
-def _flat(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl, indexer_topk=0):
+def _flat(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl, indexer_topk=0, keep_plan=None):
     """The flat-layout op: through the autograd Function when a gradient may be needed, else the forward alone
-    (inference and decode calls skip the Function's host cost, ~10 us). Returns what `_forward` returns."""
-    if torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad
-                                    or (attn_sink is not None and attn_sink.requires_grad)):
+    (inference and decode calls skip the Function's host cost, ~10 us; keep_plan: the fast path's store, for those
+    only). Returns what `_forward` returns."""
+    if _needs_grad(q, kv, attn_sink):
         return _SparseAttentionFunction.apply(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl,
                                               indexer_topk)
-    return _forward(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl, indexer_topk)
+    return _forward(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, impl, indexer_topk, keep_plan)
 
 
 class _SparseAttentionFunction(torch.autograd.Function):
@@ -228,21 +234,65 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
         NotImplementedError: impl="fused" where no generated kernel exists for the device, or with an
             indexer_topk that is not 0 or a multiple of 128 (never a silent fallback to the reference).
     """
+    key = None
+    if impl == "fused" and eager_call(q) and not _needs_grad(q, kv, attn_sink):
+        # the fused forward reads no values on the host: a call of a signature that passed once runs by its plan
+        key = call_signature(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, indexer_topk)
+        plan = _FAST.get(key)
+        if plan is not None:
+            return plan(q, kv, topk_idxs, attn_sink, topk_length)
     check_impl(impl)
     batched, lead, h, d_qk = _check_qkv_ids(q, kv, topk_idxs)
     scale, d_v = _check_options(q, h, lead, batched, attn_sink, topk_length, softmax_scale, d_v)
     n_idx = _check_indexer_topk(indexer_topk, topk_idxs.shape[-1], impl)
+    public = _PublicForward(batched, tuple(q.shape), kv.shape[-2] if batched else 0, d_v, indexer_topk is not None,
+                            n_idx)
+    keep = None
+    if key is not None:
+        def keep(launch):
+            public.launch = launch
+            _FAST.put(key, public)
 
     if not batched:
-        outs = _flat(q, kv, topk_idxs, attn_sink, topk_length, scale, d_v, impl, n_idx)
+        outs = _flat(q, kv, topk_idxs, attn_sink, topk_length, scale, d_v, impl, n_idx, keep)
     else:
         b, t, n = q.shape[0], q.shape[1], kv.shape[1]
         outs = _flat(q.reshape(b * t, h, d_qk), kv.reshape(b * n, d_qk), _flat_ids(topk_idxs, b, n), attn_sink,
-                     None if topk_length is None else topk_length.reshape(b * t), scale, d_v, impl, n_idx)
-        outs = (outs[0].reshape(b, t, h, d_v),) + tuple(x.reshape(b, t, h) for x in outs[1:])
-    if indexer_topk is None:
-        return outs
-    return tuple(outs) if n_idx else (*outs, None)
+                     None if topk_length is None else topk_length.reshape(b * t), scale, d_v, impl, n_idx, keep)
+    return public.finish(outs)
+
+
+def _needs_grad(q, kv, attn_sink) -> bool:
+    """Whether a forward call records autograd (then it runs through _SparseAttentionFunction)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, kv, attn_sink))
+
+
+class _PublicForward:
+    """sparse_attention's layout around the flat forward: the batched layout's flat views and ids going in, its
+    shapes coming out, and the indexer_topk convention of the result. `finish` shapes a result; once `launch` (the
+    fused host's SparseFwdLaunch) is set, calling it repeats an eager fused call of the signature it was made from
+    (the fast path)."""
+
+    def __init__(self, batched: bool, q_shape: tuple, n: int, d_v: int, prefix_asked: bool, n_idx: int):
+        self.batched, self.q_shape, self.n, self.d_v = batched, q_shape, n, d_v
+        self.prefix_asked, self.n_idx = prefix_asked, n_idx
+        self.launch = None
+
+    def finish(self, outs: tuple) -> tuple:
+        if self.batched:
+            b, t, h = self.q_shape[:3]
+            outs = (outs[0].reshape(b, t, h, self.d_v),) + tuple(x.reshape(b, t, h) for x in outs[1:])
+        if not self.prefix_asked:
+            return outs
+        return tuple(outs) if self.n_idx else (*outs, None)
+
+    def __call__(self, q, kv, topk_idxs, attn_sink, topk_length) -> tuple:
+        if self.batched:
+            b, t, h, d_qk = self.q_shape
+            q, kv = q.reshape(b * t, h, d_qk), kv.reshape(b * self.n, d_qk)
+            topk_idxs = _flat_ids(topk_idxs, b, self.n)
+            topk_length = None if topk_length is None else topk_length.reshape(b * t)
+        return self.finish(self.launch(q, kv, topk_idxs, attn_sink, topk_length))
 
 
 def sparse_attention_backward(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,

@@ -29,7 +29,8 @@ ARCH = "sm_90a"
 # fp16 at H64 / D576 (test_softmax_scale_and_fp16, test_looping_grid_adversarial)
 REQUIRED_SPECS = [config_for(h, d, dt, None, ARCH, None).spec(h, d, dt, ARCH)
                   for h, d, dt in [(h, d, "bfloat16") for h in (64, 128) for d in (512, 576)]
-                  + [(64, 576, "float16")]]
+                  + [(64, 576, "float16")]] + [
+    config_for(128, 576, "bfloat16", None, ARCH, None).spec(128, 576, "bfloat16", ARCH, lse_prefix=True)]
 
 pytestmark = pytest.mark.gpu
 
@@ -305,3 +306,47 @@ def test_torch_compile():
     eager = f(q, kv, ids, sink, tl)
     compiled = torch.compile(f, fullgraph=True)(q, kv, ids, sink, tl)
     torch.testing.assert_close(compiled, eager, atol=1e-3, rtol=1e-4)
+
+
+def _fast_path_inputs(case: str, gen: torch.Generator) -> tuple[tuple, dict]:
+    """(q, kv, ids) and keyword arguments of one fast-path case (test_fast_path_repeats_the_full_path)."""
+    if case == "batched":
+        b, t, h, n, k = 2, 3, 64, 400, 96
+        q = torch.randn((b, t, h, 576), generator=gen).bfloat16().to(DEV)
+        kv = torch.randn((b, n, 576), generator=gen).bfloat16().to(DEV)
+        ids = torch.randint(-1, n + 3, (b, t, k), generator=gen, dtype=torch.int32).to(DEV)
+        length = torch.randint(0, k + 3, (b, t), generator=gen, dtype=torch.int32).to(DEV)
+        return (q, kv, ids), dict(attn_sink=torch.randn(h, generator=gen).to(DEV), topk_length=length)
+    h, k = (16, 200) if case == "padded_heads" else (128, 256)
+    q, kv, ids, sink, length = make_inputs(9, h, 576, k, 700, seed=int(torch.randint(0, 2**30, (1,), generator=gen)),
+                                           length=True, adversarial=True)
+    if case == "padded_heads":
+        return (q, kv, ids), dict(attn_sink=sink.double(), topk_length=length)
+    if case == "misaligned_kv":
+        kv_off = torch.empty(kv.numel() + 4, dtype=kv.dtype, device=DEV)[4:].view(kv.shape)
+        kv_off.copy_(kv)
+        return (q, kv_off, ids), dict(attn_sink=sink, topk_length=length)
+    return (q, kv, ids), dict(attn_sink=sink, topk_length=length, indexer_topk=128)
+
+
+@pytest.mark.parametrize("case", ["padded_heads", "batched", "misaligned_kv", "indexer_prefix"])
+def test_fast_path_repeats_the_full_path(case):
+    """Eager calls of a signature that passed once run by their plan (dsagen.ops._fast_path): on new inputs of the
+    same signature every output equals the full path's bytes (padded heads with an FP64 sink, the batched layout, a
+    misaligned kv the op copies, the indexer prefix)."""
+    from dsagen.ops import sparse_attention as sa
+
+    gen = torch.Generator().manual_seed(500 + len(case))
+    sa._FAST.clear()
+    args, kw = _fast_path_inputs(case, gen)
+    dsagen.sparse_attention(*args, **kw)
+    assert len(sa._FAST) == 1
+    args, kw = _fast_path_inputs(case, gen)
+    fast = dsagen.sparse_attention(*args, **kw)
+    sa._FAST.clear()
+    want = dsagen.sparse_attention(*args, **kw)
+    assert len(fast) == len(want)
+    for a, b in zip(fast, want):
+        assert (a is None and b is None) or torch.equal(a, b)
+    if case != "batched":
+        check_against_reference(*args, kw["attn_sink"], kw["topk_length"])

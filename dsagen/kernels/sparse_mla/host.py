@@ -22,7 +22,7 @@ and CTA count of a call shape are looked up once (_launch_plan).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -128,65 +128,95 @@ def _launch_plan(h: int, d_qk: int, dtype: torch.dtype, device: torch.device, ro
     return plan
 
 
+class SparseFwdLaunch:
+    """The launch of one flat-layout call signature: the spec, kernel and grid, which inputs need a padded or
+    contiguous copy (heads, strides, alignment, dtypes) and the outputs' shapes, decided once; calling it with
+    tensors of that signature makes the copies, allocates the outputs and launches. Built by `_launch` for every call
+    and kept by dsagen.sparse_attention's fast path per signature (dsagen.ops._fast_path). Arguments as `_launch`'s;
+    ValueError for a call past the kernel's grid or int32 id limits."""
+
+    def __init__(self, q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sink: torch.Tensor | None,
+                 topk_length: torch.Tensor | None, softmax_scale: float, d_v: int,
+                 config: SparseAttnFwdConfig | None = None, indexer_topk: int = 0):
+        s_q, h, d_qk = q.shape
+        n_kv, k_width = kv.shape[0], topk_idxs.shape[1]
+        self.prefix = indexer_topk > 0
+        spec, self.kernel, n_ctas = _launch_plan(h, d_qk, q.dtype, q.device, s_q, s_q > 0, config, self.prefix)
+        hp = spec.num_heads
+        if s_q * (hp // 64) > _MAX_GRID_X:
+            raise ValueError(f"sparse_attention: total_S_q={s_q} exceeds the fused kernel's grid limit")
+        if n_kv > 2**31 - 1:
+            raise ValueError(f"sparse_attention: kv has {n_kv} rows; ids are int32, at most 2**31 - 1 rows")
+        # layouts the kernel reads: q token rows of H*D_qk contiguous elements, kv rows with unit column stride and
+        # 16-byte alignment, ids with a unit slot stride; other layouts get a fresh, aligned copy (contiguous()
+        # would return a misaligned contiguous tensor as is)
+        q_st, kv_st, ids_st = q.stride(), kv.stride(), topk_idxs.stride()
+        self.h, self.hp, self.d_qk, self.d_v = h, hp, d_qk, d_v
+        self.copy_q = hp == h and (q_st[2] != 1 or q_st[1] != d_qk or q_st[0] % 8 or q.data_ptr() % 16)
+        self.copy_kv = bool(kv_st[1] != 1 or kv_st[0] % 8 or kv.data_ptr() % 16)
+        self.copy_ids = ids_st[1] != 1 and k_width > 1
+        q_row = hp * d_qk if hp != h or self.copy_q else q_st[0]
+        kv_row = (d_qk if self.copy_kv else kv_st[0]) if n_kv else d_qk
+        ids_row = (k_width if self.copy_ids else ids_st[0]) if k_width else 0
+        self.has_sink, self.has_length = attn_sink is not None, topk_length is not None
+        self.sink_f32 = self.has_sink and attn_sink.dtype != torch.float32
+        self.scalars = (s_q, n_kv, k_width, q_row, kv_row, ids_row, float(softmax_scale), int(self.has_length),
+                        int(self.has_sink), n_ctas)
+        self.indexer_topk = int(indexer_topk)
+        self.s_q, self.dtype, self.device = s_q, q.dtype, q.device
+
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sink: torch.Tensor | None,
+                 topk_length: torch.Tensor | None) -> tuple:
+        h, hp, s_q = self.h, self.hp, self.s_q
+        if hp != h:
+            qp = q.new_zeros((s_q, hp, self.d_qk))
+            qp[:, :h] = q
+            q = qp
+        elif self.copy_q:
+            q = q.clone(memory_format=torch.contiguous_format)
+        if self.copy_kv:
+            kv = kv.clone(memory_format=torch.contiguous_format)
+        if self.copy_ids:
+            topk_idxs = topk_idxs.contiguous()
+        sink = None
+        if self.has_sink:
+            sink = attn_sink.to(torch.float32) if self.sink_f32 else attn_sink
+            if hp != h:
+                sink = torch.cat([sink, sink.new_zeros(hp - h)])
+            if not sink.is_contiguous():
+                sink = sink.contiguous()
+        length = topk_length.to(torch.int32).contiguous() if self.has_length else None
+        out = torch.empty((s_q, hp, self.d_v), dtype=self.dtype, device=self.device)
+        lse = torch.empty((s_q, hp), dtype=torch.float32, device=self.device)
+        max_logits = torch.empty((s_q, hp), dtype=torch.float32, device=self.device)
+        lse_indexer = torch.empty((s_q, hp), dtype=torch.float32, device=self.device) if self.prefix else None
+        if s_q > 0:
+            # absent optional inputs: pass a tensor of the right dtype that the kernel never reads
+            args = (q, kv, topk_idxs, topk_idxs if length is None else length, lse if sink is None else sink, out,
+                    lse, max_logits, *self.scalars)
+            if self.prefix:
+                self.kernel.launch(*args, lse_indexer, self.indexer_topk)
+            else:
+                self.kernel.launch(*args)
+        if hp != h:
+            out, lse, max_logits = out[:, :h].contiguous(), lse[:, :h].contiguous(), max_logits[:, :h].contiguous()
+            if self.prefix:
+                lse_indexer = lse_indexer[:, :h].contiguous()
+        return (out, lse, max_logits, lse_indexer) if self.prefix else (out, lse, max_logits)
+
+
 def _launch(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sink: torch.Tensor | None,
             topk_length: torch.Tensor | None, softmax_scale: float, d_v: int,
-            config: SparseAttnFwdConfig | None = None, indexer_topk: int = 0) -> tuple:
+            config: SparseAttnFwdConfig | None = None, indexer_topk: int = 0,
+            keep_plan: Callable[[Callable], None] | None = None) -> tuple:
     """Launch the kernel on flat-layout inputs that supported_reason accepted (its callers check); with
-    indexer_topk > 0 (a multiple of 128, at most K) the lse_prefix kernel, which also returns lse_indexer."""
-    s_q, h, d_qk = q.shape
-    n_kv, k_width = kv.shape[0], topk_idxs.shape[1]
-    prefix = indexer_topk > 0
-    spec, kernel, n_ctas = _launch_plan(h, d_qk, q.dtype, q.device, s_q, s_q > 0, config, prefix)
-    hp = spec.num_heads
-    if s_q * (hp // 64) > _MAX_GRID_X:
-        raise ValueError(f"sparse_attention: total_S_q={s_q} exceeds the fused kernel's grid limit")
-    if n_kv > 2**31 - 1:
-        raise ValueError(f"sparse_attention: kv has {n_kv} rows; ids are int32, at most 2**31 - 1 rows")
-
-    # layouts the kernel reads: q token rows of H*D_qk contiguous elements, kv rows with unit column
-    # stride and 16-byte alignment, ids with a unit slot stride (each stride tuple read once: a tensor
-    # attribute read costs ~0.3-0.5 us of host time)
-    q_st, kv_st, ids_st = q.stride(), kv.stride(), topk_idxs.stride()
-    if hp != h:
-        qp = q.new_zeros((s_q, hp, d_qk))
-        qp[:, :h] = q
-        q = qp
-        q_st = q.stride()
-    elif q_st[2] != 1 or q_st[1] != d_qk or q_st[0] % 8 or q.data_ptr() % 16:
-        q = q.clone(memory_format=torch.contiguous_format)      # a fresh, aligned copy (contiguous() would
-        q_st = q.stride()                                       # return a misaligned contiguous q as is)
-    if kv_st[1] != 1 or kv_st[0] % 8 or kv.data_ptr() % 16:
-        kv = kv.clone(memory_format=torch.contiguous_format)
-        kv_st = kv.stride()
-    if ids_st[1] != 1 and k_width > 1:
-        topk_idxs = topk_idxs.contiguous()
-        ids_st = topk_idxs.stride()
-    sink = None
-    if attn_sink is not None:
-        sink = attn_sink if attn_sink.dtype == torch.float32 else attn_sink.to(torch.float32)
-        if hp != h:
-            sink = torch.cat([sink, sink.new_zeros(hp - h)])
-        if not sink.is_contiguous():
-            sink = sink.contiguous()
-    length = None if topk_length is None else topk_length.to(torch.int32).contiguous()
-
-    out = torch.empty((s_q, hp, d_v), dtype=q.dtype, device=q.device)
-    lse = torch.empty((s_q, hp), dtype=torch.float32, device=q.device)
-    max_logits = torch.empty((s_q, hp), dtype=torch.float32, device=q.device)
-    lse_indexer = torch.empty((s_q, hp), dtype=torch.float32, device=q.device) if prefix else None
-    if s_q > 0:
-        # absent optional inputs: pass a tensor of the right dtype that the kernel never reads
-        args = (q, kv, topk_idxs, topk_idxs if length is None else length,
-                lse if sink is None else sink, out, lse, max_logits,
-                s_q, n_kv, k_width, q_st[0], kv_st[0] if n_kv else d_qk,
-                ids_st[0] if k_width else 0, float(softmax_scale),
-                int(length is not None), int(sink is not None), n_ctas)
-        kernel.launch(*args, lse_indexer, int(indexer_topk)) if prefix else kernel.launch(*args)
-    if hp != h:
-        out, lse, max_logits = out[:, :h].contiguous(), lse[:, :h].contiguous(), max_logits[:, :h].contiguous()
-        if prefix:
-            lse_indexer = lse_indexer[:, :h].contiguous()
-    return (out, lse, max_logits, lse_indexer) if prefix else (out, lse, max_logits)
+    indexer_topk > 0 (a multiple of 128, at most K) the lse_prefix kernel, which also returns lse_indexer.
+    keep_plan, when given, gets the call's SparseFwdLaunch."""
+    plan = SparseFwdLaunch(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, config, indexer_topk)
+    outs = plan(q, kv, topk_idxs, attn_sink, topk_length)
+    if keep_plan is not None:
+        keep_plan(plan)
+    return outs
 
 
 def _check_indexer_topk(indexer_topk: int, k_width: int) -> None:
@@ -235,7 +265,7 @@ def _sparse_attention_fwd_prefix_fake(q, kv, topk_idxs, attn_sink, topk_length, 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *,
                      attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None,
                      softmax_scale: float, d_v: int, config: SparseAttnFwdConfig | None = None,
-                     indexer_topk: int = 0) -> tuple:
+                     indexer_topk: int = 0, keep_plan: Callable[[Callable], None] | None = None) -> tuple:
     """Flat-layout fused forward (inputs already validated by dsagen.ops.sparse_attention).
 
     q `(S_q, H, D_qk)` bf16/fp16 CUDA, kv `(S_kv, D_qk)`, topk_idxs int32 `(S_q, K)` global ids,
@@ -246,9 +276,11 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
     §1's indexer prefix).
     Returns out `(S_q, H, d_v)` in q.dtype, lse and max_logits `(S_q, H)` FP32 (and lse_indexer with N > 0).
     Raises NotImplementedError (with the reason) for inputs the kernel does not cover, ValueError for N outside
-    [0, K].
+    [0, K]. keep_plan: called after an eager call of the op's config with its SparseFwdLaunch (the public op's fast
+    path).
     """
     _check_supported(q, d_v)
+    keep_plan = keep_plan if config is None else None
     indexer_topk = int(indexer_topk)
     _check_indexer_topk(indexer_topk, topk_idxs.shape[1])
     if indexer_topk > 0:
@@ -257,10 +289,12 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
                 raise NotImplementedError("sparse_attention: config= is for eager calls (the custom op runs the op's)")
             return _sparse_attention_fwd_prefix(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale),
                                                 int(d_v), indexer_topk)
-        return _launch(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v), config, indexer_topk)
+        return _launch(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v), config, indexer_topk,
+                       keep_plan)
     if torch.compiler.is_compiling():     # torch.compile sees the custom op as one opaque node
         if config is not None:
             raise NotImplementedError("sparse_attention: config= is for eager calls (the custom op runs the op's)")
         return _sparse_attention_fwd(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v))
     # eager: the custom op's dispatch would only add host time (~25 us per call) around the same launch
-    return _launch(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v), config)
+    return _launch(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v), config,
+                   keep_plan=keep_plan)

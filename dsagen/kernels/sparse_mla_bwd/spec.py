@@ -115,9 +115,13 @@ class SparseAttnBwdConfig:
     (spec()), the grid is a launch argument (n_ctas()). config_for picks the op's; a benchmark or test that tries
     a variant passes dataclasses.replace(config, ...) to dsagen.kernels.sparse_mla_bwd.host.
 
-    regs_producer / regs_a / regs_b: setmaxnreg budgets, 40 + 240 + 224 = 504, the launch's 3 x 168 registers.
+    regs_producer / regs_a / regs_b: setmaxnreg budgets, 40 + 232 + 232 = 504, the launch's 3 x 168 registers.
       Consumer A holds dQ[:, 256:] (160 FP32 at D576) next to its S / chunk accumulator, B dQ[:, :256] (128) next
-      to dP and dS; the producer only computes addresses.
+      to dP and dS; the producer only computes addresses. At 40 / 240 / 224 ptxas serialized every wgmma of the
+      deterministic D576 kernels (C7512: one WARPGROUP.DEPBAR per HGMMA); at 232 / 232 no form is serialized and
+      none spills more. Same process on the H200 (2026-12-04, T 4096, KV 32768, topk 2048, outputs bitwise equal):
+      H128 / D576 deterministic 37.54 against 39.35 ms, atomic 15.25 / 15.41; H64 / D512 deterministic 17.54 /
+      17.36, atomic 7.27 / 7.27.
     chunk_buffers_a: consumer A's dKV chunk accumulators (SparseAttnBwdSpec), 1 (the op's) or 2. Two spill at A's
       240 registers (150 spill instructions, 23.14 ms at the headline shape); with budgets 24 / 256 / 224 they pass
       the GPU suites but gain nothing in one process: 16.33 against 16.40 ms at the headline shape, and 9.28 against
@@ -140,8 +144,8 @@ class SparseAttnBwdConfig:
     """
 
     regs_producer: int = 40
-    regs_a: int = 240
-    regs_b: int = 224
+    regs_a: int = 232
+    regs_b: int = 232
     chunk_buffers_a: int = 1
     grid: str | int = "persistent"
     bucket_rows: int | None = 4096

@@ -18,8 +18,8 @@ per-token FP32 descales (amax / 448), BF16 weights. Every group of contenders is
 TFLOP/s counts the causal pairs: 2 H D T (T + 1) / 2.
 --slab-mib / --slab-rows: extra forward_topk contenders with those slab caps (bytes / rows), through the host loop
 with a replaced config, beside the host loop with the default config; --topk-finish-pass: one more, whose top-k
-kernels leave the finish (LSE, softmax, global ids) to the separate finishing kernel; --host-path: FP8 scores through out= and through the host's run (what the public
-op's validation and dispatch add).
+kernels leave the finish (LSE, softmax, global ids) to the separate finishing kernel; --host-path: FP8 scores
+through out= and through the host's run (what the public op's validation and dispatch add).
 --recompute-T: dense_indexer_score_recompute (out + denom) beside cuDNN's dense_indexer_score_recompute_wrapper.
 """
 

@@ -247,11 +247,11 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
     n_idx = _check_indexer_topk(indexer_topk, topk_idxs.shape[-1], impl)
     public = _PublicForward(batched, tuple(q.shape), kv.shape[-2] if batched else 0, d_v, indexer_topk is not None,
                             n_idx)
-    keep = None
-    if key is not None:
-        def keep(launch):
-            public.launch = launch
-            _FAST.put(key, public)
+    def keep_plan(launch):
+        public.launch = launch
+        _FAST.put(key, public)
+
+    keep = keep_plan if key is not None else None
 
     if not batched:
         outs = _flat(q, kv, topk_idxs, attn_sink, topk_length, scale, d_v, impl, n_idx, keep)

@@ -31,9 +31,8 @@ import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_index, device_sm_count
-from .host import (_check_layout, _tma_strides, _with_strides, dummy_offsets, loaded_kernels, score_ctas,
-                   slab_max_candidates, slab_rows)
-from .scores_host import (_TORCH_DTYPE_NAMES, check_supported as check_scores_supported, eager, fp8_args, fp8_flags,
+from .host import _check_layout, loaded_kernels, score_ctas, slab_max_candidates, slab_rows
+from .scores_host import (_TORCH_DTYPE_NAMES, ScoreCallInputs, check_supported as check_scores_supported, eager,
                           input_views)
 from .spec import ForwardTopkConfig, IndexerTopkSpec, forward_topk_config_for, tokens_per_cta
 
@@ -99,7 +98,7 @@ def scratch_bytes(num_heads: int, width: int, total_rows: int, config: ForwardTo
     return 4 * rows * ld
 
 
-class ForwardTopkLaunch:
+class ForwardTopkLaunch(ScoreCallInputs):
     """The launches of one call signature: everything of `run` that follows from the shapes, strides, dtypes and
     flags (kernels, slab shape, per-slab top-k kernel and grid, scalar arguments), computed once; calling it with
     tensors of that signature allocates the slab and launches the kernels on their pointers. Built by `run` for
@@ -111,8 +110,7 @@ class ForwardTopkLaunch:
                  softmax: torch.Tensor | None, lse: torch.Tensor | None, global_ids: bool,
                  q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                  config: ForwardTopkConfig | None = None):
-        self.packed = packed = cu_seqlens_q is not None
-        self.fp8 = q.dtype == torch.float8_e4m3fn
+        packed = cu_seqlens_q is not None
         q4, k3, w3, qs3, ks2 = input_views(q, k, weights, q_scale, k_scale, packed)
         b, t_count, h, d = q4.shape
         s_count = k3.shape[1]
@@ -127,7 +125,7 @@ class ForwardTopkLaunch:
         self.device = device
         self.kernels = kernels = _kernels_for(device, h, d, q.dtype, config)
         config = kernels.config
-        self.dummy = dummy_offsets(device)
+        self._plan_inputs(q, q4, k3, w3, qs3, ks2, packed)
         n_docs = cu_seqlens_q.numel() - 1 if packed else 0
         has_off = int(q_causal_offsets is not None)
         num_sms = device_sm_count(device_index(device))
@@ -137,8 +135,6 @@ class ForwardTopkLaunch:
         self.slab_shape = slab_r, ld = slab_shape(h, width, rows, config)
         blk_per_slab = slab_r // qc
         n_chunks = -(-s_count // config.chunk_rows)
-        self.q_strides, self.k_strides = _tma_strides(q4), _tma_strides(k3)
-        self.fp8_flags = fp8_flags(w3, qs3, ks2) if self.fp8 else None
         self.has_off, self.n_docs = has_off, n_docs
         self.score_scalars = (n_docs, t_count, s_count, n_tblk)
         self.score_mid = (config.chunk_rows, n_chunks)
@@ -185,12 +181,8 @@ class ForwardTopkLaunch:
             if lse is not None:
                 lse.fill_(float("-inf"))
             return outputs
-        q4, k3, w3, qs, ks = input_views(q, k, weights, q_scale, k_scale, self.packed)
-        extra = fp8_args(w3, qs, ks, self.fp8_flags) if self.fp8 else ()
-        qv, kv = _with_strides(q4, self.q_strides), _with_strides(k3, self.k_strides)
-        dummy = self.dummy
-        cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if self.packed else (dummy, dummy)
-        q_off = dummy if q_causal_offsets is None else q_causal_offsets
+        qv, kv, w3, extra, cu_q, cu_k, q_off = self._call_inputs(q, k, weights, q_causal_offsets, cu_seqlens_q,
+                                                                cu_seqlens_k, q_scale, k_scale)
         kernels, has_off = self.kernels, self.has_off
         slab = torch.empty(self.slab_shape, dtype=torch.float32, device=self.device)
         score_head = (cu_q, cu_k, *self.score_scalars)

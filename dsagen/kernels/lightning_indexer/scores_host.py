@@ -142,7 +142,33 @@ def kernel_inputs(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_sca
     return q4, k3, w3, (fp8_args(w3, qs3, ks2) if q.dtype == torch.float8_e4m3fn else ())
 
 
-class ScoresLaunch:
+class ScoreCallInputs:
+    """The score kernel's tensor arguments, shared by the launch plans of indexer_scores and indexer_forward_topk:
+    `_plan_inputs` keeps what follows from a call's signature (layout, FP8 flags, the strides TMA needs, the dummy
+    offsets tensor), `_call_inputs` makes one call's arguments from its tensors."""
+
+    def _plan_inputs(self, q: torch.Tensor, q4: torch.Tensor, k3: torch.Tensor, w3: torch.Tensor,
+                     qs3: torch.Tensor | None, ks2: torch.Tensor | None, packed: bool) -> None:
+        self.packed, self.fp8 = packed, q.dtype == torch.float8_e4m3fn
+        self.q_strides, self.k_strides = _tma_strides(q4), _tma_strides(k3)
+        self.fp8_flags = fp8_flags(w3, qs3, ks2) if self.fp8 else None
+        self.dummy = dummy_offsets(q.device)
+
+    def _call_inputs(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
+                     q_causal_offsets: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
+                     cu_seqlens_k: torch.Tensor | None, q_scale: torch.Tensor | None,
+                     k_scale: torch.Tensor | None) -> tuple:
+        """(q view, k view, weights view, the FP8 form's trailing arguments or (), cu_q, cu_k, q_off) of one call:
+        the dummy offsets stand in for the offsets a call does not have."""
+        q4, k3, w3, qs, ks = input_views(q, k, weights, q_scale, k_scale, self.packed)
+        extra = fp8_args(w3, qs, ks, self.fp8_flags) if self.fp8 else ()
+        cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if self.packed else (self.dummy, self.dummy)
+        q_off = self.dummy if q_causal_offsets is None else q_causal_offsets
+        return (_with_strides(q4, self.q_strides), _with_strides(k3, self.k_strides), w3, extra, cu_q, cu_k,
+                q_off)
+
+
+class ScoresLaunch(ScoreCallInputs):
     """The score (and finishing) launches of one call signature: everything of `run` that follows from the shapes,
     strides, dtypes and flags (kernels, launch ranges, grid sizes, scalar arguments), computed once; calling it with
     tensors of that signature launches the kernels on their pointers. Built by `run` for every call, and kept by
@@ -152,8 +178,7 @@ class ScoresLaunch:
                  q_causal_offsets: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None, out: torch.Tensor,
                  lse: torch.Tensor | None, q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                  scale: float = 1.0, config: ScoresConfig | None = None):
-        self.packed = packed = cu_seqlens_q is not None
-        self.fp8 = q.dtype == torch.float8_e4m3fn
+        packed = cu_seqlens_q is not None
         q4, k3, w3, qs3, ks2 = input_views(q, k, weights, q_scale, k_scale, packed)
         b, t_count, h, d = q4.shape
         s_count = k3.shape[1]
@@ -167,15 +192,13 @@ class ScoresLaunch:
         _check_layout("k_indexer", k3, _OP)
         device = q.device
         self.config, self.score_k, self.mask_k = config, score_k, _ = _kernels_for(device, h, d, q.dtype, config)
-        self.dummy = dummy_offsets(device)
+        self._plan_inputs(q, q4, k3, w3, qs3, ks2, packed)
         self.n_docs = cu_seqlens_q.numel() - 1 if packed else 0
         self.has_off = int(q_causal_offsets is not None)
         num_sms = device_sm_count(device_index(device))
         qc = item_tokens(config.score)
         n_chunks = -(-s_count // config.chunk_rows)
-        self.q_strides, self.k_strides = _tma_strides(q4), _tma_strides(k3)
         self.w_strides = w3.stride()
-        self.fp8_flags = fp8_flags(w3, qs3, ks2) if self.fp8 else None
         self.launches = [(row0 * width, blk0, nblk, score_ctas(nblk * n_chunks, num_sms))
                          for blk0, nblk, row0 in launch_ranges(b, t_count, qc, max(1, config.launch_rows // qc))]
         self.score_scalars = (t_count, s_count, -(-t_count // qc), config.chunk_rows, n_chunks)
@@ -196,12 +219,8 @@ class ScoresLaunch:
             if self.want_lse:
                 lse.fill_(float("-inf"))
             return
-        q4, k3, w3, qs, ks = input_views(q, k, weights, q_scale, k_scale, self.packed)
-        extra = fp8_args(w3, qs, ks, self.fp8_flags) if self.fp8 else ()
-        qv, kv = _with_strides(q4, self.q_strides), _with_strides(k3, self.k_strides)
-        dummy = self.dummy
-        cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if self.packed else (dummy, dummy)
-        q_off = dummy if q_causal_offsets is None else q_causal_offsets
+        qv, kv, w3, extra, cu_q, cu_k, q_off = self._call_inputs(q, k, weights, q_causal_offsets, cu_seqlens_q,
+                                                                cu_seqlens_k, q_scale, k_scale)
         width, n_docs, has_off, config = self.width, self.n_docs, self.has_off, self.config
         flat = out.view(-1)
         t_count, s_count, n_tblk, chunk_rows, n_chunks = self.score_scalars

@@ -160,24 +160,28 @@ def test_forward_kernels_compile(tmp_path):
             assert not ops.get("LDL") and not ops.get("STL") and ops.get("MUFU", 0) > 0, ops
 
 
-def test_kernel_inputs_views():
-    """The score kernel's views: BSHD as given (k without its head dim), THD as B = 1, FP8 as uint8 with the
-    descales' pointers and strides (score_sm90.fp8_params order), all views of the same storage."""
-    from dsagen.kernels.lightning_indexer.scores_host import kernel_inputs
+def test_input_views_and_fp8_args():
+    """The score kernel's views: BSHD as given (k without its head dim), THD as B = 1, FP8 as uint8, all views of the
+    same storage; the FP8 form's trailing arguments carry the descales' pointers and strides (score_sm90.fp8_params
+    order), the same with flags computed once for the signature."""
+    from dsagen.kernels.lightning_indexer.scores_host import fp8_args, fp8_flags, input_views
 
     q, k4, w = torch.randn(2, 5, 8, 64), torch.randn(2, 7, 1, 64), torch.randn(2, 5, 8)
-    q4, k3, w3, extra = kernel_inputs(q, k4, w, None, None, packed=False)
-    assert q4 is q and k3.shape == (2, 7, 64) and k3.data_ptr() == k4.data_ptr() and w3 is w and extra == ()
+    q4, k3, w3, qs3, ks2 = input_views(q, k4, w, None, None, packed=False)
+    assert q4 is q and k3.shape == (2, 7, 64) and k3.data_ptr() == k4.data_ptr() and w3 is w
+    assert qs3 is None and ks2 is None
     qt, kt, wt = torch.randn(9, 8, 64), torch.randn(6, 1, 64), torch.randn(9, 8)
-    q4, k3, w3, extra = kernel_inputs(qt, kt, wt, None, None, packed=True)
-    assert (q4.shape, k3.shape, w3.shape) == ((1, 9, 8, 64), (1, 6, 64), (1, 9, 8)) and extra == ()
+    q4, k3, w3, qs3, ks2 = input_views(qt, kt, wt, None, None, packed=True)
+    assert (q4.shape, k3.shape, w3.shape) == ((1, 9, 8, 64), (1, 6, 64), (1, 9, 8)) and qs3 is None and ks2 is None
     q8, k8 = qt.to(torch.float8_e4m3fn), kt[:, 0].to(torch.float8_e4m3fn)
     qs, ks = torch.rand(9, 8), torch.rand(6)
-    q4, k3, w3, extra = kernel_inputs(q8, k8, wt, qs, ks, packed=True)
+    q4, k3, w3, qs3, ks2 = input_views(q8, k8, wt, qs, ks, packed=True)
     assert q4.dtype == k3.dtype == torch.uint8 and q4.shape == (1, 9, 8, 64) and q4.data_ptr() == q8.data_ptr()
+    extra = fp8_args(w3, qs3, ks2)
     assert extra[0] is w3 and extra[1] == 1                                  # fp32 weights: read through w32
     assert extra[2].shape == (1, 9, 8) and extra[3:6] == (72, 8, 1) and extra[6].shape == (1, 6)
     assert extra[7:] == (6, 1)
+    assert fp8_args(w3, qs3, ks2, fp8_flags(w3, qs3, ks2)) == extra
 
 
 def test_eager_calls_skip_the_custom_op_only_for_real_cuda_tensors():

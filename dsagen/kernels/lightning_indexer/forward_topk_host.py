@@ -135,8 +135,8 @@ class ForwardTopkLaunch(ScoreCallInputs):
         self.slab_shape = slab_r, ld = slab_shape(h, width, rows, config)
         blk_per_slab = slab_r // qc
         n_chunks = -(-s_count // config.chunk_rows)
-        self.has_off, self.n_docs = has_off, n_docs
-        self.score_scalars = (n_docs, t_count, s_count, n_tblk)
+        self.has_off = has_off
+        self.scalars = (n_docs, t_count, s_count, n_tblk)      # the score and top-k kernels' shared scalars
         self.score_mid = (config.chunk_rows, n_chunks)
         self.score_tail = (1, ratio, *w3.stride(), ld, 1.0)
         self.slabs = []
@@ -148,7 +148,6 @@ class ForwardTopkLaunch(ScoreCallInputs):
                                                      packed))
             self.slabs.append((blk0, nblk, score_ctas(nblk * n_chunks, num_sms),
                                kernels.topk_for(longest, nblk * qc, num_sms)))
-        self.topk_scalars = (n_docs, t_count, s_count, n_tblk)
         self.qc = qc
         self.topk_tail = (top_k, ratio, has_off, ld)
         self.finish_flags = (int(softmax is not None), int(lse is not None), int(global_ids))
@@ -185,7 +184,7 @@ class ForwardTopkLaunch(ScoreCallInputs):
                                                                 cu_seqlens_k, q_scale, k_scale)
         kernels, has_off = self.kernels, self.has_off
         slab = torch.empty(self.slab_shape, dtype=torch.float32, device=self.device)
-        score_head = (cu_q, cu_k, *self.score_scalars)
+        score_head = (cu_q, cu_k, *self.scalars)
         for blk0, nblk, n_ctas, topk_k in self.slabs:
             kernels.score.launch(qv, kv, w3, slab, *score_head, blk0, nblk, *self.score_mid, n_ctas, *self.score_tail,
                                  q_off, has_off, 0, *extra)          # fill 0: the top-k reads only the valid columns
@@ -193,12 +192,10 @@ class ForwardTopkLaunch(ScoreCallInputs):
                 outputs = outputs()
             ids, logits, softmax, lse = outputs
             soft_arg, lse_arg = logits if softmax is None else softmax, logits if lse is None else lse
-            if kernels.softmax is None:             # the top-k kernel finishes its rows
-                topk_k.launch(slab, ids, logits, cu_q, cu_k, q_off, *self.topk_scalars, blk0, self.qc,
-                              nblk * self.qc, *self.topk_tail, soft_arg, lse_arg, *self.finish_flags)
-            else:
-                topk_k.launch(slab, ids, logits, cu_q, cu_k, q_off, *self.topk_scalars, blk0, self.qc,
-                              nblk * self.qc, *self.topk_tail)
+            # the top-k kernel's finishing form also takes the finish's outputs and flags
+            finish = (soft_arg, lse_arg, *self.finish_flags) if kernels.softmax is None else ()
+            topk_k.launch(slab, ids, logits, cu_q, cu_k, q_off, *self.scalars, blk0, self.qc, nblk * self.qc,
+                          *self.topk_tail, *finish)
         if kernels.softmax is not None:
             kernels.softmax.launch(logits, ids, soft_arg, lse_arg, cu_q, cu_k, q_off, *self.softmax_scalars)
         return outputs

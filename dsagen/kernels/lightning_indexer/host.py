@@ -119,17 +119,20 @@ def _check_layout(name: str, t: torch.Tensor, op: str = "lightning_indexer") -> 
                              f"{op} (TMA), got strides {t.stride()} ({es}-byte elements)")
 
 
-def _tma_view(t: torch.Tensor) -> torch.Tensor:
-    """The same elements with every size-1 dimension given a 16-byte-multiple stride (TMA checks strides
-    even of singleton dimensions; their value never matters)."""
+def _tma_strides(t: torch.Tensor) -> tuple[int, ...] | None:
+    """`t`'s strides with every size-1 dimension given a 16-byte-multiple stride (TMA checks strides even of
+    singleton dimensions; their value never matters), or None when they are t's own."""
     stride = list(t.stride())
     for i in range(t.dim() - 2, -1, -1):
         if t.shape[i] == 1:
             stride[i] = stride[i + 1] * max(1, t.shape[i + 1])
             stride[i] = -(-stride[i] // 8) * 8 if t.element_size() == 2 else stride[i]
-    if stride == list(t.stride()):
-        return t
-    return t.as_strided(t.shape, stride)
+    return None if stride == list(t.stride()) else tuple(stride)
+
+
+def _with_strides(t: torch.Tensor, strides: tuple[int, ...] | None) -> torch.Tensor:
+    """`t` with the strides `_tma_strides` computed for its signature (itself when None)."""
+    return t if strides is None else t.as_strided(t.shape, strides)
 
 
 def loaded_kernels(cache: dict, op: str, device: torch.device, h: int, d: int, dtype: torch.dtype, dtype_name: str,
@@ -271,17 +274,6 @@ class IndexerLaunch:
                 out = torch.empty(self.out_shape, dtype=torch.int32, device=self.device)
             topk_k.launch(slab, out, *score_head, blk0, self.qc, nblk * self.qc, *self.topk_tail)
         return out
-
-
-def _tma_strides(t: torch.Tensor) -> tuple[int, ...] | None:
-    """The strides `_tma_view` gives `t`, or None when they are t's own."""
-    v = _tma_view(t)
-    return None if v is t else v.stride()
-
-
-def _with_strides(t: torch.Tensor, strides: tuple[int, ...] | None) -> torch.Tensor:
-    """`t` with the strides `_tma_strides` computed for its signature (itself when None)."""
-    return t if strides is None else t.as_strided(t.shape, strides)
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, causal: bool, compress_ratio: int,

@@ -134,14 +134,6 @@ def input_views(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_scale
     return q4, k3, w3, qs3, ks2
 
 
-def kernel_inputs(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_scale: torch.Tensor | None,
-                  k_scale: torch.Tensor | None, packed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
-    """input_views' (q [B, T, H, D], k [B, S, D], weights [B, T, H]) and the FP8 form's trailing arguments
-    (fp8_args of the descales) or ()."""
-    q4, k3, w3, qs3, ks2 = input_views(q, k, weights, q_scale, k_scale, packed)
-    return q4, k3, w3, (fp8_args(w3, qs3, ks2) if q.dtype == torch.float8_e4m3fn else ())
-
-
 class ScoreCallInputs:
     """The score kernel's tensor arguments, shared by the launch plans of indexer_scores and indexer_forward_topk:
     `_plan_inputs` keeps what follows from a call's signature (layout, FP8 flags, the strides TMA needs, the dummy

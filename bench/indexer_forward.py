@@ -57,15 +57,14 @@ def _scores_variant(q, k, w, t: int, variant: str, fp8=None):
     the LSE: fill1 the score kernel writes the -inf tails (the default), fill0 the finishing kernel's own pass does;
     "longestN" without the LSE: the score kernel's longest_first item order (1) or the forward order (0);
     "qtilesN" without the LSE: N Q tiles per score work item (2: FP8 only);
-    "cudahsN" (FP8 only) without the LSE: N consumer warpgroups sum the heads on the CUDA cores;
     "fp8-" before it: the FP8 form (fp8: (q8, k8, q_scale, k_scale))."""
     from dsagen.kernels.lightning_indexer.scores_host import run
     from dsagen.kernels.lightning_indexer.spec import scores_config_for
 
-    m = re.fullmatch(r"(fp8-)?(chunk|launch|stages|consumers|fill|longest|qtiles|cudahs)(\d+)", variant)
+    m = re.fullmatch(r"(fp8-)?(chunk|launch|stages|consumers|fill|longest|qtiles)(\d+)", variant)
     if m is None:
         raise SystemExit(f"--scores-variant {variant!r}: expected [fp8-]chunkN, [fp8-]launchN, [fp8-]stagesN, "
-                         f"[fp8-]fill0 / fill1, [fp8-]longest0 / longest1, fp8-qtiles1 / 2, fp8-cudahsN or fp8-consumers3 / 4")
+                         f"[fp8-]fill0 / fill1, [fp8-]longest0 / longest1, fp8-qtiles1 / 2 or fp8-consumers3 / 4")
     dtype = "float8_e4m3fn" if m.group(1) else "bfloat16"
     cfg = scores_config_for(H, D, dtype, "sm_90a")
     n = int(m.group(3))
@@ -77,13 +76,11 @@ def _scores_variant(q, k, w, t: int, variant: str, fp8=None):
         cfg = dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, longest_first=bool(n)))
     elif m.group(2) == "qtiles":
         cfg = dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, q_tiles=n))
-    elif m.group(2) == "cudahs":
-        cfg = dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, cuda_head_sums=n))
     else:
         field = {"chunk": "chunk_rows", "launch": "launch_rows"}[m.group(2)]
         cfg = dataclasses.replace(cfg, **{field: n})
     out = torch.empty((1, t, t), device=q.device)
-    lse = None if m.group(2) in ("fill", "longest", "qtiles", "cudahs") else torch.empty((1, t), device=q.device)
+    lse = None if m.group(2) in ("fill", "longest", "qtiles") else torch.empty((1, t), device=q.device)
     if m.group(1):
         q8, k8, qs, ks = fp8
         return lambda: run(q8, k8, w, 1, None, None, None, out, lse, q_scale=qs, k_scale=ks, config=cfg)
@@ -121,7 +118,7 @@ def one_shape(t: int, args, dsa, gen) -> dict:
                    ("cudnn fp8 +lse", lambda: dsa.indexer_forward_wrapper(q8, k84, w, ratio=1, precision="fp8",
                                                                           q_scale=qs, k_scale=ks4, return_lse=True))]
     for variant in args.scores_variant:
-        lse = "" if any(x in variant for x in ("fill", "longest", "qtiles", "cudahs")) else " +lse"
+        lse = "" if any(x in variant for x in ("fill", "longest", "qtiles")) else " +lse"
         label = f"dsagen fp8{lse} {variant[4:]}" if variant.startswith("fp8-") else f"dsagen bf16{lse} {variant}"
         scores.append((label, _scores_variant(q, k, w, t, variant, (q8, k8, qs, ks))))
     if args.host_path:

@@ -85,7 +85,7 @@ def fp8_params() -> list:
 
 
 def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: bool = False, consumers: int = 3,
-          longest_first: bool = False, q_tiles: int = 1, cuda_head_sums: int = 0):
+          longest_first: bool = False, q_tiles: int = 1):
     """The score kernel of IndexerScoreSpec(num_heads, head_dim, dtype, stages, dense_scores): returns
     (kernel, host, PARAMS, HOST_ARGS, LAUNCH). Each call makes new kernel and host functions (every rendered module
     names its own kernel).
@@ -111,20 +111,12 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
     q_tiles: Q tiles per work item (NQ): 1, or 2 (FP8 form with 4 consumers only): the item holds 2 * 128 / H
     tokens and each K tile is multiplied by both Q tiles, by the two warpgroups of a consumer pair (warpgroup c takes
     Q tile c % 2 and the item's tiles p, p + 2, ... with p = c // 2), so every K tile is read from L2 once per twice
-    as many query tokens.
-    cuda_head_sums: FP8 form only: how many consumer warpgroups (the last ones of the turn order) do the head sum on
-    the CUDA cores (ReLU x weight FFMA chains and a quad shuffle, as the bf16 form) instead of the second wgmma, so
-    the tensor pipe runs fewer head-sum HGMMAs while those warpgroups' epilogues run under the others' QGMMA; 0
-    generates the code the kernel had before the argument."""
+    as many query tokens."""
     NQ = q_tiles
     assert NQ == 1 or (NQ == 2 and consumers == 4 and dtype == "float8_e4m3fn"), "q_tiles=2: FP8 with 4 consumers"
     FP8 = dtype == "float8_e4m3fn"
     NC = consumers                # consumer warpgroups taking the tiles in turn: 3, or 4 (FP8 form)
     assert NC == 3 or (NC == 4 and FP8), "4 consumer warpgroups fit the registers of the FP8 form only"
-    assert cuda_head_sums == 0 or (FP8 and 0 < cuda_head_sums <= NC), "cuda_head_sums: FP8, at most the consumers"
-    NCUDA = cuda_head_sums if FP8 else NC   # consumer warpgroups cwg >= NC - NCUDA sum the heads on the CUDA cores
-    CUDA_HS = NCUDA > 0           # some warpgroup's head sum runs on the CUDA cores (every bf16 / fp16 one)
-    TENSOR_HS = NCUDA < NC        # some warpgroup's head sum runs on the tensor cores (FP8)
     NTHREADS = 128 * (1 + NC)
     # setmaxnreg moves registers within the CTA's pool (USETMAXREG.*.CTAPOOL), which holds what the launch gave every
     # thread: 65536 / NTHREADS rounded down to 8. A consumer's count must keep 128 * (40 + NC * REGS_C) inside it, or
@@ -215,158 +207,6 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
 
     SMEM_BYTES = Smem.size_in_bytes()
     LAUNCH = {"grid": ["n_ctas", 1, 1], "block": [NTHREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
-
-    @cute.jit
-    def tensor_head_sums(acc, accMN, hs, hsB, qs, lo2, hi2, tok2, ksr, s_base, row0, ld_slab, p_slab):
-        """The FP8 tile's head sums on the tensor cores: bf16(ReLU(S)) from the accumulator's registers times the
-        block-diagonal weights of Q slot qs (a second wgmma), each of the thread's <= 2 token columns stored times its
-        row's k_scale where the row is a candidate of that token (lo2 <= s < hi2)."""
-        for r in cutlass.range_constexpr(2):
-            for c in cutlass.range_constexpr(NCOL):
-                accMN[r, c] = cutlass.max(accMN[r, c], Float32(0.0))     # ReLU
-        hs.tA.store(acc_as_frg_a(acc).load().to(cutlass.BFloat16))
-        gemm_tile(hs.mma, hs.acc, hs.tA, hsB, BN // 16, b_stage=qs)
-        for r in cutlass.range_constexpr(2):
-            s = s_base + 8 * r
-            for c in cutlass.range_constexpr(2 if COLSTEP == 1 else 1):   # my token columns
-                if s >= lo2[c] and s < hi2[c]:
-                    off = (row0 + tok2[c]) * ld_slab + Int64(s - lo2[c])
-                    (p_slab + off).store(hs.acc_mn[r, c] * ksr[r])
-
-    @cute.jit
-    def cuda_head_sums(accMN, wreg, sW, wbase, lo_r, hi_r, ksr, s_base, quad, row0, ld_slab, p_slab):
-        """A tile's head sums on the CUDA cores: per (row, token) of the thread's 2 rows and QC tokens the sum of
-        ReLU(S) x (w * scale) over its columns of that token, summed over the quad by two shuffles, stored (FP8: times
-        the row's k_scale) by one lane of the quad where the row is a candidate of the token. The weights: wreg, the
-        thread's NCOL in registers (bf16 / fp16), or (FP8, whose 104-register consumers have no room for them) read
-        per tile from sW at flat index wbase (the thread's first column in the item slot) + the column's offset."""
-        for r in cutlass.range_constexpr(2):
-            s = s_base + 8 * r
-            for jj in cutlass.range_constexpr(QC):
-                part = Float32(0.0)
-                for c in cutlass.range_constexpr(NCOL):
-                    if cutlass.const_expr((8 * (c // 2)) // H == jj):   # column c: token jj
-                        if cutlass.const_expr(FP8):
-                            part += cutlass.max(accMN[r, c], Float32(0.0)) * sW[wbase + (8 * (c // 2) + c % 2)]
-                        else:
-                            part += cutlass.max(accMN[r, c], Float32(0.0)) * wreg[c]
-                part += cute.arch.shuffle_sync_bfly(part, offset=1)
-                part += cute.arch.shuffle_sync_bfly(part, offset=2)
-                if quad == (r * QC + jj) % 4:            # spread the quad's stores over its lanes
-                    if s >= lo_r[jj] and s < hi_r[jj]:
-                        off = (row0 + jj) * ld_slab + Int64(s - lo_r[jj])
-                        if cutlass.const_expr(FP8):
-                            (p_slab + off).store(part * ksr[r])
-                        else:
-                            (p_slab + off).store(part)
-
-    @cute.jit
-    def consume(tensor_role: cutlass.Constexpr, cwg, ctid, warp, lane, sK, sQ, sW, sWb, sKs, sHdr, sBounds, k_full,
-                k_empty, q_full, info_full, info_empty, p_slab, ld_slab):
-        """A consumer warpgroup's loop over the published items (warpgroup cwg of the turn order, thread ctid in it):
-        per K tile of its turns the QGMMA / HGMMA scores, then the head sums on the tensor cores (tensor_role, FP8)
-        or on the CUDA cores."""
-        wwarp = warp % 4
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(BM, BN))
-        thr_mma = tiled_mma.get_slice(ctid)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sK))    # (.., .., k, K slot)
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sQ))    # (.., .., k, Q slot)
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), Float32)
-        accMN = acc_mn_view(acc)
-        cMN = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((BM, BN))))
-        if cutlass.const_expr(not tensor_role):
-            wreg = None
-            c0 = cMN[0, 0][1]                                          # the thread's first column
-            if cutlass.const_expr(not FP8):
-                wreg = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)  # w * scale of my columns
-            lo_r = cute.make_rmem_tensor(cute.make_layout(QC), Int32)      # candidate bounds of the tokens
-            hi_r = cute.make_rmem_tensor(cute.make_layout(QC), Int32)
-        ksr = None
-        if cutlass.const_expr(FP8):
-            ksr = cute.make_rmem_tensor(cute.make_layout(2), Float32)      # k_scale of the thread's 2 rows
-        if cutlass.const_expr(tensor_role):
-            # the head sum: acc2 (64 K rows x NB2 tokens) = bf16(ReLU(S)) (registers, acc's own elements) x sWb
-            hs = wgmma_tile(cutlass.BFloat16, None, sWb, (BM, NB2), ctid,
-                            a_regs=cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.BFloat16))
-            hsB = hs.mma.make_fragment_B(hs.thr.partition_B(sWb))            # (.., .., k, slot)
-            lo2 = cute.make_rmem_tensor(cute.make_layout(2), Int32)          # bounds of my 2 head-sum columns
-            hi2 = cute.make_rmem_tensor(cute.make_layout(2), Int32)          # (hi 0: no token, never stored)
-            tok2 = cute.make_rmem_tensor(cute.make_layout(2), Int32)
-        quad = lane % 4
-        row_in_tile = wwarp * 16 + lane // 4
-
-        # Turn order WG0 -> WG1 -> ... -> WG(NC-1) -> WG0 ...: BAR_WG0 + c is "WG c may issue"; WG c syncs on it,
-        # issues, then arrives on the next warpgroup's. The last warpgroup's arrive here lets WG0 take the first
-        # turn; WG0's sync after the loop takes the last one's final arrive, so every barrier generation is
-        # complete when the CTA exits.
-        if cwg == NC - 1:
-            cute.arch.barrier_arrive(barrier_id=BAR_WG0, number_of_threads=256)
-        j = Int32(0)
-        g = Int32(0)
-        cute.arch.mbarrier_wait(info_full, 0)
-        ntiles = sHdr[0]
-        while ntiles > 0:
-            slot = j % 2
-            bx = sHdr[slot * HDR + 1]
-            kv_lo = sHdr[slot * HDR + 4]
-            kv_hi = sHdr[slot * HDR + 5]
-            hq = cwg % NQ                                              # this warpgroup's Q tile of the item
-            qs = slot * NQ + hq
-            row0 = Int64(bx) * ITEM_TOK + hq * QC                      # slab row of its first token
-            if cutlass.const_expr(tensor_role):
-                for c in cutlass.range_constexpr(2):
-                    col = 2 * quad + c
-                    tok = col // COLSTEP
-                    lo2[c] = Int32(0)
-                    hi2[c] = Int32(0)
-                    tok2[c] = Int32(0)
-                    if col % COLSTEP == 0 and tok < QC:
-                        tok2[c] = tok
-                        lo2[c] = sBounds[2 * (hq * QC + tok), slot]
-                        hi2[c] = cutlass.min(sBounds[2 * (hq * QC + tok) + 1, slot], kv_hi)   # chunk's end too
-            if cutlass.const_expr(not tensor_role):
-                wbase = slot * (NQ * BN) + hq * BN + c0                # (FP8) the thread's first weight in sW
-                if cutlass.const_expr(not FP8):
-                    for c in cutlass.range_constexpr(NCOL):
-                        wreg[c] = sW[hq * BN + cMN[0, c][1], slot]
-                for jj in cutlass.range_constexpr(QC):
-                    lo_r[jj] = sBounds[2 * (hq * QC + jj), slot]
-                    hi_r[jj] = cutlass.min(sBounds[2 * (hq * QC + jj) + 1, slot], kv_hi)   # chunk's end too
-            cute.arch.mbarrier_wait(q_full + slot, (j // 2) % 2)
-            for it in cutlass.range((ntiles + TPR - 1) // TPR, unroll=1):
-                tile = TPR * it + cwg // NQ                               # every TPR-th tile
-                gt = g + tile
-                idx = gt % KSLOTS
-                cute.arch.barrier(barrier_id=BAR_WG0 + cwg, number_of_threads=256)        # my turn
-                if tile < ntiles:
-                    cute.arch.mbarrier_wait(k_full + idx, (gt // KSLOTS) % 2)
-                    if cutlass.const_expr(FP8):
-                        for r in cutlass.range_constexpr(2):                 # the k descales of my 2 rows
-                            ksr[r] = sKs[slot * FP8_KSCALE_ROWS + tile * BM + row_in_tile + 8 * r]
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                    warpgroup.fence()
-                    for kb in cutlass.range_constexpr(NK):
-                        cute.gemm(tiled_mma, acc, tCrA[None, None, kb, idx], tCrB[None, None, kb, qs], acc)
-                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
-                    cute.arch.barrier_arrive(barrier_id=BAR_WG0 + (cwg + 1) % NC, number_of_threads=256)  # next turn
-                    warpgroup.wait_group(0)
-                    if lane == 0:
-                        cute.arch.mbarrier_arrive(k_empty + idx)
-                    s_base = kv_lo + tile * BM + row_in_tile             # the thread's first K row
-                    if cutlass.const_expr(tensor_role):
-                        tensor_head_sums(acc, accMN, hs, hsB, qs, lo2, hi2, tok2, ksr, s_base, row0, ld_slab,
-                                         p_slab)
-                    else:
-                        cuda_head_sums(accMN, wreg, sW, wbase, lo_r, hi_r, ksr, s_base, quad, row0, ld_slab, p_slab)
-                else:
-                    cute.arch.barrier_arrive(barrier_id=BAR_WG0 + (cwg + 1) % NC, number_of_threads=256)  # (pad turn)
-            g += ntiles
-            cute.arch.mbarrier_arrive(info_empty + slot)                 # Q buffer, bounds, weights free
-            j += 1
-            cute.arch.mbarrier_wait(info_full + j % 2, (j // 2) % 2)
-            ntiles = sHdr[(j % 2) * HDR]
 
     @cute.jit
     def body(q_tma, k_tma, p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
@@ -554,16 +394,122 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
             cute.arch.setmaxregister_increase(REGS_C)
             cwg = wg - 1
             ctid = tidx - 128 * wg
-            if cutlass.const_expr(TENSOR_HS and CUDA_HS):
-                if cwg < NC - NCUDA:
-                    consume(True, cwg, ctid, warp, lane, sK, sQ, sW, sWb, sKs, sHdr, sBounds, k_full, k_empty,
-                            q_full, info_full, info_empty, p_slab, ld_slab)
+            wwarp = warp % 4
+            tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), tiler_mn=(BM, BN))
+            thr_mma = tiled_mma.get_slice(ctid)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sK))    # (.., .., k, K slot)
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sQ))    # (.., .., k, Q slot)
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), Float32)
+            accMN = acc_mn_view(acc)
+            cMN = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((BM, BN))))
+            if cutlass.const_expr(not FP8):
+                wreg = cute.make_rmem_tensor(cute.make_layout(NCOL), Float32)  # w * scale of my columns
+                lo_r = cute.make_rmem_tensor(cute.make_layout(QC), Int32)      # candidate bounds of the tokens
+                hi_r = cute.make_rmem_tensor(cute.make_layout(QC), Int32)
+            if cutlass.const_expr(FP8):
+                ksr = cute.make_rmem_tensor(cute.make_layout(2), Float32)      # k_scale of the thread's 2 rows
+                # the head sum: acc2 (64 K rows x NB2 tokens) = bf16(ReLU(S)) (registers, acc's own elements) x sWb
+                hs = wgmma_tile(cutlass.BFloat16, None, sWb, (BM, NB2), ctid,
+                                a_regs=cute.make_rmem_tensor(thr_mma.partition_shape_C((BM, BN)), cutlass.BFloat16))
+                hsB = hs.mma.make_fragment_B(hs.thr.partition_B(sWb))            # (.., .., k, slot)
+                lo2 = cute.make_rmem_tensor(cute.make_layout(2), Int32)          # bounds of my 2 head-sum columns
+                hi2 = cute.make_rmem_tensor(cute.make_layout(2), Int32)          # (hi 0: no token, never stored)
+                tok2 = cute.make_rmem_tensor(cute.make_layout(2), Int32)
+            quad = lane % 4
+            row_in_tile = wwarp * 16 + lane // 4
+
+            # Turn order WG0 -> WG1 -> ... -> WG(NC-1) -> WG0 ...: BAR_WG0 + c is "WG c may issue"; WG c syncs on it,
+            # issues, then arrives on the next warpgroup's. The last warpgroup's arrive here lets WG0 take the first
+            # turn; WG0's sync after the loop takes the last one's final arrive, so every barrier generation is
+            # complete when the CTA exits.
+            if cwg == NC - 1:
+                cute.arch.barrier_arrive(barrier_id=BAR_WG0, number_of_threads=256)
+            j = Int32(0)
+            g = Int32(0)
+            cute.arch.mbarrier_wait(info_full, 0)
+            ntiles = sHdr[0]
+            while ntiles > 0:
+                slot = j % 2
+                bx = sHdr[slot * HDR + 1]
+                kv_lo = sHdr[slot * HDR + 4]
+                kv_hi = sHdr[slot * HDR + 5]
+                hq = cwg % NQ                                              # this warpgroup's Q tile of the item
+                qs = slot * NQ + hq
+                row0 = Int64(bx) * ITEM_TOK + hq * QC                      # slab row of its first token
+                if cutlass.const_expr(FP8):
+                    for c in cutlass.range_constexpr(2):
+                        col = 2 * quad + c
+                        tok = col // COLSTEP
+                        lo2[c] = Int32(0)
+                        hi2[c] = Int32(0)
+                        tok2[c] = Int32(0)
+                        if col % COLSTEP == 0 and tok < QC:
+                            tok2[c] = tok
+                            lo2[c] = sBounds[2 * (hq * QC + tok), slot]
+                            hi2[c] = cutlass.min(sBounds[2 * (hq * QC + tok) + 1, slot], kv_hi)   # chunk's end too
                 else:
-                    consume(False, cwg, ctid, warp, lane, sK, sQ, sW, sWb, sKs, sHdr, sBounds, k_full, k_empty,
-                            q_full, info_full, info_empty, p_slab, ld_slab)
-            else:
-                consume(TENSOR_HS, cwg, ctid, warp, lane, sK, sQ, sW, sWb, sKs, sHdr, sBounds, k_full, k_empty,
-                        q_full, info_full, info_empty, p_slab, ld_slab)
+                    for c in cutlass.range_constexpr(NCOL):
+                        wreg[c] = sW[hq * BN + cMN[0, c][1], slot]
+                    for jj in cutlass.range_constexpr(QC):
+                        lo_r[jj] = sBounds[2 * (hq * QC + jj), slot]
+                        hi_r[jj] = cutlass.min(sBounds[2 * (hq * QC + jj) + 1, slot], kv_hi)   # chunk's end too
+                cute.arch.mbarrier_wait(q_full + slot, (j // 2) % 2)
+                for it in cutlass.range((ntiles + TPR - 1) // TPR, unroll=1):
+                    tile = TPR * it + cwg // NQ                               # every TPR-th tile
+                    gt = g + tile
+                    idx = gt % KSLOTS
+                    cute.arch.barrier(barrier_id=BAR_WG0 + cwg, number_of_threads=256)        # my turn
+                    if tile < ntiles:
+                        cute.arch.mbarrier_wait(k_full + idx, (gt // KSLOTS) % 2)
+                        if cutlass.const_expr(FP8):
+                            for r in cutlass.range_constexpr(2):                 # the k descales of my 2 rows
+                                ksr[r] = sKs[slot * FP8_KSCALE_ROWS + tile * BM + row_in_tile + 8 * r]
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                        warpgroup.fence()
+                        for kb in cutlass.range_constexpr(NK):
+                            cute.gemm(tiled_mma, acc, tCrA[None, None, kb, idx], tCrB[None, None, kb, qs], acc)
+                            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        warpgroup.commit_group()
+                        cute.arch.barrier_arrive(barrier_id=BAR_WG0 + (cwg + 1) % NC, number_of_threads=256)  # next turn
+                        warpgroup.wait_group(0)
+                        if lane == 0:
+                            cute.arch.mbarrier_arrive(k_empty + idx)
+                        if cutlass.const_expr(FP8):
+                            for r in cutlass.range_constexpr(2):
+                                for c in cutlass.range_constexpr(NCOL):
+                                    accMN[r, c] = cutlass.max(accMN[r, c], Float32(0.0))     # ReLU
+                            hs.tA.store(acc_as_frg_a(acc).load().to(cutlass.BFloat16))
+                            gemm_tile(hs.mma, hs.acc, hs.tA, hsB, BN // 16, b_stage=qs)
+                            s_base = kv_lo + tile * BM + row_in_tile
+                            for r in cutlass.range_constexpr(2):
+                                s = s_base + 8 * r
+                                for c in cutlass.range_constexpr(2 if COLSTEP == 1 else 1):   # my token columns
+                                    if s >= lo2[c] and s < hi2[c]:
+                                        off = (row0 + tok2[c]) * ld_slab + Int64(s - lo2[c])
+                                        (p_slab + off).store(hs.acc_mn[r, c] * ksr[r])
+                        else:
+                            s_base = kv_lo + tile * BM + row_in_tile
+                            for r in cutlass.range_constexpr(2):
+                                s = s_base + 8 * r
+                                for jj in cutlass.range_constexpr(QC):
+                                    part = Float32(0.0)
+                                    for c in cutlass.range_constexpr(NCOL):
+                                        if cutlass.const_expr((8 * (c // 2)) // H == jj):   # column c: token jj
+                                            part += cutlass.max(accMN[r, c], Float32(0.0)) * wreg[c]
+                                    part += cute.arch.shuffle_sync_bfly(part, offset=1)
+                                    part += cute.arch.shuffle_sync_bfly(part, offset=2)
+                                    if quad == (r * QC + jj) % 4:            # spread the quad's stores over its lanes
+                                        if s >= lo_r[jj] and s < hi_r[jj]:
+                                            off = (row0 + jj) * ld_slab + Int64(s - lo_r[jj])
+                                            (p_slab + off).store(part)
+                    else:
+                        cute.arch.barrier_arrive(barrier_id=BAR_WG0 + (cwg + 1) % NC, number_of_threads=256)  # (pad turn)
+                g += ntiles
+                cute.arch.mbarrier_arrive(info_empty + slot)                 # Q buffer, bounds, weights free
+                j += 1
+                cute.arch.mbarrier_wait(info_full + j % 2, (j // 2) % 2)
+                ntiles = sHdr[(j % 2) * HDR]
             if cwg == 0:
                 cute.arch.barrier(barrier_id=BAR_WG0, number_of_threads=256)
 

@@ -82,8 +82,6 @@ class IndexerScoreSpec(KernelSpec):
     q_tiles: Q tiles per work item: 1, or 2 (FP8 with 4 consumers, indexer_scores only): items of 2 * 128 / H
     tokens whose K tiles each pair of consumer warpgroups multiplies by both Q tiles (half the K bytes per query
     token); item_tokens(spec) is what the host's token blocks must use.
-    cuda_head_sums: FP8 only: how many consumer warpgroups (the last of the turn order) sum the heads on the CUDA
-    cores instead of the tensor cores (0: none, the code the kernel had before the field; at most `consumers`).
     """
 
     op = "lightning_indexer_score"
@@ -97,14 +95,9 @@ class IndexerScoreSpec(KernelSpec):
     consumers: int = 3
     longest_first: bool = False
     q_tiles: int = 1
-    cuda_head_sums: int = 0
 
     def reasons(self) -> list[str]:
         out = super().reasons()
-        if self.cuda_head_sums != 0 and (self.dtype != INDEXER_FP8_DTYPE
-                                         or not 0 < self.cuda_head_sums <= self.consumers):
-            out.append(f"cuda_head_sums={self.cuda_head_sums} needs dtype={INDEXER_FP8_DTYPE!r} and at most "
-                       f"consumers={self.consumers} warpgroups")
         if self.arch != "sm_90a":
             out.append(f"the lightning-indexer score kernel is implemented for sm_90a only, not {self.arch}")
         if self.q_tiles not in (1, 2):

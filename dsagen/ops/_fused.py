@@ -34,6 +34,7 @@ FUSED: dict[str, str] = {
     "dense_attn_score_recompute": "dsagen.kernels.attn_score_recompute.dense_host:dense_attn_score_recompute",
     "dense_indexer_backward": "dsagen.kernels.indexer_bwd.dense_host:dense_indexer_backward",
     "dense_indexer_kl_backward": "dsagen.kernels.indexer_bwd.kl_host:dense_indexer_kl_backward",
+    "native_sparse_attention": "dsagen.kernels.nsa.host:native_sparse_attention",
     # the scratch size of sparse_attention_backward's workspace (FP32 elements)
     "sparse_attention_backward_workspace_numel": "dsagen.kernels.sparse_mla_bwd.host:workspace_numel",
 }

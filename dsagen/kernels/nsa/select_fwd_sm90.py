@@ -1,0 +1,425 @@
+"""NSA selected-branch forward on Hopper tensor cores (sm_90a): `build(...)` makes the kernel of one NsaSelectFwdSpec.
+
+For query token t (flattened over the batch, or packed sequences) and query head hq of KV head h = hq // G:
+
+    o[t, hq] = softmax_j(scale * q[t, hq] . k[j, h]) v[j, h]      over the keys j of the blocks t selected
+
+where token t selected the blocks block_indices[t, h, s] for slots s < count (the per-token count or an int), each
+block j0 being the block_size keys [j0 * block_size, (j0 + 1) * block_size) of t's sequence, an id outside [0,
+ceil(len / block_size)) an empty slot, keys limited causally to <= t, and a block named by two slots counted twice
+(the reference's semantics, dsagen/reference/nsa.py). Also lse[t, hq] = log sum_j exp(scale q . k) (natural log;
+-inf and o = 0 where t has no key).
+
+Work item = (KV head h, TOK consecutive tokens): the item's M = 64 rows are its tokens x the G query heads of h
+(TOK = min(16, 64 // G); fewer rows are padding when G < 4). The item's tokens share what they selected: warp 1 of
+the producer warpgroup (the scheduler) turns their TOK x S slots into a list of distinct entries (first row of the
+block in the packed key tensor, occurrence rank) with the bit mask of the tokens that selected each, so a block that
+several of the item's tokens chose is loaded and multiplied once; a row takes part in an entry only if its token's
+bit is set (the others see -inf). Warp 0 loads the item's Q tile (TMA) and, per entry, the block's K and V tiles
+(TMA boxes of block_size contiguous rows of head h) through a ring of `stages` stages. The consumer warpgroup runs,
+per entry, S = Q K^T (wgmma, K-major), the mask and the online softmax in the log2 domain (common.sm90.softmax), and
+O += P V (P from registers, V^T MN-major), then frees the stage; at the end it stores O / rowsum (bf16 / fp16) and the
+LSE. Two CTAs per SM (256 threads, setmaxnreg 40 / 216): one CTA's softmax runs under the other's MMA.
+
+Constraints (NsaSelectFwdSpec.reasons): G in 1..64 (a power of two), D and Dv in (64, 128), block_size in (32, 64,
+128), at most max_slots slots per token; q [N, HQ, D], k [N, H, D], v [N, H, Dv] with 16-byte aligned rows; ids int32.
+"""
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.experimental.cuda as xcuda
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+from dsagen.kernels.common.sm90.epilogue import store_row_v4
+from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
+from dsagen.kernels.common.sm90.mma import gemm_tile
+from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
+from dsagen.kernels.common.sm90.reduce import quad_sum, tree_reduce
+from dsagen.kernels.common.sm90.ring import ring_wait_free, ring_wait_ready
+from dsagen.kernels.common.sm90.softmax import exp_and_rescale
+from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
+from dsagen.kernels.nsa.spec import MAX_TOK, item_tokens
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+M = 64                      # rows of an item (wgmma M): its tokens x the group's query heads
+MAX_INIT = -1.0e30          # initial running max: finite, so no -inf - -inf; masked scores are -inf
+REGS_PRODUCER = 40
+REGS_CONSUMER = 216         # 2 CTAs of 256 threads: 128 x (40 + 216) = 32768 registers each
+BAR_QPAD = 1                # named barrier: the consumer zeroed its Q tile's padding rows (128 threads)
+
+
+def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int, dtype: str, stages: int):
+    """The kernel of NsaSelectFwdSpec(group, head_dim, v_dim, block_size, max_slots, dtype, stages): returns
+    (kernel, host, PARAMS, HOST_ARGS, LAUNCH). Each call makes new kernel and host functions."""
+    G, D, DV, BN, ST = group, head_dim, v_dim, block_size, stages
+    TOK = item_tokens(G)
+    ROWS = TOK * G                       # Q rows the TMA box fills (64, or 16 / 32 when G < 4)
+    NE = TOK * max_slots                 # the scheduler's list: at most one entry per (token, slot)
+    DT = cutlass.Float16 if dtype == "float16" else cutlass.BFloat16
+    FP16 = dtype == "float16"
+    KBQ, KBV = D // 64, DV // 64         # 64-column TMA boxes per Q / K row and per V row
+    Q_BYTES = ROWS * D * 2
+    K_BYTES = BN * D * 2
+    V_BYTES = BN * DV * 2
+    NTHREADS = 256
+
+    PARAMS = [
+        {"name": "q_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, G, TOK])},   # q [N, HQ, D] -> (D, HQ, N)
+        {"name": "k_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, 1, BN])},    # k [N, H, D] -> (D, H, N)
+        {"name": "v_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, 1, BN])},    # v [N, H, DV] -> (DV, H, N)
+        {"name": "idx", "kind": "ptr", "dtype": "int32", "align": 4},        # [N, H, S] block ids, any strides
+        {"name": "cnt", "kind": "ptr", "dtype": "int32", "align": 4},        # [N, H] slot counts (has_cnt)
+        {"name": "cu", "kind": "ptr", "dtype": "int32", "align": 4},         # [n_docs + 1] packed offsets
+        {"name": "out", "kind": "ptr", "dtype": dtype, "align": 16},         # [N, HQ, DV] contiguous
+        {"name": "lse", "kind": "ptr", "dtype": "float32", "align": 4},      # [N, HQ] contiguous
+        {"name": "n_tok", "kind": "i32"},                                    # N
+        {"name": "seq_len", "kind": "i32"},                                  # tokens per sequence when n_docs = 0
+        {"name": "n_docs", "kind": "i32"},                                   # 0: sequences of seq_len tokens
+        {"name": "n_kv", "kind": "i32"},                                     # H
+        {"name": "n_groups", "kind": "i32"},                                 # ceil(N / TOK)
+        {"name": "n_slots", "kind": "i32"},                                  # S (<= max_slots)
+        {"name": "has_cnt", "kind": "i32"},
+        {"name": "cnt_all", "kind": "i32"},                                  # the count when has_cnt == 0
+        {"name": "idx_st", "kind": "i64"},
+        {"name": "idx_sh", "kind": "i64"},
+        {"name": "idx_ss", "kind": "i64"},
+        {"name": "cnt_st", "kind": "i64"},
+        {"name": "cnt_sh", "kind": "i64"},
+        {"name": "scale_log2", "kind": "f32"},                               # softmax scale x log2(e)
+    ]
+    HOST_ARGS = [
+        {"name": "q", "kind": "ptr", "dtype": dtype, "align": 16},
+        {"name": "k", "kind": "ptr", "dtype": dtype, "align": 16},
+        {"name": "v", "kind": "ptr", "dtype": dtype, "align": 16},
+        {"name": "n_q_heads", "kind": "i32"},
+        {"name": "q_st", "kind": "i64"},
+        {"name": "q_sh", "kind": "i64"},
+        {"name": "k_st", "kind": "i64"},
+        {"name": "k_sh", "kind": "i64"},
+        {"name": "v_st", "kind": "i64"},
+        {"name": "v_sh", "kind": "i64"},
+    ] + PARAMS[3:]
+
+    @cute.struct
+    class Smem:
+        q_full: cute.struct.MemRange[Int64, 1]
+        list_full: cute.struct.MemRange[Int64, 1]
+        k_full: cute.struct.MemRange[Int64, ST]
+        v_full: cute.struct.MemRange[Int64, ST]
+        kv_free: cute.struct.MemRange[Int64, ST]
+        n_ent: cute.struct.MemRange[Int32, 4]
+        tok_first: cute.struct.MemRange[Int32, MAX_TOK]    # the token's sequence's first row (packed numbering)
+        tok_pos: cute.struct.MemRange[Int32, MAX_TOK]      # the token's row, -1 past the last token
+        tok_blocks: cute.struct.MemRange[Int32, MAX_TOK]   # blocks of the token's sequence
+        start: cute.struct.MemRange[Int32, NE]             # per (token, slot): first key row, -1 if empty
+        rank: cute.struct.MemRange[Int32, NE]              # per (token, slot): earlier slots of its token alike
+        ent: cute.struct.MemRange[Int32, 2 * NE]           # the list: (first key row, token mask) per entry
+        sQ: cute.struct.Align[cute.struct.MemRange[DT, M * D], 1024]
+        sK: cute.struct.Align[cute.struct.MemRange[DT, BN * D * ST], 1024]
+        sV: cute.struct.Align[cute.struct.MemRange[DT, BN * DV * ST], 1024]
+
+    SMEM_BYTES = Smem.size_in_bytes()
+    LAUNCH = {"grid": ["n_groups * n_kv", 1, 1], "block": [NTHREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
+
+    @cute.jit
+    def token_range(p_cu: cute.Pointer, n_docs: Int32, seq_len: Int32, tok: Int32):
+        """(first row, length) of token tok's sequence: sequence tok // seq_len when n_docs == 0, else the packed
+        sequence i with cu[i] <= tok < cu[i + 1] (binary search; empty sequences are skipped by it)."""
+        first = Int32(0)
+        length = Int32(0)
+        if n_docs == 0:
+            first = tok // seq_len * seq_len
+            length = seq_len
+        else:
+            lo = Int32(0)
+            hi = n_docs
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if (p_cu + mid).load() <= tok:
+                    lo = mid
+                else:
+                    hi = mid
+            first = (p_cu + lo).load()
+            length = (p_cu + lo + 1).load() - first
+        return first, length
+
+    @cute.jit
+    def schedule(st, lane, t0, h, p_idx, p_cnt, p_cu, n_tok, seq_len, n_docs, n_slots, has_cnt, cnt_all, idx_st,
+                 idx_sh, idx_ss, cnt_st, cnt_sh):
+        """Warp 1: the item's entry list. Token info first (lanes < TOK), then per (token, slot) its block's first
+        key row (-1: empty slot, a block after the token, an id out of range or a slot past the count) and its rank
+        among its token's earlier slots naming the same block, then one entry per distinct (row, rank) with the mask
+        of the tokens that have it, in order of first appearance; n_ent last. Every lane arrives on list_full."""
+        tok_first = st.tok_first.get_tensor(cute.make_layout(MAX_TOK))
+        tok_pos = st.tok_pos.get_tensor(cute.make_layout(MAX_TOK))
+        tok_blocks = st.tok_blocks.get_tensor(cute.make_layout(MAX_TOK))
+        s_start = st.start.get_tensor(cute.make_layout(NE))
+        s_rank = st.rank.get_tensor(cute.make_layout(NE))
+        s_ent = st.ent.get_tensor(cute.make_layout(2 * NE))
+        n_ent = st.n_ent.get_tensor(cute.make_layout(4))
+        if lane < TOK:
+            tok = t0 + lane
+            pos = Int32(-1)
+            first = Int32(0)
+            nblk = Int32(0)
+            if tok < n_tok:
+                first, length = token_range(p_cu, n_docs, seq_len, tok)
+                pos = tok
+                nblk = (length + BN - 1) // BN
+            tok_first[lane] = first
+            tok_pos[lane] = pos
+            tok_blocks[lane] = nblk
+        cute.arch.sync_warp()
+        n_e = TOK * n_slots
+        for e in cutlass.range(lane, n_e, 32, unroll=1):
+            tau = e // n_slots
+            s = e - tau * n_slots
+            pos = tok_pos[tau]
+            start = Int32(-1)
+            if pos >= 0:
+                cnt = cnt_all
+                if has_cnt != 0:
+                    cnt = (p_cnt + (Int64(pos) * cnt_st + Int64(h) * cnt_sh)).load()
+                if s < cnt:
+                    j = (p_idx + (Int64(pos) * idx_st + Int64(h) * idx_sh + Int64(s) * idx_ss)).load()
+                    first = tok_first[tau]
+                    if j >= 0 and j < tok_blocks[tau] and j * BN <= pos - first:
+                        start = first + j * BN
+            s_start[e] = start
+        cute.arch.sync_warp()
+        for e in cutlass.range(lane, n_e, 32, unroll=1):
+            start = s_start[e]
+            tau = e // n_slots
+            r = Int32(0)
+            if start >= 0:
+                for e2 in cutlass.range(tau * n_slots, e, unroll=1):
+                    if s_start[e2] == start:
+                        r += 1
+            s_rank[e] = r
+        cute.arch.sync_warp()
+        base = Int32(0)
+        lt_mask = cute.arch.lanemask_lt()
+        for e0 in cutlass.range(0, n_e, 32, unroll=1):
+            e = e0 + lane
+            start = Int32(-1)
+            r = Int32(0)
+            if e < n_e:
+                start = s_start[e]
+                r = s_rank[e]
+            is_first = Int32(0)
+            mask = Int32(0)
+            if start >= 0:
+                is_first = Int32(1)
+                for tau2 in cutlass.range(TOK, unroll=1):
+                    for s2 in cutlass.range(n_slots, unroll=4):
+                        e2 = tau2 * n_slots + s2
+                        if s_start[e2] == start and s_rank[e2] == r:
+                            mask = mask | (Int32(1) << tau2)
+                            if e2 < e:
+                                is_first = Int32(0)
+            ballot = cute.arch.vote_ballot_sync(is_first != 0)
+            if is_first != 0:
+                at = base + Int32(cute.arch.popc(ballot & lt_mask))
+                s_ent[2 * at] = start
+                s_ent[2 * at + 1] = mask
+            base += Int32(cute.arch.popc(ballot))
+        if lane == 0:
+            n_ent[0] = base
+        cute.arch.mbarrier_arrive(st.list_full.data_ptr())
+
+    @cute.jit
+    def body(q_tma, k_tma, v_tma, p_idx: cute.Pointer, p_cnt: cute.Pointer, p_cu: cute.Pointer,
+             p_out: cute.Pointer, p_lse: cute.Pointer, n_tok: Int32, seq_len: Int32, n_docs: Int32, n_kv: Int32,
+             n_groups: Int32, n_slots: Int32, has_cnt: Int32, cnt_all: Int32, idx_st: Int64, idx_sh: Int64,
+             idx_ss: Int64, cnt_st: Int64, cnt_sh: Int64, scale_log2: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp // 4
+        lane = cute.arch.lane_idx()
+        h = bid // n_groups                      # KV head; the token groups of one head are neighbours
+        t0 = (bid - h * n_groups) * TOK          # the item's first token
+
+        st = cutlass.memory.SmemAllocator().allocate(Smem)
+        q_full = st.q_full.data_ptr()
+        list_full = st.list_full.data_ptr()
+        k_full = st.k_full.data_ptr()
+        v_full = st.v_full.data_ptr()
+        kv_free = st.kv_free.data_ptr()
+        lq, lk, lv = sw128(DT, (M, D)), sw128(DT, (BN, D, ST)), sw128(DT, (BN, DV, ST))
+        sQ = st.sQ.get_tensor(lq.outer, swizzle=lq.inner)            # (64 rows (token, head), D)
+        sK = st.sK.get_tensor(lk.outer, swizzle=lk.inner)            # (BN keys, D, stage)
+        sV = st.sV.get_tensor(lv.outer, swizzle=lv.inner)            # (BN keys, DV, stage)
+        sVt = cute.composition(sV, cute.make_layout((DV, BN, ST), stride=(BN, 1, BN * DV)))   # V^T (MN-major)
+        s_ent = st.ent.get_tensor(cute.make_layout(2 * NE))
+        n_ent = st.n_ent.get_tensor(cute.make_layout(4))
+
+        if warp == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(q_full, 1)
+                cute.arch.mbarrier_init(list_full, 32)
+                for i in cutlass.range_constexpr(ST):
+                    cute.arch.mbarrier_init(k_full + i, 1)
+                    cute.arch.mbarrier_init(v_full + i, 1)
+                    cute.arch.mbarrier_init(kv_free + i, 4)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(REGS_PRODUCER)
+            if warp == 1:
+                schedule(st, lane, t0, h, p_idx, p_cnt, p_cu, n_tok, seq_len, n_docs, n_slots, has_cnt, cnt_all,
+                         idx_st, idx_sh, idx_ss, cnt_st, cnt_sh)
+            if warp == 0:
+                # TMA: the Q tile now, then per entry its K and V blocks through the ring
+                tma_load_tile(q_tma, ((sQ.iterator, M * 64, KBQ, (h * G, t0)),), q_full, Q_BYTES)
+                cute.arch.mbarrier_wait(list_full, 0)
+                n = Int32(0)
+                if lane == 0:
+                    n = n_ent[0]
+                n = cute.arch.shuffle_sync(n, 0)
+                for e in cutlass.range(n, unroll=1):
+                    stage = e % ST
+                    ring_wait_free(kv_free, e, ST)
+                    start = Int32(0)
+                    if lane == 0:
+                        start = s_ent[2 * e]
+                    start = cute.arch.shuffle_sync(start, 0)
+                    tma_load_tile(k_tma, ((sK[None, None, stage].iterator, BN * 64, KBQ, (h, start)),),
+                                  k_full + stage, K_BYTES)
+                    tma_load_tile(v_tma, ((sV[None, None, stage].iterator, BN * 64, KBV, (h, start)),),
+                                  v_full + stage, V_BYTES)
+        else:
+            cute.arch.setmaxregister_increase(REGS_CONSUMER)
+            ctid = tidx - 128
+            mma_qk = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                                       (1, 1, 1), tiler_mn=(M, BN))
+            mma_pv = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                                       (1, 1, 1), tiler_mn=(M, DV),
+                                                       a_source=warpgroup.OperandSource.RMEM)
+            mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+            thr_qk = mma_qk.get_slice(ctid)
+            thr_pv = mma_pv.get_slice(ctid)
+            tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
+            tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))          # (.., .., k, stage)
+            tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))         # (.., .., k, stage)
+            accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((M, BN)), Float32)
+            accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((M, DV)), Float32)
+            rP = cute.make_rmem_tensor(accS.layout, DT)
+            tOrP = acc_as_frg_a(rP)
+            sMN, oMN = acc_mn_view(accS), acc_mn_view(accO)
+            cS = acc_mn_view(thr_qk.partition_C(cute.make_identity_tensor((M, BN))))
+            NR = cute.size(sMN, mode=[0])
+            NCOL = cute.size(sMN, mode=[1])
+            row_max = cute.make_rmem_tensor(NR, Float32)
+            row_sum = cute.make_rmem_tensor(NR, Float32)
+            row_tok = cute.make_rmem_tensor(NR, Int32)       # the row's token within the item (TOK: padding)
+            row_pos = cute.make_rmem_tensor(NR, Int32)       # its row in the packed numbering, -1: none
+            row_max.fill(MAX_INIT)
+            row_sum.fill(0.0)
+            accO.fill(0.0)
+            mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+            q4 = ctid % 4
+
+            if cutlass.const_expr(ROWS < M):
+                # the TMA box fills ROWS rows; zero the rest once so that the padding rows multiply zeros
+                for i in cutlass.range(ctid, (M - ROWS) * D, 128, unroll=1):
+                    sQ[ROWS + i // D, i % D] = DT(0.0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=BAR_QPAD, number_of_threads=128)
+
+            cute.arch.mbarrier_wait(list_full, 0)
+            n = n_ent[0]
+            tok_pos = st.tok_pos.get_tensor(cute.make_layout(MAX_TOK))
+            for r in cutlass.range_constexpr(NR):
+                row = cS[r, 0][0]
+                tau = row // G
+                row_tok[r] = tau
+                row_pos[r] = Int32(-1)
+                if row < ROWS:
+                    row_pos[r] = tok_pos[tau]
+            cute.arch.mbarrier_wait(q_full, 0)
+            for e in cutlass.range(n, unroll=1):
+                stage = e % ST
+                start = s_ent[2 * e]
+                mask = s_ent[2 * e + 1]
+                ring_wait_ready(k_full, e, ST)
+                gemm_tile(mma_qk, accS, tSrQ, tSrK, D // 16, b_stage=stage)
+                for r in cutlass.range_constexpr(NR):
+                    # keys start + c with c <= hi: the row's token chose the entry and the key is not after it
+                    hi = Int32(-1)
+                    if row_pos[r] >= 0 and (mask >> row_tok[r]) & 1 != 0:
+                        hi = row_pos[r] - start
+                    for c in cutlass.range_constexpr(NCOL):
+                        v = sMN[r, c] * scale_log2
+                        if cS[r, c][1] > hi:
+                            v = -Float32.inf
+                        sMN[r, c] = v
+                    ml = tree_reduce(cute.arch.fmax, [sMN[r, c] for c in range(NCOL)])
+                    ml = cute.arch.fmax(ml, cute.arch.shuffle_sync_bfly(ml, offset=1))
+                    ml = cute.arch.fmax(ml, cute.arch.shuffle_sync_bfly(ml, offset=2))
+                    exp_and_rescale(sMN, oMN, row_max, row_sum, r, NCOL, cute.arch.fmax(row_max[r], ml))
+                rP.store(accS.load().to(DT))
+                ring_wait_ready(v_full, e, ST)
+                warpgroup.fence()
+                for ks in cutlass.range_constexpr(BN // 16):
+                    cute.gemm(mma_pv, accO, tOrP[None, None, ks], tOrV[None, None, ks, stage], accO)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(kv_free + stage)
+
+            # epilogue: O / rowsum as 16-byte stores, the LSE by lane 0 of each quad
+            q_hi = q4 >= 2
+            q_odd = q4 % 2 == 1
+            policy = l2_evict_first_policy()
+            for r in cutlass.range_constexpr(NR):
+                s = quad_sum(row_sum[r])
+                m = row_max[r]
+                pos = row_pos[r]
+                if pos >= 0:
+                    row = cS[r, 0][0]
+                    hq = h * G + (row - row_tok[r] * G)
+                    inv = Float32(0.0) if s == Float32(0.0) else Float32(1.0) / s
+                    at = Int64(pos) * (n_kv * G) + hq
+                    store_row_v4(p_out + (at * DV + 8 * q4), oMN, r, inv, FP16, q_hi, q_odd, policy)
+                    if q4 == 0:
+                        (p_lse + at).store(-Float32.inf if s == Float32(0.0)
+                                           else (m + cute.math.log2(s, fastmath=False)) * LN2)
+
+    @cute.kernel
+    def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
+               v_map: cutlass.GridConstant[xcuda.TensorMap], p_idx: cute.Pointer, p_cnt: cute.Pointer,
+               p_cu: cute.Pointer, p_out: cute.Pointer, p_lse: cute.Pointer, n_tok: Int32, seq_len: Int32,
+               n_docs: Int32, n_kv: Int32, n_groups: Int32, n_slots: Int32, has_cnt: Int32, cnt_all: Int32,
+               idx_st: Int64, idx_sh: Int64, idx_ss: Int64, cnt_st: Int64, cnt_sh: Int64, scale_log2: Float32):
+        body(q_map.get_ptr(), k_map.get_ptr(), v_map.get_ptr(), p_idx, p_cnt, p_cu, p_out, p_lse, n_tok, seq_len,
+             n_docs, n_kv, n_groups, n_slots, has_cnt, cnt_all, idx_st, idx_sh, idx_ss, cnt_st, cnt_sh, scale_log2)
+
+    @cute.jit
+    def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, n_q_heads: Int32, q_st: Int64, q_sh: Int64,
+             k_st: Int64, k_sh: Int64, v_st: Int64, v_sh: Int64, p_idx: cute.Pointer, p_cnt: cute.Pointer,
+             p_cu: cute.Pointer, p_out: cute.Pointer, p_lse: cute.Pointer, n_tok: Int32, seq_len: Int32,
+             n_docs: Int32, n_kv: Int32, n_groups: Int32, n_slots: Int32, has_cnt: Int32, cnt_all: Int32,
+             idx_st: Int64, idx_sh: Int64, idx_ss: Int64, cnt_st: Int64, cnt_sh: Int64, scale_log2: Float32):
+        """The TMA descriptors of q [N, HQ, D] -> (D, HQ, N), k [N, H, D] and v [N, H, DV] (strides in elements,
+        given to create_tensor_map_tiled in 16-byte units), then the launch."""
+        tq = xcuda.create_tensor_map_tiled(global_address=p_q.toint(), dtype=DT, global_dims=[D, n_q_heads, n_tok],
+                                           global_strides=[q_sh // 8, q_st // 8], box_dims=[64, G, TOK],
+                                           swizzle=xcuda.TensorMapSwizzle.s128b)
+        tk = xcuda.create_tensor_map_tiled(global_address=p_k.toint(), dtype=DT, global_dims=[D, n_kv, n_tok],
+                                           global_strides=[k_sh // 8, k_st // 8], box_dims=[64, 1, BN],
+                                           swizzle=xcuda.TensorMapSwizzle.s128b)
+        tv = xcuda.create_tensor_map_tiled(global_address=p_v.toint(), dtype=DT, global_dims=[DV, n_kv, n_tok],
+                                           global_strides=[v_sh // 8, v_st // 8], box_dims=[64, 1, BN],
+                                           swizzle=xcuda.TensorMapSwizzle.s128b)
+        kernel(tq, tk, tv, p_idx, p_cnt, p_cu, p_out, p_lse, n_tok, seq_len, n_docs, n_kv, n_groups, n_slots,
+               has_cnt, cnt_all, idx_st, idx_sh, idx_ss, cnt_st, cnt_sh, scale_log2).launch(
+            grid=(n_groups * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=2,
+            preferred_smem_carveout=100)
+
+    return kernel, host, PARAMS, HOST_ARGS, LAUNCH

@@ -1,0 +1,91 @@
+"""Spec of the NSA selected-branch forward (ejkernel NSA, seed of dsagen.native_sparse_attention): per query token and
+query head, softmax attention over the keys of the blocks its KV head's slots name, causal, GQA with G query heads
+per KV head, output and natural-log LSE."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...spec.base import KernelSpec, register_spec
+
+NSA_GROUPS = (1, 2, 4, 8, 16, 32, 64)
+NSA_HEAD_DIMS = (64, 128)
+NSA_BLOCK_SIZES = (32, 64, 128)
+NSA_MAX_SLOTS = 64
+SMEM_LIMIT = 227 * 1024
+MAX_TOK = 16                # at most this many tokens per work item (the scheduler's list is TOK x slots entries)
+
+
+def item_tokens(group: int) -> int:
+    """Tokens per work item of the selected-branch kernel for G query heads per KV head: 64 // G (its 64 rows are
+    the tokens' query heads), at most MAX_TOK."""
+    return min(MAX_TOK, 64 // group)
+
+
+@register_spec
+@dataclass(frozen=True)
+class NsaSelectFwdSpec(KernelSpec):
+    """The NSA selected-branch forward on Hopper (kernel: nsa/select_fwd_sm90.py, bound by select_fwd_sm90.py.j2).
+    A CTA (256 threads, two per SM) takes one KV head and TOK = min(16, 64 // group) consecutive tokens: its 64 rows
+    are those tokens' query heads of that KV head. A scheduler warp merges the tokens' selected blocks into a list of
+    distinct blocks with the mask of the tokens that chose each, a TMA warp loads Q and each listed block's K and V
+    (block_size contiguous rows of the head), and one consumer warpgroup runs S = Q K^T, the masked online softmax and
+    O += P V per block.
+
+    group: query heads per KV head (HQ / H), a power of two up to 64 (below 4 the tile's rows are part padding).
+    head_dim / v_dim: D of q and k, Dv of v and the output (64 or 128 each).
+    block_size: keys per block (32, 64 or 128).
+    max_slots: the most slots per token the kernel takes (its shared list holds TOK x max_slots entries).
+    dtype: q / k / v / output element type ("bfloat16" or "float16").
+    stages: K / V blocks in flight (2..4, within the shared memory of two CTAs per SM at block_size 64).
+
+    Token count, KV heads, packed offsets, slot count, per-token counts and the softmax scale are run-time arguments.
+    """
+
+    op = "nsa_select_fwd"
+    template = "nsa/select_fwd_{arch}.py.j2"
+
+    group: int = 16
+    head_dim: int = 128
+    v_dim: int = 128
+    block_size: int = 64
+    max_slots: int = 16
+    dtype: str = "bfloat16"
+    stages: int = 2
+
+    def reasons(self) -> list[str]:
+        out = super().reasons()
+        if self.arch != "sm_90a":
+            out.append(f"the NSA selected-branch forward is implemented for sm_90a only, not {self.arch}")
+        if self.group not in NSA_GROUPS:
+            out.append(f"group={self.group} must be one of {NSA_GROUPS} (query heads per KV head)")
+        for name in ("head_dim", "v_dim"):
+            if getattr(self, name) not in NSA_HEAD_DIMS:
+                out.append(f"{name}={getattr(self, name)} must be one of {NSA_HEAD_DIMS}")
+        if self.block_size not in NSA_BLOCK_SIZES:
+            out.append(f"block_size={self.block_size} must be one of {NSA_BLOCK_SIZES}")
+        if not 1 <= self.max_slots <= NSA_MAX_SLOTS:
+            out.append(f"max_slots={self.max_slots} must be in 1..{NSA_MAX_SLOTS}")
+        if self.dtype not in ("bfloat16", "float16"):
+            out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
+        if not 2 <= self.stages <= 4:
+            out.append(f"stages={self.stages} must be in 2..4")
+        elif not out and self.smem_bytes() > SMEM_LIMIT:
+            out.append(f"stages={self.stages} needs {self.smem_bytes()} bytes of shared memory; at most {SMEM_LIMIT}")
+        return out
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of the kernel (an estimate kept in step with select_fwd_sm90's Smem struct)."""
+        tok = item_tokens(self.group)
+        ne = tok * self.max_slots
+        small = 8 * (2 + 3 * self.stages) + 16 + 3 * 4 * 16 + 4 * 4 * ne
+        tiles = 2 * (64 * self.head_dim + self.block_size * (self.head_dim + self.v_dim) * self.stages)
+        return -(-small // 1024) * 1024 + tiles
+
+
+def select_fwd_spec_for(group: int, head_dim: int, v_dim: int, block_size: int, slots: int, dtype: str,
+                        arch: str) -> NsaSelectFwdSpec:
+    """The spec dsagen.native_sparse_attention's fused forward runs: max_slots the slot count rounded up to 16 (so
+    the common widths share one kernel), two stages."""
+    return NsaSelectFwdSpec(arch=arch, group=group, head_dim=head_dim, v_dim=v_dim, block_size=block_size,
+                            max_slots=min(NSA_MAX_SLOTS, max(16, -(-slots // 16) * 16)), dtype=dtype, stages=2)

@@ -1,0 +1,228 @@
+"""GPU tests of the fused NSA selected-branch forward (`dsagen.native_sparse_attention(..., impl="fused")`, sm_90a
+kernel of NsaSelectFwdSpec) against the plain-PyTorch reference and a dense FP64 oracle (every key weighted by how
+many of the token's slots name its block) on fresh random inputs: GQA groups 1-64, odd lengths, B > 1, packed
+sequences with empty and short ones, tokens before their first complete block, repeated, -1 and out-of-range ids,
+per-token counts 0..S+, block sizes 32 / 64 / 128, head dims 64 / 128, fp16, neighbouring tokens sharing blocks (the
+kernel's merged block list), the per-query-block index layout, g_slc, and what the kernel does not cover.
+
+Build what these need first (CPU, with CuTe-DSL):
+    dsagen build --spec-file tests/gpu/required_specs.json
+The tests named *adversarial* are the ones to run under `compute-sanitizer`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dsagen
+from dsagen.kernels.nsa.host import select_forward
+from dsagen.kernels.nsa.spec import select_fwd_spec_for
+from poison import poison_allocator
+
+ARCH = "sm_90a"
+DEV = "cuda"
+
+# (group, D, Dv, block_size, slots, dtype) of every kernel the tests run
+_SHAPES = [(g, 128, 128, 64, 16, "bfloat16") for g in (1, 2, 4, 8, 16, 32, 64)] + [
+    (16, 64, 64, 64, 16, "bfloat16"), (4, 128, 64, 32, 16, "bfloat16"), (16, 128, 128, 128, 16, "bfloat16"),
+    (16, 128, 128, 64, 16, "float16"), (4, 128, 128, 64, 32, "bfloat16")]
+REQUIRED_SPECS = [select_fwd_spec_for(g, d, dv, bs, s, dt, ARCH) for g, d, dv, bs, s, dt in _SHAPES]
+
+pytestmark = pytest.mark.gpu
+
+
+def make_ids(b, t, h, s, block_size, gen, *, adversarial=True, shared=False, seq_lens=None):
+    """Block ids [b, t, h, s] int64: random blocks a token may see (its own and earlier ones), with repeats; when
+    adversarial also -1, negative, out-of-range and future ids; when shared the tokens of a 16-token group draw
+    from a common pool (so the kernel merges their blocks). seq_lens: packed sequences (b = 1), local ids."""
+    pos = torch.arange(t)
+    if seq_lens is not None:
+        starts = torch.repeat_interleave(torch.tensor([0] + list(torch.tensor(seq_lens).cumsum(0)[:-1])),
+                                         torch.tensor(seq_lens))
+        pos = pos - starts
+    own = (pos // block_size)[None, :, None, None].expand(b, t, h, s)
+    u = torch.rand((b, t, h, s), generator=gen)
+    if shared:
+        grp = torch.rand((b, (t + 15) // 16, h, s), generator=gen)
+        u = grp.repeat_interleave(16, dim=1)[:, :t]
+    ids = (u * (own + 1).double()).long()                       # 0..own
+    ids[..., 0] = own[..., 0]                                   # the own block (NSA always selects it)
+    if adversarial:
+        r = torch.rand((b, t, h, s), generator=gen)
+        ids = torch.where(r < 0.05, torch.full_like(ids, -1), ids)
+        ids = torch.where((r >= 0.05) & (r < 0.08), own + 1 + (r * 100).long() % 3, ids)     # future / past end
+        ids = torch.where((r >= 0.08) & (r < 0.10), torch.full_like(ids, -7), ids)
+        ids = torch.where((r >= 0.10) & (r < 0.15), ids.roll(1, dims=-1), ids)               # repeats
+    return ids
+
+
+def dense_oracle(q, k, v, ids, counts, scale, block_size, cu=None):
+    """FP64 (o, lse) by dense scores: key j of token t weighted by the number of t's valid slots naming j's block
+    (j <= t, same sequence); o = 0, lse = -inf without keys."""
+    b, t, hq, _ = q.shape
+    h = k.shape[2]
+    g = hq // h
+    qd, kd, vd = q.double(), k.double(), v.double()
+    seq = torch.zeros(t, dtype=torch.long)
+    first = torch.zeros(t, dtype=torch.long)
+    lens = torch.full((t,), t)
+    if cu is not None:
+        for i in range(len(cu) - 1):
+            seq[cu[i]:cu[i + 1]] = i
+            first[cu[i]:cu[i + 1]] = cu[i]
+            lens[cu[i]:cu[i + 1]] = cu[i + 1] - cu[i]
+    nb = (lens + block_size - 1) // block_size
+    ids = ids.cpu().long()
+    s = ids.shape[-1]
+    cnt = counts.cpu().long() if isinstance(counts, torch.Tensor) else torch.full((b, t, h), counts)
+    ok = (ids >= 0) & (ids < nb[None, :, None, None]) & (torch.arange(s) < cnt[..., None])
+    weight = torch.zeros((b, t, h, t), dtype=torch.float64)
+    key_pos = torch.arange(t)
+    for sl in range(s):
+        blk_first = first[None, :, None] + ids[..., sl] * block_size                # [b, t, h] key rows
+        inblk = (key_pos[None, None, None, :] >= blk_first[..., None]) & \
+                (key_pos[None, None, None, :] < blk_first[..., None] + block_size)
+        weight += (inblk & ok[..., sl, None]).double()
+    causal = (key_pos[None, :] <= torch.arange(t)[:, None]) & (seq[None, :] == seq[:, None])
+    weight = weight * causal[None, :, None, :]
+    out = torch.zeros((b, t, hq, v.shape[-1]), dtype=torch.float64)
+    lse = torch.full((b, t, hq), -math.inf, dtype=torch.float64)
+    for hh in range(h):
+        sc = torch.einsum("btgd,bsd->btgs", qd[:, :, hh * g:(hh + 1) * g].cpu(), kd[:, :, hh].cpu()) * scale
+        w = weight[:, :, hh][:, :, None, :]
+        logits = torch.where(w > 0, sc + torch.log(w.clamp(min=1e-300)), torch.full_like(sc, -math.inf))
+        l_ = torch.logsumexp(logits, dim=-1)
+        p = torch.where(torch.isfinite(l_)[..., None], torch.exp(logits - l_[..., None]), torch.zeros_like(logits))
+        out[:, :, hh * g:(hh + 1) * g] = torch.einsum("btgs,bsd->btgd", p, vd[:, :, hh].cpu())
+        lse[:, :, hh * g:(hh + 1) * g] = l_
+    return out, lse
+
+
+def _inputs(b, t, hq, h, d, dv, dtype, gen):
+    q = torch.randn((b, t, hq, d), generator=gen).to(dtype).to(DEV)
+    k = torch.randn((b, t, h, d), generator=gen).to(dtype).to(DEV)
+    v = torch.randn((b, t, h, dv), generator=gen).to(dtype).to(DEV)
+    return q, k, v
+
+
+def _check(q, k, v, ids, counts, block_size=64, cu=None, scale=None):
+    """Fused select_forward against the dense oracle (o and lse) and the public op against the reference."""
+    poison_allocator()
+    d = q.shape[-1]
+    sc = 1.0 / math.sqrt(d) if scale is None else scale
+    ids_d = ids.to(DEV)
+    cnt_d = counts.to(DEV) if isinstance(counts, torch.Tensor) else counts
+    cu_d = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEV)
+    o, lse = select_forward(q, k, v, ids_d, cnt_d, cu_d, sc, block_size)
+    ro, rlse = dense_oracle(q, k, v, ids, counts, sc, block_size, cu)
+    torch.testing.assert_close(o.double().cpu(), ro, atol=2e-2, rtol=2e-2)
+    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(rlse)), "empty rows differ"
+    fin = torch.isfinite(rlse)
+    torch.testing.assert_close(lse.double().cpu()[fin], rlse[fin], atol=2e-4, rtol=1e-4)
+    pub = dsagen.native_sparse_attention(q, k, v, block_indices=ids_d, block_counts=cnt_d, cu_seqlens=cu_d,
+                                         softmax_scale=scale, block_size=block_size)
+    ref = dsagen.native_sparse_attention(q, k, v, block_indices=ids_d, block_counts=cnt_d, cu_seqlens=cu_d,
+                                         softmax_scale=scale, block_size=block_size, impl="reference")
+    torch.testing.assert_close(pub.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("hq,h", [(4, 4), (8, 4), (16, 4), (32, 4), (64, 4), (64, 2), (64, 1)])
+def test_groups_adversarial(hq, h):
+    """Every GQA group 1..64 (G < 4: padded tiles), B = 2, odd T, adversarial ids, S = 16."""
+    gen = torch.Generator().manual_seed(1000 + hq * 10 + h)
+    b, t = 2, 301
+    q, k, v = _inputs(b, t, hq, h, 128, 128, torch.bfloat16, gen)
+    ids = make_ids(b, t, h, 16, 64, gen)
+    _check(q, k, v, ids, 16)
+
+
+def test_shared_blocks_and_counts_adversarial():
+    """Neighbouring tokens draw from one pool (the merged list holds blocks several tokens chose, with repeats);
+    per-token counts 0..S+3 (0: an empty row, o 0 and lse -inf)."""
+    gen = torch.Generator().manual_seed(7)
+    b, t, h = 1, 517, 4
+    q, k, v = _inputs(b, t, 64, h, 128, 128, torch.bfloat16, gen)
+    ids = make_ids(b, t, h, 16, 64, gen, shared=True)
+    counts = torch.randint(0, 20, (b, t, h), generator=gen)
+    counts[0, :5] = 0
+    _check(q, k, v, ids, counts.int())
+
+
+def test_packed_sequences_adversarial():
+    """cu_seqlens with empty, one-token and short sequences; ids sequence-local."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [130, 0, 1, 63, 64, 200, 0, 5]
+    t = sum(lens)
+    q, k, v = _inputs(1, t, 16, 4, 128, 128, torch.bfloat16, gen)
+    ids = make_ids(1, t, 4, 16, 64, gen, seq_lens=lens)
+    cu = [0] + torch.tensor(lens).cumsum(0).tolist()
+    _check(q, k, v, ids, 16, cu=cu)
+
+
+@pytest.mark.parametrize("hq,h,d,dv,bs,dtype", [(64, 4, 64, 64, 64, torch.bfloat16),
+                                                (16, 4, 128, 64, 32, torch.bfloat16),
+                                                (64, 4, 128, 128, 128, torch.bfloat16),
+                                                (64, 4, 128, 128, 64, torch.float16)])
+def test_shapes_and_dtypes(hq, h, d, dv, bs, dtype):
+    """Head dims 64 / 128, block sizes 32 / 64 / 128, fp16, a softmax scale of its own."""
+    gen = torch.Generator().manual_seed(hq + d + dv + bs)
+    b, t = 2, 260
+    q, k, v = _inputs(b, t, hq, h, d, dv, dtype, gen)
+    ids = make_ids(b, t, h, 16, bs, gen)
+    _check(q, k, v, ids, 12, block_size=bs, scale=0.07)
+
+
+def test_more_slots():
+    """32 slots per token (its own kernel: max_slots 32), G = 4 (16 tokens per item)."""
+    gen = torch.Generator().manual_seed(5)
+    b, t = 1, 700
+    q, k, v = _inputs(b, t, 16, 4, 128, 128, torch.bfloat16, gen)
+    ids = make_ids(b, t, 4, 32, 64, gen, shared=True)
+    _check(q, k, v, ids, 32)
+
+
+def test_per_query_block_layout_and_gate():
+    """ejkernel's [B, H, NQB, S] ids and [B, H, NQB] counts give what their per-token expansion gives; g_slc scales
+    the output."""
+    gen = torch.Generator().manual_seed(3)
+    b, t, h, s, bs = 1, 300, 4, 8, 64
+    q, k, v = _inputs(b, t, 64, h, 128, 128, torch.bfloat16, gen)
+    nqb = (t + bs - 1) // bs
+    own = torch.arange(nqb)[None, None, :, None]
+    ids = (torch.rand((b, h, nqb, s), generator=gen) * (own + 1)).long()
+    ids[..., 0] = own[..., 0]
+    counts = torch.randint(1, s + 1, (b, h, nqb), generator=gen)
+    g_slc = torch.rand((b, t, 64), generator=gen).to(DEV)
+    args = dict(block_indices=ids.to(DEV), block_counts=counts.to(DEV), g_slc=g_slc, block_size=bs)
+    got = dsagen.native_sparse_attention(q, k, v, **args)
+    ref = dsagen.native_sparse_attention(q, k, v, impl="reference", **args)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_repeated_calls_bitwise_equal():
+    """The same inputs give the same bytes (no atomics, a fixed order of blocks)."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = _inputs(1, 1000, 64, 4, 128, 128, torch.bfloat16, gen)
+    ids = make_ids(1, 1000, 4, 16, 64, gen, shared=True).to(DEV)
+    a = dsagen.native_sparse_attention(q, k, v, block_indices=ids)
+    b2 = dsagen.native_sparse_attention(q, k, v, block_indices=ids)
+    assert torch.equal(a, b2)
+
+
+def test_what_the_kernel_does_not_cover():
+    """The compressed branch, gradients and FP32 inputs raise NotImplementedError naming the reason."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = _inputs(1, 64, 16, 4, 128, 128, torch.bfloat16, gen)
+    ids = make_ids(1, 64, 4, 4, 64, gen, adversarial=False).to(DEV)
+    g = torch.ones((1, 64, 16), device=DEV)
+    with pytest.raises(NotImplementedError, match="compressed branch"):
+        dsagen.native_sparse_attention(q, k, v, g_cmp=g, block_counts=4)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        dsagen.native_sparse_attention(q.requires_grad_(), k, v, block_indices=ids)
+    with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
+        dsagen.native_sparse_attention(q.detach().float(), k.float(), v.float(), block_indices=ids)
+    with torch.no_grad():                   # under no_grad the same call runs
+        dsagen.native_sparse_attention(q, k, v, block_indices=ids)

@@ -113,6 +113,8 @@ _CASES = {
                                    [((2, 8, 32), torch.float32), ((2, 8), torch.float32)]),
     "sparse_attn_score_recompute": ((_bf16(2, 8, 16, 576), _bf16(2, 32, 576), _f32(2, 8, 16), _i32(2, 8, 64)), {},
                                     [((2, 8, 64), torch.float32)]),
+    "native_sparse_attention": ((_bf16(2, 8, 16, 128), _bf16(2, 8, 4, 128), _bf16(2, 8, 4, 64)),
+                                dict(block_indices=_i32(2, 8, 4, 16)), [((2, 8, 16, 64), torch.bfloat16)]),
 }
 
 

@@ -316,6 +316,23 @@ def _dense_attn_score_recompute_fake(q, k, lse, softmax_scale, ratio, q_causal_o
     return q.new_empty(shape, dtype=acc), q.new_empty(rows, dtype=acc)
 
 
+# --- native sparse attention ------------------------------------------------------------------------------------
+
+def _nsa_run(query, key, value, g_cmp, g_slc, block_indices, block_counts, block_counts_per_token, cu_seqlens,
+             softmax_scale, block_size):
+    counts = block_counts if block_counts_per_token is None else block_counts_per_token
+    return (_public("nsa", "native_sparse_attention")(
+        query, key, value, g_cmp, g_slc, block_indices, counts, cu_seqlens, softmax_scale=softmax_scale,
+        block_size=block_size, impl="fused"),)
+
+
+def _nsa_fake(query, key, value, g_cmp, g_slc, block_indices, block_counts, block_counts_per_token, cu_seqlens,
+              softmax_scale, block_size):
+    """`[B, T, HQ, Dv]` in query's dtype. The public op's int-or-tensor block_counts is two arguments here: the
+    int block_counts, and block_counts_per_token (a tensor, which wins when given)."""
+    return (query.new_empty((*query.shape[:3], value.shape[3])),)
+
+
 OPS: tuple[OpDef, ...] = (
     OpDef("compactify", "Tensor topk_idxs, Tensor? topk_length=None", ("compact_idxs", "lengths"),
           _compactify_run, _compactify_fake),
@@ -369,6 +386,10 @@ OPS: tuple[OpDef, ...] = (
     OpDef("dense_attn_score_recompute", "Tensor q, Tensor k, Tensor lse, float? softmax_scale=None, int ratio=1, "
           "Tensor? q_causal_offsets=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None",
           ("out", "denom"), _dense_attn_score_recompute_run, _dense_attn_score_recompute_fake),
+    OpDef("native_sparse_attention", "Tensor query, Tensor key, Tensor value, Tensor? g_cmp=None, "
+          "Tensor? g_slc=None, Tensor? block_indices=None, int block_counts=16, Tensor? block_counts_per_token=None, "
+          "Tensor? cu_seqlens=None, float? softmax_scale=None, int block_size=64",
+          ("out",), _nsa_run, _nsa_fake),
 )
 
 

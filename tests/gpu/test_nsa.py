@@ -226,3 +226,38 @@ def test_what_the_kernel_does_not_cover():
         dsagen.native_sparse_attention(q.detach().float(), k.float(), v.float(), block_indices=ids)
     with torch.no_grad():                   # under no_grad the same call runs
         dsagen.native_sparse_attention(q, k, v, block_indices=ids)
+
+
+def test_custom_op_and_out_variant():
+    """torch.ops.dsagen.native_sparse_attention (an int count, or per-token counts) and its _out variant give the
+    public op's bytes."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = _inputs(1, 300, 64, 4, 128, 128, torch.bfloat16, gen)
+    ids = make_ids(1, 300, 4, 16, 64, gen).to(DEV)
+    counts = torch.randint(0, 17, (1, 300, 4), generator=gen, dtype=torch.int32).to(DEV)
+    want = dsagen.native_sparse_attention(q, k, v, block_indices=ids, block_counts=counts)
+    got = torch.ops.dsagen.native_sparse_attention(q, k, v, block_indices=ids, block_counts_per_token=counts)
+    assert torch.equal(got, want)
+    out = torch.empty_like(want)
+    torch.ops.dsagen.native_sparse_attention_out(q, k, v, block_indices=ids, block_counts=12, out_out=out)
+    assert torch.equal(out, dsagen.native_sparse_attention(q, k, v, block_indices=ids, block_counts=12))
+
+
+def test_cuda_graph_capture():
+    """A captured call replays on new inputs (nothing synchronizes or reads the device on the host)."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = _inputs(2, 257, 16, 4, 128, 128, torch.bfloat16, gen)
+    ids = make_ids(2, 257, 4, 16, 64, gen).to(DEV)
+    f = lambda: dsagen.native_sparse_attention(q, k, v, block_indices=ids)   # noqa: E731
+    f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = f()
+    q2, k2, v2 = _inputs(2, 257, 16, 4, 128, 128, torch.bfloat16, gen)
+    q.copy_(q2)
+    k.copy_(k2)
+    v.copy_(v2)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, f())

@@ -45,6 +45,8 @@ from dsagen.kernels.sparse_mla_bwd import host as bwd_host
 from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
 from dsagen.kernels.sparse_mla_bwd.spec import config_for as bwd_config_for
 from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
+from dsagen.kernels.nsa.host import select_forward as nsa_select_forward
+from dsagen.kernels.nsa.spec import select_fwd_spec_for as nsa_spec_for
 
 ARCH = "sm_90a"
 SPARSE_SHAPES = [(128, 576), (64, 512)]          # (H, D_qk) of the sparse forward, d_v 512
@@ -69,7 +71,8 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     drc_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH) for h, d in SPARSE_SHAPES] + [
     dib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH, deterministic=det)
     for det in (False, True)] + [
-    dib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH, kl_loss=True)]
+    dib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH, kl_loss=True)] + [
+    nsa_spec_for(g, 128, 128, 64, 16, "bfloat16", ARCH) for g in (1, 16)]
 FORWARD_TOPK_SPECS = (*forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs(),
                       *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, finish_in_topk=False).topk.specs())
 
@@ -634,3 +637,27 @@ def test_indexer_scores_fp8(h):
     torch.cuda.synchronize()
     ref = dsagen.indexer_scores(q, k, w, impl="reference", **kw)
     assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
+
+
+@gpu
+@pytest.mark.parametrize("hq,packed", [(64, False), (4, True)])
+def test_nsa_select_forward(hq, packed):
+    """The NSA selected-branch forward (G 16: 4 tokens per CTA; G 1: 16 tokens, padded rows) on adversarial ids
+    (-1, negative, past the sequence's blocks, future blocks, repeats) and per-token counts 0..S+3, BSHD B 2 with
+    odd T or packed sequences with empty and one-token ones; checked against the reference."""
+    gen = torch.Generator().manual_seed(320 + hq)
+    h, s, bs = 4, 16, 64
+    b, t = (1, 200) if packed else (2, 133)
+    q = torch.randn((b, t, hq, 128), generator=gen).bfloat16().to(DEV)
+    k = torch.randn((b, t, h, 128), generator=gen).bfloat16().to(DEV)
+    v = torch.randn((b, t, h, 128), generator=gen).bfloat16().to(DEV)
+    ids = torch.randint(-3, 6, (b, t, h, s), generator=gen)
+    ids = torch.where(torch.rand((b, t, h, s), generator=gen) < 0.1, ids.roll(1, dims=-1), ids).to(DEV)
+    counts = torch.randint(0, s + 4, (b, t, h), generator=gen, dtype=torch.int32).to(DEV)
+    cu = torch.tensor([0, 0, 1, 70, 70, 200], dtype=torch.int32, device=DEV) if packed else None
+    o, lse = nsa_select_forward(q, k, v, ids, counts, cu, 0.1, bs)
+    torch.cuda.synchronize()
+    ref = dsagen.native_sparse_attention(q, k, v, block_indices=ids, block_counts=counts, cu_seqlens=cu,
+                                         softmax_scale=0.1, block_size=bs, impl="reference")
+    torch.testing.assert_close(o.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert not torch.isnan(lse).any()

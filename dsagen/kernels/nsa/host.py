@@ -62,11 +62,12 @@ def _tma_ready(x: torch.Tensor) -> torch.Tensor:
 
 def select_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_indices: torch.Tensor,
                    block_counts: int | torch.Tensor, cu_seqlens: torch.Tensor | None, softmax_scale: float,
-                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   block_size: int, spec: NsaSelectFwdSpec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The selected branch alone: (o `[B, T, HQ, Dv]` in query.dtype, lse `[B, T, HQ]` FP32, natural log, -inf for
     a token with no key). query `[B, T, HQ, D]`, key `[B, T, H, D]`, value `[B, T, H, Dv]` bf16 / fp16 on one GPU;
     block_indices `[B, T, H, S]` int32 / int64 per token (sequence-local ids with cu_seqlens, B = 1);
     block_counts an int or `[B, T, H]` integer counts per token; cu_seqlens None or `[N + 1]` integer offsets.
+    spec: None (the op's, select_fwd_spec_for) or another NsaSelectFwdSpec of the same shape (benchmarks).
     NotImplementedError (with the reason) for inputs the kernel does not cover."""
     b, t, hq, _ = query.shape
     h, dv = key.shape[2], value.shape[3]
@@ -80,8 +81,9 @@ def select_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if n_tok == 0:
         return out.view(b, t, hq, dv), lse.view(b, t, hq)
     g = hq // h
-    spec = select_fwd_spec_for(g, query.shape[3], dv, block_size, slots, _dtype_name(query.dtype),
-                               device_arch(device_index(query.device)))
+    if spec is None:
+        spec = select_fwd_spec_for(g, query.shape[3], dv, block_size, slots, _dtype_name(query.dtype),
+                                   device_arch(device_index(query.device)))
     idx = block_indices.reshape(n_tok, h, slots)
     if idx.dtype != torch.int32:     # ids past the int32 range are empty slots: -1, not a wrapped value
         idx = idx.clamp(-1, 2**31 - 1).to(torch.int32)

@@ -17,14 +17,18 @@ block in the packed key tensor, occurrence rank) with the bit mask of the tokens
 several of the item's tokens chose is loaded and multiplied once; a row takes part in an entry only if its token's
 bit is set (the others see -inf). Warp 0 loads the item's Q tile (TMA) and, per entry, the block's K and V tiles
 (TMA boxes of block_size contiguous rows of head h) through a ring of `stages` stages. The consumer warpgroup runs,
-per entry, S = Q K^T (wgmma, K-major), the mask and the online softmax in the log2 domain (common.sm90.softmax), and
-O += P V (P from registers, V^T MN-major), then frees the stage; at the end it stores O / rowsum (bf16 / fp16) and the
-LSE. Two CTAs per SM (256 threads, setmaxnreg 40 / 216): one CTA's softmax runs under the other's MMA.
+per entry, S = Q K^T (wgmma, K-major), the mask and the online softmax in the log2 domain, and O += P V (P from
+registers, V^T MN-major), then frees the stage; the next entry's S is issued before this entry's PV, so the next
+softmax runs while the PV does, and O is rescaled once the PV retired (the operations and their order per row are
+those of one entry at a time: the same bytes). At the end it stores O / rowsum (bf16 / fp16) and the LSE. Two CTAs
+per SM where the shared memory allows (256 threads, setmaxnreg 40 / 216; else one, 40 / 256): one CTA's softmax
+runs under the other's MMA as well.
 
 Constraints (NsaSelectFwdSpec.reasons): G in 1..64 (a power of two), D and Dv in (64, 128), block_size in (32, 64,
 128), at most max_slots slots per token; q [N, HQ, D], k [N, H, D], v [N, H, Dv] with 16-byte aligned rows; ids int32.
 """
 import math
+import operator
 
 import cutlass
 import cutlass.cute as cute
@@ -39,7 +43,6 @@ from dsagen.kernels.common.sm90.mma import gemm_tile
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
 from dsagen.kernels.common.sm90.reduce import quad_sum, tree_reduce
 from dsagen.kernels.common.sm90.ring import ring_wait_free, ring_wait_ready
-from dsagen.kernels.common.sm90.softmax import exp_and_rescale
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
 from dsagen.kernels.nsa.spec import MAX_TOK, item_tokens
 
@@ -48,7 +51,10 @@ LN2 = math.log(2.0)
 M = 64                      # rows of an item (wgmma M): its tokens x the group's query heads
 MAX_INIT = -1.0e30          # initial running max: finite, so no -inf - -inf; masked scores are -inf
 REGS_PRODUCER = 40
-REGS_CONSUMER = 216         # 2 CTAs of 256 threads: 128 x (40 + 216) = 32768 registers each
+# consumer registers by CTAs per SM: two CTAs of 256 threads have 128 x (40 + 216) = 32768 registers each; one CTA
+# (shared memory for one only, e.g. blocks of 128) gives its consumer 256
+REGS_CONSUMER = {2: 216, 1: 256}
+SMEM_2_CTAS = 113 * 1024    # the most dynamic shared memory per CTA with two CTAs on an SM (228 KiB, 1 KiB each reserved)
 BAR_QPAD = 1                # named barrier: the consumer zeroed its Q tile's padding rows (128 threads)
 
 
@@ -123,6 +129,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
         sV: cute.struct.Align[cute.struct.MemRange[DT, BN * DV * ST], 1024]
 
     SMEM_BYTES = Smem.size_in_bytes()
+    CTAS_PER_SM = 2 if SMEM_BYTES <= SMEM_2_CTAS else 1
     LAUNCH = {"grid": ["n_groups * n_kv", 1, 1], "block": [NTHREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
 
     @cute.jit
@@ -232,6 +239,57 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
         cute.arch.mbarrier_arrive(st.list_full.data_ptr())
 
     @cute.jit
+    def softmax_rows(sMN, cS, row_max, row_sum, corr, row_pos, row_tok, start, mask, scale_log2):
+        """One entry's scores (block rows start.., the tokens of `mask`) turned into P in place, in the log2 domain:
+        a row's keys start + c count if its token is in mask and c <= its row - start (else -inf); the running max
+        moves to the new row max (corr[r] = exp2(old - new), by which O must still be scaled), P = exp2(S - max),
+        row_sum = row_sum * corr + the thread's sum of P."""
+        for r in cutlass.range_constexpr(cute.size(sMN, mode=[0])):
+            hi = Int32(-1)
+            if row_pos[r] >= 0 and (mask >> row_tok[r]) & 1 != 0:
+                hi = row_pos[r] - start
+            nc = cute.size(sMN, mode=[1])
+            for c in cutlass.range_constexpr(nc):
+                v = sMN[r, c] * scale_log2
+                if cS[r, c][1] > hi:
+                    v = -Float32.inf
+                sMN[r, c] = v
+            ml = tree_reduce(cute.arch.fmax, [sMN[r, c] for c in range(nc)])
+            ml = cute.arch.fmax(ml, cute.arch.shuffle_sync_bfly(ml, offset=1))
+            ml = cute.arch.fmax(ml, cute.arch.shuffle_sync_bfly(ml, offset=2))
+            m = cute.arch.fmax(row_max[r], ml)
+            corr[r] = cute.math.exp2(row_max[r] - m, fastmath=True)
+            row_max[r] = m
+            for c in cutlass.range_constexpr(nc):
+                sMN[r, c] = cute.math.exp2(sMN[r, c] - m, fastmath=True)
+            row_sum[r] = row_sum[r] * corr[r] + tree_reduce(operator.add, [sMN[r, c] for c in range(nc)])
+
+    @cute.jit
+    def rescale_rows(oMN, corr):
+        """O row r *= corr[r]."""
+        for r in cutlass.range_constexpr(cute.size(oMN, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(oMN, mode=[1])):
+                oMN[r, c] = oMN[r, c] * corr[r]
+
+    @cute.jit
+    def qk_issue(mma_qk, accS, tSrQ, tSrK, stage):
+        """Issue S = Q K^T of ring stage `stage` (D / 16 wgmmas, the first one not accumulating) as one group."""
+        warpgroup.fence()
+        mma_qk.set(warpgroup.Field.ACCUMULATE, False)
+        for ks in cutlass.range_constexpr(D // 16):
+            cute.gemm(mma_qk, accS, tSrQ[None, None, ks], tSrK[None, None, ks, stage], accS)
+            mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def pv_issue(mma_pv, accO, tOrP, tOrV, stage):
+        """Issue O += P V of ring stage `stage` (P from registers, V^T MN-major) as one group."""
+        warpgroup.fence()
+        for ks in cutlass.range_constexpr(BN // 16):
+            cute.gemm(mma_pv, accO, tOrP[None, None, ks], tOrV[None, None, ks, stage], accO)
+        warpgroup.commit_group()
+
+    @cute.jit
     def body(q_tma, k_tma, v_tma, p_idx: cute.Pointer, p_cnt: cute.Pointer, p_cu: cute.Pointer,
              p_out: cute.Pointer, p_lse: cute.Pointer, n_tok: Int32, seq_len: Int32, n_docs: Int32, n_kv: Int32,
              n_groups: Int32, n_slots: Int32, has_cnt: Int32, cnt_all: Int32, idx_st: Int64, idx_sh: Int64,
@@ -294,7 +352,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
                     tma_load_tile(v_tma, ((sV[None, None, stage].iterator, BN * 64, KBV, (h, start)),),
                                   v_full + stage, V_BYTES)
         else:
-            cute.arch.setmaxregister_increase(REGS_CONSUMER)
+            cute.arch.setmaxregister_increase(REGS_CONSUMER[CTAS_PER_SM])
             ctid = tidx - 128
             mma_qk = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                                        (1, 1, 1), tiler_mn=(M, BN))
@@ -314,9 +372,9 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
             sMN, oMN = acc_mn_view(accS), acc_mn_view(accO)
             cS = acc_mn_view(thr_qk.partition_C(cute.make_identity_tensor((M, BN))))
             NR = cute.size(sMN, mode=[0])
-            NCOL = cute.size(sMN, mode=[1])
             row_max = cute.make_rmem_tensor(NR, Float32)
             row_sum = cute.make_rmem_tensor(NR, Float32)
+            corr = cute.make_rmem_tensor(NR, Float32)        # exp2(old max - new max) of the latest step
             row_tok = cute.make_rmem_tensor(NR, Int32)       # the row's token within the item (TOK: padding)
             row_pos = cute.make_rmem_tensor(NR, Int32)       # its row in the packed numbering, -1: none
             row_max.fill(MAX_INIT)
@@ -343,35 +401,33 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
                 if row < ROWS:
                     row_pos[r] = tok_pos[tau]
             cute.arch.mbarrier_wait(q_full, 0)
-            for e in cutlass.range(n, unroll=1):
-                stage = e % ST
-                start = s_ent[2 * e]
-                mask = s_ent[2 * e + 1]
-                ring_wait_ready(k_full, e, ST)
-                gemm_tile(mma_qk, accS, tSrQ, tSrK, D // 16, b_stage=stage)
-                for r in cutlass.range_constexpr(NR):
-                    # keys start + c with c <= hi: the row's token chose the entry and the key is not after it
-                    hi = Int32(-1)
-                    if row_pos[r] >= 0 and (mask >> row_tok[r]) & 1 != 0:
-                        hi = row_pos[r] - start
-                    for c in cutlass.range_constexpr(NCOL):
-                        v = sMN[r, c] * scale_log2
-                        if cS[r, c][1] > hi:
-                            v = -Float32.inf
-                        sMN[r, c] = v
-                    ml = tree_reduce(cute.arch.fmax, [sMN[r, c] for c in range(NCOL)])
-                    ml = cute.arch.fmax(ml, cute.arch.shuffle_sync_bfly(ml, offset=1))
-                    ml = cute.arch.fmax(ml, cute.arch.shuffle_sync_bfly(ml, offset=2))
-                    exp_and_rescale(sMN, oMN, row_max, row_sum, r, NCOL, cute.arch.fmax(row_max[r], ml))
+            # S of the next entry and PV of this one go to the tensor cores back to back; the next entry's softmax
+            # runs while this PV does, and O is rescaled (and P replaced) once the PV retired
+            if n > 0:
+                ring_wait_ready(k_full, 0, ST)
+                gemm_tile(mma_qk, accS, tSrQ, tSrK, D // 16, b_stage=0)
+                softmax_rows(sMN, cS, row_max, row_sum, corr, row_pos, row_tok, s_ent[0], s_ent[1], scale_log2)
                 rP.store(accS.load().to(DT))
-                ring_wait_ready(v_full, e, ST)
-                warpgroup.fence()
-                for ks in cutlass.range_constexpr(BN // 16):
-                    cute.gemm(mma_pv, accO, tOrP[None, None, ks], tOrV[None, None, ks, stage], accO)
-                warpgroup.commit_group()
+                for e in cutlass.range(n - 1, unroll=1):       # no wgmma under a branch (ptxas would serialize)
+                    nxt = e + 1
+                    ring_wait_ready(k_full, nxt, ST)
+                    qk_issue(mma_qk, accS, tSrQ, tSrK, nxt % ST)
+                    ring_wait_ready(v_full, e, ST)
+                    pv_issue(mma_pv, accO, tOrP, tOrV, e % ST)
+                    warpgroup.wait_group(1)                      # S of the next entry (PV may still run)
+                    softmax_rows(sMN, cS, row_max, row_sum, corr, row_pos, row_tok, s_ent[2 * nxt],
+                                 s_ent[2 * nxt + 1], scale_log2)
+                    warpgroup.wait_group(0)                      # this entry's PV: O and P are free
+                    rescale_rows(oMN, corr)
+                    rP.store(accS.load().to(DT))
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive(kv_free + e % ST)
+                last = n - 1
+                ring_wait_ready(v_full, last, ST)
+                pv_issue(mma_pv, accO, tOrP, tOrV, last % ST)
                 warpgroup.wait_group(0)
                 if lane == 0:
-                    cute.arch.mbarrier_arrive(kv_free + stage)
+                    cute.arch.mbarrier_arrive(kv_free + last % ST)
 
             # epilogue: O / rowsum as 16-byte stores, the LSE by lane 0 of each quad
             q_hi = q4 >= 2
@@ -419,7 +475,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
                                            swizzle=xcuda.TensorMapSwizzle.s128b)
         kernel(tq, tk, tv, p_idx, p_cnt, p_cu, p_out, p_lse, n_tok, seq_len, n_docs, n_kv, n_groups, n_slots,
                has_cnt, cnt_all, idx_st, idx_sh, idx_ss, cnt_st, cnt_sh, scale_log2).launch(
-            grid=(n_groups * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=2,
+            grid=(n_groups * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=CTAS_PER_SM,
             preferred_smem_carveout=100)
 
     return kernel, host, PARAMS, HOST_ARGS, LAUNCH

@@ -12,6 +12,7 @@ launch code (`host.py`). `_kernel_module.py.j2` is the base every kernel module 
     indexer_score_recompute/  the sparse indexer score recompute (the indexer's distribution over its top-k)
     indexer_bwd/        the sparse indexer backward (d_index_q, d_weights, d_index_k of the indexer KL loss)
     indexer_topk/       the standalone indexer top-k (the lightning indexer's radix top-k over matrix rows)
+    nsa/                native sparse attention: the selected branch's forward
     testing/            runtime probe kernels (the runtime's own GPU tests)
 
 Importing this package imports nothing: dsagen.spec imports each family's `spec` module (registering its

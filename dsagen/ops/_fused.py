@@ -6,7 +6,7 @@ to the reference silently.
 
 Ops that run under `torch.compile` (the sparse MLA forward and backward, the autograd backward that calls the
 latter, the score recomputes, the indexer backwards, the dense warm-up loss path, the standalone top-k,
-indexer_scores and indexer_forward_topk) may be resolved for the first time while Dynamo traces:
+indexer_scores and indexer_forward_topk, the NSA forward) may be resolved for the first time while Dynamo traces:
 `importlib.import_module` cannot be traced, so their host modules are also listed in `_TRACEABLE_IMPORTS`, whose
 loaders are plain `from ... import` statements that Dynamo executes. A `torch.compile(fullgraph=True)` program therefore needs no eager warm-up call to find them.
 """
@@ -38,6 +38,11 @@ FUSED: dict[str, str] = {
     # the scratch size of sparse_attention_backward's workspace (FP32 elements)
     "sparse_attention_backward_workspace_numel": "dsagen.kernels.sparse_mla_bwd.host:workspace_numel",
 }
+
+
+def _nsa_host():
+    from ..kernels.nsa import host
+    return host
 
 
 def _sparse_mla_host():
@@ -108,6 +113,7 @@ _TRACEABLE_IMPORTS: dict[str, Callable] = {
     "dsagen.kernels.indexer_topk.host": _indexer_topk_host,
     "dsagen.kernels.lightning_indexer.scores_host": _indexer_scores_host,
     "dsagen.kernels.lightning_indexer.forward_topk_host": _indexer_forward_topk_host,
+    "dsagen.kernels.nsa.host": _nsa_host,
 }
 
 

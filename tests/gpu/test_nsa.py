@@ -261,3 +261,22 @@ def test_cuda_graph_capture():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, f())
+
+
+def test_torch_compile():
+    """torch.compile(fullgraph=True) of the op (the kernel as an opaque custom op, g_slc traced) gives the eager
+    bytes, with an int count and with per-token counts."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = _inputs(1, 300, 64, 4, 128, 128, torch.bfloat16, gen)
+    ids = make_ids(1, 300, 4, 16, 64, gen).to(DEV)
+    counts = torch.randint(0, 17, (1, 300, 4), generator=gen, dtype=torch.int32).to(DEV)
+    g_slc = torch.rand((1, 300, 64), generator=gen).to(DEV)
+
+    def f(q, k, v, ids, counts, g_slc):
+        return (dsagen.native_sparse_attention(q, k, v, g_slc=g_slc, block_indices=ids, block_counts=counts),
+                dsagen.native_sparse_attention(q, k, v, block_indices=ids, block_counts=12))
+
+    compiled = torch.compile(f, fullgraph=True)(q, k, v, ids, counts, g_slc)
+    eager = f(q, k, v, ids, counts, g_slc)
+    for c, e in zip(compiled, eager):
+        assert torch.equal(c, e)

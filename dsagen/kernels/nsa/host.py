@@ -108,6 +108,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
 
 
+@torch.library.custom_op("dsagen::nsa_select_fwd_fused", mutates_args=())
+def _select_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_indices: torch.Tensor,
+               block_counts: int, block_counts_per_token: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+               softmax_scale: float, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_forward as a custom op (opaque to torch.compile; per-token counts win over the int when given)."""
+    counts = block_counts if block_counts_per_token is None else block_counts_per_token
+    return select_forward(query, key, value, block_indices, counts, cu_seqlens, softmax_scale, block_size)
+
+
+@_select_op.register_fake
+def _(query, key, value, block_indices, block_counts, block_counts_per_token, cu_seqlens, softmax_scale, block_size):
+    return (query.new_empty((*query.shape[:3], value.shape[3])),
+            query.new_empty(query.shape[:3], dtype=torch.float32))
+
+
 def native_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             g_cmp: torch.Tensor | None, g_slc: torch.Tensor | None,
                             block_indices: torch.Tensor | None, block_counts: int | torch.Tensor,
@@ -123,7 +138,12 @@ def native_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         raise NotImplementedError("native_sparse_attention: the fused kernel has no backward yet; use "
                                   "impl='reference' for training, or call it under torch.no_grad()")
     scale = 1.0 / math.sqrt(query.shape[3]) if softmax_scale is None else float(softmax_scale)
-    out, _ = select_forward(query, key, value, block_indices, block_counts, cu_seqlens, scale, block_size)
+    if torch.compiler.is_compiling():     # torch.compile sees the kernel as one opaque node
+        per_token = block_counts if isinstance(block_counts, torch.Tensor) else None
+        out, _ = _select_op(query, key, value, block_indices, 0 if per_token is not None else int(block_counts),
+                            per_token, cu_seqlens, scale, block_size)
+    else:                                 # eager: launch directly (the custom op's dispatch adds only host time)
+        out, _ = select_forward(query, key, value, block_indices, block_counts, cu_seqlens, scale, block_size)
     if g_slc is not None:
         out = (out.float() * g_slc.float().unsqueeze(-1)).to(query.dtype)
     return out

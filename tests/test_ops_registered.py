@@ -115,6 +115,8 @@ _CASES = {
                                     [((2, 8, 64), torch.float32)]),
     "native_sparse_attention": ((_bf16(2, 8, 16, 128), _bf16(2, 8, 4, 128), _bf16(2, 8, 4, 64)),
                                 dict(block_indices=_i32(2, 8, 4, 16)), [((2, 8, 16, 64), torch.bfloat16)]),
+    "sparse_attention_decode": ((_bf16(3, 2, 64, 576), _bf16(5, 64, 1, 576), _i32(3, 2, 128)), {},
+                                [((3, 2, 64, 512), torch.bfloat16), ((3, 2, 64), torch.float32)]),
 }
 
 

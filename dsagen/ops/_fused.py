@@ -35,6 +35,7 @@ FUSED: dict[str, str] = {
     "dense_indexer_backward": "dsagen.kernels.indexer_bwd.dense_host:dense_indexer_backward",
     "dense_indexer_kl_backward": "dsagen.kernels.indexer_bwd.kl_host:dense_indexer_kl_backward",
     "native_sparse_attention": "dsagen.kernels.nsa.host:native_sparse_attention",
+    "sparse_attention_decode": "dsagen.kernels.sparse_mla.decode_host:sparse_attention_decode",
     # the scratch size of sparse_attention_backward's workspace (FP32 elements)
     "sparse_attention_backward_workspace_numel": "dsagen.kernels.sparse_mla_bwd.host:workspace_numel",
 }

@@ -333,6 +333,17 @@ def _nsa_fake(query, key, value, g_cmp, g_slc, block_indices, block_counts, bloc
     return (query.new_empty((*query.shape[:3], value.shape[3])),)
 
 
+def _decode_run(q, kv_cache, indices, attn_sink, topk_length, softmax_scale, d_v):
+    return tuple(_public("kv_cache", "sparse_attention_decode")(
+        q, kv_cache, indices, attn_sink=attn_sink, topk_length=topk_length, softmax_scale=softmax_scale, d_v=d_v,
+        impl="fused"))
+
+
+def _decode_fake(q, kv_cache, indices, attn_sink, topk_length, softmax_scale, d_v):
+    """out `[B, s_q, H, d_v]` in q's dtype, lse `[B, s_q, H]` FP32."""
+    return q.new_empty((*q.shape[:3], d_v)), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
 OPS: tuple[OpDef, ...] = (
     OpDef("compactify", "Tensor topk_idxs, Tensor? topk_length=None", ("compact_idxs", "lengths"),
           _compactify_run, _compactify_fake),
@@ -390,6 +401,9 @@ OPS: tuple[OpDef, ...] = (
           "Tensor? g_slc=None, Tensor? block_indices=None, int block_counts=16, Tensor? block_counts_per_token=None, "
           "Tensor? cu_seqlens=None, float? softmax_scale=None, int block_size=64",
           ("out",), _nsa_run, _nsa_fake),
+    OpDef("sparse_attention_decode", "Tensor q, Tensor kv_cache, Tensor indices, Tensor? attn_sink=None, "
+          "Tensor? topk_length=None, float? softmax_scale=None, int d_v=512",
+          ("out", "lse"), _decode_run, _decode_fake),
 )
 
 

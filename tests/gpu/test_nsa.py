@@ -12,6 +12,7 @@ The tests named *adversarial* are the ones to run under `compute-sanitizer`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -19,7 +20,7 @@ import torch
 
 import dsagen
 from dsagen.kernels.nsa.host import select_forward
-from dsagen.kernels.nsa.spec import select_fwd_spec_for
+from dsagen.kernels.nsa.spec import NsaSelectDkvSpec, NsaSelectDqSpec, select_fwd_spec_for
 from poison import poison_allocator
 
 ARCH = "sm_90a"
@@ -30,6 +31,12 @@ _SHAPES = [(g, 128, 128, 64, 16, "bfloat16") for g in (1, 2, 4, 8, 16, 32, 64)] 
     (16, 64, 64, 64, 16, "bfloat16"), (4, 128, 64, 32, 16, "bfloat16"), (16, 128, 128, 128, 16, "bfloat16"),
     (16, 128, 128, 64, 16, "float16"), (4, 128, 128, 64, 32, "bfloat16")]
 REQUIRED_SPECS = [select_fwd_spec_for(g, d, dv, bs, s, dt, ARCH) for g, d, dv, bs, s, dt in _SHAPES]
+# the backward's kernels: dq (the forward's fields) and dk / dv, for the shapes test_backward_* run
+_BWD_SHAPES = [(g, 128, 128, 64, 16, "bfloat16") for g in (1, 4, 16)] + [(16, 64, 64, 64, 16, "bfloat16")]
+REQUIRED_SPECS += [NsaSelectDqSpec(**{f.name: getattr(s, f.name) for f in dataclasses.fields(s)})
+                   for s in (select_fwd_spec_for(*x, ARCH) for x in _BWD_SHAPES)]
+REQUIRED_SPECS += [NsaSelectDkvSpec(arch=ARCH, group=g, head_dim=d, v_dim=dv, block_size=bs, dtype=dt)
+                   for g, d, dv, bs, _, dt in _BWD_SHAPES]
 
 pytestmark = pytest.mark.gpu
 
@@ -213,19 +220,15 @@ def test_repeated_calls_bitwise_equal():
 
 
 def test_what_the_kernel_does_not_cover():
-    """The compressed branch, gradients and FP32 inputs raise NotImplementedError naming the reason."""
+    """The compressed branch and FP32 inputs raise NotImplementedError naming the reason."""
     gen = torch.Generator().manual_seed(2)
     q, k, v = _inputs(1, 64, 16, 4, 128, 128, torch.bfloat16, gen)
     ids = make_ids(1, 64, 4, 4, 64, gen, adversarial=False).to(DEV)
     g = torch.ones((1, 64, 16), device=DEV)
     with pytest.raises(NotImplementedError, match="compressed branch"):
         dsagen.native_sparse_attention(q, k, v, g_cmp=g, block_counts=4)
-    with pytest.raises(NotImplementedError, match="no backward"):
-        dsagen.native_sparse_attention(q.requires_grad_(), k, v, block_indices=ids)
     with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
-        dsagen.native_sparse_attention(q.detach().float(), k.float(), v.float(), block_indices=ids)
-    with torch.no_grad():                   # under no_grad the same call runs
-        dsagen.native_sparse_attention(q, k, v, block_indices=ids)
+        dsagen.native_sparse_attention(q.float(), k.float(), v.float(), block_indices=ids)
 
 
 def test_custom_op_and_out_variant():
@@ -280,3 +283,60 @@ def test_torch_compile():
     eager = f(q, k, v, ids, counts, g_slc)
     for c, e in zip(compiled, eager):
         assert torch.equal(c, e)
+
+
+def _grads(impl, q, k, v, ids, counts, cu, bs, g_slc, dout, dtype=None):
+    leaves = [x.detach().to(dtype or x.dtype).requires_grad_() for x in (q, k, v)]
+    gate = None if g_slc is None else g_slc.detach().to(dtype or g_slc.dtype).requires_grad_()
+    out = dsagen.native_sparse_attention(*leaves, g_slc=gate, block_indices=ids, block_counts=counts, cu_seqlens=cu,
+                                         block_size=bs, impl=impl)
+    grads = torch.autograd.grad(out, leaves + ([gate] if gate is not None else []), dout.to(out.dtype))
+    return out, grads
+
+
+@pytest.mark.parametrize("case", ["g16", "g4_counts", "g1_packed", "g16_d64_gate"])
+def test_backward_matches_reference(case):
+    """dq, dk, dv (and d g_slc) of the fused backward against autograd of the FP64 reference on the same bf16 inputs:
+    adversarial ids, per-token counts with zeros, packed sequences with empty and short ones, G 16 / 4 / 1, head dims
+    64 / 128, g_slc, shared blocks."""
+    gen = torch.Generator().manual_seed(hash(case) % 1000)
+    cu = None
+    counts = 16
+    bs, d, g_slc = 64, 128, None
+    if case == "g16":
+        b, t, hq, h = 2, 301, 64, 4
+        ids = make_ids(b, t, h, 16, bs, gen, shared=True)
+    elif case == "g4_counts":
+        b, t, hq, h = 1, 517, 16, 4
+        ids = make_ids(b, t, h, 16, bs, gen)
+        counts = torch.randint(0, 20, (b, t, h), generator=gen, dtype=torch.int32).to(DEV)
+    elif case == "g1_packed":
+        lens = [130, 0, 1, 63, 64, 200, 5]
+        b, t, hq, h = 1, sum(lens), 4, 4
+        ids = make_ids(b, t, h, 16, bs, gen, seq_lens=lens)
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    else:
+        b, t, hq, h, bs, d = 1, 260, 64, 4, 64, 64
+        ids = make_ids(b, t, h, 16, bs, gen, shared=True)
+        g_slc = torch.rand((b, t, hq), generator=gen).to(DEV)
+    q, k, v = _inputs(b, t, hq, h, d, d, torch.bfloat16, gen)
+    dout = torch.randn((b, t, hq, d), generator=gen).to(DEV)
+    ids = ids.to(DEV)
+    out, got = _grads("fused", q, k, v, ids, counts, cu, bs, g_slc, dout)
+    ref_out, want = _grads("reference", q, k, v, ids, counts, cu, bs, g_slc, dout, torch.float64)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
+    for name, a, w in zip(("dq", "dk", "dv", "dg"), got, want):
+        err = (a.double() - w).abs().max().item()
+        scale = w.abs().max().item()
+        assert err <= 2e-2 * scale + 1e-3, f"{name}: max err {err:.3g} against max |ref| {scale:.3g}"
+
+
+def test_backward_bitwise_repeatable():
+    """The same inputs give the same dq, dk and dv bytes (fixed-order sums, no atomics)."""
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = _inputs(1, 700, 64, 4, 128, 128, torch.bfloat16, gen)
+    ids = make_ids(1, 700, 4, 16, 64, gen, shared=True).to(DEV)
+    dout = torch.randn((1, 700, 64, 128), generator=gen).to(DEV)
+    a = _grads("fused", q, k, v, ids, 16, None, 64, None, dout)[1]
+    b2 = _grads("fused", q, k, v, ids, 16, None, 64, None, dout)[1]
+    assert all(torch.equal(x, y) for x, y in zip(a, b2))

@@ -1,30 +1,34 @@
-"""Host side of the fused NSA forward: `native_sparse_attention(...)` (inputs validated, and per-query-block layouts
-expanded per token, by dsagen.ops.nsa) runs the selected branch's kernel (select_fwd_sm90) and applies g_slc;
-`select_forward(...)` is the kernel's own call, returning the branch's output and its natural-log LSE.
+"""Host side of the fused NSA selected branch: `native_sparse_attention(...)` (inputs validated, and per-query-block
+layouts expanded per token, by dsagen.ops.nsa) runs the forward kernel (select_fwd_sm90) and applies g_slc; with
+gradients it goes through `_SelectFunction`, whose backward (`select_backward`) runs the dq kernel (select_dq_sm90)
+over the forward's work items and the dk / dv kernel (select_dkv_sm90) over the key blocks of `inverse_index`.
+`select_forward(...)` is the forward kernel's own call, returning the branch's output and its natural-log LSE.
 
-What the kernel does not cover raises NotImplementedError naming the reason (no silent fallback to the reference):
-the compressed branch (g_cmp), gradients (the fused backward is not built yet: use impl="reference" for training),
-FP32 / FP64 inputs, and shapes outside NsaSelectFwdSpec's (group a power of two up to 64, D and Dv 64 or 128,
-block_size 32 / 64 / 128, at most NSA_MAX_SLOTS slots).
+What the kernels do not cover raises NotImplementedError naming the reason (no silent fallback to the reference):
+the compressed branch (g_cmp), gradients under torch.compile or with blocks other than 64 keys, FP32 / FP64
+inputs, and shapes outside
+NsaSelectFwdSpec's (group a power of two up to 64, D and Dv 64 or 128, block_size 32 / 64 / 128, at most
+NSA_MAX_SLOTS slots).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index
-from .spec import (NSA_BLOCK_SIZES, NSA_GROUPS, NSA_HEAD_DIMS, NSA_MAX_SLOTS, NsaSelectFwdSpec, item_tokens,
-                   select_fwd_spec_for)
+from .spec import (NSA_BLOCK_SIZES, NSA_GROUPS, NSA_HEAD_DIMS, NSA_MAX_SLOTS, NsaSelectDkvSpec, NsaSelectDqSpec,
+                   NsaSelectFwdSpec, item_tokens, select_fwd_spec_for)
 
 LOG2E = math.log2(math.e)
 
-_kernels: dict[tuple[int, NsaSelectFwdSpec], LoadedKernel] = {}
+_kernels: dict[tuple, LoadedKernel] = {}
 
 
-def _kernel(device: torch.device, spec: NsaSelectFwdSpec) -> LoadedKernel:
+def _kernel(device: torch.device, spec) -> LoadedKernel:
     """The loaded kernel of `spec` on CUDA `device`, memoized."""
     index = device_index(device)
     k = _kernels.get((index, spec))
@@ -60,6 +64,43 @@ def _tma_ready(x: torch.Tensor) -> torch.Tensor:
     return flat if ok else flat.contiguous()
 
 
+class _Operands:
+    """One call's kernel operands, shared by the forward and the backward: the flat [N, heads, dim] views of q, k, v
+    (TMA-ready), int32 ids [N, H, S], counts (a tensor [N, H] or the int), packed offsets, and the scalars."""
+
+    def __init__(self, query, key, value, block_indices, block_counts, cu_seqlens, softmax_scale, block_size):
+        b, t, hq, d = query.shape
+        self.b, self.t, self.hq, self.d = b, t, hq, d
+        self.h, self.dv = key.shape[2], value.shape[3]
+        self.slots = block_indices.shape[3]
+        self.n_tok = b * t
+        self.g = hq // self.h
+        self.block_size = block_size
+        self.scale = float(softmax_scale)
+        n = self.n_tok
+        self.idx = block_indices.reshape(n, self.h, self.slots)
+        if self.idx.dtype != torch.int32:     # ids past the int32 range are empty slots: -1, not a wrapped value
+            self.idx = self.idx.clamp(-1, 2**31 - 1).to(torch.int32)
+        if isinstance(block_counts, torch.Tensor):
+            self.cnt = block_counts.reshape(n, self.h).clamp(-1, 2**31 - 1).to(torch.int32)
+            self.has_cnt, self.cnt_all = 1, 0
+        else:
+            self.cnt, self.has_cnt, self.cnt_all = self.idx, 0, min(int(block_counts), 2**31 - 1)
+        if cu_seqlens is None:
+            self.cu, self.n_docs = self.idx, 0
+        else:
+            self.cu, self.n_docs = cu_seqlens.to(torch.int32).contiguous(), cu_seqlens.numel() - 1
+        self.q3, self.k3, self.v3 = _tma_ready(query), _tma_ready(key), _tma_ready(value)
+        self.dtype_name = _dtype_name(query.dtype)
+        self.arch = device_arch(device_index(query.device))
+        self.n_groups = -(-n // item_tokens(self.g)) if n else 0
+
+    def list_args(self) -> tuple:
+        """The scheduler's arguments (after the tensormaps and pointers of each kernel's own)."""
+        return (self.n_tok, self.t, self.n_docs, self.h, self.n_groups, self.slots, self.has_cnt, self.cnt_all,
+                self.idx.stride(0), self.idx.stride(1), self.idx.stride(2), self.cnt.stride(0), self.cnt.stride(1))
+
+
 def select_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_indices: torch.Tensor,
                    block_counts: int | torch.Tensor, cu_seqlens: torch.Tensor | None, softmax_scale: float,
                    block_size: int, spec: NsaSelectFwdSpec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,38 +111,115 @@ def select_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     spec: None (the op's, select_fwd_spec_for) or another NsaSelectFwdSpec of the same shape (benchmarks).
     NotImplementedError (with the reason) for inputs the kernel does not cover."""
     b, t, hq, _ = query.shape
-    h, dv = key.shape[2], value.shape[3]
-    slots = block_indices.shape[3]
-    reason = _unsupported(query, key, value, slots, block_size)
+    dv = value.shape[3]
+    reason = _unsupported(query, key, value, block_indices.shape[3], block_size)
     if reason:
         raise NotImplementedError(f"native_sparse_attention: {reason}")
-    n_tok = b * t
-    out = torch.empty((n_tok, hq, dv), dtype=query.dtype, device=query.device)
-    lse = torch.empty((n_tok, hq), dtype=torch.float32, device=query.device)
-    if n_tok == 0:
-        return out.view(b, t, hq, dv), lse.view(b, t, hq)
-    g = hq // h
-    if spec is None:
-        spec = select_fwd_spec_for(g, query.shape[3], dv, block_size, slots, _dtype_name(query.dtype),
-                                   device_arch(device_index(query.device)))
-    idx = block_indices.reshape(n_tok, h, slots)
-    if idx.dtype != torch.int32:     # ids past the int32 range are empty slots: -1, not a wrapped value
-        idx = idx.clamp(-1, 2**31 - 1).to(torch.int32)
-    if isinstance(block_counts, torch.Tensor):
-        cnt = block_counts.reshape(n_tok, h).clamp(-1, 2**31 - 1).to(torch.int32)
-        has_cnt, cnt_all = 1, 0
-    else:
-        cnt, has_cnt, cnt_all = idx, 0, min(int(block_counts), 2**31 - 1)
-    if cu_seqlens is None:
-        cu, n_docs, seq_len = idx, 0, t
-    else:
-        cu, n_docs, seq_len = cu_seqlens.to(torch.int32), cu_seqlens.numel() - 1, t
-    q3, k3, v3 = _tma_ready(query), _tma_ready(key), _tma_ready(value)
-    n_groups = -(-n_tok // item_tokens(g))
-    _kernel(query.device, spec).launch(
-        q3, k3, v3, idx, cnt, cu, out, lse, n_tok, seq_len, n_docs, h, n_groups, slots, has_cnt, cnt_all,
-        idx.stride(0), idx.stride(1), idx.stride(2), cnt.stride(0), cnt.stride(1), float(softmax_scale) * LOG2E)
+    out = torch.empty((b * t, hq, dv), dtype=query.dtype, device=query.device)
+    lse = torch.empty((b * t, hq), dtype=torch.float32, device=query.device)
+    if b * t:
+        ops = _Operands(query, key, value, block_indices, block_counts, cu_seqlens, softmax_scale, block_size)
+        _launch_forward(ops, out, lse, spec)
     return out.view(b, t, hq, dv), lse.view(b, t, hq)
+
+
+def _launch_forward(ops: _Operands, out: torch.Tensor, lse: torch.Tensor, spec: NsaSelectFwdSpec | None) -> None:
+    if spec is None:
+        spec = select_fwd_spec_for(ops.g, ops.d, ops.dv, ops.block_size, ops.slots, ops.dtype_name, ops.arch)
+    _kernel(out.device, spec).launch(ops.q3, ops.k3, ops.v3, ops.idx, ops.cnt, ops.cu, out, lse, *ops.list_args(),
+                                     ops.scale * LOG2E)
+
+
+def inverse_index(ops: _Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The tokens that selected each key block, for the dk / dv kernel: (off int32 [H * nbd + 1], toks int32 [L],
+    starts int32 [L], ends int32 [L], nbd). Dense block i of KV head i // nbd lists its tokens toks[off[i]:off[i + 1]]
+    in ascending order (a token once per slot naming the block), starts / ends give the block's first key row and the
+    end of its rows within the sequence. nbd = ceil(N / block_size) + sequences bounds the blocks of every sequence,
+    so nothing is read back to the host (graph-capturable); the slots are validated as the kernels do (an id in the
+    token's sequence's blocks, a slot before the count, a block not after the token). A stable sort of the N x H x S
+    slots by dense block."""
+    n, h, s, bs = ops.n_tok, ops.h, ops.slots, ops.block_size
+    dev = ops.idx.device
+    t = torch.arange(n, device=dev)
+    if ops.n_docs == 0:
+        seq = torch.div(t, ops.t, rounding_mode="floor")
+        first = seq * ops.t
+        length = torch.full_like(t, ops.t)
+        before = seq * (-(-ops.t // bs))
+        n_seq = -(-n // ops.t)
+    else:
+        cu = ops.cu.long()
+        seq = torch.searchsorted(cu[1:], t, right=True)
+        first = cu[seq]
+        length = cu[seq + 1] - first
+        seq_blocks = torch.div(cu[1:] - cu[:-1] + bs - 1, bs, rounding_mode="floor")
+        before = (torch.cumsum(seq_blocks, 0) - seq_blocks)[seq]
+        n_seq = ops.n_docs
+    nbd = -(-n // bs) + n_seq
+    ids = ops.idx.long()
+    cnt = ops.cnt.long() if ops.has_cnt else torch.full((n, h), ops.cnt_all, dtype=torch.long, device=dev)
+    nblk = torch.div(length + bs - 1, bs, rounding_mode="floor")
+    valid = ((ids >= 0) & (ids < nblk[:, None, None]) & (torch.arange(s, device=dev) < cnt[..., None])
+             & (ids * bs <= (t - first)[:, None, None]))
+    dense = torch.arange(h, device=dev)[None, :, None] * nbd + before[:, None, None] + ids
+    key = torch.where(valid, dense, h * nbd).reshape(-1)
+    order = torch.sort(key, stable=True).indices
+    starts = (first[:, None, None] + ids * bs).reshape(-1)[order]
+    ends = torch.minimum(starts + bs, (first + length)[:, None, None].expand(n, h, s).reshape(-1)[order])
+    toks = torch.div(order, h * s, rounding_mode="floor")
+    counts = torch.zeros(h * nbd + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    off = torch.zeros(h * nbd + 1, dtype=torch.long, device=dev)
+    off[1:] = torch.cumsum(counts[:-1], 0)
+    return (off.to(torch.int32), toks.to(torch.int32), starts.clamp(0, 2**31 - 1).to(torch.int32),
+            ends.clamp(0, 2**31 - 1).to(torch.int32), nbd)
+
+
+def select_backward(ops: _Operands, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of the selected branch for the forward's out `[N, HQ, Dv]` and lse `[N, HQ]` and dout like out:
+    the dq kernel over the forward's work items, then the dk / dv kernel over the key blocks (inverse_index); both sum
+    in a fixed order (bitwise repeatable, no atomics). Shapes [B, T, heads, dim] in query's dtype."""
+    n, hq, h = ops.n_tok, ops.hq, ops.h
+    do3 = _tma_ready(dout.reshape(ops.b, ops.t, hq, ops.dv))
+    delta = (do3.float() * out.reshape(n, hq, ops.dv).float()).sum(-1)
+    dq = torch.empty((n, hq, ops.d), dtype=out.dtype, device=out.device)
+    dk = torch.zeros((n, h, ops.d), dtype=out.dtype, device=out.device)
+    dv = torch.zeros((n, h, ops.dv), dtype=out.dtype, device=out.device)
+    if n:
+        base = select_fwd_spec_for(ops.g, ops.d, ops.dv, ops.block_size, ops.slots, ops.dtype_name, ops.arch)
+        dq_spec = NsaSelectDqSpec(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+        lse2 = lse.reshape(n, hq).contiguous()
+        _kernel(out.device, dq_spec).launch(ops.q3, ops.k3, ops.v3, do3, ops.idx, ops.cnt, ops.cu, dq, lse2, delta,
+                                            *ops.list_args(), ops.scale * LOG2E, ops.scale)
+        off, toks, starts, ends, nbd = inverse_index(ops)
+        dkv_spec = NsaSelectDkvSpec(arch=ops.arch, group=ops.g, head_dim=ops.d, v_dim=ops.dv,
+                                    block_size=ops.block_size, dtype=ops.dtype_name)
+        _kernel(out.device, dkv_spec).launch(ops.q3, ops.k3, ops.v3, do3, off, toks, starts, ends, dk, dv, lse2,
+                                             delta, n, h, nbd, ops.scale * LOG2E, ops.scale)
+    shape = (ops.b, ops.t)
+    return dq.view(*shape, hq, ops.d), dk.view(*shape, h, ops.d), dv.view(*shape, h, ops.dv)
+
+
+class _SelectFunction(torch.autograd.Function):
+    """The selected branch with its fused backward (dq, dk, dv; ids, counts and offsets are not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, block_indices, block_counts, cu_seqlens, softmax_scale, block_size):
+        b, t, hq, _ = query.shape
+        ops = _Operands(query, key, value, block_indices, block_counts, cu_seqlens, softmax_scale, block_size)
+        out = torch.empty((b * t, hq, value.shape[3]), dtype=query.dtype, device=query.device)
+        lse = torch.empty((b * t, hq), dtype=torch.float32, device=query.device)
+        if b * t:
+            _launch_forward(ops, out, lse, None)
+        ctx.ops = ops
+        ctx.save_for_backward(out, lse)
+        return out.view(b, t, hq, value.shape[3])
+
+    @staticmethod
+    def backward(ctx, dout):
+        out, lse = ctx.saved_tensors
+        dq, dk, dv = select_backward(ctx.ops, out, lse, dout)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -129,16 +247,25 @@ def native_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             cu_seqlens: torch.Tensor | None, *, softmax_scale: float | None,
                             block_size: int) -> torch.Tensor:
     """dsagen.native_sparse_attention(impl="fused") after its checks: the selected branch by the kernel, times g_slc
-    when given. NotImplementedError for the compressed branch (g_cmp), for inputs that require grad under grad mode
-    (no fused backward yet) and for inputs the kernel does not cover (select_forward)."""
+    when given; differentiable in query, key and value by the fused backward (select_backward; g_slc's gradient by
+    autograd of the product). NotImplementedError for the compressed branch (g_cmp), for gradients under
+    torch.compile and for inputs the kernel does not cover (select_forward)."""
     if g_cmp is not None:
         raise NotImplementedError("native_sparse_attention: the compressed branch (g_cmp) has no fused kernel yet; "
                                   "use impl='reference'")
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (query, key, value, g_slc)):
-        raise NotImplementedError("native_sparse_attention: the fused kernel has no backward yet; use "
-                                  "impl='reference' for training, or call it under torch.no_grad()")
     scale = 1.0 / math.sqrt(query.shape[3]) if softmax_scale is None else float(softmax_scale)
-    if torch.compiler.is_compiling():     # torch.compile sees the kernel as one opaque node
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    if grad:
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("native_sparse_attention: the fused backward runs in eager mode only so far "
+                                      "(torch.compile traces the forward without gradients)")
+        reason = _unsupported(query, key, value, block_indices.shape[3], block_size)
+        if not reason and block_size != 64:
+            reason = f"the fused backward takes blocks of 64 keys, got block_size={block_size}"
+        if reason:
+            raise NotImplementedError(f"native_sparse_attention: {reason}")
+        out = _SelectFunction.apply(query, key, value, block_indices, block_counts, cu_seqlens, scale, block_size)
+    elif torch.compiler.is_compiling():     # torch.compile sees the kernel as one opaque node
         per_token = block_counts if isinstance(block_counts, torch.Tensor) else None
         out, _ = _select_op(query, key, value, block_indices, 0 if per_token is not None else int(block_counts),
                             per_token, cu_seqlens, scale, block_size)

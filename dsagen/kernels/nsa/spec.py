@@ -83,6 +83,60 @@ class NsaSelectFwdSpec(KernelSpec):
         return -(-small // 1024) * 1024 + tiles
 
 
+@register_spec
+@dataclass(frozen=True)
+class NsaSelectDqSpec(NsaSelectFwdSpec):
+    """The NSA selected branch's dq on Hopper (kernel: nsa/select_dq_sm90.py, bound by select_dq_sm90.py.j2): the
+    forward's work items, scheduler and K / V ring, with the item's dO tile beside its Q tile; per listed block S and
+    dP by wgmma, dS in registers and dq += dS K. Fields as NsaSelectFwdSpec's."""
+
+    op = "nsa_select_dq"
+    template = "nsa/select_dq_{arch}.py.j2"
+
+    def smem_bytes(self) -> int:
+        """The forward's shared memory plus the dO tile (64 rows x v_dim)."""
+        return super().smem_bytes() + 2 * 64 * self.v_dim
+
+
+@register_spec
+@dataclass(frozen=True)
+class NsaSelectDkvSpec(KernelSpec):
+    """The NSA selected branch's dk and dv on Hopper (kernel: nsa/select_dkv_sm90.py, bound by select_dkv_sm90.py.j2):
+    one CTA per (KV head, key block) over the tokens that selected the block (host.inverse_index), keys as the wgmma
+    M, chunks of 64 // max(group, 8) tokens through a ring of `stages`; no atomics, bitwise repeatable. One CTA per
+    SM (256 consumer registers).
+
+    group / head_dim / v_dim / dtype: as NsaSelectFwdSpec.  block_size: 64 (the keys are the wgmma M).
+    stages: chunk tiles in flight (2..3)."""
+
+    op = "nsa_select_dkv"
+    template = "nsa/select_dkv_{arch}.py.j2"
+
+    group: int = 16
+    head_dim: int = 128
+    v_dim: int = 128
+    block_size: int = 64
+    dtype: str = "bfloat16"
+    stages: int = 2
+
+    def reasons(self) -> list[str]:
+        out = super().reasons()
+        if self.arch != "sm_90a":
+            out.append(f"the NSA selected-branch backward is implemented for sm_90a only, not {self.arch}")
+        if self.group not in NSA_GROUPS:
+            out.append(f"group={self.group} must be one of {NSA_GROUPS} (query heads per KV head)")
+        for name in ("head_dim", "v_dim"):
+            if getattr(self, name) not in NSA_HEAD_DIMS:
+                out.append(f"{name}={getattr(self, name)} must be one of {NSA_HEAD_DIMS}")
+        if self.block_size != 64:
+            out.append(f"block_size={self.block_size} must be 64 (the block's keys are the wgmma M)")
+        if self.dtype not in ("bfloat16", "float16"):
+            out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
+        if not 2 <= self.stages <= 3:
+            out.append(f"stages={self.stages} must be 2 or 3")
+        return out
+
+
 def select_fwd_spec_for(group: int, head_dim: int, v_dim: int, block_size: int, slots: int, dtype: str,
                         arch: str) -> NsaSelectFwdSpec:
     """The spec dsagen.native_sparse_attention's fused forward runs: max_slots the slot count rounded up to 16 (so

@@ -1,0 +1,333 @@
+"""NSA selected-branch backward, dq, on Hopper tensor cores (sm_90a): `build(...)` makes the kernel of one
+NsaSelectDqSpec. With the forward's natural-log lse and delta[t, hq] = sum(dO * O) of each row:
+
+    P = exp(scale q . k - lse),  dS = P (dO . v - delta),  dq[t, hq] = scale sum_j dS_j k_j
+
+over the keys j the forward's row attended (select_fwd_sm90's semantics: the selected blocks, causal, each slot
+counted). The work items, the scheduler's merged block list (select_common_sm90) and the TMA ring are the
+forward's; the item's dO tile loads with its Q tile. Per entry the consumer warpgroup issues S = Q K^T and
+dP = dO V^T (SS wgmma, one group), forms dS in registers (0 where the row's token did not choose the entry or the
+key is after it), and adds dS K into the dq accumulator (dS from registers, K^T MN-major). At the end dq * scale is
+stored (bf16 / fp16). Each row's sum runs over the entries in the list's order: bitwise the same every call.
+"""
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.experimental.cuda as xcuda
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.experimental import primitives as prims
+
+from dsagen.kernels.common.sm90.epilogue import store_row_v4
+from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
+from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
+from dsagen.kernels.common.sm90.ring import ring_wait_free, ring_wait_ready
+from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
+from dsagen.kernels.nsa.select_common_sm90 import make_schedule
+from dsagen.kernels.nsa.spec import MAX_TOK, item_tokens
+
+LOG2E = math.log2(math.e)
+M = 64
+REGS_PRODUCER = 40
+REGS_CONSUMER = {2: 216, 1: 256}
+SMEM_2_CTAS = 113 * 1024
+BAR_QPAD = 1
+
+
+def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int, dtype: str, stages: int):
+    """The kernel of NsaSelectDqSpec(group, head_dim, v_dim, block_size, max_slots, dtype, stages): returns
+    (kernel, host, PARAMS, HOST_ARGS, LAUNCH)."""
+    G, D, DV, BN, ST = group, head_dim, v_dim, block_size, stages
+    TOK = item_tokens(G)
+    ROWS = TOK * G
+    NE = TOK * max_slots
+    DT = cutlass.Float16 if dtype == "float16" else cutlass.BFloat16
+    FP16 = dtype == "float16"
+    KBQ, KBV = D // 64, DV // 64
+    QDO_BYTES = ROWS * (D + DV) * 2
+    K_BYTES = BN * D * 2
+    V_BYTES = BN * DV * 2
+    NTHREADS = 256
+
+    PARAMS = [
+        {"name": "q_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, G, TOK])},   # q [N, HQ, D]
+        {"name": "k_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, 1, BN])},    # k [N, H, D]
+        {"name": "v_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, 1, BN])},    # v [N, H, DV]
+        {"name": "do_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, G, TOK])},  # dO [N, HQ, DV]
+        {"name": "idx", "kind": "ptr", "dtype": "int32", "align": 4},
+        {"name": "cnt", "kind": "ptr", "dtype": "int32", "align": 4},
+        {"name": "cu", "kind": "ptr", "dtype": "int32", "align": 4},
+        {"name": "dq", "kind": "ptr", "dtype": dtype, "align": 16},          # [N, HQ, D] contiguous
+        {"name": "lse", "kind": "ptr", "dtype": "float32", "align": 4},      # [N, HQ] the forward's (natural log)
+        {"name": "delta", "kind": "ptr", "dtype": "float32", "align": 4},    # [N, HQ] sum(dO * O)
+        {"name": "n_tok", "kind": "i32"},
+        {"name": "seq_len", "kind": "i32"},
+        {"name": "n_docs", "kind": "i32"},
+        {"name": "n_kv", "kind": "i32"},
+        {"name": "n_groups", "kind": "i32"},
+        {"name": "n_slots", "kind": "i32"},
+        {"name": "has_cnt", "kind": "i32"},
+        {"name": "cnt_all", "kind": "i32"},
+        {"name": "idx_st", "kind": "i64"},
+        {"name": "idx_sh", "kind": "i64"},
+        {"name": "idx_ss", "kind": "i64"},
+        {"name": "cnt_st", "kind": "i64"},
+        {"name": "cnt_sh", "kind": "i64"},
+        {"name": "scale_log2", "kind": "f32"},
+        {"name": "scale", "kind": "f32"},
+    ]
+    HOST_ARGS = [
+        {"name": "q", "kind": "ptr", "dtype": dtype, "align": 16},
+        {"name": "k", "kind": "ptr", "dtype": dtype, "align": 16},
+        {"name": "v", "kind": "ptr", "dtype": dtype, "align": 16},
+        {"name": "dout", "kind": "ptr", "dtype": dtype, "align": 16},
+        {"name": "n_q_heads", "kind": "i32"},
+        {"name": "q_st", "kind": "i64"},
+        {"name": "q_sh", "kind": "i64"},
+        {"name": "k_st", "kind": "i64"},
+        {"name": "k_sh", "kind": "i64"},
+        {"name": "v_st", "kind": "i64"},
+        {"name": "v_sh", "kind": "i64"},
+        {"name": "do_st", "kind": "i64"},
+        {"name": "do_sh", "kind": "i64"},
+    ] + PARAMS[4:]
+
+    @cute.struct
+    class Smem:
+        q_full: cute.struct.MemRange[Int64, 1]
+        list_full: cute.struct.MemRange[Int64, 1]
+        k_full: cute.struct.MemRange[Int64, ST]
+        v_full: cute.struct.MemRange[Int64, ST]
+        kv_free: cute.struct.MemRange[Int64, ST]
+        n_ent: cute.struct.MemRange[Int32, 4]
+        tok_first: cute.struct.MemRange[Int32, MAX_TOK]
+        tok_pos: cute.struct.MemRange[Int32, MAX_TOK]
+        tok_blocks: cute.struct.MemRange[Int32, MAX_TOK]
+        start: cute.struct.MemRange[Int32, NE]
+        rank: cute.struct.MemRange[Int32, NE]
+        ent: cute.struct.MemRange[Int32, 2 * NE]
+        sQ: cute.struct.Align[cute.struct.MemRange[DT, M * D], 1024]
+        sdO: cute.struct.Align[cute.struct.MemRange[DT, M * DV], 1024]
+        sK: cute.struct.Align[cute.struct.MemRange[DT, BN * D * ST], 1024]
+        sV: cute.struct.Align[cute.struct.MemRange[DT, BN * DV * ST], 1024]
+
+    SMEM_BYTES = Smem.size_in_bytes()
+    CTAS_PER_SM = 2 if SMEM_BYTES <= SMEM_2_CTAS else 1
+    LAUNCH = {"grid": ["n_groups * n_kv", 1, 1], "block": [NTHREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
+    schedule = make_schedule(TOK, NE, BN)
+
+    @cute.jit
+    def issue(mma, acc, tA, tB, k_steps: int, stage) -> None:
+        """acc = A B over k_steps k16 steps (B of ring stage `stage`), issued without a commit."""
+        mma.set(warpgroup.Field.ACCUMULATE, False)
+        for ks in cutlass.range_constexpr(k_steps):
+            cute.gemm(mma, acc, tA[None, None, ks], tB[None, None, ks, stage], acc)
+            mma.set(warpgroup.Field.ACCUMULATE, True)
+
+    @cute.jit
+    def body(q_tma, k_tma, v_tma, do_tma, p_idx: cute.Pointer, p_cnt: cute.Pointer, p_cu: cute.Pointer,
+             p_dq: cute.Pointer, p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32, seq_len: Int32,
+             n_docs: Int32, n_kv: Int32, n_groups: Int32, n_slots: Int32, has_cnt: Int32, cnt_all: Int32,
+             idx_st: Int64, idx_sh: Int64, idx_ss: Int64, cnt_st: Int64, cnt_sh: Int64, scale_log2: Float32,
+             scale: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp // 4
+        lane = cute.arch.lane_idx()
+        h = bid // n_groups
+        t0 = (bid - h * n_groups) * TOK
+
+        st = cutlass.memory.SmemAllocator().allocate(Smem)
+        q_full = st.q_full.data_ptr()
+        list_full = st.list_full.data_ptr()
+        k_full = st.k_full.data_ptr()
+        v_full = st.v_full.data_ptr()
+        kv_free = st.kv_free.data_ptr()
+        lq, ldo = sw128(DT, (M, D)), sw128(DT, (M, DV))
+        lk, lv = sw128(DT, (BN, D, ST)), sw128(DT, (BN, DV, ST))
+        sQ = st.sQ.get_tensor(lq.outer, swizzle=lq.inner)
+        sdO = st.sdO.get_tensor(ldo.outer, swizzle=ldo.inner)
+        sK = st.sK.get_tensor(lk.outer, swizzle=lk.inner)
+        sV = st.sV.get_tensor(lv.outer, swizzle=lv.inner)
+        sKt = cute.composition(sK, cute.make_layout((D, BN, ST), stride=(BN, 1, BN * D)))   # K^T (MN-major)
+        s_ent = st.ent.get_tensor(cute.make_layout(2 * NE))
+        n_ent = st.n_ent.get_tensor(cute.make_layout(4))
+
+        if warp == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(q_full, 1)
+                cute.arch.mbarrier_init(list_full, 32)
+                for i in cutlass.range_constexpr(ST):
+                    cute.arch.mbarrier_init(k_full + i, 1)
+                    cute.arch.mbarrier_init(v_full + i, 1)
+                    cute.arch.mbarrier_init(kv_free + i, 4)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(REGS_PRODUCER)
+            if warp == 1:
+                schedule(st, lane, t0, h, p_idx, p_cnt, p_cu, n_tok, seq_len, n_docs, n_slots, has_cnt, cnt_all,
+                         idx_st, idx_sh, idx_ss, cnt_st, cnt_sh)
+            if warp == 0:
+                # the Q and dO tiles on one transaction count (tma_load_tile announces both; dO's boxes follow)
+                tma_load_tile(q_tma, ((sQ.iterator, M * 64, KBQ, (h * G, t0)),), q_full, QDO_BYTES)
+                with cute.arch.elect_one():
+                    for kb in cutlass.range_constexpr(KBV):
+                        prims.cp_async_bulk_tensor_shared_cta_global(sdO.iterator + kb * M * 64, do_tma,
+                                                                     (kb * 64, h * G, t0), q_full)
+                cute.arch.mbarrier_wait(list_full, 0)
+                n = Int32(0)
+                if lane == 0:
+                    n = n_ent[0]
+                n = cute.arch.shuffle_sync(n, 0)
+                for e in cutlass.range(n, unroll=1):
+                    stage = e % ST
+                    ring_wait_free(kv_free, e, ST)
+                    start = Int32(0)
+                    if lane == 0:
+                        start = s_ent[2 * e]
+                    start = cute.arch.shuffle_sync(start, 0)
+                    tma_load_tile(k_tma, ((sK[None, None, stage].iterator, BN * 64, KBQ, (h, start)),),
+                                  k_full + stage, K_BYTES)
+                    tma_load_tile(v_tma, ((sV[None, None, stage].iterator, BN * 64, KBV, (h, start)),),
+                                  v_full + stage, V_BYTES)
+        else:
+            cute.arch.setmaxregister_increase(REGS_CONSUMER[CTAS_PER_SM])
+            ctid = tidx - 128
+            mma_s = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                                      (1, 1, 1), tiler_mn=(M, BN))
+            mma_dq = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                                       (1, 1, 1), tiler_mn=(M, D),
+                                                       a_source=warpgroup.OperandSource.RMEM)
+            thr_s = mma_s.get_slice(ctid)
+            thr_dq = mma_dq.get_slice(ctid)
+            tSrQ = mma_s.make_fragment_A(thr_s.partition_A(sQ))
+            tSrK = mma_s.make_fragment_B(thr_s.partition_B(sK))
+            tPrdO = mma_s.make_fragment_A(thr_s.partition_A(sdO))
+            tPrV = mma_s.make_fragment_B(thr_s.partition_B(sV))
+            tQrK = mma_dq.make_fragment_B(thr_dq.partition_B(sKt))
+            accS = cute.make_rmem_tensor(thr_s.partition_shape_C((M, BN)), Float32)
+            accP = cute.make_rmem_tensor(thr_s.partition_shape_C((M, BN)), Float32)
+            accQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((M, D)), Float32)
+            rdS = cute.make_rmem_tensor(accS.layout, DT)
+            tQrdS = acc_as_frg_a(rdS)
+            sMN, pMN, qMN = acc_mn_view(accS), acc_mn_view(accP), acc_mn_view(accQ)
+            cS = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((M, BN))))
+            NR = cute.size(sMN, mode=[0])
+            NC = cute.size(sMN, mode=[1])
+            row_tok = cute.make_rmem_tensor(NR, Int32)
+            row_pos = cute.make_rmem_tensor(NR, Int32)
+            row_lse = cute.make_rmem_tensor(NR, Float32)     # the row's lse in the log2 domain (0 for an empty row)
+            row_dlt = cute.make_rmem_tensor(NR, Float32)     # its delta
+            accQ.fill(0.0)
+            mma_dq.set(warpgroup.Field.ACCUMULATE, True)
+            q4 = ctid % 4
+
+            if cutlass.const_expr(ROWS < M):
+                for i in cutlass.range(ctid, (M - ROWS) * D, 128, unroll=1):
+                    sQ[ROWS + i // D, i % D] = DT(0.0)
+                for i in cutlass.range(ctid, (M - ROWS) * DV, 128, unroll=1):
+                    sdO[ROWS + i // DV, i % DV] = DT(0.0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=BAR_QPAD, number_of_threads=128)
+
+            cute.arch.mbarrier_wait(list_full, 0)
+            n = n_ent[0]
+            tok_pos = st.tok_pos.get_tensor(cute.make_layout(MAX_TOK))
+            for r in cutlass.range_constexpr(NR):
+                row = cS[r, 0][0]
+                tau = row // G
+                row_tok[r] = tau
+                row_pos[r] = Int32(-1)
+                row_lse[r] = Float32(0.0)
+                row_dlt[r] = Float32(0.0)
+                if row < ROWS:
+                    pos = tok_pos[tau]
+                    row_pos[r] = pos
+                    if pos >= 0:
+                        at = Int64(pos) * (n_kv * G) + h * G + (row - tau * G)
+                        lse = (p_lse + at).load()
+                        if lse > -Float32.inf:
+                            row_lse[r] = lse * LOG2E
+                        row_dlt[r] = (p_delta + at).load()
+            cute.arch.mbarrier_wait(q_full, 0)
+            for e in cutlass.range(n, unroll=1):
+                stage = e % ST
+                start = s_ent[2 * e]
+                mask = s_ent[2 * e + 1]
+                ring_wait_ready(k_full, e, ST)
+                warpgroup.fence()
+                issue(mma_s, accS, tSrQ, tSrK, D // 16, stage)
+                ring_wait_ready(v_full, e, ST)
+                issue(mma_s, accP, tPrdO, tPrV, DV // 16, stage)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                for r in cutlass.range_constexpr(NR):
+                    hi = Int32(-1)
+                    if row_pos[r] >= 0 and (mask >> row_tok[r]) & 1 != 0:
+                        hi = row_pos[r] - start
+                    for c in cutlass.range_constexpr(NC):
+                        p = cute.math.exp2(sMN[r, c] * scale_log2 - row_lse[r], fastmath=True)
+                        ds = p * (pMN[r, c] - row_dlt[r])
+                        if cS[r, c][1] > hi:
+                            ds = Float32(0.0)
+                        sMN[r, c] = ds
+                rdS.store(accS.load().to(DT))
+                warpgroup.fence()
+                for ks in cutlass.range_constexpr(BN // 16):
+                    cute.gemm(mma_dq, accQ, tQrdS[None, None, ks], tQrK[None, None, ks, stage], accQ)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(kv_free + stage)
+
+            q_hi = q4 >= 2
+            q_odd = q4 % 2 == 1
+            policy = l2_evict_first_policy()
+            for r in cutlass.range_constexpr(NR):
+                pos = row_pos[r]
+                if pos >= 0:
+                    row = cS[r, 0][0]
+                    at = Int64(pos) * (n_kv * G) + h * G + (row - row_tok[r] * G)
+                    store_row_v4(p_dq + (at * D + 8 * q4), qMN, r, scale, FP16, q_hi, q_odd, policy)
+
+    @cute.kernel
+    def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
+               v_map: cutlass.GridConstant[xcuda.TensorMap], do_map: cutlass.GridConstant[xcuda.TensorMap],
+               p_idx: cute.Pointer, p_cnt: cute.Pointer, p_cu: cute.Pointer, p_dq: cute.Pointer,
+               p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32, seq_len: Int32, n_docs: Int32, n_kv: Int32,
+               n_groups: Int32, n_slots: Int32, has_cnt: Int32, cnt_all: Int32, idx_st: Int64, idx_sh: Int64,
+               idx_ss: Int64, cnt_st: Int64, cnt_sh: Int64, scale_log2: Float32, scale: Float32):
+        body(q_map.get_ptr(), k_map.get_ptr(), v_map.get_ptr(), do_map.get_ptr(), p_idx, p_cnt, p_cu, p_dq, p_lse,
+             p_delta, n_tok, seq_len, n_docs, n_kv, n_groups, n_slots, has_cnt, cnt_all, idx_st, idx_sh, idx_ss,
+             cnt_st, cnt_sh, scale_log2, scale)
+
+    @cute.jit
+    def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_do: cute.Pointer, n_q_heads: Int32,
+             q_st: Int64, q_sh: Int64, k_st: Int64, k_sh: Int64, v_st: Int64, v_sh: Int64, do_st: Int64,
+             do_sh: Int64, p_idx: cute.Pointer, p_cnt: cute.Pointer, p_cu: cute.Pointer, p_dq: cute.Pointer,
+             p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32, seq_len: Int32, n_docs: Int32, n_kv: Int32,
+             n_groups: Int32, n_slots: Int32, has_cnt: Int32, cnt_all: Int32, idx_st: Int64, idx_sh: Int64,
+             idx_ss: Int64, cnt_st: Int64, cnt_sh: Int64, scale_log2: Float32, scale: Float32):
+        """The TMA descriptors of q, k, v and dO (strides in elements, 16-byte units to the encoder), then the
+        launch."""
+        sw = xcuda.TensorMapSwizzle.s128b
+        tq = xcuda.create_tensor_map_tiled(global_address=p_q.toint(), dtype=DT, global_dims=[D, n_q_heads, n_tok],
+                                           global_strides=[q_sh // 8, q_st // 8], box_dims=[64, G, TOK], swizzle=sw)
+        tk = xcuda.create_tensor_map_tiled(global_address=p_k.toint(), dtype=DT, global_dims=[D, n_kv, n_tok],
+                                           global_strides=[k_sh // 8, k_st // 8], box_dims=[64, 1, BN], swizzle=sw)
+        tv = xcuda.create_tensor_map_tiled(global_address=p_v.toint(), dtype=DT, global_dims=[DV, n_kv, n_tok],
+                                           global_strides=[v_sh // 8, v_st // 8], box_dims=[64, 1, BN], swizzle=sw)
+        tdo = xcuda.create_tensor_map_tiled(global_address=p_do.toint(), dtype=DT,
+                                            global_dims=[DV, n_q_heads, n_tok], global_strides=[do_sh // 8, do_st // 8],
+                                            box_dims=[64, G, TOK], swizzle=sw)
+        kernel(tq, tk, tv, tdo, p_idx, p_cnt, p_cu, p_dq, p_lse, p_delta, n_tok, seq_len, n_docs, n_kv, n_groups,
+               n_slots, has_cnt, cnt_all, idx_st, idx_sh, idx_ss, cnt_st, cnt_sh, scale_log2, scale).launch(
+            grid=(n_groups * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=CTAS_PER_SM,
+            preferred_smem_carveout=100)
+
+    return kernel, host, PARAMS, HOST_ARGS, LAUNCH

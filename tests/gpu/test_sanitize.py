@@ -17,7 +17,7 @@ Build first (CPU, with CuTe-DSL):  dsagen build --spec-file tests/gpu/required_s
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -46,6 +46,7 @@ from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
 from dsagen.kernels.sparse_mla_bwd.spec import config_for as bwd_config_for
 from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
 from dsagen.kernels.nsa.host import select_forward as nsa_select_forward
+from dsagen.kernels.nsa.spec import NsaSelectDkvSpec, NsaSelectDqSpec
 from dsagen.kernels.nsa.spec import select_fwd_spec_for as nsa_spec_for
 
 ARCH = "sm_90a"
@@ -72,7 +73,10 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     dib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH, deterministic=det)
     for det in (False, True)] + [
     dib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH, kl_loss=True)] + [
-    nsa_spec_for(g, 128, 128, 64, 16, "bfloat16", ARCH) for g in (1, 16)]
+    nsa_spec_for(g, 128, 128, 64, 16, "bfloat16", ARCH) for g in (1, 16)] + [
+    NsaSelectDqSpec(**{f.name: getattr(s, f.name) for f in fields(s)})
+    for s in (nsa_spec_for(g, 128, 128, 64, 16, "bfloat16", ARCH) for g in (1, 16))] + [
+    NsaSelectDkvSpec(arch=ARCH, group=g) for g in (1, 16)]
 FORWARD_TOPK_SPECS = (*forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs(),
                       *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, finish_in_topk=False).topk.specs())
 
@@ -661,3 +665,31 @@ def test_nsa_select_forward(hq, packed):
                                          softmax_scale=0.1, block_size=bs, impl="reference")
     torch.testing.assert_close(o.float(), ref.float(), atol=2e-2, rtol=2e-2)
     assert not torch.isnan(lse).any()
+
+
+@gpu
+@pytest.mark.parametrize("hq,packed", [(64, False), (4, True)])
+def test_nsa_select_backward(hq, packed):
+    """The NSA backward's dq kernel and dk / dv kernel (and the inverse index feeding it) on the forward case's
+    adversarial inputs; dq, dk, dv against autograd of the reference."""
+    gen = torch.Generator().manual_seed(330 + hq)
+    h, s, bs = 4, 16, 64
+    b, t = (1, 200) if packed else (2, 133)
+    q = torch.randn((b, t, hq, 128), generator=gen).bfloat16().to(DEV)
+    k = torch.randn((b, t, h, 128), generator=gen).bfloat16().to(DEV)
+    v = torch.randn((b, t, h, 128), generator=gen).bfloat16().to(DEV)
+    dout = torch.randn((b, t, hq, 128), generator=gen).bfloat16().to(DEV)
+    ids = torch.randint(-3, 6, (b, t, h, s), generator=gen)
+    ids = torch.where(torch.rand((b, t, h, s), generator=gen) < 0.1, ids.roll(1, dims=-1), ids).to(DEV)
+    counts = torch.randint(0, s + 4, (b, t, h), generator=gen, dtype=torch.int32).to(DEV)
+    cu = torch.tensor([0, 0, 1, 70, 70, 200], dtype=torch.int32, device=DEV) if packed else None
+    grads = []
+    for impl in ("fused", "reference"):
+        leaves = [x.detach().float().requires_grad_() if impl == "reference" else x.detach().requires_grad_()
+                  for x in (q, k, v)]
+        out = dsagen.native_sparse_attention(*leaves, block_indices=ids, block_counts=counts, cu_seqlens=cu,
+                                             softmax_scale=0.1, block_size=bs, impl=impl)
+        grads.append(torch.autograd.grad(out, leaves, dout.to(out.dtype)))
+        torch.cuda.synchronize()
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=5e-2)

@@ -162,7 +162,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, st
                     cute.arch.mbarrier_init(kv_full, 1)
                     for i in cutlass.range_constexpr(ST):
                         cute.arch.mbarrier_init(c_full + i, 33)      # the TMA warp's arrive + warp 1's 32 lanes
-                        cute.arch.mbarrier_init(c_free + i, 4)
+                        cute.arch.mbarrier_init(c_free + i, 128)    # every consumer thread: it read the row info
                 cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
 
@@ -286,8 +286,9 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, st
                         cute.gemm(mma_k, accK, tKrdS[None, None, ks], tKrQ[None, None, ks, stage], accK)
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
-                    if lane == 0:
-                        cute.arch.mbarrier_arrive(c_free + stage)
+                    # every thread arrives: its own loads of the chunk's row info (c_pos / c_lse / c_dlt, which warp 1
+                    # rewrites for the stage's next chunk) are then ordered before that write
+                    cute.arch.mbarrier_arrive(c_free + stage)
 
                 # the block's key rows before its end: dk * scale and dv, 16-byte stores
                 q_hi = q4 >= 2

@@ -11,7 +11,7 @@ import torch
 
 from dsagen.jit.render import helper_modules, render
 from dsagen.kernels.nsa import host as nsa_host
-from dsagen.kernels.nsa.spec import NsaSelectFwdSpec, item_tokens, select_fwd_spec_for
+from dsagen.kernels.nsa.spec import NsaSelectDkvSpec, NsaSelectDqSpec, NsaSelectFwdSpec, item_tokens, select_fwd_spec_for
 from dsagen.spec import SpecError
 
 try:
@@ -95,3 +95,95 @@ def test_unsupported_inputs_name_the_reason():
     assert "head dims D = 96" in nsa_host._unsupported(t(1, 8, 16, 96), t(1, 8, 4, 96), v, 16, 64)
     assert "block_size=16" in nsa_host._unsupported(q, k, v, 16, 16)
     assert "65 selected blocks" in nsa_host._unsupported(q, k, v, 65, 64)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(block_size=32), "block_size=32 must be 64"),
+    (dict(group=12), "group=12 must be one of"),
+    (dict(stages=4), "stages=4 must be 2 or 3"),
+    (dict(head_dim=256), "head_dim=256 must be one of (64, 128)"),
+])
+def test_invalid_dkv_specs_say_why(kw, needle):
+    with pytest.raises(SpecError, match=re.escape(needle)):
+        NsaSelectDkvSpec(**{"arch": "sm_90a", **kw}).check()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", [NsaSelectDqSpec(arch="sm_90a"), NsaSelectDqSpec(arch="sm_90a", group=1, v_dim=64),
+                                  NsaSelectDkvSpec(arch="sm_90a"), NsaSelectDkvSpec(arch="sm_90a", group=4, v_dim=64)],
+                         ids=["dq_g16", "dq_g1_dv64", "dkv_g16", "dkv_g4_dv64"])
+def test_backward_kernels_compile_without_spills(spec, tmp_path):
+    """dq: S (D / 16) and dP (Dv / 16) as one group, then dq += dS K (block_size / 16, K^T MN-major); dk / dv: S^T and
+    dP^T (keys as M) as one group, then dv += P^T dO and dk += dS^T Q (4 steps each over the chunk's 64 rows, both
+    from registers); two waits each, no local memory, the register pool fits setmaxnreg."""
+    from dsagen.jit.build import compile_module
+    from dsagen.jit.sass import disassemble, find_nvdisasm
+
+    ck = compile_module(spec, render(spec), tmp_path)
+    if isinstance(spec, NsaSelectDqSpec):
+        assert ck.record["launch"]["smem"] == spec.smem_bytes()
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    sass = disassemble(ck.cubin)
+    d, dv, bn = spec.head_dim, spec.v_dim, spec.block_size
+    reg_gmma = {}                            # products with A from registers, by instruction shape
+    for n, steps in ([(d, bn // 16)] if isinstance(spec, NsaSelectDqSpec) else [(d, 4), (dv, 4)]):
+        reg_gmma[f"HGMMA.64x{n}x16"] = reg_gmma.get(f"HGMMA.64x{n}x16", 0) + steps
+    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 R\d+, gdesc", sass)) == (d + dv) // 16
+    for op, n in reg_gmma.items():
+        assert len(re.findall(rf"{re.escape(op)}\.F32\.BF16 R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == n, op
+    assert re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass) == ["0x0", "0x0"]
+    assert not re.findall(r"\b(LDL|STL)\b", sass)
+    regs = int(re.findall(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP0, (0x[0-9a-f]+)", sass)[0], 16)
+    assert 128 * (40 + regs) <= ck.record["regcount"] * 256
+
+
+def _inverse_loop(ids, counts, starts_of, lens_of, h_count, bs):
+    """{(h, first key row): [tokens]} by loops: the slots the kernels take (an id in the token's sequence's blocks,
+    before the count, not after the token), a token once per slot."""
+    out = {}
+    n, _, s = ids.shape
+    for t in range(n):
+        first, length = starts_of[t], lens_of[t]
+        for h in range(h_count):
+            for sl in range(s):
+                j = int(ids[t, h, sl])
+                if 0 <= j < -(-length // bs) and sl < int(counts[t, h]) and j * bs <= t - first:
+                    out.setdefault((h, first + j * bs), []).append(t)
+    return out
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_inverse_index_lists_each_blocks_tokens(packed):
+    """inverse_index (torch ops, run here on the CPU) against loops: per (KV head, block) the tokens in ascending order
+    with their multiplicity, the block's first row and the end of its rows within the sequence; every other dense
+    block empty."""
+    gen = torch.Generator().manual_seed(3 + packed)
+    h, s, bs = 2, 6, 8
+    if packed:
+        lens = [13, 0, 1, 30, 8]
+        b, t = 1, sum(lens)
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        starts_of = [int(cu[i]) for i in range(len(lens)) for _ in range(lens[i])]
+        lens_of = [lens[i] for i in range(len(lens)) for _ in range(lens[i])]
+    else:
+        b, t, cu = 2, 21, None
+        starts_of = [(x // t) * t for x in range(b * t)]
+        lens_of = [t] * (b * t)
+    q = torch.zeros((b, t, 2 * h, 64), dtype=torch.bfloat16)
+    kv = torch.zeros((b, t, h, 64), dtype=torch.bfloat16)
+    ids = torch.randint(-2, 5, (b, t, h, s), generator=gen)
+    counts = torch.randint(0, s + 2, (b, t, h), generator=gen, dtype=torch.int32)
+    ops = nsa_host._Operands(q, kv, kv, ids, counts, cu, 0.1, bs)
+    off, toks, starts, ends, nbd = nsa_host.inverse_index(ops)
+    want = _inverse_loop(ids.reshape(b * t, h, s), counts.reshape(b * t, h), starts_of, lens_of, h, bs)
+    got = {}
+    for i in range(h * nbd):
+        a, z = int(off[i]), int(off[i + 1])
+        if z > a:
+            key = (i // nbd, int(starts[a]))
+            got[key] = toks[a:z].tolist()
+            assert (starts[a:z] == starts[a]).all()
+            seq_end = starts_of[int(toks[a])] + lens_of[int(toks[a])]
+            assert int(ends[a]) == min(int(starts[a]) + bs, seq_end)
+    assert got == want

@@ -92,7 +92,6 @@ class _Operands:
             self.cu, self.n_docs = cu_seqlens.to(torch.int32).contiguous(), cu_seqlens.numel() - 1
         self.q3, self.k3, self.v3 = _tma_ready(query), _tma_ready(key), _tma_ready(value)
         self.dtype_name = _dtype_name(query.dtype)
-        self.arch = device_arch(device_index(query.device))
         self.n_groups = -(-n // item_tokens(self.g)) if n else 0
 
     def list_args(self) -> tuple:
@@ -125,7 +124,8 @@ def select_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 def _launch_forward(ops: _Operands, out: torch.Tensor, lse: torch.Tensor, spec: NsaSelectFwdSpec | None) -> None:
     if spec is None:
-        spec = select_fwd_spec_for(ops.g, ops.d, ops.dv, ops.block_size, ops.slots, ops.dtype_name, ops.arch)
+        spec = select_fwd_spec_for(ops.g, ops.d, ops.dv, ops.block_size, ops.slots, ops.dtype_name,
+                                   device_arch(device_index(out.device)))
     _kernel(out.device, spec).launch(ops.q3, ops.k3, ops.v3, ops.idx, ops.cnt, ops.cu, out, lse, *ops.list_args(),
                                      ops.scale * LOG2E)
 
@@ -186,13 +186,14 @@ def select_backward(ops: _Operands, out: torch.Tensor, lse: torch.Tensor, dout: 
     dk = torch.zeros((n, h, ops.d), dtype=out.dtype, device=out.device)
     dv = torch.zeros((n, h, ops.dv), dtype=out.dtype, device=out.device)
     if n:
-        base = select_fwd_spec_for(ops.g, ops.d, ops.dv, ops.block_size, ops.slots, ops.dtype_name, ops.arch)
+        arch = device_arch(device_index(out.device))
+        base = select_fwd_spec_for(ops.g, ops.d, ops.dv, ops.block_size, ops.slots, ops.dtype_name, arch)
         dq_spec = NsaSelectDqSpec(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
         lse2 = lse.reshape(n, hq).contiguous()
         _kernel(out.device, dq_spec).launch(ops.q3, ops.k3, ops.v3, do3, ops.idx, ops.cnt, ops.cu, dq, lse2, delta,
                                             *ops.list_args(), ops.scale * LOG2E, ops.scale)
         off, toks, starts, ends, nbd = inverse_index(ops)
-        dkv_spec = NsaSelectDkvSpec(arch=ops.arch, group=ops.g, head_dim=ops.d, v_dim=ops.dv,
+        dkv_spec = NsaSelectDkvSpec(arch=arch, group=ops.g, head_dim=ops.d, v_dim=ops.dv,
                                     block_size=ops.block_size, dtype=ops.dtype_name)
         _kernel(out.device, dkv_spec).launch(ops.q3, ops.k3, ops.v3, do3, off, toks, starts, ends, dk, dv, lse2,
                                              delta, n, h, nbd, ops.scale * LOG2E, ops.scale)

@@ -187,3 +187,49 @@ def test_inverse_index_lists_each_blocks_tokens(packed):
             seq_end = starts_of[int(toks[a])] + lens_of[int(toks[a])]
             assert int(ends[a]) == min(int(starts[a]) + bs, seq_end)
     assert got == want
+
+
+def test_host_autograd_plumbing(monkeypatch):
+    """The host's autograd path on CPU tensors with stand-in kernels (each fills its outputs with its own constant):
+    the forward, then the dq and dk / dv kernels in that order, each result routed to its gradient (g_slc's by
+    autograd), autograd's check that q was not modified in place, an empty input without launches."""
+    calls = []
+
+    class Fake:
+        def __init__(self, spec):
+            self.spec = spec
+
+        def launch(self, *a):
+            calls.append(type(self.spec))
+            if type(self.spec) is NsaSelectFwdSpec:
+                a[6].fill_(1.0)
+                a[7].fill_(0.0)
+            elif type(self.spec) is NsaSelectDqSpec:
+                a[7].fill_(2.0)
+            else:
+                a[8].fill_(3.0)
+                a[9].fill_(4.0)
+
+    monkeypatch.setattr(nsa_host, "device_index", lambda d: 0)
+    monkeypatch.setattr(nsa_host, "device_arch", lambda i: "sm_90a")
+    monkeypatch.setattr(nsa_host, "_kernel", lambda dev, spec: Fake(spec))
+    q = torch.randn(1, 40, 16, 128).bfloat16().requires_grad_()
+    k = torch.randn(1, 40, 4, 128).bfloat16().requires_grad_()
+    v = torch.randn(1, 40, 4, 64).bfloat16().requires_grad_()
+    ids = torch.randint(-1, 1, (1, 40, 4, 16))
+    g = torch.rand(1, 40, 16, requires_grad=True)
+    out = nsa_host.native_sparse_attention(q, k, v, None, g, ids, 16, None, softmax_scale=None, block_size=64)
+    assert out.shape == (1, 40, 16, 64) and out.dtype == torch.bfloat16 and calls == [NsaSelectFwdSpec]
+    out.float().sum().backward()
+    assert calls == [NsaSelectFwdSpec, NsaSelectDqSpec, NsaSelectDkvSpec]
+    assert (q.grad == 2).all() and (k.grad == 3).all() and (v.grad == 4).all()
+    assert torch.allclose(g.grad, torch.full_like(g, 64.0))          # sum over Dv of the branch's output (1)
+    out = nsa_host.native_sparse_attention(q, k, v, None, None, ids, 16, None, softmax_scale=None, block_size=64)
+    with torch.no_grad():
+        q.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    calls.clear()
+    o, lse = nsa_host.select_forward(q.detach()[:, :0], k.detach()[:, :0], v.detach()[:, :0], ids[:, :0], 16, None,
+                                     0.1, 64)
+    assert o.shape == (1, 0, 16, 64) and lse.shape == (1, 0, 16) and calls == []

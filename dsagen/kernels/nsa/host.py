@@ -109,25 +109,26 @@ def select_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     block_counts an int or `[B, T, H]` integer counts per token; cu_seqlens None or `[N + 1]` integer offsets.
     spec: None (the op's, select_fwd_spec_for) or another NsaSelectFwdSpec of the same shape (benchmarks).
     NotImplementedError (with the reason) for inputs the kernel does not cover."""
-    b, t, hq, _ = query.shape
-    dv = value.shape[3]
     reason = _unsupported(query, key, value, block_indices.shape[3], block_size)
     if reason:
         raise NotImplementedError(f"native_sparse_attention: {reason}")
-    out = torch.empty((b * t, hq, dv), dtype=query.dtype, device=query.device)
-    lse = torch.empty((b * t, hq), dtype=torch.float32, device=query.device)
-    if b * t:
-        ops = _Operands(query, key, value, block_indices, block_counts, cu_seqlens, softmax_scale, block_size)
-        _launch_forward(ops, out, lse, spec)
-    return out.view(b, t, hq, dv), lse.view(b, t, hq)
+    ops = _Operands(query, key, value, block_indices, block_counts, cu_seqlens, softmax_scale, block_size)
+    out, lse = _forward(ops, spec)
+    return out.view(ops.b, ops.t, ops.hq, ops.dv), lse.view(ops.b, ops.t, ops.hq)
 
 
-def _launch_forward(ops: _Operands, out: torch.Tensor, lse: torch.Tensor, spec: NsaSelectFwdSpec | None) -> None:
-    if spec is None:
-        spec = select_fwd_spec_for(ops.g, ops.d, ops.dv, ops.block_size, ops.slots, ops.dtype_name,
-                                   device_arch(device_index(out.device)))
-    _kernel(out.device, spec).launch(ops.q3, ops.k3, ops.v3, ops.idx, ops.cnt, ops.cu, out, lse, *ops.list_args(),
-                                     ops.scale * LOG2E)
+def _forward(ops: _Operands, spec: NsaSelectFwdSpec | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel's (out [N, HQ, Dv], lse [N, HQ]) for `ops` (spec None: the op's)."""
+    dev = ops.q3.device
+    out = torch.empty((ops.n_tok, ops.hq, ops.dv), dtype=ops.q3.dtype, device=dev)
+    lse = torch.empty((ops.n_tok, ops.hq), dtype=torch.float32, device=dev)
+    if ops.n_tok:
+        if spec is None:
+            spec = select_fwd_spec_for(ops.g, ops.d, ops.dv, ops.block_size, ops.slots, ops.dtype_name,
+                                       device_arch(device_index(dev)))
+        _kernel(dev, spec).launch(ops.q3, ops.k3, ops.v3, ops.idx, ops.cnt, ops.cu, out, lse, *ops.list_args(),
+                                  ops.scale * LOG2E)
+    return out, lse
 
 
 def inverse_index(ops: _Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -206,19 +207,15 @@ class _SelectFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, block_indices, block_counts, cu_seqlens, softmax_scale, block_size):
-        b, t, hq, _ = query.shape
         ops = _Operands(query, key, value, block_indices, block_counts, cu_seqlens, softmax_scale, block_size)
-        out = torch.empty((b * t, hq, value.shape[3]), dtype=query.dtype, device=query.device)
-        lse = torch.empty((b * t, hq), dtype=torch.float32, device=query.device)
-        if b * t:
-            _launch_forward(ops, out, lse, None)
-        ctx.ops = ops
-        ctx.save_for_backward(out, lse)
-        return out.view(b, t, hq, value.shape[3])
+        out, lse = _forward(ops, None)
+        ctx.ops = ops                            # the kernels' views of the inputs (q, k, v saved for their checks)
+        ctx.save_for_backward(out, lse, query, key, value)
+        return out.view(ops.b, ops.t, ops.hq, ops.dv)
 
     @staticmethod
     def backward(ctx, dout):
-        out, lse = ctx.saved_tensors
+        out, lse, _, _, _ = ctx.saved_tensors   # (autograd's check that q, k, v were not modified in place)
         dq, dk, dv = select_backward(ctx.ops, out, lse, dout)
         return dq, dk, dv, None, None, None, None, None
 

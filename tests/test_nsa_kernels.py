@@ -192,7 +192,8 @@ def test_inverse_index_lists_each_blocks_tokens(packed):
 def test_host_autograd_plumbing(monkeypatch):
     """The host's autograd path on CPU tensors with stand-in kernels (each fills its outputs with its own constant):
     the forward, then the dq and dk / dv kernels in that order, each result routed to its gradient (g_slc's by
-    autograd), autograd's check that q was not modified in place, an empty input without launches."""
+    autograd), autograd's check that q was not modified in place, blocks of 32 refused with gradients, an empty input
+    without launches."""
     calls = []
 
     class Fake:
@@ -229,6 +230,8 @@ def test_host_autograd_plumbing(monkeypatch):
         q.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+    with pytest.raises(NotImplementedError, match="blocks of 64 keys, got block_size=32"):
+        nsa_host.native_sparse_attention(q, k, v, None, None, ids, 16, None, softmax_scale=None, block_size=32)
     calls.clear()
     o, lse = nsa_host.select_forward(q.detach()[:, :0], k.detach()[:, :0], v.detach()[:, :0], ids[:, :0], 16, None,
                                      0.1, 64)

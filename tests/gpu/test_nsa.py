@@ -340,3 +340,23 @@ def test_backward_bitwise_repeatable():
     a = _grads("fused", q, k, v, ids, 16, None, 64, None, dout)[1]
     b2 = _grads("fused", q, k, v, ids, 16, None, 64, None, dout)[1]
     assert all(torch.equal(x, y) for x, y in zip(a, b2))
+
+
+def test_torch_compile_backward():
+    """torch.compile(fullgraph=True) of the op with gradients (the kernels as custom ops with registered autograd;
+    AOTAutograd compiles the backward) gives the eager output's and gradients' bytes."""
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = _inputs(1, 300, 64, 4, 128, 128, torch.bfloat16, gen)
+    ids = make_ids(1, 300, 4, 16, 64, gen, shared=True).to(DEV)
+    dout = torch.randn((1, 300, 64, 128), generator=gen).bfloat16().to(DEV)
+
+    def f(q, k, v):
+        return dsagen.native_sparse_attention(q, k, v, block_indices=ids)
+
+    results = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(dout)
+        results.append((out, *(x.grad for x in leaves)))
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -5,8 +5,7 @@ over the forward's work items and the dk / dv kernel (select_dkv_sm90) over the 
 `select_forward(...)` is the forward kernel's own call, returning the branch's output and its natural-log LSE.
 
 What the kernels do not cover raises NotImplementedError naming the reason (no silent fallback to the reference):
-the compressed branch (g_cmp), gradients under torch.compile or with blocks other than 64 keys, FP32 / FP64
-inputs, and shapes outside
+the compressed branch (g_cmp), gradients with blocks other than 64 keys, FP32 / FP64 inputs, and shapes outside
 NsaSelectFwdSpec's (group a power of two up to 64, D and Dv 64 or 128, block_size 32 / 64 / 128, at most
 NSA_MAX_SLOTS slots).
 """
@@ -239,31 +238,66 @@ def _(query, key, value, block_indices, block_counts, block_counts_per_token, cu
             query.new_empty(query.shape[:3], dtype=torch.float32))
 
 
+@torch.library.custom_op("dsagen::nsa_select_bwd_fused", mutates_args=())
+def _select_bwd_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_indices: torch.Tensor,
+                   block_counts: int, block_counts_per_token: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                   softmax_scale: float, block_size: int, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """select_backward as a custom op (the backward of dsagen::nsa_select_fwd_fused under torch.compile): (dq, dk, dv)
+    for the forward's out `[B, T, HQ, Dv]` and lse `[B, T, HQ]`."""
+    counts = block_counts if block_counts_per_token is None else block_counts_per_token
+    ops = _Operands(query, key, value, block_indices, counts, cu_seqlens, softmax_scale, block_size)
+    return select_backward(ops, out.reshape(ops.n_tok, ops.hq, ops.dv), lse.reshape(ops.n_tok, ops.hq), dout)
+
+
+@_select_bwd_op.register_fake
+def _(query, key, value, block_indices, block_counts, block_counts_per_token, cu_seqlens, softmax_scale, block_size,
+      out, lse, dout):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _select_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:4], inputs[5], inputs[6], *output)
+    ctx.args = (inputs[4], inputs[7], inputs[8])         # block_counts, softmax_scale, block_size
+
+
+def _select_grad(ctx, dout, dlse):
+    """dq, dk, dv through dsagen::nsa_select_bwd_fused (the lse output takes no gradient: the op returns it as a
+    statistic)."""
+    query, key, value, ids, per_token, cu, out, lse = ctx.saved_tensors
+    counts, scale, block_size = ctx.args
+    dq, dk, dv = _select_bwd_op(query, key, value, ids, counts, per_token, cu, scale, block_size, out, lse,
+                                dout.contiguous())
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_select_op.register_autograd(_select_grad, setup_context=_select_setup)
+
+
 def native_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             g_cmp: torch.Tensor | None, g_slc: torch.Tensor | None,
                             block_indices: torch.Tensor | None, block_counts: int | torch.Tensor,
                             cu_seqlens: torch.Tensor | None, *, softmax_scale: float | None,
                             block_size: int) -> torch.Tensor:
     """dsagen.native_sparse_attention(impl="fused") after its checks: the selected branch by the kernel, times g_slc
-    when given; differentiable in query, key and value by the fused backward (select_backward; g_slc's gradient by
-    autograd of the product). NotImplementedError for the compressed branch (g_cmp), for gradients under
-    torch.compile and for inputs the kernel does not cover (select_forward)."""
+    when given; differentiable in query, key and value by the fused backward (select_backward: eagerly through
+    _SelectFunction, under torch.compile through the custom ops' registered autograd; g_slc's gradient by autograd of
+    the product). NotImplementedError for the compressed branch (g_cmp), for gradients with blocks other than 64 keys
+    and for inputs the kernel does not cover (select_forward)."""
     if g_cmp is not None:
         raise NotImplementedError("native_sparse_attention: the compressed branch (g_cmp) has no fused kernel yet; "
                                   "use impl='reference'")
     scale = 1.0 / math.sqrt(query.shape[3]) if softmax_scale is None else float(softmax_scale)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
     if grad:
-        if torch.compiler.is_compiling():
-            raise NotImplementedError("native_sparse_attention: the fused backward runs in eager mode only so far "
-                                      "(torch.compile traces the forward without gradients)")
         reason = _unsupported(query, key, value, block_indices.shape[3], block_size)
         if not reason and block_size != 64:
             reason = f"the fused backward takes blocks of 64 keys, got block_size={block_size}"
         if reason:
             raise NotImplementedError(f"native_sparse_attention: {reason}")
+    if grad and not torch.compiler.is_compiling():
         out = _SelectFunction.apply(query, key, value, block_indices, block_counts, cu_seqlens, scale, block_size)
-    elif torch.compiler.is_compiling():     # torch.compile sees the kernel as one opaque node
+    elif torch.compiler.is_compiling():     # torch.compile sees the kernels as opaque nodes (forward, backward)
         per_token = block_counts if isinstance(block_counts, torch.Tensor) else None
         out, _ = _select_op(query, key, value, block_indices, 0 if per_token is not None else int(block_counts),
                             per_token, cu_seqlens, scale, block_size)

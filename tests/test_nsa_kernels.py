@@ -189,11 +189,9 @@ def test_inverse_index_lists_each_blocks_tokens(packed):
     assert got == want
 
 
-def test_host_autograd_plumbing(monkeypatch):
-    """The host's autograd path on CPU tensors with stand-in kernels (each fills its outputs with its own constant):
-    the forward, then the dq and dk / dv kernels in that order, each result routed to its gradient (g_slc's by
-    autograd), autograd's check that q was not modified in place, blocks of 32 refused with gradients, an empty input
-    without launches."""
+def _stand_in_kernels(monkeypatch) -> list:
+    """Replace the host's kernels by stand-ins on CPU tensors (each fills its outputs with its own constant: forward
+    out 1 and lse 0, dq 2, dk 3, dv 4) and return the list the launches append their spec types to."""
     calls = []
 
     class Fake:
@@ -202,18 +200,22 @@ def test_host_autograd_plumbing(monkeypatch):
 
         def launch(self, *a):
             calls.append(type(self.spec))
-            if type(self.spec) is NsaSelectFwdSpec:
-                a[6].fill_(1.0)
-                a[7].fill_(0.0)
-            elif type(self.spec) is NsaSelectDqSpec:
-                a[7].fill_(2.0)
-            else:
-                a[8].fill_(3.0)
-                a[9].fill_(4.0)
+            fill = {NsaSelectFwdSpec: ((6, 1.0), (7, 0.0)), NsaSelectDqSpec: ((7, 2.0),)}
+            for i, x in fill.get(type(self.spec), ((8, 3.0), (9, 4.0))):
+                a[i].fill_(x)
 
     monkeypatch.setattr(nsa_host, "device_index", lambda d: 0)
     monkeypatch.setattr(nsa_host, "device_arch", lambda i: "sm_90a")
     monkeypatch.setattr(nsa_host, "_kernel", lambda dev, spec: Fake(spec))
+    return calls
+
+
+def test_host_autograd_plumbing(monkeypatch):
+    """The host's autograd path on CPU tensors with stand-in kernels (each fills its outputs with its own constant):
+    the forward, then the dq and dk / dv kernels in that order, each result routed to its gradient (g_slc's by
+    autograd), autograd's check that q was not modified in place, blocks of 32 refused with gradients, an empty input
+    without launches."""
+    calls = _stand_in_kernels(monkeypatch)
     q = torch.randn(1, 40, 16, 128).bfloat16().requires_grad_()
     k = torch.randn(1, 40, 4, 128).bfloat16().requires_grad_()
     v = torch.randn(1, 40, 4, 64).bfloat16().requires_grad_()
@@ -242,21 +244,7 @@ def test_host_autograd_plumbing(monkeypatch):
 def test_compiled_autograd_plumbing(monkeypatch, per_token):
     """torch.compile(fullgraph=True) (aot_eager, CPU, stand-in kernels) of the host op with gradients: the forward
     and backward custom ops run the forward, dq and dk / dv launches, and each result reaches its gradient."""
-    calls = []
-
-    class Fake:
-        def __init__(self, spec):
-            self.spec = spec
-
-        def launch(self, *a):
-            calls.append(type(self.spec))
-            fill = {NsaSelectFwdSpec: ((6, 1.0), (7, 0.0)), NsaSelectDqSpec: ((7, 2.0),)}
-            for i, x in fill.get(type(self.spec), ((8, 3.0), (9, 4.0))):
-                a[i].fill_(x)
-
-    monkeypatch.setattr(nsa_host, "device_index", lambda d: 0)
-    monkeypatch.setattr(nsa_host, "device_arch", lambda i: "sm_90a")
-    monkeypatch.setattr(nsa_host, "_kernel", lambda dev, spec: Fake(spec))
+    calls = _stand_in_kernels(monkeypatch)
     q = torch.randn(1, 40, 16, 128).bfloat16().requires_grad_()
     k = torch.randn(1, 40, 4, 128).bfloat16().requires_grad_()
     v = torch.randn(1, 40, 4, 64).bfloat16().requires_grad_()

@@ -1,12 +1,87 @@
-"""The work-item scheduler the NSA selected-branch kernels share (forward and dq): warp 1 of a CTA turns the slots
-of its TOK tokens into the list of distinct blocks they chose, with the mask of the tokens that chose each (the
-kernels' docstrings: select_fwd_sm90). `make_schedule(TOK, NE, BN)` returns its @cute.jit function; a kernel's Smem
-struct must have the fields it writes (list_full, n_ent, tok_first, tok_pos, tok_blocks, start, rank, ent)."""
+"""What the NSA selected-branch kernels over token items share (forward and dq): warp 1's scheduler, which turns the
+slots of a CTA's TOK tokens into the list of distinct blocks they chose with the mask of the tokens that chose each
+(`make_schedule(TOK, NE, BN)`; the kernels' docstrings: select_fwd_sm90), the mbarrier set-up, the TMA warp's loop
+over the listed blocks' K and V (`make_kv_producer`), the consumer rows' token and packed row (`row_tokens`), and the
+register budgets. A kernel's Smem struct must have the fields these use (q_full, list_full, k_full, v_full, kv_free,
+n_ent, tok_first, tok_pos, tok_blocks, start, rank, ent)."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
+from dsagen.kernels.common.sm90.ring import ring_wait_free
+from dsagen.kernels.common.sm90.tma import tma_load_tile
 from dsagen.kernels.nsa.spec import MAX_TOK
+
+REGS_PRODUCER = 40
+# consumer registers by CTAs per SM: two CTAs of 256 threads have 128 x (40 + 216) = 32768 registers each; one CTA
+# (shared memory for one only, e.g. blocks of 128) gives its consumer 256
+REGS_CONSUMER = {2: 216, 1: 256}
+SMEM_2_CTAS = 113 * 1024    # the most dynamic shared memory per CTA with two CTAs on an SM (228 KiB, 1 KiB each reserved)
+BAR_QPAD = 1                # named barrier: the consumer zeroed its tiles' padding rows (128 threads)
+
+
+@cute.jit
+def init_item_barriers(warp, st, stages: int) -> None:
+    """The item kernels' mbarriers, by one elected thread of warp 0, then the init fence and a CTA barrier (every
+    thread calls it): q_full (the Q tile's transaction count), list_full (the scheduler warp's 32 lanes), per ring
+    stage k_full and v_full (transaction counts) and kv_free (one arrival per consumer warp: the K and V tiles are
+    read by wgmma only)."""
+    if warp == 0:
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_init(st.q_full.data_ptr(), 1)
+            cute.arch.mbarrier_init(st.list_full.data_ptr(), 32)
+            for i in cutlass.range_constexpr(stages):
+                cute.arch.mbarrier_init(st.k_full.data_ptr() + i, 1)
+                cute.arch.mbarrier_init(st.v_full.data_ptr() + i, 1)
+                cute.arch.mbarrier_init(st.kv_free.data_ptr() + i, 4)
+        cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+
+
+def make_kv_producer(BN: int, D: int, DV: int, ST: int, NE: int):
+    """The TMA warp's loop over an item's listed blocks: once the list is published, per entry the block's K and V
+    tiles (BN rows of head h, D and DV columns) into ring stage e % ST (NE: the list's capacity)."""
+    KBQ, KBV = D // 64, DV // 64
+
+    @cute.jit
+    def kv_producer(st, lane, h, k_tma, v_tma, sK, sV):
+        k_full = st.k_full.data_ptr()
+        v_full = st.v_full.data_ptr()
+        kv_free = st.kv_free.data_ptr()
+        s_ent = st.ent.get_tensor(cute.make_layout(2 * NE))
+        n_ent = st.n_ent.get_tensor(cute.make_layout(4))
+        cute.arch.mbarrier_wait(st.list_full.data_ptr(), 0)
+        n = Int32(0)
+        if lane == 0:
+            n = n_ent[0]
+        n = cute.arch.shuffle_sync(n, 0)
+        for e in cutlass.range(n, unroll=1):
+            stage = e % ST
+            ring_wait_free(kv_free, e, ST)
+            start = Int32(0)
+            if lane == 0:
+                start = s_ent[2 * e]
+            start = cute.arch.shuffle_sync(start, 0)
+            tma_load_tile(k_tma, ((sK[None, None, stage].iterator, BN * 64, KBQ, (h, start)),),
+                          k_full + stage, BN * D * 2)
+            tma_load_tile(v_tma, ((sV[None, None, stage].iterator, BN * 64, KBV, (h, start)),),
+                          v_full + stage, BN * DV * 2)
+
+    return kv_producer
+
+
+@cute.jit
+def row_tokens(st, cS, row_tok, row_pos, G: cutlass.Constexpr, ROWS: cutlass.Constexpr) -> None:
+    """Per accumulator row r of the consumer thread (cS: the accumulator's coordinates): row_tok[r] its token within
+    the item and row_pos[r] the token's packed row (-1 for padding rows and tokens past the last)."""
+    tok_pos = st.tok_pos.get_tensor(cute.make_layout(MAX_TOK))
+    for r in cutlass.range_constexpr(cute.size(row_tok)):
+        row = cS[r, 0][0]
+        tau = row // G
+        row_tok[r] = tau
+        row_pos[r] = Int32(-1)
+        if row < ROWS:
+            row_pos[r] = tok_pos[tau]
 
 
 def make_schedule(TOK: int, NE: int, BN: int):

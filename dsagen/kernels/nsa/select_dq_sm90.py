@@ -23,17 +23,14 @@ from cutlass.experimental import primitives as prims
 from dsagen.kernels.common.sm90.epilogue import store_row_v4
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
-from dsagen.kernels.common.sm90.ring import ring_wait_free, ring_wait_ready
+from dsagen.kernels.common.sm90.ring import ring_wait_ready
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
-from dsagen.kernels.nsa.select_common_sm90 import make_schedule
+from dsagen.kernels.nsa.select_common_sm90 import (BAR_QPAD, REGS_CONSUMER, REGS_PRODUCER, SMEM_2_CTAS,
+                                                   init_item_barriers, make_kv_producer, make_schedule)
 from dsagen.kernels.nsa.spec import MAX_TOK, item_tokens
 
 LOG2E = math.log2(math.e)
 M = 64
-REGS_PRODUCER = 40
-REGS_CONSUMER = {2: 216, 1: 256}
-SMEM_2_CTAS = 113 * 1024
-BAR_QPAD = 1
 
 
 def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int, dtype: str, stages: int):
@@ -47,8 +44,6 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
     FP16 = dtype == "float16"
     KBQ, KBV = D // 64, DV // 64
     QDO_BYTES = ROWS * (D + DV) * 2
-    K_BYTES = BN * D * 2
-    V_BYTES = BN * DV * 2
     NTHREADS = 256
 
     PARAMS = [
@@ -117,6 +112,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
     CTAS_PER_SM = 2 if SMEM_BYTES <= SMEM_2_CTAS else 1
     LAUNCH = {"grid": ["n_groups * n_kv", 1, 1], "block": [NTHREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
     schedule = make_schedule(TOK, NE, BN)
+    kv_producer = make_kv_producer(BN, D, DV, ST, NE)
 
     @cute.jit
     def issue(mma, acc, tA, tB, k_steps: int, stage) -> None:
@@ -156,16 +152,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
         s_ent = st.ent.get_tensor(cute.make_layout(2 * NE))
         n_ent = st.n_ent.get_tensor(cute.make_layout(4))
 
-        if warp == 0:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_init(q_full, 1)
-                cute.arch.mbarrier_init(list_full, 32)
-                for i in cutlass.range_constexpr(ST):
-                    cute.arch.mbarrier_init(k_full + i, 1)
-                    cute.arch.mbarrier_init(v_full + i, 1)
-                    cute.arch.mbarrier_init(kv_free + i, 4)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        init_item_barriers(warp, st, ST)
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(REGS_PRODUCER)
@@ -179,22 +166,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
                     for kb in cutlass.range_constexpr(KBV):
                         prims.cp_async_bulk_tensor_shared_cta_global(sdO.iterator + kb * M * 64, do_tma,
                                                                      (kb * 64, h * G, t0), q_full)
-                cute.arch.mbarrier_wait(list_full, 0)
-                n = Int32(0)
-                if lane == 0:
-                    n = n_ent[0]
-                n = cute.arch.shuffle_sync(n, 0)
-                for e in cutlass.range(n, unroll=1):
-                    stage = e % ST
-                    ring_wait_free(kv_free, e, ST)
-                    start = Int32(0)
-                    if lane == 0:
-                        start = s_ent[2 * e]
-                    start = cute.arch.shuffle_sync(start, 0)
-                    tma_load_tile(k_tma, ((sK[None, None, stage].iterator, BN * 64, KBQ, (h, start)),),
-                                  k_full + stage, K_BYTES)
-                    tma_load_tile(v_tma, ((sV[None, None, stage].iterator, BN * 64, KBV, (h, start)),),
-                                  v_full + stage, V_BYTES)
+                kv_producer(st, lane, h, k_tma, v_tma, sK, sV)
         else:
             cute.arch.setmaxregister_increase(REGS_CONSUMER[CTAS_PER_SM])
             ctid = tidx - 128

@@ -42,21 +42,16 @@ from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
 from dsagen.kernels.common.sm90.mma import gemm_tile
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
 from dsagen.kernels.common.sm90.reduce import quad_sum, tree_reduce
-from dsagen.kernels.common.sm90.ring import ring_wait_free, ring_wait_ready
+from dsagen.kernels.common.sm90.ring import ring_wait_ready
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
-from dsagen.kernels.nsa.select_common_sm90 import make_schedule
+from dsagen.kernels.nsa.select_common_sm90 import (BAR_QPAD, REGS_CONSUMER, REGS_PRODUCER, SMEM_2_CTAS,
+                                                   init_item_barriers, make_kv_producer, make_schedule, row_tokens)
 from dsagen.kernels.nsa.spec import MAX_TOK, item_tokens
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 M = 64                      # rows of an item (wgmma M): its tokens x the group's query heads
 MAX_INIT = -1.0e30          # initial running max: finite, so no -inf - -inf; masked scores are -inf
-REGS_PRODUCER = 40
-# consumer registers by CTAs per SM: two CTAs of 256 threads have 128 x (40 + 216) = 32768 registers each; one CTA
-# (shared memory for one only, e.g. blocks of 128) gives its consumer 256
-REGS_CONSUMER = {2: 216, 1: 256}
-SMEM_2_CTAS = 113 * 1024    # the most dynamic shared memory per CTA with two CTAs on an SM (228 KiB, 1 KiB each reserved)
-BAR_QPAD = 1                # named barrier: the consumer zeroed its Q tile's padding rows (128 threads)
 
 
 def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int, dtype: str, stages: int):
@@ -68,10 +63,8 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
     NE = TOK * max_slots                 # the scheduler's list: at most one entry per (token, slot)
     DT = cutlass.Float16 if dtype == "float16" else cutlass.BFloat16
     FP16 = dtype == "float16"
-    KBQ, KBV = D // 64, DV // 64         # 64-column TMA boxes per Q / K row and per V row
+    KBQ = D // 64                        # 64-column TMA boxes per Q row
     Q_BYTES = ROWS * D * 2
-    K_BYTES = BN * D * 2
-    V_BYTES = BN * DV * 2
     NTHREADS = 256
 
     PARAMS = [
@@ -131,6 +124,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
 
     SMEM_BYTES = Smem.size_in_bytes()
     schedule = make_schedule(TOK, NE, BN)
+    kv_producer = make_kv_producer(BN, D, DV, ST, NE)
     CTAS_PER_SM = 2 if SMEM_BYTES <= SMEM_2_CTAS else 1
     LAUNCH = {"grid": ["n_groups * n_kv", 1, 1], "block": [NTHREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
 
@@ -212,16 +206,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
         s_ent = st.ent.get_tensor(cute.make_layout(2 * NE))
         n_ent = st.n_ent.get_tensor(cute.make_layout(4))
 
-        if warp == 0:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_init(q_full, 1)
-                cute.arch.mbarrier_init(list_full, 32)
-                for i in cutlass.range_constexpr(ST):
-                    cute.arch.mbarrier_init(k_full + i, 1)
-                    cute.arch.mbarrier_init(v_full + i, 1)
-                    cute.arch.mbarrier_init(kv_free + i, 4)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        init_item_barriers(warp, st, ST)
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(REGS_PRODUCER)
@@ -231,22 +216,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
             if warp == 0:
                 # TMA: the Q tile now, then per entry its K and V blocks through the ring
                 tma_load_tile(q_tma, ((sQ.iterator, M * 64, KBQ, (h * G, t0)),), q_full, Q_BYTES)
-                cute.arch.mbarrier_wait(list_full, 0)
-                n = Int32(0)
-                if lane == 0:
-                    n = n_ent[0]
-                n = cute.arch.shuffle_sync(n, 0)
-                for e in cutlass.range(n, unroll=1):
-                    stage = e % ST
-                    ring_wait_free(kv_free, e, ST)
-                    start = Int32(0)
-                    if lane == 0:
-                        start = s_ent[2 * e]
-                    start = cute.arch.shuffle_sync(start, 0)
-                    tma_load_tile(k_tma, ((sK[None, None, stage].iterator, BN * 64, KBQ, (h, start)),),
-                                  k_full + stage, K_BYTES)
-                    tma_load_tile(v_tma, ((sV[None, None, stage].iterator, BN * 64, KBV, (h, start)),),
-                                  v_full + stage, V_BYTES)
+                kv_producer(st, lane, h, k_tma, v_tma, sK, sV)
         else:
             cute.arch.setmaxregister_increase(REGS_CONSUMER[CTAS_PER_SM])
             ctid = tidx - 128
@@ -288,14 +258,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
 
             cute.arch.mbarrier_wait(list_full, 0)
             n = n_ent[0]
-            tok_pos = st.tok_pos.get_tensor(cute.make_layout(MAX_TOK))
-            for r in cutlass.range_constexpr(NR):
-                row = cS[r, 0][0]
-                tau = row // G
-                row_tok[r] = tau
-                row_pos[r] = Int32(-1)
-                if row < ROWS:
-                    row_pos[r] = tok_pos[tau]
+            row_tokens(st, cS, row_tok, row_pos, G, ROWS)
             cute.arch.mbarrier_wait(q_full, 0)
             # S of the next entry and PV of this one go to the tensor cores back to back; the next entry's softmax
             # runs while this PV does, and O is rescaled (and P replaced) once the PV retired

@@ -100,7 +100,7 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
         attn_sink: optional FP32 [H] sink logits (as sparse_attention). topk_length: optional int32 [B] (per
             sequence, as FlashMLA's) or [B, s_q] valid-prefix lengths.
         softmax_scale: default 1 / sqrt(576). d_v: 512 (the MLA latent; RoPE columns are not in V).
-        impl: "fused" (default: the sparse MLA forward kernel over a BF16 / FP16 cache viewed as one flat pool of
+        impl: "fused" (default: the sparse MLA forward kernel over a BF16 cache viewed as one flat pool of
             rows, no gather; NotImplementedError for the FP8 cache, which has no fused kernel yet; ValueError off
             the GPU) or "reference" (gathers and dequantizes only the rows the indices name).
 

@@ -12,7 +12,6 @@ The tests named *adversarial* are the ones to run under `compute-sanitizer`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 
 import dsagen
 from dsagen.kernels.nsa.host import select_forward
-from dsagen.kernels.nsa.spec import NsaSelectDkvSpec, NsaSelectDqSpec, select_fwd_spec_for
+from dsagen.kernels.nsa.spec import NsaSelectDkvSpec, select_dq_spec_for, select_fwd_spec_for
 from poison import poison_allocator
 
 ARCH = "sm_90a"
@@ -33,8 +32,7 @@ _SHAPES = [(g, 128, 128, 64, 16, "bfloat16") for g in (1, 2, 4, 8, 16, 32, 64)] 
 REQUIRED_SPECS = [select_fwd_spec_for(g, d, dv, bs, s, dt, ARCH) for g, d, dv, bs, s, dt in _SHAPES]
 # the backward's kernels: dq (the forward's fields) and dk / dv, for the shapes test_backward_* run
 _BWD_SHAPES = [(g, 128, 128, 64, 16, "bfloat16") for g in (1, 4, 16)] + [(16, 64, 64, 64, 16, "bfloat16")]
-REQUIRED_SPECS += [NsaSelectDqSpec(**{f.name: getattr(s, f.name) for f in dataclasses.fields(s)})
-                   for s in (select_fwd_spec_for(*x, ARCH) for x in _BWD_SHAPES)]
+REQUIRED_SPECS += [select_dq_spec_for(*x, ARCH) for x in _BWD_SHAPES]
 REQUIRED_SPECS += [NsaSelectDkvSpec(arch=ARCH, group=g, head_dim=d, v_dim=dv, block_size=bs, dtype=dt)
                    for g, d, dv, bs, _, dt in _BWD_SHAPES]
 

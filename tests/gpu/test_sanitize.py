@@ -17,7 +17,7 @@ Build first (CPU, with CuTe-DSL):  dsagen build --spec-file tests/gpu/required_s
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -46,7 +46,8 @@ from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
 from dsagen.kernels.sparse_mla_bwd.spec import config_for as bwd_config_for
 from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
 from dsagen.kernels.nsa.host import select_forward as nsa_select_forward
-from dsagen.kernels.nsa.spec import NsaSelectDkvSpec, NsaSelectDqSpec
+from dsagen.kernels.nsa.spec import NsaSelectDkvSpec
+from dsagen.kernels.nsa.spec import select_dq_spec_for as nsa_dq_spec_for
 from dsagen.kernels.nsa.spec import select_fwd_spec_for as nsa_spec_for
 
 ARCH = "sm_90a"
@@ -74,8 +75,7 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     for det in (False, True)] + [
     dib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH, kl_loss=True)] + [
     nsa_spec_for(g, 128, 128, 64, 16, "bfloat16", ARCH) for g in (1, 16)] + [
-    NsaSelectDqSpec(**{f.name: getattr(s, f.name) for f in fields(s)})
-    for s in (nsa_spec_for(g, 128, 128, 64, 16, "bfloat16", ARCH) for g in (1, 16))] + [
+    nsa_dq_spec_for(g, 128, 128, 64, 16, "bfloat16", ARCH) for g in (1, 16)] + [
     NsaSelectDkvSpec(arch=ARCH, group=g) for g in (1, 16)]
 FORWARD_TOPK_SPECS = (*forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs(),
                       *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, finish_in_topk=False).topk.specs())
@@ -643,14 +643,14 @@ def test_indexer_scores_fp8(h):
     assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
 
 
-@gpu
-@pytest.mark.parametrize("hq,packed", [(64, False), (4, True)])
-def test_nsa_select_forward(hq, packed):
-    """The NSA selected-branch forward (G 16: 4 tokens per CTA; G 1: 16 tokens, padded rows) on adversarial ids
-    (-1, negative, past the sequence's blocks, future blocks, repeats) and per-token counts 0..S+3, BSHD B 2 with
-    odd T or packed sequences with empty and one-token ones; checked against the reference."""
-    gen = torch.Generator().manual_seed(320 + hq)
-    h, s, bs = 4, 16, 64
+NSA_BLOCK = 64
+
+
+def _nsa_inputs(hq, packed, gen):
+    """The NSA cases' inputs: q / k / v bf16 (4 KV heads, D 128), adversarial ids (-1, negative, past the sequence's
+    blocks, future blocks, repeats) for 16 slots, per-token counts 0..19, and BSHD B 2 with odd T or packed sequences
+    with empty and one-token ones (cu_seqlens)."""
+    h, s = 4, 16
     b, t = (1, 200) if packed else (2, 133)
     q = torch.randn((b, t, hq, 128), generator=gen).bfloat16().to(DEV)
     k = torch.randn((b, t, h, 128), generator=gen).bfloat16().to(DEV)
@@ -659,10 +659,21 @@ def test_nsa_select_forward(hq, packed):
     ids = torch.where(torch.rand((b, t, h, s), generator=gen) < 0.1, ids.roll(1, dims=-1), ids).to(DEV)
     counts = torch.randint(0, s + 4, (b, t, h), generator=gen, dtype=torch.int32).to(DEV)
     cu = torch.tensor([0, 0, 1, 70, 70, 200], dtype=torch.int32, device=DEV) if packed else None
-    o, lse = nsa_select_forward(q, k, v, ids, counts, cu, 0.1, bs)
+    return q, k, v, ids, counts, cu
+
+
+@gpu
+@pytest.mark.parametrize("hq,packed", [(64, False), (4, True)])
+def test_nsa_select_forward(hq, packed):
+    """The NSA selected-branch forward (G 16: 4 tokens per CTA; G 1: 16 tokens, padded rows) on adversarial ids
+    (-1, negative, past the sequence's blocks, future blocks, repeats) and per-token counts 0..S+3, BSHD B 2 with
+    odd T or packed sequences with empty and one-token ones; checked against the reference."""
+    gen = torch.Generator().manual_seed(320 + hq)
+    q, k, v, ids, counts, cu = _nsa_inputs(hq, packed, gen)
+    o, lse = nsa_select_forward(q, k, v, ids, counts, cu, 0.1, NSA_BLOCK)
     torch.cuda.synchronize()
     ref = dsagen.native_sparse_attention(q, k, v, block_indices=ids, block_counts=counts, cu_seqlens=cu,
-                                         softmax_scale=0.1, block_size=bs, impl="reference")
+                                         softmax_scale=0.1, block_size=NSA_BLOCK, impl="reference")
     torch.testing.assert_close(o.float(), ref.float(), atol=2e-2, rtol=2e-2)
     assert not torch.isnan(lse).any()
 
@@ -673,22 +684,14 @@ def test_nsa_select_backward(hq, packed):
     """The NSA backward's dq kernel and dk / dv kernel (and the inverse index feeding it) on the forward case's
     adversarial inputs; dq, dk, dv against autograd of the reference."""
     gen = torch.Generator().manual_seed(330 + hq)
-    h, s, bs = 4, 16, 64
-    b, t = (1, 200) if packed else (2, 133)
-    q = torch.randn((b, t, hq, 128), generator=gen).bfloat16().to(DEV)
-    k = torch.randn((b, t, h, 128), generator=gen).bfloat16().to(DEV)
-    v = torch.randn((b, t, h, 128), generator=gen).bfloat16().to(DEV)
-    dout = torch.randn((b, t, hq, 128), generator=gen).bfloat16().to(DEV)
-    ids = torch.randint(-3, 6, (b, t, h, s), generator=gen)
-    ids = torch.where(torch.rand((b, t, h, s), generator=gen) < 0.1, ids.roll(1, dims=-1), ids).to(DEV)
-    counts = torch.randint(0, s + 4, (b, t, h), generator=gen, dtype=torch.int32).to(DEV)
-    cu = torch.tensor([0, 0, 1, 70, 70, 200], dtype=torch.int32, device=DEV) if packed else None
+    q, k, v, ids, counts, cu = _nsa_inputs(hq, packed, gen)
+    dout = torch.randn(q.shape, generator=gen).bfloat16().to(DEV)
     grads = []
     for impl in ("fused", "reference"):
         leaves = [x.detach().float().requires_grad_() if impl == "reference" else x.detach().requires_grad_()
                   for x in (q, k, v)]
         out = dsagen.native_sparse_attention(*leaves, block_indices=ids, block_counts=counts, cu_seqlens=cu,
-                                             softmax_scale=0.1, block_size=bs, impl=impl)
+                                             softmax_scale=0.1, block_size=NSA_BLOCK, impl=impl)
         grads.append(torch.autograd.grad(out, leaves, dout.to(out.dtype)))
         torch.cuda.synchronize()
     for got, want in zip(*grads):

@@ -12,15 +12,14 @@ NSA_MAX_SLOTS slots).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index
-from .spec import (NSA_BLOCK_SIZES, NSA_GROUPS, NSA_HEAD_DIMS, NSA_MAX_SLOTS, NsaSelectDkvSpec, NsaSelectDqSpec,
-                   NsaSelectFwdSpec, item_tokens, select_fwd_spec_for)
+from .spec import (NSA_BLOCK_SIZES, NSA_GROUPS, NSA_HEAD_DIMS, NSA_MAX_SLOTS, NsaSelectDkvSpec, NsaSelectFwdSpec,
+                   item_tokens, select_dq_spec_for, select_fwd_spec_for)
 
 LOG2E = math.log2(math.e)
 
@@ -49,8 +48,9 @@ def _unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sl
         return f"block_size={block_size} must be one of {NSA_BLOCK_SIZES}"
     if slots > NSA_MAX_SLOTS:
         return f"{slots} selected blocks per token; the kernel takes at most {NSA_MAX_SLOTS}"
-    if device_arch(device_index(query.device)) != "sm_90a":
-        return f"no NSA kernel for {device_arch(device_index(query.device))} (sm_90a only)"
+    arch = device_arch(device_index(query.device))
+    if arch != "sm_90a":
+        return f"no NSA kernel for {arch} (sm_90a only)"
     return ""
 
 
@@ -187,8 +187,7 @@ def select_backward(ops: _Operands, out: torch.Tensor, lse: torch.Tensor, dout: 
     dv = torch.zeros((n, h, ops.dv), dtype=out.dtype, device=out.device)
     if n:
         arch = device_arch(device_index(out.device))
-        base = select_fwd_spec_for(ops.g, ops.d, ops.dv, ops.block_size, ops.slots, ops.dtype_name, arch)
-        dq_spec = NsaSelectDqSpec(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+        dq_spec = select_dq_spec_for(ops.g, ops.d, ops.dv, ops.block_size, ops.slots, ops.dtype_name, arch)
         lse2 = lse.reshape(n, hq).contiguous()
         _kernel(out.device, dq_spec).launch(ops.q3, ops.k3, ops.v3, do3, ops.idx, ops.cnt, ops.cu, dq, lse2, delta,
                                             *ops.list_args(), ops.scale * LOG2E, ops.scale)

@@ -20,6 +20,30 @@ SMEM_2_CTAS = 113 * 1024    # the most dynamic shared memory per CTA with two CT
 BAR_QPAD = 1                # named barrier: the consumer zeroed its tiles' padding rows (128 threads)
 
 
+# The scheduler's inputs in the item kernels' ABI (forward and dq): its pointers (after the kernel's tensormaps) and
+# its scalars (after the kernel's own output pointers), in this order.
+LIST_PTR_PARAMS = [
+    {"name": "idx", "kind": "ptr", "dtype": "int32", "align": 4},        # [N, H, S] block ids, any strides
+    {"name": "cnt", "kind": "ptr", "dtype": "int32", "align": 4},        # [N, H] slot counts (has_cnt)
+    {"name": "cu", "kind": "ptr", "dtype": "int32", "align": 4},         # [n_docs + 1] packed offsets
+]
+LIST_SCALAR_PARAMS = [
+    {"name": "n_tok", "kind": "i32"},                                    # N
+    {"name": "seq_len", "kind": "i32"},                                  # tokens per sequence when n_docs = 0
+    {"name": "n_docs", "kind": "i32"},                                   # 0: sequences of seq_len tokens
+    {"name": "n_kv", "kind": "i32"},                                     # H
+    {"name": "n_groups", "kind": "i32"},                                 # ceil(N / TOK)
+    {"name": "n_slots", "kind": "i32"},                                  # S (<= max_slots)
+    {"name": "has_cnt", "kind": "i32"},
+    {"name": "cnt_all", "kind": "i32"},                                  # the count when has_cnt == 0
+    {"name": "idx_st", "kind": "i64"},
+    {"name": "idx_sh", "kind": "i64"},
+    {"name": "idx_ss", "kind": "i64"},
+    {"name": "cnt_st", "kind": "i64"},
+    {"name": "cnt_sh", "kind": "i64"},
+]
+
+
 @cute.jit
 def init_item_barriers(warp, st, stages: int) -> None:
     """The item kernels' mbarriers, by one elected thread of warp 0, then the init fence and a CTA barrier (every

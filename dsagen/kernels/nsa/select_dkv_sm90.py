@@ -26,6 +26,7 @@ from cutlass.experimental import primitives as prims
 
 from dsagen.kernels.common.sm90.epilogue import store_row_v4
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
+from dsagen.kernels.common.sm90.mma import issue_gemm
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
 from dsagen.kernels.common.sm90.ring import ring_wait_free, ring_wait_ready
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
@@ -104,14 +105,6 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, st
 
     SMEM_BYTES = Smem.size_in_bytes()
     LAUNCH = {"grid": ["nbd * n_kv", 1, 1], "block": [NTHREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
-
-    @cute.jit
-    def issue(mma, acc, tA, tB, k_steps: int, stage) -> None:
-        """acc = A B over k_steps k16 steps (B of chunk stage `stage`), issued without a commit."""
-        mma.set(warpgroup.Field.ACCUMULATE, False)
-        for ks in cutlass.range_constexpr(k_steps):
-            cute.gemm(mma, acc, tA[None, None, ks], tB[None, None, ks, stage], acc)
-            mma.set(warpgroup.Field.ACCUMULATE, True)
 
     @cute.jit
     def body(q_tma, k_tma, v_tma, do_tma, p_off: cute.Pointer, p_toks: cute.Pointer, p_starts: cute.Pointer,
@@ -260,8 +253,8 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, st
                     stage = c % ST
                     ring_wait_ready(c_full, c, ST)
                     warpgroup.fence()
-                    issue(mma_t, accS, tSrK, tSrQ, D // 16, stage)
-                    issue(mma_t, accP, tPrV, tPrdO, DV // 16, stage)
+                    issue_gemm(mma_t, accS, tSrK, tSrQ, D // 16, stage)
+                    issue_gemm(mma_t, accP, tPrV, tPrdO, DV // 16, stage)
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
                     for cc in cutlass.range_constexpr(NC):

@@ -22,10 +22,12 @@ from cutlass.experimental import primitives as prims
 
 from dsagen.kernels.common.sm90.epilogue import store_row_v4
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
+from dsagen.kernels.common.sm90.mma import issue_gemm
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
 from dsagen.kernels.common.sm90.ring import ring_wait_ready
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
-from dsagen.kernels.nsa.select_common_sm90 import (BAR_QPAD, REGS_CONSUMER, REGS_PRODUCER, SMEM_2_CTAS,
+from dsagen.kernels.nsa.select_common_sm90 import (BAR_QPAD, LIST_PTR_PARAMS, LIST_SCALAR_PARAMS, REGS_CONSUMER,
+                                                   REGS_PRODUCER, SMEM_2_CTAS,
                                                    init_item_barriers, make_kv_producer, make_schedule)
 from dsagen.kernels.nsa.spec import MAX_TOK, item_tokens
 
@@ -51,25 +53,11 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
         {"name": "k_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, 1, BN])},    # k [N, H, D]
         {"name": "v_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, 1, BN])},    # v [N, H, DV]
         {"name": "do_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, G, TOK])},  # dO [N, HQ, DV]
-        {"name": "idx", "kind": "ptr", "dtype": "int32", "align": 4},
-        {"name": "cnt", "kind": "ptr", "dtype": "int32", "align": 4},
-        {"name": "cu", "kind": "ptr", "dtype": "int32", "align": 4},
+    ] + LIST_PTR_PARAMS + [
         {"name": "dq", "kind": "ptr", "dtype": dtype, "align": 16},          # [N, HQ, D] contiguous
         {"name": "lse", "kind": "ptr", "dtype": "float32", "align": 4},      # [N, HQ] the forward's (natural log)
         {"name": "delta", "kind": "ptr", "dtype": "float32", "align": 4},    # [N, HQ] sum(dO * O)
-        {"name": "n_tok", "kind": "i32"},
-        {"name": "seq_len", "kind": "i32"},
-        {"name": "n_docs", "kind": "i32"},
-        {"name": "n_kv", "kind": "i32"},
-        {"name": "n_groups", "kind": "i32"},
-        {"name": "n_slots", "kind": "i32"},
-        {"name": "has_cnt", "kind": "i32"},
-        {"name": "cnt_all", "kind": "i32"},
-        {"name": "idx_st", "kind": "i64"},
-        {"name": "idx_sh", "kind": "i64"},
-        {"name": "idx_ss", "kind": "i64"},
-        {"name": "cnt_st", "kind": "i64"},
-        {"name": "cnt_sh", "kind": "i64"},
+    ] + LIST_SCALAR_PARAMS + [
         {"name": "scale_log2", "kind": "f32"},
         {"name": "scale", "kind": "f32"},
     ]
@@ -113,14 +101,6 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
     LAUNCH = {"grid": ["n_groups * n_kv", 1, 1], "block": [NTHREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
     schedule = make_schedule(TOK, NE, BN)
     kv_producer = make_kv_producer(BN, D, DV, ST, NE)
-
-    @cute.jit
-    def issue(mma, acc, tA, tB, k_steps: int, stage) -> None:
-        """acc = A B over k_steps k16 steps (B of ring stage `stage`), issued without a commit."""
-        mma.set(warpgroup.Field.ACCUMULATE, False)
-        for ks in cutlass.range_constexpr(k_steps):
-            cute.gemm(mma, acc, tA[None, None, ks], tB[None, None, ks, stage], acc)
-            mma.set(warpgroup.Field.ACCUMULATE, True)
 
     @cute.jit
     def body(q_tma, k_tma, v_tma, do_tma, p_idx: cute.Pointer, p_cnt: cute.Pointer, p_cu: cute.Pointer,
@@ -233,9 +213,9 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
                 mask = s_ent[2 * e + 1]
                 ring_wait_ready(k_full, e, ST)
                 warpgroup.fence()
-                issue(mma_s, accS, tSrQ, tSrK, D // 16, stage)
+                issue_gemm(mma_s, accS, tSrQ, tSrK, D // 16, stage)
                 ring_wait_ready(v_full, e, ST)
-                issue(mma_s, accP, tPrdO, tPrV, DV // 16, stage)
+                issue_gemm(mma_s, accP, tPrdO, tPrV, DV // 16, stage)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 for r in cutlass.range_constexpr(NR):

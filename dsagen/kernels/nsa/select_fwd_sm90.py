@@ -39,12 +39,13 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from dsagen.kernels.common.sm90.epilogue import store_row_v4
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
-from dsagen.kernels.common.sm90.mma import gemm_tile
+from dsagen.kernels.common.sm90.mma import gemm_tile, issue_gemm
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
 from dsagen.kernels.common.sm90.reduce import quad_sum, tree_reduce
 from dsagen.kernels.common.sm90.ring import ring_wait_ready
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
-from dsagen.kernels.nsa.select_common_sm90 import (BAR_QPAD, REGS_CONSUMER, REGS_PRODUCER, SMEM_2_CTAS,
+from dsagen.kernels.nsa.select_common_sm90 import (BAR_QPAD, LIST_PTR_PARAMS, LIST_SCALAR_PARAMS, REGS_CONSUMER,
+                                                   REGS_PRODUCER, SMEM_2_CTAS,
                                                    init_item_barriers, make_kv_producer, make_schedule, row_tokens)
 from dsagen.kernels.nsa.spec import MAX_TOK, item_tokens
 
@@ -71,24 +72,10 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
         {"name": "q_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, G, TOK])},   # q [N, HQ, D] -> (D, HQ, N)
         {"name": "k_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, 1, BN])},    # k [N, H, D] -> (D, H, N)
         {"name": "v_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, 1, BN])},    # v [N, H, DV] -> (DV, H, N)
-        {"name": "idx", "kind": "ptr", "dtype": "int32", "align": 4},        # [N, H, S] block ids, any strides
-        {"name": "cnt", "kind": "ptr", "dtype": "int32", "align": 4},        # [N, H] slot counts (has_cnt)
-        {"name": "cu", "kind": "ptr", "dtype": "int32", "align": 4},         # [n_docs + 1] packed offsets
+    ] + LIST_PTR_PARAMS + [
         {"name": "out", "kind": "ptr", "dtype": dtype, "align": 16},         # [N, HQ, DV] contiguous
         {"name": "lse", "kind": "ptr", "dtype": "float32", "align": 4},      # [N, HQ] contiguous
-        {"name": "n_tok", "kind": "i32"},                                    # N
-        {"name": "seq_len", "kind": "i32"},                                  # tokens per sequence when n_docs = 0
-        {"name": "n_docs", "kind": "i32"},                                   # 0: sequences of seq_len tokens
-        {"name": "n_kv", "kind": "i32"},                                     # H
-        {"name": "n_groups", "kind": "i32"},                                 # ceil(N / TOK)
-        {"name": "n_slots", "kind": "i32"},                                  # S (<= max_slots)
-        {"name": "has_cnt", "kind": "i32"},
-        {"name": "cnt_all", "kind": "i32"},                                  # the count when has_cnt == 0
-        {"name": "idx_st", "kind": "i64"},
-        {"name": "idx_sh", "kind": "i64"},
-        {"name": "idx_ss", "kind": "i64"},
-        {"name": "cnt_st", "kind": "i64"},
-        {"name": "cnt_sh", "kind": "i64"},
+    ] + LIST_SCALAR_PARAMS + [
         {"name": "scale_log2", "kind": "f32"},                               # softmax scale x log2(e)
     ]
     HOST_ARGS = [
@@ -165,10 +152,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
     def qk_issue(mma_qk, accS, tSrQ, tSrK, stage):
         """Issue S = Q K^T of ring stage `stage` (D / 16 wgmmas, the first one not accumulating) as one group."""
         warpgroup.fence()
-        mma_qk.set(warpgroup.Field.ACCUMULATE, False)
-        for ks in cutlass.range_constexpr(D // 16):
-            cute.gemm(mma_qk, accS, tSrQ[None, None, ks], tSrK[None, None, ks, stage], accS)
-            mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+        issue_gemm(mma_qk, accS, tSrQ, tSrK, D // 16, stage)
         warpgroup.commit_group()
 
     @cute.jit

@@ -4,6 +4,7 @@ per KV head, output and natural-log LSE."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ...spec.base import KernelSpec, register_spec
@@ -143,3 +144,11 @@ def select_fwd_spec_for(group: int, head_dim: int, v_dim: int, block_size: int, 
     the common widths share one kernel), two stages."""
     return NsaSelectFwdSpec(arch=arch, group=group, head_dim=head_dim, v_dim=v_dim, block_size=block_size,
                             max_slots=min(NSA_MAX_SLOTS, max(16, -(-slots // 16) * 16)), dtype=dtype, stages=2)
+
+
+def select_dq_spec_for(group: int, head_dim: int, v_dim: int, block_size: int, slots: int, dtype: str,
+                       arch: str) -> NsaSelectDqSpec:
+    """The dq kernel the fused backward runs: the fields of the forward's spec (select_fwd_spec_for), whose work
+    items it shares."""
+    fwd = select_fwd_spec_for(group, head_dim, v_dim, block_size, slots, dtype, arch)
+    return NsaSelectDqSpec(**{f.name: getattr(fwd, f.name) for f in dataclasses.fields(fwd)})

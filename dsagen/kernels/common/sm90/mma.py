@@ -1,6 +1,7 @@
 """Warpgroup MMA helpers of the Hopper kernels: the set-up of one product (`wgmma_tile`: tiled MMA, fragments,
-accumulator and its views) and one whole product over a K loop of k16 steps, issued, committed as one group and
-waited (`gemm_tile`). Called by the 128 threads of the consumer warpgroup that owns the accumulator
+accumulator and its views), one whole product over a K loop of k16 steps, issued, committed as one group and
+waited (`gemm_tile`), and the issue alone of a product that overwrites its accumulator (`issue_gemm`), for groups of
+several products or a product left in flight. Called by the 128 threads of the consumer warpgroup that owns the accumulator
 (wgmma is a warpgroup instruction: every thread of the warpgroup must reach it, converged)."""
 
 from typing import Any, NamedTuple
@@ -33,6 +34,17 @@ def gemm_tile(mma, acc, tA, tB, k_steps: int, a_stage=None, b_stage=None) -> Non
         cute.gemm(mma, acc, a, b, acc)
     warpgroup.commit_group()
     warpgroup.wait_group(0)
+
+
+@cute.jit
+def issue_gemm(mma, acc, tA, tB, k_steps: int, b_stage) -> None:
+    """acc = sum over the k16 steps ks < k_steps of A[.., .., ks] B[.., .., ks, b_stage] on wgmma, the first step
+    overwriting acc (no zero fill), issued only: the caller fences the warpgroup's registers before and commits the
+    group after (one group may hold several products), then waits for it. Leaves ACCUMULATE set."""
+    mma.set(warpgroup.Field.ACCUMULATE, False)
+    for ks in cutlass.range_constexpr(k_steps):
+        cute.gemm(mma, acc, tA[None, None, ks], tB[None, None, ks, b_stage], acc)
+        mma.set(warpgroup.Field.ACCUMULATE, True)
 
 
 class WgmmaTile(NamedTuple):

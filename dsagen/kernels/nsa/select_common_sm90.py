@@ -6,6 +6,7 @@ register budgets. A kernel's Smem struct must have the fields these use (q_full,
 n_ent, tok_first, tok_pos, tok_blocks, start, rank, ent)."""
 import cutlass
 import cutlass.cute as cute
+import cutlass.experimental.cuda as xcuda
 from cutlass import Int32, Int64
 
 from dsagen.kernels.common.sm90.ring import ring_wait_free
@@ -42,6 +43,25 @@ LIST_SCALAR_PARAMS = [
     {"name": "cnt_st", "kind": "i64"},
     {"name": "cnt_sh", "kind": "i64"},
 ]
+
+
+def qkv_host_args(dtype: str, with_dout: bool) -> list:
+    """The head of an NSA kernel's HOST_ARGS (its `host` builds the tensormaps from them): the q, k, v (and dO)
+    pointers, the query head count, then each tensor's token and head strides in elements."""
+    names = [("q", "q"), ("k", "k"), ("v", "v")] + ([("dout", "do")] if with_dout else [])
+    ptrs = [{"name": n, "kind": "ptr", "dtype": dtype, "align": 16} for n, _ in names]
+    strides = [{"name": f"{a}_{x}", "kind": "i64"} for _, a in names for x in ("st", "sh")]
+    return ptrs + [{"name": "n_q_heads", "kind": "i32"}] + strides
+
+
+@cute.jit
+def rows_map(p: cute.Pointer, dtype: cutlass.Constexpr, dim: cutlass.Constexpr, heads, n_tok, s_tok, s_head,
+             box_heads: cutlass.Constexpr, box_rows: cutlass.Constexpr):
+    """The SW128 TMA descriptor of a [n_tok, heads, dim] tensor (strides s_tok, s_head in elements; the encoder takes
+    16-byte units) with boxes of 64 columns x box_heads heads x box_rows tokens."""
+    return xcuda.create_tensor_map_tiled(global_address=p.toint(), dtype=dtype, global_dims=[dim, heads, n_tok],
+                                         global_strides=[s_head // 8, s_tok // 8],
+                                         box_dims=[64, box_heads, box_rows], swizzle=xcuda.TensorMapSwizzle.s128b)
 
 
 @cute.jit

@@ -30,6 +30,7 @@ from dsagen.kernels.common.sm90.mma import issue_gemm
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
 from dsagen.kernels.common.sm90.ring import ring_wait_free, ring_wait_ready
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
+from dsagen.kernels.nsa.select_common_sm90 import qkv_host_args, rows_map
 
 LOG2E = math.log2(math.e)
 NQ = 64                     # chunk rows (the wgmma N of S^T and dP^T, the K of dv and dk)
@@ -74,21 +75,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, st
         {"name": "scale_log2", "kind": "f32"},
         {"name": "scale", "kind": "f32"},
     ]
-    HOST_ARGS = [
-        {"name": "q", "kind": "ptr", "dtype": dtype, "align": 16},
-        {"name": "k", "kind": "ptr", "dtype": dtype, "align": 16},
-        {"name": "v", "kind": "ptr", "dtype": dtype, "align": 16},
-        {"name": "dout", "kind": "ptr", "dtype": dtype, "align": 16},
-        {"name": "n_q_heads", "kind": "i32"},
-        {"name": "q_st", "kind": "i64"},
-        {"name": "q_sh", "kind": "i64"},
-        {"name": "k_st", "kind": "i64"},
-        {"name": "k_sh", "kind": "i64"},
-        {"name": "v_st", "kind": "i64"},
-        {"name": "v_sh", "kind": "i64"},
-        {"name": "do_st", "kind": "i64"},
-        {"name": "do_sh", "kind": "i64"},
-    ] + PARAMS[4:]
+    HOST_ARGS = qkv_host_args(dtype, True) + PARAMS[4:]
 
     @cute.struct
     class Smem:
@@ -312,16 +299,10 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, st
              n_kv: Int32, nbd: Int32, scale_log2: Float32, scale: Float32):
         """The TMA descriptors of q, k, v and dO (strides in elements, 16-byte units to the encoder), then the
         launch (one CTA per SM: 255 registers at launch, so the consumer's 256 fit the CTA's pool)."""
-        sw = xcuda.TensorMapSwizzle.s128b
-        tq = xcuda.create_tensor_map_tiled(global_address=p_q.toint(), dtype=DT, global_dims=[D, n_q_heads, n_tok],
-                                           global_strides=[q_sh // 8, q_st // 8], box_dims=[64, G, 1], swizzle=sw)
-        tk = xcuda.create_tensor_map_tiled(global_address=p_k.toint(), dtype=DT, global_dims=[D, n_kv, n_tok],
-                                           global_strides=[k_sh // 8, k_st // 8], box_dims=[64, 1, BN], swizzle=sw)
-        tv = xcuda.create_tensor_map_tiled(global_address=p_v.toint(), dtype=DT, global_dims=[DV, n_kv, n_tok],
-                                           global_strides=[v_sh // 8, v_st // 8], box_dims=[64, 1, BN], swizzle=sw)
-        tdo = xcuda.create_tensor_map_tiled(global_address=p_do.toint(), dtype=DT,
-                                            global_dims=[DV, n_q_heads, n_tok], global_strides=[do_sh // 8, do_st // 8],
-                                            box_dims=[64, G, 1], swizzle=sw)
+        tq = rows_map(p_q, DT, D, n_q_heads, n_tok, q_st, q_sh, G, 1)
+        tk = rows_map(p_k, DT, D, n_kv, n_tok, k_st, k_sh, 1, BN)
+        tv = rows_map(p_v, DT, DV, n_kv, n_tok, v_st, v_sh, 1, BN)
+        tdo = rows_map(p_do, DT, DV, n_q_heads, n_tok, do_st, do_sh, G, 1)
         kernel(tq, tk, tv, tdo, p_off, p_toks, p_starts, p_ends, p_dk, p_dv, p_lse, p_delta, n_tok, n_kv, nbd,
                scale_log2, scale).launch(
             grid=(nbd * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1,

@@ -45,7 +45,7 @@ from dsagen.kernels.common.sm90.reduce import quad_sum, tree_reduce
 from dsagen.kernels.common.sm90.ring import ring_wait_ready
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
 from dsagen.kernels.nsa.select_common_sm90 import (BAR_QPAD, LIST_PTR_PARAMS, LIST_SCALAR_PARAMS, REGS_CONSUMER,
-                                                   REGS_PRODUCER, SMEM_2_CTAS,
+                                                   REGS_PRODUCER, SMEM_2_CTAS, qkv_host_args, rows_map,
                                                    init_item_barriers, make_kv_producer, make_schedule, row_tokens)
 from dsagen.kernels.nsa.spec import MAX_TOK, item_tokens
 
@@ -78,18 +78,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
     ] + LIST_SCALAR_PARAMS + [
         {"name": "scale_log2", "kind": "f32"},                               # softmax scale x log2(e)
     ]
-    HOST_ARGS = [
-        {"name": "q", "kind": "ptr", "dtype": dtype, "align": 16},
-        {"name": "k", "kind": "ptr", "dtype": dtype, "align": 16},
-        {"name": "v", "kind": "ptr", "dtype": dtype, "align": 16},
-        {"name": "n_q_heads", "kind": "i32"},
-        {"name": "q_st", "kind": "i64"},
-        {"name": "q_sh", "kind": "i64"},
-        {"name": "k_st", "kind": "i64"},
-        {"name": "k_sh", "kind": "i64"},
-        {"name": "v_st", "kind": "i64"},
-        {"name": "v_sh", "kind": "i64"},
-    ] + PARAMS[3:]
+    HOST_ARGS = qkv_host_args(dtype, False) + PARAMS[3:]
 
     @cute.struct
     class Smem:
@@ -307,15 +296,9 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
              idx_st: Int64, idx_sh: Int64, idx_ss: Int64, cnt_st: Int64, cnt_sh: Int64, scale_log2: Float32):
         """The TMA descriptors of q [N, HQ, D] -> (D, HQ, N), k [N, H, D] and v [N, H, DV] (strides in elements,
         given to create_tensor_map_tiled in 16-byte units), then the launch."""
-        tq = xcuda.create_tensor_map_tiled(global_address=p_q.toint(), dtype=DT, global_dims=[D, n_q_heads, n_tok],
-                                           global_strides=[q_sh // 8, q_st // 8], box_dims=[64, G, TOK],
-                                           swizzle=xcuda.TensorMapSwizzle.s128b)
-        tk = xcuda.create_tensor_map_tiled(global_address=p_k.toint(), dtype=DT, global_dims=[D, n_kv, n_tok],
-                                           global_strides=[k_sh // 8, k_st // 8], box_dims=[64, 1, BN],
-                                           swizzle=xcuda.TensorMapSwizzle.s128b)
-        tv = xcuda.create_tensor_map_tiled(global_address=p_v.toint(), dtype=DT, global_dims=[DV, n_kv, n_tok],
-                                           global_strides=[v_sh // 8, v_st // 8], box_dims=[64, 1, BN],
-                                           swizzle=xcuda.TensorMapSwizzle.s128b)
+        tq = rows_map(p_q, DT, D, n_q_heads, n_tok, q_st, q_sh, G, TOK)
+        tk = rows_map(p_k, DT, D, n_kv, n_tok, k_st, k_sh, 1, BN)
+        tv = rows_map(p_v, DT, DV, n_kv, n_tok, v_st, v_sh, 1, BN)
         kernel(tq, tk, tv, p_idx, p_cnt, p_cu, p_out, p_lse, n_tok, seq_len, n_docs, n_kv, n_groups, n_slots,
                has_cnt, cnt_all, idx_st, idx_sh, idx_ss, cnt_st, cnt_sh, scale_log2).launch(
             grid=(n_groups * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=CTAS_PER_SM,

@@ -218,13 +218,14 @@ def test_repeated_calls_bitwise_equal():
 
 
 def test_what_the_kernel_does_not_cover():
-    """The compressed branch and FP32 inputs raise NotImplementedError naming the reason."""
+    """FP32 inputs (and, with g_cmp, more than 64 selected blocks) raise NotImplementedError naming the reason
+    (the compressed branch's other limits: test_nsa_compressed.py)."""
     gen = torch.Generator().manual_seed(2)
     q, k, v = _inputs(1, 64, 16, 4, 128, 128, torch.bfloat16, gen)
     ids = make_ids(1, 64, 4, 4, 64, gen, adversarial=False).to(DEV)
     g = torch.ones((1, 64, 16), device=DEV)
-    with pytest.raises(NotImplementedError, match="compressed branch"):
-        dsagen.native_sparse_attention(q, k, v, g_cmp=g, block_counts=4)
+    with pytest.raises(NotImplementedError, match="at most 64"):
+        dsagen.native_sparse_attention(q, k, v, g_cmp=g, block_counts=65)
     with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
         dsagen.native_sparse_attention(q.float(), k.float(), v.float(), block_indices=ids)
 

@@ -46,7 +46,9 @@ from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
 from dsagen.kernels.sparse_mla_bwd.spec import config_for as bwd_config_for
 from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
 from dsagen.kernels.nsa.host import select_forward as nsa_select_forward
-from dsagen.kernels.nsa.spec import NsaSelectDkvSpec
+from dsagen.kernels.nsa.spec import NsaCmpTopkSpec, NsaSelectDkvSpec
+from dsagen.kernels.nsa.spec import cmp_fwd_spec_for as nsa_cmp_fwd_spec_for
+from dsagen.kernels.nsa.spec import cmp_importance_spec_for as nsa_cmp_importance_spec_for
 from dsagen.kernels.nsa.spec import select_dq_spec_for as nsa_dq_spec_for
 from dsagen.kernels.nsa.spec import select_fwd_spec_for as nsa_spec_for
 
@@ -76,7 +78,10 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     dib_config_for(INDEXER_SHAPE[1], "bfloat16", ARCH, None).spec(INDEXER_SHAPE[1], "bfloat16", ARCH, kl_loss=True)] + [
     nsa_spec_for(g, 128, 128, 64, 16, "bfloat16", ARCH) for g in (1, 16)] + [
     nsa_dq_spec_for(g, 128, 128, 64, 16, "bfloat16", ARCH) for g in (1, 16)] + [
-    NsaSelectDkvSpec(arch=ARCH, group=g) for g in (1, 16)]
+    NsaSelectDkvSpec(arch=ARCH, group=g) for g in (1, 16)] + [
+    nsa_cmp_fwd_spec_for(g, 128, 128, 1, "bfloat16", ARCH) for g in (1, 16)] + [
+    nsa_spec_for(g, 128, 128, 32, 16, "bfloat16", ARCH) for g in (1, 16)] + [
+    nsa_cmp_importance_spec_for(g, 128, 1, "bfloat16", ARCH) for g in (1, 16)] + [NsaCmpTopkSpec(arch=ARCH)]
 FORWARD_TOPK_SPECS = (*forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs(),
                       *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, finish_in_topk=False).topk.specs())
 
@@ -696,3 +701,19 @@ def test_nsa_select_backward(hq, packed):
         torch.cuda.synchronize()
     for got, want in zip(*grads):
         torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=5e-2)
+
+
+@gpu
+@pytest.mark.parametrize("hq,packed", [(64, False), (4, True)])
+def test_nsa_compressed(hq, packed):
+    """The NSA compressed branch's kernels (compressed attention, importance, selection) and the selected branch on
+    their selection, per-token counts 0..19 over a width of 16 (G 16: 4 tokens per CTA; G 1: 16 tokens, padded rows),
+    BSHD B 2 with odd T or packed sequences with empty and one-token ones; checked against the reference."""
+    gen = torch.Generator().manual_seed(340 + hq)
+    q, k, v, _, counts, cu = _nsa_inputs(hq, packed, gen)
+    g_cmp = torch.rand(q.shape[:3], generator=gen).to(DEV)
+    kw = dict(g_cmp=g_cmp, block_counts=counts, cu_seqlens=cu, softmax_scale=0.1, block_size=32)
+    out = dsagen.native_sparse_attention(q, k, v, **kw)
+    torch.cuda.synchronize()
+    ref = dsagen.native_sparse_attention(q, k, v, impl="reference", **kw)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

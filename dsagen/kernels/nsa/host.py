@@ -18,6 +18,7 @@ import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index
+from .cmp_host import compressed_branch
 from .spec import (NSA_BLOCK_SIZES, NSA_GROUPS, NSA_HEAD_DIMS, NSA_MAX_SLOTS, NsaSelectDkvSpec, NsaSelectFwdSpec,
                    item_tokens, select_dq_spec_for, select_fwd_spec_for)
 
@@ -71,12 +72,14 @@ class _Operands:
         b, t, hq, d = query.shape
         self.b, self.t, self.hq, self.d = b, t, hq, d
         self.h, self.dv = key.shape[2], value.shape[3]
-        self.slots = block_indices.shape[3]
         self.n_tok = b * t
         self.g = hq // self.h
         self.block_size = block_size
         self.scale = float(softmax_scale)
         n = self.n_tok
+        if block_indices is None:             # the compressed branch's kernels read no ids
+            block_indices = torch.empty((b, t, self.h, 0), dtype=torch.int32, device=query.device)
+        self.slots = block_indices.shape[3]
         self.idx = block_indices.reshape(n, self.h, self.slots)
         if self.idx.dtype != torch.int32:     # ids past the int32 range are empty slots: -1, not a wrapped value
             self.idx = self.idx.clamp(-1, 2**31 - 1).to(torch.int32)
@@ -273,6 +276,66 @@ def _select_grad(ctx, dout, dlse):
 _select_op.register_autograd(_select_grad, setup_context=_select_setup)
 
 
+def compressed_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, n_select: int,
+                       cu_seqlens: torch.Tensor | None, softmax_scale: float, block_size: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The compressed branch alone (cmp_host.compressed_branch): (o_cmp `[B, T, HQ, Dv]` in query.dtype, lse_cmp
+    `[B, T, HQ]` FP32 natural log, -inf before a token's first complete block, sel `[B, T, H, n_select]` int32: the
+    blocks it selects per token and KV head, sequence-local ids, best first, -1 past the candidates). Inputs as
+    select_forward's. NotImplementedError (with the reason) for inputs the kernels do not cover."""
+    reason = _unsupported(query, key, value, n_select, block_size)
+    if reason:
+        raise NotImplementedError(f"native_sparse_attention: {reason}")
+    ops = _Operands(query, key, value, None, 0, cu_seqlens, softmax_scale, block_size)
+    out, lse, sel = compressed_branch(ops, n_select)
+    return (out.view(ops.b, ops.t, ops.hq, ops.dv), lse.view(ops.b, ops.t, ops.hq),
+            sel.view(ops.b, ops.t, ops.h, n_select))
+
+
+@torch.library.custom_op("dsagen::nsa_cmp_fwd_fused", mutates_args=())
+def _cmp_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, n_select: int,
+            cu_seqlens: torch.Tensor | None, softmax_scale: float, block_size: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed_forward as a custom op (opaque to torch.compile): (o_cmp, sel)."""
+    out, _, sel = compressed_forward(query, key, value, n_select, cu_seqlens, softmax_scale, block_size)
+    return out, sel
+
+
+@_cmp_op.register_fake
+def _(query, key, value, n_select, cu_seqlens, softmax_scale, block_size):
+    return (query.new_empty((*query.shape[:3], value.shape[3])),
+            query.new_empty((*key.shape[:3], n_select), dtype=torch.int32))
+
+
+def _with_compressed(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, scale, block_size, grad):
+    """native_sparse_attention with g_cmp (forward only): the compressed branch's kernels select the blocks, the
+    selected-branch kernel runs on them, and the gated sum is formed in FP32."""
+    if grad:
+        raise NotImplementedError("native_sparse_attention: the compressed branch (g_cmp) has fused forward "
+                                  "kernels only; its backward has none yet (use impl='reference' for gradients)")
+    compiling = torch.compiler.is_compiling()
+    per_token = block_counts if isinstance(block_counts, torch.Tensor) else None
+    if per_token is not None:
+        if compiling:
+            raise NotImplementedError("native_sparse_attention: per-token block_counts with g_cmp under "
+                                      "torch.compile (the selection width is the counts' maximum, a host read); "
+                                      "pass an int block_counts")
+        n_select = int(per_token.max()) if per_token.numel() else 0
+    else:
+        n_select = int(block_counts)
+    if compiling:
+        o_cmp, sel = _cmp_op(query, key, value, n_select, cu_seqlens, scale, block_size)
+        o_slc, _ = _select_op(query, key, value, sel, 0 if per_token is not None else n_select, per_token,
+                              cu_seqlens, scale, block_size)
+    else:
+        o_cmp, _, sel = compressed_forward(query, key, value, n_select, cu_seqlens, scale, block_size)
+        o_slc, _ = select_forward(query, key, value, sel, block_counts, cu_seqlens, scale, block_size)
+    out = o_slc.float()
+    if g_slc is not None:
+        out = out * g_slc.float().unsqueeze(-1)
+    return (out + o_cmp.float() * g_cmp.float().unsqueeze(-1)).to(query.dtype)
+
+
 def native_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             g_cmp: torch.Tensor | None, g_slc: torch.Tensor | None,
                             block_indices: torch.Tensor | None, block_counts: int | torch.Tensor,
@@ -281,13 +344,15 @@ def native_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     """dsagen.native_sparse_attention(impl="fused") after its checks: the selected branch by the kernel, times g_slc
     when given; differentiable in query, key and value by the fused backward (select_backward: eagerly through
     _SelectFunction, under torch.compile through the custom ops' registered autograd; g_slc's gradient by autograd of
-    the product). NotImplementedError for the compressed branch (g_cmp), for gradients with blocks other than 64 keys
-    and for inputs the kernel does not cover (select_forward)."""
-    if g_cmp is not None:
-        raise NotImplementedError("native_sparse_attention: the compressed branch (g_cmp) has no fused kernel yet; "
-                                  "use impl='reference'")
+    the product). With g_cmp (forward only) the compressed branch's kernels (cmp_host) give o_cmp and select the
+    blocks, and out = o_slc * g_slc + o_cmp * g_cmp. NotImplementedError for gradients with g_cmp or with blocks
+    other than 64 keys, for per-token counts with g_cmp under torch.compile, and for inputs the kernels do not cover
+    (select_forward, compressed_forward)."""
     scale = 1.0 / math.sqrt(query.shape[3]) if softmax_scale is None else float(softmax_scale)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    if g_cmp is not None:
+        grad = grad or (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (g_cmp, g_slc)))
+        return _with_compressed(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, scale, block_size, grad)
     if grad:
         reason = _unsupported(query, key, value, block_indices.shape[3], block_size)
         if not reason and block_size != 64:

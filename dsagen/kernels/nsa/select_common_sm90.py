@@ -45,6 +45,23 @@ LIST_SCALAR_PARAMS = [
 ]
 
 
+# The compressed branch's kernels (forward, importance): their scheduler's pointers and scalars, in this order.
+CMP_PTR_PARAMS = [
+    {"name": "ccu", "kind": "ptr", "dtype": "int32", "align": 4},        # [n_docs + 1] first compressed row per sequence
+    {"name": "cu", "kind": "ptr", "dtype": "int32", "align": 4},         # [n_docs + 1] packed offsets
+]
+CMP_SCALAR_PARAMS = [
+    {"name": "n_tok", "kind": "i32"},                                    # N (the tokens of the items)
+    {"name": "seq_len", "kind": "i32"},                                  # tokens per sequence when n_docs = 0
+    {"name": "n_docs", "kind": "i32"},                                   # 0: sequences of seq_len tokens
+    {"name": "n_kv", "kind": "i32"},                                     # H
+    {"name": "n_groups", "kind": "i32"},                                 # items per KV head
+    {"name": "n_slots", "kind": "i32"},                                  # tiles of 64 compressed rows per token, at most
+    {"name": "cmp_block", "kind": "i32"},                                # tokens per compressed row (NSA block_size)
+    {"name": "n_keys", "kind": "i32"},                                   # compressed rows of k / v (their tensormaps)
+]
+
+
 def qkv_host_args(dtype: str, with_dout: bool) -> list:
     """The head of an NSA kernel's HOST_ARGS (its `host` builds the tensormaps from them): the q, k, v (and dO)
     pointers, the query head count, then each tensor's token and head strides in elements."""
@@ -82,9 +99,10 @@ def init_item_barriers(warp, st, stages: int) -> None:
     cute.arch.sync_threads()
 
 
-def make_kv_producer(BN: int, D: int, DV: int, ST: int, NE: int):
+def make_kv_producer(BN: int, D: int, DV: int, ST: int, NE: int, with_v: bool = True):
     """The TMA warp's loop over an item's listed blocks: once the list is published, per entry the block's K and V
-    tiles (BN rows of head h, D and DV columns) into ring stage e % ST (NE: the list's capacity)."""
+    tiles (BN rows of head h, D and DV columns) into ring stage e % ST (NE: the list's capacity); with_v=False loads
+    K only (v_tma and sV are then not read)."""
     KBQ, KBV = D // 64, DV // 64
 
     @cute.jit
@@ -108,8 +126,9 @@ def make_kv_producer(BN: int, D: int, DV: int, ST: int, NE: int):
             start = cute.arch.shuffle_sync(start, 0)
             tma_load_tile(k_tma, ((sK[None, None, stage].iterator, BN * 64, KBQ, (h, start)),),
                           k_full + stage, BN * D * 2)
-            tma_load_tile(v_tma, ((sV[None, None, stage].iterator, BN * 64, KBV, (h, start)),),
-                          v_full + stage, BN * DV * 2)
+            if cutlass.const_expr(with_v):
+                tma_load_tile(v_tma, ((sV[None, None, stage].iterator, BN * 64, KBV, (h, start)),),
+                              v_full + stage, BN * DV * 2)
 
     return kv_producer
 
@@ -128,75 +147,57 @@ def row_tokens(st, cS, row_tok, row_pos, G: cutlass.Constexpr, ROWS: cutlass.Con
             row_pos[r] = tok_pos[tau]
 
 
-def make_schedule(TOK: int, NE: int, BN: int):
-    """The scheduler of items of TOK tokens, at most NE (token, slot) entries, blocks of BN keys."""
+@cute.jit
+def token_range(p_cu: cute.Pointer, n_docs: Int32, seq_len: Int32, tok: Int32):
+    """(first row, length, index) of token tok's sequence: sequence tok // seq_len when n_docs == 0, else the packed
+    sequence i with cu[i] <= tok < cu[i + 1] (binary search; empty sequences are skipped by it)."""
+    first = Int32(0)
+    length = Int32(0)
+    seq = Int32(0)
+    if n_docs == 0:
+        seq = tok // seq_len
+        first = seq * seq_len
+        length = seq_len
+    else:
+        lo = Int32(0)
+        hi = n_docs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if (p_cu + mid).load() <= tok:
+                lo = mid
+            else:
+                hi = mid
+        seq = lo
+        first = (p_cu + lo).load()
+        length = (p_cu + lo + 1).load() - first
+    return first, length, seq
+
+
+@cute.jit
+def row_key_limits(st, row_tok, row_pos, row_lim) -> None:
+    """The compressed kernels' per-row last key: row_lim[r] = the row's token's last compressed row (tok_first +
+    tok_blocks - 1, below tok_first when it has none), for rows with a token (row_pos >= 0)."""
+    tok_first = st.tok_first.get_tensor(cute.make_layout(MAX_TOK))
+    tok_blocks = st.tok_blocks.get_tensor(cute.make_layout(MAX_TOK))
+    for r in cutlass.range_constexpr(cute.size(row_lim)):
+        row_lim[r] = Int32(-1)
+        if row_pos[r] >= 0:
+            row_lim[r] = tok_first[row_tok[r]] + tok_blocks[row_tok[r]] - 1
+
+
+def make_merge(TOK: int, NE: int):
+    """The scheduler's second half, shared by both schedulers: from the per (token, slot) first key rows in
+    st.start (-1: empty), each slot's rank among its token's earlier slots naming the same row, then one entry per
+    distinct (row, rank) with the mask of the tokens that have it, in order of first appearance; n_ent last. Every
+    lane arrives on list_full."""
 
     @cute.jit
-    def token_range(p_cu: cute.Pointer, n_docs: Int32, seq_len: Int32, tok: Int32):
-        """(first row, length) of token tok's sequence: sequence tok // seq_len when n_docs == 0, else the packed
-        sequence i with cu[i] <= tok < cu[i + 1] (binary search; empty sequences are skipped by it)."""
-        first = Int32(0)
-        length = Int32(0)
-        if n_docs == 0:
-            first = tok // seq_len * seq_len
-            length = seq_len
-        else:
-            lo = Int32(0)
-            hi = n_docs
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if (p_cu + mid).load() <= tok:
-                    lo = mid
-                else:
-                    hi = mid
-            first = (p_cu + lo).load()
-            length = (p_cu + lo + 1).load() - first
-        return first, length
-
-    @cute.jit
-    def schedule(st, lane, t0, h, p_idx, p_cnt, p_cu, n_tok, seq_len, n_docs, n_slots, has_cnt, cnt_all, idx_st,
-                 idx_sh, idx_ss, cnt_st, cnt_sh):
-        """Warp 1: the item's entry list. Token info first (lanes < TOK), then per (token, slot) its block's first
-        key row (-1: empty slot, a block after the token, an id out of range or a slot past the count) and its rank
-        among its token's earlier slots naming the same block, then one entry per distinct (row, rank) with the mask
-        of the tokens that have it, in order of first appearance; n_ent last. Every lane arrives on list_full."""
-        tok_first = st.tok_first.get_tensor(cute.make_layout(MAX_TOK))
-        tok_pos = st.tok_pos.get_tensor(cute.make_layout(MAX_TOK))
-        tok_blocks = st.tok_blocks.get_tensor(cute.make_layout(MAX_TOK))
+    def merge(st, lane, n_slots):
         s_start = st.start.get_tensor(cute.make_layout(NE))
         s_rank = st.rank.get_tensor(cute.make_layout(NE))
         s_ent = st.ent.get_tensor(cute.make_layout(2 * NE))
         n_ent = st.n_ent.get_tensor(cute.make_layout(4))
-        if lane < TOK:
-            tok = t0 + lane
-            pos = Int32(-1)
-            first = Int32(0)
-            nblk = Int32(0)
-            if tok < n_tok:
-                first, length = token_range(p_cu, n_docs, seq_len, tok)
-                pos = tok
-                nblk = (length + BN - 1) // BN
-            tok_first[lane] = first
-            tok_pos[lane] = pos
-            tok_blocks[lane] = nblk
-        cute.arch.sync_warp()
         n_e = TOK * n_slots
-        for e in cutlass.range(lane, n_e, 32, unroll=1):
-            tau = e // n_slots
-            s = e - tau * n_slots
-            pos = tok_pos[tau]
-            start = Int32(-1)
-            if pos >= 0:
-                cnt = cnt_all
-                if has_cnt != 0:
-                    cnt = (p_cnt + (Int64(pos) * cnt_st + Int64(h) * cnt_sh)).load()
-                if s < cnt:
-                    j = (p_idx + (Int64(pos) * idx_st + Int64(h) * idx_sh + Int64(s) * idx_ss)).load()
-                    first = tok_first[tau]
-                    if j >= 0 and j < tok_blocks[tau] and j * BN <= pos - first:
-                        start = first + j * BN
-            s_start[e] = start
-        cute.arch.sync_warp()
         for e in cutlass.range(lane, n_e, 32, unroll=1):
             start = s_start[e]
             tau = e // n_slots
@@ -236,5 +237,100 @@ def make_schedule(TOK: int, NE: int, BN: int):
         if lane == 0:
             n_ent[0] = base
         cute.arch.mbarrier_arrive(st.list_full.data_ptr())
+
+    return merge
+
+
+def make_schedule(TOK: int, NE: int, BN: int):
+    """The scheduler of items of TOK tokens, at most NE (token, slot) entries, blocks of BN keys."""
+    merge = make_merge(TOK, NE)
+
+    @cute.jit
+    def schedule(st, lane, t0, h, p_idx, p_cnt, p_cu, n_tok, seq_len, n_docs, n_slots, has_cnt, cnt_all, idx_st,
+                 idx_sh, idx_ss, cnt_st, cnt_sh):
+        """Warp 1: the item's entry list. Token info first (lanes < TOK), then per (token, slot) its block's first
+        key row (-1: empty slot, a block after the token, an id out of range or a slot past the count), then
+        `merge`."""
+        tok_first = st.tok_first.get_tensor(cute.make_layout(MAX_TOK))
+        tok_pos = st.tok_pos.get_tensor(cute.make_layout(MAX_TOK))
+        tok_blocks = st.tok_blocks.get_tensor(cute.make_layout(MAX_TOK))
+        s_start = st.start.get_tensor(cute.make_layout(NE))
+        if lane < TOK:
+            tok = t0 + lane
+            pos = Int32(-1)
+            first = Int32(0)
+            nblk = Int32(0)
+            if tok < n_tok:
+                first, length, _ = token_range(p_cu, n_docs, seq_len, tok)
+                pos = tok
+                nblk = (length + BN - 1) // BN
+            tok_first[lane] = first
+            tok_pos[lane] = pos
+            tok_blocks[lane] = nblk
+        cute.arch.sync_warp()
+        n_e = TOK * n_slots
+        for e in cutlass.range(lane, n_e, 32, unroll=1):
+            tau = e // n_slots
+            s = e - tau * n_slots
+            pos = tok_pos[tau]
+            start = Int32(-1)
+            if pos >= 0:
+                cnt = cnt_all
+                if has_cnt != 0:
+                    cnt = (p_cnt + (Int64(pos) * cnt_st + Int64(h) * cnt_sh)).load()
+                if s < cnt:
+                    j = (p_idx + (Int64(pos) * idx_st + Int64(h) * idx_sh + Int64(s) * idx_ss)).load()
+                    first = tok_first[tau]
+                    if j >= 0 and j < tok_blocks[tau] and j * BN <= pos - first:
+                        start = first + j * BN
+            s_start[e] = start
+        cute.arch.sync_warp()
+        merge(st, lane, n_slots)
+
+    return schedule
+
+
+def make_cmp_schedule(TOK: int, NE: int, BN: int):
+    """The compressed branch's scheduler (items of TOK tokens, at most NE entries, tiles of BN compressed rows):
+    token tau's keys are the compressed rows [tok_first, tok_first + tok_blocks) (tok_blocks = (its position in its
+    sequence + 1) // cmp_block, the complete blocks before or at it; tok_first = ccu[its sequence], the sequence's
+    first compressed row), listed as slots of BN rows, then `merge`."""
+    merge = make_merge(TOK, NE)
+
+    @cute.jit
+    def schedule(st, lane, t0, p_ccu, p_cu, n_tok, seq_len, n_docs, n_slots, cmp_block):
+        """Warp 1: the item's entry list (see make_cmp_schedule). With n_docs == 0 sequence i's first compressed row
+        is i * ceil(seq_len / cmp_block) and p_ccu is not read."""
+        tok_first = st.tok_first.get_tensor(cute.make_layout(MAX_TOK))
+        tok_pos = st.tok_pos.get_tensor(cute.make_layout(MAX_TOK))
+        tok_blocks = st.tok_blocks.get_tensor(cute.make_layout(MAX_TOK))
+        s_start = st.start.get_tensor(cute.make_layout(NE))
+        if lane < TOK:
+            tok = t0 + lane
+            pos = Int32(-1)
+            kfirst = Int32(0)
+            nk = Int32(0)
+            if tok < n_tok:
+                first, _, seq = token_range(p_cu, n_docs, seq_len, tok)
+                pos = tok
+                nk = (tok - first + 1) // cmp_block
+                if n_docs == 0:
+                    kfirst = seq * ((seq_len + cmp_block - 1) // cmp_block)
+                else:
+                    kfirst = (p_ccu + seq).load()
+            tok_first[lane] = kfirst
+            tok_pos[lane] = pos
+            tok_blocks[lane] = nk
+        cute.arch.sync_warp()
+        n_e = TOK * n_slots
+        for e in cutlass.range(lane, n_e, 32, unroll=1):
+            tau = e // n_slots
+            s = e - tau * n_slots
+            start = Int32(-1)
+            if tok_pos[tau] >= 0 and s * BN < tok_blocks[tau]:
+                start = tok_first[tau] + s * BN
+            s_start[e] = start
+        cute.arch.sync_warp()
+        merge(st, lane, n_slots)
 
     return schedule

@@ -44,9 +44,11 @@ from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
 from dsagen.kernels.common.sm90.reduce import quad_sum, tree_reduce
 from dsagen.kernels.common.sm90.ring import ring_wait_ready
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
-from dsagen.kernels.nsa.select_common_sm90 import (BAR_QPAD, LIST_PTR_PARAMS, LIST_SCALAR_PARAMS, REGS_CONSUMER,
-                                                   REGS_PRODUCER, SMEM_2_CTAS, qkv_host_args, rows_map,
-                                                   init_item_barriers, make_kv_producer, make_schedule, row_tokens)
+from dsagen.kernels.nsa.select_common_sm90 import (BAR_QPAD, CMP_PTR_PARAMS, CMP_SCALAR_PARAMS, LIST_PTR_PARAMS,
+                                                   LIST_SCALAR_PARAMS, REGS_CONSUMER, REGS_PRODUCER, SMEM_2_CTAS,
+                                                   init_item_barriers, make_cmp_schedule, make_kv_producer,
+                                                   make_schedule, qkv_host_args, row_key_limits, row_tokens,
+                                                   rows_map)
 from dsagen.kernels.nsa.spec import MAX_TOK, item_tokens
 
 LOG2E = math.log2(math.e)
@@ -55,9 +57,12 @@ M = 64                      # rows of an item (wgmma M): its tokens x the group'
 MAX_INIT = -1.0e30          # initial running max: finite, so no -inf - -inf; masked scores are -inf
 
 
-def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int, dtype: str, stages: int):
-    """The kernel of NsaSelectFwdSpec(group, head_dim, v_dim, block_size, max_slots, dtype, stages): returns
-    (kernel, host, PARAMS, HOST_ARGS, LAUNCH). Each call makes new kernel and host functions."""
+def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int, dtype: str, stages: int,
+          compressed: bool = False):
+    """The kernel of NsaSelectFwdSpec(group, head_dim, v_dim, block_size, max_slots, dtype, stages), or with
+    compressed=True of NsaCmpFwdSpec (the compressed branch: keys are the compressed rows the scheduler lists itself,
+    make_cmp_schedule; block_size is then the tile of compressed rows): returns (kernel, host, PARAMS, HOST_ARGS,
+    LAUNCH). Each call makes new kernel and host functions."""
     G, D, DV, BN, ST = group, head_dim, v_dim, block_size, stages
     TOK = item_tokens(G)
     ROWS = TOK * G                       # Q rows the TMA box fills (64, or 16 / 32 when G < 4)
@@ -72,10 +77,10 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
         {"name": "q_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, G, TOK])},   # q [N, HQ, D] -> (D, HQ, N)
         {"name": "k_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, 1, BN])},    # k [N, H, D] -> (D, H, N)
         {"name": "v_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, 1, BN])},    # v [N, H, DV] -> (DV, H, N)
-    ] + LIST_PTR_PARAMS + [
+    ] + (CMP_PTR_PARAMS if compressed else LIST_PTR_PARAMS) + [
         {"name": "out", "kind": "ptr", "dtype": dtype, "align": 16},         # [N, HQ, DV] contiguous
         {"name": "lse", "kind": "ptr", "dtype": "float32", "align": 4},      # [N, HQ] contiguous
-    ] + LIST_SCALAR_PARAMS + [
+    ] + (CMP_SCALAR_PARAMS if compressed else LIST_SCALAR_PARAMS) + [
         {"name": "scale_log2", "kind": "f32"},                               # softmax scale x log2(e)
     ]
     HOST_ARGS = qkv_host_args(dtype, False) + PARAMS[3:]
@@ -99,21 +104,21 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
         sV: cute.struct.Align[cute.struct.MemRange[DT, BN * DV * ST], 1024]
 
     SMEM_BYTES = Smem.size_in_bytes()
-    schedule = make_schedule(TOK, NE, BN)
+    schedule = make_cmp_schedule(TOK, NE, BN) if compressed else make_schedule(TOK, NE, BN)
     kv_producer = make_kv_producer(BN, D, DV, ST, NE)
     CTAS_PER_SM = 2 if SMEM_BYTES <= SMEM_2_CTAS else 1
     LAUNCH = {"grid": ["n_groups * n_kv", 1, 1], "block": [NTHREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
 
     @cute.jit
-    def softmax_rows(sMN, cS, row_max, row_sum, corr, row_pos, row_tok, start, mask, scale_log2):
+    def softmax_rows(sMN, cS, row_max, row_sum, corr, row_pos, row_lim, row_tok, start, mask, scale_log2):
         """One entry's scores (block rows start.., the tokens of `mask`) turned into P in place, in the log2 domain:
-        a row's keys start + c count if its token is in mask and c <= its row - start (else -inf); the running max
+        a row's keys start + c count if its token is in mask and c <= row_lim - start (else -inf); the running max
         moves to the new row max (corr[r] = exp2(old - new), by which O must still be scaled), P = exp2(S - max),
         row_sum = row_sum * corr + the thread's sum of P."""
         for r in cutlass.range_constexpr(cute.size(sMN, mode=[0])):
             hi = Int32(-1)
             if row_pos[r] >= 0 and (mask >> row_tok[r]) & 1 != 0:
-                hi = row_pos[r] - start
+                hi = row_lim[r] - start
             nc = cute.size(sMN, mode=[1])
             for c in cutlass.range_constexpr(nc):
                 v = sMN[r, c] * scale_log2
@@ -153,10 +158,10 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
         warpgroup.commit_group()
 
     @cute.jit
-    def body(q_tma, k_tma, v_tma, p_idx: cute.Pointer, p_cnt: cute.Pointer, p_cu: cute.Pointer,
-             p_out: cute.Pointer, p_lse: cute.Pointer, n_tok: Int32, seq_len: Int32, n_docs: Int32, n_kv: Int32,
-             n_groups: Int32, n_slots: Int32, has_cnt: Int32, cnt_all: Int32, idx_st: Int64, idx_sh: Int64,
-             idx_ss: Int64, cnt_st: Int64, cnt_sh: Int64, scale_log2: Float32):
+    def body(q_tma, k_tma, v_tma, sched, p_out: cute.Pointer, p_lse: cute.Pointer, n_kv: Int32, n_groups: Int32,
+             scale_log2: Float32):
+        """The kernel; sched: the scheduler's arguments after (st, lane, t0[, h]) (make_cmp_schedule's when
+        compressed, else make_schedule's)."""
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -184,8 +189,10 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
         if wg == 0:
             cute.arch.setmaxregister_decrease(REGS_PRODUCER)
             if warp == 1:
-                schedule(st, lane, t0, h, p_idx, p_cnt, p_cu, n_tok, seq_len, n_docs, n_slots, has_cnt, cnt_all,
-                         idx_st, idx_sh, idx_ss, cnt_st, cnt_sh)
+                if cutlass.const_expr(compressed):
+                    schedule(st, lane, t0, *sched)
+                else:
+                    schedule(st, lane, t0, h, *sched)
             if warp == 0:
                 # TMA: the Q tile now, then per entry its K and V blocks through the ring
                 tma_load_tile(q_tma, ((sQ.iterator, M * 64, KBQ, (h * G, t0)),), q_full, Q_BYTES)
@@ -232,13 +239,17 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
             cute.arch.mbarrier_wait(list_full, 0)
             n = n_ent[0]
             row_tokens(st, cS, row_tok, row_pos, G, ROWS)
+            row_lim = row_pos                                # the row's last key: its own row (causal)
+            if cutlass.const_expr(compressed):
+                row_lim = cute.make_rmem_tensor(NR, Int32)   # its token's last compressed row
+                row_key_limits(st, row_tok, row_pos, row_lim)
             cute.arch.mbarrier_wait(q_full, 0)
             # S of the next entry and PV of this one go to the tensor cores back to back; the next entry's softmax
             # runs while this PV does, and O is rescaled (and P replaced) once the PV retired
             if n > 0:
                 ring_wait_ready(k_full, 0, ST)
                 gemm_tile(mma_qk, accS, tSrQ, tSrK, D // 16, b_stage=0)
-                softmax_rows(sMN, cS, row_max, row_sum, corr, row_pos, row_tok, s_ent[0], s_ent[1], scale_log2)
+                softmax_rows(sMN, cS, row_max, row_sum, corr, row_pos, row_lim, row_tok, s_ent[0], s_ent[1], scale_log2)
                 rP.store(accS.load().to(DT))
                 for e in cutlass.range(n - 1, unroll=1):       # no wgmma under a branch (ptxas would serialize)
                     nxt = e + 1
@@ -247,7 +258,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
                     ring_wait_ready(v_full, e, ST)
                     pv_issue(mma_pv, accO, tOrP, tOrV, e % ST)
                     warpgroup.wait_group(1)                      # S of the next entry (PV may still run)
-                    softmax_rows(sMN, cS, row_max, row_sum, corr, row_pos, row_tok, s_ent[2 * nxt],
+                    softmax_rows(sMN, cS, row_max, row_sum, corr, row_pos, row_lim, row_tok, s_ent[2 * nxt],
                                  s_ent[2 * nxt + 1], scale_log2)
                     warpgroup.wait_group(0)                      # this entry's PV: O and P are free
                     rescale_rows(oMN, corr)
@@ -279,29 +290,57 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
                         (p_lse + at).store(-Float32.inf if s == Float32(0.0)
                                            else (m + cute.math.log2(s, fastmath=False)) * LN2)
 
-    @cute.kernel
-    def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
-               v_map: cutlass.GridConstant[xcuda.TensorMap], p_idx: cute.Pointer, p_cnt: cute.Pointer,
-               p_cu: cute.Pointer, p_out: cute.Pointer, p_lse: cute.Pointer, n_tok: Int32, seq_len: Int32,
-               n_docs: Int32, n_kv: Int32, n_groups: Int32, n_slots: Int32, has_cnt: Int32, cnt_all: Int32,
-               idx_st: Int64, idx_sh: Int64, idx_ss: Int64, cnt_st: Int64, cnt_sh: Int64, scale_log2: Float32):
-        body(q_map.get_ptr(), k_map.get_ptr(), v_map.get_ptr(), p_idx, p_cnt, p_cu, p_out, p_lse, n_tok, seq_len,
-             n_docs, n_kv, n_groups, n_slots, has_cnt, cnt_all, idx_st, idx_sh, idx_ss, cnt_st, cnt_sh, scale_log2)
+    if compressed:
+        @cute.kernel
+        def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
+                   v_map: cutlass.GridConstant[xcuda.TensorMap], p_ccu: cute.Pointer, p_cu: cute.Pointer,
+                   p_out: cute.Pointer, p_lse: cute.Pointer, n_tok: Int32, seq_len: Int32, n_docs: Int32,
+                   n_kv: Int32, n_groups: Int32, n_slots: Int32, cmp_block: Int32, n_keys: Int32,
+                   scale_log2: Float32):
+            body(q_map.get_ptr(), k_map.get_ptr(), v_map.get_ptr(),
+                 (p_ccu, p_cu, n_tok, seq_len, n_docs, n_slots, cmp_block), p_out, p_lse, n_kv, n_groups, scale_log2)
 
-    @cute.jit
-    def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, n_q_heads: Int32, q_st: Int64, q_sh: Int64,
-             k_st: Int64, k_sh: Int64, v_st: Int64, v_sh: Int64, p_idx: cute.Pointer, p_cnt: cute.Pointer,
-             p_cu: cute.Pointer, p_out: cute.Pointer, p_lse: cute.Pointer, n_tok: Int32, seq_len: Int32,
-             n_docs: Int32, n_kv: Int32, n_groups: Int32, n_slots: Int32, has_cnt: Int32, cnt_all: Int32,
-             idx_st: Int64, idx_sh: Int64, idx_ss: Int64, cnt_st: Int64, cnt_sh: Int64, scale_log2: Float32):
-        """The TMA descriptors of q [N, HQ, D] -> (D, HQ, N), k [N, H, D] and v [N, H, DV] (strides in elements,
-        given to create_tensor_map_tiled in 16-byte units), then the launch."""
-        tq = rows_map(p_q, DT, D, n_q_heads, n_tok, q_st, q_sh, G, TOK)
-        tk = rows_map(p_k, DT, D, n_kv, n_tok, k_st, k_sh, 1, BN)
-        tv = rows_map(p_v, DT, DV, n_kv, n_tok, v_st, v_sh, 1, BN)
-        kernel(tq, tk, tv, p_idx, p_cnt, p_cu, p_out, p_lse, n_tok, seq_len, n_docs, n_kv, n_groups, n_slots,
-               has_cnt, cnt_all, idx_st, idx_sh, idx_ss, cnt_st, cnt_sh, scale_log2).launch(
-            grid=(n_groups * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=CTAS_PER_SM,
-            preferred_smem_carveout=100)
+        @cute.jit
+        def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, n_q_heads: Int32, q_st: Int64,
+                 q_sh: Int64, k_st: Int64, k_sh: Int64, v_st: Int64, v_sh: Int64, p_ccu: cute.Pointer,
+                 p_cu: cute.Pointer, p_out: cute.Pointer, p_lse: cute.Pointer, n_tok: Int32, seq_len: Int32,
+                 n_docs: Int32, n_kv: Int32, n_groups: Int32, n_slots: Int32, cmp_block: Int32, n_keys: Int32,
+                 scale_log2: Float32):
+            """The TMA descriptors of q [N, HQ, D], of the compressed k [n_keys, H, D] and v [n_keys, H, DV], then
+            the launch."""
+            tq = rows_map(p_q, DT, D, n_q_heads, n_tok, q_st, q_sh, G, TOK)
+            tk = rows_map(p_k, DT, D, n_kv, n_keys, k_st, k_sh, 1, BN)
+            tv = rows_map(p_v, DT, DV, n_kv, n_keys, v_st, v_sh, 1, BN)
+            kernel(tq, tk, tv, p_ccu, p_cu, p_out, p_lse, n_tok, seq_len, n_docs, n_kv, n_groups, n_slots,
+                   cmp_block, n_keys, scale_log2).launch(
+                grid=(n_groups * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES,
+                min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=100)
+    else:
+        @cute.kernel
+        def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
+                   v_map: cutlass.GridConstant[xcuda.TensorMap], p_idx: cute.Pointer, p_cnt: cute.Pointer,
+                   p_cu: cute.Pointer, p_out: cute.Pointer, p_lse: cute.Pointer, n_tok: Int32, seq_len: Int32,
+                   n_docs: Int32, n_kv: Int32, n_groups: Int32, n_slots: Int32, has_cnt: Int32, cnt_all: Int32,
+                   idx_st: Int64, idx_sh: Int64, idx_ss: Int64, cnt_st: Int64, cnt_sh: Int64, scale_log2: Float32):
+            body(q_map.get_ptr(), k_map.get_ptr(), v_map.get_ptr(),
+                 (p_idx, p_cnt, p_cu, n_tok, seq_len, n_docs, n_slots, has_cnt, cnt_all, idx_st, idx_sh, idx_ss,
+                  cnt_st, cnt_sh), p_out, p_lse, n_kv, n_groups, scale_log2)
+
+        @cute.jit
+        def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, n_q_heads: Int32, q_st: Int64,
+                 q_sh: Int64, k_st: Int64, k_sh: Int64, v_st: Int64, v_sh: Int64, p_idx: cute.Pointer,
+                 p_cnt: cute.Pointer, p_cu: cute.Pointer, p_out: cute.Pointer, p_lse: cute.Pointer, n_tok: Int32,
+                 seq_len: Int32, n_docs: Int32, n_kv: Int32, n_groups: Int32, n_slots: Int32, has_cnt: Int32,
+                 cnt_all: Int32, idx_st: Int64, idx_sh: Int64, idx_ss: Int64, cnt_st: Int64, cnt_sh: Int64,
+                 scale_log2: Float32):
+            """The TMA descriptors of q [N, HQ, D] -> (D, HQ, N), k [N, H, D] and v [N, H, DV] (strides in elements,
+            given to create_tensor_map_tiled in 16-byte units), then the launch."""
+            tq = rows_map(p_q, DT, D, n_q_heads, n_tok, q_st, q_sh, G, TOK)
+            tk = rows_map(p_k, DT, D, n_kv, n_tok, k_st, k_sh, 1, BN)
+            tv = rows_map(p_v, DT, DV, n_kv, n_tok, v_st, v_sh, 1, BN)
+            kernel(tq, tk, tv, p_idx, p_cnt, p_cu, p_out, p_lse, n_tok, seq_len, n_docs, n_kv, n_groups, n_slots,
+                   has_cnt, cnt_all, idx_st, idx_sh, idx_ss, cnt_st, cnt_sh, scale_log2).launch(
+                grid=(n_groups * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES,
+                min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=100)
 
     return kernel, host, PARAMS, HOST_ARGS, LAUNCH

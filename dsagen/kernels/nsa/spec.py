@@ -14,6 +14,7 @@ NSA_HEAD_DIMS = (64, 128)
 NSA_BLOCK_SIZES = (32, 64, 128)
 NSA_MAX_SLOTS = 64
 SMEM_LIMIT = 227 * 1024
+CMP_TILE = 64               # compressed rows per tile of the compressed branch's kernels
 MAX_TOK = 16                # at most this many tokens per work item (the scheduler's list is TOK x slots entries)
 
 
@@ -101,6 +102,83 @@ class NsaSelectDqSpec(NsaSelectFwdSpec):
 
 @register_spec
 @dataclass(frozen=True)
+class NsaCmpFwdSpec(NsaSelectFwdSpec):
+    """The NSA compressed branch's attention on Hopper (kernel: nsa/select_fwd_sm90.py with compressed=True, bound by
+    cmp_fwd_sm90.py.j2): the selected-branch forward's items, ring and consumer over the mean-pooled keys, token t
+    attending the compressed rows of the complete blocks before or at it, (t + 1) // cmp_block of them (cmp_block,
+    the NSA block size, is a run-time argument), listed by the scheduler itself in tiles of 64 rows. Output and
+    natural-log LSE as the selected branch's.
+
+    block_size: the tile of compressed rows, 64.  max_slots: tiles per token at most (64 x max_slots compressed
+    rows: max_slots x 64 x cmp_block tokens per sequence).  Other fields as NsaSelectFwdSpec's."""
+
+    op = "nsa_cmp_fwd"
+    template = "nsa/cmp_fwd_{arch}.py.j2"
+
+    def reasons(self) -> list[str]:
+        out = super().reasons()
+        if self.block_size != CMP_TILE:
+            out.append(f"block_size={self.block_size} must be {CMP_TILE} (tiles of compressed rows)")
+        return out
+
+
+@register_spec
+@dataclass(frozen=True)
+class NsaCmpImportanceSpec(KernelSpec):
+    """The NSA compressed branch's block importance on Hopper (kernel: nsa/cmp_importance_sm90.py, bound by
+    cmp_importance_sm90.py.j2): for query token t and KV head h, imp[t, h, c] = sum over h's G query heads of
+    exp(scale q . k_cmp[c] - lse_cmp) for the compressed blocks c before t's own block (the probabilities the
+    compressed attention gave them), from the compressed forward's LSE. The compressed forward's items, scheduler
+    and K ring (no V); the G heads of a token summed in a fixed order (shuffles, then shared memory for G >= 32).
+
+    group / head_dim / max_slots / dtype / stages: as NsaCmpFwdSpec's (tiles of 64 compressed rows)."""
+
+    op = "nsa_cmp_importance"
+    template = "nsa/cmp_importance_{arch}.py.j2"
+
+    group: int = 16
+    head_dim: int = 128
+    max_slots: int = 16
+    dtype: str = "bfloat16"
+    stages: int = 2
+
+    def reasons(self) -> list[str]:
+        out = super().reasons()
+        if self.arch != "sm_90a":
+            out.append(f"the NSA compressed branch is implemented for sm_90a only, not {self.arch}")
+        if self.group not in NSA_GROUPS:
+            out.append(f"group={self.group} must be one of {NSA_GROUPS} (query heads per KV head)")
+        if self.head_dim not in NSA_HEAD_DIMS:
+            out.append(f"head_dim={self.head_dim} must be one of {NSA_HEAD_DIMS}")
+        if not 1 <= self.max_slots <= NSA_MAX_SLOTS:
+            out.append(f"max_slots={self.max_slots} must be in 1..{NSA_MAX_SLOTS}")
+        if self.dtype not in ("bfloat16", "float16"):
+            out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
+        if not 2 <= self.stages <= 4:
+            out.append(f"stages={self.stages} must be in 2..4")
+        return out
+
+
+@register_spec
+@dataclass(frozen=True)
+class NsaCmpTopkSpec(KernelSpec):
+    """The NSA compressed branch's block selection on Hopper (kernel: nsa/cmp_topk_sm90.py, bound by
+    cmp_topk_sm90.py.j2): one warp per (token, KV head) picks the n_select (run-time) blocks of highest importance,
+    its own block first (importance G), then the blocks before it by importance, ties to the larger block id, -1 past
+    the candidates; ids in that order, int32. No fields beyond the arch: one kernel serves every shape."""
+
+    op = "nsa_cmp_topk"
+    template = "nsa/cmp_topk_{arch}.py.j2"
+
+    def reasons(self) -> list[str]:
+        out = super().reasons()
+        if self.arch != "sm_90a":
+            out.append(f"the NSA compressed branch is implemented for sm_90a only, not {self.arch}")
+        return out
+
+
+@register_spec
+@dataclass(frozen=True)
 class NsaSelectDkvSpec(KernelSpec):
     """The NSA selected branch's dk and dv on Hopper (kernel: nsa/select_dkv_sm90.py, bound by select_dkv_sm90.py.j2):
     one CTA per (KV head, key block) over the tokens that selected the block (host.inverse_index), keys as the wgmma
@@ -152,3 +230,16 @@ def select_dq_spec_for(group: int, head_dim: int, v_dim: int, block_size: int, s
     items it shares."""
     fwd = select_fwd_spec_for(group, head_dim, v_dim, block_size, slots, dtype, arch)
     return NsaSelectDqSpec(**{f.name: getattr(fwd, f.name) for f in dataclasses.fields(fwd)})
+
+
+def cmp_fwd_spec_for(group: int, head_dim: int, v_dim: int, tiles: int, dtype: str, arch: str) -> NsaCmpFwdSpec:
+    """The compressed forward the fused op runs for `tiles` tiles of 64 compressed rows per token at most: max_slots
+    rounded up to 16."""
+    return NsaCmpFwdSpec(arch=arch, group=group, head_dim=head_dim, v_dim=v_dim, block_size=CMP_TILE,
+                         max_slots=min(NSA_MAX_SLOTS, max(16, -(-tiles // 16) * 16)), dtype=dtype, stages=2)
+
+
+def cmp_importance_spec_for(group: int, head_dim: int, tiles: int, dtype: str, arch: str) -> NsaCmpImportanceSpec:
+    """The importance kernel beside cmp_fwd_spec_for(...) (the same max_slots)."""
+    fwd = cmp_fwd_spec_for(group, head_dim, head_dim, tiles, dtype, arch)
+    return NsaCmpImportanceSpec(arch=arch, group=group, head_dim=head_dim, max_slots=fwd.max_slots, dtype=dtype)

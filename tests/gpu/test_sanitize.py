@@ -80,7 +80,7 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     nsa_dq_spec_for(g, 128, 128, 64, 16, "bfloat16", ARCH) for g in (1, 16)] + [
     NsaSelectDkvSpec(arch=ARCH, group=g) for g in (1, 16)] + [
     nsa_cmp_fwd_spec_for(g, 128, 128, 1, "bfloat16", ARCH) for g in (1, 16)] + [
-    nsa_spec_for(g, 128, 128, 32, 16, "bfloat16", ARCH) for g in (1, 16)] + [
+    nsa_spec_for(g, 128, 128, 32, 19, "bfloat16", ARCH) for g in (1, 16)] + [
     nsa_cmp_importance_spec_for(g, 128, 1, "bfloat16", ARCH) for g in (1, 16)] + [NsaCmpTopkSpec(arch=ARCH)]
 FORWARD_TOPK_SPECS = (*forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs(),
                       *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, finish_in_topk=False).topk.specs())
@@ -707,7 +707,7 @@ def test_nsa_select_backward(hq, packed):
 @pytest.mark.parametrize("hq,packed", [(64, False), (4, True)])
 def test_nsa_compressed(hq, packed):
     """The NSA compressed branch's kernels (compressed attention, importance, selection) and the selected branch on
-    their selection, per-token counts 0..19 over a width of 16 (G 16: 4 tokens per CTA; G 1: 16 tokens, padded rows),
+    their selection, per-token counts 0..19 (a selection width of 19) (G 16: 4 tokens per CTA; G 1: 16 tokens, padded rows),
     BSHD B 2 with odd T or packed sequences with empty and one-token ones; checked against the reference."""
     gen = torch.Generator().manual_seed(340 + hq)
     q, k, v, _, counts, cu = _nsa_inputs(hq, packed, gen)

@@ -11,7 +11,10 @@ import torch
 
 from dsagen.jit.render import helper_modules, render
 from dsagen.kernels.nsa import host as nsa_host
-from dsagen.kernels.nsa.spec import NsaSelectDkvSpec, NsaSelectDqSpec, NsaSelectFwdSpec, item_tokens, select_fwd_spec_for
+from dsagen.kernels.nsa import cmp_host
+from dsagen.kernels.nsa.spec import (NsaCmpFwdSpec, NsaCmpImportanceSpec, NsaCmpTopkSpec, NsaSelectDkvSpec,
+                                     NsaSelectDqSpec, NsaSelectFwdSpec, item_tokens, select_fwd_spec_for)
+from dsagen.reference import nsa as nsa_ref
 from dsagen.spec import SpecError
 
 try:
@@ -57,8 +60,9 @@ def test_binding():
 @pytest.mark.compile
 @pytest.mark.parametrize("spec", [NsaSelectFwdSpec(arch="sm_90a"),
                                   NsaSelectFwdSpec(arch="sm_90a", group=1, v_dim=64, block_size=32),
-                                  NsaSelectFwdSpec(arch="sm_90a", group=4, block_size=128, max_slots=32)],
-                         ids=["g16", "g1_dv64_b32", "g4_b128_s32"])
+                                  NsaSelectFwdSpec(arch="sm_90a", group=4, block_size=128, max_slots=32),
+                                  NsaCmpFwdSpec(arch="sm_90a"), NsaCmpFwdSpec(arch="sm_90a", group=64, max_slots=64)],
+                         ids=["g16", "g1_dv64_b32", "g4_b128_s32", "cmp_g16", "cmp_g64_s64"])
 def test_compiles_without_spills(spec, tmp_path):
     """S (D / 16 steps) and PV (block_size / 16 steps, P from registers, V transposed) each issued at two places
     (the first entry, then the loop that issues the next entry's S before this entry's PV), waited as groups: the
@@ -259,3 +263,103 @@ def test_compiled_autograd_plumbing(monkeypatch, per_token):
     out.float().sum().backward()
     assert calls == [NsaSelectFwdSpec, NsaSelectDqSpec, NsaSelectDkvSpec]
     assert (out == 1).all() and (q.grad == 2).all() and (k.grad == 3).all() and (v.grad == 4).all()
+
+
+@pytest.mark.parametrize("spec,needle", [
+    (NsaCmpFwdSpec(arch="sm_90a", block_size=32), "block_size=32 must be 64 (tiles of compressed rows)"),
+    (NsaCmpImportanceSpec(arch="sm_90a", group=3), "group=3 must be one of"),
+    (NsaCmpImportanceSpec(arch="sm_90a", head_dim=256), "head_dim=256 must be one of (64, 128)"),
+    (NsaCmpImportanceSpec(arch="sm_90a", max_slots=65), "max_slots=65 must be in 1..64"),
+    (NsaCmpImportanceSpec(arch="sm_100a"), "sm_90a only"),
+    (NsaCmpTopkSpec(arch="sm_100a"), "sm_90a only"),
+])
+def test_invalid_compressed_specs_say_why(spec, needle):
+    with pytest.raises(SpecError, match=re.escape(needle)):
+        spec.check()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", [NsaCmpImportanceSpec(arch="sm_90a"), NsaCmpImportanceSpec(arch="sm_90a", group=64),
+                                  NsaCmpImportanceSpec(arch="sm_90a", group=1, head_dim=64),
+                                  NsaCmpTopkSpec(arch="sm_90a")],
+                         ids=["imp_g16", "imp_g64", "imp_g1_d64", "topk"])
+def test_compressed_kernels_compile_without_spills(spec, tmp_path):
+    """The importance kernel: S = Q K^T (D / 16 steps) as one group, waited once, no local memory, the register pool
+    fits setmaxnreg; the selection kernel: no wgmma, no local memory."""
+    from dsagen.jit.build import compile_module
+    from dsagen.jit.sass import disassemble, find_nvdisasm
+
+    ck = compile_module(spec, render(spec), tmp_path)
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    sass = disassemble(ck.cubin)
+    assert not re.findall(r"\b(LDL|STL)\b", sass)
+    if isinstance(spec, NsaCmpTopkSpec):
+        assert "HGMMA" not in sass
+        return
+    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 R\d+, gdesc", sass)) == spec.head_dim // 16
+    assert re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass) == ["0x0"]
+    regs = int(re.findall(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP0, (0x[0-9a-f]+)", sass)[0], 16)
+    assert 128 * (40 + regs) <= ck.record["regcount"] * 256
+
+
+@pytest.mark.parametrize("cu", [None, [0, 0, 1, 40, 230, 243, 300]])
+def test_compressed_rows_and_pooling(cu):
+    """cmp_host.CompressedRows / mean_pool against the reference's per-sequence pooling rounded to bf16 (rows past the
+    last sequence's zeros), BSHD B 2 with odd T or packed sequences with empty, one-token and partial blocks."""
+    b, t = (2, 133) if cu is None else (1, 300)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn((b, t, 8, 64), generator=gen).bfloat16()
+    k = torch.randn((b, t, 4, 64), generator=gen).bfloat16()
+    ops = nsa_host._Operands(q, k, k, None, 0, None if cu is None else torch.tensor(cu), 0.1, 32)
+    rows = cmp_host.CompressedRows(ops)
+    got = cmp_host.mean_pool(ops.k3, ops, rows)
+    segs = [(bi, 0, t) for bi in range(b)] if cu is None else [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+    want = torch.cat([nsa_ref.mean_pool_blocks(k[bi, s:e].double(), 32) for bi, s, e in segs]).bfloat16()
+    assert got.shape[0] == rows.n_keys >= want.shape[0] and rows.tiles == 1
+    assert torch.equal(got[:want.shape[0]], want) and not got[want.shape[0]:].any()
+    if cu is not None:
+        assert rows.ccu.tolist() == [0, 0, 1, 3, 9, 10, 12]
+
+
+def test_compressed_host_plumbing(monkeypatch):
+    """native_sparse_attention with g_cmp on CPU tensors with stand-in kernels: the compressed forward, then the
+    importance and selection per chunk of tokens (a multiple of the item's tokens, covering [0, N) in order; the
+    scratch bound patched small), then the selected branch on the selection; out = o_slc + o_cmp * g_cmp; gradients
+    refused."""
+    calls = []
+
+    class Fake:
+        def __init__(self, spec):
+            self.spec = spec
+
+        def launch(self, *a):
+            calls.append((type(self.spec), a))
+            if type(self.spec) is NsaCmpFwdSpec:
+                a[5].fill_(2.0)                                  # o_cmp
+            elif type(self.spec) is NsaCmpTopkSpec:
+                a[2][a[4]:a[3]].fill_(0)                         # sel rows [begin, end)
+            elif type(self.spec) is NsaSelectFwdSpec:
+                assert (a[3] == 0).all()                         # the selection went in as the ids
+                a[6].fill_(1.0)
+
+    for mod in (nsa_host, cmp_host):
+        monkeypatch.setattr(mod, "device_index", lambda d: 0)
+        monkeypatch.setattr(mod, "device_arch", lambda i: "sm_90a")
+    monkeypatch.setattr(nsa_host, "_kernel", lambda dev, spec: Fake(spec))
+    # 40 tokens' rows (H 4 x 5 blocks of FP32), rounded down to the 16 tokens of a G 4 item: chunks of 32
+    monkeypatch.setattr(cmp_host, "IMP_SCRATCH_BYTES", 4 * 5 * 4 * 40)
+    q = torch.randn(1, 150, 16, 128).bfloat16()
+    k = torch.randn(1, 150, 4, 128).bfloat16()
+    g_cmp = torch.rand(1, 150, 16)
+    out = nsa_host.native_sparse_attention(q, k, k, g_cmp, None, None, 3, None, softmax_scale=None, block_size=32)
+    kinds = [c for c, _ in calls]
+    assert kinds[0] is NsaCmpFwdSpec and kinds[-1] is NsaSelectFwdSpec
+    chunks = [(a[14], a[6]) for c, a in calls if c is NsaCmpImportanceSpec]
+    assert kinds[1:-1] == [NsaCmpImportanceSpec, NsaCmpTopkSpec] * len(chunks)
+    assert chunks == [(b, min(b + 32, 150)) for b in range(0, 150, 32)]
+    want = (1.0 + 2.0 * g_cmp).unsqueeze(-1).expand(1, 150, 16, 128).bfloat16()
+    torch.testing.assert_close(out.float(), want.float())
+    with pytest.raises(NotImplementedError, match="backward"):
+        nsa_host.native_sparse_attention(q.requires_grad_(), k, k, g_cmp, None, None, 3, None, softmax_scale=None,
+                                         block_size=32)

@@ -1,4 +1,5 @@
-"""What the NSA selected-branch kernels over token items share (forward and dq): warp 1's scheduler, which turns the
+"""What the NSA kernels over token items share (the selected branch's forward and dq, the compressed branch's forward
+and importance): warp 1's scheduler, which turns the
 slots of a CTA's TOK tokens into the list of distinct blocks they chose with the mask of the tokens that chose each
 (`make_schedule(TOK, NE, BN)`; the kernels' docstrings: select_fwd_sm90), the mbarrier set-up, the TMA warp's loop
 over the listed blocks' K and V (`make_kv_producer`), the consumer rows' token and packed row (`row_tokens`), and the
@@ -47,7 +48,7 @@ LIST_SCALAR_PARAMS = [
 
 # The compressed branch's kernels (forward, importance): their scheduler's pointers and scalars, in this order.
 CMP_PTR_PARAMS = [
-    {"name": "ccu", "kind": "ptr", "dtype": "int32", "align": 4},        # [n_docs + 1] first compressed row per sequence
+    {"name": "ccu", "kind": "ptr", "dtype": "int32", "align": 4},        # [n_docs + 1] sequences' first compressed rows
     {"name": "cu", "kind": "ptr", "dtype": "int32", "align": 4},         # [n_docs + 1] packed offsets
 ]
 CMP_SCALAR_PARAMS = [
@@ -56,7 +57,7 @@ CMP_SCALAR_PARAMS = [
     {"name": "n_docs", "kind": "i32"},                                   # 0: sequences of seq_len tokens
     {"name": "n_kv", "kind": "i32"},                                     # H
     {"name": "n_groups", "kind": "i32"},                                 # items per KV head
-    {"name": "n_slots", "kind": "i32"},                                  # tiles of 64 compressed rows per token, at most
+    {"name": "n_slots", "kind": "i32"},                                  # most tiles of 64 compressed rows a token has
     {"name": "cmp_block", "kind": "i32"},                                # tokens per compressed row (NSA block_size)
     {"name": "n_keys", "kind": "i32"},                                   # compressed rows of k / v (their tensormaps)
 ]

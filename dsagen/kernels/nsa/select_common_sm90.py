@@ -1,10 +1,11 @@
 """What the NSA kernels over token items share (the selected branch's forward and dq, the compressed branch's forward
-and importance): warp 1's scheduler, which turns the
-slots of a CTA's TOK tokens into the list of distinct blocks they chose with the mask of the tokens that chose each
-(`make_schedule(TOK, NE, BN)`; the kernels' docstrings: select_fwd_sm90), the mbarrier set-up, the TMA warp's loop
-over the listed blocks' K and V (`make_kv_producer`), the consumer rows' token and packed row (`row_tokens`), and the
-register budgets. A kernel's Smem struct must have the fields these use (q_full, list_full, k_full, v_full, kv_free,
-n_ent, tok_first, tok_pos, tok_blocks, start, rank, ent)."""
+and importance): warp 1's scheduler, which turns the slots of a CTA's TOK tokens into the list of distinct blocks they
+chose with the mask of the tokens that chose each (`make_schedule(TOK, NE, BN)`; the compressed branch's
+`make_cmp_schedule` lists each token's complete blocks itself; both end in `make_merge`; the kernels' docstrings:
+select_fwd_sm90), the mbarrier set-up, the TMA warp's loop over the listed blocks' K and V (`make_kv_producer`), the
+consumer rows' token and packed row (`row_tokens`) and, for the compressed rows, their last key (`row_key_limits`),
+and the register budgets. A kernel's Smem struct must have the fields these use (q_full, list_full, k_full, v_full,
+kv_free, n_ent, tok_first, tok_pos, tok_blocks, start, rank, ent)."""
 import cutlass
 import cutlass.cute as cute
 import cutlass.experimental.cuda as xcuda

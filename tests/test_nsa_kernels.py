@@ -4,6 +4,7 @@ host's reasons for inputs the kernel does not cover."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -363,3 +364,86 @@ def test_compressed_host_plumbing(monkeypatch):
     with pytest.raises(NotImplementedError, match="backward"):
         nsa_host.native_sparse_attention(q.requires_grad_(), k, k, g_cmp, None, None, 3, None, softmax_scale=None,
                                          block_size=32)
+
+
+@pytest.mark.parametrize("cu", [None, [0, 0, 3, 150, 151, 290]])
+def test_compressed_backward_lists_and_sums(monkeypatch, cu):
+    """cmp_host.compressed_backward's lists (tiles x windows, each entry's tile start, end and last key), the sum of
+    the per-list partials and the mean pool's backward, with a stand-in dk / dv kernel that does the kernel's math on
+    CPU from exactly what it is given: dk and dv against autograd of the reference's compressed attention (FP64).
+    Blocks of 2 tokens and windows of 32 (patched) so that sequences span several tiles of 64 compressed rows and
+    several windows."""
+    from dsagen.kernels.nsa.spec import NsaCmpDkvSpec, NsaCmpDqSpec
+    monkeypatch.setattr(cmp_host, "SEG_TOKENS", 32)
+    b, t = (2, 170) if cu is None else (1, 290)
+    bs, hq, h, d = 2, 8, 2, 16
+    g = hq // h
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn((b, t, x, d), generator=gen).double() for x in (hq, h, h))
+    dout = torch.randn((b, t, hq, d), generator=gen).double()
+    scale = 0.3
+    segs = [(bi, 0, t) for bi in range(b)] if cu is None else [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+
+    def cmp_attention(q, k, v):
+        """The reference's compressed branch per sequence (o and its natural-log lse), differentiable."""
+        outs, lses = [], []
+        for bi, s, e in segs:
+            if e == s:
+                continue
+            kc, vc = nsa_ref.mean_pool_blocks(k[bi, s:e], bs), nsa_ref.mean_pool_blocks(v[bi, s:e], bs)
+            pos = torch.arange(e - s)
+            sc = torch.einsum("lhgd,chd->lhgc", q[bi, s:e].reshape(-1, h, g, d), kc) * scale
+            ok = (torch.arange(kc.shape[0])[None, :] < ((pos + 1) // bs)[:, None])[:, None, None, :]
+            p, lse = nsa_ref._masked_softmax(sc, ok)
+            outs.append(torch.einsum("lhgc,chv->lhgv", p, vc).reshape(-1, hq, d))
+            lses.append(lse.reshape(-1, hq))
+        return torch.cat(outs), torch.cat(lses)
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, lse = cmp_attention(*leaves)
+    want = torch.autograd.grad(o, leaves[1:], dout.reshape(-1, hq, d))
+
+    def dkv_kernel(q3, k_cmp, v_cmp, do3, off, toks, starts, ends, lims, pk, pv, lse2, delta, n, n_kv, nbd, n_keys,
+                   scale_log2, scale_):
+        for hh in range(n_kv):
+            for i in range(nbd):
+                for e in range(int(off[i]), int(off[i + 1])):
+                    tok, start, end, lim = int(toks[e]), int(starts[e]), int(ends[e]), int(lims[e])
+                    keys = torch.arange(start, start + 64)
+                    live = (keys <= lim) & (keys < k_cmp.shape[0])
+                    safe = keys.clamp(max=k_cmp.shape[0] - 1)
+                    kk, vv = k_cmp[safe, hh], v_cmp[safe, hh]
+                    for gg in range(g):
+                        hq_ = hh * g + gg
+                        if lse2[tok, hq_] == -math.inf:
+                            continue
+                        p = torch.exp(scale_ * (kk @ q3[tok, hq_]) - lse2[tok, hq_]) * live
+                        ds = p * (vv @ do3[tok, hq_] - delta[tok, hq_])
+                        rows = i * 64 + torch.arange(64)
+                        keep = keys < end
+                        pv[rows[keep], hh] += (p[:, None] * do3[tok, hq_][None, :])[keep].to(pv.dtype)
+                        pk[rows[keep], hh] += (scale_ * ds[:, None] * q3[tok, hq_][None, :])[keep].to(pk.dtype)
+
+    class Fake:
+        def __init__(self, spec):
+            self.spec = spec
+
+        def launch(self, *a):
+            if type(self.spec) is NsaCmpDkvSpec:
+                dkv_kernel(*a)
+            else:
+                assert type(self.spec) is NsaCmpDqSpec
+
+    for mod in (nsa_host, cmp_host):
+        monkeypatch.setattr(mod, "device_index", lambda dev: 0)
+        monkeypatch.setattr(mod, "device_arch", lambda i: "sm_90a")
+    monkeypatch.setattr(nsa_host, "_kernel", lambda dev, spec: Fake(spec))
+    monkeypatch.setattr(nsa_host, "_dtype_name", lambda dt: "bfloat16")
+    ops = nsa_host._Operands(q, k, v, None, 0, None if cu is None else torch.tensor(cu), scale, bs)
+    rows = cmp_host.CompressedRows(ops)
+    k_cmp, v_cmp = cmp_host.mean_pool(ops.k3, ops, rows), cmp_host.mean_pool(ops.v3, ops, rows)
+    assert rows.tiles > 1 and cmp_host.CompressedTiles(ops, rows).windows > 1
+    _, dk, dv = cmp_host.compressed_backward(ops, rows, k_cmp, v_cmp, o.detach(), lse.detach().float(),
+                                             dout.reshape(-1, hq, d))
+    torch.testing.assert_close(dk.double(), want[0].reshape(dk.shape), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dv.double(), want[1].reshape(dv.shape), atol=1e-5, rtol=1e-5)

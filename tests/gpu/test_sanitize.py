@@ -46,7 +46,8 @@ from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
 from dsagen.kernels.sparse_mla_bwd.spec import config_for as bwd_config_for
 from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
 from dsagen.kernels.nsa.host import select_forward as nsa_select_forward
-from dsagen.kernels.nsa.spec import NsaCmpTopkSpec, NsaSelectDkvSpec
+from dsagen.kernels.nsa.spec import NsaCmpDkvSpec, NsaCmpTopkSpec, NsaSelectDkvSpec
+from dsagen.kernels.nsa.spec import cmp_dq_spec_for as nsa_cmp_dq_spec_for
 from dsagen.kernels.nsa.spec import cmp_fwd_spec_for as nsa_cmp_fwd_spec_for
 from dsagen.kernels.nsa.spec import cmp_importance_spec_for as nsa_cmp_importance_spec_for
 from dsagen.kernels.nsa.spec import select_dq_spec_for as nsa_dq_spec_for
@@ -81,7 +82,11 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     NsaSelectDkvSpec(arch=ARCH, group=g) for g in (1, 16)] + [
     nsa_cmp_fwd_spec_for(g, 128, 128, 1, "bfloat16", ARCH) for g in (1, 16)] + [
     nsa_spec_for(g, 128, 128, 32, 19, "bfloat16", ARCH) for g in (1, 16)] + [
-    nsa_cmp_importance_spec_for(g, 128, 1, "bfloat16", ARCH) for g in (1, 16)] + [NsaCmpTopkSpec(arch=ARCH)]
+    nsa_cmp_importance_spec_for(g, 128, 1, "bfloat16", ARCH) for g in (1, 16)] + [NsaCmpTopkSpec(arch=ARCH)] + [
+    nsa_spec_for(g, 128, 128, 64, 19, "bfloat16", ARCH) for g in (1, 16)] + [
+    nsa_dq_spec_for(g, 128, 128, 64, 19, "bfloat16", ARCH) for g in (1, 16)] + [
+    nsa_cmp_dq_spec_for(g, 128, 128, 1, "bfloat16", ARCH) for g in (1, 16)] + [
+    NsaCmpDkvSpec(arch=ARCH, group=g) for g in (1, 16)]
 FORWARD_TOPK_SPECS = (*forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs(),
                       *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, finish_in_topk=False).topk.specs())
 
@@ -717,3 +722,21 @@ def test_nsa_compressed(hq, packed):
     torch.cuda.synchronize()
     ref = dsagen.native_sparse_attention(q, k, v, impl="reference", **kw)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@pytest.mark.parametrize("hq,packed", [(64, False), (4, True)])
+def test_nsa_compressed_backward(hq, packed):
+    """The NSA backward with g_cmp (blocks of 64): the selected branch's dq and dk / dv kernels on the compressed
+    branch's selection, the compressed dq kernel and the compressed dk / dv kernel over its (tile, window) lists, on
+    the forward case's inputs (per-token counts 0..19); dq, dk, dv and the gates' gradients finite."""
+    gen = torch.Generator().manual_seed(350 + hq)
+    q, k, v, _, counts, cu = _nsa_inputs(hq, packed, gen)
+    g_cmp = torch.rand(q.shape[:3], generator=gen).to(DEV).requires_grad_()
+    g_slc = torch.rand(q.shape[:3], generator=gen).to(DEV).requires_grad_()
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = dsagen.native_sparse_attention(*leaves, g_cmp=g_cmp, g_slc=g_slc, block_counts=counts, cu_seqlens=cu,
+                                         softmax_scale=0.1)
+    grads = torch.autograd.grad(out, leaves + [g_cmp, g_slc], torch.randn(out.shape, generator=gen).to(out))
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(x).all() for x in grads)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from ...runtime import device_arch, device_index
-from .spec import CMP_TILE, NSA_MAX_SLOTS, NsaCmpTopkSpec, cmp_fwd_spec_for, cmp_importance_spec_for, item_tokens
+from .spec import (CMP_TILE, NSA_MAX_SLOTS, NsaCmpDkvSpec, NsaCmpTopkSpec, cmp_dq_spec_for, cmp_fwd_spec_for,
+                   cmp_importance_spec_for, item_tokens)
 
 IMP_SCRATCH_BYTES = 256 << 20     # the FP32 importance rows of one chunk of tokens, at most (or one item's)
 
@@ -63,10 +64,11 @@ def mean_pool(x3: torch.Tensor, ops, rows: CompressedRows) -> torch.Tensor:
     return (parts.sum(1) / bs).to(x3.dtype)
 
 
-def compressed_branch(ops, n_select: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def compressed_branch(ops, n_select: int) -> tuple:
     """(o_cmp [N, HQ, Dv] in q's dtype, lse_cmp [N, HQ] FP32 natural log (-inf: no complete block yet), sel int32
-    [N, H, n_select]) for `ops` (host._Operands; block ids not read). NotImplementedError where the kernels do not
-    reach (more than NSA_MAX_SLOTS tiles of 64 compressed rows per sequence)."""
+    [N, H, n_select], and for the backward k_cmp, v_cmp [n_keys, H, ..] and the CompressedRows) for `ops`
+    (host._Operands; block ids not read). NotImplementedError where the kernels do not reach (more than
+    NSA_MAX_SLOTS tiles of 64 compressed rows per sequence)."""
     rows = CompressedRows(ops)
     if rows.tiles > NSA_MAX_SLOTS:
         raise NotImplementedError(f"native_sparse_attention: the compressed branch takes at most "
@@ -78,9 +80,9 @@ def compressed_branch(ops, n_select: int) -> tuple[torch.Tensor, torch.Tensor, t
     out = torch.empty((n, hq, ops.dv), dtype=ops.q3.dtype, device=dev)
     lse = torch.empty((n, hq), dtype=torch.float32, device=dev)
     sel = torch.empty((n, h, n_select), dtype=torch.int32, device=dev)
-    if n == 0:
-        return out, lse, sel
     k_cmp, v_cmp = mean_pool(ops.k3, ops, rows), mean_pool(ops.v3, ops, rows)
+    if n == 0:
+        return out, lse, sel, k_cmp, v_cmp, rows
     arch = device_arch(device_index(dev))
     tok = item_tokens(ops.g)
     sched = (ops.n_tok, ops.t, ops.n_docs, h)
@@ -88,7 +90,7 @@ def compressed_branch(ops, n_select: int) -> tuple[torch.Tensor, torch.Tensor, t
         ops.q3, k_cmp, v_cmp, rows.ccu, ops.cu, out, lse, *sched, -(-n // tok), rows.tiles, ops.block_size,
         rows.n_keys, ops.scale * LOG2E)
     if n_select == 0:
-        return out, lse, sel
+        return out, lse, sel, k_cmp, v_cmp, rows
     imp_spec = cmp_importance_spec_for(ops.g, ops.d, rows.tiles, ops.dtype_name, arch)
     topk = _kernel(dev, NsaCmpTopkSpec(arch=arch))
     row_bytes = h * rows.blocks * 4
@@ -101,4 +103,99 @@ def compressed_branch(ops, n_select: int) -> tuple[torch.Tensor, torch.Tensor, t
                                       rows.blocks, ops.scale * LOG2E)
         topk.launch(imp, ops.cu, sel, end, begin, ops.t, ops.n_docs, h, ops.block_size, n_select, rows.blocks,
                     float(ops.g))
-    return out, lse, sel
+    return out, lse, sel, k_cmp, v_cmp, rows
+
+
+SEG_TOKENS = 1024           # tokens per list of the compressed dk / dv kernel (a tile's tokens split into windows)
+
+
+class CompressedTiles:
+    """The compressed dk / dv kernel's lists: tiles of CMP_TILE compressed rows of one sequence (tile_base[i] is
+    sequence i's first, n_tiles a bound from the shapes) crossed with windows of SEG_TOKENS tokens of the packed axis:
+    list (tile, window) holds, in ascending order, the window's tokens whose complete blocks reach into the tile, with
+    per entry the tile's first compressed row (starts), the sequence's compressed end or the tile's (ends) and the
+    token's last compressed row (lims). off [nbd + 1] with nbd = n_tiles x windows; the lists are the same for every
+    KV head. Graph-capturable: a stable sort of the N x tiles-per-sequence (token, tile) grid, invalid pairs last."""
+
+    def __init__(self, ops, rows: CompressedRows):
+        n, bs, dev = ops.n_tok, ops.block_size, ops.q3.device
+        t = torch.arange(n, device=dev)
+        if ops.n_docs == 0:
+            seq = torch.div(t, ops.t, rounding_mode="floor")
+            first = seq * ops.t
+            kfirst = seq * rows.blocks
+            kend = kfirst + rows.blocks
+            tile_base = seq * rows.tiles
+            self.n_tiles = ops.b * rows.tiles
+        else:
+            cu, ccu = ops.cu.long(), rows.ccu.long()
+            seq = torch.searchsorted(cu[1:], t, right=True)
+            per_seq = torch.div(ccu[1:] - ccu[:-1] + CMP_TILE - 1, CMP_TILE, rounding_mode="floor")
+            bases = torch.cumsum(per_seq, 0) - per_seq
+            first, kfirst, kend, tile_base = cu[seq], ccu[seq], ccu[seq + 1], bases[seq]
+            self.n_tiles = -(-rows.n_keys // CMP_TILE) + ops.n_docs
+        self.windows = -(-n // SEG_TOKENS)
+        self.nbd = self.n_tiles * self.windows
+        nk = torch.div(t - first + 1, bs, rounding_mode="floor")
+        m = torch.arange(rows.tiles, device=dev)
+        valid = m[None, :] * CMP_TILE < nk[:, None]                                     # [N, tiles]
+        pair = (tile_base[:, None] + m) * self.windows + torch.div(t, SEG_TOKENS, rounding_mode="floor")[:, None]
+        key = torch.where(valid, pair, self.nbd).reshape(-1)
+        order = torch.sort(key, stable=True).indices
+        tok = torch.div(order, rows.tiles, rounding_mode="floor")
+        starts = (kfirst[:, None] + m * CMP_TILE).reshape(-1)[order]
+        self.toks = tok.to(torch.int32)
+        self.starts = starts.to(torch.int32)
+        self.ends = torch.minimum(starts + CMP_TILE, kend[tok]).to(torch.int32)
+        self.lims = (kfirst + nk - 1)[tok].to(torch.int32)
+        counts = torch.zeros(self.nbd + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
+        off = torch.zeros(self.nbd + 1, dtype=torch.long, device=dev)
+        off[1:] = torch.cumsum(counts[:-1], 0)
+        self.off = off.to(torch.int32)
+        # compressed row j -> (its tile, its row in the tile), for gathering the summed partials
+        j = torch.arange(rows.n_keys, device=dev)
+        if ops.n_docs == 0:
+            js = torch.div(j, rows.blocks, rounding_mode="floor")
+            jr = j - js * rows.blocks
+            jt = js * rows.tiles + torch.div(jr, CMP_TILE, rounding_mode="floor")
+        else:
+            js = torch.searchsorted(ccu[1:], j, right=True).clamp(max=ops.n_docs - 1)
+            jr = j - ccu[js]
+            jt = bases[js] + torch.div(jr, CMP_TILE, rounding_mode="floor")
+        self.row_of_key = (jt.clamp(max=self.n_tiles - 1) * CMP_TILE + jr % CMP_TILE)
+        self.key_valid = j < (rows.n_keys if ops.n_docs == 0 else ccu[-1])
+        # token -> its compressed row (the mean pool's backward)
+        self.key_of_tok = kfirst + torch.div(t - first, bs, rounding_mode="floor")
+
+
+def compressed_backward(ops, rows: CompressedRows, k_cmp: torch.Tensor, v_cmp: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq [N, HQ, D] FP32, dk [N, H, D] FP32, dv [N, H, Dv] FP32) of the compressed attention for its forward's out
+    [N, HQ, Dv], lse [N, HQ] and dout like out (q's dtype): the dq kernel over the forward's items, the dk / dv
+    kernel over (tile, window) lists into per-list partials summed over the windows in order, then the mean pool's
+    backward (each token gets its compressed row's gradient / block_size). Bitwise repeatable (no atomics)."""
+    from .host import LOG2E, _kernel, _tma_ready
+    n, hq, h, dev = ops.n_tok, ops.hq, ops.h, out.device
+    arch = device_arch(device_index(dev))
+    do3 = _tma_ready(dout.reshape(ops.b, ops.t, hq, ops.dv))
+    delta = (do3.float() * out.float()).sum(-1)
+    lse2 = lse.contiguous()
+    dq = torch.empty((n, hq, ops.d), dtype=out.dtype, device=dev)
+    tok = item_tokens(ops.g)
+    _kernel(dev, cmp_dq_spec_for(ops.g, ops.d, ops.dv, rows.tiles, ops.dtype_name, arch)).launch(
+        ops.q3, k_cmp, v_cmp, do3, rows.ccu, ops.cu, dq, lse2, delta, n, ops.t, ops.n_docs, h, -(-n // tok),
+        rows.tiles, ops.block_size, rows.n_keys, ops.scale * LOG2E, ops.scale)
+    tiles = CompressedTiles(ops, rows)
+    pk = torch.zeros((tiles.nbd * CMP_TILE, h, ops.d), dtype=out.dtype, device=dev)
+    pv = torch.zeros((tiles.nbd * CMP_TILE, h, ops.dv), dtype=out.dtype, device=dev)
+    _kernel(dev, NsaCmpDkvSpec(arch=arch, group=ops.g, head_dim=ops.d, v_dim=ops.dv, block_size=CMP_TILE,
+                               dtype=ops.dtype_name)).launch(
+        ops.q3, k_cmp, v_cmp, do3, tiles.off, tiles.toks, tiles.starts, tiles.ends, tiles.lims, pk, pv, lse2, delta,
+        n, h, tiles.nbd, rows.n_keys, ops.scale * LOG2E, ops.scale)
+
+    def to_tokens(part: torch.Tensor) -> torch.Tensor:
+        summed = part.view(tiles.n_tiles, tiles.windows, CMP_TILE, h, -1).float().sum(1).view(-1, h, part.shape[-1])
+        per_key = summed[tiles.row_of_key] * tiles.key_valid[:, None, None]
+        return per_key[tiles.key_of_tok] / ops.block_size
+
+    return dq.float(), to_tokens(pk), to_tokens(pv)

@@ -18,7 +18,7 @@ import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index
-from .cmp_host import compressed_branch
+from .cmp_host import compressed_backward, compressed_branch
 from .spec import (NSA_BLOCK_SIZES, NSA_GROUPS, NSA_HEAD_DIMS, NSA_MAX_SLOTS, NsaSelectDkvSpec, NsaSelectFwdSpec,
                    item_tokens, select_dq_spec_for, select_fwd_spec_for)
 
@@ -287,7 +287,7 @@ def compressed_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if reason:
         raise NotImplementedError(f"native_sparse_attention: {reason}")
     ops = _Operands(query, key, value, None, 0, cu_seqlens, softmax_scale, block_size)
-    out, lse, sel = compressed_branch(ops, n_select)
+    out, lse, sel = compressed_branch(ops, n_select)[:3]
     return (out.view(ops.b, ops.t, ops.hq, ops.dv), lse.view(ops.b, ops.t, ops.hq),
             sel.view(ops.b, ops.t, ops.h, n_select))
 
@@ -307,13 +307,62 @@ def _(query, key, value, n_select, cu_seqlens, softmax_scale, block_size):
             query.new_empty((*key.shape[:3], n_select), dtype=torch.int32))
 
 
+def _gated_sum(o_slc, o_cmp, g_slc, g_cmp, dtype):
+    """o_slc * g_slc + o_cmp * g_cmp in FP32 (g_slc None: 1), in `dtype`."""
+    out = o_slc.float()
+    if g_slc is not None:
+        out = out * g_slc.float().unsqueeze(-1)
+    return (out + o_cmp.float() * g_cmp.float().unsqueeze(-1)).to(dtype)
+
+
+class _CompressedFunction(torch.autograd.Function):
+    """Both branches with g_cmp and their fused backward: dq, dk, dv (the selected branch's kernels plus the
+    compressed attention's, through the mean pool) and the gates' gradients; the selection is a constant."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, scale, block_size, n_select):
+        ops_c = _Operands(query, key, value, None, 0, cu_seqlens, scale, block_size)
+        o_cmp, lse_cmp, sel, k_cmp, v_cmp, rows = compressed_branch(ops_c, n_select)
+        ops_s = _Operands(query, key, value, sel.view(ops_c.b, ops_c.t, ops_c.h, n_select), block_counts,
+                          cu_seqlens, scale, block_size)
+        o_slc, lse_slc = _forward(ops_s, None)
+        shape = (ops_c.b, ops_c.t, ops_c.hq, ops_c.dv)
+        ctx.ops = (ops_c, ops_s, rows)
+        ctx.save_for_backward(query, key, value, g_cmp, g_slc, o_cmp, lse_cmp, o_slc, lse_slc, k_cmp, v_cmp)
+        return _gated_sum(o_slc.view(shape), o_cmp.view(shape), g_slc, g_cmp, query.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        _, _, _, g_cmp, g_slc, o_cmp, lse_cmp, o_slc, lse_slc, k_cmp, v_cmp = ctx.saved_tensors
+        ops_c, ops_s, rows = ctx.ops
+        n, hq = ops_c.n_tok, ops_c.hq
+        d = dout.float().reshape(n, hq, ops_c.dv)
+        d_gcmp = (d * o_cmp.float()).sum(-1).view(g_cmp.shape).to(g_cmp.dtype)
+        d_gslc = None if g_slc is None else (d * o_slc.float()).sum(-1).view(g_slc.shape).to(g_slc.dtype)
+        do_slc = d if g_slc is None else d * g_slc.float().reshape(n, hq, 1)
+        do_cmp = d * g_cmp.float().reshape(n, hq, 1)
+        dtype = o_slc.dtype
+        dq1, dk1, dv1 = select_backward(ops_s, o_slc, lse_slc, do_slc.to(dtype))
+        dq2, dk2, dv2 = compressed_backward(ops_c, rows, k_cmp, v_cmp, o_cmp, lse_cmp, do_cmp.to(dtype))
+        dq = (dq1.float() + dq2.view(dq1.shape)).to(dtype)
+        dk = (dk1.float() + dk2.view(dk1.shape)).to(dtype)
+        dv = (dv1.float() + dv2.view(dv1.shape)).to(dtype)
+        return dq, dk, dv, d_gcmp, d_gslc, None, None, None, None, None
+
+
 def _with_compressed(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, scale, block_size, grad):
-    """native_sparse_attention with g_cmp (forward only): the compressed branch's kernels select the blocks, the
-    selected-branch kernel runs on them, and the gated sum is formed in FP32."""
-    if grad:
-        raise NotImplementedError("native_sparse_attention: the compressed branch (g_cmp) has fused forward "
-                                  "kernels only; its backward has none yet (use impl='reference' for gradients)")
+    """native_sparse_attention with g_cmp: the compressed branch's kernels select the blocks, the selected-branch
+    kernel runs on them, and the gated sum is formed in FP32; with gradients (eager, blocks of 64) through
+    _CompressedFunction."""
     compiling = torch.compiler.is_compiling()
+    if grad:
+        reason = ""
+        if compiling:
+            reason = "gradients with g_cmp under torch.compile (the compressed backward runs eagerly only)"
+        elif block_size != 64:
+            reason = f"the fused backward takes blocks of 64 keys, got block_size={block_size}"
+        if reason:
+            raise NotImplementedError(f"native_sparse_attention: {reason}")
     per_token = block_counts if isinstance(block_counts, torch.Tensor) else None
     if per_token is not None:
         if compiling:
@@ -323,6 +372,12 @@ def _with_compressed(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, 
         n_select = int(per_token.max()) if per_token.numel() else 0
     else:
         n_select = int(block_counts)
+    if grad:
+        reason = _unsupported(query, key, value, n_select, block_size)
+        if reason:
+            raise NotImplementedError(f"native_sparse_attention: {reason}")
+        return _CompressedFunction.apply(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, scale,
+                                         block_size, n_select)
     if compiling:
         o_cmp, sel = _cmp_op(query, key, value, n_select, cu_seqlens, scale, block_size)
         o_slc, _ = _select_op(query, key, value, sel, 0 if per_token is not None else n_select, per_token,
@@ -330,10 +385,7 @@ def _with_compressed(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, 
     else:
         o_cmp, _, sel = compressed_forward(query, key, value, n_select, cu_seqlens, scale, block_size)
         o_slc, _ = select_forward(query, key, value, sel, block_counts, cu_seqlens, scale, block_size)
-    out = o_slc.float()
-    if g_slc is not None:
-        out = out * g_slc.float().unsqueeze(-1)
-    return (out + o_cmp.float() * g_cmp.float().unsqueeze(-1)).to(query.dtype)
+    return _gated_sum(o_slc, o_cmp, g_slc, g_cmp, query.dtype)
 
 
 def native_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -43,9 +43,14 @@ def chunk_tokens(group: int) -> int:
     return NQ // max(group, 8)
 
 
-def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, stages: int):
-    """The kernel of NsaSelectDkvSpec(group, head_dim, v_dim, block_size, dtype, stages): returns
-    (kernel, host, PARAMS, HOST_ARGS, LAUNCH)."""
+def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, stages: int, compressed: bool = False):
+    """The kernel of NsaSelectDkvSpec(group, head_dim, v_dim, block_size, dtype, stages), or with compressed=True of
+    NsaCmpDkvSpec: the compressed branch's dk / dv over tiles of 64 compressed rows, each list entry carrying its
+    token's last compressed row (`lims`, the mask's bound in place of the token's own row), the lists shared by the
+    heads (off [nbd + 1]: CTA h * nbd + i takes list i for head h), and CTA i of head h storing its rows at (i *
+    block_size + r) of a partial [nbd * block_size, H, ..] pair of outputs (a tile's tokens come in several lists,
+    each its own CTA; the host sums the partials in a fixed order): returns (kernel, host, PARAMS, HOST_ARGS,
+    LAUNCH)."""
     G, D, DV, BN, ST = group, head_dim, v_dim, block_size, stages
     SLOT = max(G, 8)                     # rows per token slot in a chunk tile
     TOKB = NQ // SLOT
@@ -65,6 +70,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, st
         {"name": "toks", "kind": "ptr", "dtype": "int32", "align": 4},       # [L] tokens, by block, ascending
         {"name": "starts", "kind": "ptr", "dtype": "int32", "align": 4},     # [L] the entry's block's first key row
         {"name": "ends", "kind": "ptr", "dtype": "int32", "align": 4},       # [L] its end (the sequence's, if less)
+    ] + ([{"name": "lims", "kind": "ptr", "dtype": "int32", "align": 4}] if compressed else []) + [   # [L] last key row
         {"name": "dk", "kind": "ptr", "dtype": dtype, "align": 16},          # [N, H, D] contiguous, zeroed
         {"name": "dv", "kind": "ptr", "dtype": dtype, "align": 16},          # [N, H, DV] contiguous, zeroed
         {"name": "lse", "kind": "ptr", "dtype": "float32", "align": 4},      # [N, HQ] the forward's (natural log)
@@ -72,6 +78,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, st
         {"name": "n_tok", "kind": "i32"},
         {"name": "n_kv", "kind": "i32"},
         {"name": "nbd", "kind": "i32"},                                      # dense blocks per KV head
+    ] + ([{"name": "n_keys", "kind": "i32"}] if compressed else []) + [      # rows of k / v (compressed)
         {"name": "scale_log2", "kind": "f32"},
         {"name": "scale", "kind": "f32"},
     ]
@@ -95,16 +102,20 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, st
 
     @cute.jit
     def body(q_tma, k_tma, v_tma, do_tma, p_off: cute.Pointer, p_toks: cute.Pointer, p_starts: cute.Pointer,
-             p_ends: cute.Pointer, p_dk: cute.Pointer, p_dv: cute.Pointer, p_lse: cute.Pointer,
-             p_delta: cute.Pointer, n_tok: Int32, n_kv: Int32, nbd: Int32, scale_log2: Float32, scale: Float32):
+             p_ends: cute.Pointer, p_lims: cute.Pointer, p_dk: cute.Pointer, p_dv: cute.Pointer,
+             p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32, n_kv: Int32, nbd: Int32, scale_log2: Float32,
+             scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp // 4
         lane = cute.arch.lane_idx()
         h = bid // nbd
-        off = (p_off + bid).load()
-        cnt = (p_off + bid + 1).load() - off
+        li = bid                                     # the CTA's list: per (head, block); compressed: per block
+        if cutlass.const_expr(compressed):
+            li = bid - h * nbd
+        off = (p_off + li).load()
+        cnt = (p_off + li + 1).load() - off
         if cnt > 0:
             start = (p_starts + off).load()
             end = (p_ends + off).load()
@@ -190,6 +201,8 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, st
                                 lse = (p_lse + at).load()
                                 if lse > -Float32.inf:
                                     pos = tok
+                                    if cutlass.const_expr(compressed):     # the token's last compressed row
+                                        pos = (p_lims + off + c * TOKB + j).load()
                                     l2 = lse * LOG2E
                                     dl = (p_delta + at).load()
                             c_pos[stage * NQ + col] = pos
@@ -279,33 +292,64 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, st
                     key = start + cK[r, 0][0]
                     if key < end:
                         at = Int64(key) * n_kv + h
+                        if cutlass.const_expr(compressed):                 # the CTA's rows of the partials
+                            at = Int64(li * BN + cK[r, 0][0]) * n_kv + h
                         store_row_v4(p_dk + (at * D + 8 * q4), kMN, r, scale, FP16, q_hi, q_odd, policy)
                         store_row_v4(p_dv + (at * DV + 8 * q4), vMN, r, None, FP16, q_hi, q_odd, policy)
 
-    @cute.kernel
-    def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
-               v_map: cutlass.GridConstant[xcuda.TensorMap], do_map: cutlass.GridConstant[xcuda.TensorMap],
-               p_off: cute.Pointer, p_toks: cute.Pointer, p_starts: cute.Pointer, p_ends: cute.Pointer,
-               p_dk: cute.Pointer, p_dv: cute.Pointer, p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32,
-               n_kv: Int32, nbd: Int32, scale_log2: Float32, scale: Float32):
-        body(q_map.get_ptr(), k_map.get_ptr(), v_map.get_ptr(), do_map.get_ptr(), p_off, p_toks, p_starts, p_ends,
-             p_dk, p_dv, p_lse, p_delta, n_tok, n_kv, nbd, scale_log2, scale)
+    if compressed:
+        @cute.kernel
+        def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
+                   v_map: cutlass.GridConstant[xcuda.TensorMap], do_map: cutlass.GridConstant[xcuda.TensorMap],
+                   p_off: cute.Pointer, p_toks: cute.Pointer, p_starts: cute.Pointer, p_ends: cute.Pointer,
+                   p_lims: cute.Pointer, p_dk: cute.Pointer, p_dv: cute.Pointer, p_lse: cute.Pointer,
+                   p_delta: cute.Pointer, n_tok: Int32, n_kv: Int32, nbd: Int32, n_keys: Int32, scale_log2: Float32,
+                   scale: Float32):
+            body(q_map.get_ptr(), k_map.get_ptr(), v_map.get_ptr(), do_map.get_ptr(), p_off, p_toks, p_starts,
+                 p_ends, p_lims, p_dk, p_dv, p_lse, p_delta, n_tok, n_kv, nbd, scale_log2, scale)
 
-    @cute.jit
-    def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_do: cute.Pointer, n_q_heads: Int32,
-             q_st: Int64, q_sh: Int64, k_st: Int64, k_sh: Int64, v_st: Int64, v_sh: Int64, do_st: Int64,
-             do_sh: Int64, p_off: cute.Pointer, p_toks: cute.Pointer, p_starts: cute.Pointer, p_ends: cute.Pointer,
-             p_dk: cute.Pointer, p_dv: cute.Pointer, p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32,
-             n_kv: Int32, nbd: Int32, scale_log2: Float32, scale: Float32):
-        """The TMA descriptors of q, k, v and dO (strides in elements, 16-byte units to the encoder), then the
-        launch (one CTA per SM: 255 registers at launch, so the consumer's 256 fit the CTA's pool)."""
-        tq = rows_map(p_q, DT, D, n_q_heads, n_tok, q_st, q_sh, G, 1)
-        tk = rows_map(p_k, DT, D, n_kv, n_tok, k_st, k_sh, 1, BN)
-        tv = rows_map(p_v, DT, DV, n_kv, n_tok, v_st, v_sh, 1, BN)
-        tdo = rows_map(p_do, DT, DV, n_q_heads, n_tok, do_st, do_sh, G, 1)
-        kernel(tq, tk, tv, tdo, p_off, p_toks, p_starts, p_ends, p_dk, p_dv, p_lse, p_delta, n_tok, n_kv, nbd,
-               scale_log2, scale).launch(
-            grid=(nbd * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1,
-            preferred_smem_carveout=100)
+        @cute.jit
+        def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_do: cute.Pointer, n_q_heads: Int32,
+                 q_st: Int64, q_sh: Int64, k_st: Int64, k_sh: Int64, v_st: Int64, v_sh: Int64, do_st: Int64,
+                 do_sh: Int64, p_off: cute.Pointer, p_toks: cute.Pointer, p_starts: cute.Pointer,
+                 p_ends: cute.Pointer, p_lims: cute.Pointer, p_dk: cute.Pointer, p_dv: cute.Pointer,
+                 p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32, n_kv: Int32, nbd: Int32, n_keys: Int32,
+                 scale_log2: Float32, scale: Float32):
+            """The TMA descriptors of q and dO [N, HQ, ..] and the compressed k, v [n_keys, H, ..], then the
+            launch."""
+            tq = rows_map(p_q, DT, D, n_q_heads, n_tok, q_st, q_sh, G, 1)
+            tk = rows_map(p_k, DT, D, n_kv, n_keys, k_st, k_sh, 1, BN)
+            tv = rows_map(p_v, DT, DV, n_kv, n_keys, v_st, v_sh, 1, BN)
+            tdo = rows_map(p_do, DT, DV, n_q_heads, n_tok, do_st, do_sh, G, 1)
+            kernel(tq, tk, tv, tdo, p_off, p_toks, p_starts, p_ends, p_lims, p_dk, p_dv, p_lse, p_delta, n_tok,
+                   n_kv, nbd, n_keys, scale_log2, scale).launch(
+                grid=(nbd * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1,
+                preferred_smem_carveout=100)
+    else:
+        @cute.kernel
+        def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
+                   v_map: cutlass.GridConstant[xcuda.TensorMap], do_map: cutlass.GridConstant[xcuda.TensorMap],
+                   p_off: cute.Pointer, p_toks: cute.Pointer, p_starts: cute.Pointer, p_ends: cute.Pointer,
+                   p_dk: cute.Pointer, p_dv: cute.Pointer, p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32,
+                   n_kv: Int32, nbd: Int32, scale_log2: Float32, scale: Float32):
+            body(q_map.get_ptr(), k_map.get_ptr(), v_map.get_ptr(), do_map.get_ptr(), p_off, p_toks, p_starts,
+                 p_ends, p_toks, p_dk, p_dv, p_lse, p_delta, n_tok, n_kv, nbd, scale_log2, scale)
+
+        @cute.jit
+        def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_do: cute.Pointer, n_q_heads: Int32,
+                 q_st: Int64, q_sh: Int64, k_st: Int64, k_sh: Int64, v_st: Int64, v_sh: Int64, do_st: Int64,
+                 do_sh: Int64, p_off: cute.Pointer, p_toks: cute.Pointer, p_starts: cute.Pointer,
+                 p_ends: cute.Pointer, p_dk: cute.Pointer, p_dv: cute.Pointer, p_lse: cute.Pointer,
+                 p_delta: cute.Pointer, n_tok: Int32, n_kv: Int32, nbd: Int32, scale_log2: Float32, scale: Float32):
+            """The TMA descriptors of q, k, v and dO (strides in elements, 16-byte units to the encoder), then the
+            launch (one CTA per SM: 255 registers at launch, so the consumer's 256 fit the CTA's pool)."""
+            tq = rows_map(p_q, DT, D, n_q_heads, n_tok, q_st, q_sh, G, 1)
+            tk = rows_map(p_k, DT, D, n_kv, n_tok, k_st, k_sh, 1, BN)
+            tv = rows_map(p_v, DT, DV, n_kv, n_tok, v_st, v_sh, 1, BN)
+            tdo = rows_map(p_do, DT, DV, n_q_heads, n_tok, do_st, do_sh, G, 1)
+            kernel(tq, tk, tv, tdo, p_off, p_toks, p_starts, p_ends, p_dk, p_dv, p_lse, p_delta, n_tok, n_kv, nbd,
+                   scale_log2, scale).launch(
+                grid=(nbd * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1,
+                preferred_smem_carveout=100)
 
     return kernel, host, PARAMS, HOST_ARGS, LAUNCH

@@ -26,17 +26,22 @@ from dsagen.kernels.common.sm90.mma import issue_gemm
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
 from dsagen.kernels.common.sm90.ring import ring_wait_ready
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
-from dsagen.kernels.nsa.select_common_sm90 import (BAR_QPAD, LIST_PTR_PARAMS, LIST_SCALAR_PARAMS, REGS_CONSUMER,
-                                                   REGS_PRODUCER, SMEM_2_CTAS, qkv_host_args, rows_map,
-                                                   init_item_barriers, make_kv_producer, make_schedule)
+from dsagen.kernels.nsa.select_common_sm90 import (BAR_QPAD, CMP_PTR_PARAMS, CMP_SCALAR_PARAMS, LIST_PTR_PARAMS,
+                                                   LIST_SCALAR_PARAMS, REGS_CONSUMER, REGS_PRODUCER, SMEM_2_CTAS,
+                                                   init_item_barriers, make_cmp_schedule, make_kv_producer,
+                                                   make_schedule, qkv_host_args, row_key_limits,
+                                                   rows_map)
 from dsagen.kernels.nsa.spec import MAX_TOK, item_tokens
 
 LOG2E = math.log2(math.e)
 M = 64
 
 
-def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int, dtype: str, stages: int):
-    """The kernel of NsaSelectDqSpec(group, head_dim, v_dim, block_size, max_slots, dtype, stages): returns
+def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int, dtype: str, stages: int,
+          compressed: bool = False):
+    """The kernel of NsaSelectDqSpec(group, head_dim, v_dim, block_size, max_slots, dtype, stages), or with
+    compressed=True of NsaCmpDqSpec (the compressed branch's dq: keys are the compressed rows make_cmp_schedule
+    lists, a row's last key its token's last compressed row; block_size the tile of 64 compressed rows): returns
     (kernel, host, PARAMS, HOST_ARGS, LAUNCH)."""
     G, D, DV, BN, ST = group, head_dim, v_dim, block_size, stages
     TOK = item_tokens(G)
@@ -53,11 +58,11 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
         {"name": "k_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, 1, BN])},    # k [N, H, D]
         {"name": "v_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, 1, BN])},    # v [N, H, DV]
         {"name": "do_map", "kind": "tensormap", "encode": tma_recipe(dtype, [64, G, TOK])},  # dO [N, HQ, DV]
-    ] + LIST_PTR_PARAMS + [
+    ] + (CMP_PTR_PARAMS if compressed else LIST_PTR_PARAMS) + [
         {"name": "dq", "kind": "ptr", "dtype": dtype, "align": 16},          # [N, HQ, D] contiguous
         {"name": "lse", "kind": "ptr", "dtype": "float32", "align": 4},      # [N, HQ] the forward's (natural log)
         {"name": "delta", "kind": "ptr", "dtype": "float32", "align": 4},    # [N, HQ] sum(dO * O)
-    ] + LIST_SCALAR_PARAMS + [
+    ] + (CMP_SCALAR_PARAMS if compressed else LIST_SCALAR_PARAMS) + [
         {"name": "scale_log2", "kind": "f32"},
         {"name": "scale", "kind": "f32"},
     ]
@@ -85,15 +90,14 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
     SMEM_BYTES = Smem.size_in_bytes()
     CTAS_PER_SM = 2 if SMEM_BYTES <= SMEM_2_CTAS else 1
     LAUNCH = {"grid": ["n_groups * n_kv", 1, 1], "block": [NTHREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
-    schedule = make_schedule(TOK, NE, BN)
+    schedule = make_cmp_schedule(TOK, NE, BN) if compressed else make_schedule(TOK, NE, BN)
     kv_producer = make_kv_producer(BN, D, DV, ST, NE)
 
     @cute.jit
-    def body(q_tma, k_tma, v_tma, do_tma, p_idx: cute.Pointer, p_cnt: cute.Pointer, p_cu: cute.Pointer,
-             p_dq: cute.Pointer, p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32, seq_len: Int32,
-             n_docs: Int32, n_kv: Int32, n_groups: Int32, n_slots: Int32, has_cnt: Int32, cnt_all: Int32,
-             idx_st: Int64, idx_sh: Int64, idx_ss: Int64, cnt_st: Int64, cnt_sh: Int64, scale_log2: Float32,
-             scale: Float32):
+    def body(q_tma, k_tma, v_tma, do_tma, sched, p_dq: cute.Pointer, p_lse: cute.Pointer, p_delta: cute.Pointer,
+             n_kv: Int32, n_groups: Int32, scale_log2: Float32, scale: Float32):
+        """The kernel; sched: the scheduler's arguments after (st, lane, t0[, h]) (make_cmp_schedule's when
+        compressed, else make_schedule's)."""
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -123,8 +127,10 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
         if wg == 0:
             cute.arch.setmaxregister_decrease(REGS_PRODUCER)
             if warp == 1:
-                schedule(st, lane, t0, h, p_idx, p_cnt, p_cu, n_tok, seq_len, n_docs, n_slots, has_cnt, cnt_all,
-                         idx_st, idx_sh, idx_ss, cnt_st, cnt_sh)
+                if cutlass.const_expr(compressed):
+                    schedule(st, lane, t0, *sched)
+                else:
+                    schedule(st, lane, t0, h, *sched)
             if warp == 0:
                 # the Q and dO tiles on one transaction count (tma_load_tile announces both; dO's boxes follow)
                 tma_load_tile(q_tma, ((sQ.iterator, M * 64, KBQ, (h * G, t0)),), q_full, QDO_BYTES)
@@ -159,6 +165,9 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
             NC = cute.size(sMN, mode=[1])
             row_tok = cute.make_rmem_tensor(NR, Int32)
             row_pos = cute.make_rmem_tensor(NR, Int32)
+            row_lim = row_pos                                # the row's last key: its own row (causal)
+            if cutlass.const_expr(compressed):
+                row_lim = cute.make_rmem_tensor(NR, Int32)   # its token's last compressed row
             row_lse = cute.make_rmem_tensor(NR, Float32)     # the row's lse in the log2 domain (0 for an empty row)
             row_dlt = cute.make_rmem_tensor(NR, Float32)     # its delta
             accQ.fill(0.0)
@@ -192,6 +201,8 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
                         if lse > -Float32.inf:
                             row_lse[r] = lse * LOG2E
                         row_dlt[r] = (p_delta + at).load()
+            if cutlass.const_expr(compressed):
+                row_key_limits(st, row_tok, row_pos, row_lim)
             cute.arch.mbarrier_wait(q_full, 0)
             for e in cutlass.range(n, unroll=1):
                 stage = e % ST
@@ -207,7 +218,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
                 for r in cutlass.range_constexpr(NR):
                     hi = Int32(-1)
                     if row_pos[r] >= 0 and (mask >> row_tok[r]) & 1 != 0:
-                        hi = row_pos[r] - start
+                        hi = row_lim[r] - start
                     for c in cutlass.range_constexpr(NC):
                         p = cute.math.exp2(sMN[r, c] * scale_log2 - row_lse[r], fastmath=True)
                         ds = p * (pMN[r, c] - row_dlt[r])
@@ -233,33 +244,63 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
                     at = Int64(pos) * (n_kv * G) + h * G + (row - row_tok[r] * G)
                     store_row_v4(p_dq + (at * D + 8 * q4), qMN, r, scale, FP16, q_hi, q_odd, policy)
 
-    @cute.kernel
-    def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
-               v_map: cutlass.GridConstant[xcuda.TensorMap], do_map: cutlass.GridConstant[xcuda.TensorMap],
-               p_idx: cute.Pointer, p_cnt: cute.Pointer, p_cu: cute.Pointer, p_dq: cute.Pointer,
-               p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32, seq_len: Int32, n_docs: Int32, n_kv: Int32,
-               n_groups: Int32, n_slots: Int32, has_cnt: Int32, cnt_all: Int32, idx_st: Int64, idx_sh: Int64,
-               idx_ss: Int64, cnt_st: Int64, cnt_sh: Int64, scale_log2: Float32, scale: Float32):
-        body(q_map.get_ptr(), k_map.get_ptr(), v_map.get_ptr(), do_map.get_ptr(), p_idx, p_cnt, p_cu, p_dq, p_lse,
-             p_delta, n_tok, seq_len, n_docs, n_kv, n_groups, n_slots, has_cnt, cnt_all, idx_st, idx_sh, idx_ss,
-             cnt_st, cnt_sh, scale_log2, scale)
+    if compressed:
+        @cute.kernel
+        def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
+                   v_map: cutlass.GridConstant[xcuda.TensorMap], do_map: cutlass.GridConstant[xcuda.TensorMap],
+                   p_ccu: cute.Pointer, p_cu: cute.Pointer, p_dq: cute.Pointer, p_lse: cute.Pointer,
+                   p_delta: cute.Pointer, n_tok: Int32, seq_len: Int32, n_docs: Int32, n_kv: Int32,
+                   n_groups: Int32, n_slots: Int32, cmp_block: Int32, n_keys: Int32, scale_log2: Float32,
+                   scale: Float32):
+            body(q_map.get_ptr(), k_map.get_ptr(), v_map.get_ptr(), do_map.get_ptr(),
+                 (p_ccu, p_cu, n_tok, seq_len, n_docs, n_slots, cmp_block), p_dq, p_lse, p_delta, n_kv, n_groups,
+                 scale_log2, scale)
 
-    @cute.jit
-    def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_do: cute.Pointer, n_q_heads: Int32,
-             q_st: Int64, q_sh: Int64, k_st: Int64, k_sh: Int64, v_st: Int64, v_sh: Int64, do_st: Int64,
-             do_sh: Int64, p_idx: cute.Pointer, p_cnt: cute.Pointer, p_cu: cute.Pointer, p_dq: cute.Pointer,
-             p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32, seq_len: Int32, n_docs: Int32, n_kv: Int32,
-             n_groups: Int32, n_slots: Int32, has_cnt: Int32, cnt_all: Int32, idx_st: Int64, idx_sh: Int64,
-             idx_ss: Int64, cnt_st: Int64, cnt_sh: Int64, scale_log2: Float32, scale: Float32):
-        """The TMA descriptors of q, k, v and dO (strides in elements, 16-byte units to the encoder), then the
-        launch."""
-        tq = rows_map(p_q, DT, D, n_q_heads, n_tok, q_st, q_sh, G, TOK)
-        tk = rows_map(p_k, DT, D, n_kv, n_tok, k_st, k_sh, 1, BN)
-        tv = rows_map(p_v, DT, DV, n_kv, n_tok, v_st, v_sh, 1, BN)
-        tdo = rows_map(p_do, DT, DV, n_q_heads, n_tok, do_st, do_sh, G, TOK)
-        kernel(tq, tk, tv, tdo, p_idx, p_cnt, p_cu, p_dq, p_lse, p_delta, n_tok, seq_len, n_docs, n_kv, n_groups,
-               n_slots, has_cnt, cnt_all, idx_st, idx_sh, idx_ss, cnt_st, cnt_sh, scale_log2, scale).launch(
-            grid=(n_groups * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=CTAS_PER_SM,
-            preferred_smem_carveout=100)
+        @cute.jit
+        def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_do: cute.Pointer, n_q_heads: Int32,
+                 q_st: Int64, q_sh: Int64, k_st: Int64, k_sh: Int64, v_st: Int64, v_sh: Int64, do_st: Int64,
+                 do_sh: Int64, p_ccu: cute.Pointer, p_cu: cute.Pointer, p_dq: cute.Pointer, p_lse: cute.Pointer,
+                 p_delta: cute.Pointer, n_tok: Int32, seq_len: Int32, n_docs: Int32, n_kv: Int32, n_groups: Int32,
+                 n_slots: Int32, cmp_block: Int32, n_keys: Int32, scale_log2: Float32, scale: Float32):
+            """The TMA descriptors of q and dO [N, HQ, ..] and the compressed k, v [n_keys, H, ..], then the
+            launch."""
+            tq = rows_map(p_q, DT, D, n_q_heads, n_tok, q_st, q_sh, G, TOK)
+            tk = rows_map(p_k, DT, D, n_kv, n_keys, k_st, k_sh, 1, BN)
+            tv = rows_map(p_v, DT, DV, n_kv, n_keys, v_st, v_sh, 1, BN)
+            tdo = rows_map(p_do, DT, DV, n_q_heads, n_tok, do_st, do_sh, G, TOK)
+            kernel(tq, tk, tv, tdo, p_ccu, p_cu, p_dq, p_lse, p_delta, n_tok, seq_len, n_docs, n_kv, n_groups,
+                   n_slots, cmp_block, n_keys, scale_log2, scale).launch(
+                grid=(n_groups * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES,
+                min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=100)
+    else:
+        @cute.kernel
+        def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
+                   v_map: cutlass.GridConstant[xcuda.TensorMap], do_map: cutlass.GridConstant[xcuda.TensorMap],
+                   p_idx: cute.Pointer, p_cnt: cute.Pointer, p_cu: cute.Pointer, p_dq: cute.Pointer,
+                   p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32, seq_len: Int32, n_docs: Int32,
+                   n_kv: Int32, n_groups: Int32, n_slots: Int32, has_cnt: Int32, cnt_all: Int32, idx_st: Int64,
+                   idx_sh: Int64, idx_ss: Int64, cnt_st: Int64, cnt_sh: Int64, scale_log2: Float32, scale: Float32):
+            body(q_map.get_ptr(), k_map.get_ptr(), v_map.get_ptr(), do_map.get_ptr(),
+                 (p_idx, p_cnt, p_cu, n_tok, seq_len, n_docs, n_slots, has_cnt, cnt_all, idx_st, idx_sh, idx_ss,
+                  cnt_st, cnt_sh), p_dq, p_lse, p_delta, n_kv, n_groups, scale_log2, scale)
+
+        @cute.jit
+        def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_do: cute.Pointer, n_q_heads: Int32,
+                 q_st: Int64, q_sh: Int64, k_st: Int64, k_sh: Int64, v_st: Int64, v_sh: Int64, do_st: Int64,
+                 do_sh: Int64, p_idx: cute.Pointer, p_cnt: cute.Pointer, p_cu: cute.Pointer, p_dq: cute.Pointer,
+                 p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32, seq_len: Int32, n_docs: Int32,
+                 n_kv: Int32, n_groups: Int32, n_slots: Int32, has_cnt: Int32, cnt_all: Int32, idx_st: Int64,
+                 idx_sh: Int64, idx_ss: Int64, cnt_st: Int64, cnt_sh: Int64, scale_log2: Float32, scale: Float32):
+            """The TMA descriptors of q, k, v and dO (strides in elements, 16-byte units to the encoder), then the
+            launch."""
+            tq = rows_map(p_q, DT, D, n_q_heads, n_tok, q_st, q_sh, G, TOK)
+            tk = rows_map(p_k, DT, D, n_kv, n_tok, k_st, k_sh, 1, BN)
+            tv = rows_map(p_v, DT, DV, n_kv, n_tok, v_st, v_sh, 1, BN)
+            tdo = rows_map(p_do, DT, DV, n_q_heads, n_tok, do_st, do_sh, G, TOK)
+            kernel(tq, tk, tv, tdo, p_idx, p_cnt, p_cu, p_dq, p_lse, p_delta, n_tok, seq_len, n_docs, n_kv,
+                   n_groups, n_slots, has_cnt, cnt_all, idx_st, idx_sh, idx_ss, cnt_st, cnt_sh, scale_log2,
+                   scale).launch(
+                grid=(n_groups * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES,
+                min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=100)
 
     return kernel, host, PARAMS, HOST_ARGS, LAUNCH

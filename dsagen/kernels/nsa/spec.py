@@ -116,10 +116,14 @@ class NsaCmpFwdSpec(NsaSelectFwdSpec):
     template = "nsa/cmp_fwd_{arch}.py.j2"
 
     def reasons(self) -> list[str]:
-        out = super().reasons()
-        if self.block_size != CMP_TILE:
-            out.append(f"block_size={self.block_size} must be {CMP_TILE} (tiles of compressed rows)")
-        return out
+        return super().reasons() + _cmp_tile_reasons(self.block_size)
+
+
+def _cmp_tile_reasons(block_size: int) -> list[str]:
+    """The compressed branch's kernels work on tiles of CMP_TILE compressed rows."""
+    if block_size != CMP_TILE:
+        return [f"block_size={block_size} must be {CMP_TILE} (tiles of compressed rows)"]
+    return []
 
 
 @register_spec
@@ -243,3 +247,36 @@ def cmp_importance_spec_for(group: int, head_dim: int, tiles: int, dtype: str, a
     """The importance kernel beside cmp_fwd_spec_for(...) (the same max_slots)."""
     fwd = cmp_fwd_spec_for(group, head_dim, head_dim, tiles, dtype, arch)
     return NsaCmpImportanceSpec(arch=arch, group=group, head_dim=head_dim, max_slots=fwd.max_slots, dtype=dtype)
+
+
+@register_spec
+@dataclass(frozen=True)
+class NsaCmpDqSpec(NsaSelectDqSpec):
+    """The NSA compressed branch's dq on Hopper (kernel: nsa/select_dq_sm90.py with compressed=True, bound by
+    cmp_dq_sm90.py.j2): the compressed forward's items and scheduler with the selected dq's consumer (S, dP, dq +=
+    dS K over the token's compressed rows). block_size: the tile of compressed rows, 64; other fields as
+    NsaSelectDqSpec's."""
+
+    op = "nsa_cmp_dq"
+    template = "nsa/cmp_dq_{arch}.py.j2"
+
+    def reasons(self) -> list[str]:
+        return super().reasons() + _cmp_tile_reasons(self.block_size)
+
+
+@register_spec
+@dataclass(frozen=True)
+class NsaCmpDkvSpec(NsaSelectDkvSpec):
+    """The NSA compressed branch's dk and dv on Hopper (kernel: nsa/select_dkv_sm90.py with compressed=True, bound by
+    cmp_dkv_sm90.py.j2): the selected branch's dk / dv kernel over tiles of 64 compressed rows, each list entry
+    bounded by its token's last compressed row, each CTA writing its own rows of a partial output that the host sums
+    in a fixed order. Fields as NsaSelectDkvSpec's."""
+
+    op = "nsa_cmp_dkv"
+    template = "nsa/cmp_dkv_{arch}.py.j2"
+
+
+def cmp_dq_spec_for(group: int, head_dim: int, v_dim: int, tiles: int, dtype: str, arch: str) -> NsaCmpDqSpec:
+    """The compressed dq kernel beside cmp_fwd_spec_for(...) (its fields)."""
+    fwd = cmp_fwd_spec_for(group, head_dim, v_dim, tiles, dtype, arch)
+    return NsaCmpDqSpec(**{f.name: getattr(fwd, f.name) for f in dataclasses.fields(fwd)})

@@ -2,6 +2,7 @@
 kernels against FLA's Triton `parallel_nsa` (GPU).
 
     PYTHONPATH=.peer/fla python bench/nsa_compressed.py [--T 8192 32768 65536] [--rounds 7] [--group 16]
+                                                        [--backward]
 
 Shape: B 1, HQ = 4 x group query heads over H 4 KV heads, D = Dv = 128, blocks of 64 tokens, 16 selected blocks,
 bf16, gates g_cmp and g_slc (uniform in [0, 1)), no block_indices (the compressed branch's top-k chooses them), no
@@ -17,6 +18,8 @@ t (its causal count), the importance pass 2 HQ D (t / 64); the printed TFLOP/s a
 Checks on the first T: the two outputs (max abs difference and the share of (token, head) rows that differ by more
 than 0.05: rows whose selection differs at a near-tie of two blocks' importance), and dsagen's selection's agreement
 with FLA's is not asserted (FLA's top-k sums FP32 probabilities in another order).
+--backward: forward + backward through autograd (gradients of q, k, v and both gates; FLOPs counted 3.5x the
+forward's, nominal).
 Time: CUDA events, contenders interleaved round by round (common.paired_time_ms), median of --rounds.
 """
 
@@ -45,6 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=int, default=16, help="query heads per KV head (FLA needs >= 16)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backward", action="store_true",
+                    help="also time forward + backward through autograd (q, k, v, g_cmp, g_slc)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU")
@@ -79,7 +84,23 @@ def main(argv=None) -> int:
         print_paired(f"T {t} compressed part", [("dsagen-cmp", lambda: compressed_forward(q, k, v, S, None, scale,
                                                                                           BLOCK))],
                      flops(t, hq) - 4 * hq * D * S * BLOCK * t, args.rounds)
-        del q, k, v
+        if args.backward:
+            do = torch.randn((1, t, hq, D), generator=gen, device="cuda", dtype=torch.bfloat16)
+
+            def step(fn, gate_dtype):
+                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+                gates = [x.detach().to(gate_dtype).requires_grad_() for x in (g_cmp, g_slc)]
+                out = fn(*leaves, *gates)
+                return torch.autograd.grad(out, leaves + gates, do)
+
+            steps = [("dsagen", lambda: step(lambda q_, k_, v_, gc, gs: dsagen.native_sparse_attention(
+                q_, k_, v_, g_cmp=gc, g_slc=gs, block_counts=S, block_size=BLOCK), torch.float32))]
+            if parallel_nsa is not None:
+                steps.append(("fla", lambda: step(lambda q_, k_, v_, gc, gs: parallel_nsa(
+                    q_, k_, v_, g_cmp=gc, g_slc=gs, block_counts=S, block_size=BLOCK, scale=1 / math.sqrt(D)),
+                    torch.bfloat16)))
+            print_paired(f"T {t} G {args.group} forward + backward", steps, 3.5 * flops(t, hq), args.rounds)
+        q = k = v = None                         # free before the next length
         torch.cuda.empty_cache()
     return 0
 

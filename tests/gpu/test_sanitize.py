@@ -713,7 +713,8 @@ def test_nsa_select_backward(hq, packed):
 def test_nsa_compressed(hq, packed):
     """The NSA compressed branch's kernels (compressed attention, importance, selection) and the selected branch on
     their selection, per-token counts 0..19 (a selection width of 19; G 16: 4 tokens per CTA; G 1: 16 tokens,
-    padded rows), BSHD B 2 with odd T or packed sequences with empty and one-token ones; checked against the reference."""
+    padded rows), BSHD B 2 with odd T or packed sequences with empty and one-token ones; checked against the
+    reference."""
     gen = torch.Generator().manual_seed(340 + hq)
     q, k, v, _, counts, cu = _nsa_inputs(hq, packed, gen)
     g_cmp = torch.rand(q.shape[:3], generator=gen).to(DEV)

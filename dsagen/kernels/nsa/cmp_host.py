@@ -1,12 +1,14 @@
-"""Host side of the fused NSA compressed branch (`native_sparse_attention(..., g_cmp=...)`, forward): the mean-pooled
-keys and values (`mean_pool`, torch, a fixed summation order), the compressed attention (select_fwd_sm90 with
-compressed=True: NsaCmpFwdSpec), the blocks' importance from its LSE (cmp_importance_sm90) and the selection
-(cmp_topk_sm90), in chunks of tokens whose FP32 importance rows fit in IMP_SCRATCH_BYTES. Nothing is read back to
-the host: the sizes follow from the shapes (the compressed rows and the longest sequence's blocks are bounded by
-ceil(N / block_size) + sequences), so the calls are graph-capturable.
+"""Host side of the fused NSA compressed branch (`native_sparse_attention(..., g_cmp=...)`): the mean-pooled keys and
+values (`mean_pool`, torch, a fixed summation order), the compressed attention (select_fwd_sm90 with compressed=True:
+NsaCmpFwdSpec), the blocks' importance from its LSE (cmp_importance_sm90) and the selection (cmp_topk_sm90), in
+chunks of tokens whose FP32 importance rows fit in IMP_SCRATCH_BYTES; and the backward (`compressed_backward`: the dq
+kernel with compressed=True, the dk / dv kernel with compressed=True over `CompressedTiles` lists, the partials'
+fixed-order sum and the pool's backward). Nothing is read back to the host: the sizes follow from the shapes (the
+compressed rows and the longest sequence's blocks are bounded by ceil(N / block_size) + sequences), so the calls are
+graph-capturable.
 
-`compressed_branch(ops, n_select)` returns (o_cmp [N, HQ, Dv], lse_cmp [N, HQ], sel int32 [N, H, n_select]); the
-selected branch then runs on sel (host.py).
+`compressed_branch(ops, n_select)` returns (o_cmp [N, HQ, Dv], lse_cmp [N, HQ], sel int32 [N, H, n_select], k_cmp,
+v_cmp, rows); the selected branch then runs on sel (host.py).
 """
 
 from __future__ import annotations

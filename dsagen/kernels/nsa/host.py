@@ -1,13 +1,17 @@
-"""Host side of the fused NSA selected branch: `native_sparse_attention(...)` (inputs validated, and per-query-block
-layouts expanded per token, by dsagen.ops.nsa) runs the forward kernel (select_fwd_sm90) and applies g_slc; with
+"""Host side of the fused NSA: `native_sparse_attention(...)` (inputs validated, and per-query-block layouts expanded
+per token, by dsagen.ops.nsa) runs the selected branch's forward kernel (select_fwd_sm90) and applies g_slc; with
 gradients it goes through `_SelectFunction`, whose backward (`select_backward`) runs the dq kernel (select_dq_sm90)
 over the forward's work items and the dk / dv kernel (select_dkv_sm90) over the key blocks of `inverse_index`.
-`select_forward(...)` is the forward kernel's own call, returning the branch's output and its natural-log LSE.
+With g_cmp the compressed branch's kernels (cmp_host) give o_cmp and the selection first (`compressed_forward`), and
+with gradients `_CompressedFunction` adds the compressed branch's backward (cmp_host.compressed_backward) and the
+gates' gradients. `select_forward(...)` is the forward kernel's own call, returning the branch's output and its
+natural-log LSE.
 
 What the kernels do not cover raises NotImplementedError naming the reason (no silent fallback to the reference):
-the compressed branch (g_cmp), gradients with blocks other than 64 keys, FP32 / FP64 inputs, and shapes outside
-NsaSelectFwdSpec's (group a power of two up to 64, D and Dv 64 or 128, block_size 32 / 64 / 128, at most
-NSA_MAX_SLOTS slots).
+gradients with blocks other than 64 keys, gradients with g_cmp under torch.compile, per-token counts with g_cmp under
+torch.compile, FP32 / FP64 inputs, and shapes outside NsaSelectFwdSpec's (group a power of two up to 64, D and Dv 64
+or 128, block_size 32 / 64 / 128, at most NSA_MAX_SLOTS slots) or the compressed branch's (sequences of at most
+NSA_MAX_SLOTS x 64 compressed rows).
 """
 
 from __future__ import annotations
@@ -396,10 +400,10 @@ def native_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     """dsagen.native_sparse_attention(impl="fused") after its checks: the selected branch by the kernel, times g_slc
     when given; differentiable in query, key and value by the fused backward (select_backward: eagerly through
     _SelectFunction, under torch.compile through the custom ops' registered autograd; g_slc's gradient by autograd of
-    the product). With g_cmp (forward only) the compressed branch's kernels (cmp_host) give o_cmp and select the
-    blocks, and out = o_slc * g_slc + o_cmp * g_cmp. NotImplementedError for gradients with g_cmp or with blocks
-    other than 64 keys, for per-token counts with g_cmp under torch.compile, and for inputs the kernels do not cover
-    (select_forward, compressed_forward)."""
+    the product). With g_cmp the compressed branch's kernels (cmp_host) give o_cmp and select the blocks, and out =
+    o_slc * g_slc + o_cmp * g_cmp (gradients: _CompressedFunction, eagerly). NotImplementedError for gradients with
+    blocks other than 64 keys, for gradients or per-token counts with g_cmp under torch.compile, and for inputs the
+    kernels do not cover (select_forward, compressed_forward)."""
     scale = 1.0 / math.sqrt(query.shape[3]) if softmax_scale is None else float(softmax_scale)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
     if g_cmp is not None:

@@ -24,6 +24,25 @@ def item_tokens(group: int) -> int:
     return min(MAX_TOK, 64 // group)
 
 
+def _shape_reasons(spec, what: str, dims: tuple[str, ...]) -> list[str]:
+    """The checks the NSA specs share: sm_90a (`what` names the kernel), the group, the head dims named in `dims`,
+    max_slots where the spec has it, the dtype."""
+    out = []
+    if spec.arch != "sm_90a":
+        out.append(f"the NSA {what} is implemented for sm_90a only, not {spec.arch}")
+    if spec.group not in NSA_GROUPS:
+        out.append(f"group={spec.group} must be one of {NSA_GROUPS} (query heads per KV head)")
+    for name in dims:
+        if getattr(spec, name) not in NSA_HEAD_DIMS:
+            out.append(f"{name}={getattr(spec, name)} must be one of {NSA_HEAD_DIMS}")
+    slots = getattr(spec, "max_slots", None)
+    if slots is not None and not 1 <= slots <= NSA_MAX_SLOTS:
+        out.append(f"max_slots={slots} must be in 1..{NSA_MAX_SLOTS}")
+    if spec.dtype not in ("bfloat16", "float16"):
+        out.append(f"dtype={spec.dtype!r} must be 'bfloat16' or 'float16'")
+    return out
+
+
 @register_spec
 @dataclass(frozen=True)
 class NsaSelectFwdSpec(KernelSpec):
@@ -56,20 +75,9 @@ class NsaSelectFwdSpec(KernelSpec):
     stages: int = 2
 
     def reasons(self) -> list[str]:
-        out = super().reasons()
-        if self.arch != "sm_90a":
-            out.append(f"the NSA selected-branch forward is implemented for sm_90a only, not {self.arch}")
-        if self.group not in NSA_GROUPS:
-            out.append(f"group={self.group} must be one of {NSA_GROUPS} (query heads per KV head)")
-        for name in ("head_dim", "v_dim"):
-            if getattr(self, name) not in NSA_HEAD_DIMS:
-                out.append(f"{name}={getattr(self, name)} must be one of {NSA_HEAD_DIMS}")
+        out = super().reasons() + _shape_reasons(self, "selected-branch forward", ("head_dim", "v_dim"))
         if self.block_size not in NSA_BLOCK_SIZES:
             out.append(f"block_size={self.block_size} must be one of {NSA_BLOCK_SIZES}")
-        if not 1 <= self.max_slots <= NSA_MAX_SLOTS:
-            out.append(f"max_slots={self.max_slots} must be in 1..{NSA_MAX_SLOTS}")
-        if self.dtype not in ("bfloat16", "float16"):
-            out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
         if not 2 <= self.stages <= 4:
             out.append(f"stages={self.stages} must be in 2..4")
         elif not out and self.smem_bytes() > SMEM_LIMIT:
@@ -147,17 +155,7 @@ class NsaCmpImportanceSpec(KernelSpec):
     stages: int = 2
 
     def reasons(self) -> list[str]:
-        out = super().reasons()
-        if self.arch != "sm_90a":
-            out.append(f"the NSA compressed branch is implemented for sm_90a only, not {self.arch}")
-        if self.group not in NSA_GROUPS:
-            out.append(f"group={self.group} must be one of {NSA_GROUPS} (query heads per KV head)")
-        if self.head_dim not in NSA_HEAD_DIMS:
-            out.append(f"head_dim={self.head_dim} must be one of {NSA_HEAD_DIMS}")
-        if not 1 <= self.max_slots <= NSA_MAX_SLOTS:
-            out.append(f"max_slots={self.max_slots} must be in 1..{NSA_MAX_SLOTS}")
-        if self.dtype not in ("bfloat16", "float16"):
-            out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
+        out = super().reasons() + _shape_reasons(self, "compressed branch", ("head_dim",))
         if not 2 <= self.stages <= 4:
             out.append(f"stages={self.stages} must be in 2..4")
         return out
@@ -203,18 +201,9 @@ class NsaSelectDkvSpec(KernelSpec):
     stages: int = 2
 
     def reasons(self) -> list[str]:
-        out = super().reasons()
-        if self.arch != "sm_90a":
-            out.append(f"the NSA selected-branch backward is implemented for sm_90a only, not {self.arch}")
-        if self.group not in NSA_GROUPS:
-            out.append(f"group={self.group} must be one of {NSA_GROUPS} (query heads per KV head)")
-        for name in ("head_dim", "v_dim"):
-            if getattr(self, name) not in NSA_HEAD_DIMS:
-                out.append(f"{name}={getattr(self, name)} must be one of {NSA_HEAD_DIMS}")
+        out = super().reasons() + _shape_reasons(self, "selected-branch backward", ("head_dim", "v_dim"))
         if self.block_size != 64:
             out.append(f"block_size={self.block_size} must be 64 (the block's keys are the wgmma M)")
-        if self.dtype not in ("bfloat16", "float16"):
-            out.append(f"dtype={self.dtype!r} must be 'bfloat16' or 'float16'")
         if not 2 <= self.stages <= 3:
             out.append(f"stages={self.stages} must be 2 or 3")
         return out

@@ -447,3 +447,48 @@ def test_compressed_backward_lists_and_sums(monkeypatch, cu):
                                              dout.reshape(-1, hq, d))
     torch.testing.assert_close(dk.double(), want[0].reshape(dk.shape), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dv.double(), want[1].reshape(dv.shape), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_compressed_autograd_plumbing(monkeypatch, compiled):
+    """Gradients with g_cmp on CPU tensors with stand-in kernels, eagerly (_CompressedFunction) and under
+    torch.compile(fullgraph=True) (aot_eager: the custom ops dsagen::nsa_cmp_train_fwd / _bwd): the compressed
+    forward, importance, selection and the selected forward, then the selected dq and dk / dv and the compressed dq
+    and dk / dv, in that order; dq the sum of both dq kernels' (2 + 5), dk / dv the selected kernels' (3, 4; the
+    compressed partials are 0), d g_cmp = sum over Dv of dout o_cmp (2 Dv), d g_slc = sum of dout o_slc (Dv)."""
+    from dsagen.kernels.nsa.spec import NsaCmpDkvSpec, NsaCmpDqSpec
+    calls = []
+    fills = {NsaCmpFwdSpec: ((5, 2.0), (6, 0.0)), NsaCmpTopkSpec: ((2, 0),), NsaSelectFwdSpec: ((6, 1.0), (7, 0.0)),
+             NsaSelectDqSpec: ((7, 2.0),), NsaSelectDkvSpec: ((8, 3.0), (9, 4.0)), NsaCmpDqSpec: ((6, 5.0),),
+             NsaCmpDkvSpec: ((9, 0.0), (10, 0.0))}
+
+    class Fake:
+        def __init__(self, spec):
+            self.spec = spec
+
+        def launch(self, *a):
+            calls.append(type(self.spec))
+            for i, x in fills.get(type(self.spec), ()):
+                a[i].fill_(x)
+
+    for mod in (nsa_host, cmp_host):
+        monkeypatch.setattr(mod, "device_index", lambda d: 0)
+        monkeypatch.setattr(mod, "device_arch", lambda i: "sm_90a")
+    monkeypatch.setattr(nsa_host, "_kernel", lambda dev, spec: Fake(spec))
+    q = torch.randn(1, 200, 16, 128).bfloat16().requires_grad_()
+    k = torch.randn(1, 200, 4, 128).bfloat16().requires_grad_()
+    v = torch.randn(1, 200, 4, 64).bfloat16().requires_grad_()
+    g_cmp = torch.rand(1, 200, 16, requires_grad=True)
+    g_slc = torch.rand(1, 200, 16, requires_grad=True)
+
+    def f(q, k, v, g_cmp, g_slc):
+        return nsa_host.native_sparse_attention(q, k, v, g_cmp, g_slc, None, 4, None, softmax_scale=None,
+                                                block_size=64)
+
+    out = (torch.compile(f, backend="aot_eager", fullgraph=True) if compiled else f)(q, k, v, g_cmp, g_slc)
+    out.float().sum().backward()
+    assert calls == [NsaCmpFwdSpec, NsaCmpImportanceSpec, NsaCmpTopkSpec, NsaSelectFwdSpec, NsaSelectDqSpec,
+                     NsaSelectDkvSpec, NsaCmpDqSpec, NsaCmpDkvSpec]
+    assert (q.grad == 7).all() and (k.grad == 3).all() and (v.grad == 4).all()
+    torch.testing.assert_close(g_cmp.grad, torch.full_like(g_cmp, 128.0))
+    torch.testing.assert_close(g_slc.grad, torch.full_like(g_slc, 64.0))

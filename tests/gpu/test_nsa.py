@@ -341,6 +341,40 @@ def test_backward_bitwise_repeatable():
     assert all(torch.equal(x, y) for x, y in zip(a, b2))
 
 
+def test_graph_capture_forward_backward():
+    """A captured forward + backward step of the selected branch (g_slc, per-token counts; eager autograd inside
+    torch.cuda.graph, the inverse index a device sort) replays on new inputs and gives the eager step's output and
+    gradients."""
+    gen = torch.Generator().manual_seed(14)
+    q, k, v = (x.requires_grad_() for x in _inputs(1, 600, 64, 4, 128, 128, torch.bfloat16, gen))
+    ids = make_ids(1, 600, 4, 16, 64, gen, shared=True).to(DEV)
+    counts = torch.randint(0, 17, (1, 600, 4), generator=gen, dtype=torch.int32).to(DEV)
+    g_slc = torch.rand((1, 600, 64), generator=gen).to(DEV).requires_grad_()
+    dout = torch.randn((1, 600, 64, 128), generator=gen).to(DEV).bfloat16()
+
+    def step():
+        out = dsagen.native_sparse_attention(q, k, v, g_slc=g_slc, block_indices=ids, block_counts=counts)
+        return (out, *torch.autograd.grad(out, (q, k, v, g_slc), dout))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        for x in (q, k, v, dout):
+            x.copy_(torch.randn(x.shape, generator=gen).to(x))
+        ids.copy_(make_ids(1, 600, 4, 16, 64, gen, shared=True).to(DEV))
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dg"), captured, step()):
+        assert torch.equal(a, b), name
+
+
 def test_torch_compile_backward():
     """torch.compile(fullgraph=True) of the op with gradients (the kernels as custom ops with registered autograd;
     AOTAutograd compiles the backward) gives the eager output's and gradients' bytes."""

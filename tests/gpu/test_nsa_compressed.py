@@ -44,7 +44,7 @@ REQUIRED_SPECS += [select_fwd_spec_for(4, 128, 128, 32, 20, "bfloat16", ARCH)]
 # the backward with g_cmp (blocks of 64): the selected branch's dq / dk / dv and the compressed branch's
 _BWD = [(16, 128, 128, 16), (4, 128, 128, 20), (1, 128, 128, 16), (16, 64, 64, 16)]
 REQUIRED_SPECS += [select_fwd_spec_for(4, 128, 128, 64, 20, "bfloat16", ARCH)]
-REQUIRED_SPECS += [select_dq_spec_for(g, d, dv, 64, s, "bfloat16", ARCH) for g, d, dv, s in _BWD]
+REQUIRED_SPECS += [select_dq_spec_for(g, d, dv, 64, s, "bfloat16", ARCH) for g, d, dv, s in _BWD + [(4, 128, 128, 8)]]
 REQUIRED_SPECS += [cmp_dq_spec_for(g, d, dv, 1, "bfloat16", ARCH) for g, d, dv, _ in _BWD]
 for _cls in (NsaSelectDkvSpec, NsaCmpDkvSpec):
     REQUIRED_SPECS += [_cls(arch=ARCH, group=g, head_dim=d, v_dim=dv) for g, d, dv, _ in _BWD]
@@ -288,20 +288,65 @@ def test_backward_matches_reference(case):
     assert all(torch.equal(x, y) for x, y in zip(got, again)), "not bitwise repeatable"
 
 
+def _train_step(q, k, v, g_cmp, g_slc, dout, fn=None):
+    """One forward + backward with g_cmp: (out, dq, dk, dv, d g_cmp, d g_slc)."""
+    fn = fn or (lambda *x: dsagen.native_sparse_attention(*x[:3], g_cmp=x[3], g_slc=x[4], block_counts=8))
+    out = fn(q, k, v, g_cmp, g_slc)
+    return (out, *torch.autograd.grad(out, (q, k, v, g_cmp, g_slc), dout))
+
+
+def test_torch_compile_backward():
+    """torch.compile(fullgraph=True) of a forward + backward with g_cmp (the custom ops dsagen::nsa_cmp_train_fwd /
+    _bwd, opaque) gives the eager output and gradients, bitwise."""
+    gen = torch.Generator().manual_seed(650)
+    q, k, v = (x.requires_grad_() for x in _inputs(1, 900, 64, 4, 128, 128, torch.bfloat16, gen))
+    g_cmp, g_slc = (torch.rand((1, 900, 64), generator=gen).to(DEV).requires_grad_() for _ in range(2))
+    dout = torch.randn((1, 900, 64, 128), generator=gen).to(DEV).bfloat16()
+
+    def f(q, k, v, g_cmp, g_slc):
+        return dsagen.native_sparse_attention(q, k, v, g_cmp=g_cmp, g_slc=g_slc, block_counts=8)
+
+    eager = _train_step(q, k, v, g_cmp, g_slc, dout)
+    compiled = _train_step(q, k, v, g_cmp, g_slc, dout, torch.compile(f, fullgraph=True))
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dg_cmp", "dg_slc"), compiled, eager):
+        assert torch.equal(a, b), name
+
+
+def test_graph_capture_forward_backward():
+    """A captured forward + backward step with g_cmp (eager autograd inside torch.cuda.graph: nothing reads the device
+    on the host) replays on new inputs and gives the eager step's output and gradients."""
+    gen = torch.Generator().manual_seed(660)
+    q, k, v = (x.requires_grad_() for x in _inputs(2, 700, 16, 4, 128, 128, torch.bfloat16, gen))
+    g_cmp, g_slc = (torch.rand((2, 700, 16), generator=gen).to(DEV).requires_grad_() for _ in range(2))
+    dout = torch.randn((2, 700, 16, 128), generator=gen).to(DEV).bfloat16()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            _train_step(q, k, v, g_cmp, g_slc, dout)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _train_step(q, k, v, g_cmp, g_slc, dout)
+    with torch.no_grad():
+        for x in (q, k, v, g_cmp, g_slc, dout):
+            x.copy_(torch.randn(x.shape, generator=gen).to(x) if x.dtype == torch.bfloat16
+                    else torch.rand(x.shape, generator=gen).to(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dg_cmp", "dg_slc"), captured,
+                          _train_step(q, k, v, g_cmp, g_slc, dout)):
+        assert torch.equal(a, b), name
+
+
 def test_what_the_kernels_do_not_cover():
-    """Gradients with g_cmp at blocks other than 64 or under torch.compile, and per-token counts with g_cmp under
-    torch.compile: NotImplementedError naming why."""
+    """Gradients with g_cmp at blocks other than 64, and per-token counts with g_cmp under torch.compile:
+    NotImplementedError naming why."""
     gen = torch.Generator().manual_seed(700)
     q, k, v = _inputs(1, 200, 16, 4, 128, 128, torch.bfloat16, gen)
     g_cmp = torch.rand((1, 200, 16), generator=gen).to(DEV)
     with pytest.raises(NotImplementedError, match="blocks of 64 keys"):
         dsagen.native_sparse_attention(q.requires_grad_(), k, v, g_cmp=g_cmp, block_counts=4, block_size=32)
-
-    def g(q, k, v, g_cmp):
-        return dsagen.native_sparse_attention(q, k, v, g_cmp=g_cmp, block_counts=4)
-
-    with pytest.raises(Exception, match="gradients with g_cmp under torch.compile"):
-        torch.compile(g, fullgraph=True)(q, k, v, g_cmp)
     counts = torch.full((1, 200, 4), 3, dtype=torch.int32, device=DEV)
 
     def f(q, k, v, g_cmp, counts):

@@ -8,8 +8,7 @@ gates' gradients. `select_forward(...)` is the forward kernel's own call, return
 natural-log LSE.
 
 What the kernels do not cover raises NotImplementedError naming the reason (no silent fallback to the reference):
-gradients with blocks other than 64 keys, gradients with g_cmp under torch.compile, per-token counts with g_cmp under
-torch.compile, FP32 / FP64 inputs, and shapes outside NsaSelectFwdSpec's (group a power of two up to 64, D and Dv 64
+gradients with blocks other than 64 keys, per-token counts with g_cmp under torch.compile, FP32 / FP64 inputs, and shapes outside NsaSelectFwdSpec's (group a power of two up to 64, D and Dv 64
 or 128, block_size 32 / 64 / 128, at most NSA_MAX_SLOTS slots) or the compressed branch's (sequences of at most
 NSA_MAX_SLOTS x 64 compressed rows).
 """
@@ -22,7 +21,7 @@ import torch
 
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index
-from .cmp_host import compressed_backward, compressed_branch
+from .cmp_host import CompressedRows, compressed_backward, compressed_branch, mean_pool
 from .spec import (NSA_BLOCK_SIZES, NSA_GROUPS, NSA_HEAD_DIMS, NSA_MAX_SLOTS, NsaSelectDkvSpec, NsaSelectFwdSpec,
                    item_tokens, select_dq_spec_for, select_fwd_spec_for)
 
@@ -319,39 +318,125 @@ def _gated_sum(o_slc, o_cmp, g_slc, g_cmp, dtype):
     return (out + o_cmp.float() * g_cmp.float().unsqueeze(-1)).to(dtype)
 
 
+def _train_forward(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, scale, block_size, n_select):
+    """Both branches with g_cmp, keeping what the backward needs: (out [B, T, HQ, Dv], saved) with saved = (o_cmp,
+    lse_cmp, sel, o_slc, lse_slc, k_cmp, v_cmp) (flat [N, ..] forms) and the operands (ops_c, ops_s, rows)."""
+    ops_c = _Operands(query, key, value, None, 0, cu_seqlens, scale, block_size)
+    o_cmp, lse_cmp, sel, k_cmp, v_cmp, rows = compressed_branch(ops_c, n_select)
+    ops_s = _Operands(query, key, value, sel.view(ops_c.b, ops_c.t, ops_c.h, n_select), block_counts, cu_seqlens,
+                      scale, block_size)
+    o_slc, lse_slc = _forward(ops_s, None)
+    shape = (ops_c.b, ops_c.t, ops_c.hq, ops_c.dv)
+    out = _gated_sum(o_slc.view(shape), o_cmp.view(shape), g_slc, g_cmp, query.dtype)
+    return out, (o_cmp, lse_cmp, sel, o_slc, lse_slc, k_cmp, v_cmp), (ops_c, ops_s, rows)
+
+
+def _train_backward(ops, saved, g_cmp, g_slc, dout):
+    """(dq, dk, dv, d g_cmp, d g_slc or None) for _train_forward's `ops` and `saved` and dout [B, T, HQ, Dv]: the
+    gates' gradients sum(dout o) over Dv in FP32, the selected branch's backward with dout g_slc, the compressed
+    branch's with dout g_cmp (through the mean pool), the two summed in FP32."""
+    ops_c, ops_s, rows = ops
+    o_cmp, lse_cmp, _, o_slc, lse_slc, k_cmp, v_cmp = saved
+    n, hq = ops_c.n_tok, ops_c.hq
+    d = dout.float().reshape(n, hq, ops_c.dv)
+    d_gcmp = (d * o_cmp.float()).sum(-1).view(g_cmp.shape).to(g_cmp.dtype)
+    d_gslc = None if g_slc is None else (d * o_slc.float()).sum(-1).view(g_slc.shape).to(g_slc.dtype)
+    do_slc = d if g_slc is None else d * g_slc.float().reshape(n, hq, 1)
+    do_cmp = d * g_cmp.float().reshape(n, hq, 1)
+    dtype = o_slc.dtype
+    dq1, dk1, dv1 = select_backward(ops_s, o_slc, lse_slc, do_slc.to(dtype))
+    dq2, dk2, dv2 = compressed_backward(ops_c, rows, k_cmp, v_cmp, o_cmp, lse_cmp, do_cmp.to(dtype))
+    dq = (dq1.float() + dq2.view(dq1.shape)).to(dtype)
+    dk = (dk1.float() + dk2.view(dk1.shape)).to(dtype)
+    dv = (dv1.float() + dv2.view(dv1.shape)).to(dtype)
+    return dq, dk, dv, d_gcmp, d_gslc
+
+
 class _CompressedFunction(torch.autograd.Function):
-    """Both branches with g_cmp and their fused backward: dq, dk, dv (the selected branch's kernels plus the
+    """Both branches with g_cmp and their fused backward (eager): dq, dk, dv (the selected branch's kernels plus the
     compressed attention's, through the mean pool) and the gates' gradients; the selection is a constant."""
 
     @staticmethod
     def forward(ctx, query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, scale, block_size, n_select):
-        ops_c = _Operands(query, key, value, None, 0, cu_seqlens, scale, block_size)
-        o_cmp, lse_cmp, sel, k_cmp, v_cmp, rows = compressed_branch(ops_c, n_select)
-        ops_s = _Operands(query, key, value, sel.view(ops_c.b, ops_c.t, ops_c.h, n_select), block_counts,
-                          cu_seqlens, scale, block_size)
-        o_slc, lse_slc = _forward(ops_s, None)
-        shape = (ops_c.b, ops_c.t, ops_c.hq, ops_c.dv)
-        ctx.ops = (ops_c, ops_s, rows)
-        ctx.save_for_backward(query, key, value, g_cmp, g_slc, o_cmp, lse_cmp, o_slc, lse_slc, k_cmp, v_cmp)
-        return _gated_sum(o_slc.view(shape), o_cmp.view(shape), g_slc, g_cmp, query.dtype)
+        out, saved, ops = _train_forward(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, scale,
+                                         block_size, n_select)
+        ctx.ops = ops
+        ctx.save_for_backward(query, key, value, g_cmp, g_slc, *saved)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        _, _, _, g_cmp, g_slc, o_cmp, lse_cmp, o_slc, lse_slc, k_cmp, v_cmp = ctx.saved_tensors
-        ops_c, ops_s, rows = ctx.ops
-        n, hq = ops_c.n_tok, ops_c.hq
-        d = dout.float().reshape(n, hq, ops_c.dv)
-        d_gcmp = (d * o_cmp.float()).sum(-1).view(g_cmp.shape).to(g_cmp.dtype)
-        d_gslc = None if g_slc is None else (d * o_slc.float()).sum(-1).view(g_slc.shape).to(g_slc.dtype)
-        do_slc = d if g_slc is None else d * g_slc.float().reshape(n, hq, 1)
-        do_cmp = d * g_cmp.float().reshape(n, hq, 1)
-        dtype = o_slc.dtype
-        dq1, dk1, dv1 = select_backward(ops_s, o_slc, lse_slc, do_slc.to(dtype))
-        dq2, dk2, dv2 = compressed_backward(ops_c, rows, k_cmp, v_cmp, o_cmp, lse_cmp, do_cmp.to(dtype))
-        dq = (dq1.float() + dq2.view(dq1.shape)).to(dtype)
-        dk = (dk1.float() + dk2.view(dk1.shape)).to(dtype)
-        dv = (dv1.float() + dv2.view(dv1.shape)).to(dtype)
-        return dq, dk, dv, d_gcmp, d_gslc, None, None, None, None, None
+        _, _, _, g_cmp, g_slc, *saved = ctx.saved_tensors
+        return (*_train_backward(ctx.ops, saved, g_cmp, g_slc, dout), None, None, None, None, None)
+
+
+@torch.library.custom_op("dsagen::nsa_cmp_train_fwd", mutates_args=())
+def _cmp_train_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g_cmp: torch.Tensor,
+                  g_slc: torch.Tensor | None, n_select: int, block_counts: int,
+                  block_counts_per_token: torch.Tensor | None, cu_seqlens: torch.Tensor | None, softmax_scale: float,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                            torch.Tensor]:
+    """_train_forward as a custom op (torch.compile with gradients): (out, o_cmp, lse_cmp, sel, o_slc, lse_slc), the
+    flat forms of _train_forward's saved tensors but the pooled k / v (the backward pools again)."""
+    counts = block_counts if block_counts_per_token is None else block_counts_per_token
+    out, saved, _ = _train_forward(query, key, value, g_cmp, g_slc, counts, cu_seqlens, softmax_scale, block_size,
+                                   n_select)
+    return (out, *saved[:5])
+
+
+@_cmp_train_op.register_fake
+def _(query, key, value, g_cmp, g_slc, n_select, block_counts, block_counts_per_token, cu_seqlens, softmax_scale,
+      block_size):
+    n, hq, h, dv = query.shape[0] * query.shape[1], query.shape[2], key.shape[2], value.shape[3]
+    return (query.new_empty((*query.shape[:3], dv)), query.new_empty((n, hq, dv)),
+            query.new_empty((n, hq), dtype=torch.float32), query.new_empty((n, h, n_select), dtype=torch.int32),
+            query.new_empty((n, hq, dv)), query.new_empty((n, hq), dtype=torch.float32))
+
+
+@torch.library.custom_op("dsagen::nsa_cmp_train_bwd", mutates_args=())
+def _cmp_train_bwd_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g_cmp: torch.Tensor,
+                      g_slc: torch.Tensor | None, block_counts: int, block_counts_per_token: torch.Tensor | None,
+                      cu_seqlens: torch.Tensor | None, softmax_scale: float, block_size: int, o_cmp: torch.Tensor,
+                      lse_cmp: torch.Tensor, sel: torch.Tensor, o_slc: torch.Tensor, lse_slc: torch.Tensor,
+                      dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                   torch.Tensor]:
+    """_train_backward as a custom op (the backward of dsagen::nsa_cmp_train_fwd): (dq, dk, dv, d g_cmp, d g_slc),
+    the last empty when g_slc is None. The pooled k / v and the operands are rebuilt from the inputs."""
+    counts = block_counts if block_counts_per_token is None else block_counts_per_token
+    ops_c = _Operands(query, key, value, None, 0, cu_seqlens, softmax_scale, block_size)
+    rows = CompressedRows(ops_c)
+    k_cmp, v_cmp = mean_pool(ops_c.k3, ops_c, rows), mean_pool(ops_c.v3, ops_c, rows)
+    ops_s = _Operands(query, key, value, sel.view(ops_c.b, ops_c.t, ops_c.h, sel.shape[-1]), counts, cu_seqlens,
+                      softmax_scale, block_size)
+    grads = _train_backward((ops_c, ops_s, rows), (o_cmp, lse_cmp, sel, o_slc, lse_slc, k_cmp, v_cmp), g_cmp, g_slc,
+                            dout)
+    return (*grads[:4], grads[4] if grads[4] is not None else g_cmp.new_empty(0))
+
+
+@_cmp_train_bwd_op.register_fake
+def _(query, key, value, g_cmp, g_slc, block_counts, block_counts_per_token, cu_seqlens, softmax_scale, block_size,
+      o_cmp, lse_cmp, sel, o_slc, lse_slc, dout):
+    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), torch.empty_like(g_cmp),
+            torch.empty_like(g_slc) if g_slc is not None else g_cmp.new_empty(0))
+
+
+def _cmp_train_setup(ctx, inputs, output):
+    query, key, value, g_cmp, g_slc, _, counts, per_token, cu, scale, block_size = inputs
+    ctx.save_for_backward(query, key, value, g_cmp, g_slc, per_token, cu, *output[1:])
+    ctx.args = (counts, scale, block_size)
+
+
+def _cmp_train_grad(ctx, dout, *unused):
+    """dq, dk, dv, d g_cmp, d g_slc through dsagen::nsa_cmp_train_bwd (the op's other outputs are saved
+    intermediates and take no gradient)."""
+    query, key, value, g_cmp, g_slc, per_token, cu, o_cmp, lse_cmp, sel, o_slc, lse_slc = ctx.saved_tensors
+    counts, scale, block_size = ctx.args
+    dq, dk, dv, dgc, dgs = _cmp_train_bwd_op(query, key, value, g_cmp, g_slc, counts, per_token, cu, scale,
+                                             block_size, o_cmp, lse_cmp, sel, o_slc, lse_slc, dout.contiguous())
+    return dq, dk, dv, dgc, (dgs if g_slc is not None else None), None, None, None, None, None, None
+
+
+_cmp_train_op.register_autograd(_cmp_train_grad, setup_context=_cmp_train_setup)
 
 
 def _with_compressed(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, scale, block_size, grad):
@@ -359,14 +444,9 @@ def _with_compressed(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, 
     kernel runs on them, and the gated sum is formed in FP32; with gradients (eager, blocks of 64) through
     _CompressedFunction."""
     compiling = torch.compiler.is_compiling()
-    if grad:
-        reason = ""
-        if compiling:
-            reason = "gradients with g_cmp under torch.compile (the compressed backward runs eagerly only)"
-        elif block_size != 64:
-            reason = f"the fused backward takes blocks of 64 keys, got block_size={block_size}"
-        if reason:
-            raise NotImplementedError(f"native_sparse_attention: {reason}")
+    if grad and block_size != 64:
+        raise NotImplementedError(f"native_sparse_attention: the fused backward takes blocks of 64 keys, got "
+                                  f"block_size={block_size}")
     per_token = block_counts if isinstance(block_counts, torch.Tensor) else None
     if per_token is not None:
         if compiling:
@@ -380,6 +460,9 @@ def _with_compressed(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, 
         reason = _unsupported(query, key, value, n_select, block_size)
         if reason:
             raise NotImplementedError(f"native_sparse_attention: {reason}")
+        if compiling:                     # opaque forward and backward custom ops
+            return _cmp_train_op(query, key, value, g_cmp, g_slc, n_select, n_select, None, cu_seqlens, scale,
+                                 block_size)[0]
         return _CompressedFunction.apply(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, scale,
                                          block_size, n_select)
     if compiling:
@@ -401,9 +484,10 @@ def native_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     when given; differentiable in query, key and value by the fused backward (select_backward: eagerly through
     _SelectFunction, under torch.compile through the custom ops' registered autograd; g_slc's gradient by autograd of
     the product). With g_cmp the compressed branch's kernels (cmp_host) give o_cmp and select the blocks, and out =
-    o_slc * g_slc + o_cmp * g_cmp (gradients: _CompressedFunction, eagerly). NotImplementedError for gradients with
-    blocks other than 64 keys, for gradients or per-token counts with g_cmp under torch.compile, and for inputs the
-    kernels do not cover (select_forward, compressed_forward)."""
+    o_slc * g_slc + o_cmp * g_cmp (gradients: eagerly _CompressedFunction, under torch.compile the custom ops
+    dsagen::nsa_cmp_train_fwd / _bwd). NotImplementedError for gradients with blocks other than 64 keys, for
+    per-token counts with g_cmp under torch.compile, and for inputs the kernels do not cover (select_forward,
+    compressed_forward)."""
     scale = 1.0 / math.sqrt(query.shape[3]) if softmax_scale is None else float(softmax_scale)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
     if g_cmp is not None:

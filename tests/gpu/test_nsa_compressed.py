@@ -44,7 +44,7 @@ REQUIRED_SPECS += [select_fwd_spec_for(4, 128, 128, 32, 20, "bfloat16", ARCH)]
 # the backward with g_cmp (blocks of 64): the selected branch's dq / dk / dv and the compressed branch's
 _BWD = [(16, 128, 128, 16), (4, 128, 128, 20), (1, 128, 128, 16), (16, 64, 64, 16)]
 REQUIRED_SPECS += [select_fwd_spec_for(4, 128, 128, 64, 20, "bfloat16", ARCH)]
-REQUIRED_SPECS += [select_dq_spec_for(g, d, dv, 64, s, "bfloat16", ARCH) for g, d, dv, s in _BWD + [(4, 128, 128, 8)]]
+REQUIRED_SPECS += [select_dq_spec_for(g, d, dv, 64, s, "bfloat16", ARCH) for g, d, dv, s in _BWD]
 REQUIRED_SPECS += [cmp_dq_spec_for(g, d, dv, 1, "bfloat16", ARCH) for g, d, dv, _ in _BWD]
 for _cls in (NsaSelectDkvSpec, NsaCmpDkvSpec):
     REQUIRED_SPECS += [_cls(arch=ARCH, group=g, head_dim=d, v_dim=dv) for g, d, dv, _ in _BWD]

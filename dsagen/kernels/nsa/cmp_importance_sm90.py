@@ -33,9 +33,10 @@ from dsagen.kernels.common.sm90.layout import acc_mn_view, sw128
 from dsagen.kernels.common.sm90.mma import issue_gemm
 from dsagen.kernels.common.sm90.ring import ring_wait_ready
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
-from dsagen.kernels.nsa.select_common_sm90 import (BAR_QPAD, CMP_PTR_PARAMS, CMP_SCALAR_PARAMS, REGS_CONSUMER,
-                                                   REGS_PRODUCER, SMEM_2_CTAS, init_item_barriers, make_cmp_schedule,
-                                                   make_kv_producer, row_key_limits, row_tokens, rows_map)
+from dsagen.kernels.nsa.select_common_sm90 import (CMP_PTR_PARAMS, CMP_SCALAR_PARAMS, REGS_CONSUMER, REGS_PRODUCER,
+                                                   SMEM_2_CTAS, init_item_barriers, make_cmp_schedule,
+                                                   make_kv_producer, row_key_limits, row_tokens, rows_map,
+                                                   zero_padding_rows)
 from dsagen.kernels.nsa.spec import CMP_TILE, MAX_TOK, item_tokens
 
 LOG2E = math.log2(math.e)
@@ -151,10 +152,7 @@ def build(group: int, head_dim: int, max_slots: int, dtype: str, stages: int):
             row_lse = cute.make_rmem_tensor(NR, Float32)     # log2-domain lse (0 for a row without keys)
 
             if cutlass.const_expr(ROWS < M):
-                for i in cutlass.range(ctid, (M - ROWS) * D, 128, unroll=1):
-                    sQ[ROWS + i // D, i % D] = DT(0.0)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=BAR_QPAD, number_of_threads=128)
+                zero_padding_rows(ctid, [(sQ, D)], ROWS, M)
 
             cute.arch.mbarrier_wait(list_full, 0)
             n = n_ent[0]

@@ -136,6 +136,18 @@ def make_kv_producer(BN: int, D: int, DV: int, ST: int, NE: int, with_v: bool = 
 
 
 @cute.jit
+def zero_padding_rows(ctid, tiles, rows: cutlass.Constexpr, m: cutlass.Constexpr) -> None:
+    """The consumer warpgroup (ctid 0..127) zeroes rows rows..m - 1 of each (tile, columns) of `tiles` once (the TMA
+    boxes fill only the first `rows`, so the padding rows multiply zeros), then fences them for the async proxy and
+    syncs the warpgroup (BAR_QPAD)."""
+    for tile, cols in tiles:
+        for i in cutlass.range(ctid, (m - rows) * cols, 128, unroll=1):
+            tile[rows + i // cols, i % cols] = tile.element_type(0.0)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=BAR_QPAD, number_of_threads=128)
+
+
+@cute.jit
 def row_tokens(st, cS, row_tok, row_pos, G: cutlass.Constexpr, ROWS: cutlass.Constexpr) -> None:
     """Per accumulator row r of the consumer thread (cS: the accumulator's coordinates): row_tok[r] its token within
     the item and row_pos[r] the token's packed row (-1 for padding rows and tokens past the last)."""

@@ -26,11 +26,11 @@ from dsagen.kernels.common.sm90.mma import issue_gemm
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
 from dsagen.kernels.common.sm90.ring import ring_wait_ready
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
-from dsagen.kernels.nsa.select_common_sm90 import (BAR_QPAD, CMP_PTR_PARAMS, CMP_SCALAR_PARAMS, LIST_PTR_PARAMS,
+from dsagen.kernels.nsa.select_common_sm90 import (CMP_PTR_PARAMS, CMP_SCALAR_PARAMS, LIST_PTR_PARAMS,
                                                    LIST_SCALAR_PARAMS, REGS_CONSUMER, REGS_PRODUCER, SMEM_2_CTAS,
                                                    init_item_barriers, make_cmp_schedule, make_kv_producer,
-                                                   make_schedule, qkv_host_args, row_key_limits,
-                                                   rows_map)
+                                                   make_schedule, qkv_host_args, row_key_limits, rows_map,
+                                                   zero_padding_rows)
 from dsagen.kernels.nsa.spec import MAX_TOK, item_tokens
 
 LOG2E = math.log2(math.e)
@@ -175,12 +175,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
             q4 = ctid % 4
 
             if cutlass.const_expr(ROWS < M):
-                for i in cutlass.range(ctid, (M - ROWS) * D, 128, unroll=1):
-                    sQ[ROWS + i // D, i % D] = DT(0.0)
-                for i in cutlass.range(ctid, (M - ROWS) * DV, 128, unroll=1):
-                    sdO[ROWS + i // DV, i % DV] = DT(0.0)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=BAR_QPAD, number_of_threads=128)
+                zero_padding_rows(ctid, [(sQ, D), (sdO, DV)], ROWS, M)
 
             cute.arch.mbarrier_wait(list_full, 0)
             n = n_ent[0]

@@ -1,13 +1,13 @@
 """Native sparse attention (NSA) at the NSA paper's benchmark shape: 64 query heads over 4 KV heads (and the small
 group of 16 over 4), head dims 128, blocks of 64 tokens, 16 selected blocks, bf16 and fp16. The kernels: the selected
 branch's forward, the compressed branch's forward (its attention over up to 1024 compressed rows, i.e. sequences up
-to 65536 tokens, the blocks' importance and their selection) and, unless serving, the selected branch's backward
-(dq and dk / dv)."""
+to 65536 tokens, the blocks' importance and their selection) and, unless serving, both branches' backward (dq and
+dk / dv)."""
 
 from __future__ import annotations
 
-from ...kernels.nsa.spec import (NsaCmpTopkSpec, NsaSelectDkvSpec, cmp_fwd_spec_for, cmp_importance_spec_for,
-                                 select_dq_spec_for, select_fwd_spec_for)
+from ...kernels.nsa.spec import (NsaCmpDkvSpec, NsaCmpTopkSpec, NsaSelectDkvSpec, cmp_dq_spec_for, cmp_fwd_spec_for,
+                                 cmp_importance_spec_for, select_dq_spec_for, select_fwd_spec_for)
 from ..base import KernelSpec
 
 NAME = "nsa"
@@ -26,5 +26,7 @@ def specs(arch: str, serving: bool = False) -> list[KernelSpec]:
                     cmp_importance_spec_for(g, 128, 16, dtype, arch)]
             if not serving:
                 out += [select_dq_spec_for(g, 128, 128, 64, 16, dtype, arch),
-                        NsaSelectDkvSpec(arch=arch, group=g, dtype=dtype)]
+                        NsaSelectDkvSpec(arch=arch, group=g, dtype=dtype),
+                        cmp_dq_spec_for(g, 128, 128, 16, dtype, arch),
+                        NsaCmpDkvSpec(arch=arch, group=g, dtype=dtype)]
     return out + [NsaCmpTopkSpec(arch=arch)]

@@ -29,6 +29,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
+from dsagen.kernels.common.sm90.cta import cta_coords
 from dsagen.kernels.common.sm90.layout import acc_mn_view, sw128
 from dsagen.kernels.common.sm90.mma import issue_gemm
 from dsagen.kernels.common.sm90.ring import ring_wait_ready
@@ -102,10 +103,8 @@ def build(group: int, head_dim: int, max_slots: int, dtype: str, stages: int):
     def body(q_tma, k_tma, p_ccu: cute.Pointer, p_cu: cute.Pointer, p_lse: cute.Pointer, p_imp: cute.Pointer,
              n_tok: Int32, seq_len: Int32, n_docs: Int32, n_kv: Int32, n_groups: Int32, n_slots: Int32,
              cmp_block: Int32, tok_begin: Int32, imp_ld: Int32, scale_log2: Float32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        wg = warp // 4
+        coords = cta_coords()
+        tidx, bid, warp, wg = coords.tidx, coords.bidx, coords.warp, coords.wg
         lane = cute.arch.lane_idx()
         h = bid // n_groups
         t0 = tok_begin + (bid - h * n_groups) * TOK

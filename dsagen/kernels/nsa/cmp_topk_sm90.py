@@ -18,6 +18,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
+from dsagen.kernels.common.sm90.cta import cta_coords
 from dsagen.kernels.nsa.select_common_sm90 import token_range
 
 WARPS = 4
@@ -59,8 +60,8 @@ def build():
     def kernel(p_imp: cute.Pointer, p_cu: cute.Pointer, p_sel: cute.Pointer, n_tok: Int32, tok_begin: Int32,
                seq_len: Int32, n_docs: Int32, n_kv: Int32, cmp_block: Int32, n_select: Int32, imp_ld: Int32,
                own_score: Float32):
-        bid, _, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        coords = cta_coords()
+        bid, warp = coords.bidx, coords.warp
         lane = cute.arch.lane_idx()
         i = bid * WARPS + warp                           # (token - tok_begin) * H + h
         if i < (n_tok - tok_begin) * n_kv:

@@ -24,6 +24,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.experimental import primitives as prims
 
+from dsagen.kernels.common.sm90.cta import cta_coords
 from dsagen.kernels.common.sm90.epilogue import store_row_v4
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
 from dsagen.kernels.common.sm90.mma import issue_gemm
@@ -105,10 +106,8 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, st
              p_ends: cute.Pointer, p_lims: cute.Pointer, p_dk: cute.Pointer, p_dv: cute.Pointer,
              p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32, n_kv: Int32, nbd: Int32, scale_log2: Float32,
              scale: Float32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        wg = warp // 4
+        coords = cta_coords()
+        tidx, bid, warp, wg = coords.tidx, coords.bidx, coords.warp, coords.wg
         lane = cute.arch.lane_idx()
         h = bid // nbd
         li = bid                                     # the CTA's list: per (head, block); compressed: per block

@@ -20,6 +20,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.experimental import primitives as prims
 
+from dsagen.kernels.common.sm90.cta import cta_coords
 from dsagen.kernels.common.sm90.epilogue import store_row_v4
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
 from dsagen.kernels.common.sm90.mma import issue_gemm
@@ -98,10 +99,8 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
              n_kv: Int32, n_groups: Int32, scale_log2: Float32, scale: Float32):
         """The kernel; sched: the scheduler's arguments after (st, lane, t0[, h]) (make_cmp_schedule's when
         compressed, else make_schedule's)."""
-        tidx, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        wg = warp // 4
+        coords = cta_coords()
+        tidx, bid, warp, wg = coords.tidx, coords.bidx, coords.warp, coords.wg
         lane = cute.arch.lane_idx()
         h = bid // n_groups
         t0 = (bid - h * n_groups) * TOK

@@ -58,6 +58,22 @@ def _unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sl
     return ""
 
 
+def _check_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: int, block_size: int) -> None:
+    """NotImplementedError naming the reason (_unsupported) where the kernels do not cover these inputs."""
+    reason = _unsupported(query, key, value, slots, block_size)
+    if reason:
+        raise NotImplementedError(f"native_sparse_attention: {reason}")
+
+
+def _check_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: int, block_size: int) -> None:
+    """_check_forward, and NotImplementedError for blocks other than 64 keys (the dk / dv kernel's keys are the
+    wgmma M)."""
+    _check_forward(query, key, value, slots, block_size)
+    if block_size != 64:
+        raise NotImplementedError(f"native_sparse_attention: the fused backward takes blocks of 64 keys, got "
+                                  f"block_size={block_size}")
+
+
 def _tma_ready(x: torch.Tensor) -> torch.Tensor:
     """x `[B, T, heads, dim]` as `[B * T, heads, dim]` whose dim is contiguous and whose row / head strides and base
     are 16-byte multiples (what the TMA boxes need); copied only where x's own strides do not give that."""
@@ -114,9 +130,7 @@ def select_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     block_counts an int or `[B, T, H]` integer counts per token; cu_seqlens None or `[N + 1]` integer offsets.
     spec: None (the op's, select_fwd_spec_for) or another NsaSelectFwdSpec of the same shape (benchmarks).
     NotImplementedError (with the reason) for inputs the kernel does not cover."""
-    reason = _unsupported(query, key, value, block_indices.shape[3], block_size)
-    if reason:
-        raise NotImplementedError(f"native_sparse_attention: {reason}")
+    _check_forward(query, key, value, block_indices.shape[3], block_size)
     ops = _Operands(query, key, value, block_indices, block_counts, cu_seqlens, softmax_scale, block_size)
     out, lse = _forward(ops, spec)
     return out.view(ops.b, ops.t, ops.hq, ops.dv), lse.view(ops.b, ops.t, ops.hq)
@@ -286,9 +300,7 @@ def compressed_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     `[B, T, HQ]` FP32 natural log, -inf before a token's first complete block, sel `[B, T, H, n_select]` int32: the
     blocks it selects per token and KV head, sequence-local ids, best first, -1 past the candidates). Inputs as
     select_forward's. NotImplementedError (with the reason) for inputs the kernels do not cover."""
-    reason = _unsupported(query, key, value, n_select, block_size)
-    if reason:
-        raise NotImplementedError(f"native_sparse_attention: {reason}")
+    _check_forward(query, key, value, n_select, block_size)
     ops = _Operands(query, key, value, None, 0, cu_seqlens, softmax_scale, block_size)
     out, lse, sel = compressed_branch(ops, n_select)[:3]
     return (out.view(ops.b, ops.t, ops.hq, ops.dv), lse.view(ops.b, ops.t, ops.hq),
@@ -444,9 +456,6 @@ def _with_compressed(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, 
     kernel runs on them, and the gated sum is formed in FP32; with gradients (eager, blocks of 64) through
     _CompressedFunction."""
     compiling = torch.compiler.is_compiling()
-    if grad and block_size != 64:
-        raise NotImplementedError(f"native_sparse_attention: the fused backward takes blocks of 64 keys, got "
-                                  f"block_size={block_size}")
     per_token = block_counts if isinstance(block_counts, torch.Tensor) else None
     if per_token is not None:
         if compiling:
@@ -457,9 +466,7 @@ def _with_compressed(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, 
     else:
         n_select = int(block_counts)
     if grad:
-        reason = _unsupported(query, key, value, n_select, block_size)
-        if reason:
-            raise NotImplementedError(f"native_sparse_attention: {reason}")
+        _check_backward(query, key, value, n_select, block_size)
         if compiling:                     # opaque forward and backward custom ops
             return _cmp_train_op(query, key, value, g_cmp, g_slc, n_select, n_select, None, cu_seqlens, scale,
                                  block_size)[0]
@@ -494,11 +501,7 @@ def native_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         grad = grad or (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (g_cmp, g_slc)))
         return _with_compressed(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, scale, block_size, grad)
     if grad:
-        reason = _unsupported(query, key, value, block_indices.shape[3], block_size)
-        if not reason and block_size != 64:
-            reason = f"the fused backward takes blocks of 64 keys, got block_size={block_size}"
-        if reason:
-            raise NotImplementedError(f"native_sparse_attention: {reason}")
+        _check_backward(query, key, value, block_indices.shape[3], block_size)
     if grad and not torch.compiler.is_compiling():
         out = _SelectFunction.apply(query, key, value, block_indices, block_counts, cu_seqlens, scale, block_size)
     elif torch.compiler.is_compiling():     # torch.compile sees the kernels as opaque nodes (forward, backward)

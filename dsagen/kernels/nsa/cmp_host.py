@@ -44,24 +44,37 @@ class CompressedRows:
             self.n_keys = self.blocks + ops.n_docs
         self.tiles = -(-self.blocks // CMP_TILE)
 
+    def list_args(self, ops) -> tuple:
+        """The compressed scheduler's scalars for all of `ops`' tokens (select_common_sm90.CMP_SCALAR_PARAMS: n_tok,
+        seq_len, n_docs, n_kv, n_groups, n_slots, cmp_block, n_keys), as the forward and dq kernels take them."""
+        return (ops.n_tok, ops.t, ops.n_docs, ops.h, -(-ops.n_tok // item_tokens(ops.g)), self.tiles, ops.block_size,
+                self.n_keys)
+
+    def sequences_of_rows(self, ops) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per compressed row j < n_keys: (its sequence, its row within that sequence, whether a sequence holds it:
+        False for the rows past the last sequence's), int64 / bool on the device."""
+        j = torch.arange(self.n_keys, device=ops.q3.device)
+        if ops.n_docs == 0:
+            seq = torch.div(j, self.blocks, rounding_mode="floor")
+            return seq, j - seq * self.blocks, torch.ones_like(j, dtype=torch.bool)
+        ccu = self.ccu.long()
+        seq = torch.searchsorted(ccu[1:], j, right=True).clamp(max=ops.n_docs - 1)
+        return seq, j - ccu[seq], j < ccu[-1]
+
 
 def mean_pool(x3: torch.Tensor, ops, rows: CompressedRows) -> torch.Tensor:
     """`[n_keys, H, dim]` in x3's dtype: compressed row j of a sequence is the mean of its tokens [j bs, (j + 1) bs)
     (a partial last block padded with zeros: the sum divided by bs), summed in FP32 in token order; rows past the last
     sequence's are zeros. x3: `[N, H, dim]`."""
     bs, dev = ops.block_size, x3.device
-    j = torch.arange(rows.n_keys, device=dev)
+    seq, row, held = rows.sequences_of_rows(ops)
     if ops.n_docs == 0:
-        seq = torch.div(j, rows.blocks, rounding_mode="floor")
-        tok0 = seq * ops.t + (j - seq * rows.blocks) * bs
-        end = (seq + 1) * ops.t
+        first, end = seq * ops.t, (seq + 1) * ops.t
     else:
-        ccu, cu = rows.ccu.long(), ops.cu.long()
-        seq = torch.searchsorted(ccu[1:], j, right=True).clamp(max=ops.n_docs - 1)
-        tok0 = cu[seq] + (j - ccu[seq]) * bs
-        end = torch.where(j < ccu[-1], cu[seq + 1], tok0)         # rows past the last sequence's: no tokens
-    tok = tok0[:, None] + torch.arange(bs, device=dev)
-    valid = tok < end[:, None]
+        cu = ops.cu.long()
+        first, end = cu[seq], cu[seq + 1]
+    tok = (first + row * bs)[:, None] + torch.arange(bs, device=dev)
+    valid = (tok < end[:, None]) & held[:, None]
     parts = x3[tok.clamp(0, max(ops.n_tok - 1, 0))].float() * valid[..., None, None]
     return (parts.sum(1) / bs).to(x3.dtype)
 
@@ -86,16 +99,14 @@ def compressed_branch(ops, n_select: int) -> tuple:
     if n == 0:
         return out, lse, sel, k_cmp, v_cmp, rows
     arch = device_arch(device_index(dev))
-    tok = item_tokens(ops.g)
-    sched = (ops.n_tok, ops.t, ops.n_docs, h)
     _kernel(dev, cmp_fwd_spec_for(ops.g, ops.d, ops.dv, rows.tiles, ops.dtype_name, arch)).launch(
-        ops.q3, k_cmp, v_cmp, rows.ccu, ops.cu, out, lse, *sched, -(-n // tok), rows.tiles, ops.block_size,
-        rows.n_keys, ops.scale * LOG2E)
+        ops.q3, k_cmp, v_cmp, rows.ccu, ops.cu, out, lse, *rows.list_args(ops), ops.scale * LOG2E)
     if n_select == 0:
         return out, lse, sel, k_cmp, v_cmp, rows
     imp_spec = cmp_importance_spec_for(ops.g, ops.d, rows.tiles, ops.dtype_name, arch)
     topk = _kernel(dev, NsaCmpTopkSpec(arch=arch))
     row_bytes = h * rows.blocks * 4
+    tok = item_tokens(ops.g)
     chunk = max(tok, IMP_SCRATCH_BYTES // row_bytes // tok * tok)
     imp = torch.empty((min(chunk, n), h, rows.blocks), dtype=torch.float32, device=dev)
     for begin in range(0, n, chunk):
@@ -155,17 +166,9 @@ class CompressedTiles:
         off[1:] = torch.cumsum(counts[:-1], 0)
         self.off = off.to(torch.int32)
         # compressed row j -> (its tile, its row in the tile), for gathering the summed partials
-        j = torch.arange(rows.n_keys, device=dev)
-        if ops.n_docs == 0:
-            js = torch.div(j, rows.blocks, rounding_mode="floor")
-            jr = j - js * rows.blocks
-            jt = js * rows.tiles + torch.div(jr, CMP_TILE, rounding_mode="floor")
-        else:
-            js = torch.searchsorted(ccu[1:], j, right=True).clamp(max=ops.n_docs - 1)
-            jr = j - ccu[js]
-            jt = bases[js] + torch.div(jr, CMP_TILE, rounding_mode="floor")
-        self.row_of_key = (jt.clamp(max=self.n_tiles - 1) * CMP_TILE + jr % CMP_TILE)
-        self.key_valid = j < (rows.n_keys if ops.n_docs == 0 else ccu[-1])
+        js, jr, self.key_valid = rows.sequences_of_rows(ops)
+        jt = (js * rows.tiles if ops.n_docs == 0 else bases[js]) + torch.div(jr, CMP_TILE, rounding_mode="floor")
+        self.row_of_key = jt.clamp(max=self.n_tiles - 1) * CMP_TILE + jr % CMP_TILE
         # token -> its compressed row (the mean pool's backward)
         self.key_of_tok = kfirst + torch.div(t - first, bs, rounding_mode="floor")
 
@@ -183,10 +186,9 @@ def compressed_backward(ops, rows: CompressedRows, k_cmp: torch.Tensor, v_cmp: t
     delta = (do3.float() * out.float()).sum(-1)
     lse2 = lse.contiguous()
     dq = torch.empty((n, hq, ops.d), dtype=out.dtype, device=dev)
-    tok = item_tokens(ops.g)
     _kernel(dev, cmp_dq_spec_for(ops.g, ops.d, ops.dv, rows.tiles, ops.dtype_name, arch)).launch(
-        ops.q3, k_cmp, v_cmp, do3, rows.ccu, ops.cu, dq, lse2, delta, n, ops.t, ops.n_docs, h, -(-n // tok),
-        rows.tiles, ops.block_size, rows.n_keys, ops.scale * LOG2E, ops.scale)
+        ops.q3, k_cmp, v_cmp, do3, rows.ccu, ops.cu, dq, lse2, delta, *rows.list_args(ops), ops.scale * LOG2E,
+        ops.scale)
     tiles = CompressedTiles(ops, rows)
     pk = torch.zeros((tiles.nbd * CMP_TILE, h, ops.d), dtype=out.dtype, device=dev)
     pv = torch.zeros((tiles.nbd * CMP_TILE, h, ops.dv), dtype=out.dtype, device=dev)

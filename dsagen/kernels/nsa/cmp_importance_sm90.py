@@ -25,13 +25,12 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.experimental.cuda as xcuda
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
 from dsagen.kernels.common.sm90.cta import cta_coords
-from dsagen.kernels.common.sm90.layout import acc_mn_view, sw128
-from dsagen.kernels.common.sm90.mma import issue_gemm
+from dsagen.kernels.common.sm90.layout import sw128
+from dsagen.kernels.common.sm90.mma import issue_gemm, wgmma_tile
 from dsagen.kernels.common.sm90.ring import ring_wait_ready
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
 from dsagen.kernels.nsa.select_common_sm90 import (CMP_PTR_PARAMS, CMP_SCALAR_PARAMS, REGS_CONSUMER, REGS_PRODUCER,
@@ -135,14 +134,8 @@ def build(group: int, head_dim: int, max_slots: int, dtype: str, stages: int):
             cute.arch.setmaxregister_increase(REGS_CONSUMER[CTAS_PER_SM])
             ctid = tidx - 128
             cw = warp - 4                                    # the consumer warp: rows 16 cw .. 16 cw + 15
-            mma_qk = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                                       (1, 1, 1), tiler_mn=(M, BN))
-            thr_qk = mma_qk.get_slice(ctid)
-            tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
-            tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))
-            accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((M, BN)), Float32)
-            sMN = acc_mn_view(accS)
-            cS = acc_mn_view(thr_qk.partition_C(cute.make_identity_tensor((M, BN))))
+            qk = wgmma_tile(DT, sQ, sK, (M, BN), ctid)                    # S = Q K^T; B (.., .., k, stage)
+            mma_qk, tSrQ, tSrK, accS, sMN, cS = qk.mma, qk.tA, qk.tB, qk.acc, qk.acc_mn, qk.coord_mn
             NR = cute.size(sMN, mode=[0])
             NC = cute.size(sMN, mode=[1])
             row_tok = cute.make_rmem_tensor(NR, Int32)

@@ -8,9 +8,9 @@ gates' gradients. `select_forward(...)` is the forward kernel's own call, return
 natural-log LSE.
 
 What the kernels do not cover raises NotImplementedError naming the reason (no silent fallback to the reference):
-gradients with blocks other than 64 keys, per-token counts with g_cmp under torch.compile, FP32 / FP64 inputs, and shapes outside NsaSelectFwdSpec's (group a power of two up to 64, D and Dv 64
-or 128, block_size 32 / 64 / 128, at most NSA_MAX_SLOTS slots) or the compressed branch's (sequences of at most
-NSA_MAX_SLOTS x 64 compressed rows).
+gradients with blocks other than 64 keys, per-token counts with g_cmp under torch.compile, FP32 / FP64 inputs, and
+shapes outside NsaSelectFwdSpec's (group a power of two up to 64, D and Dv 64 or 128, block_size 32 / 64 / 128, at
+most NSA_MAX_SLOTS slots) or the compressed branch's (sequences of at most NSA_MAX_SLOTS x 64 compressed rows).
 """
 
 from __future__ import annotations

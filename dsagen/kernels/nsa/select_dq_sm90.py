@@ -15,15 +15,14 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.experimental.cuda as xcuda
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.experimental import primitives as prims
 
 from dsagen.kernels.common.sm90.cta import cta_coords
 from dsagen.kernels.common.sm90.epilogue import store_row_v4
-from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
-from dsagen.kernels.common.sm90.mma import issue_gemm
+from dsagen.kernels.common.sm90.layout import acc_mn_view, sw128
+from dsagen.kernels.common.sm90.mma import issue_gemm, wgmma_tile
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
 from dsagen.kernels.common.sm90.ring import ring_wait_ready
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
@@ -141,25 +140,16 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
         else:
             cute.arch.setmaxregister_increase(REGS_CONSUMER[CTAS_PER_SM])
             ctid = tidx - 128
-            mma_s = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                                      (1, 1, 1), tiler_mn=(M, BN))
-            mma_dq = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-                                                       (1, 1, 1), tiler_mn=(M, D),
-                                                       a_source=warpgroup.OperandSource.RMEM)
-            thr_s = mma_s.get_slice(ctid)
-            thr_dq = mma_dq.get_slice(ctid)
-            tSrQ = mma_s.make_fragment_A(thr_s.partition_A(sQ))
-            tSrK = mma_s.make_fragment_B(thr_s.partition_B(sK))
-            tPrdO = mma_s.make_fragment_A(thr_s.partition_A(sdO))
-            tPrV = mma_s.make_fragment_B(thr_s.partition_B(sV))
-            tQrK = mma_dq.make_fragment_B(thr_dq.partition_B(sKt))
-            accS = cute.make_rmem_tensor(thr_s.partition_shape_C((M, BN)), Float32)
-            accP = cute.make_rmem_tensor(thr_s.partition_shape_C((M, BN)), Float32)
-            accQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((M, D)), Float32)
+            s_tile = wgmma_tile(DT, sQ, sK, (M, BN), ctid)               # S = Q K^T (and dP = dO V^T)
+            mma_s, tSrQ, tSrK, accS = s_tile.mma, s_tile.tA, s_tile.tB, s_tile.acc
+            sMN, cS = s_tile.acc_mn, s_tile.coord_mn
+            tPrdO = mma_s.make_fragment_A(s_tile.thr.partition_A(sdO))
+            tPrV = mma_s.make_fragment_B(s_tile.thr.partition_B(sV))
+            accP = cute.make_rmem_tensor(accS.layout, Float32)
+            pMN = acc_mn_view(accP)
             rdS = cute.make_rmem_tensor(accS.layout, DT)
-            tQrdS = acc_as_frg_a(rdS)
-            sMN, pMN, qMN = acc_mn_view(accS), acc_mn_view(accP), acc_mn_view(accQ)
-            cS = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((M, BN))))
+            dq_tile = wgmma_tile(DT, None, sKt, (M, D), ctid, b_mn_major=True, a_regs=rdS)    # dq += dS K
+            mma_dq, tQrdS, tQrK, accQ, qMN = dq_tile.mma, dq_tile.tA, dq_tile.tB, dq_tile.acc, dq_tile.acc_mn
             NR = cute.size(sMN, mode=[0])
             NC = cute.size(sMN, mode=[1])
             row_tok = cute.make_rmem_tensor(NR, Int32)
@@ -170,7 +160,6 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
             row_lse = cute.make_rmem_tensor(NR, Float32)     # the row's lse in the log2 domain (0 for an empty row)
             row_dlt = cute.make_rmem_tensor(NR, Float32)     # its delta
             accQ.fill(0.0)
-            mma_dq.set(warpgroup.Field.ACCUMULATE, True)
             q4 = ctid % 4
 
             if cutlass.const_expr(ROWS < M):

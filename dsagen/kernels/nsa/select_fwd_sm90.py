@@ -33,14 +33,13 @@ import operator
 import cutlass
 import cutlass.cute as cute
 import cutlass.experimental.cuda as xcuda
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
 from dsagen.kernels.common.sm90.cta import cta_coords
 from dsagen.kernels.common.sm90.epilogue import store_row_v4
-from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
-from dsagen.kernels.common.sm90.mma import gemm_tile, issue_gemm
+from dsagen.kernels.common.sm90.layout import sw128
+from dsagen.kernels.common.sm90.mma import gemm_tile, issue_gemm, wgmma_tile
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
 from dsagen.kernels.common.sm90.reduce import quad_sum, tree_reduce
 from dsagen.kernels.common.sm90.ring import ring_wait_ready
@@ -199,23 +198,11 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
         else:
             cute.arch.setmaxregister_increase(REGS_CONSUMER[CTAS_PER_SM])
             ctid = tidx - 128
-            mma_qk = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                                       (1, 1, 1), tiler_mn=(M, BN))
-            mma_pv = sm90_utils.make_trivial_tiled_mma(DT, DT, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-                                                       (1, 1, 1), tiler_mn=(M, DV),
-                                                       a_source=warpgroup.OperandSource.RMEM)
-            mma_qk.set(warpgroup.Field.ACCUMULATE, True)
-            thr_qk = mma_qk.get_slice(ctid)
-            thr_pv = mma_pv.get_slice(ctid)
-            tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))
-            tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))          # (.., .., k, stage)
-            tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))         # (.., .., k, stage)
-            accS = cute.make_rmem_tensor(thr_qk.partition_shape_C((M, BN)), Float32)
-            accO = cute.make_rmem_tensor(thr_pv.partition_shape_C((M, DV)), Float32)
-            rP = cute.make_rmem_tensor(accS.layout, DT)
-            tOrP = acc_as_frg_a(rP)
-            sMN, oMN = acc_mn_view(accS), acc_mn_view(accO)
-            cS = acc_mn_view(thr_qk.partition_C(cute.make_identity_tensor((M, BN))))
+            qk = wgmma_tile(DT, sQ, sK, (M, BN), ctid)                    # S = Q K^T; B (.., .., k, stage)
+            rP = cute.make_rmem_tensor(qk.acc.layout, DT)
+            pv = wgmma_tile(DT, None, sVt, (M, DV), ctid, b_mn_major=True, a_regs=rP)   # O += P V
+            mma_qk, tSrQ, tSrK, accS, sMN, cS = qk.mma, qk.tA, qk.tB, qk.acc, qk.acc_mn, qk.coord_mn
+            mma_pv, tOrP, tOrV, accO, oMN = pv.mma, pv.tA, pv.tB, pv.acc, pv.acc_mn
             NR = cute.size(sMN, mode=[0])
             row_max = cute.make_rmem_tensor(NR, Float32)
             row_sum = cute.make_rmem_tensor(NR, Float32)
@@ -225,7 +212,6 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
             row_max.fill(MAX_INIT)
             row_sum.fill(0.0)
             accO.fill(0.0)
-            mma_pv.set(warpgroup.Field.ACCUMULATE, True)
             q4 = ctid % 4
 
             if cutlass.const_expr(ROWS < M):

@@ -165,7 +165,7 @@ def test_render(d_qk):
         assert name in kern
     # the CTAs loop over the items: grid min(items, n_ctas), the Q hand-over barrier, phases from the pair count
     assert kern.count("for item in cutlass.range(bidx, n_items, nctas, unroll=1):") == 2     # producer, consumers
-    assert 'BuiltKernel.of(params(dtype, lse_prefix), fwd, f"min(s_q * {fwd.HB}, n_ctas)")' in kern
+    assert 'BuiltKernel.of(params(dtype, lse_prefix, kv_fp8), fwd, f"min(s_q * {fwd.HB}, n_ctas)")' in kern
     assert "q_free" in kern and "g = gp + k" in kern
     # the producer fills the halves V0L, V1R, V0R, V1L: free[0][L], free[1][R], free[0][R], free[1][L]
     assert "mbarrier_wait(bars.hbar + (4 + 2 * s + h), free_phase)" in kern
@@ -281,7 +281,7 @@ def test_host_passes_the_prefix_arguments_only_to_the_lse_prefix_kernel(monkeypa
         def launch(self, *args):
             calls.append(args)
 
-    def plan(h, d_qk, dtype, device, rows, want_kernel, config=None, lse_prefix=False):
+    def plan(h, d_qk, dtype, device, rows, want_kernel, config=None, lse_prefix=False, kv_fp8=False):
         plans.append(lse_prefix)
         return SparseAttnFwdSpec(arch="sm_90a", num_heads=64, lse_prefix=lse_prefix), Kernel(), 4
 
@@ -298,3 +298,41 @@ def test_host_passes_the_prefix_arguments_only_to_the_lse_prefix_kernel(monkeypa
         fwd_host.sparse_attention(q, kv, ids, **kw, indexer_topk=100)
     with pytest.raises(ValueError, match="indexer_topk=512"):
         fwd_host.sparse_attention(q, kv, ids, **kw, indexer_topk=512)
+
+
+def test_decode_passes_the_fp8_cache_rows_to_the_kv_fp8_kernel(monkeypatch):
+    """sparse_attention_decode's fused host with a stand-in kernel (CPU tensors): an FP8 cache (uint8, or its
+    float8_e4m3fn view) plans the kv_fp8 spec and launches with the cache as one pool of 656-byte rows (its row count
+    and byte stride as n_kv and ld_kv, no copy of a row-strided view); a BF16 cache plans the plain kernel; a cache
+    with no rows returns out 0 and lse +inf without a launch."""
+    import torch
+
+    import dsagen.kernels.sparse_mla.host as fwd_host
+    from dsagen.kernels.sparse_mla import decode_host
+
+    calls, plans = [], []
+
+    class Kernel:
+        def launch(self, *args):
+            calls.append(args)
+
+    def plan(h, d_qk, dtype, device, rows, want_kernel, config=None, lse_prefix=False, kv_fp8=False):
+        plans.append(kv_fp8)
+        return SparseAttnFwdSpec(arch="sm_90a", num_heads=64, kv_fp8=kv_fp8), Kernel(), 4
+
+    monkeypatch.setattr(fwd_host, "_launch_plan", plan)
+    q = torch.zeros(2, 3, 64, 576, dtype=torch.bfloat16)
+    ids = torch.zeros(2, 3, 128, dtype=torch.int32)
+    kw = dict(attn_sink=None, topk_length=None, softmax_scale=None, d_v=512)
+    wide = torch.zeros(5, 8, 1, 672, dtype=torch.uint8)
+    for cache in (wide[..., :656], wide[..., :656].view(torch.float8_e4m3fn)):
+        out, lse = decode_host.sparse_attention_decode(q, cache, ids, **kw)
+        kv, scalars = calls[-1][1], calls[-1][8:]
+        assert plans[-1] is True and kv.dtype == torch.uint8 and kv.shape == (40, 656)
+        assert kv.data_ptr() == wide.data_ptr() and scalars[1] == 40 and scalars[4] == 672     # n_kv, ld_kv bytes
+        assert out.shape == (2, 3, 64, 512) and lse.shape == (2, 3, 64)
+    decode_host.sparse_attention_decode(q, torch.zeros(5, 8, 1, 576, dtype=torch.bfloat16), ids, **kw)
+    assert plans[-1] is False and calls[-1][8 + 4] == 576
+    n = len(calls)
+    out, lse = decode_host.sparse_attention_decode(q, wide[:0, ..., :656], ids, **kw)
+    assert len(calls) == n and (out == 0).all() and torch.isposinf(lse).all() and out.shape == (2, 3, 64, 512)

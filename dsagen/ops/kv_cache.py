@@ -100,9 +100,10 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
         attn_sink: optional FP32 [H] sink logits (as sparse_attention). topk_length: optional int32 [B] (per
             sequence, as FlashMLA's) or [B, s_q] valid-prefix lengths.
         softmax_scale: default 1 / sqrt(576). d_v: 512 (the MLA latent; RoPE columns are not in V).
-        impl: "fused" (default: the sparse MLA forward kernel over a BF16 cache viewed as one flat pool of
-            rows, no gather; NotImplementedError for the FP8 cache, which has no fused kernel yet; ValueError off
-            the GPU) or "reference" (gathers and dequantizes only the rows the indices name).
+        impl: "fused" (default: the sparse MLA forward kernel over the cache viewed as one flat pool of rows, no
+            gather; the FP8 cache's rows dequantized to bf16 in shared memory by the kernel, the values
+            dequantize_kv_fp8 gives; ValueError off the GPU) or "reference" (gathers and dequantizes only the rows
+            the indices name).
 
     Returns:
         (out [B, s_q, H, d_v] bfloat16, lse [B, s_q, H] FP32): sparse_attention's out and KV-only natural-log lse
@@ -110,8 +111,8 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
 
     Raises:
         TypeError / ValueError naming the argument for wrong dtypes, shapes or devices (the cache's last dim must be
-        656 for the FP8 format and q's 576 for a BF16 cache); NotImplementedError for impl="fused" with the FP8
-        cache or a cache whose page blocks are not evenly strided rows.
+        656 for the FP8 format and q's 576 for a BF16 cache); NotImplementedError for impl="fused" with a cache
+        whose page blocks are not evenly strided rows.
     """
     check_impl(impl)
     check_tensor("q", q, dtypes=(torch.bfloat16,), ndim=4)

@@ -228,6 +228,10 @@ def specs_for_model(model: ModelAttention, arch: str, serving: bool = False) -> 
         # ... and its lse_prefix kernel, which also returns lse_indexer (sparse_attention(..., indexer_topk=N))
         out.append(sparse_mla_config(h, model.d_qk, model.dtype, None, arch, None)
                    .spec(h, model.d_qk, model.dtype, arch, d_v=model.d_v, lse_prefix=True))
+        # ... and the decode over DeepSeek-V3.2's FP8 KV cache (sparse_attention_decode; 576-wide bf16 rows only)
+        if model.d_qk == 576 and model.d_v == 512 and model.dtype == "bfloat16":
+            out.append(sparse_mla_config(h, 576, "bfloat16", None, arch, None, kv_fp8=True)
+                       .spec(h, 576, "bfloat16", arch, kv_fp8=True))
     if hopper and not serving:
         h = mla_kernel_heads(model.num_heads)
         # sparse MLA backward: the atomic kernel autograd runs by default and the deterministic one it runs under

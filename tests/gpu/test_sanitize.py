@@ -28,7 +28,7 @@ from dsagen.reference.indexer import weighted_relu_scores
 from dsagen.spec import CompactifySpec, LocalToGlobalSpec
 from dsagen.kernels.lightning_indexer.spec import config_for as indexer_config
 from dsagen.kernels.lightning_indexer.spec import forward_topk_config_for, scores_config_for
-from dsagen.kernels.sparse_mla.spec import SparseAttnFwdConfig, config_for
+from dsagen.kernels.sparse_mla.spec import FP8_CACHE_CONFIG, SparseAttnFwdConfig, config_for
 from dsagen.kernels.attn_score_recompute import host as rc_host
 from dsagen.kernels.attn_score_recompute import dense_host as drc_host
 from dsagen.kernels.attn_score_recompute.spec import config_for as rc_config_for
@@ -59,7 +59,7 @@ INDEXER_SHAPE = (64, 128)                        # (H, D) of the lightning index
 INDEXER_CONFIG = indexer_config(*INDEXER_SHAPE, "bfloat16", ARCH)   # the op's config for that shape
 TOPK_SPECS = INDEXER_CONFIG.topk.specs()         # every top-k kernel the fused indexer may pick
 REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfloat16", ARCH)
-                  for h, d in SPARSE_SHAPES] + [
+                  for h, d in SPARSE_SHAPES] + [FP8_CACHE_CONFIG.spec(128, 576, "bfloat16", ARCH, kv_fp8=True)] + [
     *INDEXER_CONFIG.specs(), CompactifySpec(arch=ARCH), LocalToGlobalSpec(arch=ARCH)] + [
     bwd_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH, deterministic=det)
     for h, d in SPARSE_SHAPES for det in (False, True)] + [
@@ -86,7 +86,8 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     nsa_spec_for(g, 128, 128, 64, 19, "bfloat16", ARCH) for g in (1, 16)] + [
     nsa_dq_spec_for(g, 128, 128, 64, 19, "bfloat16", ARCH) for g in (1, 16)] + [
     nsa_cmp_dq_spec_for(g, 128, 128, 1, "bfloat16", ARCH) for g in (1, 16)] + [
-    NsaCmpDkvSpec(arch=ARCH, group=g) for g in (1, 16)]
+    NsaCmpDkvSpec(arch=ARCH, group=g) for g in (1, 16)] + [
+    f(g, 128, 128, bs, 16, "bfloat16", ARCH) for f in (nsa_spec_for, nsa_dq_spec_for) for g, bs in ((16, 32), (1, 128))]
 FORWARD_TOPK_SPECS = (*forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs(),
                       *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, finish_in_topk=False).topk.specs())
 
@@ -128,6 +129,21 @@ def test_sparse_forward(h, d_qk):
     torch.testing.assert_close(lse, r_lse.float(), atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(m, r_m.float(), atol=1e-4, rtol=1e-5)
     assert (out[:2] == 0).all() and torch.isposinf(lse[:2]).all()      # topk_length 0; row 1 without a valid id
+
+
+@gpu
+def test_sparse_decode_fp8():
+    """The FP8 cache kernel (its producer dequantizes the gathered rows), 3 CTAs looping over 6 query rows' items,
+    adversarial ids and lengths as test_sparse_forward's, against the reference on the dequantized rows."""
+    q, kv, ids, sink, tl = _sparse_inputs(6, 128, 576, 320, 900, seed=11)
+    rows = dsagen.quantize_kv_fp8(kv, impl="reference")                    # [900, 656] uint8
+    out, lse, _ = fused_sa.sparse_attention(q, rows, ids, attn_sink=sink, topk_length=tl, softmax_scale=0.05,
+                                            d_v=512, config=replace(FP8_CACHE_CONFIG, grid=3))
+    r_out, r_lse, _ = dsagen.sparse_attention(q, dsagen.dequantize_kv_fp8(rows, impl="reference"), ids,
+                                              attn_sink=sink, topk_length=tl, softmax_scale=0.05, impl="reference")
+    torch.testing.assert_close(out.float(), r_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, r_lse.float(), atol=2e-4, rtol=1e-4)
+    assert (out[:2] == 0).all() and torch.isposinf(lse[:2]).all()
 
 
 @gpu
@@ -689,11 +705,12 @@ def test_nsa_select_forward(hq, packed):
 
 
 @gpu
-@pytest.mark.parametrize("hq,packed", [(64, False), (4, True)])
-def test_nsa_select_backward(hq, packed):
+@pytest.mark.parametrize("hq,packed,bs", [(64, False, 64), (4, True, 64), (64, False, 32), (4, True, 128)])
+def test_nsa_select_backward(hq, packed, bs):
     """The NSA backward's dq kernel and dk / dv kernel (and the inverse index feeding it) on the forward case's
-    adversarial inputs; dq, dk, dv against autograd of the reference."""
-    gen = torch.Generator().manual_seed(330 + hq)
+    adversarial inputs, blocks of 64, 32 (the dk / dv kernel's 64-row tile cut after 32) and 128 (two tiles a
+    block); dq, dk, dv against autograd of the reference."""
+    gen = torch.Generator().manual_seed(330 + hq + bs)
     q, k, v, ids, counts, cu = _nsa_inputs(hq, packed, gen)
     dout = torch.randn(q.shape, generator=gen).bfloat16().to(DEV)
     grads = []
@@ -701,7 +718,7 @@ def test_nsa_select_backward(hq, packed):
         leaves = [x.detach().float().requires_grad_() if impl == "reference" else x.detach().requires_grad_()
                   for x in (q, k, v)]
         out = dsagen.native_sparse_attention(*leaves, block_indices=ids, block_counts=counts, cu_seqlens=cu,
-                                             softmax_scale=0.1, block_size=NSA_BLOCK, impl=impl)
+                                             softmax_scale=0.1, block_size=bs, impl=impl)
         grads.append(torch.autograd.grad(out, leaves, dout.to(out.dtype)))
         torch.cuda.synchronize()
     for got, want in zip(*grads):

@@ -1,8 +1,9 @@
-"""GPU tests of the fused sparse MLA decode over a paged BF16 cache (`dsagen.sparse_attention_decode(...,
+"""GPU tests of the fused sparse MLA decode over a paged cache (`dsagen.sparse_attention_decode(...,
 impl="fused")`: the sparse MLA forward kernel over the cache as one flat pool of rows) against impl="reference":
 B 1-5, s_q 1-4, H 64 / 128 (and 16, padded), topk 512 / 2048, random page-encoded ids with -1, ids past the cache
 and repeats, topk_length per sequence and per token, a sink, empty rows (out 0, lse +inf), a cache that is a
-slice of a wider buffer; the FP8 cache raises NotImplementedError.
+slice of a wider buffer. The FP8 cache (quantize_kv_fp8's format, uint8 or float8_e4m3fn): the same cases, and
+bitwise the BF16 kernel's results on the dequantized cache (the producer dequantizes to dequantize_kv_fp8's bytes).
 
 Build what these need first (CPU, with CuTe-DSL):
     dsagen build --spec-file tests/gpu/required_specs.json
@@ -18,8 +19,8 @@ from dsagen.kernels.sparse_mla.spec import config_for
 
 ARCH = "sm_90a"
 DEV = "cuda"
-REQUIRED_SPECS = [config_for(h, 576, dt, None, ARCH, None).spec(h, 576, dt, ARCH)
-                  for h, dt in [(64, "bfloat16"), (128, "bfloat16")]]
+REQUIRED_SPECS = [config_for(h, 576, "bfloat16", None, ARCH, None, fp8).spec(h, 576, "bfloat16", ARCH, kv_fp8=fp8)
+                  for h in (64, 128) for fp8 in (False, True)]
 
 pytestmark = pytest.mark.gpu
 
@@ -77,9 +78,45 @@ def test_cache_slice_of_a_wider_buffer():
         dsagen.sparse_attention_decode(q, torch.cat([cache, cache])[::2], ids)
 
 
-def test_fp8_cache_is_not_fused_yet():
-    gen = torch.Generator().manual_seed(6)
-    q, cache, ids = _case(1, 1, 64, 512, 8, 64, gen)
-    fp8 = dsagen.quantize_kv_fp8(cache.view(8, 64, 576), impl="reference").unsqueeze(2)
-    with pytest.raises(NotImplementedError, match="FP8 cache"):
-        dsagen.sparse_attention_decode(q, fp8, ids)
+def _fp8(cache):
+    """The FP8 cache [n_blocks, page, 1, 656] uint8 of a bf16 cache, and that cache dequantized (bf16, 576)."""
+    nb, page = cache.shape[:2]
+    fp8 = dsagen.quantize_kv_fp8(cache.view(nb, page, 576), impl="reference").unsqueeze(2)
+    return fp8, dsagen.dequantize_kv_fp8(fp8, impl="reference")
+
+
+@pytest.mark.parametrize("b,s_q,h,topk", [(1, 1, 128, 2048), (3, 2, 64, 512), (5, 4, 128, 512), (2, 1, 16, 640)])
+def test_fp8_cache(b, s_q, h, topk):
+    """The FP8 cache against the reference (which dequantizes the rows it gathers), and bitwise the BF16 kernel's
+    out and lse over the dequantized cache; the float8_e4m3fn view of the same bytes gives the same bytes."""
+    gen = torch.Generator().manual_seed(b * 100 + s_q * 10 + h + topk + 1)
+    q, cache, ids = _case(b, s_q, h, topk, 97, 64, gen)
+    cache = cache * torch.exp(torch.randn((97, 64, 1, 1), generator=gen)).bfloat16().to(DEV)    # varied scales
+    sink = torch.randn(h, generator=gen).to(DEV)
+    fp8, deq = _fp8(cache)
+    _check(q, fp8, ids, attn_sink=sink)
+    out, lse = dsagen.sparse_attention_decode(q, fp8, ids, attn_sink=sink)
+    b_out, b_lse = dsagen.sparse_attention_decode(q, deq, ids, attn_sink=sink)
+    assert torch.equal(out, b_out) and torch.equal(lse, b_lse)
+    e_out, e_lse = dsagen.sparse_attention_decode(q, fp8.view(torch.float8_e4m3fn), ids, attn_sink=sink)
+    assert torch.equal(out, e_out) and torch.equal(lse, e_lse)
+
+
+def test_fp8_cache_lengths_empty_rows_and_strides():
+    """FP8: topk_length per sequence and per token with empty rows, a cache whose rows are a column slice of wider
+    rows, an uneven page stride refused, and a cache with no rows (every row empty)."""
+    gen = torch.Generator().manual_seed(78)
+    q, cache, ids = _case(3, 2, 64, 512, 40, 32, gen)
+    fp8, _ = _fp8(cache)
+    per_tok = torch.tensor([[5, 0], [512, 1], [64, 200]], dtype=torch.int32, device=DEV)
+    _check(q, fp8, ids, topk_length=per_tok, softmax_scale=0.05)
+    _check(q, fp8, ids, topk_length=torch.tensor([0, 300, 512], dtype=torch.int32, device=DEV))
+    out, lse = dsagen.sparse_attention_decode(q, fp8, ids, topk_length=per_tok)
+    assert torch.isposinf(lse[0, 1]).all() and (out[0, 1] == 0).all()
+    wide = torch.randint(0, 255, (40, 32, 1, 672), generator=gen, dtype=torch.uint8).to(DEV)
+    wide[..., :656] = fp8
+    _check(q, wide[..., :656], ids)
+    with pytest.raises(NotImplementedError, match="not evenly strided rows"):
+        dsagen.sparse_attention_decode(q, torch.cat([fp8, fp8])[::2], ids)
+    out, lse = dsagen.sparse_attention_decode(q, fp8[:0], ids)
+    assert (out == 0).all() and torch.isposinf(lse).all()

@@ -60,22 +60,28 @@ from dsagen.kernels.common.sm90.epilogue import store_row_v4
 from dsagen.kernels.common.sm90.gather import cp_async_rows, gather_base, gather_lanes, gather_tile_rows, smem_bytes
 from dsagen.kernels.common.sm90.ids import row_slots
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
-from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
+from dsagen.kernels.common.sm90.ptx import (e4m3x2_scaled_bf16x2, l2_evict_first_policy, ld_global_nc_b64,
+                                            ld_global_nc_f32, st_shared_v4_b32)
 from dsagen.kernels.common.sm90.reduce import quad_sum
 from dsagen.kernels.common.sm90.softmax import exp_and_rescale, masked_row_max
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+KV_NOPE = 512               # FP8 cache rows (reference.kv_cache): 512 E4M3 bytes, 4 FP32 scales, 64 bf16 RoPE values
+KV_TILE = 128               # NoPE values per scale
+KV_ROPE_BYTE = KV_NOPE + 4 * (KV_NOPE // KV_TILE)   # 528: the RoPE values' first byte
+KV_FP8_ROW_BYTES = KV_ROPE_BYTE + 2 * 64            # 656
 
 
-def params(dtype: str, lse_prefix: bool = False) -> list[dict]:
+def params(dtype: str, lse_prefix: bool = False, kv_fp8: bool = False) -> list[dict]:
     """The kernel's flat ABI, in order (a new list on every call); `dtype`: "bfloat16" or "float16"; lse_prefix: the
-    kernel also writes the KV-only LSE over each row's first n_prefix slots (two more parameters at the end)."""
+    kernel also writes the KV-only LSE over each row's first n_prefix slots (two more parameters at the end); kv_fp8:
+    kv is the FP8 cache's bytes (uint8 rows of KV_FP8_ROW_BYTES, row stride ld_kv in bytes)."""
     prefix = [{"name": "lse_prefix", "kind": "ptr", "dtype": "float32", "align": 4},   # (s_q, H)
               {"name": "n_prefix", "kind": "i32"}] if lse_prefix else []              # a multiple of 128
     return [
         {"name": "q", "kind": "ptr", "dtype": dtype, "align": 16},            # (s_q, H, D_QK), row stride ld_q
-        {"name": "kv", "kind": "ptr", "dtype": dtype, "align": 16},           # (n_kv, D_QK), row stride ld_kv
+        {"name": "kv", "kind": "ptr", "dtype": "uint8" if kv_fp8 else dtype, "align": 16},   # (n_kv, D_QK), ld_kv
         {"name": "idx", "kind": "ptr", "dtype": "int32", "align": 4},         # (s_q, topk), row stride ld_idx
         {"name": "topk_length", "kind": "ptr", "dtype": "int32", "align": 4},  # (s_q,), read when has_length
         {"name": "sink", "kind": "ptr", "dtype": "float32", "align": 4},      # (H,), read when has_sink
@@ -96,11 +102,12 @@ def params(dtype: str, lse_prefix: bool = False) -> list[dict]:
 
 
 def build(num_heads: int, d_qk: int, d_v: int, dtype: str, block_n: int, stages: int, regs_producer: int,
-          regs_qk: int, regs_pv: int, lse_prefix: bool = False) -> BuiltKernel:
+          regs_qk: int, regs_pv: int, lse_prefix: bool = False, kv_fp8: bool = False) -> BuiltKernel:
     """A new sparse MLA forward for one SparseAttnFwdSpec's values (SparseMlaFwdSm90 lists the constraints). Each
     call returns distinct function objects, so every rendered module names its own kernel."""
-    fwd = SparseMlaFwdSm90(num_heads, d_qk, d_v, dtype, block_n, stages, regs_producer, regs_qk, regs_pv, lse_prefix)
-    return BuiltKernel.of(params(dtype, lse_prefix), fwd, f"min(s_q * {fwd.HB}, n_ctas)")
+    fwd = SparseMlaFwdSm90(num_heads, d_qk, d_v, dtype, block_n, stages, regs_producer, regs_qk, regs_pv, lse_prefix,
+                           kv_fp8)
+    return BuiltKernel.of(params(dtype, lse_prefix, kv_fp8), fwd, f"min(s_q * {fwd.HB}, n_ctas)")
 
 
 class KernelArgs(NamedTuple):
@@ -185,7 +192,9 @@ class SparseMlaFwdSm90:
     fp32; s_q, n_kv, topk, ld_q, ld_kv, ld_idx, softmax_scale, has_length, has_sink, n_ctas.
 
     Constraints (SparseAttnFwdSpec.reasons): num_heads 64 or 128, d_qk 512 or 576, d_v 512, dtype "bfloat16" or
-    "float16", block_n 64, stages 2, register budgets multiples of 8 summing to at most 504.
+    "float16", block_n 64, stages 2, register budgets multiples of 8 summing to at most 504. kv_fp8: kv is the FP8
+    cache's bytes (rows of KV_FP8_ROW_BYTES, ld_kv in bytes; d_qk 576, bfloat16), dequantized by the producer into
+    the same stages (dequant_half); everything else is the BF16 kernel's.
     """
 
     M = 64                          # heads per CTA = wgmma M
@@ -202,8 +211,9 @@ class SparseMlaFwdSm90:
     FILL_ORDER = ((0, 0), (1, 1), (0, 1), (1, 0))   # (stage, half) the producer fills per pair: V0L, V1R, V0R, V1L
 
     def __init__(self, num_heads: int, d_qk: int, d_v: int, dtype: str, block_n: int, stages: int,
-                 regs_producer: int, regs_qk: int, regs_pv: int, lse_prefix: bool = False):
+                 regs_producer: int, regs_qk: int, regs_pv: int, lse_prefix: bool = False, kv_fp8: bool = False):
         self.LSE_PREFIX = lse_prefix            # also write the LSE over each row's first n_prefix slots
+        self.KV_FP8 = kv_fp8                    # kv rows are the FP8 cache's (dequantized by the producer)
         self.H = num_heads                      # heads of the op; one item per 64
         self.HB = num_heads // self.M
         self.D_QK = d_qk
@@ -420,12 +430,46 @@ class SparseMlaFwdSm90:
         tile's rows grp + 16 i (ids `ids[s * RPG + i]`; -1 or out of range: zero-filled from a legal address),
         arrive ready[s][h] (noinc). The smem address is the thread's swizzled base sw_kv plus a constant: the 128B
         swizzle XORs byte bits 4-6 with bits 7-9 = row % 8, which is grp % 8 for every row grp + 16 i, and the
-        row-group, column-block and stage offsets only touch bits >= 10."""
+        row-group, column-block and stage offsets only touch bits >= 10. FP8 cache kernels dequantize the rows into
+        the same places instead (dequant_half), fence the async proxy and arrive."""
         RPG = self.BN // 16
         cute.arch.mbarrier_wait(bars.hbar + (4 + 2 * s + h), free_phase)        # free[s][h]
-        gather_tile_rows(sKVb, sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, col0, self.half_blocks(h), stage=s,
-                         rows=(s * RPG, RPG), n_rows=a.n_kv)
-        cute.arch.cp_async_mbarrier_arrive_noinc(bars.hbar + (2 * s + h))       # ready[s][h]
+        if const_expr(self.KV_FP8):
+            self.dequant_half(a, lay_kv, sKVb, sw_kv, ids, s, h, col0)
+            cute.arch.fence_proxy("async.shared", space="cta")                  # st.shared -> the consumers' wgmma
+            cute.arch.mbarrier_arrive(bars.hbar + (2 * s + h))                  # ready[s][h]
+        else:
+            gather_tile_rows(sKVb, sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, col0, self.half_blocks(h), stage=s,
+                             rows=(s * RPG, RPG), n_rows=a.n_kv)
+            cute.arch.cp_async_mbarrier_arrive_noinc(bars.hbar + (2 * s + h))   # ready[s][h]
+
+    @cute.jit
+    def dequant_half(self, a, lay_kv, sKVb, sw_kv, ids, s: int, h: int, col0):
+        """FP8 cache kernels: half h of stage s from the cache rows ids[s * RPG + i] (reference.kv_cache's 656-byte
+        format): per 64-column block the thread's 8 columns, NoPE blocks 0..7 as 8 E4M3 bytes times their 128-value
+        tile's FP32 scale rounded to bf16 (e4m3x2_scaled_bf16x2: the bytes reference.kv_cache.dequantize_kv_fp8
+        gives), the RoPE block 8 as its 16 bf16 bytes; one 16-byte st.shared each, at gather_tile_rows' places.
+        Invalid ids (-1, >= n_kv) read row 0 and store zeros (the host launches only with n_kv >= 1)."""
+        RPG = self.BN // 16
+        kb0, kb1 = self.half_blocks(h)
+        for i in cutlass.range_constexpr(RPG):
+            kv = ids[s * RPG + i]
+            ok = kv >= 0 and kv < a.n_kv
+            row = a.p_kv + Int64(kv if ok else 0) * a.ld_kv                    # the row's first byte
+            for kb in cutlass.range_constexpr(kb0, kb1):
+                dst = sKVb + (sw_kv + lay_kv.outer((16 * i, kb * 64, s)) * 2)
+                if const_expr(kb < KV_NOPE // 64):
+                    x = ld_global_nc_b64(row + (kb * 64 + col0))
+                    sc = ld_global_nc_f32(row + (KV_NOPE + 4 * (kb * 64 // KV_TILE)))
+                    lo, hi = Int32(x), Int32(x >> 32)
+                    w = [e4m3x2_scaled_bf16x2(lo, False, sc), e4m3x2_scaled_bf16x2(lo, True, sc),
+                         e4m3x2_scaled_bf16x2(hi, False, sc), e4m3x2_scaled_bf16x2(hi, True, sc)]
+                else:
+                    x = ld_global_nc_b64(row + (KV_ROPE_BYTE + 2 * col0))
+                    y = ld_global_nc_b64(row + (KV_ROPE_BYTE + 2 * col0 + 8))
+                    w = [Int32(x), Int32(x >> 32), Int32(y), Int32(y >> 32)]
+                z = Int32(0)
+                st_shared_v4_b32(dst, w[0] if ok else z, w[1] if ok else z, w[2] if ok else z, w[3] if ok else z)
 
     # ----------------------------------------------------------------------------------- consumers (WG1, WG2)
     @cute.jit

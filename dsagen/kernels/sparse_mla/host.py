@@ -74,13 +74,15 @@ def head_padded_launch_plan(cache: dict, h: int, d: int, dtype: torch.dtype, dev
 
 
 def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a",
-             config: SparseAttnFwdConfig | None = None, lse_prefix: bool = False) -> SparseAttnFwdSpec:
+             config: SparseAttnFwdConfig | None = None, lse_prefix: bool = False,
+             kv_fp8: bool = False) -> SparseAttnFwdSpec:
     """The kernel spec that serves `num_heads` query heads (after padding to 64 or 128) under `config` (default:
-    the op's, config_for); lse_prefix: the kernel that also writes the LSE over each row's first slots."""
+    the op's, config_for); lse_prefix: the kernel that also writes the LSE over each row's first slots; kv_fp8: the
+    kernel that reads the FP8 cache (sparse_attention_decode)."""
     hp = kernel_heads(num_heads)
     if config is None:
-        config = config_for(hp, d_qk, dtype, None, arch, None)
-    return config.spec(hp, d_qk, _DTYPES[dtype], arch, lse_prefix=lse_prefix)
+        config = config_for(hp, d_qk, dtype, None, arch, None, kv_fp8)
+    return config.spec(hp, d_qk, _DTYPES[dtype], arch, lse_prefix=lse_prefix, kv_fp8=kv_fp8)
 
 
 def supported_reason(q: torch.Tensor, d_v: int) -> str:
@@ -111,17 +113,17 @@ _launch_plans: dict[tuple, tuple[SparseAttnFwdSpec, LoadedKernel | None, int]] =
 
 
 def _launch_plan(h: int, d_qk: int, dtype: torch.dtype, device: torch.device, rows: int, want_kernel: bool,
-                 config: SparseAttnFwdConfig | None = None, lse_prefix: bool = False
+                 config: SparseAttnFwdConfig | None = None, lse_prefix: bool = False, kv_fp8: bool = False
                  ) -> tuple[SparseAttnFwdSpec, LoadedKernel | None, int]:
     """The spec, loaded kernel (None unless want_kernel) and n_ctas argument of a call (cached per call shape,
-    config and lse_prefix)."""
-    key = (h, d_qk, dtype, device, config, want_kernel, lse_prefix)
+    config, lse_prefix and kv_fp8)."""
+    key = (h, d_qk, dtype, device, config, want_kernel, lse_prefix, kv_fp8)
     plan = _launch_plans.get(key)
     if plan is None:
         arch = device_arch(device)
         num_sms = device_sm_count(device_index(device)) if device.type == "cuda" else None   # None: no launch
-        cfg = config_for(kernel_heads(h), d_qk, dtype, rows, arch, num_sms) if config is None else config
-        spec = spec_for(h, d_qk, dtype, arch, cfg, lse_prefix)
+        cfg = config_for(kernel_heads(h), d_qk, dtype, rows, arch, num_sms, kv_fp8) if config is None else config
+        spec = spec_for(h, d_qk, dtype, arch, cfg, lse_prefix, kv_fp8)
         kernel = get_kernel(spec, device_index(device)) if want_kernel else None
         ctas = cfg.n_ctas(num_sms) if num_sms is not None else 0
         plan = _launch_plans[key] = (spec, kernel, ctas)
@@ -132,8 +134,9 @@ class SparseFwdLaunch:
     """The launch of one flat-layout call signature: the spec, kernel and grid, which inputs need a padded or
     contiguous copy (heads, strides, alignment, dtypes) and the outputs' shapes, decided once; calling it with
     tensors of that signature makes the copies, allocates the outputs and launches. Built by `_launch` for every call
-    and kept by dsagen.sparse_attention's fast path per signature (dsagen.ops._fast_path). Arguments as `_launch`'s;
-    ValueError for a call past the kernel's grid or int32 id limits."""
+    and kept by dsagen.sparse_attention's fast path per signature (dsagen.ops._fast_path). Arguments as `_launch`'s
+    (kv uint8: the FP8 cache's rows of 656 bytes, read by the kv_fp8 kernel); ValueError for a call past the kernel's
+    grid or int32 id limits."""
 
     def __init__(self, q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sink: torch.Tensor | None,
                  topk_length: torch.Tensor | None, softmax_scale: float, d_v: int,
@@ -141,7 +144,9 @@ class SparseFwdLaunch:
         s_q, h, d_qk = q.shape
         n_kv, k_width = kv.shape[0], topk_idxs.shape[1]
         self.prefix = indexer_topk > 0
-        spec, self.kernel, n_ctas = _launch_plan(h, d_qk, q.dtype, q.device, s_q, s_q > 0, config, self.prefix)
+        kv_fp8 = kv.dtype == torch.uint8
+        spec, self.kernel, n_ctas = _launch_plan(h, d_qk, q.dtype, q.device, s_q, s_q > 0, config, self.prefix,
+                                                 kv_fp8)
         hp = spec.num_heads
         if s_q * (hp // 64) > _MAX_GRID_X:
             raise ValueError(f"sparse_attention: total_S_q={s_q} exceeds the fused kernel's grid limit")
@@ -156,7 +161,7 @@ class SparseFwdLaunch:
         self.copy_kv = bool(kv_st[1] != 1 or kv_st[0] % 8 or kv.data_ptr() % 16)
         self.copy_ids = ids_st[1] != 1 and k_width > 1
         q_row = hp * d_qk if hp != h or self.copy_q else q_st[0]
-        kv_row = (d_qk if self.copy_kv else kv_st[0]) if n_kv else d_qk
+        kv_row = (kv.shape[1] if self.copy_kv else kv_st[0]) if n_kv else kv.shape[1]   # FP8 cache: bytes
         ids_row = (k_width if self.copy_ids else ids_st[0]) if k_width else 0
         self.has_sink, self.has_length = attn_sink is not None, topk_length is not None
         self.sink_f32 = self.has_sink and attn_sink.dtype != torch.float32

@@ -40,6 +40,7 @@ from ..kernels.indexer_bwd.spec import dense_config_for as dense_indexer_bwd_con
 from ..kernels.indexer_score_recompute.spec import config_for as indexer_score_recompute_config
 from ..kernels.indexer_topk.spec import config_for as indexer_topk_config
 from ..kernels.row_scatter_add.spec import RowScatterAddSpec
+from ..kernels.sparse_mla.spec import SparseAttnCombineSpec
 from ..kernels.sparse_mla.spec import config_for as sparse_mla_config
 from ..kernels.sparse_mla.spec import kernel_heads
 from ..kernels.sparse_mla_bwd.spec import SparseAttnBwdOrderSpec
@@ -228,10 +229,15 @@ def specs_for_model(model: ModelAttention, arch: str, serving: bool = False) -> 
         # ... and its lse_prefix kernel, which also returns lse_indexer (sparse_attention(..., indexer_topk=N))
         out.append(sparse_mla_config(h, model.d_qk, model.dtype, None, arch, None)
                    .spec(h, model.d_qk, model.dtype, arch, d_v=model.d_v, lse_prefix=True))
-        # ... and the decode over DeepSeek-V3.2's FP8 KV cache (sparse_attention_decode; 576-wide bf16 rows only)
+        # ... and sparse_attention_decode's (bf16 q of 576): the kernel over DeepSeek-V3.2's FP8 KV cache, the
+        # split_kv kernels of both caches (the split over the KV slots of small batches) and their combine kernel
         if model.d_qk == 576 and model.d_v == 512 and model.dtype == "bfloat16":
             out.append(sparse_mla_config(h, 576, "bfloat16", None, arch, None, kv_fp8=True)
                        .spec(h, 576, "bfloat16", arch, kv_fp8=True))
+            for kv_fp8 in (False, True):
+                out.append(sparse_mla_config(h, 576, "bfloat16", None, arch, None, kv_fp8)
+                           .spec(h, 576, "bfloat16", arch, kv_fp8=kv_fp8, split_kv=True))
+            out.append(SparseAttnCombineSpec(arch=arch))
     if hopper and not serving:
         h = mla_kernel_heads(model.num_heads)
         # sparse MLA backward: the atomic kernel autograd runs by default and the deterministic one it runs under

@@ -28,7 +28,7 @@ from dsagen.reference.indexer import weighted_relu_scores
 from dsagen.spec import CompactifySpec, LocalToGlobalSpec
 from dsagen.kernels.lightning_indexer.spec import config_for as indexer_config
 from dsagen.kernels.lightning_indexer.spec import forward_topk_config_for, scores_config_for
-from dsagen.kernels.sparse_mla.spec import FP8_CACHE_CONFIG, SparseAttnFwdConfig, config_for
+from dsagen.kernels.sparse_mla.spec import FP8_CACHE_CONFIG, SparseAttnCombineSpec, SparseAttnFwdConfig, config_for
 from dsagen.kernels.attn_score_recompute import host as rc_host
 from dsagen.kernels.attn_score_recompute import dense_host as drc_host
 from dsagen.kernels.attn_score_recompute.spec import config_for as rc_config_for
@@ -60,6 +60,7 @@ INDEXER_CONFIG = indexer_config(*INDEXER_SHAPE, "bfloat16", ARCH)   # the op's c
 TOPK_SPECS = INDEXER_CONFIG.topk.specs()         # every top-k kernel the fused indexer may pick
 REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfloat16", ARCH)
                   for h, d in SPARSE_SHAPES] + [FP8_CACHE_CONFIG.spec(128, 576, "bfloat16", ARCH, kv_fp8=True)] + [
+    FP8_CACHE_CONFIG.spec(128, 576, "bfloat16", ARCH, kv_fp8=True, split_kv=True), SparseAttnCombineSpec(arch=ARCH)] + [
     *INDEXER_CONFIG.specs(), CompactifySpec(arch=ARCH), LocalToGlobalSpec(arch=ARCH)] + [
     bwd_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH, deterministic=det)
     for h, d in SPARSE_SHAPES for det in (False, True)] + [
@@ -132,13 +133,14 @@ def test_sparse_forward(h, d_qk):
 
 
 @gpu
-def test_sparse_decode_fp8():
-    """The FP8 cache kernel (its producer dequantizes the gathered rows), 3 CTAs looping over 6 query rows' items,
-    adversarial ids and lengths as test_sparse_forward's, against the reference on the dequantized rows."""
+@pytest.mark.parametrize("split", [None, (3, 128)], ids=["whole", "split"])
+def test_sparse_decode_fp8(split):
+    """The FP8 cache kernel (its producer dequantizes the gathered rows), 3 CTAs looping over 6 query rows' items
+    (split: 18 items of 128-slot ranges, some empty by the lengths, and the combine kernel), adversarial ids and
+    lengths as test_sparse_forward's, against the reference on the dequantized rows."""
     q, kv, ids, sink, tl = _sparse_inputs(6, 128, 576, 320, 900, seed=11)
     rows = dsagen.quantize_kv_fp8(kv, impl="reference")                    # [900, 656] uint8
-    out, lse, _ = fused_sa.sparse_attention(q, rows, ids, attn_sink=sink, topk_length=tl, softmax_scale=0.05,
-                                            d_v=512, config=replace(FP8_CACHE_CONFIG, grid=3))
+    out, lse, _ = fused_sa._launch(q, rows, ids, sink, tl, 0.05, 512, replace(FP8_CACHE_CONFIG, grid=3), split=split)
     r_out, r_lse, _ = dsagen.sparse_attention(q, dsagen.dequantize_kv_fp8(rows, impl="reference"), ids,
                                               attn_sink=sink, topk_length=tl, softmax_scale=0.05, impl="reference")
     torch.testing.assert_close(out.float(), r_out.float(), atol=2e-2, rtol=2e-2)

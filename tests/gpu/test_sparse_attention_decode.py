@@ -2,8 +2,10 @@
 impl="fused")`: the sparse MLA forward kernel over the cache as one flat pool of rows) against impl="reference":
 B 1-5, s_q 1-4, H 64 / 128 (and 16, padded), topk 512 / 2048, random page-encoded ids with -1, ids past the cache
 and repeats, topk_length per sequence and per token, a sink, empty rows (out 0, lse +inf), a cache that is a
-slice of a wider buffer. The FP8 cache (quantize_kv_fp8's format, uint8 or float8_e4m3fn): the same cases, and
-bitwise the BF16 kernel's results on the dequantized cache (the producer dequantizes to dequantize_kv_fp8's bytes).
+slice of a wider buffer; small batches through the split over the KV slots (split_kv kernel + combine), large ones
+without it, and the split against the unsplit kernel. The FP8 cache (quantize_kv_fp8's format, uint8 or
+float8_e4m3fn): the same cases, and bitwise the BF16 kernel's results on the dequantized cache (the producer
+dequantizes to dequantize_kv_fp8's bytes).
 
 Build what these need first (CPU, with CuTe-DSL):
     dsagen build --spec-file tests/gpu/required_specs.json
@@ -15,12 +17,16 @@ import pytest
 import torch
 
 import dsagen
-from dsagen.kernels.sparse_mla.spec import config_for
+import dsagen.kernels.sparse_mla.host as fwd_host
+from dsagen.kernels.sparse_mla.decode_host import split_plan
+from dsagen.kernels.sparse_mla.spec import SparseAttnCombineSpec, config_for
 
 ARCH = "sm_90a"
 DEV = "cuda"
-REQUIRED_SPECS = [config_for(h, 576, "bfloat16", None, ARCH, None, fp8).spec(h, 576, "bfloat16", ARCH, kv_fp8=fp8)
-                  for h in (64, 128) for fp8 in (False, True)]
+REQUIRED_SPECS = [config_for(h, 576, "bfloat16", None, ARCH, None, fp8).spec(h, 576, "bfloat16", ARCH, kv_fp8=fp8,
+                                                                             split_kv=split)
+                  for h in (64, 128) for fp8 in (False, True) for split in (False, True)]
+REQUIRED_SPECS += [SparseAttnCombineSpec(arch=ARCH)]
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +52,8 @@ def _check(q, cache, ids, **kw):
     torch.testing.assert_close(lse[fin], r_lse[fin].float(), atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("b,s_q,h,topk", [(1, 1, 128, 2048), (3, 2, 64, 512), (5, 4, 128, 512), (2, 1, 16, 640)])
+@pytest.mark.parametrize("b,s_q,h,topk", [(1, 1, 128, 2048), (3, 2, 64, 512), (5, 4, 128, 512), (2, 1, 16, 640),
+                                          (70, 1, 128, 256)])
 def test_matches_reference(b, s_q, h, topk):
     gen = torch.Generator().manual_seed(b * 100 + s_q * 10 + h + topk)
     q, cache, ids = _case(b, s_q, h, topk, 97, 64, gen)
@@ -120,3 +127,25 @@ def test_fp8_cache_lengths_empty_rows_and_strides():
         dsagen.sparse_attention_decode(q, torch.cat([fp8, fp8])[::2], ids)
     out, lse = dsagen.sparse_attention_decode(q, fp8[:0], ids)
     assert (out == 0).all() and torch.isposinf(lse).all()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_split_matches_the_unsplit_kernel(fp8):
+    """The split over the KV slots (ranges of 128 slots, some empty by topk_length, a sink) against the unsplit
+    kernel on the same rows: out within bf16 rounding, lse within FP32 rounding, the same empty rows."""
+    gen = torch.Generator().manual_seed(90 + fp8)
+    q, cache, ids = _case(2, 2, 128, 1024, 60, 64, gen)
+    rows = cache.reshape(-1, 576)
+    if fp8:
+        rows = dsagen.quantize_kv_fp8(rows, impl="reference")
+    q3, ids2 = q.reshape(4, 128, 576), ids.reshape(4, 1024)
+    length = torch.tensor([0, 100, 700, 1024], dtype=torch.int32, device=DEV)
+    sink = torch.randn(128, generator=gen).to(DEV)
+    assert split_plan(4, 128, 1024, torch.cuda.get_device_properties(0).multi_processor_count) is not None
+    got = fwd_host._launch(q3, rows, ids2, sink, length, 0.05, 512, split=(8, 128))
+    want = fwd_host._launch(q3, rows, ids2, sink, length, 0.05, 512)
+    torch.testing.assert_close(got[0].float(), want[0].float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(torch.isinf(got[1]), torch.isinf(want[1])) and torch.isinf(got[1][0]).all()
+    fin = torch.isfinite(want[1])
+    torch.testing.assert_close(got[1][fin], want[1][fin], atol=1e-5, rtol=1e-5)
+    assert (got[0][0] == 0).all()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...spec.base import KernelSpec, register_spec
+from ...spec.base import KernelSpec, register_spec, warps_per_cta_reasons
 from .checks import check_grid, dtype_name, grid_ctas, mla_shape_reasons, register_budget_reasons
 from .checks import kernel_heads  # noqa: F401  (the model config's head padding reads it here)
 
@@ -46,6 +46,10 @@ class SparseAttnFwdSpec(KernelSpec):
     kv_fp8: kv is DeepSeek-V3.2's FP8 cache (reference.kv_cache: 656-byte rows of 512 E4M3 values, 4 FP32 scales,
       64 bf16 RoPE values; kv a uint8 pointer, ld_kv in bytes), dequantized to bf16 by the producer warpgroup into the
       stages the BF16 kernel gathers into (d_qk 576, bfloat16 only).
+    split_kv: each item is (query row, 64 heads, one of n_splits ranges of split_slots slots; both run-time
+      arguments), and out / lse are FP32 partials of the (row, range) rows, O / its own row sum with no sink and its
+      KV-only LSE (+inf: no valid slot), which SparseAttnCombineSpec's kernel merges (the decode's split over the KV
+      slots when the rows alone leave SMs idle; sparse_attention_decode). Not with lse_prefix.
 
     Sequence lengths, top-k width, KV pool size, softmax scale and the CTA count are run-time arguments.
     """
@@ -64,6 +68,7 @@ class SparseAttnFwdSpec(KernelSpec):
     regs_pv: int = 224
     lse_prefix: bool = False
     kv_fp8: bool = False
+    split_kv: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons() + mla_shape_reasons("sparse attention forward", self.arch, self.num_heads, self.d_qk)
@@ -72,6 +77,10 @@ class SparseAttnFwdSpec(KernelSpec):
         elif self.kv_fp8 and (self.d_qk != 576 or self.dtype != "bfloat16"):
             out.append(f"kv_fp8=True takes d_qk=576 and dtype='bfloat16' (the FP8 cache's rows), got d_qk={self.d_qk}, "
                        f"dtype={self.dtype!r}")
+        if not isinstance(self.split_kv, bool):
+            out.append(f"split_kv={self.split_kv!r} must be a bool")
+        elif self.split_kv and self.lse_prefix:
+            out.append("split_kv=True does not take lse_prefix=True (the prefix LSE is a whole row's)")
         if self.d_v != 512:
             out.append(f"d_v={self.d_v} must be 512 (two 256-column halves, one per consumer warpgroup)")
         if self.dtype not in ("bfloat16", "float16"):
@@ -84,6 +93,32 @@ class SparseAttnFwdSpec(KernelSpec):
             out.append(f"stages={self.stages} must be 2 (two 64-row stages plus Q fill shared memory)")
         out.extend(register_budget_reasons({"regs_producer": self.regs_producer, "regs_qk": self.regs_qk,
                                             "regs_pv": self.regs_pv}))
+        return out
+
+
+COMBINE_MAX_SPLITS = 32     # slot ranges per row the combine kernel merges (one per lane of its warp)
+
+
+@register_spec
+@dataclass(frozen=True)
+class SparseAttnCombineSpec(KernelSpec):
+    """The split-KV combine of the sparse MLA decode (kernel: sparse_mla/combine.py, bound by combine.py.j2): the
+    split_kv forward's FP32 partials of each (row, head) merged by their LSEs (the sink in the denominator) into bf16
+    out and the KV-only LSE. One warp per (row, head); up to 32 ranges per row.
+
+    d_v: values per row (512). warps_per_cta: (row, head) pairs per CTA (1, 2, 4, 8, 16 or 32)."""
+
+    op = "sparse_attention_combine"
+    template = "sparse_mla/combine.py.j2"
+
+    d_v: int = 512
+    warps_per_cta: int = 4
+
+    def reasons(self) -> list[str]:
+        out = super().reasons()
+        if self.d_v != 512:
+            out.append(f"d_v={self.d_v!r} must be 512")
+        out.extend(warps_per_cta_reasons(self.warps_per_cta))
         return out
 
 
@@ -114,13 +149,14 @@ class SparseAttnFwdConfig:
         check_grid(self.grid, "SparseAttnFwdConfig")
 
     def spec(self, num_heads: int, d_qk: int, dtype, arch: str = "sm_90a", d_v: int = 512,
-             lse_prefix: bool = False, kv_fp8: bool = False) -> SparseAttnFwdSpec:
+             lse_prefix: bool = False, kv_fp8: bool = False, split_kv: bool = False) -> SparseAttnFwdSpec:
         """The kernel spec of this config for a kernel of `num_heads` (64 or 128) heads; lse_prefix: the kernel that
-        also writes the LSE over each row's first n_prefix slots; kv_fp8: the kernel that reads the FP8 cache."""
+        also writes the LSE over each row's first n_prefix slots; kv_fp8: the kernel that reads the FP8 cache;
+        split_kv: the kernel whose items are slot ranges of a row (FP32 partial outputs)."""
         return SparseAttnFwdSpec(arch=arch, num_heads=num_heads, d_qk=d_qk, d_v=d_v, dtype=dtype_name(dtype),
                                  block_n=self.block_n, stages=self.stages, regs_producer=self.regs_producer,
                                  regs_qk=self.regs_qk, regs_pv=self.regs_pv, lse_prefix=bool(lse_prefix),
-                                 kv_fp8=bool(kv_fp8))
+                                 kv_fp8=bool(kv_fp8), split_kv=bool(split_kv))
 
     def n_ctas(self, num_sms: int) -> int:
         """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(items, n_ctas))."""

@@ -1,5 +1,5 @@
 """Epilogue stores of a wgmma accumulator (viewed by layout.acc_mn_view): 16-byte bf16 / fp16 row stores
-(`store_row_v4`), 16-byte FP32 atomic adds of row pairs into id rows (`add_row_pair_v4`) and streaming stores of
+(`store_row_v4`), 16-byte FP32 row stores (`store_row_f32_v4`), 16-byte FP32 atomic adds of row pairs into id rows (`add_row_pair_v4`) and streaming stores of
 row pairs into per-slot rows (`store_slot_row_pair_v4`).
 
 Called by the consumer warpgroup that owns the accumulator, all 128 threads together (the helpers exchange
@@ -89,6 +89,17 @@ def store_row_v4(dst: cute.Pointer, oMN: cute.Tensor, r: int, scale, fp16: bool,
         w0, w2, w1, w3 = swap_word_pairs(w0, w2, w1, w3, q_hi, 2)
         w0, w1, w2, w3 = swap_word_pairs(w0, w1, w2, w3, q_odd, 1)
         st_global_v4_b32(dst + 32 * jg, w0, w1, w2, w3, policy)
+
+
+@cute.jit
+def store_row_f32_v4(dst: cute.Pointer, oMN: cute.Tensor, cO: cute.Tensor, r: int, scale) -> None:
+    """Row r of an accumulator view `oMN` (acc_mn_view; cO its coordinate view) times `scale`, as FP32 16-byte
+    streaming stores at dst + column (dst: the row's first column): quad_v4_columns gives each lane 4 consecutive
+    columns per 8-column group pair."""
+    q_odd = cute.arch.lane_idx() % 2 == 1
+    for k in cutlass.range_constexpr(cute.size(oMN, mode=[1]) // 4):
+        v0, v1, v2, v3, off = quad_v4_columns(oMN, r, k, q_odd)
+        st_global_v4_f32(dst + (cO[r, 4 * k][1] + off), v0 * scale, v1 * scale, v2 * scale, v3 * scale)
 
 
 _RED_V4 = {False: red_add_v4_f32, True: red_add_v4_f32_evict_last}   # add_row_pair_v4's atomic, by evict_last

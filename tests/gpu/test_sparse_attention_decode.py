@@ -149,3 +149,36 @@ def test_split_matches_the_unsplit_kernel(fp8):
     fin = torch.isfinite(want[1])
     torch.testing.assert_close(got[1][fin], want[1][fin], atol=1e-5, rtol=1e-5)
     assert (got[0][0] == 0).all()
+
+
+def test_fp8_decode_in_a_cuda_graph_and_under_torch_compile():
+    """The FP8 decode with the split (B 2, s_q 1: 2 items) captured in a CUDA graph (no allocation or host read in
+    the capture) and replayed on new q, ids and lengths in the captured buffers: the eager results, bitwise; and
+    under torch.compile(fullgraph=True) through the custom op torch.ops.dsagen.sparse_attention_decode: the eager
+    results, bitwise."""
+    gen = torch.Generator().manual_seed(91)
+    q, cache, ids = _case(2, 1, 128, 1024, 60, 64, gen)
+    fp8, _ = _fp8(cache)
+    sink = torch.randn(128, generator=gen).to(DEV)
+    length = torch.tensor([1024, 300], dtype=torch.int32, device=DEV)
+
+    def step():
+        return dsagen.sparse_attention_decode(q, fp8, ids, attn_sink=sink, topk_length=length)
+
+    step()                                                    # warm-up: kernels loaded, the fast path's plan kept
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g, lse_g = step()
+    q2, _, ids2 = _case(2, 1, 128, 1024, 60, 64, gen)
+    q.copy_(q2)
+    ids.copy_(ids2)
+    length.copy_(torch.tensor([17, 1024], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    out_e, lse_e = step()
+    assert torch.equal(out_g, out_e) and torch.equal(lse_g, lse_e)
+    compiled = torch.compile(lambda *x: torch.ops.dsagen.sparse_attention_decode(*x, sink, length, None, 512),
+                             fullgraph=True)
+    out_c, lse_c = compiled(q, fp8, ids)
+    assert torch.equal(out_c, out_e) and torch.equal(lse_c, lse_e)

@@ -148,9 +148,9 @@ class SparseFwdLaunch:
         self.prefix = indexer_topk > 0
         kv_fp8 = kv.dtype == torch.uint8
         if split is not None and (not 1 <= split[0] <= COMBINE_MAX_SPLITS or split[1] <= 0 or split[1] % 128
-                                  or self.prefix):
+                                  or self.prefix or q.dtype != torch.bfloat16):
             raise ValueError(f"sparse_attention: split={split} must be (n_splits in 1..{COMBINE_MAX_SPLITS}, a "
-                             f"positive multiple of 128 slots), without indexer_topk")
+                             f"positive multiple of 128 slots), for bfloat16 q and without indexer_topk")
         self.split = split
         spec, self.kernel, n_ctas = _launch_plan(h, d_qk, q.dtype, q.device, s_q, s_q > 0, config, self.prefix,
                                                  kv_fp8, split is not None)

@@ -198,3 +198,41 @@ def test_sparse_attention_runs_stored_plan_without_autograd(monkeypatch):
             dsagen.sparse_attention(q, kv, ids.long())                            # another signature: checked
     finally:
         sa._FAST.clear()
+
+
+def test_sparse_attention_decode_runs_stored_plan(monkeypatch):
+    """dsagen.sparse_attention_decode (fused, eager): the first call of a signature takes the full path (checks, the
+    fused host) and keeps the host's plan; a later call of the signature runs the plan; a call of another signature
+    is checked again; impl="reference" keeps none."""
+    from dsagen.ops import kv_cache as kc
+
+    calls = {"full": 0, "plan": 0}
+
+    def plan(q, kv_cache, indices, attn_sink, topk_length):
+        calls["plan"] += 1
+        return torch.full((*q.shape[:3], 512), 2.0), torch.zeros(q.shape[:3])
+
+    def host(q, kv_cache, indices, *, keep_plan=None, **kw):
+        calls["full"] += 1
+        if keep_plan is not None:
+            keep_plan(plan)
+        return torch.full((*q.shape[:3], 512), 1.0), torch.zeros(q.shape[:3])
+
+    monkeypatch.setattr(kc, "fused_impl", lambda name, device: host)
+    kc._DECODE_FAST.clear()
+    q = torch.zeros(2, 1, 64, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 1, 576, dtype=torch.bfloat16)
+    ids = torch.zeros(2, 1, 128, dtype=torch.int32)
+    try:
+        out, lse = dsagen.sparse_attention_decode(q, cache, ids)
+        assert out.eq(1.0).all() and calls == {"full": 1, "plan": 0}
+        out, lse = dsagen.sparse_attention_decode(q.clone(), cache.clone(), ids.clone())
+        assert out.eq(2.0).all() and calls == {"full": 1, "plan": 1}
+        dsagen.sparse_attention_decode(q, cache, ids, topk_length=torch.ones(2, dtype=torch.int32))
+        assert calls == {"full": 2, "plan": 1}
+        with pytest.raises(TypeError, match="indices"):
+            dsagen.sparse_attention_decode(q, cache, ids.long())                  # another signature: checked
+        dsagen.sparse_attention_decode(q, cache, ids, impl="reference")            # the reference: no plan
+        assert calls == {"full": 2, "plan": 1} and len(kc._DECODE_FAST) == 2
+    finally:
+        kc._DECODE_FAST.clear()

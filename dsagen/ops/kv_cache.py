@@ -10,7 +10,11 @@ import torch
 
 from ..reference.kv_cache import KV_DIM, KV_FP8_TOKEN_BYTES
 from ..validate import check_impl, check_tensor
+from ._fast_path import FastPaths, call_signature, eager_call
 from ._fused import fused_impl
+
+#: sparse_attention_decode's plans of eager fused calls, by signature (dsagen.ops._fast_path)
+_DECODE_FAST = FastPaths("sparse_attention_decode")
 
 __all__ = ["quantize_kv_fp8", "dequantize_kv_fp8", "sparse_attention_decode", "quantize_index_k_fp8",
            "indexer_decode_topk"]
@@ -113,6 +117,13 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
         656 for the FP8 format and q's 576 for a BF16 cache); NotImplementedError for impl="fused" with the FP8
         cache or a cache whose page blocks are not evenly strided rows.
     """
+    key = None
+    if impl == "fused" and eager_call(q):
+        # the fused decode reads no values on the host: a call of a signature that passed once runs by its plan
+        key = call_signature(q, kv_cache, indices, attn_sink, topk_length, softmax_scale, d_v)
+        plan = _DECODE_FAST.get(key)
+        if plan is not None:
+            return plan(q, kv_cache, indices, attn_sink, topk_length)
     check_impl(impl)
     check_tensor("q", q, dtypes=(torch.bfloat16,), ndim=4)
     b, s_q, h, d_qk = q.shape
@@ -137,9 +148,10 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
         raise ValueError(f"d_v must be 512 (the MLA latent), got {d_v!r}")
     if impl == "reference":
         return _decode_reference(q, kv_cache, indices, attn_sink, topk_length, softmax_scale, d_v, fp8)
+    keep = None if key is None else (lambda plan: _DECODE_FAST.put(key, plan))
     return fused_impl("sparse_attention_decode", q.device)(q, kv_cache, indices, attn_sink=attn_sink,
                                                            topk_length=topk_length, softmax_scale=softmax_scale,
-                                                           d_v=d_v)
+                                                           d_v=d_v, keep_plan=keep)
 
 
 def _decode_reference(q, kv_cache, indices, attn_sink, topk_length, softmax_scale, d_v, fp8):

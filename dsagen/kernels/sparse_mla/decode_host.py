@@ -14,10 +14,11 @@ larger batches (no split over the KV slots yet, as FlashMLA's decode scheduler d
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
-from .host import sparse_attention
+from .host import _launch, supported_reason
 
 KV_DIM = 576
 
@@ -31,14 +32,43 @@ def _flat_rows(kv_cache: torch.Tensor) -> torch.Tensor | None:
     return kv_cache.as_strided((nb * ps, KV_DIM), (kv_cache.stride(1), 1))
 
 
+class DecodePlan:
+    """The fused decode of one call signature (the public op's fast path, dsagen.ops._fast_path): the cache's view
+    as one pool of rows, the rows' shapes and the forward's SparseFwdLaunch, decided by the call that made it;
+    calling it with tensors of that signature makes the views and launches the same kernel."""
+
+    def __init__(self, launch, flat: torch.Tensor, ids: torch.Tensor, shape: tuple[int, int, int], d_v: int):
+        self.launch = launch
+        self.flat_size, self.flat_stride = tuple(flat.shape), flat.stride()      # the cache as one pool of rows
+        self.ids_shape = tuple(ids.shape)
+        self.b, self.s_q, self.h = b, s_q, h = shape
+        self.q_shape, self.out_shape, self.lse_shape = (b * s_q, h, KV_DIM), (b, s_q, h, d_v), (b, s_q, h)
+
+    def __call__(self, q, kv_cache, indices, attn_sink, topk_length) -> tuple[torch.Tensor, torch.Tensor]:
+        length = None if topk_length is None else _row_lengths(topk_length, self.b, self.s_q)
+        out, lse, _ = self.launch(q.reshape(self.q_shape), kv_cache.as_strided(self.flat_size, self.flat_stride),
+                                  indices.reshape(self.ids_shape), attn_sink, length)
+        return out.view(self.out_shape), lse.view(self.lse_shape)
+
+
+def _row_lengths(topk_length: torch.Tensor | None, b: int, s_q: int) -> torch.Tensor | None:
+    """topk_length [B] (per sequence) or [B, s_q] as one int32 length per query row [B * s_q] (None: none)."""
+    if topk_length is None:
+        return None
+    length = topk_length[:, None].expand(b, s_q) if topk_length.dim() == 1 else topk_length
+    return length.reshape(b * s_q).contiguous()
+
+
 def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, *,
                             attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None,
-                            softmax_scale: float | None, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+                            softmax_scale: float | None, d_v: int,
+                            keep_plan: Callable[[DecodePlan], None] | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, s_q, H, d_v] in q's dtype, lse [B, s_q, H] FP32, natural log, KV only, +inf for a row without a
     valid slot) of dsagen.sparse_attention_decode(impl="fused"). q [B, s_q, H, 576] bf16, kv_cache
     [num_blocks, page_block_size, 1, 576] of q's dtype, indices int32 [B, s_q, topk] page-encoded (-1 and ids past
     the cache: empty), topk_length int32 [B] or [B, s_q]. NotImplementedError for the FP8 cache and for caches that
-    are not evenly strided rows."""
+    are not evenly strided rows. keep_plan: called with the call's DecodePlan (the public op's fast path)."""
     if kv_cache.dtype in (torch.uint8, torch.float8_e4m3fn):
         raise NotImplementedError("sparse_attention_decode: the FP8 cache format has no fused kernel yet "
                                   "(use impl='reference'); a BF16 cache runs fused")
@@ -53,11 +83,12 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
     b, s_q, h, d_qk = q.shape
     rows = b * s_q
     ids = indices.reshape(rows, indices.shape[-1])
-    length = None
-    if topk_length is not None:
-        length = (topk_length[:, None].expand(b, s_q) if topk_length.dim() == 1 else topk_length)
-        length = length.reshape(rows).contiguous()
+    length = _row_lengths(topk_length, b, s_q)
     scale = 1.0 / math.sqrt(d_qk) if softmax_scale is None else float(softmax_scale)
-    out, lse, _ = sparse_attention(q.reshape(rows, h, d_qk), flat, ids, attn_sink=attn_sink, topk_length=length,
-                                   softmax_scale=scale, d_v=d_v)
+    q3 = q.reshape(rows, h, d_qk)
+    reason = supported_reason(q3, d_v)
+    if reason:
+        raise NotImplementedError(f"sparse_attention_decode: {reason}")
+    keep = None if keep_plan is None else (lambda launch: keep_plan(DecodePlan(launch, flat, ids, (b, s_q, h), d_v)))
+    out, lse, _ = _launch(q3, flat, ids, attn_sink, length, scale, d_v, keep_plan=keep)
     return out.view(b, s_q, h, d_v), lse.view(b, s_q, h)

@@ -203,7 +203,7 @@ def test_sparse_attention_runs_stored_plan_without_autograd(monkeypatch):
 def test_sparse_attention_decode_runs_stored_plan(monkeypatch):
     """dsagen.sparse_attention_decode (fused, eager): the first call of a signature takes the full path (checks, the
     fused host) and keeps the host's plan; a later call of the signature runs the plan; a call of another signature
-    is checked again."""
+    is checked again; impl="reference" keeps none."""
     from dsagen.ops import kv_cache as kc
 
     calls = {"full": 0, "plan": 0}
@@ -221,7 +221,7 @@ def test_sparse_attention_decode_runs_stored_plan(monkeypatch):
     monkeypatch.setattr(kc, "fused_impl", lambda name, device: host)
     kc._DECODE_FAST.clear()
     q = torch.zeros(2, 1, 64, 576, dtype=torch.bfloat16)
-    cache = torch.zeros(4, 16, 1, 656, dtype=torch.uint8)
+    cache = torch.zeros(4, 16, 1, 576, dtype=torch.bfloat16)
     ids = torch.zeros(2, 1, 128, dtype=torch.int32)
     try:
         out, lse = dsagen.sparse_attention_decode(q, cache, ids)

@@ -399,3 +399,40 @@ def test_decode_splits_the_slots_of_small_batches(monkeypatch):
         with pytest.raises(ValueError, match="split="):
             fwd_host._launch(q.view(6, 64, 576), torch.zeros(40, 576, dtype=torch.bfloat16), ids.view(6, 1024), None,
                              None, 0.1, 512, split=bad)
+
+
+def test_decode_plan_repeats_the_launch_on_new_tensors(monkeypatch):
+    """sparse_attention_decode's fused host with a stand-in kernel (CPU tensors): the call launches the forward
+    kernel on the cache as one pool of rows (a row-strided view: no copy) and hands keep_plan a DecodePlan, which
+    launches it again on new tensors of the signature (their pointers, the same scalars) with per-sequence
+    lengths expanded per query row."""
+    import torch
+
+    import dsagen.kernels.sparse_mla.host as fwd_host
+    from dsagen.kernels.sparse_mla import decode_host
+
+    calls = []
+
+    class Kernel:
+        def launch(self, *args):
+            calls.append(args)
+
+    def plan(h, d_qk, dtype, device, rows, want_kernel, *rest):
+        return SparseAttnFwdSpec(arch="sm_90a", num_heads=64), Kernel(), 4
+
+    monkeypatch.setattr(fwd_host, "_launch_plan", plan)
+    monkeypatch.setattr(decode_host, "device_index", lambda d: 0)
+    monkeypatch.setattr(decode_host, "device_sm_count", lambda i: 132)
+    q = torch.zeros(2, 3, 64, 576, dtype=torch.bfloat16)
+    ids = torch.zeros(2, 3, 128, dtype=torch.int32)
+    wide = torch.zeros(5, 8, 1, 640, dtype=torch.bfloat16)
+    kept = []
+    kw = dict(attn_sink=None, softmax_scale=None, d_v=512)
+    decode_host.sparse_attention_decode(q, wide[..., :576], ids, topk_length=torch.tensor([3, 4], dtype=torch.int32),
+                                        keep_plan=kept.append, **kw)
+    wide2 = torch.ones(5, 8, 1, 640, dtype=torch.bfloat16)
+    out, lse = kept[0](q.clone(), wide2[..., :576], ids.clone(), None, torch.tensor([7, 9], dtype=torch.int32))
+    first, again = calls
+    assert again[1].data_ptr() == wide2.data_ptr() and again[1].shape == (40, 576) and again[1].stride() == (640, 1)
+    assert again[8:] == first[8:] and again[3].tolist() == [7, 7, 7, 9, 9, 9]
+    assert out.shape == (2, 3, 64, 512) and lse.shape == (2, 3, 64)

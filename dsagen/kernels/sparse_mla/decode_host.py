@@ -59,17 +59,20 @@ class DecodePlan:
     as one pool of rows, the rows' shapes and the forward's SparseFwdLaunch (with its split), decided by the call
     that made it; calling it with tensors of that signature makes the views and launches the same kernels."""
 
-    def __init__(self, launch, fp8: bool, shape: tuple[int, int, int], d_v: int):
-        self.launch, self.fp8, self.d_v = launch, fp8, d_v
-        self.b, self.s_q, self.h = shape
+    def __init__(self, launch, fp8: bool, flat: torch.Tensor, ids: torch.Tensor, shape: tuple[int, int, int],
+                 d_v: int):
+        self.launch, self.fp8 = launch, fp8
+        self.flat_size, self.flat_stride = tuple(flat.shape), flat.stride()      # the cache as one pool of rows
+        self.ids_shape = tuple(ids.shape)
+        self.b, self.s_q, self.h = b, s_q, h = shape
+        self.q_shape, self.out_shape, self.lse_shape = (b * s_q, h, KV_DIM), (b, s_q, h, d_v), (b, s_q, h)
 
     def __call__(self, q, kv_cache, indices, attn_sink, topk_length) -> tuple[torch.Tensor, torch.Tensor]:
-        b, s_q, h = self.b, self.s_q, self.h
-        rows = b * s_q
-        flat = _flat_rows(kv_cache.view(torch.uint8) if self.fp8 else kv_cache)
-        out, lse, _ = self.launch(q.reshape(rows, h, KV_DIM), flat, indices.reshape(rows, indices.shape[-1]),
-                                  attn_sink, _row_lengths(topk_length, b, s_q))
-        return out.view(b, s_q, h, self.d_v), lse.view(b, s_q, h)
+        length = None if topk_length is None else _row_lengths(topk_length, self.b, self.s_q)
+        cache = kv_cache.view(torch.uint8) if self.fp8 else kv_cache
+        out, lse, _ = self.launch(q.reshape(self.q_shape), cache.as_strided(self.flat_size, self.flat_stride),
+                                  indices.reshape(self.ids_shape), attn_sink, length)
+        return out.view(self.out_shape), lse.view(self.lse_shape)
 
 
 def _row_lengths(topk_length: torch.Tensor | None, b: int, s_q: int) -> torch.Tensor | None:
@@ -115,6 +118,8 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
     if reason:
         raise NotImplementedError(f"sparse_attention_decode: {reason}")
     split = split_plan(rows, h, ids.shape[1], device_sm_count(device_index(q.device)))
-    keep = None if keep_plan is None else (lambda launch: keep_plan(DecodePlan(launch, fp8, (b, s_q, h), d_v)))
+    keep = None
+    if keep_plan is not None:
+        keep = lambda launch: keep_plan(DecodePlan(launch, fp8, flat, ids, (b, s_q, h), d_v))   # noqa: E731
     out, lse, _ = _launch(q3, flat, ids, attn_sink, length, scale, d_v, keep_plan=keep, split=split)
     return out.view(b, s_q, h, d_v), lse.view(b, s_q, h)

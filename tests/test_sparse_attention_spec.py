@@ -353,7 +353,8 @@ def test_decode_splits_the_slots_of_small_batches(monkeypatch):
 
     plan_of = decode_host.split_plan
     assert plan_of(1, 128, 2048, 132) == (16, 128)          # 2 items: 16 ranges of 2 tiles
-    assert plan_of(32, 128, 2048, 132) == (3, 768)          # 64 items: 3 ranges
+    assert plan_of(32, 128, 2048, 132) == (2, 1024)         # 64 items: 2 ranges (128 items in one wave)
+    assert plan_of(20, 128, 2048, 132) == (3, 768)          # 40 items: 3 ranges (120 items), not 4 (160)
     assert plan_of(2, 16, 640, 132) == (5, 128)             # 16 heads run as 64
     assert plan_of(1, 64, 16384, 132) == (32, 512)          # at most 32 ranges
     assert plan_of(70, 128, 2048, 132) is None and plan_of(1, 128, 255, 132) is None and plan_of(0, 64, 512, 8) is None

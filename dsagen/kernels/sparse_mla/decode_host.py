@@ -33,12 +33,13 @@ SPLIT_MIN_SLOTS = 128      # slots per range at least: a pair of 64-row tiles, t
 def split_plan(rows: int, heads: int, topk: int, num_sms: int) -> tuple[int, int] | None:
     """(n_splits, split_slots) for a decode of `rows` query rows of `heads` query heads over `topk` slots on
     `num_sms` SMs, or None when the rows' items (one per row and 64 heads) fill at least half of the SMs: then each
-    row's slots go in n_splits ranges of split_slots (a multiple of 128, at most 32 ranges), so that rows x ranges
-    items cover the SMs. From shapes only (no host read: graph-capturable)."""
+    row's slots go in n_splits ranges of split_slots (a multiple of 128, at most 32 ranges), as many as the SMs hold
+    in one wave (rows x ranges items <= SMs: a second, partial wave would add a whole range's time). From shapes only
+    (no host read: graph-capturable)."""
     items = rows * (kernel_heads(heads) // 64)
     if items == 0 or 2 * items > num_sms or topk < 2 * SPLIT_MIN_SLOTS:
         return None
-    n = min(COMBINE_MAX_SPLITS, -(-num_sms // items), topk // SPLIT_MIN_SLOTS)
+    n = min(COMBINE_MAX_SPLITS, num_sms // items, topk // SPLIT_MIN_SLOTS)
     slots = -(-topk // n)
     slots = -(-slots // SPLIT_MIN_SLOTS) * SPLIT_MIN_SLOTS
     n = -(-topk // slots)

@@ -9,7 +9,7 @@ row over the whole cache (page-encoded rows), a sink. Contenders, timed interlea
 (common.paired_time_ms, the order shuffled every round): `fp8` the public op on the FP8 cache (the split when
 decode_host.split_plan picks one), `fp8 whole` the same kernel without the split (the flat entry with split=None),
 `bf16` the public op on the BF16 cache of the same dequantized values, and with --flashmla DIR FlashMLA's decode on
-the FP8 cache: DIR holds `flashmla_peer.py`, built from FlashMLA's source on the GPU machine (not part of dsagen),
+the FP8 cache: DIR holds `flashmla_peer.py`, built from FlashMLA's source with nvcc for sm_90a (not part of dsagen),
 whose `sparse_decode_fp8(q, cache, indices, sink, scale) -> (out, lse)` takes q [B, s_q, H, 576] bf16, the cache
 [blocks, 64, 1, 656] uint8 and indices [B, s_q, topk] int32 as dsagen's op does. --graph times each contender as a
 replayed CUDA graph of `reps` calls (the serving loop: no host time); otherwise eager calls, host path included.
@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--graph", action="store_true", help="time replayed CUDA graphs of reps calls (no host time)")
-    ap.add_argument("--flashmla", metavar="DIR", help="a folder with flashmla_peer.py (FlashMLA built on the GPU)")
+    ap.add_argument("--flashmla", metavar="DIR", help="a folder with flashmla_peer.py (FlashMLA built with nvcc for sm_90a)")
     ap.add_argument("--json")
     args = ap.parse_args()
     flashmla = None

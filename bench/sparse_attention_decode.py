@@ -109,7 +109,8 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--graph", action="store_true", help="time replayed CUDA graphs of reps calls (no host time)")
-    ap.add_argument("--flashmla", metavar="DIR", help="a folder with flashmla_peer.py (FlashMLA built with nvcc for sm_90a)")
+    ap.add_argument("--flashmla", metavar="DIR",
+                    help="a folder with flashmla_peer.py (FlashMLA built with nvcc for sm_90a)")
     ap.add_argument("--json")
     args = ap.parse_args()
     flashmla = None

@@ -19,8 +19,8 @@ Persistent: min(rows, n_ctas) CTAs of `threads` threads, CTA i takes rows i, i +
 every thread stores -inf to the tail columns j = n_r + tid, n_r + tid + threads, ... (dense_rows.fill_tail:
 coalesced fp32 stores; the base may be only 4-byte aligned), and with want_lse reads the valid columns UNROLL per
 step (independent loads in flight), keeping an online (max, sum of exp2) in the log2 domain; the warps' partial
-statistics merge by butterfly shuffles, then across warps through shared memory (merge_softmax_stats), and thread 0
-writes lse[r] = (max + log2(sum)) * ln 2.
+statistics merge by butterfly shuffles, then across warps through shared memory (common/sm90/row_stats.cta_row_stats
+in its log2 domain), and thread 0 writes lse[r] = (max + log2(sum)) * ln 2.
 
 Bytes: per row 4 (width - n_r) written (fill) and, with want_lse, 4 n_r read: at most one pass over the output.
 """
@@ -32,14 +32,12 @@ from cutlass import Float32, Int32, Int64
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.cta import cta_coords
-from dsagen.kernels.common.sm90.reduce import warp_allreduce_pair
-from dsagen.kernels.common.sm90.softmax import merge_softmax_stats
+from dsagen.kernels.common.sm90.row_stats import cta_row_stats
 from dsagen.kernels.common.sm90.dense_rows import fill_tail
 from dsagen.kernels.lightning_indexer.common_sm90 import row_bounds
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-UNROLL = 4                     # valid-column loads in flight per thread
 
 PARAMS = [
     {"name": "out", "kind": "ptr", "dtype": "float32", "align": 4},      # (rows, width) fp32, row stride ld
@@ -62,30 +60,14 @@ PARAMS = [
 
 
 @cute.jit
-def thread_stats(p_row: cute.Pointer, n: Int32, tidx: Int32, threads: cutlass.Constexpr):
-    """(m, s): this thread's online max and sum of exp2 over its valid columns j = tidx + i * threads < n, of
-    x = out * log2(e); (-inf, 0) for none. UNROLL loads are issued before their values are used."""
-    m = -Float32.inf
-    s = Float32(0.0)
-    xs = cute.make_rmem_tensor(cute.make_layout(UNROLL), Float32)
-    for j0 in cutlass.range(tidx, n, threads * UNROLL, unroll=1):
-        for u in cutlass.range_constexpr(UNROLL):
-            xs[u] = -Float32.inf
-            if j0 + u * threads < n:
-                xs[u] = (p_row + (j0 + u * threads)).load() * Float32(LOG2E)
-        mu = cute.arch.fmax(cute.arch.fmax(xs[0], xs[1]), cute.arch.fmax(xs[2], xs[3]))
-        m_new = cute.arch.fmax(m, mu)                  # finite: xs[0] is a valid column
-        s = s * cute.math.exp2(m - m_new, fastmath=True)
-        for u in cutlass.range_constexpr(UNROLL):
-            s += cute.math.exp2(xs[u] - m_new, fastmath=True)
-        m = m_new
-    return m, s
-
-
-@cute.jit
-def warp_merge(m, s):
-    """The (max, sum) statistics of the whole warp, in every lane (butterfly shuffles)."""
-    return warp_allreduce_pair(m, s, merge_softmax_stats)
+def lse_out(m, s, lane, n: Int32, p_lse_r: cute.Pointer):
+    """Warp 0's use of a row's log2-domain statistics (row_stats.cta_row_stats): lane 0 writes the natural-log LSE
+    (-inf for an empty row)."""
+    if lane == 0:
+        v = -Float32.inf
+        if n > 0:
+            v = (m + cute.math.log2(s, fastmath=False)) * Float32(LN2)
+        p_lse_r.store(v)
 
 
 def build(threads: int) -> BuiltKernel:
@@ -124,24 +106,7 @@ def build(threads: int) -> BuiltKernel:
             if fill != 0:
                 fill_tail(p_row, n, width, c.tidx, THREADS)
             if want_lse != 0:
-                m, s = thread_stats(p_row, n, c.tidx, THREADS)
-                m, s = warp_merge(m, s)
-                if lane == 0:
-                    sM[c.warp] = m
-                    sS[c.warp] = s
-                cute.arch.sync_threads()
-                if c.warp == 0:
-                    m = -Float32.inf
-                    s = Float32(0.0)
-                    if lane < NWARPS:
-                        m = sM[lane]
-                        s = sS[lane]
-                    m, s = warp_merge(m, s)
-                    if lane == 0:
-                        v = -Float32.inf
-                        if n > 0:
-                            v = (m + cute.math.log2(s, fastmath=False)) * Float32(LN2)
-                        (p_lse + r).store(v)
+                cta_row_stats(p_row, n, c.tidx, c.warp, lane, sM, sS, THREADS, True, lse_out, (lane, n, p_lse + r))
                 cute.arch.sync_threads()               # sM / sS are rewritten by the next row
 
     @cute.jit

@@ -15,13 +15,14 @@ key row cu_k[d] for a packed (THD) call: the ids cuDNN frontend DSA calls global
 element b = r // T (THD: B = 1). Each row's slots are touched by one CTA only, so the kernel needs no ordering but the
 stream's.
 
-Persistent: min(rows, n_ctas) CTAs of `threads` threads, CTA i takes rows i, i + n_ctas, ... Per row the valid
-logits are read once for the statistics (an online max m of the raw logits and s = sum exp2((x - m) log2 e), UNROLL
-loads in flight, then a butterfly and a shared-memory merge), m and log2(s) are broadcast through shared memory, and
-a second pass (the row's 4 * topk bytes are L1 / L2 resident by then) writes softmax = exp2((x - m) log2 e - log2 s)
-and shifts the ids. The difference x - m is taken before any scaling, so it is exact for the logits near the max
-(Sterbenz) and the large probabilities keep FP32 accuracy however large the logits are (an exponent of
-x log2 e - lse2 would carry the rounding of the product, ~1e-5 relative at logits of a few hundred).
+Persistent: min(rows, n_ctas) CTAs of `threads` threads, CTA i takes rows i, i + n_ctas, ... Per row the valid logits
+are read once for the statistics (common/sm90/row_stats.cta_row_stats in its raw domain: an online max m of the raw
+logits and s = sum exp2((x - m) log2 e), UNROLL loads in flight, then a butterfly and a shared-memory merge), m and
+log2(s) are broadcast through shared memory, and a second pass (the row's 4 * topk bytes are L1 / L2 resident by then)
+writes softmax = exp2((x - m) log2 e - log2 s) and shifts the ids. The difference x - m is taken before any scaling,
+so it is exact for the logits near the max (Sterbenz) and the large probabilities keep FP32 accuracy however large the
+logits are (an exponent of x log2 e - lse2 would carry the rounding of the product, ~1e-5 relative at logits of a few
+hundred).
 
 Bytes: per row 4 n_r read twice, 4 topk written (softmax), 4 n_r read and written (global ids).
 """
@@ -33,50 +34,29 @@ from cutlass import Float32, Int32, Int64
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.cta import cta_coords
-from dsagen.kernels.common.sm90.reduce import warp_allreduce_pair
+from dsagen.kernels.common.sm90.row_stats import cta_row_stats
 from dsagen.kernels.lightning_indexer.common_sm90 import row_bounds
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-UNROLL = 4                     # logit loads in flight per thread
 
 
 @cute.jit
-def merge_stats(m1, s1, m2, s2):
-    """(max, sum) of two partial statistics of raw logits (m, s = sum of exp2((x - m) log2 e)); (-inf, 0) for two
-    empty ones."""
-    m = cute.arch.fmax(m1, m2)
-    m_sub = m if m > -Float32.inf else Float32(0.0)
-    s = (s1 * cute.math.exp2((m1 - m_sub) * Float32(LOG2E), fastmath=True)
-         + s2 * cute.math.exp2((m2 - m_sub) * Float32(LOG2E), fastmath=True))
-    return m, s
+def row_stats_out(m, s, lane, n: Int32, sL: cute.Tensor, want_lse: Int32, p_lse_r: cute.Pointer):
+    """Warp 0's use of a row's raw-domain statistics (row_stats.cta_row_stats): lane 0 keeps the max and log2(sum)
+    in sL and writes the natural-log LSE (want_lse; -inf for an empty row)."""
+    if lane == 0:
+        ls2 = Float32(0.0)
+        if n > 0:
+            ls2 = cute.math.log2(s, fastmath=False)
+        sL[0] = m
+        sL[1] = ls2
+        if want_lse != 0:
+            v = -Float32.inf
+            if n > 0:
+                v = m + ls2 * Float32(LN2)
+            p_lse_r.store(v)
 
-
-@cute.jit
-def thread_stats(p_row: cute.Pointer, n: Int32, tidx: Int32, threads: cutlass.Constexpr):
-    """(m, s): this thread's online max and sum of exp2((x - m) log2 e) over its logits j = tidx + i * threads < n;
-    (-inf, 0) for none. UNROLL loads are issued before their values are used."""
-    m = -Float32.inf
-    s = Float32(0.0)
-    xs = cute.make_rmem_tensor(cute.make_layout(UNROLL), Float32)
-    for j0 in cutlass.range(tidx, n, threads * UNROLL, unroll=1):
-        for u in cutlass.range_constexpr(UNROLL):
-            xs[u] = -Float32.inf
-            if j0 + u * threads < n:
-                xs[u] = (p_row + (j0 + u * threads)).load()
-        mu = cute.arch.fmax(cute.arch.fmax(xs[0], xs[1]), cute.arch.fmax(xs[2], xs[3]))
-        m_new = cute.arch.fmax(m, mu)                  # finite: xs[0] is a valid logit
-        s = s * cute.math.exp2((m - m_new) * Float32(LOG2E), fastmath=True)
-        for u in cutlass.range_constexpr(UNROLL):
-            s += cute.math.exp2((xs[u] - m_new) * Float32(LOG2E), fastmath=True)
-        m = m_new
-    return m, s
-
-
-@cute.jit
-def warp_merge(m, s):
-    """The (max, sum) statistics of the whole warp, in every lane (butterfly shuffles)."""
-    return warp_allreduce_pair(m, s, merge_stats)
 
 @cute.jit
 def finish_row(p_row: cute.Pointer, p_ids_row: cute.Pointer, p_soft_row: cute.Pointer, p_lse_r: cute.Pointer, n: Int32,
@@ -88,31 +68,7 @@ def finish_row(p_row: cute.Pointer, p_ids_row: cute.Pointer, p_soft_row: cute.Po
     n) and, with global_ids, `base` added to the row's n ids at p_ids_row. sM / sS: `threads // 32` floats of shared
     memory each, sL: 2 (the row's max and log2(sum)). Returns with every thread past its reads of sL; the next
     row's first shared-memory writes (sM / sS) come before its first barrier, after which warp 0 rewrites sL."""
-    nwarps = threads // 32
-    m, s = thread_stats(p_row, n, tidx, threads)
-    m, s = warp_merge(m, s)
-    if lane == 0:
-        sM[warp] = m
-        sS[warp] = s
-    cute.arch.sync_threads()
-    if warp == 0:
-        m = -Float32.inf
-        s = Float32(0.0)
-        if lane < nwarps:
-            m = sM[lane]
-            s = sS[lane]
-        m, s = warp_merge(m, s)
-        if lane == 0:
-            ls2 = Float32(0.0)
-            if n > 0:
-                ls2 = cute.math.log2(s, fastmath=False)
-            sL[0] = m
-            sL[1] = ls2
-            if want_lse != 0:
-                v = -Float32.inf
-                if n > 0:
-                    v = m + ls2 * Float32(LN2)
-                p_lse_r.store(v)
+    cta_row_stats(p_row, n, tidx, warp, lane, sM, sS, threads, False, row_stats_out, (lane, n, sL, want_lse, p_lse_r))
     cute.arch.sync_threads()                   # sL holds the row's statistics; sM / sS are free again
     m = sL[0]
     ls2 = sL[1]

@@ -255,6 +255,50 @@ def make_merge(TOK: int, NE: int):
     return merge
 
 
+@cute.jit
+def token_info(st, lane, t0, n_tok, TOK: cutlass.Constexpr, keys, keys_args):
+    """Warp 1's per-token table of an item of TOK tokens from t0: lane tau < TOK writes token t0 + tau's first key
+    row, position and key count into st.tok_first / tok_pos / tok_blocks (keys(tok, *keys_args) -> (first, count);
+    position -1 and no keys past n_tok), then the warp syncs. Returns the three tables."""
+    tok_first = st.tok_first.get_tensor(cute.make_layout(MAX_TOK))
+    tok_pos = st.tok_pos.get_tensor(cute.make_layout(MAX_TOK))
+    tok_blocks = st.tok_blocks.get_tensor(cute.make_layout(MAX_TOK))
+    if lane < TOK:
+        tok = t0 + lane
+        pos = Int32(-1)
+        first = Int32(0)
+        count = Int32(0)
+        if tok < n_tok:
+            first, count = keys(tok, *keys_args)
+            pos = tok
+        tok_first[lane] = first
+        tok_pos[lane] = pos
+        tok_blocks[lane] = count
+    cute.arch.sync_warp()
+    return tok_first, tok_pos, tok_blocks
+
+
+@cute.jit
+def block_keys(tok, p_cu, n_docs, seq_len, BN: cutlass.Constexpr):
+    """The selected branch's keys of token tok: its sequence's first row and the sequence's blocks of BN keys."""
+    first, length, _ = token_range(p_cu, n_docs, seq_len, tok)
+    return first, (length + BN - 1) // BN
+
+
+@cute.jit
+def compressed_keys(tok, p_ccu, p_cu, n_docs, seq_len, cmp_block):
+    """The compressed branch's keys of token tok: its sequence's first compressed row (i * ceil(seq_len /
+    cmp_block) for sequence i when n_docs == 0, else ccu[i]) and the complete blocks before or at it."""
+    first, _, seq = token_range(p_cu, n_docs, seq_len, tok)
+    nk = (tok - first + 1) // cmp_block
+    kfirst = Int32(0)
+    if n_docs == 0:
+        kfirst = seq * ((seq_len + cmp_block - 1) // cmp_block)
+    else:
+        kfirst = (p_ccu + seq).load()
+    return kfirst, nk
+
+
 def make_schedule(TOK: int, NE: int, BN: int):
     """The scheduler of items of TOK tokens, at most NE (token, slot) entries, blocks of BN keys."""
     merge = make_merge(TOK, NE)
@@ -265,23 +309,8 @@ def make_schedule(TOK: int, NE: int, BN: int):
         """Warp 1: the item's entry list. Token info first (lanes < TOK), then per (token, slot) its block's first
         key row (-1: empty slot, a block after the token, an id out of range or a slot past the count), then
         `merge`."""
-        tok_first = st.tok_first.get_tensor(cute.make_layout(MAX_TOK))
-        tok_pos = st.tok_pos.get_tensor(cute.make_layout(MAX_TOK))
-        tok_blocks = st.tok_blocks.get_tensor(cute.make_layout(MAX_TOK))
+        tok_first, tok_pos, tok_blocks = token_info(st, lane, t0, n_tok, TOK, block_keys, (p_cu, n_docs, seq_len, BN))
         s_start = st.start.get_tensor(cute.make_layout(NE))
-        if lane < TOK:
-            tok = t0 + lane
-            pos = Int32(-1)
-            first = Int32(0)
-            nblk = Int32(0)
-            if tok < n_tok:
-                first, length, _ = token_range(p_cu, n_docs, seq_len, tok)
-                pos = tok
-                nblk = (length + BN - 1) // BN
-            tok_first[lane] = first
-            tok_pos[lane] = pos
-            tok_blocks[lane] = nblk
-        cute.arch.sync_warp()
         n_e = TOK * n_slots
         for e in cutlass.range(lane, n_e, 32, unroll=1):
             tau = e // n_slots
@@ -315,27 +344,9 @@ def make_cmp_schedule(TOK: int, NE: int, BN: int):
     def schedule(st, lane, t0, p_ccu, p_cu, n_tok, seq_len, n_docs, n_slots, cmp_block):
         """Warp 1: the item's entry list (see make_cmp_schedule). With n_docs == 0 sequence i's first compressed row
         is i * ceil(seq_len / cmp_block) and p_ccu is not read."""
-        tok_first = st.tok_first.get_tensor(cute.make_layout(MAX_TOK))
-        tok_pos = st.tok_pos.get_tensor(cute.make_layout(MAX_TOK))
-        tok_blocks = st.tok_blocks.get_tensor(cute.make_layout(MAX_TOK))
+        tok_first, tok_pos, tok_blocks = token_info(st, lane, t0, n_tok, TOK, compressed_keys,
+                                                    (p_ccu, p_cu, n_docs, seq_len, cmp_block))
         s_start = st.start.get_tensor(cute.make_layout(NE))
-        if lane < TOK:
-            tok = t0 + lane
-            pos = Int32(-1)
-            kfirst = Int32(0)
-            nk = Int32(0)
-            if tok < n_tok:
-                first, _, seq = token_range(p_cu, n_docs, seq_len, tok)
-                pos = tok
-                nk = (tok - first + 1) // cmp_block
-                if n_docs == 0:
-                    kfirst = seq * ((seq_len + cmp_block - 1) // cmp_block)
-                else:
-                    kfirst = (p_ccu + seq).load()
-            tok_first[lane] = kfirst
-            tok_pos[lane] = pos
-            tok_blocks[lane] = nk
-        cute.arch.sync_warp()
         n_e = TOK * n_slots
         for e in cutlass.range(lane, n_e, 32, unroll=1):
             tau = e // n_slots

@@ -23,7 +23,7 @@ import torch
 
 from ...runtime import device_index, device_sm_count
 from .checks import kernel_heads
-from .host import _launch, supported_reason
+from .host import sparse_attention
 from .spec import COMBINE_MAX_SPLITS
 
 KV_DIM = 576
@@ -114,13 +114,12 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
     ids = indices.reshape(rows, indices.shape[-1])
     length = _row_lengths(topk_length, b, s_q)
     scale = 1.0 / math.sqrt(d_qk) if softmax_scale is None else float(softmax_scale)
-    q3 = q.reshape(rows, h, d_qk)
-    reason = supported_reason(q3, d_v)
-    if reason:
-        raise NotImplementedError(f"sparse_attention_decode: {reason}")
+    # the flat entry checks the inputs, takes the custom op under torch.compile (whole rows: the split is for eager
+    # calls and graphs) and hands eager calls' launches to keep
     split = split_plan(rows, h, ids.shape[1], device_sm_count(device_index(q.device)))
     keep = None
     if keep_plan is not None:
         keep = lambda launch: keep_plan(DecodePlan(launch, fp8, flat, ids, (b, s_q, h), d_v))   # noqa: E731
-    out, lse, _ = _launch(q3, flat, ids, attn_sink, length, scale, d_v, keep_plan=keep, split=split)
+    out, lse, _ = sparse_attention(q.reshape(rows, h, d_qk), flat, ids, attn_sink=attn_sink, topk_length=length,
+                                   softmax_scale=scale, d_v=d_v, keep_plan=keep, split=split)
     return out.view(b, s_q, h, d_v), lse.view(b, s_q, h)

@@ -303,7 +303,8 @@ def _sparse_attention_fwd_prefix_fake(q, kv, topk_idxs, attn_sink, topk_length, 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *,
                      attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None,
                      softmax_scale: float, d_v: int, config: SparseAttnFwdConfig | None = None,
-                     indexer_topk: int = 0, keep_plan: Callable[[Callable], None] | None = None) -> tuple:
+                     indexer_topk: int = 0, keep_plan: Callable[[Callable], None] | None = None,
+                     split: tuple[int, int] | None = None) -> tuple:
     """Flat-layout fused forward (inputs already validated by dsagen.ops.sparse_attention).
 
     q `(S_q, H, D_qk)` bf16/fp16 CUDA, kv `(S_kv, D_qk)`, topk_idxs int32 `(S_q, K)` global ids,
@@ -315,7 +316,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
     Returns out `(S_q, H, d_v)` in q.dtype, lse and max_logits `(S_q, H)` FP32 (and lse_indexer with N > 0).
     Raises NotImplementedError (with the reason) for inputs the kernel does not cover, ValueError for N outside
     [0, K]. keep_plan: called after an eager call of the op's config with its SparseFwdLaunch (the public op's fast
-    path).
+    path). split: (n_splits, split_slots) of an eager call (sparse_attention_decode's split over the KV slots:
+    SparseFwdLaunch, max_logits None); under torch.compile the custom op runs whole rows.
     """
     _check_supported(q, d_v)
     keep_plan = keep_plan if config is None else None
@@ -328,11 +330,11 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
             return _sparse_attention_fwd_prefix(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale),
                                                 int(d_v), indexer_topk)
         return _launch(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v), config, indexer_topk,
-                       keep_plan)
+                       keep_plan, split)
     if torch.compiler.is_compiling():     # torch.compile sees the custom op as one opaque node
         if config is not None:
             raise NotImplementedError("sparse_attention: config= is for eager calls (the custom op runs the op's)")
         return _sparse_attention_fwd(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v))
     # eager: the custom op's dispatch would only add host time (~25 us per call) around the same launch
     return _launch(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v), config,
-                   keep_plan=keep_plan)
+                   keep_plan=keep_plan, split=split)

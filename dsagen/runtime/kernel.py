@@ -169,7 +169,8 @@ class LoadedKernel:
                     "        _r = _launch_ex(_cfg, _f, _kp, 0)"]
         src += ["    if _r[0] != _SUCCESS:", "        _failed(_r)"]
         ns.update(_lock=self._lock, _buf=self._buf, _struct_error=struct.error, _stream=current_stream_handle,
-                  _f=self.function, _kp=ctypes.addressof(self._kparams), _launch=d.cuLaunchKernel, _launch_ex=d.cuLaunchKernelEx,
+                  _f=self.function, _kp=ctypes.addressof(self._kparams), _launch=d.cuLaunchKernel,
+                  _launch_ex=d.cuLaunchKernelEx,
                   _SUCCESS=d.CUresult.CUDA_SUCCESS, _failed=self._failed, _misaligned=self._misaligned,
                   _grid_too_large=self._grid_too_large, _bad_scalar=self._bad_scalar,
                   ceil_div=None, min=min, max=max)

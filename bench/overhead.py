@@ -144,6 +144,8 @@ def main() -> None:
     aids = torch.randperm(128, generator=gen)[:64].view(1, 64).int().to(dev)
     asink = torch.randn(128, generator=gen).to(dev)
     dsagen.sparse_attention(aq, akv, aids, attn_sink=asink, impl="fused")
+    baq, bakv, baids = aq[None], akv[None], aids[None]                  # the batched layout, B = T = 1
+    dsagen.sparse_attention(baq, bakv, baids, attn_sink=asink, impl="fused")
     # tiny indexer calls: 1 x 128 tokens, H 64, D 128, bf16 (FP8 for one row), top-k 64
     iq = torch.randn((1, 128, 64, 128), generator=gen).bfloat16().to(dev)
     ik = torch.randn((1, 128, 128), generator=gen).bfloat16().to(dev)
@@ -171,6 +173,8 @@ def main() -> None:
             lambda: dsagen.compactify(ids2d, impl="fused"),
         "dsagen.sparse_attention(impl='fused'), 1 row x H128 x top-k 64 (fast path: 3 allocs + launch)":
             lambda: dsagen.sparse_attention(aq, akv, aids, attn_sink=asink, impl="fused"),
+        "dsagen.sparse_attention, batched [1, 1, 128, 576] (local_to_global + forward launches)":
+            lambda: dsagen.sparse_attention(baq, bakv, baids, attn_sink=asink, impl="fused"),
         "dsagen.lightning_indexer(causal=True), 128 tokens x H64 x top-k 64 (score + top-k launches)":
             lambda: dsagen.lightning_indexer(iq, ik, iw, 64, causal=True),
         "dsagen.indexer_scores, 128 tokens x H64 (allocates out)": lambda: dsagen.indexer_scores(iq, ik, iw),

@@ -41,8 +41,11 @@ def test_signature_of_misaligned_view_differs():
 
 
 def test_signature_none_for_unkeyable_arguments():
-    assert call_signature(torch.zeros(2), [1, 2]) is None                 # unhashable
     assert call_signature(torch.zeros(2, 2).to_sparse()) is None          # no strides
+    paths = FastPaths("op")
+    key = call_signature(torch.zeros(2), [1, 2])                          # unhashable: never kept nor found
+    paths.put(key, len)
+    assert len(paths) == 0 and paths.get(key) is None
 
 
 def test_fast_paths_store_and_evict():
@@ -236,3 +239,33 @@ def test_sparse_attention_decode_runs_stored_plan(monkeypatch):
         assert calls == {"full": 2, "plan": 1} and len(kc._DECODE_FAST) == 2
     finally:
         kc._DECODE_FAST.clear()
+
+
+def test_batched_sparse_attention_ids_by_local_to_global(monkeypatch):
+    """The batched layout's flat ids: an eager fused call takes the fused local_to_global (here its reference,
+    standing in for the kernel) and gets the same ids as the torch ops of the other paths, as a (B * T, K) view;
+    beyond the kernel's 65535 batches the torch ops run."""
+    from dsagen.ops import sparse_attention as sa
+    from dsagen.reference import indices as ref_indices
+
+    used = []
+
+    def fused_impl(name, device):
+        assert name == "local_to_global"
+        used.append(name)
+        return ref_indices.local_to_global
+
+    monkeypatch.setattr(sa, "fused_impl", fused_impl)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(-3, 12, (3, 5, 8), generator=g, dtype=torch.int32)
+    ids[1, 2] = -1
+    fused = sa._flat_ids(ids, 3, 9, fused=True)
+    plain = sa._flat_ids(ids, 3, 9)
+    assert used == ["local_to_global"] and fused.shape == (15, 8) and fused.dtype == torch.int32
+    assert torch.equal(fused, plain)
+    assert fused.ge(-1).all() and (fused[5:10].eq(-1) | fused[5:10].ge(9) & fused[5:10].lt(18)).all()
+    empty = torch.zeros(2, 3, 0, dtype=torch.int32)                      # K = 0
+    assert sa._flat_ids(empty, 2, 4, fused=True).shape == (6, 0)
+    wide = torch.zeros(65536, 1, 1, dtype=torch.int32)
+    assert torch.equal(sa._flat_ids(wide, 65536, 2, fused=True), torch.arange(65536, dtype=torch.int32)[:, None] * 2)
+    assert len(used) == 2                                                # past the grid limit: the torch ops

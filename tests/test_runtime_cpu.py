@@ -122,6 +122,46 @@ def test_launcher_checks(monkeypatch):
         k2.launch(x, 70000, 1, 1.0)
 
 
+MAP_RECORD = {"symbol": "s", "params": [
+    {"name": "n", "kind": "i32", "offset": 0, "size": 4},
+    {"name": "m", "kind": "tensormap", "offset": 64, "size": 128,
+     "encode": {"dtype": "float32", "box": [8, 8], "swizzle": "NONE"}},
+    {"name": "x", "kind": "ptr", "dtype": "float32", "align": 4, "offset": 192, "size": 8}],
+    "launch": {"grid": ["1", "1", "1"], "block": [128, 1, 1], "cluster": [1, 1, 1], "smem": 0}}
+
+
+def test_launcher_writes_descriptors_apart_from_the_pack(monkeypatch):
+    """A tensormap param's 128 bytes are the encoding of the launch's own view, also when the encoder skips
+    rewriting the view it wrote last: the pointer / scalar packs never touch the descriptor's bytes."""
+    import ctypes
+    import struct
+
+    import dsagen.runtime.tensormap as T
+
+    encoded = []
+
+    def fake_encode(self, t, key):
+        encoded.append(key)
+        return struct.pack("<Q", t.data_ptr()) + bytes(120)
+
+    monkeypatch.setattr(T.TensorMapEncoder, "_encode", fake_encode)
+    k, calls = _stub_kernel(monkeypatch, MAP_RECORD)
+    a, b, x = torch.zeros(16, 8), torch.zeros(16, 8), torch.zeros(4)
+
+    def launched():
+        kp = calls[-1][9]
+        ptrs = (ctypes.c_void_p * 3).from_address(kp)
+        return (struct.unpack("<i", ctypes.string_at(ptrs[0], 4))[0],
+                struct.unpack("<Q", ctypes.string_at(ptrs[1], 8))[0],
+                struct.unpack("<Q", ctypes.string_at(ptrs[2], 8))[0])
+
+    for t, n in ((a, 1), (a, 2), (b, 3), (a, 4), (a[:8], 5)):
+        k.launch(n, t, x)
+        assert launched() == (n, t.data_ptr(), x.data_ptr())
+    assert len(encoded) == 4                            # the repeated view of `a` is not written again
+    assert encoded[-1][1:] == ((8, 8), (8, 1))          # another view of the same pointer is
+
+
 def test_device_sm_count_reads_each_device_once(monkeypatch):
     """dsagen.runtime.device_sm_count (the persistent grids of the indexer and sparse attention) reads a
     device's SM count from torch once and serves it from a cache after that, per device index."""

@@ -24,21 +24,21 @@ import torch
 DEFAULT_CAPACITY = 64
 
 
+_Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
+
+
 def call_signature(*args: Any) -> tuple | None:
-    """A hashable key of `args` for which the public ops' checks give the same answer, or None when an argument has
-    no such key (an unhashable value, a tensor without strides): such a call takes the full path."""
-    key: list = [torch.is_grad_enabled()]
+    """A key of `args` for which the public ops' checks give the same answer, or None when a tensor argument has no
+    such key (a tensor without strides or storage): such a call takes the full path. The key may be unhashable (an
+    argument that is a list, say); FastPaths then keeps and finds no plan for it. One pass, no hashing here: the
+    plan table's lookup hashes the key once (this runs on every eager call)."""
     try:
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                key.append((type(a), a.shape, a.stride(), a.dtype, a.device, a.requires_grad, a.data_ptr() & 15))
-            else:
-                key.append((type(a), a))
-        out = tuple(key)
-        hash(out)
-    except (TypeError, RuntimeError, NotImplementedError):
+        return (_grad_enabled(), *[
+            (a.__class__, a.shape, a.stride(), a.dtype, a.device, a.requires_grad, a.data_ptr() & 15)
+            if isinstance(a, _Tensor) else (a.__class__, a) for a in args])
+    except (RuntimeError, NotImplementedError):
         return None
-    return out
 
 
 def eager_call(t: torch.Tensor) -> bool:
@@ -57,14 +57,20 @@ class FastPaths:
         self._plans: dict[tuple, Callable] = {}
 
     def get(self, key: tuple | None) -> Callable | None:
-        return None if key is None else self._plans.get(key)
+        try:
+            return self._plans.get(key)         # None is never stored
+        except TypeError:                       # an unhashable key: no plan
+            return None
 
     def put(self, key: tuple | None, plan: Callable) -> None:
         if key is None:
             return
-        if key not in self._plans and len(self._plans) >= self.capacity:
-            self._plans.pop(next(iter(self._plans)), None)
-        self._plans[key] = plan
+        try:
+            if key not in self._plans and len(self._plans) >= self.capacity:
+                self._plans.pop(next(iter(self._plans)), None)
+            self._plans[key] = plan
+        except TypeError:                       # an unhashable key: nothing kept
+            pass
 
     def clear(self) -> None:
         self._plans.clear()

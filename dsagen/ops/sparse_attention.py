@@ -157,9 +157,18 @@ def _check_indexer_topk(indexer_topk, k: int, impl: str) -> int:
     return indexer_topk
 
 
-def _flat_ids(topk_idxs: torch.Tensor, b: int, n: int) -> torch.Tensor:
+#: the fused local_to_global's batch limit (its grid's y dimension)
+_LOCAL_TO_GLOBAL_MAX_BATCH = 65535
+
+
+def _flat_ids(topk_idxs: torch.Tensor, b: int, n: int, fused: bool = False) -> torch.Tensor:
     """Batch-local ids `[B, T, K]` as flat int32 ids b * N + i `(B * T, K)`; -1 and ids outside [0, N) become -1,
-    so no id can alias a neighbouring batch (device ops only: no host sync)."""
+    so no id can alias a neighbouring batch (device ops only: no host sync). fused: an eager fused call on real
+    CUDA tensors, which takes the generated local_to_global kernel (one launch, the same ids) for up to 65535
+    batches; otherwise (the reference, torch.compile, more batches) nine torch ops do it."""
+    if fused and b <= _LOCAL_TO_GLOBAL_MAX_BATCH:
+        return fused_impl("local_to_global", topk_idxs.device)(topk_idxs, n).view(b * topk_idxs.shape[1],
+                                                                                  topk_idxs.shape[2])
     local = topk_idxs.long()
     offsets = torch.arange(b, device=topk_idxs.device, dtype=torch.long).view(b, 1, 1) * n
     flat = torch.where((local >= 0) & (local < n), local + offsets, -1).to(torch.int32)
@@ -182,7 +191,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
     * 4-D, batched inference (DeepSeek-V4 inference kernel): q `[B, T, H, D_qk]`, kv `[B, N, D_qk]`, topk_idxs int32
       `[B, T, K]` of ids *local* to batch b's N rows, topk_length `[B, T]`. Local ids are range-checked
       against N and turned into flat ids b * N + i (-1 and out-of-range ids stay invalid, so no id can
-      alias a neighbouring batch); the flat op runs and outputs are reshaped to `[B, T, ...]`.
+      alias a neighbouring batch; an eager impl="fused" call does it with the fused local_to_global kernel, which
+      every model build includes); the flat op runs and outputs are reshaped to `[B, T, ...]`.
 
     For valid slot j of row t and head h: s = softmax_scale * q[t, h] . kv[id_j] (all D_qk columns);
     out[t, h] = sum_j exp(s_j - L) * kv[id_j, :d_v] with L = logaddexp(lse[t, h], attn_sink[h]):
@@ -257,9 +267,16 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
         outs = _flat(q, kv, topk_idxs, attn_sink, topk_length, scale, d_v, impl, n_idx, keep)
     else:
         b, t, n = q.shape[0], q.shape[1], kv.shape[1]
-        outs = _flat(q.reshape(b * t, h, d_qk), kv.reshape(b * n, d_qk), _flat_ids(topk_idxs, b, n), attn_sink,
+        public.fused_ids = impl == "fused" and _on_cuda(q) and eager_call(q) and eager_call(topk_idxs)
+        ids = _flat_ids(topk_idxs, b, n, public.fused_ids)
+        outs = _flat(q.reshape(b * t, h, d_qk), kv.reshape(b * n, d_qk), ids, attn_sink,
                      None if topk_length is None else topk_length.reshape(b * t), scale, d_v, impl, n_idx, keep)
     return public.finish(outs)
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    """Whether `t` is on a CUDA device (where the fused kernels run)."""
+    return t.device.type == "cuda"
 
 
 def _needs_grad(q, kv, attn_sink) -> bool:
@@ -277,6 +294,7 @@ class _PublicForward:
         self.batched, self.q_shape, self.n, self.d_v = batched, q_shape, n, d_v
         self.prefix_asked, self.n_idx = prefix_asked, n_idx
         self.launch = None
+        self.fused_ids = False      # batched: the flat ids by the fused local_to_global (set by the full path)
 
     def finish(self, outs: tuple) -> tuple:
         if self.batched:
@@ -290,7 +308,7 @@ class _PublicForward:
         if self.batched:
             b, t, h, d_qk = self.q_shape
             q, kv = q.reshape(b * t, h, d_qk), kv.reshape(b * self.n, d_qk)
-            topk_idxs = _flat_ids(topk_idxs, b, self.n)
+            topk_idxs = _flat_ids(topk_idxs, b, self.n, self.fused_ids)
             topk_length = None if topk_length is None else topk_length.reshape(b * t)
         return self.finish(self.launch(q, kv, topk_idxs, attn_sink, topk_length))
 

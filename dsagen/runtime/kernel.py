@@ -104,27 +104,41 @@ class LoadedKernel:
         self._base = base - ctypes.addressof(self._buf)
         self._kparams = (ctypes.c_void_p * max(len(self.params), 1))(
             *[base + p["offset"] for p in self.params])
-        fmt, values, pos, lines, maps, ns = ["<"], [], 0, [], [], {}
+        # the pointers and scalars go in by one struct pack per run of them between tensormaps, so a pack never
+        # touches a descriptor's bytes and an encoder may skip writing the descriptor it wrote last
+        segments, values, lines, maps, ns = [], [], [], [], {}
+        fmt, seg_values, start, pos = None, [], 0, 0
         for i, p in enumerate(self.params):
             n, kind = p["name"], p["kind"]
+            if kind == "tensormap":
+                if fmt is not None:
+                    segments.append((start, struct.Struct("".join(fmt)), seg_values))
+                fmt, seg_values = None, []
+                ns[f"_enc{i}"] = TensorMapEncoder(n, p["encode"])
+                maps.append(f"        _enc{i}.write({n}, {base + p['offset']})")
+                pos = p["offset"] + p["size"]
+                continue
+            if fmt is None:
+                fmt, start, pos = ["<"], p["offset"], p["offset"]
             if p["offset"] > pos:
                 fmt.append(f"{p['offset'] - pos}x")
-            if kind == "tensormap":
-                fmt.append("128x")
-                ns[f"_enc{i}"] = TensorMapEncoder(n, p["encode"])
-                # after the pack: struct's pad bytes would overwrite the descriptor with zeros
-                maps.append(f"        _memmove({base + p['offset']}, _enc{i}.encode({n}), 128)")
-            elif kind == "ptr":
+            if kind == "ptr":
                 fmt.append("Q")
                 lines.append(f"    _a{i} = {n}.data_ptr()")
                 if p.get("align", 1) > 1:
                     lines.append(f"    if _a{i} % {p['align']}: _misaligned({n!r}, _a{i}, {p['align']})")
-                values.append(f"_a{i}")
+                seg_values.append(f"_a{i}")
             else:
                 fmt.append(_FORMATS[kind])
-                values.append(n)
+                seg_values.append(n)
             pos = p["offset"] + p["size"]
-        self._struct = struct.Struct("".join(fmt))
+        if fmt is not None:
+            segments.append((start, struct.Struct("".join(fmt)), seg_values))
+        packs = []
+        for j, (start, st, vals) in enumerate(segments):
+            ns[f"_pack{j}"] = st.pack_into
+            packs.append(f"            _pack{j}(_buf, {self._base + start}, {', '.join(vals)})")
+            values += vals
         grid = [compile_expr(g, scalars) for g in self.record["launch"]["grid"]]
         bx, by, bz = self.block
         src = [f"def launch({', '.join(names + ['stream=None'])}):"]
@@ -134,8 +148,9 @@ class LoadedKernel:
                 "        _grid_too_large(_gx, _gy, _gz)"]
         src += ["    with _lock:"]
         src += ["    " + line for line in lines]
-        src += ["        try:", f"            _pack(_buf, {self._base}, {', '.join(values)})",
-                "        except _struct_error as e:", f"            _bad_scalar(e, ({', '.join(values)},))"]
+        if packs:
+            src += ["        try:", *packs,
+                    "        except _struct_error as e:", f"            _bad_scalar(e, ({', '.join(values)},))"]
         src += maps
         src += [f"        _s = _stream({self.device_index}) if stream is None else stream"]
         if self.cluster == (1, 1, 1):
@@ -153,9 +168,9 @@ class LoadedKernel:
                     "        _cfg.hStream = _CUstream(_s)",
                     "        _r = _launch_ex(_cfg, _f, _kp, 0)"]
         src += ["    if _r[0] != _SUCCESS:", "        _failed(_r)"]
-        ns.update(_lock=self._lock, _buf=self._buf, _pack=self._struct.pack_into, _struct_error=struct.error,
-                  _memmove=ctypes.memmove, _stream=current_stream_handle, _f=self.function,
-                  _kp=ctypes.addressof(self._kparams), _launch=d.cuLaunchKernel, _launch_ex=d.cuLaunchKernelEx,
+        ns.update(_lock=self._lock, _buf=self._buf, _struct_error=struct.error, _stream=current_stream_handle,
+                  _f=self.function, _kp=ctypes.addressof(self._kparams), _launch=d.cuLaunchKernel,
+                  _launch_ex=d.cuLaunchKernelEx,
                   _SUCCESS=d.CUresult.CUDA_SUCCESS, _failed=self._failed, _misaligned=self._misaligned,
                   _grid_too_large=self._grid_too_large, _bad_scalar=self._bad_scalar,
                   ceil_div=None, min=min, max=max)

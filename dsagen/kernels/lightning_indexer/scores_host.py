@@ -214,10 +214,10 @@ class ScoresLaunch(ScoreCallInputs):
         qv, kv, w3, extra, cu_q, cu_k, q_off = self._call_inputs(q, k, weights, q_causal_offsets, cu_seqlens_q,
                                                                 cu_seqlens_k, q_scale, k_scale)
         width, n_docs, has_off, config = self.width, self.n_docs, self.has_off, self.config
-        flat = out.view(-1)
         t_count, s_count, n_tblk, chunk_rows, n_chunks = self.score_scalars
         for off, blk0, nblk, n_ctas in self.launches:
-            self.score_k.launch(qv, kv, w3, flat[off:] if off else flat, cu_q, cu_k, n_docs, t_count, s_count,
+            # the slab is a pointer param: `out` itself for the first rows (no view to make), a view further on
+            self.score_k.launch(qv, kv, w3, out.view(-1)[off:] if off else out, cu_q, cu_k, n_docs, t_count, s_count,
                                 n_tblk, blk0, nblk, chunk_rows, n_chunks, n_ctas, *self.score_tail, *self.w_strides,
                                 width, self.scale, q_off, has_off, int(config.score_fills), *extra)
         if self.run_mask:

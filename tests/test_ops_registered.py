@@ -117,6 +117,9 @@ _CASES = {
                                 dict(block_indices=_i32(2, 8, 4, 16)), [((2, 8, 16, 64), torch.bfloat16)]),
     "sparse_attention_decode": ((_bf16(3, 2, 64, 576), _bf16(5, 64, 1, 576), _i32(3, 2, 128)), {},
                                 [((3, 2, 64, 512), torch.bfloat16), ((3, 2, 64), torch.float32)]),
+    "qsa_indexed_forward": ((_bf16(24, 12, 256), _bf16(24, 1, 256), _bf16(24, 1, 128), _i32(24, 8)), {},
+                            [((24, 12, 128), torch.bfloat16), ((24, 12, 128), torch.float32),
+                             ((12, 24), torch.float32)]),
 }
 
 

@@ -36,6 +36,7 @@ FUSED: dict[str, str] = {
     "dense_indexer_kl_backward": "dsagen.kernels.indexer_bwd.kl_host:dense_indexer_kl_backward",
     "native_sparse_attention": "dsagen.kernels.nsa.host:native_sparse_attention",
     "sparse_attention_decode": "dsagen.kernels.sparse_mla.decode_host:sparse_attention_decode",
+    "qsa_indexed_forward": "dsagen.kernels.qsa.host:qsa_indexed_forward",
     # the scratch size of sparse_attention_backward's workspace (FP32 elements)
     "sparse_attention_backward_workspace_numel": "dsagen.kernels.sparse_mla_bwd.host:workspace_numel",
 }
@@ -43,6 +44,11 @@ FUSED: dict[str, str] = {
 
 def _nsa_host():
     from ..kernels.nsa import host
+    return host
+
+
+def _qsa_host():
+    from ..kernels.qsa import host
     return host
 
 
@@ -115,6 +121,7 @@ _TRACEABLE_IMPORTS: dict[str, Callable] = {
     "dsagen.kernels.lightning_indexer.scores_host": _indexer_scores_host,
     "dsagen.kernels.lightning_indexer.forward_topk_host": _indexer_forward_topk_host,
     "dsagen.kernels.nsa.host": _nsa_host,
+    "dsagen.kernels.qsa.host": _qsa_host,
 }
 
 

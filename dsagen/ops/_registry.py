@@ -333,6 +333,18 @@ def _nsa_fake(query, key, value, g_cmp, g_slc, block_indices, block_counts, bloc
     return (query.new_empty((*query.shape[:3], value.shape[3])),)
 
 
+def _qsa_indexed_run(q, k, v, indices, scale):
+    return tuple(_public("qsa", "qsa_indexed_forward")(q, k, v, indices, scale, impl="fused"))
+
+
+def _qsa_indexed_fake(q, k, v, indices, scale):
+    """out `[T, Hq, Dv]` in q's dtype, out_fp32 `[T, Hq, Dv]` (FP64 for FP64 q), lse `[Hq, T]` FP32 (FP64)."""
+    t, hq = q.shape[:2]
+    acc = _acc_dtype(q)
+    return (q.new_empty((t, hq, v.shape[2])), q.new_empty((t, hq, v.shape[2]), dtype=acc),
+            q.new_empty((hq, t), dtype=acc))
+
+
 def _decode_run(q, kv_cache, indices, attn_sink, topk_length, softmax_scale, d_v):
     return tuple(_public("kv_cache", "sparse_attention_decode")(
         q, kv_cache, indices, attn_sink=attn_sink, topk_length=topk_length, softmax_scale=softmax_scale, d_v=d_v,
@@ -404,6 +416,8 @@ OPS: tuple[OpDef, ...] = (
     OpDef("sparse_attention_decode", "Tensor q, Tensor kv_cache, Tensor indices, Tensor? attn_sink=None, "
           "Tensor? topk_length=None, float? softmax_scale=None, int d_v=512",
           ("out", "lse"), _decode_run, _decode_fake),
+    OpDef("qsa_indexed_forward", "Tensor q, Tensor k, Tensor v, Tensor indices, float? scale=None",
+          ("out", "out_fp32", "lse"), _qsa_indexed_run, _qsa_indexed_fake),
 )
 
 

@@ -46,6 +46,7 @@ from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
 from dsagen.kernels.sparse_mla_bwd.spec import config_for as bwd_config_for
 from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
 from dsagen.kernels.nsa.host import select_forward as nsa_select_forward
+from dsagen.kernels.qsa.spec import spec_for as qsa_spec_for
 from dsagen.kernels.nsa.spec import NsaCmpDkvSpec, NsaCmpTopkSpec, NsaSelectDkvSpec
 from dsagen.kernels.nsa.spec import cmp_dq_spec_for as nsa_cmp_dq_spec_for
 from dsagen.kernels.nsa.spec import cmp_fwd_spec_for as nsa_cmp_fwd_spec_for
@@ -88,7 +89,8 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     nsa_dq_spec_for(g, 128, 128, 64, 19, "bfloat16", ARCH) for g in (1, 16)] + [
     nsa_cmp_dq_spec_for(g, 128, 128, 1, "bfloat16", ARCH) for g in (1, 16)] + [
     NsaCmpDkvSpec(arch=ARCH, group=g) for g in (1, 16)] + [
-    f(g, 128, 128, bs, 16, "bfloat16", ARCH) for f in (nsa_spec_for, nsa_dq_spec_for) for g, bs in ((16, 32), (1, 128))]
+    f(g, 128, 128, bs, 16, "bfloat16", ARCH) for f in (nsa_spec_for, nsa_dq_spec_for) for g, bs in ((16, 32), (1, 128))] + [
+    qsa_spec_for(12, 256, 256, "bfloat16", ARCH)]
 FORWARD_TOPK_SPECS = (*forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs(),
                       *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, finish_in_topk=False).topk.specs())
 
@@ -760,3 +762,25 @@ def test_nsa_compressed_backward(hq, packed):
     grads = torch.autograd.grad(out, leaves + [g_cmp, g_slc], torch.randn(out.shape, generator=gen).to(out))
     torch.cuda.synchronize()
     assert all(torch.isfinite(x).all() for x in grads)
+
+
+@gpu
+@pytest.mark.parametrize("hq,hkv,w", [(12, 1, 68), (24, 2, 132)])
+def test_qsa_indexed_forward(hq, hkv, w):
+    """The QSA indexed forward (G 12, D 256) on adversarial ids: -1 padding, ids past T and below -1, a repeated
+    id, a row without a valid id, a partial last tile (W not a multiple of 64), odd T; checked against the
+    reference."""
+    gen = torch.Generator().manual_seed(360 + w)
+    t = 41
+    q = (torch.randn(t, hq, 256, generator=gen) * 0.5).bfloat16().to(DEV)
+    k = (torch.randn(t, hkv, 256, generator=gen) * 0.5).bfloat16().to(DEV)
+    v = torch.randn(t, hkv, 256, generator=gen).bfloat16().to(DEV)
+    ids = torch.randint(-3, t + 3, (t, w), generator=gen, dtype=torch.int32)
+    ids[4] = -1
+    ids[6, 1] = ids[6, 0]
+    ids = ids.to(DEV)
+    out, out32, lse = dsagen.qsa_indexed_forward(q, k, v, ids)
+    torch.cuda.synchronize()
+    ref = dsagen.qsa_indexed_forward(q, k, v, ids, impl="reference")
+    torch.testing.assert_close(out32, ref[1], atol=2e-2, rtol=2e-2)
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref[2]))

@@ -1,0 +1,310 @@
+"""QSA indexed forward on Hopper tensor cores (sm_90a): `build(...)` makes the kernel of one QsaFwdSpec.
+
+For query token t and query head hq of KV head g = hq // G (FlashInfer QSA's `qsa_indexed_forward`, the reference
+dsagen/reference/qsa.py):
+
+    s_j          = scale * q[t, hq] . k[u_j, g]          for the slots j whose id u_j = idx[t, j] lies in [0, T)
+    out[t, hq]   = sum_j exp(s_j - lse) v[u_j, g],   lse[hq, t] = log sum_j exp(s_j)    (natural log)
+
+every other slot (-1 padding, ids out of range) skipped; a row without a valid slot gives out = 0 and lse = -inf;
+a repeated id counts once per slot. Outputs: out in q's dtype and out32 in FP32 ([T, Hq, Dv] each), lse [Hq, T].
+
+Work item = (query token t, KV head g), one per CTA, the tokens of one head neighbours (their selections overlap in
+L2): the 64 rows of the wgmma tile are t's G query heads of g (rows G..63 multiply zeros and are not stored). The
+item's slots go in tiles of BN = 64 (the last one partial).
+  Producer warpgroup (128 threads, gather.py's groups of 8): the Q rows once (cp.async, rows past G zero-filled),
+  then per tile its 64 ids (slots past the width: -1), the listed tokens' K rows (zero-filled when the id is outside
+  [0, T)), the ids into the stage's id slots (the group leaders, 16 more arrivals on k_ready) and the V rows, through
+  a ring of `stages` stages: k_ready[s] (128 noinc cp.async arrivals + 16), v_ready[s] (128 noinc), kv_free[s] (one
+  arrival per consumer warp, after the tile's PV retired).
+  Consumer warpgroup: per tile S = Q K^T (SS wgmma, K-major), the masked online softmax in the log2 domain (a column
+  whose id is outside [0, T) is -inf), O += P V (P from registers, V^T MN-major). The next tile's S is issued before
+  this tile's PV and waited with the PV in flight, so its softmax runs under the PV; O is rescaled and P replaced
+  after the PV retired (NSA's select forward does the same). Every row's sums run in slot order: the same inputs give
+  the same bytes on every call, and nothing outside the outputs is written.
+  Epilogue: O / rowsum as bf16 (fp16) and FP32 16-byte stores, the LSE (max + log2 sum) ln 2.
+
+Constraints (QsaFwdSpec.reasons): G in 1..64, D and Dv in (64, 128, 256), bf16 / fp16; q [T, Hq, D], k [T, Hkv, D],
+v [T, Hkv, Dv] with unit element stride, head stride D (Dv) and a token stride that is a multiple of 8 elements;
+16-byte aligned bases; idx int32 [T, W] with unit slot stride.
+"""
+import math
+import operator
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import warpgroup
+
+from dsagen.kernels.built import BuiltKernel
+from dsagen.kernels.common.sm90.cta import cta_coords
+from dsagen.kernels.common.sm90.epilogue import store_row_f32_v4, store_row_v4
+from dsagen.kernels.common.sm90.gather import gather_base, gather_lanes, gather_tile_rows, publish_tile_ids, \
+    smem_bytes, wait_gathered_tile
+from dsagen.kernels.common.sm90.layout import sw128
+from dsagen.kernels.common.sm90.mma import gemm_tile, issue_gemm, wgmma_tile
+from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
+from dsagen.kernels.common.sm90.reduce import quad_sum, tree_reduce
+from dsagen.kernels.common.sm90.ring import ring_wait_free
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+M = 64                      # rows of an item (wgmma M): one query's G heads, then zero padding
+BN = 64                     # index slots per tile (wgmma N of S, K of PV)
+MAX_INIT = -1.0e30          # initial running max: finite, so no -inf - -inf; masked scores are -inf
+NTHREADS = 256
+REGS_PRODUCER = 56
+REGS_CONSUMER = 240
+PUBLISH_ARRIVALS = 16       # publish_tile_ids: one arrival per group leader
+
+
+def params(dtype: str) -> list[dict]:
+    """The kernel's flat ABI, in order (a new list on every call)."""
+    return [
+        {"name": "q", "kind": "ptr", "dtype": dtype, "align": 16},           # [T, Hq, D], token stride q_st
+        {"name": "k", "kind": "ptr", "dtype": dtype, "align": 16},           # [T, Hkv, D], token stride k_st
+        {"name": "v", "kind": "ptr", "dtype": dtype, "align": 16},           # [T, Hkv, Dv], token stride v_st
+        {"name": "idx", "kind": "ptr", "dtype": "int32", "align": 4},        # [T, W], row stride idx_st
+        {"name": "out", "kind": "ptr", "dtype": dtype, "align": 16},         # [T, Hq, Dv] contiguous
+        {"name": "out32", "kind": "ptr", "dtype": "float32", "align": 16},   # [T, Hq, Dv] contiguous
+        {"name": "lse", "kind": "ptr", "dtype": "float32", "align": 4},      # [Hq, T] contiguous
+        {"name": "n_tok", "kind": "i32"},                                    # T
+        {"name": "n_kv", "kind": "i32"},                                     # Hkv
+        {"name": "width", "kind": "i32"},                                    # W
+        {"name": "q_st", "kind": "i64"},
+        {"name": "k_st", "kind": "i64"},
+        {"name": "v_st", "kind": "i64"},
+        {"name": "idx_st", "kind": "i64"},
+        {"name": "scale_log2", "kind": "f32"},                               # softmax scale x log2(e)
+    ]
+
+
+def launch(smem: int) -> dict:
+    """The launch declaration: one CTA per (token, KV head)."""
+    return {"grid": ["n_tok * n_kv", 1, 1], "block": [NTHREADS, 1, 1], "cluster": [1, 1, 1], "smem": smem}
+
+
+def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int) -> BuiltKernel:
+    """The kernel of QsaFwdSpec(group, head_dim, v_dim, dtype, stages); each call makes new kernel and host
+    functions."""
+    G, D, DV, ST = group, head_dim, v_dim, stages
+    DT = cutlass.Float16 if dtype == "float16" else cutlass.BFloat16
+    FP16 = dtype == "float16"
+    NQ = M // 16                          # Q rows per producer group (rows grp + 16 i)
+    NI = BN // 16                         # tile rows per producer group
+
+    @cute.struct
+    class Smem:
+        q_full: cute.struct.MemRange[cutlass.Int64, 1]
+        k_ready: cute.struct.MemRange[cutlass.Int64, ST]
+        v_ready: cute.struct.MemRange[cutlass.Int64, ST]
+        kv_free: cute.struct.MemRange[cutlass.Int64, ST]
+        ids: cute.struct.MemRange[Int32, BN * ST]          # the tiles' ids, per stage
+        sQ: cute.struct.Align[cute.struct.MemRange[DT, M * D], 1024]
+        sK: cute.struct.Align[cute.struct.MemRange[DT, BN * D * ST], 1024]
+        sV: cute.struct.Align[cute.struct.MemRange[DT, BN * DV * ST], 1024]
+
+    SMEM_BYTES = Smem.size_in_bytes()
+
+    @cute.jit
+    def init_barriers(warp, st):
+        """The mbarriers, by one elected thread of warp 0, then the init fence and a CTA barrier."""
+        if warp == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(st.q_full.data_ptr(), 128)
+                for i in cutlass.range_constexpr(ST):
+                    cute.arch.mbarrier_init(st.k_ready.data_ptr() + i, 128 + PUBLISH_ARRIVALS)
+                    cute.arch.mbarrier_init(st.v_ready.data_ptr() + i, 128)
+                    cute.arch.mbarrier_init(st.kv_free.data_ptr() + i, 4)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def producer(st, tidx, t, g, p_q, p_k, p_v, p_idx, n_tok, n_kv, width, q_st, k_st, v_st, idx_st, n_tiles):
+        """The gathers of one item (module docstring): Q once, then per tile its ids, K rows and V rows."""
+        lanes = gather_lanes(tidx)
+        lq, lk, lv = sw128(DT, (M, D)), sw128(DT, (BN, D, ST)), sw128(DT, (BN, DV, ST))
+        q_smem, k_smem, v_smem = smem_bytes(st.sQ), smem_bytes(st.sK), smem_bytes(st.sV)
+        sIds = st.ids.get_tensor(cute.make_layout(BN * ST))
+        k_ready, v_ready, kv_free = st.k_ready.data_ptr(), st.v_ready.data_ptr(), st.kv_free.data_ptr()
+        # Q: rows grp + 16 i of the G heads (t, g G ..), the rest zero-filled
+        qids = cute.make_rmem_tensor(NQ, Int32)
+        for i in cutlass.range_constexpr(NQ):
+            r = lanes.grp + 16 * i
+            qids[i] = r if r < G else Int32(-1)
+        q_rows = p_q + (Int64(t) * q_st + g * (G * D))
+        gather_tile_rows(q_smem, gather_base(lq, lanes), lq, q_rows, D, qids, lanes.col0, (0, D // 64))
+        cute.arch.cp_async_mbarrier_arrive_noinc(st.q_full.data_ptr())
+        k_rows, v_rows = p_k + g * D, p_v + g * DV
+        idx_row = p_idx + Int64(t) * idx_st
+        sw_k, sw_v = gather_base(lk, lanes), gather_base(lv, lanes)
+        ids = cute.make_rmem_tensor(NI, Int32)
+        for j in cutlass.range(n_tiles, unroll=1):
+            s = j % ST
+            for i in cutlass.range_constexpr(NI):
+                slot = j * BN + lanes.grp + 16 * i
+                u = Int32(-1)
+                if slot < width:
+                    u = (idx_row + slot).load()
+                ids[i] = u
+            ring_wait_free(kv_free, j, ST)
+            gather_tile_rows(k_smem, sw_k, lk, k_rows, k_st, ids, lanes.col0, (0, D // 64), stage=s, n_rows=n_tok)
+            cute.arch.cp_async_mbarrier_arrive_noinc(k_ready + s)
+            publish_tile_ids(sIds, s * BN, ids, lanes, k_ready + s)
+            gather_tile_rows(v_smem, sw_v, lv, v_rows, v_st, ids, lanes.col0, (0, DV // 64), stage=s, n_rows=n_tok)
+            cute.arch.cp_async_mbarrier_arrive_noinc(v_ready + s)
+
+    @cute.jit
+    def column_ok(sIds, cS, ok, stage, n_tok):
+        """ok[c]: whether the id of the thread's accumulator column c in this stage's tile lies in [0, T)."""
+        for c in cutlass.range_constexpr(cute.size(ok)):
+            u = sIds[stage * BN + cS[0, c][1]]
+            good = u >= 0 and u < n_tok
+            ok[c] = Int32(1) if good else Int32(0)
+
+    @cute.jit
+    def softmax_rows(sMN, ok, row_max, row_sum, corr, scale_log2):
+        """One tile's scores turned into P in place, in the log2 domain: a column whose id is invalid is -inf; the
+        running max moves to the new row max (corr[r] = exp2(old - new), by which O must still be scaled),
+        P = exp2(S - max), row_sum = row_sum * corr + the thread's sum of P."""
+        nc = cute.size(sMN, mode=[1])
+        for r in cutlass.range_constexpr(cute.size(sMN, mode=[0])):
+            for c in cutlass.range_constexpr(nc):
+                x = sMN[r, c] * scale_log2
+                if ok[c] == 0:
+                    x = -Float32.inf
+                sMN[r, c] = x
+            ml = tree_reduce(cute.arch.fmax, [sMN[r, c] for c in range(nc)])
+            ml = cute.arch.fmax(ml, cute.arch.shuffle_sync_bfly(ml, offset=1))
+            ml = cute.arch.fmax(ml, cute.arch.shuffle_sync_bfly(ml, offset=2))
+            m = cute.arch.fmax(row_max[r], ml)
+            corr[r] = cute.math.exp2(row_max[r] - m, fastmath=True)
+            row_max[r] = m
+            for c in cutlass.range_constexpr(nc):
+                sMN[r, c] = cute.math.exp2(sMN[r, c] - m, fastmath=True)
+            row_sum[r] = row_sum[r] * corr[r] + tree_reduce(operator.add, [sMN[r, c] for c in range(nc)])
+
+    @cute.jit
+    def rescale_rows(oMN, corr):
+        """O row r *= corr[r]."""
+        for r in cutlass.range_constexpr(cute.size(oMN, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(oMN, mode=[1])):
+                oMN[r, c] = oMN[r, c] * corr[r]
+
+    @cute.jit
+    def qk_issue(mma_qk, accS, tSrQ, tSrK, stage):
+        """Issue S = Q K^T of ring stage `stage` (D / 16 wgmmas, the first one not accumulating) as one group."""
+        warpgroup.fence()
+        issue_gemm(mma_qk, accS, tSrQ, tSrK, D // 16, stage)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def pv_issue(mma_pv, accO, tOrP, tOrV, stage):
+        """Issue O += P V of ring stage `stage` (P from registers, V^T MN-major) as one group."""
+        warpgroup.fence()
+        for ks in cutlass.range_constexpr(BN // 16):
+            cute.gemm(mma_pv, accO, tOrP[None, None, ks], tOrV[None, None, ks, stage], accO)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def consumer(st, ctid, lane, t, g, p_out, p_out32, p_lse, n_tok, n_kv, scale_log2, n_tiles):
+        """Scores, softmax and PV of the item's tiles, then the epilogue (module docstring)."""
+        lq, lk, lv = sw128(DT, (M, D)), sw128(DT, (BN, D, ST)), sw128(DT, (BN, DV, ST))
+        sQ = st.sQ.get_tensor(lq.outer, swizzle=lq.inner)            # (64 rows (heads), D)
+        sK = st.sK.get_tensor(lk.outer, swizzle=lk.inner)            # (BN keys, D, stage)
+        sV = st.sV.get_tensor(lv.outer, swizzle=lv.inner)            # (BN keys, DV, stage)
+        sVt = cute.composition(sV, cute.make_layout((DV, BN, ST), stride=(BN, 1, BN * DV)))   # V^T (MN-major)
+        sIds = st.ids.get_tensor(cute.make_layout(BN * ST))
+        k_ready, v_ready, kv_free = st.k_ready.data_ptr(), st.v_ready.data_ptr(), st.kv_free.data_ptr()
+        qk = wgmma_tile(DT, sQ, sK, (M, BN), ctid)                    # S = Q K^T; B (.., .., k, stage)
+        rP = cute.make_rmem_tensor(qk.acc.layout, DT)
+        pv = wgmma_tile(DT, None, sVt, (M, DV), ctid, b_mn_major=True, a_regs=rP)   # O += P V
+        mma_qk, tSrQ, tSrK, accS, sMN, cS = qk.mma, qk.tA, qk.tB, qk.acc, qk.acc_mn, qk.coord_mn
+        mma_pv, tOrP, tOrV, accO, oMN, cO = pv.mma, pv.tA, pv.tB, pv.acc, pv.acc_mn, pv.coord_mn
+        NR = cute.size(sMN, mode=[0])
+        row_max = cute.make_rmem_tensor(NR, Float32)
+        row_sum = cute.make_rmem_tensor(NR, Float32)
+        corr = cute.make_rmem_tensor(NR, Float32)        # exp2(old max - new max) of the latest step
+        ok = cute.make_rmem_tensor(cute.size(sMN, mode=[1]), Int32)
+        row_max.fill(MAX_INIT)
+        row_sum.fill(0.0)
+        accO.fill(0.0)
+
+        wait_gathered_tile(st.q_full.data_ptr(), 0, 1)
+        # S of the next tile and PV of this one go to the tensor cores back to back; the next tile's softmax runs
+        # while this PV does, and O is rescaled (and P replaced) once the PV retired
+        if n_tiles > 0:
+            wait_gathered_tile(k_ready, 0, ST)
+            gemm_tile(mma_qk, accS, tSrQ, tSrK, D // 16, b_stage=0)
+            column_ok(sIds, cS, ok, 0, n_tok)
+            softmax_rows(sMN, ok, row_max, row_sum, corr, scale_log2)
+            rP.store(accS.load().to(DT))
+            for e in cutlass.range(n_tiles - 1, unroll=1):      # no wgmma under a branch (ptxas would serialize)
+                nxt = e + 1
+                wait_gathered_tile(k_ready, nxt, ST)
+                qk_issue(mma_qk, accS, tSrQ, tSrK, nxt % ST)
+                wait_gathered_tile(v_ready, e, ST)
+                pv_issue(mma_pv, accO, tOrP, tOrV, e % ST)
+                column_ok(sIds, cS, ok, nxt % ST, n_tok)
+                warpgroup.wait_group(1)                         # S of the next tile (PV may still run)
+                softmax_rows(sMN, ok, row_max, row_sum, corr, scale_log2)
+                warpgroup.wait_group(0)                         # this tile's PV: O and P are free
+                rescale_rows(oMN, corr)
+                rP.store(accS.load().to(DT))
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(kv_free + e % ST)
+            last = n_tiles - 1
+            wait_gathered_tile(v_ready, last, ST)
+            pv_issue(mma_pv, accO, tOrP, tOrV, last % ST)
+            warpgroup.wait_group(0)
+            if lane == 0:
+                cute.arch.mbarrier_arrive(kv_free + last % ST)
+
+        # epilogue: O / rowsum as 16-byte bf16 and FP32 stores, the LSE by lane 0 of each quad
+        q4 = ctid % 4
+        q_hi = q4 >= 2
+        q_odd = q4 % 2 == 1
+        policy = l2_evict_first_policy()
+        n_q = n_kv * G
+        for r in cutlass.range_constexpr(NR):
+            s = quad_sum(row_sum[r])
+            m = row_max[r]
+            row = cS[r, 0][0]
+            if row < G:
+                hq = g * G + row
+                inv = Float32(0.0) if s == Float32(0.0) else Float32(1.0) / s
+                at = (Int64(t) * n_q + hq) * DV
+                store_row_v4(p_out + (at + 8 * q4), oMN, r, inv, FP16, q_hi, q_odd, policy)
+                store_row_f32_v4(p_out32 + at, oMN, cO, r, inv)
+                if q4 == 0:
+                    (p_lse + (Int64(hq) * n_tok + t)).store(-Float32.inf if s == Float32(0.0)
+                                                             else (m + cute.math.log2(s, fastmath=False)) * LN2)
+
+    @cute.kernel
+    def kernel(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_idx: cute.Pointer, p_out: cute.Pointer,
+               p_out32: cute.Pointer, p_lse: cute.Pointer, n_tok: Int32, n_kv: Int32, width: Int32, q_st: Int64,
+               k_st: Int64, v_st: Int64, idx_st: Int64, scale_log2: Float32):
+        coords = cta_coords()
+        tidx, bid, warp, wg = coords.tidx, coords.bidx, coords.warp, coords.wg
+        lane = cute.arch.lane_idx()
+        g = bid // n_tok                         # KV head; the tokens of one head are neighbours
+        t = bid - g * n_tok
+        n_tiles = (width + BN - 1) // BN
+        st = cutlass.memory.SmemAllocator().allocate(Smem)
+        init_barriers(warp, st)
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(REGS_PRODUCER)
+            producer(st, tidx, t, g, p_q, p_k, p_v, p_idx, n_tok, n_kv, width, q_st, k_st, v_st, idx_st, n_tiles)
+        else:
+            cute.arch.setmaxregister_increase(REGS_CONSUMER)
+            consumer(st, tidx - 128, lane, t, g, p_out, p_out32, p_lse, n_tok, n_kv, scale_log2, n_tiles)
+
+    @cute.jit
+    def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_idx: cute.Pointer, p_out: cute.Pointer,
+             p_out32: cute.Pointer, p_lse: cute.Pointer, n_tok: Int32, n_kv: Int32, width: Int32, q_st: Int64,
+             k_st: Int64, v_st: Int64, idx_st: Int64, scale_log2: Float32):
+        kernel(p_q, p_k, p_v, p_idx, p_out, p_out32, p_lse, n_tok, n_kv, width, q_st, k_st, v_st, idx_st,
+               scale_log2).launch(grid=(n_tok * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES,
+                                  min_blocks_per_mp=1, preferred_smem_carveout=100)
+
+    return BuiltKernel(params(dtype), launch(SMEM_BYTES), kernel, host)

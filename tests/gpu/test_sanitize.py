@@ -89,8 +89,8 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     nsa_dq_spec_for(g, 128, 128, 64, 19, "bfloat16", ARCH) for g in (1, 16)] + [
     nsa_cmp_dq_spec_for(g, 128, 128, 1, "bfloat16", ARCH) for g in (1, 16)] + [
     NsaCmpDkvSpec(arch=ARCH, group=g) for g in (1, 16)] + [
-    f(g, 128, 128, bs, 16, "bfloat16", ARCH) for f in (nsa_spec_for, nsa_dq_spec_for) for g, bs in ((16, 32), (1, 128))] + [
-    qsa_spec_for(12, 256, 256, "bfloat16", ARCH)]
+    f(g, 128, 128, bs, 16, "bfloat16", ARCH) for f in (nsa_spec_for, nsa_dq_spec_for)
+    for g, bs in ((16, 32), (1, 128))] + [qsa_spec_for(12, 256, 256, "bfloat16", ARCH)]
 FORWARD_TOPK_SPECS = (*forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs(),
                       *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, finish_in_topk=False).topk.specs())
 

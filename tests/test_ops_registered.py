@@ -120,6 +120,10 @@ _CASES = {
     "qsa_indexed_forward": ((_bf16(24, 12, 256), _bf16(24, 1, 256), _bf16(24, 1, 128), _i32(24, 8)), {},
                             [((24, 12, 128), torch.bfloat16), ((24, 12, 128), torch.float32),
                              ((12, 24), torch.float32)]),
+    "qsa_bitmap_forward": ((_bf16(24, 24, 256), _bf16(24, 2, 256), _bf16(24, 2, 256),
+                            torch.ones(24, 6, dtype=torch.uint8)), {},
+                           [((24, 24, 256), torch.bfloat16), ((24, 24, 256), torch.float32),
+                            ((24, 24), torch.float32)]),
 }
 
 

@@ -42,18 +42,22 @@ def test_binding():
     spec = QsaFwdSpec(arch="sm_90a")
     src = render(spec)
     compile(src, "kernel.py", "exec")
-    assert 'build(12, 256, 256, "bfloat16", 2)' in src
+    assert re.search(r'build\(12, 256, 256, "bfloat16", 2,\s+False\)', src)
+    assert "True)" in render(QsaFwdSpec(arch="sm_90a", bitmap=True))
     assert "dsagen.kernels.qsa.fwd_sm90" in helper_modules(src)
 
 
 def test_preset():
-    assert get_preset("qsa", "sm_90a") == [spec_for(12, 256, 256, "bfloat16", "sm_90a")]
+    want = [spec_for(12, 256, 256, "bfloat16", "sm_90a", bitmap=b) for b in (False, True)]
+    assert get_preset("qsa", "sm_90a") == want
     assert get_preset("qsa", "sm_90a", serving=True) == get_preset("qsa", "sm_90a")
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("spec", [spec_for(12, 256, 256, "bfloat16", "sm_90a"), QsaFwdSpec(arch="sm_90a"),
-                                  spec_for(4, 128, 64, "float16", "sm_90a")], ids=["g12_st3", "g12_st2", "g4_fp16"])
+                                  spec_for(4, 128, 64, "float16", "sm_90a"),
+                                  spec_for(12, 256, 256, "bfloat16", "sm_90a", bitmap=True)],
+                         ids=["g12_st3", "g12_st2", "g4_fp16", "g12_bitmap"])
 def test_compiles_without_spills(spec, tmp_path):
     """S (D / 16 steps) and PV (4 steps, P from registers, V transposed) each issued at two places (the first tile,
     then the loop that issues the next tile's S before this tile's PV), waited as groups: the first S, the next S

@@ -37,6 +37,7 @@ FUSED: dict[str, str] = {
     "native_sparse_attention": "dsagen.kernels.nsa.host:native_sparse_attention",
     "sparse_attention_decode": "dsagen.kernels.sparse_mla.decode_host:sparse_attention_decode",
     "qsa_indexed_forward": "dsagen.kernels.qsa.host:qsa_indexed_forward",
+    "qsa_bitmap_forward": "dsagen.kernels.qsa.host:qsa_bitmap_forward",
     # the scratch size of sparse_attention_backward's workspace (FP32 elements)
     "sparse_attention_backward_workspace_numel": "dsagen.kernels.sparse_mla_bwd.host:workspace_numel",
 }

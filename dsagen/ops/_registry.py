@@ -345,6 +345,16 @@ def _qsa_indexed_fake(q, k, v, indices, scale):
             q.new_empty((hq, t), dtype=acc))
 
 
+def _qsa_bitmap_run(q, k, v, block_bitmap, scale, cu_seqlens):
+    return tuple(_public("qsa", "qsa_bitmap_forward")(q, k, v, block_bitmap, scale, cu_seqlens=cu_seqlens,
+                                                      impl="fused"))
+
+
+def _qsa_bitmap_fake(q, k, v, block_bitmap, scale, cu_seqlens):
+    """As qsa_indexed_forward's."""
+    return _qsa_indexed_fake(q, k, v, block_bitmap, scale)
+
+
 def _decode_run(q, kv_cache, indices, attn_sink, topk_length, softmax_scale, d_v):
     return tuple(_public("kv_cache", "sparse_attention_decode")(
         q, kv_cache, indices, attn_sink=attn_sink, topk_length=topk_length, softmax_scale=softmax_scale, d_v=d_v,
@@ -418,6 +428,8 @@ OPS: tuple[OpDef, ...] = (
           ("out", "lse"), _decode_run, _decode_fake),
     OpDef("qsa_indexed_forward", "Tensor q, Tensor k, Tensor v, Tensor indices, float? scale=None",
           ("out", "out_fp32", "lse"), _qsa_indexed_run, _qsa_indexed_fake),
+    OpDef("qsa_bitmap_forward", "Tensor q, Tensor k, Tensor v, Tensor block_bitmap, float? scale=None, "
+          "Tensor? cu_seqlens=None", ("out", "out_fp32", "lse"), _qsa_bitmap_run, _qsa_bitmap_fake),
 )
 
 

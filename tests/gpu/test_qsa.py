@@ -1,8 +1,10 @@
-"""GPU tests of the fused QSA indexed forward (`dsagen.qsa_indexed_forward(..., impl="fused")`, sm_90a kernel of
-QsaFwdSpec) against the plain-PyTorch reference and a dense FP64 oracle on fresh random inputs: 12 / 1 and 24 / 2
-heads at D 256 (and a small group at D 128 / Dv 64 in fp16), widths 4..2052 with -1 padding, partial tiles, out-of-range
-and repeated ids, empty rows, odd T, non-contiguous inputs, bitwise-repeatable calls, the custom op and its out
-variant, torch.compile and CUDA-graph capture.
+"""GPU tests of the fused QSA forwards (`dsagen.qsa_indexed_forward` / `dsagen.qsa_bitmap_forward` with
+impl="fused", sm_90a kernels of QsaFwdSpec) against the plain-PyTorch reference and a dense FP64 oracle on fresh random
+inputs: 12 / 1 and 24 / 2 heads at D 256 (and a small group at D 128 / Dv 64 in fp16), widths 4..2052 with -1
+padding, partial tiles, out-of-range and repeated ids, empty rows, odd T, non-contiguous inputs; the bitmap form on
+dense, sparse and empty rows, packed sequences (empty, shorter than a block, lengths not a multiple of 4) and its
+equivalence with the indexed form (bitwise, on the same blocks in the same order); bitwise-repeatable calls, the
+custom ops and their out variants, torch.compile and CUDA-graph capture.
 
 Build what these need first (CPU, with CuTe-DSL):
     dsagen build --spec-file tests/gpu/required_specs.json
@@ -26,6 +28,7 @@ DEV = "cuda"
 # (G, D, Dv, dtype) of every kernel the tests run
 _SHAPES = [(12, 256, 256, "bfloat16"), (4, 128, 64, "float16"), (1, 64, 64, "bfloat16")]
 REQUIRED_SPECS = [spec_for(g, d, dv, dt, ARCH) for g, d, dv, dt in _SHAPES]
+REQUIRED_SPECS += [spec_for(g, d, dv, dt, ARCH, bitmap=True) for g, d, dv, dt in _SHAPES[:2]]
 
 pytestmark = pytest.mark.gpu
 
@@ -175,3 +178,91 @@ def test_limits_are_value_errors():
         dsagen.qsa_indexed_forward(q, k, v, ids)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         dsagen.qsa_indexed_forward(q.float(), k.float(), v.float(), ids)
+
+
+def bitmap_layout(t, cu):
+    """(block of each token, its sequence's first token, NB) as the reference numbers them."""
+    from dsagen.reference.qsa import bitmap_token_layout
+    return bitmap_token_layout(t, None if cu is None else torch.tensor(cu, dtype=torch.int32), "cpu")
+
+
+def bitmap_as_indices(bitmap, t, cu):
+    """The index rows that select what `bitmap` does: per query its selected causal blocks of its own sequence in
+    ascending order, four slots each, the own block's tokens after the query -1 (the bitmap kernel's tiles)."""
+    block, starts, nb = bitmap_layout(t, cu)
+    rows = []
+    for i in range(t):
+        s0 = int(starts[i])
+        b0 = int(block[s0])
+        own = (i - s0) // 4
+        sel = [b for b in range(own + 1) if bitmap[i, b0 + b]]
+        ids = [s0 + 4 * b + c if s0 + 4 * b + c <= i else -1 for b in sel for c in range(4)]
+        rows.append(ids)
+    w = max(4, -(-max(len(r) for r in rows) // 4) * 4)
+    out = torch.full((t, w), -1, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    return out
+
+
+def make_bitmap(t, cu, density, gen):
+    """A uint8 [T, NB] bitmap of the given density (future blocks and other sequences' blocks set too: the
+    kernel must ignore them), rows 2 and 3 empty when T > 3."""
+    nb = bitmap_layout(t, cu)[2]
+    bm = (torch.rand((t, nb), generator=gen) < density).to(torch.uint8)
+    if t > 3:
+        bm[2:4] = 0
+    return bm
+
+
+@pytest.mark.parametrize("t,cu,density", [(37, None, 0.5), (130, None, 1.0), (200, [0, 0, 3, 70, 71, 200], 0.3),
+                                          (1100, None, 0.05)])
+def test_bitmap_forward_adversarial(t, cu, density):
+    """Against the dense oracle (through the equivalent index rows) and the reference; bitwise the indexed form's
+    result on those rows."""
+    gen = torch.Generator().manual_seed(t + int(density * 10))
+    q, k, v, _ = make_inputs(t, 24, 2, 256, 256, 4, gen, adversarial=False)
+    bm = make_bitmap(t, cu, density, gen)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEV)
+    with poison_allocator():
+        out, out32, lse = dsagen.qsa_bitmap_forward(q, k, v, bm.to(DEV), cu_seqlens=cu_t)
+    ids = bitmap_as_indices(bm, t, cu).to(DEV)
+    ref_out, ref_lse = oracle(q, k, v, ids, 1 / 16)
+    torch.testing.assert_close(out32.double(), ref_out, atol=2e-2, rtol=2e-2)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    torch.testing.assert_close(lse[fin].double(), ref_lse[fin], atol=2e-2, rtol=1e-3)
+    r = dsagen.qsa_bitmap_forward(q, k, v, bm.to(DEV), cu_seqlens=cu_t, impl="reference")
+    torch.testing.assert_close(out32, r[1], atol=2e-2, rtol=2e-2)
+    same = dsagen.qsa_indexed_forward(q, k, v, ids)
+    assert torch.equal(out32, same[1]) and torch.equal(out, same[0]) and torch.equal(lse, same[2])
+
+
+def test_bitmap_bool_fp16_and_repeats():
+    gen = torch.Generator().manual_seed(23)
+    q, k, v, _ = make_inputs(90, 12, 3, 128, 64, 4, gen, torch.float16, adversarial=False)
+    bm = make_bitmap(90, None, 0.4, gen)
+    a = dsagen.qsa_bitmap_forward(q, k, v, bm.bool().to(DEV))
+    b = dsagen.qsa_bitmap_forward(q, k, v, bm.to(DEV))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    r = dsagen.qsa_bitmap_forward(q, k, v, bm.to(DEV), impl="reference")
+    torch.testing.assert_close(a[1], r[1], atol=2e-2, rtol=2e-2)
+
+
+def test_bitmap_custom_op_compile_and_graph():
+    gen = torch.Generator().manual_seed(29)
+    q, k, v, _ = make_inputs(64, 12, 1, 256, 256, 4, gen, adversarial=False)
+    bm = make_bitmap(64, [0, 30, 64], 0.5, gen).to(DEV)
+    cu = torch.tensor([0, 30, 64], dtype=torch.int32, device=DEV)
+    want = dsagen.qsa_bitmap_forward(q, k, v, bm, cu_seqlens=cu)
+    got = torch.ops.dsagen.qsa_bitmap_forward(q, k, v, bm, cu_seqlens=cu)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    compiled = torch.compile(lambda *a: dsagen.qsa_bitmap_forward(*a[:4], cu_seqlens=a[4]), fullgraph=True)
+    assert all(torch.equal(a, b) for a, b in zip(want, compiled(q, k, v, bm, cu)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = dsagen.qsa_bitmap_forward(q, k, v, bm, cu_seqlens=cu)
+    bm.copy_(make_bitmap(64, [0, 30, 64], 0.2, gen).to(DEV))
+    graph.replay()
+    fresh = dsagen.qsa_bitmap_forward(q, k, v, bm, cu_seqlens=cu)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, captured))

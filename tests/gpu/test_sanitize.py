@@ -90,7 +90,7 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     nsa_cmp_dq_spec_for(g, 128, 128, 1, "bfloat16", ARCH) for g in (1, 16)] + [
     NsaCmpDkvSpec(arch=ARCH, group=g) for g in (1, 16)] + [
     f(g, 128, 128, bs, 16, "bfloat16", ARCH) for f in (nsa_spec_for, nsa_dq_spec_for)
-    for g, bs in ((16, 32), (1, 128))] + [qsa_spec_for(12, 256, 256, "bfloat16", ARCH)]
+    for g, bs in ((16, 32), (1, 128))] + [qsa_spec_for(12, 256, 256, "bfloat16", ARCH, bitmap=b) for b in (False, True)]
 FORWARD_TOPK_SPECS = (*forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs(),
                       *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, finish_in_topk=False).topk.specs())
 
@@ -782,5 +782,30 @@ def test_qsa_indexed_forward(hq, hkv, w):
     out, out32, lse = dsagen.qsa_indexed_forward(q, k, v, ids)
     torch.cuda.synchronize()
     ref = dsagen.qsa_indexed_forward(q, k, v, ids, impl="reference")
+    torch.testing.assert_close(out32, ref[1], atol=2e-2, rtol=2e-2)
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref[2]))
+
+
+@gpu
+@pytest.mark.parametrize("cu", [None, [0, 0, 3, 20, 41]])
+def test_qsa_bitmap_forward(cu):
+    """The QSA bitmap forward (G 12, D 256): rows with blocks set past the query, in other sequences and none at all,
+    packed sequences (empty, shorter than a block, lengths not a multiple of 4), odd T; checked against the
+    reference."""
+    from dsagen.reference.qsa import bitmap_token_layout
+
+    gen = torch.Generator().manual_seed(370 + (cu is None))
+    t = 41
+    q = (torch.randn(t, 12, 256, generator=gen) * 0.5).bfloat16().to(DEV)
+    k = (torch.randn(t, 1, 256, generator=gen) * 0.5).bfloat16().to(DEV)
+    v = torch.randn(t, 1, 256, generator=gen).bfloat16().to(DEV)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    nb = bitmap_token_layout(t, cu_t, "cpu")[2]
+    bm = (torch.rand((t, nb), generator=gen) < 0.5).to(torch.uint8)
+    bm[5] = 0
+    bm, cu_t = bm.to(DEV), None if cu_t is None else cu_t.to(DEV)
+    out, out32, lse = dsagen.qsa_bitmap_forward(q, k, v, bm, cu_seqlens=cu_t)
+    torch.cuda.synchronize()
+    ref = dsagen.qsa_bitmap_forward(q, k, v, bm, cu_seqlens=cu_t, impl="reference")
     torch.testing.assert_close(out32, ref[1], atol=2e-2, rtol=2e-2)
     assert torch.equal(torch.isfinite(lse), torch.isfinite(ref[2]))

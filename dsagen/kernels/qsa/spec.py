@@ -27,8 +27,11 @@ class QsaFwdSpec(KernelSpec):
     head_dim / v_dim: D of q and k, Dv of v and the outputs (64, 128 or 256 each; FlashInfer QSA: 256).
     dtype: q / k / v / output element type ("bfloat16" or "float16").
     stages: K / V tiles in flight (2 or 3, within the shared memory of one CTA).
+    bitmap: the bitmap form (FlashInfer QSA's bitmap API): the producer reads the query's row of the four-token
+        block bitmap instead of an index row, counts its selected causal blocks, then finds each tile's next 16 in
+        ascending order (no compacted-index scratch).
 
-    Tokens, KV heads, the index width and the softmax scale are run-time arguments.
+    Tokens, KV heads, the index width or the packed sequences, and the softmax scale are run-time arguments.
     """
 
     op = "qsa_fwd"
@@ -39,6 +42,7 @@ class QsaFwdSpec(KernelSpec):
     v_dim: int = 256
     dtype: str = "bfloat16"
     stages: int = 2
+    bitmap: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -64,12 +68,14 @@ class QsaFwdSpec(KernelSpec):
 
 
 def smem_bytes(head_dim: int, v_dim: int, stages: int) -> int:
-    """The kernel's shared memory: its mbarriers and the tiles' ids (under 1 KiB up to 3 stages), then, 1024-byte
+    """The kernel's shared memory: its mbarriers, the tiles' ids and the bitmap form's search state (under 1 KiB up
+    to 3 stages), then, 1024-byte
     aligned, the 64-row Q tile and `stages` K and V tiles of 64 rows (16-bit elements)."""
     return 1024 + 2 * 64 * (head_dim + stages * (head_dim + v_dim))
 
 
-def spec_for(group: int, head_dim: int, v_dim: int, dtype: str, arch: str) -> QsaFwdSpec:
-    """The spec a call of these shapes runs: three stages where they fit, else two."""
+def spec_for(group: int, head_dim: int, v_dim: int, dtype: str, arch: str, bitmap: bool = False) -> QsaFwdSpec:
+    """The spec a call of these shapes runs (bitmap: of the bitmap form): three stages where they fit, else two."""
     stages = 3 if smem_bytes(head_dim, v_dim, 3) <= SMEM_LIMIT else 2
-    return QsaFwdSpec(arch=arch, group=group, head_dim=head_dim, v_dim=v_dim, dtype=dtype, stages=stages)
+    return QsaFwdSpec(arch=arch, group=group, head_dim=head_dim, v_dim=v_dim, dtype=dtype, stages=stages,
+                      bitmap=bitmap)

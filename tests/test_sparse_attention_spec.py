@@ -396,10 +396,16 @@ def test_decode_splits_the_slots_of_small_batches(monkeypatch):
     out, lse = kept[0](q.clone(), torch.ones(5, 8, 1, 576, dtype=torch.bfloat16), ids.clone(), sink, None)
     assert [n for n, _ in launches] == ["fwd", "sparse_attention_combine"] and launches[0][1][1].eq(1).all()
     assert launches[0][1][1].shape == (40, 576) and out.shape == (2, 3, 64, 512) and lse.shape == (2, 3, 64)
-    for bad in ((33, 128), (2, 100), (0, 128)):
+    for bad in ((33, 128), (2, 100), (0, 128), (7, 128)):           # (7, 128): 896 of the 1024 slots
         with pytest.raises(ValueError, match="split="):
             fwd_host._launch(q.view(6, 64, 576), torch.zeros(40, 576, dtype=torch.bfloat16), ids.view(6, 1024), None,
                              None, 0.1, 512, split=bad)
+    with pytest.raises(ValueError, match="rows of 656 bytes"):
+        fwd_host._launch(q.view(6, 64, 576), torch.zeros(40, 576, dtype=torch.uint8), ids.view(6, 1024), None,
+                         None, 0.1, 512)
+    with pytest.raises(ValueError, match="at least one row"):
+        fwd_host._launch(q.view(6, 64, 576), torch.zeros(0, 656, dtype=torch.uint8), ids.view(6, 1024), None,
+                         None, 0.1, 512)
 
 
 def test_decode_plan_repeats_the_launch_on_new_tensors(monkeypatch):

@@ -34,7 +34,8 @@ REQUIRED_SPECS = [select_fwd_spec_for(g, d, dv, bs, s, dt, ARCH) for g, d, dv, b
 # (blocks of 32 and 128 run the dk / dv kernel of 64 rows)
 _BWD_SHAPES = [(g, 128, 128, 64, 16, "bfloat16") for g in (1, 4, 16)] + [(16, 64, 64, 64, 16, "bfloat16")]
 _BWD_SHAPES += [(16, 128, 128, 32, 16, "bfloat16"), (4, 128, 128, 128, 16, "bfloat16")]
-REQUIRED_SPECS += [select_fwd_spec_for(4, 128, 128, 128, 16, "bfloat16", ARCH)]
+REQUIRED_SPECS += [select_fwd_spec_for(4, 128, 128, 128, 16, "bfloat16", ARCH),
+                   select_fwd_spec_for(16, 128, 128, 32, 16, "bfloat16", ARCH)]
 REQUIRED_SPECS += [select_dq_spec_for(*x, ARCH) for x in _BWD_SHAPES]
 REQUIRED_SPECS += [NsaSelectDkvSpec(arch=ARCH, group=g, head_dim=d, v_dim=dv, dtype=dt)
                    for g, d, dv, bs, _, dt in _BWD_SHAPES if bs == 64]

@@ -85,8 +85,20 @@ def test_cache_slice_of_a_wider_buffer():
         dsagen.sparse_attention_decode(q, torch.cat([cache, cache])[::2], ids)
 
 
+def tile_spread(kv: torch.Tensor) -> torch.Tensor:
+    """kv [..., 576] with NoPE column tile j (128 values) times 4 ** (j - 1): the four tiles of a row get different
+    FP8 scales (on N(0, 1) values they nearly always share one), so a kernel applying a row's scales to the wrong
+    tiles fails."""
+    f = torch.ones(576, dtype=kv.dtype, device=kv.device)
+    for j in range(4):
+        f[128 * j:128 * (j + 1)] = 4.0 ** (j - 1)
+    return kv * f
+
+
 def _fp8(cache):
-    """The FP8 cache [n_blocks, page, 1, 656] uint8 of a bf16 cache, and that cache dequantized (bf16, 576)."""
+    """The FP8 cache [n_blocks, page, 1, 656] uint8 of a bf16 cache (its tiles spread by tile_spread), and that
+    cache dequantized (bf16, 576)."""
+    cache = tile_spread(cache)
     nb, page = cache.shape[:2]
     fp8 = dsagen.quantize_kv_fp8(cache.view(nb, page, 576), impl="reference").unsqueeze(2)
     return fp8, dsagen.dequantize_kv_fp8(fp8, impl="reference")

@@ -29,6 +29,7 @@ import torch
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
 
 from ...jit import get_kernel
+from ...reference.kv_cache import KV_FP8_TOKEN_BYTES
 from .checks import kernel_heads
 from .spec import COMBINE_MAX_SPLITS, SparseAttnCombineSpec, SparseAttnFwdConfig, SparseAttnFwdSpec, config_for
 
@@ -151,6 +152,15 @@ class SparseFwdLaunch:
                                   or self.prefix or q.dtype != torch.bfloat16):
             raise ValueError(f"sparse_attention: split={split} must be (n_splits in 1..{COMBINE_MAX_SPLITS}, a "
                              f"positive multiple of 128 slots), for bfloat16 q and without indexer_topk")
+        if split is not None and split[0] * split[1] < k_width:
+            raise ValueError(f"sparse_attention: split={split} covers {split[0] * split[1]} slots, fewer than the "
+                             f"{k_width} of topk_idxs")
+        if kv_fp8 and kv.shape[1] != KV_FP8_TOKEN_BYTES:
+            raise ValueError(f"sparse_attention: a uint8 kv holds the FP8 cache's rows of {KV_FP8_TOKEN_BYTES} bytes, "
+                             f"got rows of {kv.shape[1]}")
+        if kv_fp8 and n_kv == 0 and s_q > 0 and k_width > 0:
+            raise ValueError("sparse_attention: a uint8 kv (the FP8 cache) needs at least one row: the kernel reads row "
+                             "0 in place of an invalid id (an empty cache's rows are all empty: no launch needed)")
         self.split = split
         spec, self.kernel, n_ctas = _launch_plan(h, d_qk, q.dtype, q.device, s_q, s_q > 0, config, self.prefix,
                                                  kv_fp8, split is not None)

@@ -211,9 +211,9 @@ def test_build_model_builds_v32_and_a_smaller_variant(cache_env, tmp_path, capsy
     lines = capsys.readouterr().out.splitlines()
     assert all(line.split()[2] == "cached" and line.split()[-1] == "DSAGEN_CACHE_DIR" for line in lines[2:-1])
     n_small = len(specs_for_model(load_model_config(small), "sm_90a"))
-    assert n_small == 36                               # 2 index ops, 5 indexer, the dense indexer forward (its
+    assert n_small == 37                               # 2 index ops, 5 indexer, the dense indexer forward (its
     #         score kernel and mask pass), the combined indexer + top-k (4 top-k forms that finish their rows; no FP8 at
-    #         D 64), 4 indexer top-k, the indexer score recompute, 2 indexer backwards and 3 dense ones (atomic,
+    #         D 64) and the decode-time indexer's paged score kernel (its top-k kernels are those), 4 indexer top-k, the indexer score recompute, 2 indexer backwards and 3 dense ones (atomic,
     #         deterministic, the KL loss path's), 5 MLA
     #         forwards (BF16 cache, lse_prefix, FP8 cache, the split_kv forms of both caches) and the decode's combine,
     #         2 MLA backwards and their id ordering, the attention score recompute and its dense form, and

@@ -38,6 +38,7 @@ FUSED: dict[str, str] = {
     "sparse_attention_decode": "dsagen.kernels.sparse_mla.decode_host:sparse_attention_decode",
     "qsa_indexed_forward": "dsagen.kernels.qsa.host:qsa_indexed_forward",
     "qsa_bitmap_forward": "dsagen.kernels.qsa.host:qsa_bitmap_forward",
+    "indexer_decode_topk": "dsagen.kernels.lightning_indexer.decode_host:indexer_decode_topk",
     # the scratch size of sparse_attention_backward's workspace (FP32 elements)
     "sparse_attention_backward_workspace_numel": "dsagen.kernels.sparse_mla_bwd.host:workspace_numel",
 }
@@ -108,6 +109,11 @@ def _indexer_forward_topk_host():
     return forward_topk_host
 
 
+def _indexer_decode_host():
+    from ..kernels.lightning_indexer import decode_host
+    return decode_host
+
+
 # host module -> a loader Dynamo can trace (static imports), for the ops reachable from a compiled program
 _TRACEABLE_IMPORTS: dict[str, Callable] = {
     "dsagen.kernels.sparse_mla.host": _sparse_mla_host,
@@ -121,6 +127,7 @@ _TRACEABLE_IMPORTS: dict[str, Callable] = {
     "dsagen.kernels.indexer_topk.host": _indexer_topk_host,
     "dsagen.kernels.lightning_indexer.scores_host": _indexer_scores_host,
     "dsagen.kernels.lightning_indexer.forward_topk_host": _indexer_forward_topk_host,
+    "dsagen.kernels.lightning_indexer.decode_host": _indexer_decode_host,
     "dsagen.kernels.nsa.host": _nsa_host,
     "dsagen.kernels.qsa.host": _qsa_host,
 }

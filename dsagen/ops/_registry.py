@@ -355,6 +355,16 @@ def _qsa_bitmap_fake(q, k, v, block_bitmap, scale, cu_seqlens):
     return _qsa_indexed_fake(q, k, v, block_bitmap, scale)
 
 
+def _indexer_decode_run(q_indexer, weights, k_cache, block_table, cache_seqlens, top_k):
+    return (_public("kv_cache", "indexer_decode_topk")(q_indexer, weights, k_cache, block_table, cache_seqlens, top_k,
+                                                       impl="fused"),)
+
+
+def _indexer_decode_fake(q_indexer, weights, k_cache, block_table, cache_seqlens, top_k):
+    """int32 `[B, next_n, top_k]`."""
+    return (q_indexer.new_empty((*q_indexer.shape[:2], top_k), dtype=torch.int32),)
+
+
 def _decode_run(q, kv_cache, indices, attn_sink, topk_length, softmax_scale, d_v):
     return tuple(_public("kv_cache", "sparse_attention_decode")(
         q, kv_cache, indices, attn_sink=attn_sink, topk_length=topk_length, softmax_scale=softmax_scale, d_v=d_v,
@@ -428,6 +438,8 @@ OPS: tuple[OpDef, ...] = (
           ("out", "lse"), _decode_run, _decode_fake),
     OpDef("qsa_indexed_forward", "Tensor q, Tensor k, Tensor v, Tensor indices, float? scale=None",
           ("out", "out_fp32", "lse"), _qsa_indexed_run, _qsa_indexed_fake),
+    OpDef("indexer_decode_topk", "Tensor q_indexer, Tensor weights, Tensor k_cache, Tensor block_table, "
+          "Tensor cache_seqlens, int top_k", ("indices",), _indexer_decode_run, _indexer_decode_fake),
     OpDef("qsa_bitmap_forward", "Tensor q, Tensor k, Tensor v, Tensor block_bitmap, float? scale=None, "
           "Tensor? cu_seqlens=None", ("out", "out_fp32", "lse"), _qsa_bitmap_run, _qsa_bitmap_fake),
 )

@@ -233,16 +233,20 @@ def indexer_decode_topk(q_indexer: torch.Tensor, weights: torch.Tensor, k_cache:
             [num_blocks, block_size, D] bfloat16.
         block_table: int32 [B, max_blocks_per_seq]. cache_seqlens: int32 [B], each >= next_n.
         top_k: >= 0.
-        impl: "fused" (default; no generated kernel yet: ValueError off the GPU, NotImplementedError on it) or
-            "reference" (reads cache_seqlens on the host; slots in descending score, equal scores toward the lower
-            position).
+        impl: "fused" (default: indexer_forward_topk's score and top-k kernels on sm_90a with the keys read through
+            the block table; pages of 64 tokens, H / D / dtype as indexer_forward_topk's (FP8: H >= 16, D = 128);
+            reads nothing on the host, so lengths and the table are not checked: a row sees the keys below
+            cache_seqlens[b] - next_n + j + 1 clamped to the table's max_pages x 64, a page outside the cache reads
+            zeros; slots in ascending position, equal scores at the k-th toward the lower position; the BF16 form
+            rounds the weights to bf16; ValueError off the GPU) or "reference" (reads cache_seqlens on the host;
+            slots in descending score, equal scores toward the lower position).
 
     Returns:
-        int32 [B, next_n, top_k] page-encoded ids, -1 padded.
+        int32 [B, next_n, top_k] page-encoded ids, -1 padded (slot order as above).
 
     Raises:
-        TypeError / ValueError naming the argument for wrong dtypes, shapes, devices or values;
-        NotImplementedError for impl="fused" on a GPU.
+        TypeError / ValueError naming the argument for wrong dtypes, shapes, devices or values (impl="fused": also
+        outside the kernels' limits above); NotImplementedError for impl="fused" on a GPU other than sm_90a.
     """
     check_impl(impl)
     check_tensor("q_indexer", q_indexer, dtypes=(torch.bfloat16, torch.float8_e4m3fn), ndim=4)

@@ -32,7 +32,7 @@ from typing import Any
 from ..kernels.indices.spec import CompactifySpec, LocalToGlobalSpec
 from ..kernels.lightning_indexer.spec import INDEXER_DTYPES, INDEXER_HEAD_DIMS, INDEXER_HEADS
 from ..kernels.lightning_indexer.spec import INDEXER_FP8_DTYPE, config_for as indexer_config
-from ..kernels.lightning_indexer.spec import forward_topk_config_for, scores_config_for
+from ..kernels.lightning_indexer.spec import decode_config_for, forward_topk_config_for, scores_config_for
 from ..kernels.attn_score_recompute.spec import config_for as attn_score_recompute_config
 from ..kernels.attn_score_recompute.spec import dense_config_for as dense_attn_score_recompute_config
 from ..kernels.indexer_bwd.spec import config_for as indexer_bwd_config
@@ -199,6 +199,9 @@ def specs_for_model(model: ModelAttention, arch: str, serving: bool = False) -> 
         for dtype in (model.dtype,) + ((INDEXER_FP8_DTYPE,) if model.index_head_dim == 128 else ()):
             out.extend(scores_config_for(model.index_n_heads, model.index_head_dim, dtype, arch).specs())
             out.extend(forward_topk_config_for(model.index_n_heads, model.index_head_dim, dtype, arch).specs())
+            # ... and the decode-time indexer over a paged key cache (indexer_decode_topk: the same top-k kernels)
+            if dtype in ("bfloat16", INDEXER_FP8_DTYPE):
+                out.extend(decode_config_for(model.index_n_heads, model.index_head_dim, dtype, arch).specs())
         # standalone indexer top-k (any width; its plan's kernels serve every row length)
         out.extend(indexer_topk_config(arch).specs())
     if hopper and not serving:

@@ -47,6 +47,7 @@ from dsagen.kernels.sparse_mla_bwd.spec import config_for as bwd_config_for
 from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
 from dsagen.kernels.nsa.host import select_forward as nsa_select_forward
 from dsagen.kernels.qsa.spec import spec_for as qsa_spec_for
+from dsagen.kernels.lightning_indexer.spec import decode_config_for
 from dsagen.kernels.nsa.spec import NsaCmpDkvSpec, NsaCmpTopkSpec, NsaSelectDkvSpec
 from dsagen.kernels.nsa.spec import cmp_dq_spec_for as nsa_cmp_dq_spec_for
 from dsagen.kernels.nsa.spec import cmp_fwd_spec_for as nsa_cmp_fwd_spec_for
@@ -90,7 +91,9 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     nsa_cmp_dq_spec_for(g, 128, 128, 1, "bfloat16", ARCH) for g in (1, 16)] + [
     NsaCmpDkvSpec(arch=ARCH, group=g) for g in (1, 16)] + [
     f(g, 128, 128, bs, 16, "bfloat16", ARCH) for f in (nsa_spec_for, nsa_dq_spec_for)
-    for g, bs in ((16, 32), (1, 128))] + [qsa_spec_for(12, 256, 256, "bfloat16", ARCH, bitmap=b) for b in (False, True)]
+    for g, bs in ((16, 32), (1, 128))] + [qsa_spec_for(12, 256, 256, "bfloat16", ARCH, bitmap=b)
+                                          for b in (False, True)] + [
+    *decode_config_for(*INDEXER_SHAPE, "float8_e4m3fn", ARCH).specs()]
 FORWARD_TOPK_SPECS = (*forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs(),
                       *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, finish_in_topk=False).topk.specs())
 
@@ -810,3 +813,23 @@ def test_qsa_bitmap_forward(cu):
     ref = dsagen.qsa_bitmap_forward(q, k, v, bm, cu_seqlens=cu_t, impl="reference")
     torch.testing.assert_close(out32, ref[1], atol=2e-2, rtol=2e-2)
     assert torch.equal(torch.isfinite(lse), torch.isfinite(ref[2]))
+
+
+@gpu
+def test_indexer_decode_fp8():
+    """The decode-time indexer over a paged FP8 key cache (the paged score kernel reading K and its descales through
+    the block table, then the forward top-k): lengths next_n .. a partial last page, table entries past each
+    length left as -1 or past the cache (never read); checked as sets against the reference."""
+    gen = torch.Generator().manual_seed(380)
+    b, next_n, n_pages = 3, 2, 12
+    cache = dsagen.quantize_index_k_fp8(torch.randn(n_pages, 64, 128, generator=gen), impl="reference").to(DEV)
+    q = torch.randn(b, next_n, 64, 128, generator=gen).to(torch.float8_e4m3fn).to(DEV)
+    w = torch.randn(b, next_n, 64, generator=gen).to(DEV)
+    lens = torch.tensor([2, 65, 250], dtype=torch.int32, device=DEV)
+    table = torch.tensor([[5, -1, -1, -1], [0, 11, 99, -1], [3, 7, 1, 9]], dtype=torch.int32, device=DEV)
+    ids = dsagen.indexer_decode_topk(q, w, cache, table, lens, 96)
+    torch.cuda.synchronize()
+    ref = dsagen.indexer_decode_topk(q, w, cache, table, lens, 96, impl="reference")
+    for a, r in zip(ids.view(-1, 96).tolist(), ref.view(-1, 96).tolist()):
+        got, want = {x for x in a if x >= 0}, {x for x in r if x >= 0}
+        assert len(got) == len(want) and len(got & want) >= 0.95 * len(want)

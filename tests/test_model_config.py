@@ -18,6 +18,7 @@ from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
 from dsagen.kernels.sparse_mla.spec import SparseAttnCombineSpec, SparseAttnFwdSpec
 from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdOrderSpec, SparseAttnBwdSpec
 from dsagen.spec import ARCHES, SpecError, get_preset, missing_ops
+from dsagen.kernels.kv_fp8.spec import KvFp8CodecSpec
 from dsagen.spec.model_config import (DEEPSEEK_V32, FIELDS, ModelConfigError, load_model_config, mla_kernel_heads,
                                       missing_ops_for_model, model_from_config, specs_for_model)
 
@@ -41,8 +42,9 @@ def test_the_example_is_deepseek_v32_and_the_preset_is_specs_for_model():
 def test_deepseek_v32_kernels():
     specs = specs_for_model(DEEPSEEK_V32, "sm_90a")
     assert [s.op for s in specs[:2]] == ["compactify", "local_to_global"]
+    assert specs[2:4] == [KvFp8CodecSpec(arch="sm_90a"), KvFp8CodecSpec(arch="sm_90a", dequantize=True)]
     indexer = list(indexer_config(64, 128, "bfloat16", "sm_90a").specs())
-    assert specs[2:2 + len(indexer)] == indexer
+    assert specs[4:4 + len(indexer)] == indexer
     (isr,) = [s for s in specs if isinstance(s, IndexerScoreRecomputeSpec)]
     assert (isr.num_heads, isr.head_dim, isr.dtype) == (64, 128, "bfloat16")
     ibwd = [s for s in specs if isinstance(s, IndexerBwdSpec)]
@@ -62,7 +64,7 @@ def test_deepseek_v32_kernels():
     assert [s.op for s in specs_for_model(DEEPSEEK_V32, "sm_100a")] == ["compactify", "local_to_global"]
     assert missing_ops_for_model(DEEPSEEK_V32, "sm_100a") == [
         "dense_attn_score_recompute", "dense_indexer_backward", "indexer_backward", "indexer_scores_mask_lse",
-        "indexer_topk",
+        "indexer_topk", "kv_fp8_codec",
         "lightning_indexer_score", "lightning_indexer_topk", "row_scatter_add",
         "sparse_attention_bwd", "sparse_attention_bwd_order", "sparse_attention_combine", "sparse_attention_fwd",
         "sparse_attn_score_recompute", "sparse_indexer_score_recompute"]
@@ -190,7 +192,7 @@ def test_dry_run_lists_and_compiles_nothing(cache_env, capsys):
     assert all(line.split()[2:4] == ["to", "build"] for line in lines[2:-1])
     assert lines[-1] == f"{len(names)} kernel(s): 0 cached, {len(names)} to build (dry run: nothing compiled)"
     assert ("has no sm_100a kernels yet for: dense_attn_score_recompute, dense_indexer_backward, indexer_backward, "
-            "indexer_scores_mask_lse, indexer_topk, lightning_indexer_score") in cap.err
+            "indexer_scores_mask_lse, indexer_topk, kv_fp8_codec, lightning_indexer_score") in cap.err
     assert all(len(line) <= 100 for line in lines)
     assert not cache_env.exists()                      # nothing written, not even the cache root
 
@@ -211,17 +213,18 @@ def test_build_model_builds_v32_and_a_smaller_variant(cache_env, tmp_path, capsy
     lines = capsys.readouterr().out.splitlines()
     assert all(line.split()[2] == "cached" and line.split()[-1] == "DSAGEN_CACHE_DIR" for line in lines[2:-1])
     n_small = len(specs_for_model(load_model_config(small), "sm_90a"))
-    assert n_small == 37                               # 2 index ops, 5 indexer, the dense indexer forward (its
-    #         score kernel and mask pass), the combined indexer + top-k (4 top-k forms that finish their rows; no FP8 at
-    #         D 64) and the decode-time indexer's paged score kernel (its top-k kernels are those), 4 indexer top-k, the indexer score recompute, 2 indexer backwards and 3 dense ones (atomic,
-    #         deterministic, the KL loss path's), 5 MLA
+    assert n_small == 39                               # 2 index ops, the FP8 KV cache's writer and reader, 5
+    #         indexer, the dense indexer forward (its score kernel and mask pass), the combined indexer + top-k (4
+    #         top-k forms that finish their rows; no FP8 at D 64) and the decode-time indexer's paged score kernel
+    #         (its top-k kernels are those), 4 indexer top-k, the indexer score recompute, 2 indexer backwards and 3
+    #         dense ones (atomic, deterministic, the KL loss path's), 5 MLA
     #         forwards (BF16 cache, lse_prefix, FP8 cache, the split_kv forms of both caches) and the decode's combine,
     #         2 MLA backwards and their id ordering, the attention score recompute and its dense form, and
     #         the row scatter-add of each deterministic backward (D 64 and 576)
     assert lines[-1].endswith(f"{n_small} cached, 0 to build (dry run: nothing compiled)")
 
 
-SERVING_OPS = {"compactify", "local_to_global", "lightning_indexer_score", "lightning_indexer_topk",
+SERVING_OPS = {"compactify", "local_to_global", "kv_fp8_codec", "lightning_indexer_score", "lightning_indexer_topk",
                "indexer_scores_mask_lse", "indexer_topk", "sparse_attention_fwd", "sparse_attention_combine"}
 
 

@@ -120,6 +120,8 @@ _CASES = {
     "qsa_indexed_forward": ((_bf16(24, 12, 256), _bf16(24, 1, 256), _bf16(24, 1, 128), _i32(24, 8)), {},
                             [((24, 12, 128), torch.bfloat16), ((24, 12, 128), torch.float32),
                              ((12, 24), torch.float32)]),
+    "quantize_kv_fp8": ((_bf16(3, 2, 576),), {}, [((3, 2, 656), torch.uint8)]),
+    "dequantize_kv_fp8": ((torch.empty(5, 656, dtype=torch.uint8),), {}, [((5, 576), torch.bfloat16)]),
     "indexer_decode_topk": ((_bf16(3, 2, 64, 128), _f32(3, 2, 64), _bf16(10, 64, 128), _i32(3, 4), _i32(3), 16), {},
                             [((3, 2, 16), torch.int32)]),
     "qsa_bitmap_forward": ((_bf16(24, 24, 256), _bf16(24, 2, 256), _bf16(24, 2, 256),

@@ -355,6 +355,24 @@ def _qsa_bitmap_fake(q, k, v, block_bitmap, scale, cu_seqlens):
     return _qsa_indexed_fake(q, k, v, block_bitmap, scale)
 
 
+def _quantize_kv_run(kv):
+    return (_public("kv_cache", "quantize_kv_fp8")(kv, impl="fused"),)
+
+
+def _quantize_kv_fake(kv):
+    """uint8 `[..., 656]`."""
+    return (kv.new_empty((*kv.shape[:-1], 656), dtype=torch.uint8),)
+
+
+def _dequantize_kv_run(cache):
+    return (_public("kv_cache", "dequantize_kv_fp8")(cache, impl="fused"),)
+
+
+def _dequantize_kv_fake(cache):
+    """bfloat16 `[..., 576]`."""
+    return (cache.new_empty((*cache.shape[:-1], 576), dtype=torch.bfloat16),)
+
+
 def _indexer_decode_run(q_indexer, weights, k_cache, block_table, cache_seqlens, top_k):
     return (_public("kv_cache", "indexer_decode_topk")(q_indexer, weights, k_cache, block_table, cache_seqlens, top_k,
                                                        impl="fused"),)
@@ -438,6 +456,8 @@ OPS: tuple[OpDef, ...] = (
           ("out", "lse"), _decode_run, _decode_fake),
     OpDef("qsa_indexed_forward", "Tensor q, Tensor k, Tensor v, Tensor indices, float? scale=None",
           ("out", "out_fp32", "lse"), _qsa_indexed_run, _qsa_indexed_fake),
+    OpDef("quantize_kv_fp8", "Tensor kv", ("cache",), _quantize_kv_run, _quantize_kv_fake),
+    OpDef("dequantize_kv_fp8", "Tensor cache", ("kv",), _dequantize_kv_run, _dequantize_kv_fake),
     OpDef("indexer_decode_topk", "Tensor q_indexer, Tensor weights, Tensor k_cache, Tensor block_table, "
           "Tensor cache_seqlens, int top_k", ("indices",), _indexer_decode_run, _indexer_decode_fake),
     OpDef("qsa_bitmap_forward", "Tensor q, Tensor k, Tensor v, Tensor block_bitmap, float? scale=None, "

@@ -33,15 +33,15 @@ def quantize_kv_fp8(kv: torch.Tensor, *, impl: str = "fused") -> torch.Tensor:
 
     Args:
         kv: [..., 576] bfloat16 (512 NoPE + 64 RoPE values per token), any leading dims (none: one token).
-        impl: "fused" (default; no generated kernel yet: ValueError off the GPU, NotImplementedError on it) or
-            "reference".
+        impl: "fused" (default: one launch of the sm_90a codec kernel, a warp per token, the same bytes; ValueError
+            off the GPU, NotImplementedError on a GPU other than sm_90a) or "reference".
 
     Returns:
         uint8 [..., 656], a new contiguous tensor on kv's device.
 
     Raises:
         TypeError when kv is not a bfloat16 tensor; ValueError when its last dim is not 576, for a sparse layout, or
-        a bad impl; NotImplementedError for impl="fused" on a GPU.
+        a bad impl; NotImplementedError for impl="fused" on a GPU other than sm_90a.
     """
     check_impl(impl)
     check_tensor("kv", kv, dtypes=(torch.bfloat16,))
@@ -62,15 +62,16 @@ def dequantize_kv_fp8(cache: torch.Tensor, *, impl: str = "fused") -> torch.Tens
     Args:
         cache: [..., 656] uint8 or float8_e4m3fn (FlashMLA's tests store the cache as float8_e4m3fn), any leading
             dims, any strides (a paged cache [num_blocks, page_block_size, 1, 656] or a view of it).
-        impl: "fused" (default; no generated kernel yet: ValueError off the GPU, NotImplementedError on it) or
-            "reference".
+        impl: "fused" (default: one launch of the sm_90a codec kernel, a warp per token, the same bytes; a layout
+            whose rows are not 16-byte aligned is copied first; ValueError off the GPU, NotImplementedError on a GPU
+            other than sm_90a) or "reference".
 
     Returns:
         bfloat16 [..., 576] on cache's device.
 
     Raises:
         TypeError for another dtype; ValueError when the last dim is not 656, for a sparse layout, or a bad impl;
-        NotImplementedError for impl="fused" on a GPU.
+        NotImplementedError for impl="fused" on a GPU other than sm_90a.
     """
     check_impl(impl)
     check_tensor("cache", cache, dtypes=(torch.uint8, torch.float8_e4m3fn))

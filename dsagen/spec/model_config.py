@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..kernels.indices.spec import CompactifySpec, LocalToGlobalSpec
+from ..kernels.kv_fp8.spec import KvFp8CodecSpec
 from ..kernels.lightning_indexer.spec import INDEXER_DTYPES, INDEXER_HEAD_DIMS, INDEXER_HEADS
 from ..kernels.lightning_indexer.spec import INDEXER_FP8_DTYPE, config_for as indexer_config
 from ..kernels.lightning_indexer.spec import decode_config_for, forward_topk_config_for, scores_config_for
@@ -191,6 +192,9 @@ def specs_for_model(model: ModelAttention, arch: str, serving: bool = False) -> 
         CompactifySpec(arch=arch),
         LocalToGlobalSpec(arch=arch),
     ]
+    if hopper:
+        # the FP8 MLA KV cache's writer and reader (quantize_kv_fp8 / dequantize_kv_fp8: serving appends tokens)
+        out.extend(KvFp8CodecSpec(arch=arch, dequantize=d) for d in (False, True))
     if hopper:
         # lightning indexer: one score kernel + the top-k plan's kernels serve every topk and compress ratio
         out.extend(indexer_config(model.index_n_heads, model.index_head_dim, model.dtype, arch).specs())

@@ -48,6 +48,7 @@ from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
 from dsagen.kernels.nsa.host import select_forward as nsa_select_forward
 from dsagen.kernels.qsa.spec import spec_for as qsa_spec_for
 from dsagen.kernels.lightning_indexer.spec import decode_config_for
+from dsagen.kernels.kv_fp8.spec import KvFp8CodecSpec
 from dsagen.kernels.nsa.spec import NsaCmpDkvSpec, NsaCmpTopkSpec, NsaSelectDkvSpec
 from dsagen.kernels.nsa.spec import cmp_dq_spec_for as nsa_cmp_dq_spec_for
 from dsagen.kernels.nsa.spec import cmp_fwd_spec_for as nsa_cmp_fwd_spec_for
@@ -93,7 +94,8 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     f(g, 128, 128, bs, 16, "bfloat16", ARCH) for f in (nsa_spec_for, nsa_dq_spec_for)
     for g, bs in ((16, 32), (1, 128))] + [qsa_spec_for(12, 256, 256, "bfloat16", ARCH, bitmap=b)
                                           for b in (False, True)] + [
-    *decode_config_for(*INDEXER_SHAPE, "float8_e4m3fn", ARCH).specs()]
+    *decode_config_for(*INDEXER_SHAPE, "float8_e4m3fn", ARCH).specs()] + [
+    KvFp8CodecSpec(arch=ARCH, dequantize=d) for d in (False, True)]
 FORWARD_TOPK_SPECS = (*forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs(),
                       *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, finish_in_topk=False).topk.specs())
 
@@ -833,3 +835,17 @@ def test_indexer_decode_fp8():
     for a, r in zip(ids.view(-1, 96).tolist(), ref.view(-1, 96).tolist()):
         got, want = {x for x in a if x >= 0}, {x for x in r if x >= 0}
         assert len(got) == len(want) and len(got & want) >= 0.95 * len(want)
+
+
+@gpu
+def test_kv_fp8_codec():
+    """The FP8 KV cache writer and reader on 37 tokens (the last CTA's warps partly past the end) of mixed
+    magnitudes, strided rows: byte for byte the references."""
+    gen = torch.Generator().manual_seed(390)
+    kv = (torch.randn(37, 576, generator=gen) * torch.pow(2.0, torch.randint(-9, 9, (37, 1), generator=gen))).bfloat16()
+    kv = kv.to(DEV)
+    cache = dsagen.quantize_kv_fp8(kv)
+    back = dsagen.dequantize_kv_fp8(cache[::2])
+    torch.cuda.synchronize()
+    assert torch.equal(cache, dsagen.quantize_kv_fp8(kv, impl="reference"))
+    assert torch.equal(back.view(torch.int16), dsagen.dequantize_kv_fp8(cache[::2], impl="reference").view(torch.int16))

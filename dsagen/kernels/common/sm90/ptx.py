@@ -159,3 +159,50 @@ def e4m3x2_scaled_bf16x2(word: Int32, high: bool, scale: Float32, *, loc=None, i
         "cvt.f32.f16 f0, a0; cvt.f32.f16 f1, a1; mul.f32 f0, f0, $2; mul.f32 f1, f1, $2; "
         "cvt.rn.bf16x2.f32 $0, f1, f0; }",
         "=r,r,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bf16_to_f32(word: Int32, high: bool, *, loc=None, ip=None) -> Float32:
+    """The bf16 value in the low (high=False) or high 16 bits of `word`, as FP32 (exact)."""
+    half = "hi" if high else "lo"
+    return Float32(llvm.inline_asm(
+        T.f32(), [Int32(word).ir_value(loc=loc, ip=ip)],
+        f"{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $1; cvt.f32.bf16 $0, {half}; }}",
+        "=f,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def f32x4_to_e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Int32:
+    """Four FP32 values rounded to E4M3 (round to nearest even, finite values past 448 clamped to 448:
+    `cvt.rn.satfinite.e4m3x2.f32`), packed a in the lowest byte .. d in the highest: the bytes torch's
+    .to(float8_e4m3fn) gives for |values| <= 464."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+        "mov.b32 $0, {lo, hi}; }",
+        "=r,f,f,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc,
+        ip=ip))
+
+
+@dsl_user_op
+def st_global_b32(dst: cute.Pointer, w: Int32, *, loc=None, ip=None) -> None:
+    """`st.global.b32` of one word (dst 4-byte aligned)."""
+    llvm.inline_asm(None, [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), Int32(w).ir_value(loc=loc, ip=ip)],
+                    "st.global.b32 [$0], $1;", "l,r,~{memory}", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def f32_bits(x: Float32, *, loc=None, ip=None) -> Int32:
+    """The 32 bits of an FP32 value."""
+    return Int32(llvm.inline_asm(T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f",
+                                 has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                 loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bits_f32(w: Int32, *, loc=None, ip=None) -> Float32:
+    """The FP32 value of 32 bits."""
+    return Float32(llvm.inline_asm(T.f32(), [Int32(w).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r",
+                                   has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                   loc=loc, ip=ip))

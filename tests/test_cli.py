@@ -273,7 +273,7 @@ def test_preset_names_the_ops_an_arch_lacks(cache_env, fake_build, capsys):
     err = capsys.readouterr().err
     assert ("dsagen: preset 'deepseek-v3.2' has no sm_100a kernels yet for: dense_attn_score_recompute, "
             "dense_indexer_backward, indexer_backward, "
-            "indexer_scores_mask_lse, indexer_topk, "
+            "indexer_scores_mask_lse, indexer_topk, kv_fp8_codec, "
             "lightning_indexer_score, lightning_indexer_topk, row_scatter_add, sparse_attention_bwd, "
             "sparse_attention_bwd_order, sparse_attention_combine, "
             "sparse_attention_fwd, sparse_attn_score_recompute, sparse_indexer_score_recompute") in err

@@ -103,3 +103,17 @@ def test_custom_op_compile_and_graph():
     graph.replay()
     assert torch.equal(captured, dsagen.indexer_decode_topk(q, w, cache, table, lens, 128))
     check_selection(captured, q, w, cache, table, lens, 128, True)
+
+
+def test_pages_outside_the_cache_read_zeros():
+    """A table entry past the cache within a sequence's length: the kernel reads zeros there (no fault) and, with
+    top_k above the length, still selects every visible key once (the reference refuses such a table)."""
+    gen = torch.Generator().manual_seed(11)
+    q, w, cache, table, lens = make_case(2, 1, [200, 150], 4, 10, True, gen)
+    table[0, 1] = 1000                                                   # keys 64..127 of sequence 0: no page
+    ids = dsagen.indexer_decode_topk(q, w, cache, table, lens, 256)
+    for bi, length in enumerate((200, 150)):
+        sel = ids[bi, 0][ids[bi, 0] >= 0].tolist()
+        assert len(sel) == length
+        pos = sorted(table[bi].tolist().index(x // PAGE) * PAGE + x % PAGE for x in sel)
+        assert pos == list(range(length))

@@ -61,8 +61,9 @@ def _paged_inputs(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor)
 def page_encode(ids: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """Row-local positions [B, next_n, top_k] (-1 padding) -> page-encoded ids block_table[b, s // 64] * 64 +
     s % 64, -1 kept (device ops)."""
-    b = ids.shape[0]
-    pos = ids.clamp_min(0).view(b, -1)
+    if ids.numel() == 0 or block_table.shape[1] == 0:      # nothing selected: all -1 already
+        return ids
+    pos = ids.clamp_min(0).flatten(1)
     pages = block_table.gather(1, (pos // DECODE_PAGE_ROWS).long())
     enc = (pages * DECODE_PAGE_ROWS + pos % DECODE_PAGE_ROWS).view_as(ids)
     return torch.where(ids >= 0, enc, -1).to(torch.int32)

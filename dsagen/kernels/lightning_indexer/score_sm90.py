@@ -601,13 +601,17 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
     SDIV = 16 // ELEM             # elements per 16-byte stride unit
 
     @cute.jit
-    def tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, S):
+    def tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, S, KB_OUT=None):
         """The TMA descriptors of q [B, T, H, D] -> (D, H, T, B) and k [B, S, D] -> (D, S, B) (strides in elements;
-        create_tensor_map_tiled takes them in 16-byte units, elements * ELEM // 16)."""
+        create_tensor_map_tiled takes them in 16-byte units, elements * ELEM // 16); KB_OUT: k's outer dim when it
+        is not B (the paged form's n_pages: k [n_pages, 64, D])."""
         tq = xcuda.create_tensor_map_tiled(global_address=p_q.toint(), dtype=MAP_DT, global_dims=[D, H, T, B],
                                            global_strides=[q_sh // SDIV, q_st // SDIV, q_sb // SDIV],
                                            box_dims=[BOXC, H, QC, 1], swizzle=xcuda.TensorMapSwizzle.s128b)
-        tk = xcuda.create_tensor_map_tiled(global_address=p_k.toint(), dtype=MAP_DT, global_dims=[D, S, B],
+        k_outer = B
+        if cutlass.const_expr(KB_OUT is not None):
+            k_outer = KB_OUT
+        tk = xcuda.create_tensor_map_tiled(global_address=p_k.toint(), dtype=MAP_DT, global_dims=[D, S, k_outer],
                                            global_strides=[k_ss // SDIV, k_sb // SDIV], box_dims=[BOXC, BM, 1],
                                            swizzle=xcuda.TensorMapSwizzle.s128b)
         return tq, tk
@@ -622,7 +626,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                  fill: Int32,
                  p_w32: cute.Pointer, w_f32: Int32, p_qs: cute.Pointer, qs_sb: Int64, qs_st: Int64, qs_sh: Int64,
                  p_ks: cute.Pointer, ks_sb: Int64, ks_ss: Int64, p_bt: cute.Pointer, bt_sb: Int64, n_pages: Int32):
-            tq, tk = tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, BM)
+            tq, tk = tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, BM, n_pages)
             kernel(tq, tk, p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk, chunk, n_chunks, n_ctas,
                    causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off, fill, p_w32, w_f32, p_qs,
                    qs_sb, qs_st, qs_sh, p_ks, ks_sb, ks_ss, p_bt, bt_sb, n_pages).launch(
@@ -635,7 +639,7 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                  chunk: Int32, n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64,
                  w_st: Int64, w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32,
                  fill: Int32, p_bt: cute.Pointer, bt_sb: Int64, n_pages: Int32):
-            tq, tk = tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, BM)
+            tq, tk = tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, BM, n_pages)
             kernel(tq, tk, p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk, chunk, n_chunks, n_ctas,
                    causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off, fill, p_bt, bt_sb,
                    n_pages).launch(grid=(n_ctas, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)

@@ -107,10 +107,10 @@ class IndexerScoreSpec(KernelSpec):
             out.append(f"the lightning-indexer score kernel is implemented for sm_90a only, not {self.arch}")
         if self.q_tiles not in (1, 2):
             out.append(f"q_tiles={self.q_tiles} must be 1 or 2")
-        if self.paged and not self.dense_scores:
-            out.append("paged=True needs dense_scores=True (the decode-time indexer's form)")
         elif self.q_tiles == 2 and (self.dtype != INDEXER_FP8_DTYPE or self.consumers != 4):
             out.append(f"q_tiles=2 needs dtype={INDEXER_FP8_DTYPE!r} and consumers=4 (consumer pairs share a K tile)")
+        if self.paged and not self.dense_scores:
+            out.append("paged=True needs dense_scores=True (the decode-time indexer's form)")
         if self.consumers not in (3, 4):
             out.append(f"consumers={self.consumers} must be 3 or 4")
         elif self.consumers == 4 and self.dtype != INDEXER_FP8_DTYPE:
@@ -411,4 +411,6 @@ def decode_config_for(num_heads: int, head_dim: int, dtype: str, arch: str) -> F
     bounded slab, the forward top-k) with its score kernel reading K from a paged cache of DECODE_PAGE_ROWS-row pages
     (IndexerScoreSpec.paged); the top-k kernels are indexer_forward_topk's."""
     cfg = forward_topk_config_for(num_heads, head_dim, dtype, arch)
-    return dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, paged=True))
+    # work items of 1024 candidates (a multiple of the 64-row page): a decode step has few query rows (B x next_n),
+    # so the candidates must make the items (B 4, next_n 1, 16K cached tokens: 64 items); not measured yet
+    return dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, paged=True), chunk_rows=1024)

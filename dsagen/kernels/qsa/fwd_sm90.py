@@ -407,15 +407,15 @@ def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap
             s = quad_sum(row_sum[r])
             m = row_max[r]
             row = cS[r, 0][0]
-            if row < G:
-                hq = g * G + row
-                inv = Float32(0.0) if s == Float32(0.0) else Float32(1.0) / s
-                at = (Int64(t) * n_q + hq) * DV
-                store_row_v4(p_out + (at + 8 * q4), oMN, r, inv, FP16, q_hi, q_odd, policy)
-                store_row_f32_v4(p_out32 + at, oMN, cO, r, inv)
-                if q4 == 0:
-                    (p_lse + (Int64(hq) * n_tok + t)).store(-Float32.inf if s == Float32(0.0)
-                                                             else (m + cute.math.log2(s, fastmath=False)) * LN2)
+            keep = row < G                                 # padding rows store nothing; every lane shuffles
+            hq = g * G + cutlass.min(row, G - 1)
+            inv = Float32(0.0) if s == Float32(0.0) else Float32(1.0) / s
+            at = (Int64(t) * n_q + hq) * DV
+            store_row_v4(p_out + (at + 8 * q4), oMN, r, inv, FP16, q_hi, q_odd, policy, keep=keep)
+            store_row_f32_v4(p_out32 + at, oMN, cO, r, inv, keep=keep)
+            if keep and q4 == 0:
+                (p_lse + (Int64(hq) * n_tok + t)).store(-Float32.inf if s == Float32(0.0)
+                                                         else (m + cute.math.log2(s, fastmath=False)) * LN2)
 
     @cute.jit
     def item_coords():

@@ -33,7 +33,6 @@ v [T, Hkv, Dv] with unit element stride, head stride D (Dv) and a token stride t
 16-byte aligned bases; idx int32 [T, W] with unit slot stride.
 """
 import math
-import operator
 
 import cutlass
 import cutlass.cute as cute
@@ -46,9 +45,10 @@ from dsagen.kernels.common.sm90.epilogue import store_row_f32_v4, store_row_v4
 from dsagen.kernels.common.sm90.gather import gather_base, gather_lanes, gather_tile_rows, publish_tile_ids, \
     smem_bytes, wait_gathered_tile
 from dsagen.kernels.common.sm90.layout import sw128
-from dsagen.kernels.common.sm90.mma import gemm_tile, issue_gemm, wgmma_tile
+from dsagen.kernels.common.sm90.mma import gemm_tile, issue_accumulate_group, issue_gemm_group, wgmma_tile
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
-from dsagen.kernels.common.sm90.reduce import quad_sum, tree_reduce
+from dsagen.kernels.common.sm90.reduce import quad_sum
+from dsagen.kernels.common.sm90.softmax import rescale_rows, softmax_step_row
 from dsagen.kernels.common.sm90.ring import ring_wait_free
 from dsagen.kernels.common.sm90.sequences import token_range
 
@@ -301,9 +301,8 @@ def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap
 
     @cute.jit
     def softmax_rows(sMN, ok, row_max, row_sum, corr, scale_log2):
-        """One tile's scores turned into P in place, in the log2 domain: a column whose id is invalid is -inf; the
-        running max moves to the new row max (corr[r] = exp2(old - new), by which O must still be scaled),
-        P = exp2(S - max), row_sum = row_sum * corr + the thread's sum of P."""
+        """One tile's scores turned into P in place, in the log2 domain: a column whose id is invalid is -inf; then
+        softmax.softmax_step_row (corr[r]: O's deferred rescale)."""
         nc = cute.size(sMN, mode=[1])
         for r in cutlass.range_constexpr(cute.size(sMN, mode=[0])):
             for c in cutlass.range_constexpr(nc):
@@ -311,37 +310,7 @@ def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap
                 if ok[c] == 0:
                     x = -Float32.inf
                 sMN[r, c] = x
-            ml = tree_reduce(cute.arch.fmax, [sMN[r, c] for c in range(nc)])
-            ml = cute.arch.fmax(ml, cute.arch.shuffle_sync_bfly(ml, offset=1))
-            ml = cute.arch.fmax(ml, cute.arch.shuffle_sync_bfly(ml, offset=2))
-            m = cute.arch.fmax(row_max[r], ml)
-            corr[r] = cute.math.exp2(row_max[r] - m, fastmath=True)
-            row_max[r] = m
-            for c in cutlass.range_constexpr(nc):
-                sMN[r, c] = cute.math.exp2(sMN[r, c] - m, fastmath=True)
-            row_sum[r] = row_sum[r] * corr[r] + tree_reduce(operator.add, [sMN[r, c] for c in range(nc)])
-
-    @cute.jit
-    def rescale_rows(oMN, corr):
-        """O row r *= corr[r]."""
-        for r in cutlass.range_constexpr(cute.size(oMN, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(oMN, mode=[1])):
-                oMN[r, c] = oMN[r, c] * corr[r]
-
-    @cute.jit
-    def qk_issue(mma_qk, accS, tSrQ, tSrK, stage):
-        """Issue S = Q K^T of ring stage `stage` (D / 16 wgmmas, the first one not accumulating) as one group."""
-        warpgroup.fence()
-        issue_gemm(mma_qk, accS, tSrQ, tSrK, D // 16, stage)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def pv_issue(mma_pv, accO, tOrP, tOrV, stage):
-        """Issue O += P V of ring stage `stage` (P from registers, V^T MN-major) as one group."""
-        warpgroup.fence()
-        for ks in cutlass.range_constexpr(BN // 16):
-            cute.gemm(mma_pv, accO, tOrP[None, None, ks], tOrV[None, None, ks, stage], accO)
-        warpgroup.commit_group()
+            softmax_step_row(sMN, r, nc, row_max, row_sum, corr)
 
     @cute.jit
     def consumer(st, ctid, lane, t, g, p_out, p_out32, p_lse, n_tok, n_kv, scale_log2, n_tiles):
@@ -379,9 +348,9 @@ def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap
             for e in cutlass.range(n_tiles - 1, unroll=1):      # no wgmma under a branch (ptxas would serialize)
                 nxt = e + 1
                 wait_gathered_tile(k_ready, nxt, ST)
-                qk_issue(mma_qk, accS, tSrQ, tSrK, nxt % ST)
+                issue_gemm_group(mma_qk, accS, tSrQ, tSrK, D // 16, nxt % ST)
                 wait_gathered_tile(v_ready, e, ST)
-                pv_issue(mma_pv, accO, tOrP, tOrV, e % ST)
+                issue_accumulate_group(mma_pv, accO, tOrP, tOrV, BN // 16, e % ST)
                 column_ok(sIds, cS, ok, nxt % ST, n_tok)
                 warpgroup.wait_group(1)                         # S of the next tile (PV may still run)
                 softmax_rows(sMN, ok, row_max, row_sum, corr, scale_log2)
@@ -392,7 +361,7 @@ def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap
                     cute.arch.mbarrier_arrive(kv_free + e % ST)
             last = n_tiles - 1
             wait_gathered_tile(v_ready, last, ST)
-            pv_issue(mma_pv, accO, tOrP, tOrV, last % ST)
+            issue_accumulate_group(mma_pv, accO, tOrP, tOrV, BN // 16, last % ST)
             warpgroup.wait_group(0)
             if lane == 0:
                 cute.arch.mbarrier_arrive(kv_free + last % ST)

@@ -146,7 +146,7 @@ def test_sparse_decode_fp8(split):
     (split: 18 items of 128-slot ranges, some empty by the lengths, and the combine kernel), adversarial ids and
     lengths as test_sparse_forward's, against the reference on the dequantized rows."""
     q, kv, ids, sink, tl = _sparse_inputs(6, 128, 576, 320, 900, seed=11)
-    f = torch.tensor([4.0 ** (c // 128 - 1) if c < 512 else 1.0 for c in range(576)], device=kv.device)
+    f = torch.tensor([4.0 ** -(c // 128) if c < 512 else 1.0 for c in range(576)], device=kv.device)
     rows = dsagen.quantize_kv_fp8((kv.float() * f).bfloat16(), impl="reference")   # [900, 656] uint8, 4 scales
     out, lse, _ = fused_sa._launch(q, rows, ids, sink, tl, 0.05, 512, replace(FP8_CACHE_CONFIG, grid=3), split=split)
     r_out, r_lse, _ = dsagen.sparse_attention(q, dsagen.dequantize_kv_fp8(rows, impl="reference"), ids,

@@ -43,10 +43,12 @@ def _case(b, s_q, h, topk, n_blocks, page, gen):
     return q, cache, ids.to(DEV)
 
 
-def _check(q, cache, ids, **kw):
+def _check(q, cache, ids, v_scale=1.0, **kw):
+    """The fused decode against the reference; v_scale: the largest per-token factor of the cache's values (the
+    output's rounding error, from P in bf16 times V, grows with |V|)."""
     out, lse = dsagen.sparse_attention_decode(q, cache, ids, **kw)
     r_out, r_lse = dsagen.sparse_attention_decode(q, cache, ids, impl="reference", **kw)
-    torch.testing.assert_close(out.float(), r_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), r_out.float(), atol=2e-2 * v_scale, rtol=2e-2)
     assert torch.equal(torch.isinf(lse), torch.isinf(r_lse))
     fin = torch.isfinite(r_lse)
     torch.testing.assert_close(lse[fin], r_lse[fin].float(), atol=2e-4, rtol=1e-4)
@@ -110,13 +112,14 @@ def test_fp8_cache(b, s_q, h, topk):
     out and lse over the dequantized cache; the float8_e4m3fn view of the same bytes gives the same bytes."""
     gen = torch.Generator().manual_seed(b * 100 + s_q * 10 + h + topk + 1)
     q, cache, ids = _case(b, s_q, h, topk, 97, 64, gen)
-    cache = cache * torch.exp(torch.randn((97, 64, 1, 1), generator=gen)).bfloat16().to(DEV)    # varied scales
+    factor = torch.exp(torch.randn((97, 64, 1, 1), generator=gen)).bfloat16()                   # varied scales
+    cache = cache * factor.to(DEV)
     sink = torch.randn(h, generator=gen).to(DEV)
     fp8, deq = _fp8(cache)
-    _check(q, fp8, ids, attn_sink=sink)
     out, lse = dsagen.sparse_attention_decode(q, fp8, ids, attn_sink=sink)
     b_out, b_lse = dsagen.sparse_attention_decode(q, deq, ids, attn_sink=sink)
-    assert torch.equal(out, b_out) and torch.equal(lse, b_lse)
+    assert torch.equal(out, b_out) and torch.equal(lse, b_lse)        # the BF16 kernel's bytes on the same values
+    _check(q, fp8, ids, v_scale=factor.float().max().item() / 4, attn_sink=sink)
     e_out, e_lse = dsagen.sparse_attention_decode(q, fp8.view(torch.float8_e4m3fn), ids, attn_sink=sink)
     assert torch.equal(out, e_out) and torch.equal(lse, e_lse)
 

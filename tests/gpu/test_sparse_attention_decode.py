@@ -43,12 +43,12 @@ def _case(b, s_q, h, topk, n_blocks, page, gen):
     return q, cache, ids.to(DEV)
 
 
-def _check(q, cache, ids, v_scale=1.0, **kw):
-    """The fused decode against the reference; v_scale: the largest per-token factor of the cache's values (the
-    output's rounding error, from P in bf16 times V, grows with |V|)."""
+def _check(q, cache, ids, atol=2e-2, **kw):
+    """The fused decode against the reference (atol: the output's absolute error bound, 2e-2 for values of unit
+    scale)."""
     out, lse = dsagen.sparse_attention_decode(q, cache, ids, **kw)
     r_out, r_lse = dsagen.sparse_attention_decode(q, cache, ids, impl="reference", **kw)
-    torch.testing.assert_close(out.float(), r_out.float(), atol=2e-2 * v_scale, rtol=2e-2)
+    torch.testing.assert_close(out.float(), r_out.float(), atol=atol, rtol=2e-2)
     assert torch.equal(torch.isinf(lse), torch.isinf(r_lse))
     fin = torch.isfinite(r_lse)
     torch.testing.assert_close(lse[fin], r_lse[fin].float(), atol=2e-4, rtol=1e-4)
@@ -119,7 +119,10 @@ def test_fp8_cache(b, s_q, h, topk):
     out, lse = dsagen.sparse_attention_decode(q, fp8, ids, attn_sink=sink)
     b_out, b_lse = dsagen.sparse_attention_decode(q, deq, ids, attn_sink=sink)
     assert torch.equal(out, b_out) and torch.equal(lse, b_lse)        # the BF16 kernel's bytes on the same values
-    _check(q, fp8, ids, v_scale=factor.float().max().item() / 4, attn_sink=sink)
+    # the kernel's P is bf16 (relative error 2 ** -9 a slot), so |out - reference| <= 2 ** -9 max |V| plus the
+    # output's own rounding: with per-token factors up to ~e ** 4 that exceeds 2e-2
+    bound = max(2e-2, 2.0 ** -8 * deq[..., :512].float().abs().amax().item())
+    _check(q, fp8, ids, atol=bound, attn_sink=sink)
     e_out, e_lse = dsagen.sparse_attention_decode(q, fp8.view(torch.float8_e4m3fn), ids, attn_sink=sink)
     assert torch.equal(out, e_out) and torch.equal(lse, e_lse)
 

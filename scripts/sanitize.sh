@@ -11,7 +11,8 @@
 # then on the GPU machine (no CuTe-DSL needed; the probes are read from CACHE/probes):
 #   scripts/sanitize.sh .dsagen-cache-san [tools...]        (default: memcheck racecheck synccheck initcheck)
 # Logs go to ${OUT:-sanitize-out}/sanitize/TOOL.log, archived after every step into ${OUT:-sanitize-out}/sanitize.tgz.
-# Extra pytest arguments (e.g. -k sparse): SANITIZE_PYTEST_ARGS.
+# Extra pytest arguments (words without spaces, e.g. -x): SANITIZE_PYTEST_ARGS; a -k expression (spaces allowed, e.g.
+# "qsa or kv_fp8"): SANITIZE_K.
 set -u
 . "$(dirname "$0")/gpu_lib.sh"
 gpu_setup "$1" sanitize; shift
@@ -19,5 +20,6 @@ export SANITIZER_PROBES=${SANITIZER_PROBES:-$GPU_CACHE/probes}
 TAILN=${TAILN:-2}
 for tool in ${*:-memcheck racecheck synccheck initcheck}; do
   # shellcheck disable=SC2086
-  sanitize "$tool" "${SANITIZE_SECONDS:-300}" tests/gpu/test_sanitize.py ${SANITIZE_PYTEST_ARGS:-}
+  sanitize "$tool" "${SANITIZE_SECONDS:-300}" tests/gpu/test_sanitize.py ${SANITIZE_K:+-k "$SANITIZE_K"} \
+    ${SANITIZE_PYTEST_ARGS:-}
 done

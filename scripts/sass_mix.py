@@ -1,7 +1,8 @@
 """Compare the SASS instruction mix of the kernels in two caches: for every spec built in both (matched by op and
 spec fields, so a refactor that changes the sources and keys still pairs up), the opcode counts with their full
 modifiers (HGMMA.64x64x16.F32.BF16, LDGSTS.E.BYPASS.128, ...) and the register count. Prints the specs whose mix
-differs and exits 1 if any does.
+differs and exits 1 if any does. Specs pair up without the fields that hold their spec class's default value, so a
+field added with a default that keeps the old code pairs the new entries with those built before it.
 
     python scripts/sass_mix.py OLD_CACHE NEW_CACHE [--exact]
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import re
 import sys
@@ -23,12 +25,30 @@ from dsagen.jit.sass import disassemble
 _INSTR_RE = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
+def _defaults(op: str) -> dict:
+    """The default field values of op's spec class ({} for an op this dsagen does not know)."""
+    from dsagen.spec import spec_types
+
+    cls = spec_types().get(op)
+    if cls is None:
+        return {}
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
+def pairing_key(op: str, spec: dict) -> str:
+    """The key two caches' entries pair up by: op and the spec fields (a manifest's canonical spec: {"op", "fields"})
+    that differ from their class's default."""
+    defaults = _defaults(op)
+    fields = {k: v for k, v in spec.get("fields", spec).items() if k not in defaults or defaults[k] != v}
+    return json.dumps({"op": op, "spec": fields}, sort_keys=True)
+
+
 def entries(root: Path) -> dict[str, tuple[dict, Path]]:
-    """{canonical spec JSON: (manifest, entry folder)} of every entry under root/v1."""
+    """{pairing_key: (manifest, entry folder)} of every entry under root/v1."""
     out = {}
     for m in sorted(root.glob("v1/*/*/*/*/manifest.json")):
         man = json.loads(m.read_text())
-        out[json.dumps({"op": man["op"], "spec": man["spec"]}, sort_keys=True)] = (man, m.parent)
+        out[pairing_key(man["op"], man["spec"])] = (man, m.parent)
     return out
 
 

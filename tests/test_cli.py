@@ -37,7 +37,7 @@ def test_env_and_empty_list(cache_env, capsys):
 
 def test_unknown_preset_is_an_error(cache_env, capsys):
     assert main(["build", "--preset", "nope"]) == 2
-    assert capsys.readouterr().err == "dsagen: error: unknown preset 'nope'; known: deepseek-v3.2, nsa\n"
+    assert capsys.readouterr().err == "dsagen: error: unknown preset 'nope'; known: deepseek-v3.2, nsa, qsa\n"
 
 
 @pytest.mark.compile
@@ -156,7 +156,7 @@ def test_debug_shows_the_traceback(how, cache_env, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("Traceback (most recent call last):")
     assert "SpecError: unknown preset 'nope'" in err
-    assert err.endswith("dsagen: error: unknown preset 'nope'; known: deepseek-v3.2, nsa\n")
+    assert err.endswith("dsagen: error: unknown preset 'nope'; known: deepseek-v3.2, nsa, qsa\n")
 
 
 def test_a_bug_is_not_hidden(cache_env, monkeypatch):
@@ -273,9 +273,9 @@ def test_preset_names_the_ops_an_arch_lacks(cache_env, fake_build, capsys):
     err = capsys.readouterr().err
     assert ("dsagen: preset 'deepseek-v3.2' has no sm_100a kernels yet for: dense_attn_score_recompute, "
             "dense_indexer_backward, indexer_backward, "
-            "indexer_scores_mask_lse, indexer_topk, "
+            "indexer_scores_mask_lse, indexer_topk, kv_fp8_codec, "
             "lightning_indexer_score, lightning_indexer_topk, row_scatter_add, sparse_attention_bwd, "
-            "sparse_attention_bwd_order, "
+            "sparse_attention_bwd_order, sparse_attention_combine, "
             "sparse_attention_fwd, sparse_attn_score_recompute, sparse_indexer_score_recompute") in err
     fake_build.clear()
     assert main(["build", "--preset", "deepseek-v3.2", "--arch", "sm_90a", "-j", "1"]) == 0
@@ -424,7 +424,7 @@ def test_version_and_python_m_dsagen():
         assert r.returncode == 0 and r.stdout == f"dsagen {__version__}\n", r.stderr
     r = subprocess.run([sys.executable, "-m", "dsagen", "build", "--preset", "nope"], capture_output=True, text=True,
                        cwd=ROOT, timeout=120)
-    assert r.returncode == 2 and r.stderr == "dsagen: error: unknown preset 'nope'; known: deepseek-v3.2, nsa\n"
+    assert r.returncode == 2 and r.stderr == "dsagen: error: unknown preset 'nope'; known: deepseek-v3.2, nsa, qsa\n"
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'dynamic = ["version"]' in pyproject and 'attr = "dsagen._version.__version__"' in pyproject
     assert "\nversion =" not in pyproject.split("[tool.setuptools.dynamic]")[0]

@@ -40,7 +40,7 @@ def test_specs_hold_only_what_changes_the_code():
 
     assert {f.name for f in dataclasses.fields(IndexerScoreSpec)} == {"arch", "num_heads", "head_dim", "dtype", "stages",
                                                                     "dense_scores", "consumers", "longest_first",
-                                                                    "q_tiles"}
+                                                                    "q_tiles", "paged"}
     assert {f.name for f in dataclasses.fields(IndexerTopkSpec)} == {"arch", "threads", "sample", "forward_topk",
                                                                    "softmax"}
     a = config_for(64, 128, "bfloat16", "sm_90a")
@@ -121,8 +121,9 @@ def test_score_template_renders(h, d):
     assert 'SYMBOL = "dsagen_lightning_indexer_score' in src
     assert "from dsagen.kernels.lightning_indexer.score_sm90 import build" in src
     assert "DENSE_SCORES = False\n" in src and "LONGEST_FIRST = False\n" in src and "Q_TILES = 1\n" in src
+    assert "PAGED = False\n" in src
     assert ("kernel, host, PARAMS, HOST_ARGS, LAUNCH = build(H, D, DTYPE, STAGES, DENSE_SCORES, CONSUMERS, "
-            "LONGEST_FIRST,\n                                                Q_TILES)") in src
+            "LONGEST_FIRST,\n                                                Q_TILES, PAGED)") in src
 
 
 def test_topk_template_renders():

@@ -15,9 +15,10 @@ from dsagen.kernels.indexer_score_recompute.spec import IndexerScoreRecomputeSpe
 from dsagen.kernels.lightning_indexer.spec import IndexerScoreSpec, forward_topk_config_for, scores_config_for
 from dsagen.kernels.lightning_indexer.spec import config_for as indexer_config
 from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
-from dsagen.kernels.sparse_mla.spec import SparseAttnFwdSpec
+from dsagen.kernels.sparse_mla.spec import SparseAttnCombineSpec, SparseAttnFwdSpec
 from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdOrderSpec, SparseAttnBwdSpec
 from dsagen.spec import ARCHES, SpecError, get_preset, missing_ops
+from dsagen.kernels.kv_fp8.spec import KvFp8CodecSpec
 from dsagen.spec.model_config import (DEEPSEEK_V32, FIELDS, ModelConfigError, load_model_config, mla_kernel_heads,
                                       missing_ops_for_model, model_from_config, specs_for_model)
 
@@ -41,15 +42,19 @@ def test_the_example_is_deepseek_v32_and_the_preset_is_specs_for_model():
 def test_deepseek_v32_kernels():
     specs = specs_for_model(DEEPSEEK_V32, "sm_90a")
     assert [s.op for s in specs[:2]] == ["compactify", "local_to_global"]
+    assert specs[2:4] == [KvFp8CodecSpec(arch="sm_90a"), KvFp8CodecSpec(arch="sm_90a", dequantize=True)]
     indexer = list(indexer_config(64, 128, "bfloat16", "sm_90a").specs())
-    assert specs[2:2 + len(indexer)] == indexer
+    assert specs[4:4 + len(indexer)] == indexer
     (isr,) = [s for s in specs if isinstance(s, IndexerScoreRecomputeSpec)]
     assert (isr.num_heads, isr.head_dim, isr.dtype) == (64, 128, "bfloat16")
     ibwd = [s for s in specs if isinstance(s, IndexerBwdSpec)]
     assert [(x.head_dim, x.dtype, x.deterministic) for x in ibwd] == [(128, "bfloat16", False), (128, "bfloat16", True)]
     fwd = [s for s in specs if isinstance(s, SparseAttnFwdSpec)]
-    assert [(f.num_heads, f.d_qk, f.d_v, f.dtype, f.lse_prefix) for f in fwd] == [
-        (128, 576, 512, "bfloat16", False), (128, 576, 512, "bfloat16", True)]
+    assert [(f.num_heads, f.d_qk, f.d_v, f.dtype, f.lse_prefix, f.kv_fp8, f.split_kv) for f in fwd] == [
+        (128, 576, 512, "bfloat16", False, False, False), (128, 576, 512, "bfloat16", True, False, False),
+        (128, 576, 512, "bfloat16", False, True, False), (128, 576, 512, "bfloat16", False, False, True),
+        (128, 576, 512, "bfloat16", False, True, True)]
+    assert [s for s in specs if isinstance(s, SparseAttnCombineSpec)] == [SparseAttnCombineSpec(arch="sm_90a")]
     bwd = [s for s in specs if isinstance(s, SparseAttnBwdSpec)]
     assert [(b.num_heads, b.d_qk, b.d_v, b.dtype, b.deterministic) for b in bwd] == [
         (128, 576, 512, "bfloat16", False), (128, 576, 512, "bfloat16", True)]
@@ -59,10 +64,10 @@ def test_deepseek_v32_kernels():
     assert [s.op for s in specs_for_model(DEEPSEEK_V32, "sm_100a")] == ["compactify", "local_to_global"]
     assert missing_ops_for_model(DEEPSEEK_V32, "sm_100a") == [
         "dense_attn_score_recompute", "dense_indexer_backward", "indexer_backward", "indexer_scores_mask_lse",
-        "indexer_topk",
+        "indexer_topk", "kv_fp8_codec",
         "lightning_indexer_score", "lightning_indexer_topk", "row_scatter_add",
-        "sparse_attention_bwd", "sparse_attention_bwd_order", "sparse_attention_fwd", "sparse_attn_score_recompute",
-        "sparse_indexer_score_recompute"]
+        "sparse_attention_bwd", "sparse_attention_bwd_order", "sparse_attention_combine", "sparse_attention_fwd",
+        "sparse_attn_score_recompute", "sparse_indexer_score_recompute"]
 
 
 def test_a_smaller_variant_gets_its_own_head_counts():
@@ -78,8 +83,11 @@ def test_a_smaller_variant_gets_its_own_head_counts():
     assert (fwd.num_heads, fwd.d_qk, fwd.dtype) == (64, 576, "float16")     # 32 heads run padded to 64
     assert fwd_prefix == dataclasses.replace(fwd, lse_prefix=True)
     assert model_from_config(_config(qk_rope_head_dim=0)).d_qk == 512
-    assert [s.num_heads for s in specs_for_model(model_from_config(_config(num_attention_heads=96)), "sm_90a")
-            if isinstance(s, SparseAttnFwdSpec)] == [128, 128]
+    # bf16 models also get the decode's kernels: the FP8 cache's and the split_kv forms of both caches
+    assert [(s.num_heads, s.kv_fp8, s.split_kv)
+            for s in specs_for_model(model_from_config(_config(num_attention_heads=96)), "sm_90a")
+            if isinstance(s, SparseAttnFwdSpec)] == [(128, False, False), (128, False, False), (128, True, False),
+                                                     (128, False, True), (128, True, True)]
     # the indexer's training kernels follow its heads and head dim: 32 heads run padded to 64
     (isr,) = [s for s in specs if isinstance(s, IndexerScoreRecomputeSpec)]
     assert (isr.num_heads, isr.head_dim, isr.dtype) == (64, 64, "float16")
@@ -94,7 +102,8 @@ def test_a_smaller_variant_gets_its_own_head_counts():
 def test_tensor_parallel_splits_the_mla_heads_only():
     model = model_from_config(_config(), tensor_parallel=8)
     assert (model.num_heads, model.index_n_heads) == (16, 64)
-    assert [s.num_heads for s in specs_for_model(model, "sm_90a") if isinstance(s, SparseAttnFwdSpec)] == [64, 64]
+    assert [s.num_heads for s in specs_for_model(model, "sm_90a")
+            if isinstance(s, SparseAttnFwdSpec)] == [64] * 5   # BF16 cache, lse_prefix, FP8 cache, 2 split_kv
     with pytest.raises(ModelConfigError, match="num_attention_heads=128 does not split evenly over --tp 3"):
         model_from_config(_config(), tensor_parallel=3)
     with pytest.raises(ModelConfigError, match="--tp 0"):
@@ -183,7 +192,7 @@ def test_dry_run_lists_and_compiles_nothing(cache_env, capsys):
     assert all(line.split()[2:4] == ["to", "build"] for line in lines[2:-1])
     assert lines[-1] == f"{len(names)} kernel(s): 0 cached, {len(names)} to build (dry run: nothing compiled)"
     assert ("has no sm_100a kernels yet for: dense_attn_score_recompute, dense_indexer_backward, indexer_backward, "
-            "indexer_scores_mask_lse, indexer_topk, lightning_indexer_score") in cap.err
+            "indexer_scores_mask_lse, indexer_topk, kv_fp8_codec, lightning_indexer_score") in cap.err
     assert all(len(line) <= 100 for line in lines)
     assert not cache_env.exists()                      # nothing written, not even the cache root
 
@@ -204,17 +213,19 @@ def test_build_model_builds_v32_and_a_smaller_variant(cache_env, tmp_path, capsy
     lines = capsys.readouterr().out.splitlines()
     assert all(line.split()[2] == "cached" and line.split()[-1] == "DSAGEN_CACHE_DIR" for line in lines[2:-1])
     n_small = len(specs_for_model(load_model_config(small), "sm_90a"))
-    assert n_small == 32                               # 2 index ops, 5 indexer, the dense indexer forward (its
-    #         score kernel and mask pass), the combined indexer + top-k (4 top-k forms that finish their rows; no FP8 at
-    #         D 64), 4 indexer top-k, the indexer score recompute, 2 indexer backwards and 3 dense ones (atomic,
-    #         deterministic, the KL loss path's), 2 MLA
-    #         forwards, 2 MLA backwards and their id ordering, the attention score recompute and its dense form, and
+    assert n_small == 39                               # 2 index ops, the FP8 KV cache's writer and reader, 5
+    #         indexer, the dense indexer forward (its score kernel and mask pass), the combined indexer + top-k (4
+    #         top-k forms that finish their rows; no FP8 at D 64) and the decode-time indexer's paged score kernel
+    #         (its top-k kernels are those), 4 indexer top-k, the indexer score recompute, 2 indexer backwards and 3
+    #         dense ones (atomic, deterministic, the KL loss path's), 5 MLA
+    #         forwards (BF16 cache, lse_prefix, FP8 cache, the split_kv forms of both caches) and the decode's combine,
+    #         2 MLA backwards and their id ordering, the attention score recompute and its dense form, and
     #         the row scatter-add of each deterministic backward (D 64 and 576)
     assert lines[-1].endswith(f"{n_small} cached, 0 to build (dry run: nothing compiled)")
 
 
-SERVING_OPS = {"compactify", "local_to_global", "lightning_indexer_score", "lightning_indexer_topk",
-               "indexer_scores_mask_lse", "indexer_topk", "sparse_attention_fwd"}
+SERVING_OPS = {"compactify", "local_to_global", "kv_fp8_codec", "lightning_indexer_score", "lightning_indexer_topk",
+               "indexer_scores_mask_lse", "indexer_topk", "sparse_attention_fwd", "sparse_attention_combine"}
 
 
 def test_serving_keeps_the_forward_kernels_and_leaves_training_out():

@@ -143,28 +143,35 @@ def test_backward_kernels_compile_without_spills(spec, tmp_path):
     assert 128 * (40 + regs) <= ck.record["regcount"] * 256
 
 
-def _inverse_loop(ids, counts, starts_of, lens_of, h_count, bs):
-    """{(h, first key row): [tokens]} by loops: the slots the kernels take (an id in the token's sequence's blocks,
-    before the count, not after the token), a token once per slot."""
+def _inverse_loop(ids, counts, starts_of, lens_of, h_count, bs, rows):
+    """{(h, first key row of the tile): [tokens]} by loops: the slots the kernels take (an id in the token's
+    sequence's blocks, before the count, not after the token), each block cut into tiles of min(bs, rows) keys, a
+    tile listed for a token only if it starts at or before the token, a token once per slot."""
     out = {}
     n, _, s = ids.shape
+    sub = min(bs, rows)
     for t in range(n):
         first, length = starts_of[t], lens_of[t]
         for h in range(h_count):
             for sl in range(s):
                 j = int(ids[t, h, sl])
-                if 0 <= j < -(-length // bs) and sl < int(counts[t, h]) and j * bs <= t - first:
-                    out.setdefault((h, first + j * bs), []).append(t)
+                if 0 <= j < -(-length // bs) and sl < int(counts[t, h]):
+                    for part in range(bs // sub):
+                        if j * bs + part * sub <= t - first:
+                            out.setdefault((h, first + j * bs + part * sub), []).append(t)
     return out
 
 
+@pytest.mark.parametrize("rows", [4, 8, 16])
 @pytest.mark.parametrize("packed", [False, True])
-def test_inverse_index_lists_each_blocks_tokens(packed):
-    """inverse_index (torch ops, run here on the CPU) against loops: per (KV head, block) the tokens in ascending order
-    with their multiplicity, the block's first row and the end of its rows within the sequence; every other dense
-    block empty."""
-    gen = torch.Generator().manual_seed(3 + packed)
+def test_inverse_index_lists_each_blocks_tokens(packed, rows):
+    """inverse_index (torch ops, run here on the CPU) against loops: per (KV head, tile) the tokens in ascending order
+    with their multiplicity, the tile's first row and the end of its rows within the block and the sequence; every
+    other dense tile empty. Blocks of 8 keys with kernel tiles of 4 (two tiles a block, as blocks of 128 on the
+    kernel's 64 rows), 8 and 16 (one tile whose end cuts it after the block, as blocks of 32)."""
+    gen = torch.Generator().manual_seed(3 + packed + rows)
     h, s, bs = 2, 6, 8
+    sub = min(bs, rows)
     if packed:
         lens = [13, 0, 1, 30, 8]
         b, t = 1, sum(lens)
@@ -180,18 +187,19 @@ def test_inverse_index_lists_each_blocks_tokens(packed):
     ids = torch.randint(-2, 5, (b, t, h, s), generator=gen)
     counts = torch.randint(0, s + 2, (b, t, h), generator=gen, dtype=torch.int32)
     ops = nsa_host._Operands(q, kv, kv, ids, counts, cu, 0.1, bs)
-    off, toks, starts, ends, nbd = nsa_host.inverse_index(ops)
-    want = _inverse_loop(ids.reshape(b * t, h, s), counts.reshape(b * t, h), starts_of, lens_of, h, bs)
+    off, toks, starts, ends, nbd = nsa_host.inverse_index(ops, rows)
+    want = _inverse_loop(ids.reshape(b * t, h, s), counts.reshape(b * t, h), starts_of, lens_of, h, bs, rows)
     got = {}
     for i in range(h * nbd):
         a, z = int(off[i]), int(off[i + 1])
         if z > a:
             key = (i // nbd, int(starts[a]))
             got[key] = toks[a:z].tolist()
-            assert (starts[a:z] == starts[a]).all()
+            assert (starts[a:z] == starts[a]).all() and (ends[a:z] == ends[a]).all()
             seq_end = starts_of[int(toks[a])] + lens_of[int(toks[a])]
-            assert int(ends[a]) == min(int(starts[a]) + bs, seq_end)
+            assert int(ends[a]) == min(int(starts[a]) + sub, seq_end)
     assert got == want
+    assert sum(int(off[i + 1] > off[i]) for i in range(h * nbd)) == len(got)       # one list per (head, tile)
 
 
 def _stand_in_kernels(monkeypatch) -> list:
@@ -237,8 +245,16 @@ def test_host_autograd_plumbing(monkeypatch):
         q.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
-    with pytest.raises(NotImplementedError, match="blocks of 64 keys, got block_size=32"):
-        nsa_host.native_sparse_attention(q, k, v, None, None, ids, 16, None, softmax_scale=None, block_size=32)
+    seen = []
+    kernel = nsa_host._kernel
+    monkeypatch.setattr(nsa_host, "_kernel", lambda dev, spec: seen.append(spec) or kernel(dev, spec))
+    for bs in (32, 128):
+        calls.clear()
+        seen.clear()
+        out = nsa_host.native_sparse_attention(q, k, v, None, None, ids, 16, None, softmax_scale=None, block_size=bs)
+        out.float().sum().backward()
+        assert calls == [NsaSelectFwdSpec, NsaSelectDqSpec, NsaSelectDkvSpec]
+        assert [x.block_size for x in seen] == [bs, bs, 64]
     calls.clear()
     o, lse = nsa_host.select_forward(q.detach()[:, :0], k.detach()[:, :0], v.detach()[:, :0], ids[:, :0], 16, None,
                                      0.1, 64)
@@ -326,8 +342,7 @@ def test_compressed_rows_and_pooling(cu):
 def test_compressed_host_plumbing(monkeypatch):
     """native_sparse_attention with g_cmp on CPU tensors with stand-in kernels: the compressed forward, then the
     importance and selection per chunk of tokens (a multiple of the item's tokens, covering [0, N) in order; the
-    scratch bound patched small), then the selected branch on the selection; out = o_slc + o_cmp * g_cmp; gradients
-    refused."""
+    scratch bound patched small), then the selected branch on the selection; out = o_slc + o_cmp * g_cmp."""
     calls = []
 
     class Fake:
@@ -361,9 +376,6 @@ def test_compressed_host_plumbing(monkeypatch):
     assert chunks == [(b, min(b + 32, 150)) for b in range(0, 150, 32)]
     want = (1.0 + 2.0 * g_cmp).unsqueeze(-1).expand(1, 150, 16, 128).bfloat16()
     torch.testing.assert_close(out.float(), want.float())
-    with pytest.raises(NotImplementedError, match="backward"):
-        nsa_host.native_sparse_attention(q.requires_grad_(), k, k, g_cmp, None, None, 3, None, softmax_scale=None,
-                                         block_size=32)
 
 
 @pytest.mark.parametrize("cu", [None, [0, 0, 3, 150, 151, 290]])

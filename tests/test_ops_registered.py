@@ -117,6 +117,17 @@ _CASES = {
                                 dict(block_indices=_i32(2, 8, 4, 16)), [((2, 8, 16, 64), torch.bfloat16)]),
     "sparse_attention_decode": ((_bf16(3, 2, 64, 576), _bf16(5, 64, 1, 576), _i32(3, 2, 128)), {},
                                 [((3, 2, 64, 512), torch.bfloat16), ((3, 2, 64), torch.float32)]),
+    "qsa_indexed_forward": ((_bf16(24, 12, 256), _bf16(24, 1, 256), _bf16(24, 1, 128), _i32(24, 8)), {},
+                            [((24, 12, 128), torch.bfloat16), ((24, 12, 128), torch.float32),
+                             ((12, 24), torch.float32)]),
+    "quantize_kv_fp8": ((_bf16(3, 2, 576),), {}, [((3, 2, 656), torch.uint8)]),
+    "dequantize_kv_fp8": ((torch.empty(5, 656, dtype=torch.uint8),), {}, [((5, 576), torch.bfloat16)]),
+    "indexer_decode_topk": ((_bf16(3, 2, 64, 128), _f32(3, 2, 64), _bf16(10, 64, 128), _i32(3, 4), _i32(3), 16), {},
+                            [((3, 2, 16), torch.int32)]),
+    "qsa_bitmap_forward": ((_bf16(24, 24, 256), _bf16(24, 2, 256), _bf16(24, 2, 256),
+                            torch.ones(24, 6, dtype=torch.uint8)), {},
+                           [((24, 24, 256), torch.bfloat16), ((24, 24, 256), torch.float32),
+                            ((24, 24), torch.float32)]),
 }
 
 

@@ -115,7 +115,8 @@ def test_spec_preset_and_arch_errors_are_dsagen_errors():
     assert missing_ops("deepseek-v3.2", "sm_90a") == []
     assert missing_ops("deepseek-v3.2", "sm_100a") == [
         "dense_attn_score_recompute", "dense_indexer_backward", "indexer_backward", "indexer_scores_mask_lse",
-        "indexer_topk",
+        "indexer_topk", "kv_fp8_codec",
         "lightning_indexer_score", "lightning_indexer_topk", "row_scatter_add",
-        "sparse_attention_bwd", "sparse_attention_bwd_order", "sparse_attention_fwd", "sparse_attn_score_recompute",
+        "sparse_attention_bwd", "sparse_attention_bwd_order", "sparse_attention_combine", "sparse_attention_fwd",
+        "sparse_attn_score_recompute",
         "sparse_indexer_score_recompute"]

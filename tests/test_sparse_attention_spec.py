@@ -165,7 +165,8 @@ def test_render(d_qk):
         assert name in kern
     # the CTAs loop over the items: grid min(items, n_ctas), the Q hand-over barrier, phases from the pair count
     assert kern.count("for item in cutlass.range(bidx, n_items, nctas, unroll=1):") == 2     # producer, consumers
-    assert 'BuiltKernel.of(params(dtype, lse_prefix), fwd, f"min(s_q * {fwd.HB}, n_ctas)")' in kern
+    assert 'items = f"s_q * {fwd.HB} * n_splits" if split_kv else f"s_q * {fwd.HB}"' in kern
+    assert 'BuiltKernel.of(params(dtype, lse_prefix, kv_fp8, split_kv), fwd, f"min({items}, n_ctas)")' in kern
     assert "q_free" in kern and "g = gp + k" in kern
     # the producer fills the halves V0L, V1R, V0R, V1L: free[0][L], free[1][R], free[0][R], free[1][L]
     assert "mbarrier_wait(bars.hbar + (4 + 2 * s + h), free_phase)" in kern
@@ -281,7 +282,7 @@ def test_host_passes_the_prefix_arguments_only_to_the_lse_prefix_kernel(monkeypa
         def launch(self, *args):
             calls.append(args)
 
-    def plan(h, d_qk, dtype, device, rows, want_kernel, config=None, lse_prefix=False):
+    def plan(h, d_qk, dtype, device, rows, want_kernel, config=None, lse_prefix=False, kv_fp8=False, split_kv=False):
         plans.append(lse_prefix)
         return SparseAttnFwdSpec(arch="sm_90a", num_heads=64, lse_prefix=lse_prefix), Kernel(), 4
 
@@ -298,6 +299,113 @@ def test_host_passes_the_prefix_arguments_only_to_the_lse_prefix_kernel(monkeypa
         fwd_host.sparse_attention(q, kv, ids, **kw, indexer_topk=100)
     with pytest.raises(ValueError, match="indexer_topk=512"):
         fwd_host.sparse_attention(q, kv, ids, **kw, indexer_topk=512)
+
+
+def test_decode_passes_the_fp8_cache_rows_to_the_kv_fp8_kernel(monkeypatch):
+    """sparse_attention_decode's fused host with a stand-in kernel (CPU tensors): an FP8 cache (uint8, or its
+    float8_e4m3fn view) plans the kv_fp8 spec and launches with the cache as one pool of 656-byte rows (its row count
+    and byte stride as n_kv and ld_kv, no copy of a row-strided view); a BF16 cache plans the plain kernel; a cache
+    with no rows returns out 0 and lse +inf without a launch."""
+    import torch
+
+    import dsagen.kernels.sparse_mla.host as fwd_host
+    from dsagen.kernels.sparse_mla import decode_host
+
+    calls, plans = [], []
+
+    class Kernel:
+        def launch(self, *args):
+            calls.append(args)
+
+    def plan(h, d_qk, dtype, device, rows, want_kernel, config=None, lse_prefix=False, kv_fp8=False, split_kv=False):
+        plans.append(kv_fp8)
+        return SparseAttnFwdSpec(arch="sm_90a", num_heads=64, kv_fp8=kv_fp8, split_kv=split_kv), Kernel(), 4
+
+    monkeypatch.setattr(fwd_host, "_launch_plan", plan)
+    monkeypatch.setattr(decode_host, "device_index", lambda d: 0)
+    monkeypatch.setattr(decode_host, "device_sm_count", lambda i: 132)
+    q = torch.zeros(2, 3, 64, 576, dtype=torch.bfloat16)
+    ids = torch.zeros(2, 3, 128, dtype=torch.int32)
+    kw = dict(attn_sink=None, topk_length=None, softmax_scale=None, d_v=512)
+    wide = torch.zeros(5, 8, 1, 672, dtype=torch.uint8)
+    for cache in (wide[..., :656], wide[..., :656].view(torch.float8_e4m3fn)):
+        out, lse = decode_host.sparse_attention_decode(q, cache, ids, **kw)
+        kv, scalars = calls[-1][1], calls[-1][8:]
+        assert plans[-1] is True and kv.dtype == torch.uint8 and kv.shape == (40, 656)
+        assert kv.data_ptr() == wide.data_ptr() and scalars[1] == 40 and scalars[4] == 672     # n_kv, ld_kv bytes
+        assert out.shape == (2, 3, 64, 512) and lse.shape == (2, 3, 64)
+    decode_host.sparse_attention_decode(q, torch.zeros(5, 8, 1, 576, dtype=torch.bfloat16), ids, **kw)
+    assert plans[-1] is False and calls[-1][8 + 4] == 576
+    n = len(calls)
+    out, lse = decode_host.sparse_attention_decode(q, wide[:0, ..., :656], ids, **kw)
+    assert len(calls) == n and (out == 0).all() and torch.isposinf(lse).all() and out.shape == (2, 3, 64, 512)
+
+
+def test_decode_splits_the_slots_of_small_batches(monkeypatch):
+    """split_plan: ranges of a multiple of 128 slots (at most 32) so that rows x ranges items cover the SMs, none
+    when the rows' items fill half of them or the rows are short; the decode host with stand-in kernels launches the
+    split_kv kernel (its n_splits and split_slots appended, no sink) into FP32 partials, then the combine kernel with
+    the sink."""
+    import torch
+
+    import dsagen.kernels.sparse_mla.host as fwd_host
+    from dsagen.kernels.sparse_mla import decode_host
+
+    plan_of = decode_host.split_plan
+    assert plan_of(1, 128, 2048, 132) == (16, 128)          # 2 items: 16 ranges of 2 tiles
+    assert plan_of(32, 128, 2048, 132) == (2, 1024)         # 64 items: 2 ranges (128 items in one wave)
+    assert plan_of(20, 128, 2048, 132) == (3, 768)          # 40 items: 3 ranges (120 items), not 4 (160)
+    assert plan_of(2, 16, 640, 132) == (5, 128)             # 16 heads run as 64
+    assert plan_of(1, 64, 16384, 132) == (32, 512)          # at most 32 ranges
+    assert plan_of(70, 128, 2048, 132) is None and plan_of(1, 128, 255, 132) is None and plan_of(0, 64, 512, 8) is None
+
+    launches, specs = [], []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def launch(self, *args):
+            launches.append((self.name, args))
+
+    def plan(h, d_qk, dtype, device, rows, want_kernel, config=None, lse_prefix=False, kv_fp8=False, split_kv=False):
+        specs.append(split_kv)
+        return SparseAttnFwdSpec(arch="sm_90a", num_heads=64, split_kv=split_kv), Kernel("fwd"), 4
+
+    monkeypatch.setattr(fwd_host, "_launch_plan", plan)
+    monkeypatch.setattr(fwd_host, "get_kernel", lambda spec, index: Kernel(spec.op))
+    monkeypatch.setattr(fwd_host, "device_index", lambda d: 0)
+    monkeypatch.setattr(decode_host, "device_index", lambda d: 0)
+    monkeypatch.setattr(decode_host, "device_sm_count", lambda i: 132)
+    q = torch.zeros(2, 3, 64, 576, dtype=torch.bfloat16)
+    ids = torch.zeros(2, 3, 1024, dtype=torch.int32)
+    sink = torch.zeros(64)
+    out, lse = decode_host.sparse_attention_decode(q, torch.zeros(5, 8, 1, 576, dtype=torch.bfloat16), ids,
+                                                   attn_sink=sink, topk_length=None, softmax_scale=None, d_v=512)
+    assert specs == [True] and [n for n, _ in launches] == ["fwd", "sparse_attention_combine"]
+    fwd_args, comb_args = launches[0][1], launches[1][1]
+    assert fwd_args[-2:] == (8, 128) and fwd_args[8 + 8] == 0                 # n_splits, split_slots; no sink
+    assert fwd_args[5].shape == (6 * 8, 64, 512) and fwd_args[5].dtype == torch.float32     # the partials
+    assert comb_args[0] is fwd_args[5] and comb_args[1] is fwd_args[6] and comb_args[2].shape == (64,)
+    assert comb_args[5:] == (6, 64, 8, 1) and comb_args[3].dtype == torch.bfloat16
+    assert out.shape == (2, 3, 64, 512) and lse.shape == (2, 3, 64)
+    kept = []                                   # the fast path's plan repeats the launches on new tensors
+    decode_host.sparse_attention_decode(q, torch.zeros(5, 8, 1, 576, dtype=torch.bfloat16), ids, attn_sink=sink,
+                                        topk_length=None, softmax_scale=None, d_v=512, keep_plan=kept.append)
+    launches.clear()
+    out, lse = kept[0](q.clone(), torch.ones(5, 8, 1, 576, dtype=torch.bfloat16), ids.clone(), sink, None)
+    assert [n for n, _ in launches] == ["fwd", "sparse_attention_combine"] and launches[0][1][1].eq(1).all()
+    assert launches[0][1][1].shape == (40, 576) and out.shape == (2, 3, 64, 512) and lse.shape == (2, 3, 64)
+    for bad in ((33, 128), (2, 100), (0, 128), (7, 128)):           # (7, 128): 896 of the 1024 slots
+        with pytest.raises(ValueError, match="split="):
+            fwd_host._launch(q.view(6, 64, 576), torch.zeros(40, 576, dtype=torch.bfloat16), ids.view(6, 1024), None,
+                             None, 0.1, 512, split=bad)
+    with pytest.raises(ValueError, match="rows of 656 bytes"):
+        fwd_host._launch(q.view(6, 64, 576), torch.zeros(40, 576, dtype=torch.uint8), ids.view(6, 1024), None,
+                         None, 0.1, 512)
+    with pytest.raises(ValueError, match="at least one row"):
+        fwd_host._launch(q.view(6, 64, 576), torch.zeros(0, 656, dtype=torch.uint8), ids.view(6, 1024), None,
+                         None, 0.1, 512)
 
 
 def test_decode_plan_repeats_the_launch_on_new_tensors(monkeypatch):
@@ -320,6 +428,8 @@ def test_decode_plan_repeats_the_launch_on_new_tensors(monkeypatch):
         return SparseAttnFwdSpec(arch="sm_90a", num_heads=64), Kernel(), 4
 
     monkeypatch.setattr(fwd_host, "_launch_plan", plan)
+    monkeypatch.setattr(decode_host, "device_index", lambda d: 0)
+    monkeypatch.setattr(decode_host, "device_sm_count", lambda i: 132)
     q = torch.zeros(2, 3, 64, 576, dtype=torch.bfloat16)
     ids = torch.zeros(2, 3, 128, dtype=torch.int32)
     wide = torch.zeros(5, 8, 1, 640, dtype=torch.bfloat16)

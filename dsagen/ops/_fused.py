@@ -36,6 +36,11 @@ FUSED: dict[str, str] = {
     "dense_indexer_kl_backward": "dsagen.kernels.indexer_bwd.kl_host:dense_indexer_kl_backward",
     "native_sparse_attention": "dsagen.kernels.nsa.host:native_sparse_attention",
     "sparse_attention_decode": "dsagen.kernels.sparse_mla.decode_host:sparse_attention_decode",
+    "qsa_indexed_forward": "dsagen.kernels.qsa.host:qsa_indexed_forward",
+    "qsa_bitmap_forward": "dsagen.kernels.qsa.host:qsa_bitmap_forward",
+    "indexer_decode_topk": "dsagen.kernels.lightning_indexer.decode_host:indexer_decode_topk",
+    "quantize_kv_fp8": "dsagen.kernels.kv_fp8.host:quantize_kv_fp8",
+    "dequantize_kv_fp8": "dsagen.kernels.kv_fp8.host:dequantize_kv_fp8",
     # the scratch size of sparse_attention_backward's workspace (FP32 elements)
     "sparse_attention_backward_workspace_numel": "dsagen.kernels.sparse_mla_bwd.host:workspace_numel",
 }
@@ -43,6 +48,11 @@ FUSED: dict[str, str] = {
 
 def _nsa_host():
     from ..kernels.nsa import host
+    return host
+
+
+def _qsa_host():
+    from ..kernels.qsa import host
     return host
 
 
@@ -101,6 +111,16 @@ def _indexer_forward_topk_host():
     return forward_topk_host
 
 
+def _indexer_decode_host():
+    from ..kernels.lightning_indexer import decode_host
+    return decode_host
+
+
+def _kv_fp8_host():
+    from ..kernels.kv_fp8 import host
+    return host
+
+
 # host module -> a loader Dynamo can trace (static imports), for the ops reachable from a compiled program
 _TRACEABLE_IMPORTS: dict[str, Callable] = {
     "dsagen.kernels.sparse_mla.host": _sparse_mla_host,
@@ -114,7 +134,10 @@ _TRACEABLE_IMPORTS: dict[str, Callable] = {
     "dsagen.kernels.indexer_topk.host": _indexer_topk_host,
     "dsagen.kernels.lightning_indexer.scores_host": _indexer_scores_host,
     "dsagen.kernels.lightning_indexer.forward_topk_host": _indexer_forward_topk_host,
+    "dsagen.kernels.lightning_indexer.decode_host": _indexer_decode_host,
+    "dsagen.kernels.kv_fp8.host": _kv_fp8_host,
     "dsagen.kernels.nsa.host": _nsa_host,
+    "dsagen.kernels.qsa.host": _qsa_host,
 }
 
 

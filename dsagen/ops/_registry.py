@@ -333,6 +333,56 @@ def _nsa_fake(query, key, value, g_cmp, g_slc, block_indices, block_counts, bloc
     return (query.new_empty((*query.shape[:3], value.shape[3])),)
 
 
+def _qsa_indexed_run(q, k, v, indices, scale):
+    return tuple(_public("qsa", "qsa_indexed_forward")(q, k, v, indices, scale, impl="fused"))
+
+
+def _qsa_indexed_fake(q, k, v, indices, scale):
+    """out `[T, Hq, Dv]` in q's dtype, out_fp32 `[T, Hq, Dv]` (FP64 for FP64 q), lse `[Hq, T]` FP32 (FP64)."""
+    t, hq = q.shape[:2]
+    acc = _acc_dtype(q)
+    return (q.new_empty((t, hq, v.shape[2])), q.new_empty((t, hq, v.shape[2]), dtype=acc),
+            q.new_empty((hq, t), dtype=acc))
+
+
+def _qsa_bitmap_run(q, k, v, block_bitmap, scale, cu_seqlens):
+    return tuple(_public("qsa", "qsa_bitmap_forward")(q, k, v, block_bitmap, scale, cu_seqlens=cu_seqlens,
+                                                      impl="fused"))
+
+
+def _qsa_bitmap_fake(q, k, v, block_bitmap, scale, cu_seqlens):
+    """As qsa_indexed_forward's."""
+    return _qsa_indexed_fake(q, k, v, block_bitmap, scale)
+
+
+def _quantize_kv_run(kv):
+    return (_public("kv_cache", "quantize_kv_fp8")(kv, impl="fused"),)
+
+
+def _quantize_kv_fake(kv):
+    """uint8 `[..., 656]`."""
+    return (kv.new_empty((*kv.shape[:-1], 656), dtype=torch.uint8),)
+
+
+def _dequantize_kv_run(cache):
+    return (_public("kv_cache", "dequantize_kv_fp8")(cache, impl="fused"),)
+
+
+def _dequantize_kv_fake(cache):
+    """bfloat16 `[..., 576]`."""
+    return (cache.new_empty((*cache.shape[:-1], 576), dtype=torch.bfloat16),)
+
+
+def _indexer_decode_run(q_indexer, weights, k_cache, block_table, cache_seqlens, top_k):
+    return (_public("kv_cache", "indexer_decode_topk")(q_indexer, weights, k_cache, block_table, cache_seqlens, top_k,
+                                                       impl="fused"),)
+
+
+def _indexer_decode_fake(q_indexer, weights, k_cache, block_table, cache_seqlens, top_k):
+    """int32 `[B, next_n, top_k]`."""
+    return (q_indexer.new_empty((*q_indexer.shape[:2], top_k), dtype=torch.int32),)
+
+
 def _decode_run(q, kv_cache, indices, attn_sink, topk_length, softmax_scale, d_v):
     return tuple(_public("kv_cache", "sparse_attention_decode")(
         q, kv_cache, indices, attn_sink=attn_sink, topk_length=topk_length, softmax_scale=softmax_scale, d_v=d_v,
@@ -404,6 +454,14 @@ OPS: tuple[OpDef, ...] = (
     OpDef("sparse_attention_decode", "Tensor q, Tensor kv_cache, Tensor indices, Tensor? attn_sink=None, "
           "Tensor? topk_length=None, float? softmax_scale=None, int d_v=512",
           ("out", "lse"), _decode_run, _decode_fake),
+    OpDef("qsa_indexed_forward", "Tensor q, Tensor k, Tensor v, Tensor indices, float? scale=None",
+          ("out", "out_fp32", "lse"), _qsa_indexed_run, _qsa_indexed_fake),
+    OpDef("quantize_kv_fp8", "Tensor kv", ("cache",), _quantize_kv_run, _quantize_kv_fake),
+    OpDef("dequantize_kv_fp8", "Tensor cache", ("kv",), _dequantize_kv_run, _dequantize_kv_fake),
+    OpDef("indexer_decode_topk", "Tensor q_indexer, Tensor weights, Tensor k_cache, Tensor block_table, "
+          "Tensor cache_seqlens, int top_k", ("indices",), _indexer_decode_run, _indexer_decode_fake),
+    OpDef("qsa_bitmap_forward", "Tensor q, Tensor k, Tensor v, Tensor block_bitmap, float? scale=None, "
+          "Tensor? cu_seqlens=None", ("out", "out_fp32", "lse"), _qsa_bitmap_run, _qsa_bitmap_fake),
 )
 
 

@@ -33,15 +33,15 @@ def quantize_kv_fp8(kv: torch.Tensor, *, impl: str = "fused") -> torch.Tensor:
 
     Args:
         kv: [..., 576] bfloat16 (512 NoPE + 64 RoPE values per token), any leading dims (none: one token).
-        impl: "fused" (default; no generated kernel yet: ValueError off the GPU, NotImplementedError on it) or
-            "reference".
+        impl: "fused" (default: one launch of the sm_90a codec kernel, a warp per token, the same bytes; ValueError
+            off the GPU, NotImplementedError on a GPU other than sm_90a) or "reference".
 
     Returns:
         uint8 [..., 656], a new contiguous tensor on kv's device.
 
     Raises:
         TypeError when kv is not a bfloat16 tensor; ValueError when its last dim is not 576, for a sparse layout, or
-        a bad impl; NotImplementedError for impl="fused" on a GPU.
+        a bad impl; NotImplementedError for impl="fused" on a GPU other than sm_90a.
     """
     check_impl(impl)
     check_tensor("kv", kv, dtypes=(torch.bfloat16,))
@@ -62,15 +62,16 @@ def dequantize_kv_fp8(cache: torch.Tensor, *, impl: str = "fused") -> torch.Tens
     Args:
         cache: [..., 656] uint8 or float8_e4m3fn (FlashMLA's tests store the cache as float8_e4m3fn), any leading
             dims, any strides (a paged cache [num_blocks, page_block_size, 1, 656] or a view of it).
-        impl: "fused" (default; no generated kernel yet: ValueError off the GPU, NotImplementedError on it) or
-            "reference".
+        impl: "fused" (default: one launch of the sm_90a codec kernel, a warp per token, the same bytes; a layout
+            whose rows are not 16-byte aligned is copied first; ValueError off the GPU, NotImplementedError on a GPU
+            other than sm_90a) or "reference".
 
     Returns:
         bfloat16 [..., 576] on cache's device.
 
     Raises:
         TypeError for another dtype; ValueError when the last dim is not 656, for a sparse layout, or a bad impl;
-        NotImplementedError for impl="fused" on a GPU.
+        NotImplementedError for impl="fused" on a GPU other than sm_90a.
     """
     check_impl(impl)
     check_tensor("cache", cache, dtypes=(torch.uint8, torch.float8_e4m3fn))
@@ -104,9 +105,10 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
         attn_sink: optional FP32 [H] sink logits (as sparse_attention). topk_length: optional int32 [B] (per
             sequence, as FlashMLA's) or [B, s_q] valid-prefix lengths.
         softmax_scale: default 1 / sqrt(576). d_v: 512 (the MLA latent; RoPE columns are not in V).
-        impl: "fused" (default: the sparse MLA forward kernel over a BF16 cache viewed as one flat pool of
-            rows, no gather; NotImplementedError for the FP8 cache, which has no fused kernel yet; ValueError off
-            the GPU) or "reference" (gathers and dequantizes only the rows the indices name).
+        impl: "fused" (default: the sparse MLA forward kernel over the cache viewed as one flat pool of rows, no
+            gather; the FP8 cache's rows dequantized to bf16 in shared memory by the kernel, the values
+            dequantize_kv_fp8 gives; ValueError off the GPU) or "reference" (gathers and dequantizes only the rows
+            the indices name).
 
     Returns:
         (out [B, s_q, H, d_v] bfloat16, lse [B, s_q, H] FP32): sparse_attention's out and KV-only natural-log lse
@@ -114,8 +116,8 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
 
     Raises:
         TypeError / ValueError naming the argument for wrong dtypes, shapes or devices (the cache's last dim must be
-        656 for the FP8 format and q's 576 for a BF16 cache); NotImplementedError for impl="fused" with the FP8
-        cache or a cache whose page blocks are not evenly strided rows.
+        656 for the FP8 format and q's 576 for a BF16 cache); NotImplementedError for impl="fused" with a cache
+        whose page blocks are not evenly strided rows.
     """
     key = None
     if impl == "fused" and eager_call(q):
@@ -232,16 +234,20 @@ def indexer_decode_topk(q_indexer: torch.Tensor, weights: torch.Tensor, k_cache:
             [num_blocks, block_size, D] bfloat16.
         block_table: int32 [B, max_blocks_per_seq]. cache_seqlens: int32 [B], each >= next_n.
         top_k: >= 0.
-        impl: "fused" (default; no generated kernel yet: ValueError off the GPU, NotImplementedError on it) or
-            "reference" (reads cache_seqlens on the host; slots in descending score, equal scores toward the lower
-            position).
+        impl: "fused" (default: indexer_forward_topk's score and top-k kernels on sm_90a with the keys read through
+            the block table; pages of 64 tokens, H / D / dtype as indexer_forward_topk's (FP8: H >= 16, D = 128);
+            reads nothing on the host, so lengths and the table are not checked: a row sees the keys below
+            cache_seqlens[b] - next_n + j + 1 clamped to the table's max_pages x 64, a page outside the cache reads
+            zeros; slots in ascending position, equal scores at the k-th toward the lower position; the BF16 form
+            rounds the weights to bf16; ValueError off the GPU) or "reference" (reads cache_seqlens on the host;
+            slots in descending score, equal scores toward the lower position).
 
     Returns:
-        int32 [B, next_n, top_k] page-encoded ids, -1 padded.
+        int32 [B, next_n, top_k] page-encoded ids, -1 padded (slot order as above).
 
     Raises:
-        TypeError / ValueError naming the argument for wrong dtypes, shapes, devices or values;
-        NotImplementedError for impl="fused" on a GPU.
+        TypeError / ValueError naming the argument for wrong dtypes, shapes, devices or values (impl="fused": also
+        outside the kernels' limits above); NotImplementedError for impl="fused" on a GPU other than sm_90a.
     """
     check_impl(impl)
     check_tensor("q_indexer", q_indexer, dtypes=(torch.bfloat16, torch.float8_e4m3fn), ndim=4)

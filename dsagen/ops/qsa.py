@@ -2,9 +2,11 @@
 indices) and `qsa_bitmap_forward` (uint8 four-token block bitmap). Forward only, as in FlashInfer QSA.
 
 `impl="fused"` (the default) runs a generated CUDA kernel through `dsagen.ops._fused.fused_impl`
-(ValueError on CPU tensors, NotImplementedError where no kernel exists); `impl="reference"` runs
-dsagen.reference.qsa on CPU or CUDA. FlashInfer QSA's kernels support BF16, head dim 256 and 12/1 or 24/2
-query/KV heads; the reference accepts any GQA ratio, head dim and FP16/BF16/FP32/FP64.
+(ValueError on CPU tensors, NotImplementedError on a GPU other than sm_90a); `impl="reference"` runs
+dsagen.reference.qsa on CPU or CUDA. FlashInfer QSA's kernels support BF16, head dim 256 and 12/1 or 24/2 query/KV
+heads; dsagen's kernels (dsagen/kernels/qsa, both forms) BF16 / FP16, up to 64 query heads per KV head and head dims
+64 / 128 / 256, bitwise repeatable, and the bitmap form without any [T, NB]-sized scratch; the reference any GQA
+ratio, head dim and FP16/BF16/FP32/FP64.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def qsa_indexed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indic
             the listed ids in [0, T) and skips every other value (-1 padding, out-of-range ids); a
             repeated id counts once per slot.
         scale: finite attention score scale; default 1 / sqrt(D) (1/16 at D = 256).
-        impl: "fused" (default) or "reference".
+        impl: "fused" (default: one CTA per (token, KV head) gathers the listed K / V rows; every sum in slot
+            order, so the same inputs give the same bytes on every call) or "reference".
 
     Returns:
         `(out, out_fp32, lse)`: out `[T, Hq, Dv]` in q.dtype (BF16), out_fp32 `[T, Hq, Dv]` FP32 (the
@@ -66,8 +69,9 @@ def qsa_indexed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indic
     Raises:
         TypeError: wrong dtypes (k/v not q's dtype, indices not int32), scale not a number.
         ValueError: wrong ranks/shapes/devices, Hq not a multiple of Hkv, W not a positive multiple of
-            four or above 2052, non-finite scale, unknown impl, impl="fused" on CPU tensors.
-        NotImplementedError: impl="fused" where no generated kernel exists.
+            four or above 2052, non-finite scale, unknown impl, impl="fused" on CPU tensors or outside the kernel's
+            limits (dtype, more than 64 query heads per KV head, head dims other than 64 / 128 / 256).
+        NotImplementedError: impl="fused" on a GPU other than sm_90a.
     """
     check_impl(impl)
     _check_qkv(q, k, v)
@@ -104,16 +108,19 @@ def qsa_bitmap_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
         cu_seqlens: optional int32 `[N + 1]` packed sequence offsets: starts at 0, non-decreasing,
             ends at T (checked on the host by the reference). None = one sequence.
         scale: finite score scale; default 1 / sqrt(D).
-        impl: "fused" (default) or "reference".
+        impl: "fused" (default: one CTA per (token, KV head) reads the token's bitmap row and gathers its selected
+            blocks' K / V rows; cu_seqlens' values are not read on the host, and a bitmap column past NB or a token
+            outside [0, T) is never read) or "reference".
 
     Returns:
         `(out, out_fp32, lse)` as qsa_indexed_forward; an empty selection gives zeros and lse = -inf.
 
     Raises:
         TypeError: wrong dtypes (bitmap not uint8/bool, cu_seqlens not int32), scale not a number.
-        ValueError: wrong shapes/devices (including NB), bad cu_seqlens values, non-finite scale,
-            unknown impl, impl="fused" on CPU tensors.
-        NotImplementedError: impl="fused" where no generated kernel exists.
+        ValueError: wrong shapes/devices (including NB), bad cu_seqlens values (impl="reference"), non-finite
+            scale, unknown impl, impl="fused" on CPU tensors or outside the kernel's limits (as
+            qsa_indexed_forward's).
+        NotImplementedError: impl="fused" on a GPU other than sm_90a.
     """
     check_impl(impl)
     _check_qkv(q, k, v)

@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from ..kernels.indices.spec import CompactifySpec, LocalToGlobalSpec
+from ..kernels.kv_fp8.spec import KvFp8CodecSpec
 from ..kernels.lightning_indexer.spec import INDEXER_DTYPES, INDEXER_HEAD_DIMS, INDEXER_HEADS
 from ..kernels.lightning_indexer.spec import INDEXER_FP8_DTYPE, config_for as indexer_config
-from ..kernels.lightning_indexer.spec import forward_topk_config_for, scores_config_for
+from ..kernels.lightning_indexer.spec import decode_config_for, forward_topk_config_for, scores_config_for
 from ..kernels.attn_score_recompute.spec import config_for as attn_score_recompute_config
 from ..kernels.attn_score_recompute.spec import dense_config_for as dense_attn_score_recompute_config
 from ..kernels.indexer_bwd.spec import config_for as indexer_bwd_config
@@ -40,6 +41,7 @@ from ..kernels.indexer_bwd.spec import dense_config_for as dense_indexer_bwd_con
 from ..kernels.indexer_score_recompute.spec import config_for as indexer_score_recompute_config
 from ..kernels.indexer_topk.spec import config_for as indexer_topk_config
 from ..kernels.row_scatter_add.spec import RowScatterAddSpec
+from ..kernels.sparse_mla.spec import SparseAttnCombineSpec
 from ..kernels.sparse_mla.spec import config_for as sparse_mla_config
 from ..kernels.sparse_mla.spec import kernel_heads
 from ..kernels.sparse_mla_bwd.spec import SparseAttnBwdOrderSpec
@@ -191,6 +193,9 @@ def specs_for_model(model: ModelAttention, arch: str, serving: bool = False) -> 
         LocalToGlobalSpec(arch=arch),
     ]
     if hopper:
+        # the FP8 MLA KV cache's writer and reader (quantize_kv_fp8 / dequantize_kv_fp8: serving appends tokens)
+        out.extend(KvFp8CodecSpec(arch=arch, dequantize=d) for d in (False, True))
+    if hopper:
         # lightning indexer: one score kernel + the top-k plan's kernels serve every topk and compress ratio
         out.extend(indexer_config(model.index_n_heads, model.index_head_dim, model.dtype, arch).specs())
         # dense indexer forward (indexer_scores) and the combined indexer + top-k (indexer_forward_topk), in the
@@ -198,6 +203,9 @@ def specs_for_model(model: ModelAttention, arch: str, serving: bool = False) -> 
         for dtype in (model.dtype,) + ((INDEXER_FP8_DTYPE,) if model.index_head_dim == 128 else ()):
             out.extend(scores_config_for(model.index_n_heads, model.index_head_dim, dtype, arch).specs())
             out.extend(forward_topk_config_for(model.index_n_heads, model.index_head_dim, dtype, arch).specs())
+            # ... and the decode-time indexer over a paged key cache (indexer_decode_topk: the same top-k kernels)
+            if dtype in ("bfloat16", INDEXER_FP8_DTYPE):
+                out.extend(decode_config_for(model.index_n_heads, model.index_head_dim, dtype, arch).specs())
         # standalone indexer top-k (any width; its plan's kernels serve every row length)
         out.extend(indexer_topk_config(arch).specs())
     if hopper and not serving:
@@ -228,6 +236,15 @@ def specs_for_model(model: ModelAttention, arch: str, serving: bool = False) -> 
         # ... and its lse_prefix kernel, which also returns lse_indexer (sparse_attention(..., indexer_topk=N))
         out.append(sparse_mla_config(h, model.d_qk, model.dtype, None, arch, None)
                    .spec(h, model.d_qk, model.dtype, arch, d_v=model.d_v, lse_prefix=True))
+        # ... and sparse_attention_decode's (bf16 q of 576): the kernel over DeepSeek-V3.2's FP8 KV cache, the
+        # split_kv kernels of both caches (the split over the KV slots of small batches) and their combine kernel
+        if model.d_qk == 576 and model.d_v == 512 and model.dtype == "bfloat16":
+            out.append(sparse_mla_config(h, 576, "bfloat16", None, arch, None, kv_fp8=True)
+                       .spec(h, 576, "bfloat16", arch, kv_fp8=True))
+            for kv_fp8 in (False, True):
+                out.append(sparse_mla_config(h, 576, "bfloat16", None, arch, None, kv_fp8)
+                           .spec(h, 576, "bfloat16", arch, kv_fp8=kv_fp8, split_kv=True))
+            out.append(SparseAttnCombineSpec(arch=arch))
     if hopper and not serving:
         h = mla_kernel_heads(model.num_heads)
         # sparse MLA backward: the atomic kernel autograd runs by default and the deterministic one it runs under

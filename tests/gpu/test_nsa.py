@@ -31,10 +31,14 @@ _SHAPES = [(g, 128, 128, 64, 16, "bfloat16") for g in (1, 2, 4, 8, 16, 32, 64)] 
     (16, 128, 128, 64, 16, "float16"), (4, 128, 128, 64, 32, "bfloat16")]
 REQUIRED_SPECS = [select_fwd_spec_for(g, d, dv, bs, s, dt, ARCH) for g, d, dv, bs, s, dt in _SHAPES]
 # the backward's kernels: dq (the forward's fields) and dk / dv, for the shapes test_backward_* run
+# (blocks of 32 and 128 run the dk / dv kernel of 64 rows)
 _BWD_SHAPES = [(g, 128, 128, 64, 16, "bfloat16") for g in (1, 4, 16)] + [(16, 64, 64, 64, 16, "bfloat16")]
+_BWD_SHAPES += [(16, 128, 128, 32, 16, "bfloat16"), (4, 128, 128, 128, 16, "bfloat16")]
+REQUIRED_SPECS += [select_fwd_spec_for(4, 128, 128, 128, 16, "bfloat16", ARCH),
+                   select_fwd_spec_for(16, 128, 128, 32, 16, "bfloat16", ARCH)]
 REQUIRED_SPECS += [select_dq_spec_for(*x, ARCH) for x in _BWD_SHAPES]
-REQUIRED_SPECS += [NsaSelectDkvSpec(arch=ARCH, group=g, head_dim=d, v_dim=dv, block_size=bs, dtype=dt)
-                   for g, d, dv, bs, _, dt in _BWD_SHAPES]
+REQUIRED_SPECS += [NsaSelectDkvSpec(arch=ARCH, group=g, head_dim=d, v_dim=dv, dtype=dt)
+                   for g, d, dv, bs, _, dt in _BWD_SHAPES if bs == 64]
 
 pytestmark = pytest.mark.gpu
 
@@ -293,11 +297,11 @@ def _grads(impl, q, k, v, ids, counts, cu, bs, g_slc, dout, dtype=None):
     return out, grads
 
 
-@pytest.mark.parametrize("case", ["g16", "g4_counts", "g1_packed", "g16_d64_gate"])
+@pytest.mark.parametrize("case", ["g16", "g4_counts", "g1_packed", "g16_d64_gate", "g16_bs32", "g4_bs128_packed"])
 def test_backward_matches_reference(case):
     """dq, dk, dv (and d g_slc) of the fused backward against autograd of the FP64 reference on the same bf16 inputs:
     adversarial ids, per-token counts with zeros, packed sequences with empty and short ones, G 16 / 4 / 1, head dims
-    64 / 128, g_slc, shared blocks."""
+    64 / 128, g_slc, shared blocks, blocks of 32 and 128."""
     gen = torch.Generator().manual_seed(hash(case) % 1000)
     cu = None
     counts = 16
@@ -314,10 +318,19 @@ def test_backward_matches_reference(case):
         b, t, hq, h = 1, sum(lens), 4, 4
         ids = make_ids(b, t, h, 16, bs, gen, seq_lens=lens)
         cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    else:
+    elif case == "g16_d64_gate":
         b, t, hq, h, bs, d = 1, 260, 64, 4, 64, 64
         ids = make_ids(b, t, h, 16, bs, gen, shared=True)
         g_slc = torch.rand((b, t, hq), generator=gen).to(DEV)
+    elif case == "g16_bs32":
+        b, t, hq, h, bs = 2, 301, 64, 4, 32
+        ids = make_ids(b, t, h, 16, bs, gen, shared=True)
+        counts = torch.randint(0, 20, (b, t, h), generator=gen, dtype=torch.int32).to(DEV)
+    else:
+        lens = [300, 0, 1, 127, 128, 129, 450]
+        b, t, hq, h, bs = 1, sum(lens), 16, 4, 128
+        ids = make_ids(b, t, h, 16, bs, gen, seq_lens=lens)
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
     q, k, v = _inputs(b, t, hq, h, d, d, torch.bfloat16, gen)
     dout = torch.randn((b, t, hq, d), generator=gen).to(DEV)
     ids = ids.to(DEV)

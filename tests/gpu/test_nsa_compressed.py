@@ -41,10 +41,13 @@ REQUIRED_SPECS += [NsaCmpTopkSpec(arch=ARCH)]
 REQUIRED_SPECS += [select_fwd_spec_for(g, d, dv, 64, 16, dt, ARCH) for g, d, dv, dt in _SHAPES]
 REQUIRED_SPECS += [select_fwd_spec_for(16, 128, 128, bs, 16, "bfloat16", ARCH) for bs in (32, 128)]
 REQUIRED_SPECS += [select_fwd_spec_for(4, 128, 128, 32, 20, "bfloat16", ARCH)]
-# the backward with g_cmp (blocks of 64): the selected branch's dq / dk / dv and the compressed branch's
+# the backward with g_cmp: the selected branch's dq / dk / dv and the compressed branch's (dk / dv of 64 rows for
+# every block size)
 _BWD = [(16, 128, 128, 16), (4, 128, 128, 20), (1, 128, 128, 16), (16, 64, 64, 16)]
 REQUIRED_SPECS += [select_fwd_spec_for(4, 128, 128, 64, 20, "bfloat16", ARCH)]
 REQUIRED_SPECS += [select_dq_spec_for(g, d, dv, 64, s, "bfloat16", ARCH) for g, d, dv, s in _BWD]
+REQUIRED_SPECS += [select_fwd_spec_for(4, 128, 128, 128, 16, "bfloat16", ARCH)]
+REQUIRED_SPECS += [select_dq_spec_for(g, 128, 128, bs, 16, "bfloat16", ARCH) for g, bs in ((16, 32), (4, 128))]
 REQUIRED_SPECS += [cmp_dq_spec_for(g, d, dv, 1, "bfloat16", ARCH) for g, d, dv, _ in _BWD]
 for _cls in (NsaSelectDkvSpec, NsaCmpDkvSpec):
     REQUIRED_SPECS += [_cls(arch=ARCH, group=g, head_dim=d, v_dim=dv) for g, d, dv, _ in _BWD]
@@ -240,15 +243,21 @@ def _cmp_reference(q, k, v, bs, scale, cu):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("case", ["g16", "g4_packed_counts", "g1", "g16_d64"])
+@pytest.mark.parametrize("case", ["g16", "g4_packed_counts", "g1", "g16_d64", "g16_bs32", "g4_packed_bs128"])
 def test_backward_matches_reference(case):
     """dq, dk, dv, d g_cmp, d g_slc with g_cmp against autograd of the FP64 reference: its compressed attention plus
     its selected branch on the kernels' own selection (a constant, as in the op), gated; G 16 / 4 / 1, B 2 odd T,
-    packed sequences with empty and short ones and per-token counts, D 64; and two runs bitwise equal."""
+    packed sequences with empty and short ones and per-token counts, D 64, blocks of 32 and 128; and two runs bitwise
+    equal."""
     gen = torch.Generator().manual_seed(800 + len(case))
-    cu, counts, d = None, 16, 128
+    cu, counts, d, bs = None, 16, 128, 64
     b, t, hq, h = 2, 1100, 64, 4
-    if case == "g4_packed_counts":
+    if case == "g16_bs32":
+        bs = 32
+    elif case == "g4_packed_bs128":
+        cu, bs = [0, 0, 3, 130, 900, 1500], 128
+        b, t, hq = 1, 1500, 16
+    elif case == "g4_packed_counts":
         cu = [0, 0, 3, 70, 700, 1500]
         b, t, hq = 1, 1500, 16
         counts = torch.randint(0, 21, (1, t, h), generator=gen, dtype=torch.int32).to(DEV)
@@ -266,17 +275,17 @@ def test_backward_matches_reference(case):
     def fused():
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g_cmp, g_slc)]
         out = dsagen.native_sparse_attention(leaves[0], leaves[1], leaves[2], g_cmp=leaves[3], g_slc=leaves[4],
-                                             block_counts=counts, cu_seqlens=cu_d)
+                                             block_counts=counts, cu_seqlens=cu_d, block_size=bs)
         return out, torch.autograd.grad(out, leaves, dout.to(out.dtype))
 
     out, got = fused()
     n_select = counts if isinstance(counts, int) else int(counts.max())
-    sel = compressed_forward(q, k, v, n_select, cu_d, scale, 64)[2]
+    sel = compressed_forward(q, k, v, n_select, cu_d, scale, bs)[2]
     leaves = [x.detach().double().cpu().requires_grad_() for x in (q, k, v, g_cmp, g_slc)]
     cnt = counts if isinstance(counts, int) else counts.cpu()
     o_slc = ref.native_sparse_attention(*leaves[:3], None, None, sel.long().cpu(), cnt,
-                                        None if cu is None else torch.tensor(cu), softmax_scale=scale, block_size=64)
-    o_cmp = _cmp_reference(*leaves[:3], 64, scale, cu)
+                                        None if cu is None else torch.tensor(cu), softmax_scale=scale, block_size=bs)
+    o_cmp = _cmp_reference(*leaves[:3], bs, scale, cu)
     want_out = o_slc * leaves[4][..., None] + o_cmp * leaves[3][..., None]
     want = torch.autograd.grad(want_out, leaves, dout.double().cpu())
     torch.testing.assert_close(out.double().cpu(), want_out.detach(), atol=2e-2, rtol=2e-2)
@@ -340,13 +349,10 @@ def test_graph_capture_forward_backward():
 
 
 def test_what_the_kernels_do_not_cover():
-    """Gradients with g_cmp at blocks other than 64, and per-token counts with g_cmp under torch.compile:
-    NotImplementedError naming why."""
+    """Per-token counts with g_cmp under torch.compile: NotImplementedError naming why."""
     gen = torch.Generator().manual_seed(700)
     q, k, v = _inputs(1, 200, 16, 4, 128, 128, torch.bfloat16, gen)
     g_cmp = torch.rand((1, 200, 16), generator=gen).to(DEV)
-    with pytest.raises(NotImplementedError, match="blocks of 64 keys"):
-        dsagen.native_sparse_attention(q.requires_grad_(), k, v, g_cmp=g_cmp, block_counts=4, block_size=32)
     counts = torch.full((1, 200, 4), 3, dtype=torch.int32, device=DEV)
 
     def f(q, k, v, g_cmp, counts):

@@ -28,7 +28,7 @@ from dsagen.reference.indexer import weighted_relu_scores
 from dsagen.spec import CompactifySpec, LocalToGlobalSpec
 from dsagen.kernels.lightning_indexer.spec import config_for as indexer_config
 from dsagen.kernels.lightning_indexer.spec import forward_topk_config_for, scores_config_for
-from dsagen.kernels.sparse_mla.spec import SparseAttnFwdConfig, config_for
+from dsagen.kernels.sparse_mla.spec import FP8_CACHE_CONFIG, SparseAttnCombineSpec, SparseAttnFwdConfig, config_for
 from dsagen.kernels.attn_score_recompute import host as rc_host
 from dsagen.kernels.attn_score_recompute import dense_host as drc_host
 from dsagen.kernels.attn_score_recompute.spec import config_for as rc_config_for
@@ -46,6 +46,9 @@ from dsagen.kernels.sparse_mla_bwd.spec import SparseAttnBwdConfig
 from dsagen.kernels.sparse_mla_bwd.spec import config_for as bwd_config_for
 from dsagen.kernels.row_scatter_add.spec import RowScatterAddSpec
 from dsagen.kernels.nsa.host import select_forward as nsa_select_forward
+from dsagen.kernels.qsa.spec import spec_for as qsa_spec_for
+from dsagen.kernels.lightning_indexer.spec import decode_config_for
+from dsagen.kernels.kv_fp8.spec import KvFp8CodecSpec
 from dsagen.kernels.nsa.spec import NsaCmpDkvSpec, NsaCmpTopkSpec, NsaSelectDkvSpec
 from dsagen.kernels.nsa.spec import cmp_dq_spec_for as nsa_cmp_dq_spec_for
 from dsagen.kernels.nsa.spec import cmp_fwd_spec_for as nsa_cmp_fwd_spec_for
@@ -59,7 +62,8 @@ INDEXER_SHAPE = (64, 128)                        # (H, D) of the lightning index
 INDEXER_CONFIG = indexer_config(*INDEXER_SHAPE, "bfloat16", ARCH)   # the op's config for that shape
 TOPK_SPECS = INDEXER_CONFIG.topk.specs()         # every top-k kernel the fused indexer may pick
 REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfloat16", ARCH)
-                  for h, d in SPARSE_SHAPES] + [
+                  for h, d in SPARSE_SHAPES] + [FP8_CACHE_CONFIG.spec(128, 576, "bfloat16", ARCH, kv_fp8=True)] + [
+    FP8_CACHE_CONFIG.spec(128, 576, "bfloat16", ARCH, kv_fp8=True, split_kv=True), SparseAttnCombineSpec(arch=ARCH)] + [
     *INDEXER_CONFIG.specs(), CompactifySpec(arch=ARCH), LocalToGlobalSpec(arch=ARCH)] + [
     bwd_config_for(h, d, "bfloat16", ARCH, None).spec(h, d, "bfloat16", ARCH, deterministic=det)
     for h, d in SPARSE_SHAPES for det in (False, True)] + [
@@ -86,7 +90,12 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     nsa_spec_for(g, 128, 128, 64, 19, "bfloat16", ARCH) for g in (1, 16)] + [
     nsa_dq_spec_for(g, 128, 128, 64, 19, "bfloat16", ARCH) for g in (1, 16)] + [
     nsa_cmp_dq_spec_for(g, 128, 128, 1, "bfloat16", ARCH) for g in (1, 16)] + [
-    NsaCmpDkvSpec(arch=ARCH, group=g) for g in (1, 16)]
+    NsaCmpDkvSpec(arch=ARCH, group=g) for g in (1, 16)] + [
+    f(g, 128, 128, bs, 16, "bfloat16", ARCH) for f in (nsa_spec_for, nsa_dq_spec_for)
+    for g, bs in ((16, 32), (1, 128))] + [qsa_spec_for(12, 256, 256, "bfloat16", ARCH, bitmap=b)
+                                          for b in (False, True)] + [
+    *decode_config_for(*INDEXER_SHAPE, "float8_e4m3fn", ARCH).specs()] + [
+    KvFp8CodecSpec(arch=ARCH, dequantize=d) for d in (False, True)]
 FORWARD_TOPK_SPECS = (*forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH).topk.specs(),
                       *forward_topk_config_for(*INDEXER_SHAPE, "bfloat16", ARCH, finish_in_topk=False).topk.specs())
 
@@ -128,6 +137,23 @@ def test_sparse_forward(h, d_qk):
     torch.testing.assert_close(lse, r_lse.float(), atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(m, r_m.float(), atol=1e-4, rtol=1e-5)
     assert (out[:2] == 0).all() and torch.isposinf(lse[:2]).all()      # topk_length 0; row 1 without a valid id
+
+
+@gpu
+@pytest.mark.parametrize("split", [None, (3, 128)], ids=["whole", "split"])
+def test_sparse_decode_fp8(split):
+    """The FP8 cache kernel (its producer dequantizes the gathered rows), 3 CTAs looping over 6 query rows' items
+    (split: 18 items of 128-slot ranges, some empty by the lengths, and the combine kernel), adversarial ids and
+    lengths as test_sparse_forward's, against the reference on the dequantized rows."""
+    q, kv, ids, sink, tl = _sparse_inputs(6, 128, 576, 320, 900, seed=11)
+    f = torch.tensor([4.0 ** -(c // 128) if c < 512 else 1.0 for c in range(576)], device=kv.device)
+    rows = dsagen.quantize_kv_fp8((kv.float() * f).bfloat16(), impl="reference")   # [900, 656] uint8, 4 scales
+    out, lse, _ = fused_sa._launch(q, rows, ids, sink, tl, 0.05, 512, replace(FP8_CACHE_CONFIG, grid=3), split=split)
+    r_out, r_lse, _ = dsagen.sparse_attention(q, dsagen.dequantize_kv_fp8(rows, impl="reference"), ids,
+                                              attn_sink=sink, topk_length=tl, softmax_scale=0.05, impl="reference")
+    torch.testing.assert_close(out.float(), r_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, r_lse.float(), atol=2e-4, rtol=1e-4)
+    assert (out[:2] == 0).all() and torch.isposinf(lse[:2]).all()
 
 
 @gpu
@@ -689,11 +715,12 @@ def test_nsa_select_forward(hq, packed):
 
 
 @gpu
-@pytest.mark.parametrize("hq,packed", [(64, False), (4, True)])
-def test_nsa_select_backward(hq, packed):
+@pytest.mark.parametrize("hq,packed,bs", [(64, False, 64), (4, True, 64), (64, False, 32), (4, True, 128)])
+def test_nsa_select_backward(hq, packed, bs):
     """The NSA backward's dq kernel and dk / dv kernel (and the inverse index feeding it) on the forward case's
-    adversarial inputs; dq, dk, dv against autograd of the reference."""
-    gen = torch.Generator().manual_seed(330 + hq)
+    adversarial inputs, blocks of 64, 32 (the dk / dv kernel's 64-row tile cut after 32) and 128 (two tiles a
+    block); dq, dk, dv against autograd of the reference."""
+    gen = torch.Generator().manual_seed(330 + hq + bs)
     q, k, v, ids, counts, cu = _nsa_inputs(hq, packed, gen)
     dout = torch.randn(q.shape, generator=gen).bfloat16().to(DEV)
     grads = []
@@ -701,7 +728,7 @@ def test_nsa_select_backward(hq, packed):
         leaves = [x.detach().float().requires_grad_() if impl == "reference" else x.detach().requires_grad_()
                   for x in (q, k, v)]
         out = dsagen.native_sparse_attention(*leaves, block_indices=ids, block_counts=counts, cu_seqlens=cu,
-                                             softmax_scale=0.1, block_size=NSA_BLOCK, impl=impl)
+                                             softmax_scale=0.1, block_size=bs, impl=impl)
         grads.append(torch.autograd.grad(out, leaves, dout.to(out.dtype)))
         torch.cuda.synchronize()
     for got, want in zip(*grads):
@@ -741,3 +768,84 @@ def test_nsa_compressed_backward(hq, packed):
     grads = torch.autograd.grad(out, leaves + [g_cmp, g_slc], torch.randn(out.shape, generator=gen).to(out))
     torch.cuda.synchronize()
     assert all(torch.isfinite(x).all() for x in grads)
+
+
+@gpu
+@pytest.mark.parametrize("hq,hkv,w", [(12, 1, 68), (24, 2, 132)])
+def test_qsa_indexed_forward(hq, hkv, w):
+    """The QSA indexed forward (G 12, D 256) on adversarial ids: -1 padding, ids past T and below -1, a repeated
+    id, a row without a valid id, a partial last tile (W not a multiple of 64), odd T; checked against the
+    reference."""
+    gen = torch.Generator().manual_seed(360 + w)
+    t = 41
+    q = (torch.randn(t, hq, 256, generator=gen) * 0.5).bfloat16().to(DEV)
+    k = (torch.randn(t, hkv, 256, generator=gen) * 0.5).bfloat16().to(DEV)
+    v = torch.randn(t, hkv, 256, generator=gen).bfloat16().to(DEV)
+    ids = torch.randint(-3, t + 3, (t, w), generator=gen, dtype=torch.int32)
+    ids[4] = -1
+    ids[6, 1] = ids[6, 0]
+    ids = ids.to(DEV)
+    out, out32, lse = dsagen.qsa_indexed_forward(q, k, v, ids)
+    torch.cuda.synchronize()
+    ref = dsagen.qsa_indexed_forward(q, k, v, ids, impl="reference")
+    torch.testing.assert_close(out32, ref[1], atol=2e-2, rtol=2e-2)
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref[2]))
+
+
+@gpu
+@pytest.mark.parametrize("cu", [None, [0, 0, 3, 20, 41]])
+def test_qsa_bitmap_forward(cu):
+    """The QSA bitmap forward (G 12, D 256): rows with blocks set past the query, in other sequences and none at all,
+    packed sequences (empty, shorter than a block, lengths not a multiple of 4), odd T; checked against the
+    reference."""
+    from dsagen.reference.qsa import bitmap_token_layout
+
+    gen = torch.Generator().manual_seed(370 + (cu is None))
+    t = 41
+    q = (torch.randn(t, 12, 256, generator=gen) * 0.5).bfloat16().to(DEV)
+    k = (torch.randn(t, 1, 256, generator=gen) * 0.5).bfloat16().to(DEV)
+    v = torch.randn(t, 1, 256, generator=gen).bfloat16().to(DEV)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    nb = bitmap_token_layout(t, cu_t, "cpu")[2]
+    bm = (torch.rand((t, nb), generator=gen) < 0.5).to(torch.uint8)
+    bm[5] = 0
+    bm, cu_t = bm.to(DEV), None if cu_t is None else cu_t.to(DEV)
+    out, out32, lse = dsagen.qsa_bitmap_forward(q, k, v, bm, cu_seqlens=cu_t)
+    torch.cuda.synchronize()
+    ref = dsagen.qsa_bitmap_forward(q, k, v, bm, cu_seqlens=cu_t, impl="reference")
+    torch.testing.assert_close(out32, ref[1], atol=2e-2, rtol=2e-2)
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref[2]))
+
+
+@gpu
+def test_indexer_decode_fp8():
+    """The decode-time indexer over a paged FP8 key cache (the paged score kernel reading K and its descales through
+    the block table, then the forward top-k): lengths next_n .. a partial last page, table entries past each
+    length left as -1 or past the cache (never read); checked as sets against the reference."""
+    gen = torch.Generator().manual_seed(380)
+    b, next_n, n_pages = 3, 2, 12
+    cache = dsagen.quantize_index_k_fp8(torch.randn(n_pages, 64, 128, generator=gen), impl="reference").to(DEV)
+    q = torch.randn(b, next_n, 64, 128, generator=gen).to(torch.float8_e4m3fn).to(DEV)
+    w = torch.randn(b, next_n, 64, generator=gen).to(DEV)
+    lens = torch.tensor([2, 65, 250], dtype=torch.int32, device=DEV)
+    table = torch.tensor([[5, -1, -1, -1], [0, 11, 99, -1], [3, 7, 1, 9]], dtype=torch.int32, device=DEV)
+    ids = dsagen.indexer_decode_topk(q, w, cache, table, lens, 96)
+    torch.cuda.synchronize()
+    ref = dsagen.indexer_decode_topk(q, w, cache, table, lens, 96, impl="reference")
+    for a, r in zip(ids.view(-1, 96).tolist(), ref.view(-1, 96).tolist()):
+        got, want = {x for x in a if x >= 0}, {x for x in r if x >= 0}
+        assert len(got) == len(want) and len(got & want) >= 0.95 * len(want)
+
+
+@gpu
+def test_kv_fp8_codec():
+    """The FP8 KV cache writer and reader on 37 tokens (the last CTA's warps partly past the end) of mixed
+    magnitudes, strided rows: byte for byte the references."""
+    gen = torch.Generator().manual_seed(390)
+    kv = (torch.randn(37, 576, generator=gen) * torch.pow(2.0, torch.randint(-9, 9, (37, 1), generator=gen))).bfloat16()
+    kv = kv.to(DEV)
+    cache = dsagen.quantize_kv_fp8(kv)
+    back = dsagen.dequantize_kv_fp8(cache[::2])
+    torch.cuda.synchronize()
+    assert torch.equal(cache, dsagen.quantize_kv_fp8(kv, impl="reference"))
+    assert torch.equal(back.view(torch.int16), dsagen.dequantize_kv_fp8(cache[::2], impl="reference").view(torch.int16))

@@ -109,11 +109,14 @@ class ForwardTopkLaunch(ScoreCallInputs):
                  q_causal_offsets: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None, width: int,
                  softmax: torch.Tensor | None, lse: torch.Tensor | None, global_ids: bool,
                  q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                 config: ForwardTopkConfig | None = None):
+                 config: ForwardTopkConfig | None = None, paged_len: int | None = None):
         packed = cu_seqlens_q is not None
         q4, k3, w3, qs3, ks2 = input_views(q, k, weights, q_scale, k_scale, packed)
         b, t_count, h, d = q4.shape
-        s_count = k3.shape[1]
+        # paged (the decode-time indexer, config's score kernel paged): k is the cache's pages [n_pages, 64, D] and
+        # each batch element's keys are paged_len rows through the block table given to launch()
+        s_count = k3.shape[1] if paged_len is None else paged_len
+        self.n_pages = k3.shape[0]
         rows = b * t_count
         self.no_slot = rows == 0 or top_k == 0              # only the LSE (-inf) to write
         self.no_key = width == 0 or s_count == 0            # every row empty
@@ -164,9 +167,10 @@ class ForwardTopkLaunch(ScoreCallInputs):
     def launch(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, q_causal_offsets: torch.Tensor | None,
                cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
                outputs: tuple | Callable[[], tuple], q_scale: torch.Tensor | None = None,
-               k_scale: torch.Tensor | None = None) -> tuple:
+               k_scale: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> tuple:
         """The call's launches into outputs = (ids, logits, softmax or None, lse or None), or a callable making them,
-        called after the first score launch (so the allocations' host time overlaps that kernel). Returns them."""
+        called after the first score launch (so the allocations' host time overlaps that kernel). Returns them.
+        block_table: int32 [B, max_pages] with unit column stride, for a plan made with paged_len."""
         if self.no_slot or self.no_key:
             ids, logits, softmax, lse = outputs = outputs() if callable(outputs) else outputs
             if self.no_slot:
@@ -185,9 +189,10 @@ class ForwardTopkLaunch(ScoreCallInputs):
         kernels, has_off = self.kernels, self.has_off
         slab = torch.empty(self.slab_shape, dtype=torch.float32, device=self.device)
         score_head = (cu_q, cu_k, *self.scalars)
+        paged = () if block_table is None else (block_table, block_table.stride(0), self.n_pages)
         for blk0, nblk, n_ctas, topk_k in self.slabs:
             kernels.score.launch(qv, kv, w3, slab, *score_head, blk0, nblk, *self.score_mid, n_ctas, *self.score_tail,
-                                 q_off, has_off, 0, *extra)          # fill 0: the top-k reads only the valid columns
+                                 q_off, has_off, 0, *extra, *paged)  # fill 0: the top-k reads only the valid columns
             if callable(outputs):
                 outputs = outputs()
             ids, logits, softmax, lse = outputs

@@ -84,8 +84,18 @@ def fp8_params() -> list:
     ]
 
 
+def paged_params() -> list:
+    """The paged form's extra params (after the others): the block table and its row stride (in elements), the
+    page count."""
+    return [
+        {"name": "bt", "kind": "ptr", "dtype": "int32", "align": 4},             # [B, max_pages] page of each 64 rows
+        {"name": "bt_sb", "kind": "i64"},
+        {"name": "n_pages", "kind": "i32"},
+    ]
+
+
 def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: bool = False, consumers: int = 3,
-          longest_first: bool = False, q_tiles: int = 1):
+          longest_first: bool = False, q_tiles: int = 1, paged: bool = False):
     """The score kernel of IndexerScoreSpec(num_heads, head_dim, dtype, stages, dense_scores): returns
     (kernel, host, PARAMS, HOST_ARGS, LAUNCH). Each call makes new kernel and host functions (every rendered module
     names its own kernel).
@@ -111,8 +121,14 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
     q_tiles: Q tiles per work item (NQ): 1, or 2 (FP8 form with 4 consumers only): the item holds 2 * 128 / H
     tokens and each K tile is multiplied by both Q tiles, by the two warpgroups of a consumer pair (warpgroup c takes
     Q tile c % 2 and the item's tiles p, p + 2, ... with p = c // 2), so every K tile is read from L2 once per twice
-    as many query tokens."""
+    as many query tokens.
+    paged (dense_scores only): k is a paged cache, viewed as [n_pages, 64, D] (the TMA map's (D, 64, n_pages)): row s
+    of batch element b is row s % 64 of page bt[b, s // 64]; paged_params() follow the others (the block table, its
+    row stride, n_pages); the FP8 form's k_scale is then the pages' descales [n_pages, 64] (ks_sb: the page stride),
+    its page clamped to [0, n_pages) (a TMA load of a page outside it reads zeros). False generates the code the
+    kernel had before the flag."""
     NQ = q_tiles
+    assert not paged or dense_scores, "paged K: the dense_scores form only"
     assert NQ == 1 or (NQ == 2 and consumers == 4 and dtype == "float8_e4m3fn"), "q_tiles=2: FP8 with 4 consumers"
     FP8 = dtype == "float8_e4m3fn"
     NC = consumers                # consumer warpgroups taking the tiles in turn: 3, or 4 (FP8 form)
@@ -178,6 +194,8 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
         ]
     if FP8:
         PARAMS += fp8_params()
+    if paged:
+        PARAMS += paged_params()
     HOST_ARGS = [
         {"name": "q", "kind": "ptr", "dtype": TMA_DT, "align": 16},
         {"name": "k", "kind": "ptr", "dtype": TMA_DT, "align": 16},
@@ -213,10 +231,10 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
              n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32, chunk: Int32,
              n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64, w_sh: Int64,
              ld_slab: Int64, scale: Float32, p_off, has_off, fill, p_w32, w_f32, p_qs, qs_sb, qs_st, qs_sh, p_ks,
-             ks_sb, ks_ss):
+             ks_sb, ks_ss, p_bt=None, bt_sb=None, n_pages=None):
         """The kernel (all forms): q_tma / k_tma are the tensormaps' addresses; p_off / has_off / fill the causal
         offsets and the tail fill (None at trace time: the lightning indexer's kernel); p_w32 .. ks_ss the FP8 form's
-        fp8_params (None otherwise)."""
+        fp8_params (None otherwise); p_bt .. n_pages the paged form's (None otherwise)."""
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -330,8 +348,14 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                             # scores are never stored), landing before the consumers' info_full wait completes
                             for i in cutlass.range(lane, (kv_hi - kv_lo + BM - 1) // BM * BM, 32, unroll=4):
                                 sk = cutlass.min(kv_lo + i, S - 1)
-                                prims.cp_async_shared_global(sKs.iterator + (slot * FP8_KSCALE_ROWS + i),
-                                                             p_ks + (Int64(b) * ks_sb + Int64(sk) * ks_ss), 4, "ca")
+                                dst = sKs.iterator + (slot * FP8_KSCALE_ROWS + i)
+                                if cutlass.const_expr(p_bt is None):
+                                    src = p_ks + (Int64(b) * ks_sb + Int64(sk) * ks_ss)
+                                else:       # the page of the row (clamped: a bad table reads a legal address)
+                                    pg = (p_bt + (Int64(b) * bt_sb + sk // BM)).load()
+                                    pg = cutlass.max(0, cutlass.min(pg, n_pages - 1))
+                                    src = p_ks + (Int64(pg) * ks_sb + Int64(sk % BM) * ks_ss)
+                                prims.cp_async_shared_global(dst, src, 4, "ca")
                             cute.arch.cp_async_mbarrier_arrive_noinc(info_full + slot)
                         if lane == 0:
                             sHdr[slot * HDR] = (kv_hi - kv_lo + BM - 1) // BM
@@ -383,7 +407,11 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
                     for i in cutlass.range(ntiles, unroll=1):
                         idx = g % KSLOTS
                         ring_wait_free(k_empty, g, KSLOTS)
-                        k_tile = (sK[None, None, idx].iterator, BM * 64, KB, (kv_lo + i * BM, b))
+                        k_smem = sK[None, None, idx].iterator
+                        k_at = (kv_lo + i * BM, b)
+                        if cutlass.const_expr(p_bt is not None):    # the tile's page (rows kv_lo + i BM are 64-aligned)
+                            k_at = (0, (p_bt + (Int64(b) * bt_sb + (kv_lo // BM + i))).load())
+                        k_tile = (k_smem, BM * 64, KB, k_at)
                         tma_load_tile(k_tma, (k_tile,), k_full + idx, K_TILE_BYTES)
                         g += 1
                     j += 1
@@ -513,7 +541,30 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
             if cwg == 0:
                 cute.arch.barrier(barrier_id=BAR_WG0, number_of_threads=256)
 
-    if FP8:
+    if FP8 and paged:
+        @cute.kernel
+        def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
+                   p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
+                   n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32, chunk: Int32,
+                   n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64,
+                   w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32, fill: Int32,
+                   p_w32: cute.Pointer, w_f32: Int32, p_qs: cute.Pointer, qs_sb: Int64, qs_st: Int64, qs_sh: Int64,
+                   p_ks: cute.Pointer, ks_sb: Int64, ks_ss: Int64, p_bt: cute.Pointer, bt_sb: Int64, n_pages: Int32):
+            body(q_map.get_ptr(), k_map.get_ptr(), p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk,
+                 chunk, n_chunks, n_ctas, causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off, fill,
+                 p_w32, w_f32, p_qs, qs_sb, qs_st, qs_sh, p_ks, ks_sb, ks_ss, p_bt, bt_sb, n_pages)
+    elif dense_scores and paged:
+        @cute.kernel
+        def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
+                   p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
+                   n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32, chunk: Int32,
+                   n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64, w_st: Int64,
+                   w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32, fill: Int32,
+                   p_bt: cute.Pointer, bt_sb: Int64, n_pages: Int32):
+            body(q_map.get_ptr(), k_map.get_ptr(), p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk,
+                 chunk, n_chunks, n_ctas, causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off, fill,
+                 None, None, None, None, None, None, None, None, None, p_bt, bt_sb, n_pages)
+    elif FP8:
         @cute.kernel
         def kernel(q_map: cutlass.GridConstant[xcuda.TensorMap], k_map: cutlass.GridConstant[xcuda.TensorMap],
                    p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer, p_cu_k: cute.Pointer,
@@ -550,18 +601,49 @@ def build(num_heads: int, head_dim: int, dtype: str, stages: int, dense_scores: 
     SDIV = 16 // ELEM             # elements per 16-byte stride unit
 
     @cute.jit
-    def tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, S):
+    def tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, S, KB_OUT=None):
         """The TMA descriptors of q [B, T, H, D] -> (D, H, T, B) and k [B, S, D] -> (D, S, B) (strides in elements;
-        create_tensor_map_tiled takes them in 16-byte units, elements * ELEM // 16)."""
+        create_tensor_map_tiled takes them in 16-byte units, elements * ELEM // 16); KB_OUT: k's outer dim when it
+        is not B (the paged form's n_pages: k [n_pages, 64, D])."""
         tq = xcuda.create_tensor_map_tiled(global_address=p_q.toint(), dtype=MAP_DT, global_dims=[D, H, T, B],
                                            global_strides=[q_sh // SDIV, q_st // SDIV, q_sb // SDIV],
                                            box_dims=[BOXC, H, QC, 1], swizzle=xcuda.TensorMapSwizzle.s128b)
-        tk = xcuda.create_tensor_map_tiled(global_address=p_k.toint(), dtype=MAP_DT, global_dims=[D, S, B],
+        k_outer = B
+        if cutlass.const_expr(KB_OUT is not None):
+            k_outer = KB_OUT
+        tk = xcuda.create_tensor_map_tiled(global_address=p_k.toint(), dtype=MAP_DT, global_dims=[D, S, k_outer],
                                            global_strides=[k_ss // SDIV, k_sb // SDIV], box_dims=[BOXC, BM, 1],
                                            swizzle=xcuda.TensorMapSwizzle.s128b)
         return tq, tk
 
-    if FP8:
+    if FP8 and paged:
+        @cute.jit
+        def host(p_q: cute.Pointer, p_k: cute.Pointer, B: Int32, q_sh: Int64, q_st: Int64, q_sb: Int64,
+                 k_ss: Int64, k_sb: Int64, p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer,
+                 p_cu_k: cute.Pointer, n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32,
+                 chunk: Int32, n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64,
+                 w_st: Int64, w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32,
+                 fill: Int32,
+                 p_w32: cute.Pointer, w_f32: Int32, p_qs: cute.Pointer, qs_sb: Int64, qs_st: Int64, qs_sh: Int64,
+                 p_ks: cute.Pointer, ks_sb: Int64, ks_ss: Int64, p_bt: cute.Pointer, bt_sb: Int64, n_pages: Int32):
+            tq, tk = tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, BM, n_pages)
+            kernel(tq, tk, p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk, chunk, n_chunks, n_ctas,
+                   causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off, fill, p_w32, w_f32, p_qs,
+                   qs_sb, qs_st, qs_sh, p_ks, ks_sb, ks_ss, p_bt, bt_sb, n_pages).launch(
+                grid=(n_ctas, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
+    elif dense_scores and paged:
+        @cute.jit
+        def host(p_q: cute.Pointer, p_k: cute.Pointer, B: Int32, q_sh: Int64, q_st: Int64, q_sb: Int64,
+                 k_ss: Int64, k_sb: Int64, p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer,
+                 p_cu_k: cute.Pointer, n_docs: Int32, T: Int32, S: Int32, n_tblk: Int32, blk0: Int32, nblk: Int32,
+                 chunk: Int32, n_chunks: Int32, n_ctas: Int32, causal: Int32, ratio: Int32, w_sb: Int64,
+                 w_st: Int64, w_sh: Int64, ld_slab: Int64, scale: Float32, p_off: cute.Pointer, has_off: Int32,
+                 fill: Int32, p_bt: cute.Pointer, bt_sb: Int64, n_pages: Int32):
+            tq, tk = tensor_maps(p_q, p_k, B, q_sh, q_st, q_sb, k_ss, k_sb, T, BM, n_pages)
+            kernel(tq, tk, p_w, p_slab, p_cu_q, p_cu_k, n_docs, T, S, n_tblk, blk0, nblk, chunk, n_chunks, n_ctas,
+                   causal, ratio, w_sb, w_st, w_sh, ld_slab, scale, p_off, has_off, fill, p_bt, bt_sb,
+                   n_pages).launch(grid=(n_ctas, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1)
+    elif FP8:
         @cute.jit
         def host(p_q: cute.Pointer, p_k: cute.Pointer, B: Int32, q_sh: Int64, q_st: Int64, q_sb: Int64,
                  k_ss: Int64, k_sb: Int64, p_w: cute.Pointer, p_slab: cute.Pointer, p_cu_q: cute.Pointer,

@@ -17,6 +17,7 @@ never compiles a new kernel.
 from __future__ import annotations
 
 import functools
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +83,9 @@ class IndexerScoreSpec(KernelSpec):
     q_tiles: Q tiles per work item: 1, or 2 (FP8 with 4 consumers, indexer_scores only): items of 2 * 128 / H
     tokens whose K tiles each pair of consumer warpgroups multiplies by both Q tiles (half the K bytes per query
     token); item_tokens(spec) is what the host's token blocks must use.
+    paged: K from a paged cache of 64-row pages through a block table (dense_scores only; the decode-time indexer,
+    dsagen.indexer_decode_topk): three more params (score_sm90.paged_params); False generates the code the kernel
+    had before the field.
     """
 
     op = "lightning_indexer_score"
@@ -95,6 +99,7 @@ class IndexerScoreSpec(KernelSpec):
     consumers: int = 3
     longest_first: bool = False
     q_tiles: int = 1
+    paged: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons()
@@ -104,6 +109,8 @@ class IndexerScoreSpec(KernelSpec):
             out.append(f"q_tiles={self.q_tiles} must be 1 or 2")
         elif self.q_tiles == 2 and (self.dtype != INDEXER_FP8_DTYPE or self.consumers != 4):
             out.append(f"q_tiles=2 needs dtype={INDEXER_FP8_DTYPE!r} and consumers=4 (consumer pairs share a K tile)")
+        if self.paged and not self.dense_scores:
+            out.append("paged=True needs dense_scores=True (the decode-time indexer's form)")
         if self.consumers not in (3, 4):
             out.append(f"consumers={self.consumers} must be 3 or 4")
         elif self.consumers == 4 and self.dtype != INDEXER_FP8_DTYPE:
@@ -393,3 +400,17 @@ def forward_topk_config_for(num_heads: int, head_dim: int, dtype: str, arch: str
     finish = None if finish_in_topk else IndexerTopkSoftmaxSpec(arch=arch, threads=256)
     return ForwardTopkConfig(score=score, topk=plan, softmax=finish,
                              chunk_rows=4096, slab_bytes=128 * 2 ** 20, slab_max_rows=4096, softmax_ctas_per_sm=8)
+
+
+#: the decode-time indexer's page size: one K tile of the score kernel
+DECODE_PAGE_ROWS = 64
+
+
+def decode_config_for(num_heads: int, head_dim: int, dtype: str, arch: str) -> ForwardTopkConfig:
+    """The configuration of the fused dsagen.indexer_decode_topk: forward_topk_config_for's pipeline (score into a
+    bounded slab, the forward top-k) with its score kernel reading K from a paged cache of DECODE_PAGE_ROWS-row pages
+    (IndexerScoreSpec.paged); the top-k kernels are indexer_forward_topk's."""
+    cfg = forward_topk_config_for(num_heads, head_dim, dtype, arch)
+    # work items of 1024 candidates (a multiple of the 64-row page): a decode step has few query rows (B x next_n),
+    # so the candidates must make the items (B 4, next_n 1, 16K cached tokens: 64 items); not measured yet
+    return dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, paged=True), chunk_rows=1024)

@@ -19,7 +19,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from dsagen.kernels.common.sm90.cta import cta_coords
-from dsagen.kernels.nsa.select_common_sm90 import token_range
+from dsagen.kernels.common.sm90.sequences import token_range
 
 WARPS = 4
 

@@ -8,9 +8,9 @@ gates' gradients. `select_forward(...)` is the forward kernel's own call, return
 natural-log LSE.
 
 What the kernels do not cover raises NotImplementedError naming the reason (no silent fallback to the reference):
-gradients with blocks other than 64 keys, per-token counts with g_cmp under torch.compile, FP32 / FP64 inputs, and
-shapes outside NsaSelectFwdSpec's (group a power of two up to 64, D and Dv 64 or 128, block_size 32 / 64 / 128, at
-most NSA_MAX_SLOTS slots) or the compressed branch's (sequences of at most NSA_MAX_SLOTS x 64 compressed rows).
+per-token counts with g_cmp under torch.compile, FP32 / FP64 inputs, and shapes outside NsaSelectFwdSpec's (group a
+power of two up to 64, D and Dv 64 or 128, block_size 32 / 64 / 128, at most NSA_MAX_SLOTS slots) or the compressed
+branch's (sequences of at most NSA_MAX_SLOTS x 64 compressed rows).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index
 from .cmp_host import CompressedRows, compressed_backward, compressed_branch, mean_pool
-from .spec import (NSA_BLOCK_SIZES, NSA_GROUPS, NSA_HEAD_DIMS, NSA_MAX_SLOTS, NsaSelectDkvSpec, NsaSelectFwdSpec,
-                   item_tokens, select_dq_spec_for, select_fwd_spec_for)
+from .spec import (DKV_ROWS, NSA_BLOCK_SIZES, NSA_GROUPS, NSA_HEAD_DIMS, NSA_MAX_SLOTS, NsaSelectDkvSpec,
+                   NsaSelectFwdSpec, item_tokens, select_dq_spec_for, select_fwd_spec_for)
 
 LOG2E = math.log2(math.e)
 
@@ -63,15 +63,6 @@ def _check_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     reason = _unsupported(query, key, value, slots, block_size)
     if reason:
         raise NotImplementedError(f"native_sparse_attention: {reason}")
-
-
-def _check_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: int, block_size: int) -> None:
-    """_check_forward, and NotImplementedError for blocks other than 64 keys (the dk / dv kernel's keys are the
-    wgmma M)."""
-    _check_forward(query, key, value, slots, block_size)
-    if block_size != 64:
-        raise NotImplementedError(f"native_sparse_attention: the fused backward takes blocks of 64 keys, got "
-                                  f"block_size={block_size}")
 
 
 def _tma_ready(x: torch.Tensor) -> torch.Tensor:
@@ -150,43 +141,53 @@ def _forward(ops: _Operands, spec: NsaSelectFwdSpec | None) -> tuple[torch.Tenso
     return out, lse
 
 
-def inverse_index(ops: _Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The tokens that selected each key block, for the dk / dv kernel: (off int32 [H * nbd + 1], toks int32 [L],
-    starts int32 [L], ends int32 [L], nbd). Dense block i of KV head i // nbd lists its tokens toks[off[i]:off[i + 1]]
-    in ascending order (a token once per slot naming the block), starts / ends give the block's first key row and the
-    end of its rows within the sequence. nbd = ceil(N / block_size) + sequences bounds the blocks of every sequence,
-    so nothing is read back to the host (graph-capturable); the slots are validated as the kernels do (an id in the
-    token's sequence's blocks, a slot before the count, a block not after the token). A stable sort of the N x H x S
-    slots by dense block."""
+def inverse_index(ops: _Operands, rows: int = DKV_ROWS
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The tokens that selected each key tile, for the dk / dv kernel, whose tiles are `rows` keys: (off int32
+    [H * nbd + 1], toks int32 [L], starts int32 [L], ends int32 [L], nbd). A tile is min(block_size, rows) keys: a
+    block of 128 keys is two tiles of 64 (a token lists the second one only if it starts at or before the token), a
+    block of 32 keys is one tile whose `ends` stops the kernel's 64 rows after 32 (each row of dk / dv depends only on
+    its own key, so the rows past the end, never stored, do not change the others). Dense tile i of KV head i // nbd
+    lists its tokens toks[off[i]:off[i + 1]] in ascending order (a token once per slot naming the block), starts /
+    ends give the tile's first key row and the end of its rows within the block and the sequence. nbd = ceil(N / tile)
+    + sequences bounds the tiles of every sequence, so nothing is read back to the host (graph-capturable); the slots
+    are validated as the kernels do (an id in the token's sequence's blocks, a slot before the count, a block not
+    after the token). A stable sort of the N x H x S x (tiles per block) entries by dense tile."""
     n, h, s, bs = ops.n_tok, ops.h, ops.slots, ops.block_size
+    sub = min(bs, rows)                      # keys per tile
+    parts = bs // sub                        # tiles per block
     dev = ops.idx.device
     t = torch.arange(n, device=dev)
     if ops.n_docs == 0:
         seq = torch.div(t, ops.t, rounding_mode="floor")
         first = seq * ops.t
         length = torch.full_like(t, ops.t)
-        before = seq * (-(-ops.t // bs))
+        before = seq * (-(-ops.t // sub))
         n_seq = -(-n // ops.t)
     else:
         cu = ops.cu.long()
         seq = torch.searchsorted(cu[1:], t, right=True)
         first = cu[seq]
         length = cu[seq + 1] - first
-        seq_blocks = torch.div(cu[1:] - cu[:-1] + bs - 1, bs, rounding_mode="floor")
-        before = (torch.cumsum(seq_blocks, 0) - seq_blocks)[seq]
+        seq_tiles = torch.div(cu[1:] - cu[:-1] + sub - 1, sub, rounding_mode="floor")
+        before = (torch.cumsum(seq_tiles, 0) - seq_tiles)[seq]
         n_seq = ops.n_docs
-    nbd = -(-n // bs) + n_seq
-    ids = ops.idx.long()
+    nbd = -(-n // sub) + n_seq
+    ids = ops.idx.long()[..., None]                                              # [N, H, S, 1]
     cnt = ops.cnt.long() if ops.has_cnt else torch.full((n, h), ops.cnt_all, dtype=torch.long, device=dev)
     nblk = torch.div(length + bs - 1, bs, rounding_mode="floor")
-    valid = ((ids >= 0) & (ids < nblk[:, None, None]) & (torch.arange(s, device=dev) < cnt[..., None])
-             & (ids * bs <= (t - first)[:, None, None]))
-    dense = torch.arange(h, device=dev)[None, :, None] * nbd + before[:, None, None] + ids
+    part = torch.arange(parts, device=dev)
+    tile_first = ids * bs + part * sub                                           # [N, H, S, parts] within the seq
+    valid = ((ids >= 0) & (ids < nblk[:, None, None, None])
+             & (torch.arange(s, device=dev)[:, None] < cnt[..., None, None])
+             & (tile_first <= (t - first)[:, None, None, None]))
+    dense = torch.arange(h, device=dev)[None, :, None, None] * nbd + before[:, None, None, None] + ids * parts + part
     key = torch.where(valid, dense, h * nbd).reshape(-1)
     order = torch.sort(key, stable=True).indices
-    starts = (first[:, None, None] + ids * bs).reshape(-1)[order]
-    ends = torch.minimum(starts + bs, (first + length)[:, None, None].expand(n, h, s).reshape(-1)[order])
-    toks = torch.div(order, h * s, rounding_mode="floor")
+    starts = (first[:, None, None, None] + tile_first).reshape(-1)[order]
+    seq_end = (first + length)[:, None, None, None].expand(n, h, s, parts).reshape(-1)[order]
+    ends = torch.minimum(starts + sub, seq_end)
+    toks = torch.div(order, h * s * parts, rounding_mode="floor")
     counts = torch.zeros(h * nbd + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
     off = torch.zeros(h * nbd + 1, dtype=torch.long, device=dev)
     off[1:] = torch.cumsum(counts[:-1], 0)
@@ -212,8 +213,8 @@ def select_backward(ops: _Operands, out: torch.Tensor, lse: torch.Tensor, dout: 
         _kernel(out.device, dq_spec).launch(ops.q3, ops.k3, ops.v3, do3, ops.idx, ops.cnt, ops.cu, dq, lse2, delta,
                                             *ops.list_args(), ops.scale * LOG2E, ops.scale)
         off, toks, starts, ends, nbd = inverse_index(ops)
-        dkv_spec = NsaSelectDkvSpec(arch=arch, group=ops.g, head_dim=ops.d, v_dim=ops.dv,
-                                    block_size=ops.block_size, dtype=ops.dtype_name)
+        dkv_spec = NsaSelectDkvSpec(arch=arch, group=ops.g, head_dim=ops.d, v_dim=ops.dv, block_size=DKV_ROWS,
+                                    dtype=ops.dtype_name)
         _kernel(out.device, dkv_spec).launch(ops.q3, ops.k3, ops.v3, do3, off, toks, starts, ends, dk, dv, lse2,
                                              delta, n, h, nbd, ops.scale * LOG2E, ops.scale)
     shape = (ops.b, ops.t)
@@ -453,7 +454,7 @@ _cmp_train_op.register_autograd(_cmp_train_grad, setup_context=_cmp_train_setup)
 
 def _with_compressed(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, scale, block_size, grad):
     """native_sparse_attention with g_cmp: the compressed branch's kernels select the blocks, the selected-branch
-    kernel runs on them, and the gated sum is formed in FP32; with gradients (eager, blocks of 64) through
+    kernel runs on them, and the gated sum is formed in FP32; with gradients (eager) through
     _CompressedFunction."""
     compiling = torch.compiler.is_compiling()
     per_token = block_counts if isinstance(block_counts, torch.Tensor) else None
@@ -466,7 +467,7 @@ def _with_compressed(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, 
     else:
         n_select = int(block_counts)
     if grad:
-        _check_backward(query, key, value, n_select, block_size)
+        _check_forward(query, key, value, n_select, block_size)
         if compiling:                     # opaque forward and backward custom ops
             return _cmp_train_op(query, key, value, g_cmp, g_slc, n_select, n_select, None, cu_seqlens, scale,
                                  block_size)[0]
@@ -492,16 +493,15 @@ def native_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     _SelectFunction, under torch.compile through the custom ops' registered autograd; g_slc's gradient by autograd of
     the product). With g_cmp the compressed branch's kernels (cmp_host) give o_cmp and select the blocks, and out =
     o_slc * g_slc + o_cmp * g_cmp (gradients: eagerly _CompressedFunction, under torch.compile the custom ops
-    dsagen::nsa_cmp_train_fwd / _bwd). NotImplementedError for gradients with blocks other than 64 keys, for
-    per-token counts with g_cmp under torch.compile, and for inputs the kernels do not cover (select_forward,
-    compressed_forward)."""
+    dsagen::nsa_cmp_train_fwd / _bwd). NotImplementedError for per-token counts with g_cmp under torch.compile, and
+    for inputs the kernels do not cover (select_forward, compressed_forward)."""
     scale = 1.0 / math.sqrt(query.shape[3]) if softmax_scale is None else float(softmax_scale)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
     if g_cmp is not None:
         grad = grad or (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (g_cmp, g_slc)))
         return _with_compressed(query, key, value, g_cmp, g_slc, block_counts, cu_seqlens, scale, block_size, grad)
     if grad:
-        _check_backward(query, key, value, block_indices.shape[3], block_size)
+        _check_forward(query, key, value, block_indices.shape[3], block_size)
     if grad and not torch.compiler.is_compiling():
         out = _SelectFunction.apply(query, key, value, block_indices, block_counts, cu_seqlens, scale, block_size)
     elif torch.compiler.is_compiling():     # torch.compile sees the kernels as opaque nodes (forward, backward)

@@ -12,6 +12,7 @@ import cutlass.experimental.cuda as xcuda
 from cutlass import Int32, Int64
 
 from dsagen.kernels.common.sm90.ring import ring_wait_free
+from dsagen.kernels.common.sm90.sequences import token_range
 from dsagen.kernels.common.sm90.tma import tma_load_tile
 from dsagen.kernels.nsa.spec import MAX_TOK
 
@@ -159,32 +160,6 @@ def row_tokens(st, cS, row_tok, row_pos, G: cutlass.Constexpr, ROWS: cutlass.Con
         row_pos[r] = Int32(-1)
         if row < ROWS:
             row_pos[r] = tok_pos[tau]
-
-
-@cute.jit
-def token_range(p_cu: cute.Pointer, n_docs: Int32, seq_len: Int32, tok: Int32):
-    """(first row, length, index) of token tok's sequence: sequence tok // seq_len when n_docs == 0, else the packed
-    sequence i with cu[i] <= tok < cu[i + 1] (binary search; empty sequences are skipped by it)."""
-    first = Int32(0)
-    length = Int32(0)
-    seq = Int32(0)
-    if n_docs == 0:
-        seq = tok // seq_len
-        first = seq * seq_len
-        length = seq_len
-    else:
-        lo = Int32(0)
-        hi = n_docs
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if (p_cu + mid).load() <= tok:
-                lo = mid
-            else:
-                hi = mid
-        seq = lo
-        first = (p_cu + lo).load()
-        length = (p_cu + lo + 1).load() - first
-    return first, length, seq
 
 
 @cute.jit

@@ -28,7 +28,6 @@ Constraints (NsaSelectFwdSpec.reasons): G in 1..64 (a power of two), D and Dv in
 128), at most max_slots slots per token; q [N, HQ, D], k [N, H, D], v [N, H, Dv] with 16-byte aligned rows; ids int32.
 """
 import math
-import operator
 
 import cutlass
 import cutlass.cute as cute
@@ -39,9 +38,10 @@ from cutlass.cute.nvgpu import warpgroup
 from dsagen.kernels.common.sm90.cta import cta_coords
 from dsagen.kernels.common.sm90.epilogue import store_row_v4
 from dsagen.kernels.common.sm90.layout import sw128
-from dsagen.kernels.common.sm90.mma import gemm_tile, issue_gemm, wgmma_tile
+from dsagen.kernels.common.sm90.mma import gemm_tile, issue_accumulate_group, issue_gemm_group, wgmma_tile
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
-from dsagen.kernels.common.sm90.reduce import quad_sum, tree_reduce
+from dsagen.kernels.common.sm90.reduce import quad_sum
+from dsagen.kernels.common.sm90.softmax import rescale_rows, softmax_step_row
 from dsagen.kernels.common.sm90.ring import ring_wait_ready
 from dsagen.kernels.common.sm90.tma import tma_load_tile, tma_recipe
 from dsagen.kernels.nsa.select_common_sm90 import (CMP_PTR_PARAMS, CMP_SCALAR_PARAMS, LIST_PTR_PARAMS,
@@ -112,9 +112,8 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
     @cute.jit
     def softmax_rows(sMN, cS, row_max, row_sum, corr, row_pos, row_lim, row_tok, start, mask, scale_log2):
         """One entry's scores (block rows start.., the tokens of `mask`) turned into P in place, in the log2 domain:
-        a row's keys start + c count if its token is in mask and c <= row_lim - start (else -inf); the running max
-        moves to the new row max (corr[r] = exp2(old - new), by which O must still be scaled), P = exp2(S - max),
-        row_sum = row_sum * corr + the thread's sum of P."""
+        a row's keys start + c count if its token is in mask and c <= row_lim - start (else -inf); then
+        softmax.softmax_step_row (corr[r]: O's deferred rescale)."""
         for r in cutlass.range_constexpr(cute.size(sMN, mode=[0])):
             hi = Int32(-1)
             if row_pos[r] >= 0 and (mask >> row_tok[r]) & 1 != 0:
@@ -125,37 +124,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
                 if cS[r, c][1] > hi:
                     v = -Float32.inf
                 sMN[r, c] = v
-            ml = tree_reduce(cute.arch.fmax, [sMN[r, c] for c in range(nc)])
-            ml = cute.arch.fmax(ml, cute.arch.shuffle_sync_bfly(ml, offset=1))
-            ml = cute.arch.fmax(ml, cute.arch.shuffle_sync_bfly(ml, offset=2))
-            m = cute.arch.fmax(row_max[r], ml)
-            corr[r] = cute.math.exp2(row_max[r] - m, fastmath=True)
-            row_max[r] = m
-            for c in cutlass.range_constexpr(nc):
-                sMN[r, c] = cute.math.exp2(sMN[r, c] - m, fastmath=True)
-            row_sum[r] = row_sum[r] * corr[r] + tree_reduce(operator.add, [sMN[r, c] for c in range(nc)])
-
-    @cute.jit
-    def rescale_rows(oMN, corr):
-        """O row r *= corr[r]."""
-        for r in cutlass.range_constexpr(cute.size(oMN, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(oMN, mode=[1])):
-                oMN[r, c] = oMN[r, c] * corr[r]
-
-    @cute.jit
-    def qk_issue(mma_qk, accS, tSrQ, tSrK, stage):
-        """Issue S = Q K^T of ring stage `stage` (D / 16 wgmmas, the first one not accumulating) as one group."""
-        warpgroup.fence()
-        issue_gemm(mma_qk, accS, tSrQ, tSrK, D // 16, stage)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def pv_issue(mma_pv, accO, tOrP, tOrV, stage):
-        """Issue O += P V of ring stage `stage` (P from registers, V^T MN-major) as one group."""
-        warpgroup.fence()
-        for ks in cutlass.range_constexpr(BN // 16):
-            cute.gemm(mma_pv, accO, tOrP[None, None, ks], tOrV[None, None, ks, stage], accO)
-        warpgroup.commit_group()
+            softmax_step_row(sMN, r, nc, row_max, row_sum, corr)
 
     @cute.jit
     def body(q_tma, k_tma, v_tma, sched, p_out: cute.Pointer, p_lse: cute.Pointer, n_kv: Int32, n_groups: Int32,
@@ -235,9 +204,9 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
                 for e in cutlass.range(n - 1, unroll=1):       # no wgmma under a branch (ptxas would serialize)
                     nxt = e + 1
                     ring_wait_ready(k_full, nxt, ST)
-                    qk_issue(mma_qk, accS, tSrQ, tSrK, nxt % ST)
+                    issue_gemm_group(mma_qk, accS, tSrQ, tSrK, D // 16, nxt % ST)
                     ring_wait_ready(v_full, e, ST)
-                    pv_issue(mma_pv, accO, tOrP, tOrV, e % ST)
+                    issue_accumulate_group(mma_pv, accO, tOrP, tOrV, BN // 16, e % ST)
                     warpgroup.wait_group(1)                      # S of the next entry (PV may still run)
                     softmax_rows(sMN, cS, row_max, row_sum, corr, row_pos, row_lim, row_tok, s_ent[2 * nxt],
                                  s_ent[2 * nxt + 1], scale_log2)
@@ -248,7 +217,7 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, max_slots: int
                         cute.arch.mbarrier_arrive(kv_free + e % ST)
                 last = n - 1
                 ring_wait_ready(v_full, last, ST)
-                pv_issue(mma_pv, accO, tOrP, tOrV, last % ST)
+                issue_accumulate_group(mma_pv, accO, tOrP, tOrV, BN // 16, last % ST)
                 warpgroup.wait_group(0)
                 if lane == 0:
                     cute.arch.mbarrier_arrive(kv_free + last % ST)

@@ -14,6 +14,7 @@ NSA_HEAD_DIMS = (64, 128)
 NSA_BLOCK_SIZES = (32, 64, 128)
 NSA_MAX_SLOTS = 64
 SMEM_LIMIT = 227 * 1024
+DKV_ROWS = 64               # key rows of the dk / dv kernel's tile (the wgmma M); blocks of 32 / 128 keys map onto it
 CMP_TILE = 64               # compressed rows per tile of the compressed branch's kernels
 MAX_TOK = 16                # at most this many tokens per work item (the scheduler's list is TOK x slots entries)
 

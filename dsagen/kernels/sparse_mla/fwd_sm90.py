@@ -56,30 +56,41 @@ from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers, row_head_block
-from dsagen.kernels.common.sm90.epilogue import store_row_v4
+from dsagen.kernels.common.sm90.epilogue import store_row_f32_v4, store_row_v4
 from dsagen.kernels.common.sm90.gather import cp_async_rows, gather_base, gather_lanes, gather_tile_rows, smem_bytes
 from dsagen.kernels.common.sm90.ids import row_slots
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
-from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
+from dsagen.kernels.common.sm90.ptx import (e4m3x2_scaled_bf16x2, l2_evict_first_policy, ld_global_nc_b64,
+                                            ld_global_nc_f32, st_shared_v4_b32)
 from dsagen.kernels.common.sm90.reduce import quad_sum
 from dsagen.kernels.common.sm90.softmax import exp_and_rescale, masked_row_max
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+KV_NOPE = 512               # FP8 cache rows (reference.kv_cache): 512 E4M3 bytes, 4 FP32 scales, 64 bf16 RoPE values
+KV_TILE = 128               # NoPE values per scale
+KV_ROPE_BYTE = KV_NOPE + 4 * (KV_NOPE // KV_TILE)   # 528: the RoPE values' first byte
+KV_FP8_ROW_BYTES = KV_ROPE_BYTE + 2 * 64            # 656
 
 
-def params(dtype: str, lse_prefix: bool = False) -> list[dict]:
+def params(dtype: str, lse_prefix: bool = False, kv_fp8: bool = False, split_kv: bool = False) -> list[dict]:
     """The kernel's flat ABI, in order (a new list on every call); `dtype`: "bfloat16" or "float16"; lse_prefix: the
-    kernel also writes the KV-only LSE over each row's first n_prefix slots (two more parameters at the end)."""
+    kernel also writes the KV-only LSE over each row's first n_prefix slots (two more parameters at the end); kv_fp8:
+    kv is the FP8 cache's bytes (uint8 rows of KV_FP8_ROW_BYTES, row stride ld_kv in bytes); split_kv: each row's
+    slots in n_splits ranges of split_slots, out / lse the FP32 partials of (row, split) rows (two more parameters
+    at the end; max_logits is not written)."""
     prefix = [{"name": "lse_prefix", "kind": "ptr", "dtype": "float32", "align": 4},   # (s_q, H)
               {"name": "n_prefix", "kind": "i32"}] if lse_prefix else []              # a multiple of 128
+    if split_kv:
+        prefix = [{"name": "n_splits", "kind": "i32"},        # ranges per row (partial row = row * n_splits + j)
+                  {"name": "split_slots", "kind": "i32"}]     # slots per range, a multiple of 2 * block_n
     return [
         {"name": "q", "kind": "ptr", "dtype": dtype, "align": 16},            # (s_q, H, D_QK), row stride ld_q
-        {"name": "kv", "kind": "ptr", "dtype": dtype, "align": 16},           # (n_kv, D_QK), row stride ld_kv
+        {"name": "kv", "kind": "ptr", "dtype": "uint8" if kv_fp8 else dtype, "align": 16},   # (n_kv, D_QK), ld_kv
         {"name": "idx", "kind": "ptr", "dtype": "int32", "align": 4},         # (s_q, topk), row stride ld_idx
         {"name": "topk_length", "kind": "ptr", "dtype": "int32", "align": 4},  # (s_q,), read when has_length
         {"name": "sink", "kind": "ptr", "dtype": "float32", "align": 4},      # (H,), read when has_sink
-        {"name": "out", "kind": "ptr", "dtype": dtype, "align": 16},          # (s_q, H, D_V) contiguous
+        {"name": "out", "kind": "ptr", "dtype": "float32" if split_kv else dtype, "align": 16},   # (s_q, H, D_V)
         {"name": "lse", "kind": "ptr", "dtype": "float32", "align": 4},       # (s_q, H)
         {"name": "max_logits", "kind": "ptr", "dtype": "float32", "align": 4},  # (s_q, H)
         {"name": "s_q", "kind": "i32"},
@@ -96,11 +107,14 @@ def params(dtype: str, lse_prefix: bool = False) -> list[dict]:
 
 
 def build(num_heads: int, d_qk: int, d_v: int, dtype: str, block_n: int, stages: int, regs_producer: int,
-          regs_qk: int, regs_pv: int, lse_prefix: bool = False) -> BuiltKernel:
+          regs_qk: int, regs_pv: int, lse_prefix: bool = False, kv_fp8: bool = False,
+          split_kv: bool = False) -> BuiltKernel:
     """A new sparse MLA forward for one SparseAttnFwdSpec's values (SparseMlaFwdSm90 lists the constraints). Each
     call returns distinct function objects, so every rendered module names its own kernel."""
-    fwd = SparseMlaFwdSm90(num_heads, d_qk, d_v, dtype, block_n, stages, regs_producer, regs_qk, regs_pv, lse_prefix)
-    return BuiltKernel.of(params(dtype, lse_prefix), fwd, f"min(s_q * {fwd.HB}, n_ctas)")
+    fwd = SparseMlaFwdSm90(num_heads, d_qk, d_v, dtype, block_n, stages, regs_producer, regs_qk, regs_pv, lse_prefix,
+                           kv_fp8, split_kv)
+    items = f"s_q * {fwd.HB} * n_splits" if split_kv else f"s_q * {fwd.HB}"
+    return BuiltKernel.of(params(dtype, lse_prefix, kv_fp8, split_kv), fwd, f"min({items}, n_ctas)")
 
 
 class KernelArgs(NamedTuple):
@@ -124,6 +138,8 @@ class KernelArgs(NamedTuple):
     has_sink: Any
     p_lsep: Any = None      # lse_prefix kernels: the prefix LSE output and the prefix length
     n_prefix: Any = None
+    n_splits: Any = None    # split_kv kernels: ranges per row and slots per range
+    split_slots: Any = None
 
 
 class Barriers(NamedTuple):
@@ -185,7 +201,9 @@ class SparseMlaFwdSm90:
     fp32; s_q, n_kv, topk, ld_q, ld_kv, ld_idx, softmax_scale, has_length, has_sink, n_ctas.
 
     Constraints (SparseAttnFwdSpec.reasons): num_heads 64 or 128, d_qk 512 or 576, d_v 512, dtype "bfloat16" or
-    "float16", block_n 64, stages 2, register budgets multiples of 8 summing to at most 504.
+    "float16", block_n 64, stages 2, register budgets multiples of 8 summing to at most 504. kv_fp8: kv is the FP8
+    cache's bytes (rows of KV_FP8_ROW_BYTES, ld_kv in bytes; d_qk 576, bfloat16), dequantized by the producer into
+    the same stages (dequant_half); everything else is the BF16 kernel's.
     """
 
     M = 64                          # heads per CTA = wgmma M
@@ -202,8 +220,11 @@ class SparseMlaFwdSm90:
     FILL_ORDER = ((0, 0), (1, 1), (0, 1), (1, 0))   # (stage, half) the producer fills per pair: V0L, V1R, V0R, V1L
 
     def __init__(self, num_heads: int, d_qk: int, d_v: int, dtype: str, block_n: int, stages: int,
-                 regs_producer: int, regs_qk: int, regs_pv: int, lse_prefix: bool = False):
+                 regs_producer: int, regs_qk: int, regs_pv: int, lse_prefix: bool = False, kv_fp8: bool = False,
+                 split_kv: bool = False):
         self.LSE_PREFIX = lse_prefix            # also write the LSE over each row's first n_prefix slots
+        self.KV_FP8 = kv_fp8                    # kv rows are the FP8 cache's (dequantized by the producer)
+        self.SPLIT_KV = split_kv                # items per (row, head block, slot range); FP32 partial outputs
         self.H = num_heads                      # heads of the op; one item per 64
         self.HB = num_heads // self.M
         self.D_QK = d_qk
@@ -248,7 +269,28 @@ class SparseMlaFwdSm90:
         """A new @cute.kernel and @cute.jit host of this instance."""
         fwd = self
 
-        if const_expr(not self.LSE_PREFIX):
+        if const_expr(self.SPLIT_KV):
+            @cute.kernel
+            def kernel(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_len: cute.Pointer,
+                       p_sink: cute.Pointer, p_out: cute.Pointer, p_lse: cute.Pointer, p_maxl: cute.Pointer,
+                       s_q: Int32, n_kv: Int32, topk: Int32, ld_q: Int64, ld_kv: Int64, ld_idx: Int64,
+                       softmax_scale: Float32, has_length: Int32, has_sink: Int32, n_ctas: Int32,
+                       n_splits: Int32, split_slots: Int32):
+                fwd.body(KernelArgs(p_q, p_kv, p_idx, p_len, p_sink, p_out, p_lse, p_maxl, s_q, n_kv, topk, ld_q,
+                                    ld_kv, ld_idx, softmax_scale, has_length, has_sink, n_splits=n_splits,
+                                    split_slots=split_slots))
+
+            @cute.jit
+            def host(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_len: cute.Pointer,
+                     p_sink: cute.Pointer, p_out: cute.Pointer, p_lse: cute.Pointer, p_maxl: cute.Pointer,
+                     s_q: Int32, n_kv: Int32, topk: Int32, ld_q: Int64, ld_kv: Int64, ld_idx: Int64,
+                     softmax_scale: Float32, has_length: Int32, has_sink: Int32, n_ctas: Int32,
+                     n_splits: Int32, split_slots: Int32):
+                kernel(p_q, p_kv, p_idx, p_len, p_sink, p_out, p_lse, p_maxl, s_q, n_kv, topk, ld_q, ld_kv, ld_idx,
+                       softmax_scale, has_length, has_sink, n_ctas, n_splits, split_slots).launch(
+                    grid=(cutlass.min(s_q * fwd.HB * n_splits, n_ctas), 1, 1), block=(fwd.THREADS, 1, 1),
+                    smem=fwd.Smem.size_in_bytes(), min_blocks_per_mp=1)
+        elif const_expr(not self.LSE_PREFIX):
             @cute.kernel
             def kernel(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_len: cute.Pointer,
                        p_sink: cute.Pointer, p_out: cute.Pointer, p_lse: cute.Pointer, p_maxl: cute.Pointer,
@@ -330,6 +372,8 @@ class SparseMlaFwdSm90:
         sVt = cute.composition(sKV, cute.make_layout((self.D_V, BN, STAGES), stride=(BN, 1, BN * D_QK)))
 
         n_items = a.s_q * self.HB
+        if const_expr(self.SPLIT_KV):
+            n_items = n_items * a.n_splits
         hbar = st.half_mbar.data_ptr()      # ready[s][h] = hbar + 2 s + h, free[s][h] = hbar + 4 + 2 s + h
         q_mbar = st.q_mbar.data_ptr()
         q_free = st.q_free_mbar.data_ptr()
@@ -350,12 +394,25 @@ class SparseMlaFwdSm90:
 
     @cute.jit
     def item_setup(self, a: KernelArgs, item: Int32):
-        """An item = (query row, 64 heads): (tok, head0, kmax, npairs): its valid slots [0, kmax) and its pairs of
-        BN-slot tiles (an odd tail gets an all-masked partner: zero-filled rows, P = 0)."""
-        tok, head0 = row_head_block(item, self.HB, self.M)
+        """An item = (query row, 64 heads): (tok, head0, kmax, npairs, slot0, orow): its valid slots slot0 + [0,
+        kmax), its pairs of BN-slot tiles (an odd tail gets an all-masked partner: zero-filled rows, P = 0) and the
+        row of the outputs it writes. split_kv kernels: item = (query row, 64 heads, range j) with j fastest, the
+        range's slots j split_slots + [0, split_slots) of the row's valid ones, output row tok n_splits + j; else
+        slot0 = 0 and orow = tok."""
+        base = item
+        slot0 = Int32(0)
+        if const_expr(self.SPLIT_KV):
+            base = item // a.n_splits
+            slot0 = (item - base * a.n_splits) * a.split_slots
+        tok, head0 = row_head_block(base, self.HB, self.M)
         kmax, ntiles = row_slots(a.p_len, a.has_length, a.topk, tok, self.BN)
+        orow = tok
+        if const_expr(self.SPLIT_KV):
+            kmax = cutlass.min(cutlass.max(kmax - slot0, Int32(0)), a.split_slots)
+            ntiles = (kmax + self.BN - 1) // self.BN
+            orow = tok * a.n_splits + (item - base * a.n_splits)
         npairs = (ntiles + 1) // 2                         # tiles go in pairs (2k -> stage 0, 2k+1 -> stage 1)
-        return tok, head0, kmax, npairs
+        return tok, head0, kmax, npairs, slot0, orow
 
     # ------------------------------------------------------------------------------------------- producer (WG0)
     @cute.jit
@@ -376,12 +433,12 @@ class SparseMlaFwdSm90:
         gp = Int32(0)                    # pairs of the CTA's earlier items
         it = Int32(0)                    # the CTA's earlier items
         for item in cutlass.range(bidx, n_items, nctas, unroll=1):
-            tok, head0, kmax, npairs = self.item_setup(a, item)
+            tok, head0, kmax, npairs, slot0, _ = self.item_setup(a, item)
             cute.arch.mbarrier_wait(bars.q_free, (it % 2) ^ 1)   # the previous item's QK^T retired in both consumers
             self.q_gather(a, bars, lay_q, sQb, tok, head0, grp, col0, q_policy)
             # per pair: the ids of both tiles (invalid or past kmax -> -1), then the four half-stages in the
             # consumers' order of need and of release: V0L, V1R, V0R, V1L
-            mIdx = cute.make_tensor(a.p_idx + Int64(tok) * a.ld_idx, cute.make_layout(a.topk))
+            mIdx = cute.make_tensor(a.p_idx + (Int64(tok) * a.ld_idx + slot0), cute.make_layout(a.topk))
             for k in cutlass.range(npairs, unroll=1):
                 g = gp + k
                 for j in cutlass.range_constexpr(2 * RPG):
@@ -420,12 +477,46 @@ class SparseMlaFwdSm90:
         tile's rows grp + 16 i (ids `ids[s * RPG + i]`; -1 or out of range: zero-filled from a legal address),
         arrive ready[s][h] (noinc). The smem address is the thread's swizzled base sw_kv plus a constant: the 128B
         swizzle XORs byte bits 4-6 with bits 7-9 = row % 8, which is grp % 8 for every row grp + 16 i, and the
-        row-group, column-block and stage offsets only touch bits >= 10."""
+        row-group, column-block and stage offsets only touch bits >= 10. FP8 cache kernels dequantize the rows into
+        the same places instead (dequant_half), fence the async proxy and arrive."""
         RPG = self.BN // 16
         cute.arch.mbarrier_wait(bars.hbar + (4 + 2 * s + h), free_phase)        # free[s][h]
-        gather_tile_rows(sKVb, sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, col0, self.half_blocks(h), stage=s,
-                         rows=(s * RPG, RPG), n_rows=a.n_kv)
-        cute.arch.cp_async_mbarrier_arrive_noinc(bars.hbar + (2 * s + h))       # ready[s][h]
+        if const_expr(self.KV_FP8):
+            self.dequant_half(a, lay_kv, sKVb, sw_kv, ids, s, h, col0)
+            cute.arch.fence_proxy("async.shared", space="cta")                  # st.shared -> the consumers' wgmma
+            cute.arch.mbarrier_arrive(bars.hbar + (2 * s + h))                  # ready[s][h]
+        else:
+            gather_tile_rows(sKVb, sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, col0, self.half_blocks(h), stage=s,
+                             rows=(s * RPG, RPG), n_rows=a.n_kv)
+            cute.arch.cp_async_mbarrier_arrive_noinc(bars.hbar + (2 * s + h))   # ready[s][h]
+
+    @cute.jit
+    def dequant_half(self, a, lay_kv, sKVb, sw_kv, ids, s: int, h: int, col0):
+        """FP8 cache kernels: half h of stage s from the cache rows ids[s * RPG + i] (reference.kv_cache's 656-byte
+        format): per 64-column block the thread's 8 columns, NoPE blocks 0..7 as 8 E4M3 bytes times their 128-value
+        tile's FP32 scale rounded to bf16 (e4m3x2_scaled_bf16x2: the bytes reference.kv_cache.dequantize_kv_fp8
+        gives), the RoPE block 8 as its 16 bf16 bytes; one 16-byte st.shared each, at gather_tile_rows' places.
+        Invalid ids (-1, >= n_kv) read row 0 and store zeros (the host launches only with n_kv >= 1)."""
+        RPG = self.BN // 16
+        kb0, kb1 = self.half_blocks(h)
+        for i in cutlass.range_constexpr(RPG):
+            kv = ids[s * RPG + i]
+            ok = kv >= 0 and kv < a.n_kv
+            row = a.p_kv + Int64(kv if ok else 0) * a.ld_kv                    # the row's first byte
+            for kb in cutlass.range_constexpr(kb0, kb1):
+                dst = sKVb + (sw_kv + lay_kv.outer((16 * i, kb * 64, s)) * 2)
+                if const_expr(kb < KV_NOPE // 64):
+                    x = ld_global_nc_b64(row + (kb * 64 + col0))
+                    sc = ld_global_nc_f32(row + (KV_NOPE + 4 * (kb * 64 // KV_TILE)))
+                    lo, hi = Int32(x), Int32(x >> 32)
+                    w = [e4m3x2_scaled_bf16x2(lo, False, sc), e4m3x2_scaled_bf16x2(lo, True, sc),
+                         e4m3x2_scaled_bf16x2(hi, False, sc), e4m3x2_scaled_bf16x2(hi, True, sc)]
+                else:
+                    x = ld_global_nc_b64(row + (KV_ROPE_BYTE + 2 * col0))
+                    y = ld_global_nc_b64(row + (KV_ROPE_BYTE + 2 * col0 + 8))
+                    w = [Int32(x), Int32(x >> 32), Int32(y), Int32(y >> 32)]
+                z = Int32(0)
+                st_shared_v4_b32(dst, w[0] if ok else z, w[1] if ok else z, w[2] if ok else z, w[3] if ok else z)
 
     # ----------------------------------------------------------------------------------- consumers (WG1, WG2)
     @cute.jit
@@ -502,7 +593,7 @@ class SparseMlaFwdSm90:
         gp = Int32(0)                                   # pairs of the CTA's earlier items (the barriers' phases)
         it = Int32(0)                                   # the CTA's earlier items
         for item in cutlass.range(bidx, n_items, nctas, unroll=1):
-            tok, head0, kmax, npairs = self.item_setup(a, item)
+            tok, head0, kmax, npairs, _, orow = self.item_setup(a, item)
             accO.fill(0.0)
             row_max.fill(self.MAX_INIT)
             row_sum.fill(0.0)
@@ -543,7 +634,7 @@ class SparseMlaFwdSm90:
                     self.snapshot(f, k, nsnap)
                 if npairs == 0:
                     cute.arch.mbarrier_arrive(bars.q_free)       # an item without pairs: its Q is free at once
-            self.epilogue(w, a, f, item, tok, head0, it % 2)
+            self.epilogue(w, a, f, item, orow, head0, it % 2)
             gp += npairs
             it += 1
 
@@ -669,7 +760,9 @@ class SparseMlaFwdSm90:
     def epilogue(self, w: int, a, f, item, tok, head0, ip):
         """Row sums over the quad, then over both consumers (same order in both: same 1/denominator), in the item
         parity ip's half of sSum (a consumer that runs ahead into the next item cannot overwrite what the other
-        still reads); out = O / (s + the sink term) as 16-byte stores; consumer A also writes lse and max_logits."""
+        still reads); out = O / (s + the sink term) as 16-byte stores; consumer A also writes lse and max_logits.
+        split_kv kernels: out row `tok` (the item's output row) = O / s in FP32, its lse, no sink (the combine
+        kernel adds it), no max_logits."""
         for r in cutlass.range_constexpr(self.rows(f)):
             s = quad_sum(f.row_sum[r])
             if f.ctid % 4 == 0:
@@ -696,8 +789,9 @@ class SparseMlaFwdSm90:
             m = f.row_max[r]
             # inv = 1 / (s + the sink term), 0 when s == 0 (no valid slot: out 0)
             denom = s
-            if a.has_sink != 0:
-                denom = s + cute.math.exp2(self.sink_of_row(f, r, item) - m, fastmath=True)
+            if const_expr(not self.SPLIT_KV):
+                if a.has_sink != 0:
+                    denom = s + cute.math.exp2(self.sink_of_row(f, r, item) - m, fastmath=True)
             inv = Float32(0.0) if s == Float32(0.0) else Float32(1.0) / denom
             self.store_row(w, a, f, r, tok, head0, row, inv)
             if const_expr(w == 0):
@@ -705,7 +799,8 @@ class SparseMlaFwdSm90:
                     at = Int64(tok) * self.H + head0 + row
                     (a.p_lse + at).store(Float32.inf if s == Float32(0.0)
                                          else (m + cute.math.log2(s, fastmath=False)) * LN2)
-                    (a.p_maxl + at).store(-Float32.inf if s == Float32(0.0) else m * LN2)
+                    if const_expr(not self.SPLIT_KV):
+                        (a.p_maxl + at).store(-Float32.inf if s == Float32(0.0) else m * LN2)
                     if const_expr(self.LSE_PREFIX):       # KV-only LSE over the first n_prefix slots (+inf: none)
                         sp = f.snap_sum[r] + f.sSnap[row, ip]
                         (a.p_lsep + at).store(Float32.inf if sp == Float32(0.0)
@@ -722,6 +817,11 @@ class SparseMlaFwdSm90:
 
     @cute.jit
     def store_row(self, w: int, a, f, r: int, tok, head0, row, inv):
-        """out[tok, head0 + row, w * DV_HALF:][:DV_HALF] = O row r * inv as 16-byte stores (epilogue.store_row_v4)."""
-        o_row = a.p_out + ((Int64(tok) * self.H + head0 + row) * self.D_V + (w * self.DV_HALF + 8 * f.q4))
-        store_row_v4(o_row, f.oMN, r, inv, self.fp16, f.q_hi, f.q_odd, f.o_policy)
+        """out[tok, head0 + row, w * DV_HALF:][:DV_HALF] = O row r * inv as 16-byte stores (epilogue.store_row_v4;
+        split_kv kernels: FP32, epilogue.store_row_f32_v4)."""
+        if const_expr(self.SPLIT_KV):
+            o_row = a.p_out + ((Int64(tok) * self.H + head0 + row) * self.D_V + w * self.DV_HALF)
+            store_row_f32_v4(o_row, f.oMN, f.cO, r, inv)
+        else:
+            o_row = a.p_out + ((Int64(tok) * self.H + head0 + row) * self.D_V + (w * self.DV_HALF + 8 * f.q4))
+            store_row_v4(o_row, f.oMN, r, inv, self.fp16, f.q_hi, f.q_odd, f.o_policy)

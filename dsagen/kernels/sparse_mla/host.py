@@ -29,8 +29,9 @@ import torch
 from ...runtime import LoadedKernel, device_arch, device_index, device_sm_count
 
 from ...jit import get_kernel
+from ...reference.kv_cache import KV_FP8_TOKEN_BYTES
 from .checks import kernel_heads
-from .spec import SparseAttnFwdConfig, SparseAttnFwdSpec, config_for
+from .spec import COMBINE_MAX_SPLITS, SparseAttnCombineSpec, SparseAttnFwdConfig, SparseAttnFwdSpec, config_for
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MAX_GRID_X = 2**31 - 1
@@ -74,13 +75,15 @@ def head_padded_launch_plan(cache: dict, h: int, d: int, dtype: torch.dtype, dev
 
 
 def spec_for(num_heads: int, d_qk: int, dtype: torch.dtype, arch: str = "sm_90a",
-             config: SparseAttnFwdConfig | None = None, lse_prefix: bool = False) -> SparseAttnFwdSpec:
+             config: SparseAttnFwdConfig | None = None, lse_prefix: bool = False,
+             kv_fp8: bool = False, split_kv: bool = False) -> SparseAttnFwdSpec:
     """The kernel spec that serves `num_heads` query heads (after padding to 64 or 128) under `config` (default:
-    the op's, config_for); lse_prefix: the kernel that also writes the LSE over each row's first slots."""
+    the op's, config_for); lse_prefix: the kernel that also writes the LSE over each row's first slots; kv_fp8: the
+    kernel that reads the FP8 cache (sparse_attention_decode); split_kv: the kernel of slot ranges (FP32 partials)."""
     hp = kernel_heads(num_heads)
     if config is None:
-        config = config_for(hp, d_qk, dtype, None, arch, None)
-    return config.spec(hp, d_qk, _DTYPES[dtype], arch, lse_prefix=lse_prefix)
+        config = config_for(hp, d_qk, dtype, None, arch, None, kv_fp8)
+    return config.spec(hp, d_qk, _DTYPES[dtype], arch, lse_prefix=lse_prefix, kv_fp8=kv_fp8, split_kv=split_kv)
 
 
 def supported_reason(q: torch.Tensor, d_v: int) -> str:
@@ -111,17 +114,17 @@ _launch_plans: dict[tuple, tuple[SparseAttnFwdSpec, LoadedKernel | None, int]] =
 
 
 def _launch_plan(h: int, d_qk: int, dtype: torch.dtype, device: torch.device, rows: int, want_kernel: bool,
-                 config: SparseAttnFwdConfig | None = None, lse_prefix: bool = False
-                 ) -> tuple[SparseAttnFwdSpec, LoadedKernel | None, int]:
+                 config: SparseAttnFwdConfig | None = None, lse_prefix: bool = False, kv_fp8: bool = False,
+                 split_kv: bool = False) -> tuple[SparseAttnFwdSpec, LoadedKernel | None, int]:
     """The spec, loaded kernel (None unless want_kernel) and n_ctas argument of a call (cached per call shape,
-    config and lse_prefix)."""
-    key = (h, d_qk, dtype, device, config, want_kernel, lse_prefix)
+    config, lse_prefix, kv_fp8 and split_kv)."""
+    key = (h, d_qk, dtype, device, config, want_kernel, lse_prefix, kv_fp8, split_kv)
     plan = _launch_plans.get(key)
     if plan is None:
         arch = device_arch(device)
         num_sms = device_sm_count(device_index(device)) if device.type == "cuda" else None   # None: no launch
-        cfg = config_for(kernel_heads(h), d_qk, dtype, rows, arch, num_sms) if config is None else config
-        spec = spec_for(h, d_qk, dtype, arch, cfg, lse_prefix)
+        cfg = config_for(kernel_heads(h), d_qk, dtype, rows, arch, num_sms, kv_fp8) if config is None else config
+        spec = spec_for(h, d_qk, dtype, arch, cfg, lse_prefix, kv_fp8, split_kv)
         kernel = get_kernel(spec, device_index(device)) if want_kernel else None
         ctas = cfg.n_ctas(num_sms) if num_sms is not None else 0
         plan = _launch_plans[key] = (spec, kernel, ctas)
@@ -132,16 +135,38 @@ class SparseFwdLaunch:
     """The launch of one flat-layout call signature: the spec, kernel and grid, which inputs need a padded or
     contiguous copy (heads, strides, alignment, dtypes) and the outputs' shapes, decided once; calling it with
     tensors of that signature makes the copies, allocates the outputs and launches. Built by `_launch` for every call
-    and kept by dsagen.sparse_attention's fast path per signature (dsagen.ops._fast_path). Arguments as `_launch`'s;
+    and kept by dsagen.sparse_attention's fast path per signature (dsagen.ops._fast_path). Arguments as `_launch`'s
+    (kv uint8: the FP8 cache's rows of 656 bytes, read by the kv_fp8 kernel; split = (n_splits, split_slots): the
+    split_kv kernel over each row's slot ranges, then the combine kernel, and max_logits is not computed: None);
     ValueError for a call past the kernel's grid or int32 id limits."""
 
     def __init__(self, q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sink: torch.Tensor | None,
                  topk_length: torch.Tensor | None, softmax_scale: float, d_v: int,
-                 config: SparseAttnFwdConfig | None = None, indexer_topk: int = 0):
+                 config: SparseAttnFwdConfig | None = None, indexer_topk: int = 0,
+                 split: tuple[int, int] | None = None):
         s_q, h, d_qk = q.shape
         n_kv, k_width = kv.shape[0], topk_idxs.shape[1]
         self.prefix = indexer_topk > 0
-        spec, self.kernel, n_ctas = _launch_plan(h, d_qk, q.dtype, q.device, s_q, s_q > 0, config, self.prefix)
+        kv_fp8 = kv.dtype == torch.uint8
+        if split is not None and (not 1 <= split[0] <= COMBINE_MAX_SPLITS or split[1] <= 0 or split[1] % 128
+                                  or self.prefix or q.dtype != torch.bfloat16):
+            raise ValueError(f"sparse_attention: split={split} must be (n_splits in 1..{COMBINE_MAX_SPLITS}, a "
+                             f"positive multiple of 128 slots), for bfloat16 q and without indexer_topk")
+        if split is not None and split[0] * split[1] < k_width:
+            raise ValueError(f"sparse_attention: split={split} covers {split[0] * split[1]} slots, fewer than the "
+                             f"{k_width} of topk_idxs")
+        if kv_fp8 and kv.shape[1] != KV_FP8_TOKEN_BYTES:
+            raise ValueError(f"sparse_attention: a uint8 kv holds the FP8 cache's rows of {KV_FP8_TOKEN_BYTES} bytes, "
+                             f"got rows of {kv.shape[1]}")
+        if kv_fp8 and n_kv == 0 and s_q > 0 and k_width > 0:
+            raise ValueError("sparse_attention: a uint8 kv (the FP8 cache) needs at least one row: the kernel reads row "
+                             "0 in place of an invalid id (an empty cache's rows are all empty: no launch needed)")
+        self.split = split
+        spec, self.kernel, n_ctas = _launch_plan(h, d_qk, q.dtype, q.device, s_q, s_q > 0, config, self.prefix,
+                                                 kv_fp8, split is not None)
+        self.combine = None
+        if split is not None and s_q > 0:
+            self.combine = get_kernel(SparseAttnCombineSpec(arch=spec.arch, d_v=d_v), device_index(q.device))
         hp = spec.num_heads
         if s_q * (hp // 64) > _MAX_GRID_X:
             raise ValueError(f"sparse_attention: total_S_q={s_q} exceeds the fused kernel's grid limit")
@@ -156,12 +181,13 @@ class SparseFwdLaunch:
         self.copy_kv = bool(kv_st[1] != 1 or kv_st[0] % 8 or kv.data_ptr() % 16)
         self.copy_ids = ids_st[1] != 1 and k_width > 1
         q_row = hp * d_qk if hp != h or self.copy_q else q_st[0]
-        kv_row = (d_qk if self.copy_kv else kv_st[0]) if n_kv else d_qk
+        kv_row = (kv.shape[1] if self.copy_kv else kv_st[0]) if n_kv else kv.shape[1]   # FP8 cache: bytes
         ids_row = (k_width if self.copy_ids else ids_st[0]) if k_width else 0
         self.has_sink, self.has_length = attn_sink is not None, topk_length is not None
         self.sink_f32 = self.has_sink and attn_sink.dtype != torch.float32
+        # the split kernel leaves the sink to the combine kernel
         self.scalars = (s_q, n_kv, k_width, q_row, kv_row, ids_row, float(softmax_scale), int(self.has_length),
-                        int(self.has_sink), n_ctas)
+                        int(self.has_sink and split is None), n_ctas)
         self.indexer_topk = int(indexer_topk)
         self.s_q, self.dtype, self.device = s_q, q.dtype, q.device
 
@@ -186,6 +212,11 @@ class SparseFwdLaunch:
             if not sink.is_contiguous():
                 sink = sink.contiguous()
         length = topk_length.to(torch.int32).contiguous() if self.has_length else None
+        if self.split is not None:
+            out, lse = self._split(q, kv, topk_idxs, sink, length)
+            if hp != h:
+                out, lse = out[:, :h].contiguous(), lse[:, :h].contiguous()
+            return out, lse, None
         out = torch.empty((s_q, hp, self.d_v), dtype=self.dtype, device=self.device)
         lse = torch.empty((s_q, hp), dtype=torch.float32, device=self.device)
         max_logits = torch.empty((s_q, hp), dtype=torch.float32, device=self.device)
@@ -204,15 +235,32 @@ class SparseFwdLaunch:
                 lse_indexer = lse_indexer[:, :h].contiguous()
         return (out, lse, max_logits, lse_indexer) if self.prefix else (out, lse, max_logits)
 
+    def _split(self, q, kv, topk_idxs, sink, length) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split_kv kernel into FP32 partials of the (row, range) rows, then the combine kernel: (out, lse) of
+        the padded heads."""
+        n_splits, slots = self.split
+        s_q, hp, dev = self.s_q, self.hp, self.device
+        o_part = torch.empty((s_q * n_splits, hp, self.d_v), dtype=torch.float32, device=dev)
+        l_part = torch.empty((s_q * n_splits, hp), dtype=torch.float32, device=dev)
+        out = torch.empty((s_q, hp, self.d_v), dtype=self.dtype, device=dev)
+        lse = torch.empty((s_q, hp), dtype=torch.float32, device=dev)
+        if s_q > 0:
+            # absent optional inputs: a tensor of the right dtype that the kernel never reads (no max_logits)
+            self.kernel.launch(q, kv, topk_idxs, topk_idxs if length is None else length, l_part, o_part, l_part,
+                               l_part, *self.scalars, n_splits, slots)
+            self.combine.launch(o_part, l_part, l_part if sink is None else sink, out, lse, s_q, hp, n_splits,
+                                int(sink is not None))
+        return out, lse
+
 
 def _launch(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, attn_sink: torch.Tensor | None,
             topk_length: torch.Tensor | None, softmax_scale: float, d_v: int,
             config: SparseAttnFwdConfig | None = None, indexer_topk: int = 0,
-            keep_plan: Callable[[Callable], None] | None = None) -> tuple:
+            keep_plan: Callable[[Callable], None] | None = None, split: tuple[int, int] | None = None) -> tuple:
     """Launch the kernel on flat-layout inputs that supported_reason accepted (its callers check); with
     indexer_topk > 0 (a multiple of 128, at most K) the lse_prefix kernel, which also returns lse_indexer.
     keep_plan, when given, gets the call's SparseFwdLaunch."""
-    plan = SparseFwdLaunch(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, config, indexer_topk)
+    plan = SparseFwdLaunch(q, kv, topk_idxs, attn_sink, topk_length, softmax_scale, d_v, config, indexer_topk, split)
     outs = plan(q, kv, topk_idxs, attn_sink, topk_length)
     if keep_plan is not None:
         keep_plan(plan)
@@ -265,7 +313,8 @@ def _sparse_attention_fwd_prefix_fake(q, kv, topk_idxs, attn_sink, topk_length, 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *,
                      attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None,
                      softmax_scale: float, d_v: int, config: SparseAttnFwdConfig | None = None,
-                     indexer_topk: int = 0, keep_plan: Callable[[Callable], None] | None = None) -> tuple:
+                     indexer_topk: int = 0, keep_plan: Callable[[Callable], None] | None = None,
+                     split: tuple[int, int] | None = None) -> tuple:
     """Flat-layout fused forward (inputs already validated by dsagen.ops.sparse_attention).
 
     q `(S_q, H, D_qk)` bf16/fp16 CUDA, kv `(S_kv, D_qk)`, topk_idxs int32 `(S_q, K)` global ids,
@@ -277,7 +326,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
     Returns out `(S_q, H, d_v)` in q.dtype, lse and max_logits `(S_q, H)` FP32 (and lse_indexer with N > 0).
     Raises NotImplementedError (with the reason) for inputs the kernel does not cover, ValueError for N outside
     [0, K]. keep_plan: called after an eager call of the op's config with its SparseFwdLaunch (the public op's fast
-    path).
+    path). split: (n_splits, split_slots) of an eager call (sparse_attention_decode's split over the KV slots:
+    SparseFwdLaunch, max_logits None); under torch.compile the custom op runs whole rows.
     """
     _check_supported(q, d_v)
     keep_plan = keep_plan if config is None else None
@@ -290,11 +340,11 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
             return _sparse_attention_fwd_prefix(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale),
                                                 int(d_v), indexer_topk)
         return _launch(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v), config, indexer_topk,
-                       keep_plan)
+                       keep_plan, split)
     if torch.compiler.is_compiling():     # torch.compile sees the custom op as one opaque node
         if config is not None:
             raise NotImplementedError("sparse_attention: config= is for eager calls (the custom op runs the op's)")
         return _sparse_attention_fwd(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v))
     # eager: the custom op's dispatch would only add host time (~25 us per call) around the same launch
     return _launch(q, kv, topk_idxs, attn_sink, topk_length, float(softmax_scale), int(d_v), config,
-                   keep_plan=keep_plan)
+                   keep_plan=keep_plan, split=split)

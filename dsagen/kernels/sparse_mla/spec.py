@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...spec.base import KernelSpec, register_spec
+from ...spec.base import KernelSpec, register_spec, warps_per_cta_reasons
 from .checks import check_grid, dtype_name, grid_ctas, mla_shape_reasons, register_budget_reasons
 from .checks import kernel_heads  # noqa: F401  (the model config's head padding reads it here)
 
@@ -43,6 +43,13 @@ class SparseAttnFwdSpec(KernelSpec):
       lse_indexer; n_prefix a run-time multiple of 128: each consumer keeps its running max and row sum after the
       prefix's last pair of tiles). Two more kernel parameters (lse_prefix, n_prefix); False builds the kernel
       without them.
+    kv_fp8: kv is DeepSeek-V3.2's FP8 cache (reference.kv_cache: 656-byte rows of 512 E4M3 values, 4 FP32 scales,
+      64 bf16 RoPE values; kv a uint8 pointer, ld_kv in bytes), dequantized to bf16 by the producer warpgroup into the
+      stages the BF16 kernel gathers into (d_qk 576, bfloat16 only).
+    split_kv: each item is (query row, 64 heads, one of n_splits ranges of split_slots slots; both run-time
+      arguments), and out / lse are FP32 partials of the (row, range) rows, O / its own row sum with no sink and its
+      KV-only LSE (+inf: no valid slot), which SparseAttnCombineSpec's kernel merges (the decode's split over the KV
+      slots when the rows alone leave SMs idle; sparse_attention_decode). Not with lse_prefix.
 
     Sequence lengths, top-k width, KV pool size, softmax scale and the CTA count are run-time arguments.
     """
@@ -60,9 +67,20 @@ class SparseAttnFwdSpec(KernelSpec):
     regs_qk: int = 232
     regs_pv: int = 224
     lse_prefix: bool = False
+    kv_fp8: bool = False
+    split_kv: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons() + mla_shape_reasons("sparse attention forward", self.arch, self.num_heads, self.d_qk)
+        if not isinstance(self.kv_fp8, bool):
+            out.append(f"kv_fp8={self.kv_fp8!r} must be a bool")
+        elif self.kv_fp8 and (self.d_qk != 576 or self.dtype != "bfloat16"):
+            out.append(f"kv_fp8=True takes d_qk=576 and dtype='bfloat16' (the FP8 cache's rows), got d_qk={self.d_qk}, "
+                       f"dtype={self.dtype!r}")
+        if not isinstance(self.split_kv, bool):
+            out.append(f"split_kv={self.split_kv!r} must be a bool")
+        elif self.split_kv and self.lse_prefix:
+            out.append("split_kv=True does not take lse_prefix=True (the prefix LSE is a whole row's)")
         if self.d_v != 512:
             out.append(f"d_v={self.d_v} must be 512 (two 256-column halves, one per consumer warpgroup)")
         if self.dtype not in ("bfloat16", "float16"):
@@ -75,6 +93,32 @@ class SparseAttnFwdSpec(KernelSpec):
             out.append(f"stages={self.stages} must be 2 (two 64-row stages plus Q fill shared memory)")
         out.extend(register_budget_reasons({"regs_producer": self.regs_producer, "regs_qk": self.regs_qk,
                                             "regs_pv": self.regs_pv}))
+        return out
+
+
+COMBINE_MAX_SPLITS = 32     # slot ranges per row the combine kernel merges (one per lane of its warp)
+
+
+@register_spec
+@dataclass(frozen=True)
+class SparseAttnCombineSpec(KernelSpec):
+    """The split-KV combine of the sparse MLA decode (kernel: sparse_mla/combine.py, bound by combine.py.j2): the
+    split_kv forward's FP32 partials of each (row, head) merged by their LSEs (the sink in the denominator) into bf16
+    out and the KV-only LSE. One warp per (row, head); up to 32 ranges per row.
+
+    d_v: values per row (512). warps_per_cta: (row, head) pairs per CTA (1, 2, 4, 8, 16 or 32)."""
+
+    op = "sparse_attention_combine"
+    template = "sparse_mla/combine.py.j2"
+
+    d_v: int = 512
+    warps_per_cta: int = 4
+
+    def reasons(self) -> list[str]:
+        out = super().reasons()
+        if self.d_v != 512:
+            out.append(f"d_v={self.d_v!r} must be 512")
+        out.extend(warps_per_cta_reasons(self.warps_per_cta))
         return out
 
 
@@ -105,22 +149,29 @@ class SparseAttnFwdConfig:
         check_grid(self.grid, "SparseAttnFwdConfig")
 
     def spec(self, num_heads: int, d_qk: int, dtype, arch: str = "sm_90a", d_v: int = 512,
-             lse_prefix: bool = False) -> SparseAttnFwdSpec:
+             lse_prefix: bool = False, kv_fp8: bool = False, split_kv: bool = False) -> SparseAttnFwdSpec:
         """The kernel spec of this config for a kernel of `num_heads` (64 or 128) heads; lse_prefix: the kernel that
-        also writes the LSE over each row's first n_prefix slots."""
+        also writes the LSE over each row's first n_prefix slots; kv_fp8: the kernel that reads the FP8 cache;
+        split_kv: the kernel whose items are slot ranges of a row (FP32 partial outputs)."""
         return SparseAttnFwdSpec(arch=arch, num_heads=num_heads, d_qk=d_qk, d_v=d_v, dtype=dtype_name(dtype),
                                  block_n=self.block_n, stages=self.stages, regs_producer=self.regs_producer,
-                                 regs_qk=self.regs_qk, regs_pv=self.regs_pv, lse_prefix=bool(lse_prefix))
+                                 regs_qk=self.regs_qk, regs_pv=self.regs_pv, lse_prefix=bool(lse_prefix),
+                                 kv_fp8=bool(kv_fp8), split_kv=bool(split_kv))
 
     def n_ctas(self, num_sms: int) -> int:
         """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(items, n_ctas))."""
         return grid_ctas(self.grid, num_sms)
 
 
-def config_for(num_heads: int, d_qk: int, dtype, rows: int | None, arch: str, num_sms: int | None
-               ) -> SparseAttnFwdConfig:
+# the FP8 cache kernel's budgets: its dequantizing producer spills 29 values at 48 registers, 3 at 56 (CPU compile,
+# 2026-12-04); consumer A at 224 keeps the same wgmma waits as at 232
+FP8_CACHE_CONFIG = SparseAttnFwdConfig(regs_producer=56, regs_qk=224, regs_pv=224)
+
+
+def config_for(num_heads: int, d_qk: int, dtype, rows: int | None, arch: str, num_sms: int | None,
+               kv_fp8: bool = False) -> SparseAttnFwdConfig:
     """The config the op runs for `num_heads` query heads (padded to 64 or 128), `d_qk`, `dtype`, `rows` query rows
     (None: any) on `arch` with `num_sms` SMs (None: any). One config for every shape, call size and SM count: the
     same budgets, tiles and persistent grid measured fastest at H64 / H128, D 512 / 576, prefill and decode (H200,
-    2026-11-29; notes/kernels/sparse_attention.md)."""
-    return SparseAttnFwdConfig()
+    2026-11-29; notes/kernels/sparse_attention.md); kv_fp8 (the FP8 cache's decode): FP8_CACHE_CONFIG."""
+    return FP8_CACHE_CONFIG if kv_fp8 else SparseAttnFwdConfig()

@@ -1,5 +1,5 @@
 """Epilogue stores of a wgmma accumulator (viewed by layout.acc_mn_view): 16-byte bf16 / fp16 row stores
-(`store_row_v4`), 16-byte FP32 atomic adds of row pairs into id rows (`add_row_pair_v4`) and streaming stores of
+(`store_row_v4`), 16-byte FP32 row stores (`store_row_f32_v4`), 16-byte FP32 atomic adds of row pairs into id rows (`add_row_pair_v4`) and streaming stores of
 row pairs into per-slot rows (`store_slot_row_pair_v4`).
 
 Called by the consumer warpgroup that owns the accumulator, all 128 threads together (the helpers exchange
@@ -71,13 +71,16 @@ def swap_word_pairs(a0, b0, a1, b1, take, offset: int):
 
 
 @cute.jit
-def store_row_v4(dst: cute.Pointer, oMN: cute.Tensor, r: int, scale, fp16: bool, q_hi, q_odd, policy) -> None:
+def store_row_v4(dst: cute.Pointer, oMN: cute.Tensor, r: int, scale, fp16: bool, q_hi, q_odd, policy,
+                 keep=None) -> None:
     """Row r of an accumulator view `oMN` (acc_mn_view) times `scale` (None: as is), as bf16 (fp16=True: fp16),
     into 16-byte stores at dst + 32 J (dst: this lane's first column, the row's start + 8 q). Lane q of a quad
     holds the row's columns 8 v + 2 q + {0, 1} (view column c = 2 v + e); per group of 4 v's the four packed words
     are transposed over the quad (two butterfly rounds: lanes q, q ^ 2 swap the off-diagonal 2 x 2 blocks, then
     lanes q, q ^ 1 the off-diagonal words of each block), after which lane q holds columns 8 (4 J + q) .. + 8 from
-    lanes 0..3 in order. q_hi = q >= 2, q_odd = q odd; policy: the stores' L2 cache policy."""
+    lanes 0..3 in order. q_hi = q >= 2, q_odd = q odd; policy: the stores' L2 cache policy. keep (None: store):
+    a predicate of the row that skips its stores only; every lane of the warp still runs the shuffles, which a row
+    branch around the call would split."""
     for jg in cutlass.range_constexpr(cute.size(oMN, mode=[1]) // 8):
         v = [oMN[r, 8 * jg + i] for i in range(8)]
         if const_expr(scale is not None):
@@ -88,7 +91,24 @@ def store_row_v4(dst: cute.Pointer, oMN: cute.Tensor, r: int, scale, fp16: bool,
         w3 = pack_f32x2(v[6], v[7], fp16)
         w0, w2, w1, w3 = swap_word_pairs(w0, w2, w1, w3, q_hi, 2)
         w0, w1, w2, w3 = swap_word_pairs(w0, w1, w2, w3, q_odd, 1)
-        st_global_v4_b32(dst + 32 * jg, w0, w1, w2, w3, policy)
+        if const_expr(keep is None):
+            st_global_v4_b32(dst + 32 * jg, w0, w1, w2, w3, policy)
+        elif keep:
+            st_global_v4_b32(dst + 32 * jg, w0, w1, w2, w3, policy)
+
+
+@cute.jit
+def store_row_f32_v4(dst: cute.Pointer, oMN: cute.Tensor, cO: cute.Tensor, r: int, scale, keep=None) -> None:
+    """Row r of an accumulator view `oMN` (acc_mn_view; cO its coordinate view) times `scale`, as FP32 16-byte
+    streaming stores at dst + column (dst: the row's first column): quad_v4_columns gives each lane 4 consecutive
+    columns per 8-column group pair. keep: as store_row_v4's (the shuffles run on every lane)."""
+    q_odd = cute.arch.lane_idx() % 2 == 1
+    for k in cutlass.range_constexpr(cute.size(oMN, mode=[1]) // 4):
+        v0, v1, v2, v3, off = quad_v4_columns(oMN, r, k, q_odd)
+        if const_expr(keep is None):
+            st_global_v4_f32(dst + (cO[r, 4 * k][1] + off), v0 * scale, v1 * scale, v2 * scale, v3 * scale)
+        elif keep:
+            st_global_v4_f32(dst + (cO[r, 4 * k][1] + off), v0 * scale, v1 * scale, v2 * scale, v3 * scale)
 
 
 _RED_V4 = {False: red_add_v4_f32, True: red_add_v4_f32_evict_last}   # add_row_pair_v4's atomic, by evict_last

@@ -47,6 +47,25 @@ def issue_gemm(mma, acc, tA, tB, k_steps: int, b_stage) -> None:
         mma.set(warpgroup.Field.ACCUMULATE, True)
 
 
+@cute.jit
+def issue_gemm_group(mma, acc, tA, tB, k_steps: int, b_stage) -> None:
+    """One wgmma group of acc = A B (issue_gemm: the first step overwrites acc): fence the warpgroup's registers,
+    issue, commit; the caller waits (wait_group), e.g. with another group still in flight."""
+    warpgroup.fence()
+    issue_gemm(mma, acc, tA, tB, k_steps, b_stage)
+    warpgroup.commit_group()
+
+
+@cute.jit
+def issue_accumulate_group(mma, acc, tA, tB, k_steps: int, b_stage) -> None:
+    """One wgmma group of acc += A B over k_steps k16 steps (A's mode 2 the step, from registers or shared memory;
+    B's mode 3 the ring stage b_stage): fence, issue, commit; the caller waits."""
+    warpgroup.fence()
+    for ks in cutlass.range_constexpr(k_steps):
+        cute.gemm(mma, acc, tA[None, None, ks], tB[None, None, ks, b_stage], acc)
+    warpgroup.commit_group()
+
+
 class WgmmaTile(NamedTuple):
     """The trace-time objects of one wgmma product for the calling consumer thread: the tiled MMA and its slice,
     the A and B fragments, the FP32 accumulator and its (rows, cols) views of values and of coordinates

@@ -1,7 +1,8 @@
 """Single PTX instructions that CuTe-DSL 4.8 does not expose, as `dsl_user_op`s: an L2 cache policy and the
 cp.async and 16-byte store that carry it (cp_async_shared_global has no cache hint), a bf16 / fp16 pair pack, the
 16-byte FP32 atomic add (also with an L2 evict_last policy) and streaming store (red / st .global.v4.f32), and the
-release / acquire / sleep instructions of the grid barrier. Any thread may call any of them; none waits on a barrier.
+release / acquire / sleep instructions of the grid barrier, read-only-path global loads, a 16-byte shared store and
+the E4M3-pair dequantization of an FP8 KV cache. Any thread may call any of them; none waits on a barrier.
 """
 
 import cutlass.cute as cute
@@ -116,3 +117,92 @@ def nanosleep(ns: int, *, loc=None, ip=None) -> None:
     """`nanosleep.u32 ns` (a hint: the warp sleeps for about ns nanoseconds)."""
     llvm.inline_asm(None, [], f"nanosleep.u32 {int(ns)};", "~{memory}", has_side_effects=True,
                     is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_global_nc_b64(src: cute.Pointer, *, loc=None, ip=None) -> Int64:
+    """`ld.global.nc.b64`: 8 bytes (src 8-byte aligned) through the non-coherent read-only path, for data no thread
+    writes while the kernel runs (a KV cache)."""
+    return Int64(llvm.inline_asm(T.i64(), [src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
+                                 "ld.global.nc.b64 $0, [$1];", "=l,l", has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_global_nc_f32(src: cute.Pointer, *, loc=None, ip=None) -> Float32:
+    """`ld.global.nc.f32`: one FP32 value (src 4-byte aligned) through the non-coherent read-only path."""
+    return Float32(llvm.inline_asm(T.f32(), [src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
+                                   "ld.global.nc.f32 $0, [$1];", "=f,l", has_side_effects=False,
+                                   is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def st_shared_v4_b32(dst: cute.Pointer, w0: Int32, w1: Int32, w2: Int32, w3: Int32, *, loc=None, ip=None) -> None:
+    """`st.shared.v4.b32 [dst], {w0, w1, w2, w3}` (dst a 16-byte aligned shared-memory pointer)."""
+    ops = [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip)
+                                                                   for w in (w0, w1, w2, w3)]
+    llvm.inline_asm(None, ops, "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def e4m3x2_scaled_bf16x2(word: Int32, high: bool, scale: Float32, *, loc=None, ip=None) -> Int32:
+    """Two E4M3 values of `word` (its low 16 bits, or with high=True its high 16 bits; the lower byte is the first
+    value) times `scale`, as a packed bf16 pair (the first value in the low half): each value converted exactly to
+    fp16 (`cvt.rn.f16x2.e4m3x2`) and to FP32, multiplied by scale in FP32 and rounded to bf16 (round to nearest
+    even): the bytes torch gives for (e4m3.float() * scale).to(bfloat16)."""
+    half = "hi" if high else "lo"
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(word).ir_value(loc=loc, ip=ip), Float32(scale).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b16 lo, hi, a0, a1; .reg .b32 h; .reg .f32 f0, f1; "
+        f"mov.b32 {{lo, hi}}, $1; cvt.rn.f16x2.e4m3x2 h, {half}; mov.b32 {{a0, a1}}, h; "
+        "cvt.f32.f16 f0, a0; cvt.f32.f16 f1, a1; mul.f32 f0, f0, $2; mul.f32 f1, f1, $2; "
+        "cvt.rn.bf16x2.f32 $0, f1, f0; }",
+        "=r,r,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bf16_to_f32(word: Int32, high: bool, *, loc=None, ip=None) -> Float32:
+    """The bf16 value in the low (high=False) or high 16 bits of `word`, as FP32 (exact)."""
+    half = "hi" if high else "lo"
+    return Float32(llvm.inline_asm(
+        T.f32(), [Int32(word).ir_value(loc=loc, ip=ip)],
+        f"{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $1; cvt.f32.bf16 $0, {half}; }}",
+        "=f,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def f32x4_to_e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Int32:
+    """Four FP32 values rounded to E4M3 (round to nearest even, finite values past 448 clamped to 448:
+    `cvt.rn.satfinite.e4m3x2.f32`), packed a in the lowest byte .. d in the highest: the bytes torch's
+    .to(float8_e4m3fn) gives for |values| <= 464."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+        "mov.b32 $0, {lo, hi}; }",
+        "=r,f,f,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc,
+        ip=ip))
+
+
+@dsl_user_op
+def st_global_b32(dst: cute.Pointer, w: Int32, *, loc=None, ip=None) -> None:
+    """`st.global.b32` of one word (dst 4-byte aligned)."""
+    llvm.inline_asm(None, [dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), Int32(w).ir_value(loc=loc, ip=ip)],
+                    "st.global.b32 [$0], $1;", "l,r,~{memory}", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def f32_bits(x: Float32, *, loc=None, ip=None) -> Int32:
+    """The 32 bits of an FP32 value."""
+    return Int32(llvm.inline_asm(T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f",
+                                 has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                 loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bits_f32(w: Int32, *, loc=None, ip=None) -> Float32:
+    """The FP32 value of 32 bits."""
+    return Float32(llvm.inline_asm(T.f32(), [Int32(w).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r",
+                                   has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                   loc=loc, ip=ip))

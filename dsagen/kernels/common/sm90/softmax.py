@@ -50,3 +50,29 @@ def merge_softmax_stats(m1, s1, m2, s2):
     m_sub = m if m > Float32(-math.inf) else Float32(0.0)
     s = s1 * cute.math.exp2(m1 - m_sub, fastmath=True) + s2 * cute.math.exp2(m2 - m_sub, fastmath=True)
     return m, s
+
+
+@cute.jit
+def softmax_step_row(sMN: cute.Tensor, r: int, nc: int, row_max: cute.Tensor, row_sum: cute.Tensor,
+                     corr: cute.Tensor) -> None:
+    """Row r's masked scores (log2 domain, -inf where masked; the caller scaled and masked them in place) turned
+    into P in place, O's rescale deferred: the running max moves to the new row max (over the quad) and corr[r] =
+    exp2(old max - new max) is what O must still be scaled by (rescale_rows, once the PV that reads O retired);
+    P = exp2(S - max), row_sum = row_sum * corr + the thread's sum of P."""
+    ml = tree_reduce(cute.arch.fmax, [sMN[r, c] for c in range(nc)])
+    ml = cute.arch.fmax(ml, cute.arch.shuffle_sync_bfly(ml, offset=1))
+    ml = cute.arch.fmax(ml, cute.arch.shuffle_sync_bfly(ml, offset=2))
+    m = cute.arch.fmax(row_max[r], ml)
+    corr[r] = cute.math.exp2(row_max[r] - m, fastmath=True)
+    row_max[r] = m
+    for c in cutlass.range_constexpr(nc):
+        sMN[r, c] = cute.math.exp2(sMN[r, c] - m, fastmath=True)
+    row_sum[r] = row_sum[r] * corr[r] + tree_reduce(operator.add, [sMN[r, c] for c in range(nc)])
+
+
+@cute.jit
+def rescale_rows(oMN: cute.Tensor, corr: cute.Tensor) -> None:
+    """O row r *= corr[r] for every row of an accumulator view (softmax_step_row's deferred rescale)."""
+    for r in cutlass.range_constexpr(cute.size(oMN, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(oMN, mode=[1])):
+            oMN[r, c] = oMN[r, c] * corr[r]

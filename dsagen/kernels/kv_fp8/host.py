@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 
 from ...jit import get_kernel
+from ...reference.kv_cache import KV_DIM, KV_FP8_TOKEN_BYTES
 from ...runtime import LoadedKernel, device_arch, device_index
 from ..lightning_indexer.host import eager
 from .spec import KvFp8CodecSpec
 
-KV_DIM, ROW_BYTES = 576, 656
+ROW_BYTES = KV_FP8_TOKEN_BYTES
 _MAX_GRID_X = 2**31 - 1
 _WARPS = 4
 _kernels: dict[tuple, LoadedKernel] = {}

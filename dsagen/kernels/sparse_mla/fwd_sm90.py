@@ -53,6 +53,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int8, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
+from cutlass.experimental import primitives as prims
 
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.cta import cta_coords, init_mbarriers, row_head_block
@@ -60,8 +61,8 @@ from dsagen.kernels.common.sm90.epilogue import store_row_f32_v4, store_row_v4
 from dsagen.kernels.common.sm90.gather import cp_async_rows, gather_base, gather_lanes, gather_tile_rows, smem_bytes
 from dsagen.kernels.common.sm90.ids import row_slots
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
-from dsagen.kernels.common.sm90.ptx import (e4m3x2_scaled_bf16x2, l2_evict_first_policy, ld_global_nc_b64,
-                                            ld_global_nc_f32, st_shared_v4_b32)
+from dsagen.kernels.common.sm90.ptx import (e4m3x2_scaled_bf16x2, l2_evict_first_policy, ld_shared_b64, ld_shared_f32,
+                                            st_shared_v4_b32)
 from dsagen.kernels.common.sm90.reduce import quad_sum
 from dsagen.kernels.common.sm90.softmax import exp_and_rescale, masked_row_max
 
@@ -439,27 +440,16 @@ class SparseMlaFwdSm90:
             # per pair: the ids of both tiles (invalid or past kmax -> -1), then the four half-stages in the
             # consumers' order of need and of release: V0L, V1R, V0R, V1L
             mIdx = cute.make_tensor(a.p_idx + (Int64(tok) * a.ld_idx + slot0), cute.make_layout(a.topk))
-            for k in cutlass.range(npairs, unroll=1):
-                g = gp + k
-                for j in cutlass.range_constexpr(2 * RPG):
-                    slot = (2 * k + j // RPG) * self.BN + grp + 16 * (j % RPG)
-                    kv = Int32(-1)
-                    if slot < kmax:
-                        kv = mIdx[slot]
-                    ids[j] = kv
-                free_phase = (g % 2) ^ 1
-                for n in cutlass.range_constexpr(4):
-                    s, h = self.FILL_ORDER[n]
-                    self.gather_half(a, bars, lay_kv, sKVb, sw_kv, ids, s, h, col0, free_phase)
-                # the pair's validity bytes for the consumers' masking (FlashMLA's is_kv_valid): the consumers read
-                # the previous pair's before releasing V1R / V1L, which this thread waited for above, so no one reads
-                # them now
-                if tidx % 8 == 0:
-                    for j in cutlass.range_constexpr(2 * RPG):
-                        kv = ids[j]
-                        bars.sValid[(j // RPG) * self.BN + grp + 16 * (j % RPG)] = (
-                            Int8(1) if kv >= 0 and kv < a.n_kv else Int8(0))
-                    cute.arch.mbarrier_arrive(bars.mask_mbar)
+            if const_expr(self.KV_FP8):
+                self.fp8_item_pairs(a, bars, lay_kv, sKVb, sw_kv, ids, mIdx, kmax, npairs, gp, lanes)
+            else:
+                for k in cutlass.range(npairs, unroll=1):
+                    self.load_pair_ids(ids, mIdx, kmax, k, grp)
+                    free_phase = ((gp + k) % 2) ^ 1
+                    for n in cutlass.range_constexpr(4):
+                        s, h = self.FILL_ORDER[n]
+                        self.gather_half(a, bars, lay_kv, sKVb, sw_kv, ids, s, h, col0, free_phase)
+                    self.publish_valid(a, bars, ids, lanes)
             gp += npairs
             it += 1
 
@@ -472,33 +462,93 @@ class SparseMlaFwdSm90:
         cute.arch.cp_async_mbarrier_arrive_noinc(bars.q_mbar)
 
     @cute.jit
+    def load_pair_ids(self, ids, mIdx, kmax, k, grp):
+        """ids[j] = the id of the thread's row grp + 16 (j % RPG) of tile j // RPG of the item's pair k (mIdx: the
+        item's slots); -1 past kmax."""
+        RPG = self.BN // 16
+        for j in cutlass.range_constexpr(2 * RPG):
+            slot = (2 * k + j // RPG) * self.BN + grp + 16 * (j % RPG)
+            kv = Int32(-1)
+            if slot < kmax:
+                kv = mIdx[slot]
+            ids[j] = kv
+
+    @cute.jit
+    def publish_valid(self, a, bars, ids, lanes):
+        """The pair's validity bytes for the consumers' masking (FlashMLA's is_kv_valid), by the group leaders, who
+        then arrive on mask_mbar. Called after waiting free[1][L] of the pair: the consumers read the previous
+        pair's bytes before releasing that pair's V1L, so no one reads them now."""
+        RPG = self.BN // 16
+        if lanes.tidx % 8 == 0:
+            for j in cutlass.range_constexpr(2 * RPG):
+                kv = ids[j]
+                bars.sValid[(j // RPG) * self.BN + lanes.grp + 16 * (j % RPG)] = (
+                    Int8(1) if kv >= 0 and kv < a.n_kv else Int8(0))
+            cute.arch.mbarrier_arrive(bars.mask_mbar)
+
+    @cute.jit
     def gather_half(self, a, bars, lay_kv, sKVb, sw_kv, ids, s: int, h: int, col0, free_phase):
         """Half h (0: L = column blocks [0, HALF_KB), 1: R = the rest) of stage s: wait free[s][h], cp.async the
         tile's rows grp + 16 i (ids `ids[s * RPG + i]`; -1 or out of range: zero-filled from a legal address),
         arrive ready[s][h] (noinc). The smem address is the thread's swizzled base sw_kv plus a constant: the 128B
         swizzle XORs byte bits 4-6 with bits 7-9 = row % 8, which is grp % 8 for every row grp + 16 i, and the
-        row-group, column-block and stage offsets only touch bits >= 10. FP8 cache kernels dequantize the rows into
-        the same places instead (dequant_half), fence the async proxy and arrive."""
+        row-group, column-block and stage offsets only touch bits >= 10."""
         RPG = self.BN // 16
         cute.arch.mbarrier_wait(bars.hbar + (4 + 2 * s + h), free_phase)        # free[s][h]
-        if const_expr(self.KV_FP8):
-            self.dequant_half(a, lay_kv, sKVb, sw_kv, ids, s, h, col0)
-            cute.arch.fence_proxy("async.shared", space="cta")                  # st.shared -> the consumers' wgmma
-            cute.arch.mbarrier_arrive(bars.hbar + (2 * s + h))                  # ready[s][h]
-        else:
-            gather_tile_rows(sKVb, sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, col0, self.half_blocks(h), stage=s,
-                             rows=(s * RPG, RPG), n_rows=a.n_kv)
-            cute.arch.cp_async_mbarrier_arrive_noinc(bars.hbar + (2 * s + h))   # ready[s][h]
+        gather_tile_rows(sKVb, sw_kv, lay_kv, a.p_kv, a.ld_kv, ids, col0, self.half_blocks(h), stage=s,
+                         rows=(s * RPG, RPG), n_rows=a.n_kv)
+        cute.arch.cp_async_mbarrier_arrive_noinc(bars.hbar + (2 * s + h))       # ready[s][h]
+
+    # ------------------------------------------------------------------------- producer of the FP8 cache kernels
+    @cute.jit
+    def fp8_item_pairs(self, a, bars, lay_kv, sKVb, sw_kv, ids, mIdx, kmax, npairs, gp, lanes):
+        """FP8 cache kernels: the item's pairs, each half-stage in two steps: its rows' raw bytes copied by cp.async
+        into the half-stage itself (stage_raw_half, one commit group), then dequantized in place (dequant_half).
+        The next half's copies go out before this half is dequantized, so a half's global-load latency passes
+        under the previous half's dequantization (with the gathered bytes in flight in the cp.async unit, not in
+        the producer's few registers). Order per pair as the BF16 kernel's (V0L, V1R, V0R, V1L), the next pair's
+        V0L copied before this pair's V1L is dequantized. No wait here can deadlock: the free barrier of the half
+        copied ahead depends only on halves already dequantized (V1R(g): B's pair g - 1; V0R(g): B's pair g - 1
+        after A's P0; V1L(g): A's S0(g) over V0L(g); V0L(g + 1): A's P0 V0L of g over V0L(g), V0R(g) and the
+        validity bytes, published once V1L(g)'s free was waited)."""
+        if npairs > 0:
+            self.load_pair_ids(ids, mIdx, kmax, 0, lanes.grp)
+            s0, h0 = self.FILL_ORDER[0]
+            self.stage_raw_half(a, bars, lay_kv, sKVb, sw_kv, ids, s0, h0, lanes.col0, (gp % 2) ^ 1)
+        for k in cutlass.range(npairs, unroll=1):
+            g = gp + k
+            for n in cutlass.range_constexpr(4):
+                s, h = self.FILL_ORDER[n]
+                if const_expr(n < 3):
+                    s1, h1 = self.FILL_ORDER[n + 1]
+                    self.stage_raw_half(a, bars, lay_kv, sKVb, sw_kv, ids, s1, h1, lanes.col0, (g % 2) ^ 1)
+                    if const_expr(n == 2):
+                        self.publish_valid(a, bars, ids, lanes)      # V1L(g)'s free was waited just above
+                    prims.cp_async_wait_group(1)                     # all but the half just issued have landed
+                else:
+                    if k + 1 < npairs:
+                        self.load_pair_ids(ids, mIdx, kmax, k + 1, lanes.grp)
+                        s0, h0 = self.FILL_ORDER[0]
+                        self.stage_raw_half(a, bars, lay_kv, sKVb, sw_kv, ids, s0, h0, lanes.col0,
+                                            ((g + 1) % 2) ^ 1)
+                        prims.cp_async_wait_group(1)
+                    else:
+                        prims.cp_async_wait_group(0)
+                self.dequant_half(lay_kv, sKVb, sw_kv, s, h)
+                cute.arch.fence_proxy("async.shared", space="cta")              # st.shared -> the consumers' wgmma
+                cute.arch.mbarrier_arrive(bars.hbar + (2 * s + h))              # ready[s][h]
 
     @cute.jit
-    def dequant_half(self, a, lay_kv, sKVb, sw_kv, ids, s: int, h: int, col0):
-        """FP8 cache kernels: half h of stage s from the cache rows ids[s * RPG + i] (reference.kv_cache's 656-byte
-        format): per 64-column block the thread's 8 columns, NoPE blocks 0..7 as 8 E4M3 bytes times their 128-value
-        tile's FP32 scale rounded to bf16 (e4m3x2_scaled_bf16x2: the bytes reference.kv_cache.dequantize_kv_fp8
-        gives), the RoPE block 8 as its 16 bf16 bytes; one 16-byte st.shared each, at gather_tile_rows' places.
-        Invalid ids (-1, >= n_kv) read row 0 and store zeros (the host launches only with n_kv >= 1)."""
+    def stage_raw_half(self, a, bars, lay_kv, sKVb, sw_kv, ids, s: int, h: int, col0, free_phase):
+        """FP8 cache kernels: wait free[s][h], then cp.async half h of stage s's raw bytes from the cache rows
+        ids[s * RPG + i] (reference.kv_cache's 656-byte format) into the chunks the thread will dequantize: per NoPE
+        block kb its 8 E4M3 bytes to the first 8 bytes of its 16-byte chunk, and per 128-value tile (kb even) the
+        tile's FP32 scale to bytes 8..11 of block kb's chunk; the RoPE block's 16 bf16 bytes straight to their
+        chunk (final). Invalid ids (-1, >= n_kv) copy zeros from row 0 (src-size 0), which dequantize to zeros.
+        One cp.async commit group."""
         RPG = self.BN // 16
         kb0, kb1 = self.half_blocks(h)
+        cute.arch.mbarrier_wait(bars.hbar + (4 + 2 * s + h), free_phase)        # free[s][h]
         for i in cutlass.range_constexpr(RPG):
             kv = ids[s * RPG + i]
             ok = kv >= 0 and kv < a.n_kv
@@ -506,17 +556,35 @@ class SparseMlaFwdSm90:
             for kb in cutlass.range_constexpr(kb0, kb1):
                 dst = sKVb + (sw_kv + lay_kv.outer((16 * i, kb * 64, s)) * 2)
                 if const_expr(kb < KV_NOPE // 64):
-                    x = ld_global_nc_b64(row + (kb * 64 + col0))
-                    sc = ld_global_nc_f32(row + (KV_NOPE + 4 * (kb * 64 // KV_TILE)))
-                    lo, hi = Int32(x), Int32(x >> 32)
-                    w = [e4m3x2_scaled_bf16x2(lo, False, sc), e4m3x2_scaled_bf16x2(lo, True, sc),
-                         e4m3x2_scaled_bf16x2(hi, False, sc), e4m3x2_scaled_bf16x2(hi, True, sc)]
+                    prims.cp_async_shared_global(dst, row + (kb * 64 + col0), 8, "ca",
+                                                 cp_size=Int32(8) if ok else Int32(0))
+                    if const_expr(kb % 2 == 0):
+                        prims.cp_async_shared_global(dst + 8, row + (KV_NOPE + 4 * (kb * 64 // KV_TILE)), 4, "ca",
+                                                     cp_size=Int32(4) if ok else Int32(0))
                 else:
-                    x = ld_global_nc_b64(row + (KV_ROPE_BYTE + 2 * col0))
-                    y = ld_global_nc_b64(row + (KV_ROPE_BYTE + 2 * col0 + 8))
-                    w = [Int32(x), Int32(x >> 32), Int32(y), Int32(y >> 32)]
-                z = Int32(0)
-                st_shared_v4_b32(dst, w[0] if ok else z, w[1] if ok else z, w[2] if ok else z, w[3] if ok else z)
+                    prims.cp_async_shared_global(dst, row + (KV_ROPE_BYTE + 2 * col0), 16, "cg",
+                                                 cp_size=Int32(16) if ok else Int32(0))
+        prims.cp_async_commit_group()
+
+    @cute.jit
+    def dequant_half(self, lay_kv, sKVb, sw_kv, s: int, h: int):
+        """FP8 cache kernels: dequantize the thread's NoPE chunks of half h of stage s in place, once their raw bytes
+        landed (stage_raw_half): per pair of blocks (kb, kb + 1) of one 128-value tile, both chunks' 8 E4M3 bytes
+        and the tile's scale read first, then each chunk rewritten as 8 bf16 values = E4M3 x scale rounded to bf16
+        (e4m3x2_scaled_bf16x2: the bytes reference.kv_cache.dequantize_kv_fp8 gives; zeros stay zeros)."""
+        RPG = self.BN // 16
+        kb0, kb1 = self.half_blocks(h)
+        for i in cutlass.range_constexpr(RPG):
+            for kb in cutlass.range_constexpr(kb0, min(kb1, KV_NOPE // 64), 2):
+                c0 = sKVb + (sw_kv + lay_kv.outer((16 * i, kb * 64, s)) * 2)
+                c1 = sKVb + (sw_kv + lay_kv.outer((16 * i, kb * 64 + 64, s)) * 2)
+                x0 = ld_shared_b64(c0)
+                sc = ld_shared_f32(c0 + 8)
+                x1 = ld_shared_b64(c1)
+                for c, x in ((c0, x0), (c1, x1)):
+                    lo, hi = Int32(x), Int32(x >> 32)
+                    st_shared_v4_b32(c, e4m3x2_scaled_bf16x2(lo, False, sc), e4m3x2_scaled_bf16x2(lo, True, sc),
+                                     e4m3x2_scaled_bf16x2(hi, False, sc), e4m3x2_scaled_bf16x2(hi, True, sc))
 
     # ----------------------------------------------------------------------------------- consumers (WG1, WG2)
     @cute.jit

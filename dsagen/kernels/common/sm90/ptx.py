@@ -1,8 +1,9 @@
 """Single PTX instructions that CuTe-DSL 4.8 does not expose, as `dsl_user_op`s: an L2 cache policy and the
 cp.async and 16-byte store that carry it (cp_async_shared_global has no cache hint), a bf16 / fp16 pair pack, the
 16-byte FP32 atomic add (also with an L2 evict_last policy) and streaming store (red / st .global.v4.f32), and the
-release / acquire / sleep instructions of the grid barrier, read-only-path global loads, a 16-byte shared store and
-the E4M3-pair dequantization of an FP8 KV cache. Any thread may call any of them; none waits on a barrier.
+release / acquire / sleep instructions of the grid barrier, read-only-path global loads, 8-byte / FP32 shared loads, a
+16-byte shared store and the E4M3-pair dequantization of an FP8 KV cache. Any thread may call any of them; none
+waits on a barrier.
 """
 
 import cutlass.cute as cute
@@ -133,6 +134,23 @@ def ld_global_nc_f32(src: cute.Pointer, *, loc=None, ip=None) -> Float32:
     """`ld.global.nc.f32`: one FP32 value (src 4-byte aligned) through the non-coherent read-only path."""
     return Float32(llvm.inline_asm(T.f32(), [src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
                                    "ld.global.nc.f32 $0, [$1];", "=f,l", has_side_effects=False,
+                                   is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_shared_b64(src: cute.Pointer, *, loc=None, ip=None) -> Int64:
+    """`ld.shared.b64`: 8 bytes at a shared-memory pointer (8-byte aligned). Ordered after the thread's earlier
+    shared-memory instructions and barrier waits (a memory clobber), so it reads what a completed cp.async wrote."""
+    return Int64(llvm.inline_asm(T.i64(), [src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
+                                 "ld.shared.b64 $0, [$1];", "=l,r,~{memory}", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_shared_f32(src: cute.Pointer, *, loc=None, ip=None) -> Float32:
+    """`ld.shared.f32`: one FP32 value at a shared-memory pointer (4-byte aligned), ordered as ld_shared_b64."""
+    return Float32(llvm.inline_asm(T.f32(), [src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
+                                   "ld.shared.f32 $0, [$1];", "=f,r,~{memory}", has_side_effects=True,
                                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 

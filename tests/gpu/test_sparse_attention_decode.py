@@ -127,6 +127,27 @@ def test_fp8_cache(b, s_q, h, topk):
     assert torch.equal(out, e_out) and torch.equal(lse, e_lse)
 
 
+def test_fp8_cache_scales_of_any_value():
+    """The FP8 kernel dequantizes power-of-two scales (quantize_kv_fp8's) on the integer / bf16 path and any other
+    scale on the conversion path: a cache whose every third token has its four scales times 1.5 (mixed kinds in
+    a warp's rows), tokens with one scale each of 3e-3, 1e-30, 2 ** 10 (a power of two past the fast path's
+    range) and 2 ** -100 (within it) gives the BF16 kernel's bytes on dequantize_kv_fp8 of the same bytes."""
+    gen = torch.Generator().manual_seed(79)
+    q, cache, ids = _case(4, 2, 128, 1024, 64, 64, gen)
+    fp8, _ = _fp8(cache)
+    scales = fp8.view(-1, 656)[:, 512:528].view(torch.float32)          # [tokens, 4], a view of fp8's bytes
+    scales[::3] *= 1.5
+    scales[1, 2] = 3e-3
+    scales[2, 0] = 1e-30
+    scales[4, 1] = 2.0 ** 10
+    scales[5, 3] = 2.0 ** -100
+    deq = dsagen.dequantize_kv_fp8(fp8, impl="reference")
+    sink = torch.randn(128, generator=gen).to(DEV)
+    out, lse = dsagen.sparse_attention_decode(q, fp8, ids, attn_sink=sink)
+    b_out, b_lse = dsagen.sparse_attention_decode(q, deq, ids, attn_sink=sink)
+    assert torch.equal(out, b_out) and torch.equal(lse, b_lse)
+
+
 def test_fp8_cache_lengths_empty_rows_and_strides():
     """FP8: topk_length per sequence and per token with empty rows, a cache whose rows are a column slice of wider
     rows, an uneven page stride refused, and a cache with no rows (every row empty)."""

@@ -61,7 +61,8 @@ from dsagen.kernels.common.sm90.epilogue import store_row_f32_v4, store_row_v4
 from dsagen.kernels.common.sm90.gather import cp_async_rows, gather_base, gather_lanes, gather_tile_rows, smem_bytes
 from dsagen.kernels.common.sm90.ids import row_slots
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
-from dsagen.kernels.common.sm90.ptx import (e4m3x2_scaled_bf16x2, l2_evict_first_policy, ld_shared_b64, ld_shared_f32,
+from dsagen.kernels.common.sm90.ptx import (e4m3x2_pow2_bf16x2, e4m3x2_scaled_bf16x2, l2_evict_first_policy,
+                                            ld_shared_b64, ld_shared_f32, pow2_scale_bf16x2, pow2_scale_ok,
                                             st_shared_v4_b32)
 from dsagen.kernels.common.sm90.reduce import quad_sum
 from dsagen.kernels.common.sm90.softmax import exp_and_rescale, masked_row_max
@@ -570,8 +571,12 @@ class SparseMlaFwdSm90:
     def dequant_half(self, lay_kv, sKVb, sw_kv, s: int, h: int):
         """FP8 cache kernels: dequantize the thread's NoPE chunks of half h of stage s in place, once their raw bytes
         landed (stage_raw_half): per pair of blocks (kb, kb + 1) of one 128-value tile, both chunks' 8 E4M3 bytes
-        and the tile's scale read first, then each chunk rewritten as 8 bf16 values = E4M3 x scale rounded to bf16
-        (e4m3x2_scaled_bf16x2: the bytes reference.kv_cache.dequantize_kv_fp8 gives; zeros stay zeros)."""
+        and the tile's scale read first, then each chunk rewritten as 8 bf16 values = E4M3 x scale rounded to bf16,
+        the bytes reference.kv_cache.dequantize_kv_fp8 gives: by e4m3x2_pow2_bf16x2 (integer and bf16 pipes) when
+        the scale is a power of two, as quantize_kv_fp8 writes them, else by e4m3x2_scaled_bf16x2 (the conversion
+        unit; zero-filled rows' scale 0 too). The branch is per row and tile, uniform over a warp unless its four
+        rows' scales differ in kind. E4M3 NaN bytes (never written by quantize_kv_fp8) give finite values on the
+        power-of-two path."""
         RPG = self.BN // 16
         kb0, kb1 = self.half_blocks(h)
         for i in cutlass.range_constexpr(RPG):
@@ -581,10 +586,17 @@ class SparseMlaFwdSm90:
                 x0 = ld_shared_b64(c0)
                 sc = ld_shared_f32(c0 + 8)
                 x1 = ld_shared_b64(c1)
-                for c, x in ((c0, x0), (c1, x1)):
-                    lo, hi = Int32(x), Int32(x >> 32)
-                    st_shared_v4_b32(c, e4m3x2_scaled_bf16x2(lo, False, sc), e4m3x2_scaled_bf16x2(lo, True, sc),
-                                     e4m3x2_scaled_bf16x2(hi, False, sc), e4m3x2_scaled_bf16x2(hi, True, sc))
+                if pow2_scale_ok(sc) != Int32(0):           # quantize_kv_fp8's scales (FlashMLA's format)
+                    s2 = pow2_scale_bf16x2(sc)
+                    for c, x in ((c0, x0), (c1, x1)):
+                        lo, hi = Int32(x), Int32(x >> 32)
+                        st_shared_v4_b32(c, e4m3x2_pow2_bf16x2(lo, False, s2), e4m3x2_pow2_bf16x2(lo, True, s2),
+                                         e4m3x2_pow2_bf16x2(hi, False, s2), e4m3x2_pow2_bf16x2(hi, True, s2))
+                else:                                       # any other scale (and a zero-filled row's 0)
+                    for c, x in ((c0, x0), (c1, x1)):
+                        lo, hi = Int32(x), Int32(x >> 32)
+                        st_shared_v4_b32(c, e4m3x2_scaled_bf16x2(lo, False, sc), e4m3x2_scaled_bf16x2(lo, True, sc),
+                                         e4m3x2_scaled_bf16x2(hi, False, sc), e4m3x2_scaled_bf16x2(hi, True, sc))
 
     # ----------------------------------------------------------------------------------- consumers (WG1, WG2)
     @cute.jit

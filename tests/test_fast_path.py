@@ -241,6 +241,45 @@ def test_sparse_attention_decode_runs_stored_plan(monkeypatch):
         kc._DECODE_FAST.clear()
 
 
+def test_indexer_decode_topk_runs_stored_plan(monkeypatch):
+    """dsagen.indexer_decode_topk (fused, eager): the first call of a signature takes the full path and keeps the
+    host's plan; a later call of the signature runs the plan with the new tensors; another signature is checked
+    again; impl="reference" keeps none."""
+    from dsagen.ops import kv_cache as kc
+
+    calls = {"full": 0, "plan": 0}
+
+    def plan(q, weights, k_cache, block_table, cache_seqlens):
+        calls["plan"] += 1
+        return torch.full((*q.shape[:2], 8), 2, dtype=torch.int32)
+
+    def host(q, weights, k_cache, block_table, cache_seqlens, top_k, keep_plan=None):
+        calls["full"] += 1
+        if keep_plan is not None:
+            keep_plan(plan)
+        return torch.full((*q.shape[:2], top_k), 1, dtype=torch.int32)
+
+    monkeypatch.setattr(kc, "fused_impl", lambda name, device: host)
+    kc._INDEXER_DECODE_FAST.clear()
+    q = torch.zeros(2, 1, 64, 128, dtype=torch.bfloat16)
+    w = torch.zeros(2, 1, 64)
+    cache = torch.zeros(4, 64, 128, dtype=torch.bfloat16)
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    lens = torch.full((2,), 64, dtype=torch.int32)
+    try:
+        assert dsagen.indexer_decode_topk(q, w, cache, table, lens, 8).eq(1).all() and calls["full"] == 1
+        ids = dsagen.indexer_decode_topk(q.clone(), w.clone(), cache.clone(), table.clone(), lens.clone(), 8)
+        assert ids.eq(2).all() and calls == {"full": 1, "plan": 1}
+        dsagen.indexer_decode_topk(q, w, cache, table, lens, 16)                   # another top_k: full path
+        assert calls == {"full": 2, "plan": 1}
+        with pytest.raises(TypeError, match="weights"):
+            dsagen.indexer_decode_topk(q, w.double(), cache, table, lens, 8)     # another signature: checked
+        dsagen.indexer_decode_topk(q, w, cache, table, lens, 8, impl="reference")  # the reference: no plan
+        assert calls == {"full": 2, "plan": 1} and len(kc._INDEXER_DECODE_FAST) == 2
+    finally:
+        kc._INDEXER_DECODE_FAST.clear()
+
+
 def test_batched_sparse_attention_ids_by_local_to_global(monkeypatch):
     """The batched layout's flat ids: an eager fused call takes the fused local_to_global (here its reference,
     standing in for the kernel) and gets the same ids as the torch ops of the other paths, as a (B * T, K) view;

@@ -21,6 +21,8 @@ Called by dsagen.ops.kv_cache.indexer_decode_topk after its checks. How a call r
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .forward_topk_host import ForwardTopkCall, ForwardTopkLaunch, check_supported
@@ -45,15 +47,18 @@ def check_decode_supported(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     check_supported(q, k_like, w_like, top_k, False)
 
 
-def _paged_inputs(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor):
-    """(k [n_pages, 64, D], weights as the kernel takes them, q_scale, k_scale) of a call."""
+def _paged_inputs(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
+                  q_scale: torch.Tensor | None = None):
+    """(k [n_pages, 64, D], weights as the kernel takes them, q_scale, k_scale) of a call; q_scale: the FP8 form's
+    unit q scales when a plan already holds them (else made here)."""
     b, next_n, h, d = q.shape
     if q.dtype == torch.float8_e4m3fn:
         n_pages = k_cache.shape[0]
         flat = k_cache.reshape(n_pages, DECODE_PAGE_ROWS * (d + 4))
         k = flat[:, :DECODE_PAGE_ROWS * d].view(n_pages, DECODE_PAGE_ROWS, d)
         k_scale = flat[:, DECODE_PAGE_ROWS * d:].view(torch.float32)
-        q_scale = torch.ones((b, next_n, h), dtype=torch.float32, device=q.device)
+        if q_scale is None:
+            q_scale = torch.ones((b, next_n, h), dtype=torch.float32, device=q.device)
         return k.view(torch.float8_e4m3fn), weights, q_scale, k_scale
     return k_cache, weights.to(q.dtype), None, None
 
@@ -69,20 +74,42 @@ def page_encode(ids: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return torch.where(ids >= 0, enc, -1).to(torch.int32)
 
 
+class DecodeIndexerPlan:
+    """The fused decode-time indexer of one call signature (the public op's fast path, dsagen.ops._fast_path): the
+    forward_topk launch plan, the FP8 form's unit q_scale and the views of the cache, decided by the call that made
+    it; calling it with tensors of that signature runs the same launches (run's steps without the planning)."""
+
+    def __init__(self, launch: ForwardTopkLaunch, q: torch.Tensor, top_k: int, q_scale: torch.Tensor | None):
+        self.launch, self.top_k, self.q_scale = launch, top_k, q_scale
+        self.next_n = q.shape[1]
+
+    def __call__(self, q, weights, k_cache, block_table, cache_seqlens) -> torch.Tensor:
+        k, w, _, k_scale = _paged_inputs(q, weights, k_cache, self.q_scale)
+        q_off = (cache_seqlens - self.next_n).to(torch.int32)
+        bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+        ids, _, _, _ = self.launch.launch(q, k, w, q_off, None, None,
+                                          ForwardTopkCall.new_outputs(q, self.top_k, False, False, False),
+                                          self.q_scale, k_scale, block_table=bt)
+        return page_encode(ids, bt)
+
+
 def run(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
-        cache_seqlens: torch.Tensor, top_k: int) -> torch.Tensor:
-    """The launches of one call (module docstring); returns the page-encoded ids [B, next_n, top_k]."""
+        cache_seqlens: torch.Tensor, top_k: int,
+        keep_plan: Callable[[DecodeIndexerPlan], None] | None = None) -> torch.Tensor:
+    """The launches of one call (module docstring); returns the page-encoded ids [B, next_n, top_k]. keep_plan:
+    called with the call's DecodeIndexerPlan (the public op's fast path)."""
     b, next_n, h, d = q.shape
     k, w, q_scale, k_scale = _paged_inputs(q, weights, k_cache)
     width = block_table.shape[1] * DECODE_PAGE_ROWS
-    q_off = (cache_seqlens - next_n).to(torch.int32)
-    bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     config = decode_config_for(h, d, _DTYPES[q.dtype], "sm_90a")
+    q_off = (cache_seqlens - next_n).to(torch.int32)
     plan = ForwardTopkLaunch(q, k, w, top_k, 1, q_off, None, width, None, None, False, q_scale, k_scale, config,
                              paged_len=width)
-    ids, _, _, _ = plan.launch(q, k, w, q_off, None, None, ForwardTopkCall.new_outputs(q, top_k, False, False, False),
-                               q_scale, k_scale, block_table=bt)
-    return page_encode(ids, bt)
+    decode_plan = DecodeIndexerPlan(plan, q, top_k, q_scale)
+    ids = decode_plan(q, weights, k_cache, block_table, cache_seqlens)
+    if keep_plan is not None:
+        keep_plan(decode_plan)
+    return ids
 
 
 @torch.library.custom_op("dsagen::indexer_decode_topk_fused", mutates_args=())
@@ -98,11 +125,13 @@ def _(q, weights, k_cache, block_table, cache_seqlens, top_k):
 
 
 def indexer_decode_topk(q_indexer: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
-                        block_table: torch.Tensor, cache_seqlens: torch.Tensor, top_k: int) -> torch.Tensor:
+                        block_table: torch.Tensor, cache_seqlens: torch.Tensor, top_k: int,
+                        keep_plan: Callable[[DecodeIndexerPlan], None] | None = None) -> torch.Tensor:
     """dsagen.indexer_decode_topk(impl="fused") after its checks: the kernels' limits (check_decode_supported), then
     the launches, eagerly or, under torch.compile, through the custom op. Returns int32 [B, next_n, top_k]
-    page-encoded ids in ascending position, -1 padded."""
+    page-encoded ids in ascending position, -1 padded. keep_plan: called with an eager call's DecodeIndexerPlan
+    (the public op's fast path)."""
     check_decode_supported(q_indexer, k_cache, block_table, top_k)
     if eager(q_indexer):
-        return run(q_indexer, weights, k_cache, block_table, cache_seqlens, top_k)
+        return run(q_indexer, weights, k_cache, block_table, cache_seqlens, top_k, keep_plan)
     return _decode_op(q_indexer, weights, k_cache, block_table, cache_seqlens, top_k)

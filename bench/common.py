@@ -140,3 +140,17 @@ def distinct_ids(s_q: int, topk: int, n_kv: int, gen: torch.Generator) -> torch.
     start = torch.randint(0, n_kv, (s_q, 1), generator=gen, dtype=torch.int64)
     stride = torch.randint(0, n_kv // 2, (s_q, 1), generator=gen, dtype=torch.int64) * 2 + 1  # odd: a cycle
     return ((start + torch.arange(topk).view(1, -1) * stride) % n_kv).to(torch.int32)
+
+
+def graphed(fn, reps: int):
+    """fn run `reps` times inside a CUDA graph; returns a callable that replays it (one call = reps calls)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return graph.replay

@@ -22,7 +22,7 @@ import argparse
 import json
 
 import torch
-from common import paired_time_ms
+from common import graphed, paired_time_ms
 
 import dsagen
 
@@ -46,20 +46,6 @@ def case_inputs(b: int, next_n: int, cache_tokens: int, fp8: bool, seed: int):
     table = torch.randperm(pages, generator=gen, device="cuda").view(b, per_seq).int()
     lens = torch.full((b,), cache_tokens, dtype=torch.int32, device="cuda")
     return q, w, cache, table, lens
-
-
-def graphed(fn, reps: int):
-    """fn run `reps` times inside a CUDA graph; returns a callable that replays it (one call = reps calls)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return graph.replay
 
 
 def run_case(b: int, next_n: int, cache_tokens: int, top_k: int, reps: int, hbm_tbps: float) -> dict:

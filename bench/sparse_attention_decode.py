@@ -26,7 +26,7 @@ import json
 import sys
 
 import torch
-from common import paired_time_ms
+from common import graphed, paired_time_ms
 
 import dsagen
 import dsagen.kernels.sparse_mla.host as fused_sa
@@ -48,20 +48,6 @@ def case_inputs(b: int, s_q: int, cache_tokens: int, topk: int, seed: int):
     ids = ids.to(torch.int32).view(b, s_q, topk).cuda()
     sink = torch.randn(H, generator=gen).cuda()
     return q, fp8, bf16, ids, sink
-
-
-def graphed(fn, reps: int):
-    """fn run `reps` times inside a CUDA graph; returns a callable that replays it (one call = reps calls)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return graph.replay
 
 
 def run_case(b, s_q, cache_tokens, topk, reps, graph, flashmla, seed):

@@ -2,14 +2,16 @@
 the split over the KV slots, optionally beside FlashMLA's SM90 sparse FP8 decode, in one run (GPU).
 
     python bench/sparse_attention_decode.py [--batch 1,32,128] [--s-q 1,2] [--cache-tokens 65536] [--topk 2048]
-                                            [--reps N] [--graph] [--flashmla DIR] [--json FILE]
+                                            [--reps N] [--graph] [--flashmla DIR]
+                                            [--shared-dequant-other] [--json FILE]
 
 Shapes: H 128, D 576 / 512, page blocks of 64 tokens, `cache-tokens` cached tokens, ids drawn without repeats per
 row over the whole cache (page-encoded rows), a sink. Contenders, timed interleaved on the same inputs
 (common.paired_time_ms, the order shuffled every round): `fp8` the public op on the FP8 cache (the split when
 decode_host.split_plan picks one), `fp8 whole` the same kernel without the split (the flat entry with split=None),
-`bf16` the public op on the BF16 cache of the same dequantized values, and with --flashmla DIR FlashMLA's decode on
-the FP8 cache: DIR holds `flashmla_peer.py`, built from FlashMLA's source with nvcc for sm_90a (not part of dsagen),
+`bf16` the public op on the BF16 cache of the same dequantized values, with --shared-dequant-other `fp8 other` the
+FP8 kernel with the other SparseAttnFwdConfig.shared_dequant setting than the op's (the op's split), and with
+--flashmla DIR FlashMLA's decode on the FP8 cache: DIR holds `flashmla_peer.py`, built from FlashMLA's source with nvcc for sm_90a (not part of dsagen),
 whose `sparse_decode_fp8(q, cache, indices, sink, scale) -> (out, lse)` takes q [B, s_q, H, 576] bf16, the cache
 [blocks, 64, 1, 656] uint8 and indices [B, s_q, topk] int32 as dsagen's op does. --graph times each contender as a
 replayed CUDA graph of `reps` calls (the serving loop: no host time); otherwise eager calls, host path included.
@@ -22,6 +24,7 @@ lse between the FP8 contenders and against the BF16 run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -31,6 +34,7 @@ from common import graphed, paired_time_ms
 import dsagen
 import dsagen.kernels.sparse_mla.host as fused_sa
 from dsagen.kernels.sparse_mla.decode_host import split_plan
+from dsagen.kernels.sparse_mla.spec import config_for
 
 H, D_QK, D_V, PAGE = 128, 576, 512, 64
 
@@ -50,7 +54,7 @@ def case_inputs(b: int, s_q: int, cache_tokens: int, topk: int, seed: int):
     return q, fp8, bf16, ids, sink
 
 
-def run_case(b, s_q, cache_tokens, topk, reps, graph, flashmla, seed):
+def run_case(b, s_q, cache_tokens, topk, reps, graph, flashmla, seed, shared=False):
     q, fp8, bf16, ids, sink = case_inputs(b, s_q, cache_tokens, topk, seed)
     scale = D_QK ** -0.5
     rows = fp8.view(-1, 656)
@@ -60,6 +64,13 @@ def run_case(b, s_q, cache_tokens, topk, reps, graph, flashmla, seed):
                                               D_V)[:2],
         "bf16": lambda: dsagen.sparse_attention_decode(q, bf16, ids, attn_sink=sink, softmax_scale=scale),
     }
+    if shared:     # the other shared_dequant setting than the op's, whole rows and with the op's split
+        other = dataclasses.replace(config_for(H, D_QK, "bfloat16", None, "sm_90a", None, True),
+                                    shared_dequant=not config_for(H, D_QK, "bfloat16", None, "sm_90a", None,
+                                                                  True).shared_dequant)
+        split = split_plan(b * s_q, H, topk, torch.cuda.get_device_properties(0).multi_processor_count)
+        fns["fp8_other"] = lambda: fused_sa._launch(q.view(-1, H, D_QK), rows, ids.view(b * s_q, topk), sink, None,
+                                                    scale, D_V, config=other, split=split)[:2]
     if flashmla is not None:
         fns["flashmla"] = lambda: flashmla.sparse_decode_fp8(q, fp8, ids, sink, scale)
     outs = {k: fn() for k, fn in fns.items()}
@@ -76,7 +87,7 @@ def run_case(b, s_q, cache_tokens, topk, reps, graph, flashmla, seed):
         row[f"{k}_tflops"] = flops / ms / 1e9
     row["split_speedup"] = times["fp8_whole"] / times["fp8"]
     base_out, base_lse = outs["fp8"]
-    for k in ("fp8_whole", "bf16", "flashmla"):
+    for k in ("fp8_whole", "fp8_other", "bf16", "flashmla"):
         if k in outs:
             o, lse = outs[k]
             row[f"{k}_max_abs_diff_out"] = (o.float().view_as(base_out) - base_out.float()).abs().max().item()
@@ -97,6 +108,10 @@ def main() -> None:
     ap.add_argument("--graph", action="store_true", help="time replayed CUDA graphs of reps calls (no host time)")
     ap.add_argument("--flashmla", metavar="DIR",
                     help="a folder with flashmla_peer.py (FlashMLA built with nvcc for sm_90a)")
+    ap.add_argument("--shared-dequant-other", action="store_true",
+                    help="also time `fp8_other`: the FP8 kernel with the other shared_dequant setting than the op's "
+                         "(SparseAttnFwdConfig.shared_dequant: a cluster of two sharing the dequantization), with "
+                         "the op's split")
     ap.add_argument("--json")
     args = ap.parse_args()
     flashmla = None
@@ -106,7 +121,8 @@ def main() -> None:
     rows = []
     for b in (int(x) for x in args.batch.split(",")):
         for s_q in (int(x) for x in args.s_q.split(",")):
-            row = run_case(b, s_q, args.cache_tokens, args.topk, args.reps, args.graph, flashmla, seed=b * 10 + s_q)
+            row = run_case(b, s_q, args.cache_tokens, args.topk, args.reps, args.graph, flashmla, seed=b * 10 + s_q,
+                           shared=args.shared_dequant_other)
             rows.append(row)
             cols = [f"{k}={row[k]:.4f}" for k in row if k.endswith("_ms")]
             extra = f" vs FlashMLA {row['vs_flashmla']:.2f}x" if "vs_flashmla" in row else ""

@@ -15,9 +15,10 @@ class BuiltKernel(NamedTuple):
     host: Any
 
     @classmethod
-    def of(cls, params: list[dict], k: Any, grid: str) -> "BuiltKernel":
+    def of(cls, params: list[dict], k: Any, grid: str, cluster: int = 1) -> "BuiltKernel":
         """The built kernel of a kernel object `k` (its THREADS, Smem struct, kernel and host) launched on a 1-D grid
-        of `grid` CTAs (an expression over scalar params), no cluster, dynamic smem k.Smem's size."""
-        launch = {"grid": [grid, 1, 1], "block": [k.THREADS, 1, 1], "cluster": [1, 1, 1],
+        of `grid` CTAs (an expression over scalar params) in clusters of `cluster` CTAs along x (1: none), dynamic
+        smem k.Smem's size."""
+        launch = {"grid": [grid, 1, 1], "block": [k.THREADS, 1, 1], "cluster": [cluster, 1, 1],
                   "smem": k.Smem.size_in_bytes()}
         return cls(params, launch, k.kernel, k.host)

@@ -13,6 +13,8 @@ Build what these need first (CPU, with CuTe-DSL):
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -27,6 +29,8 @@ REQUIRED_SPECS = [config_for(h, 576, "bfloat16", None, ARCH, None, fp8).spec(h, 
                                                                              split_kv=split)
                   for h in (64, 128) for fp8 in (False, True) for split in (False, True)]
 REQUIRED_SPECS += [SparseAttnCombineSpec(arch=ARCH)]
+SHARED = dataclasses.replace(config_for(128, 576, "bfloat16", None, ARCH, None, True), shared_dequant=True)
+REQUIRED_SPECS += [SHARED.spec(128, 576, "bfloat16", ARCH, kv_fp8=True, split_kv=split) for split in (False, True)]
 
 pytestmark = pytest.mark.gpu
 
@@ -166,6 +170,26 @@ def test_fp8_cache_lengths_empty_rows_and_strides():
         dsagen.sparse_attention_decode(q, torch.cat([fp8, fp8])[::2], ids)
     out, lse = dsagen.sparse_attention_decode(q, fp8[:0], ids)
     assert (out == 0).all() and torch.isposinf(lse).all()
+
+
+@pytest.mark.parametrize("split", [None, (4, 256)])
+def test_fp8_shared_dequant_matches_the_one_cta_kernel(split):
+    """The cluster of two that shares the FP8 dequantization (shared_dequant, H 128) gives the one-CTA FP8 kernel's
+    bytes, whole rows and split: odd tile counts, rows shorter than a tile, empty rows, invalid ids, repeats, a
+    sink, more items than CTAs (so each CTA pair loops), pow2 and other scales."""
+    gen = torch.Generator().manual_seed(91 + (split is not None))
+    q, cache, ids = _case(150, 2, 128, 1024, 64, 64, gen)
+    fp8, _ = _fp8(cache)
+    fp8.view(-1, 656)[::5, 512:528].view(torch.float32).mul_(1.5)
+    rows = fp8.view(-1, 656)
+    q3, ids2 = q.reshape(300, 128, 576), ids.reshape(300, 1024)
+    length = torch.randint(0, 1025, (300,), generator=gen, dtype=torch.int32)
+    length[:4] = torch.tensor([0, 1, 64, 65])
+    length = length.to(DEV)
+    sink = torch.randn(128, generator=gen).to(DEV)
+    got = fwd_host._launch(q3, rows, ids2, sink, length, 0.05, 512, split=split, config=SHARED)
+    want = fwd_host._launch(q3, rows, ids2, sink, length, 0.05, 512, split=split)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -62,8 +62,8 @@ from dsagen.kernels.common.sm90.gather import cp_async_rows, gather_base, gather
 from dsagen.kernels.common.sm90.ids import row_slots
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
 from dsagen.kernels.common.sm90.ptx import (e4m3x2_pow2_bf16x2, e4m3x2_scaled_bf16x2, l2_evict_first_policy,
-                                            ld_shared_b64, ld_shared_f32, pow2_scale_bf16x2, pow2_scale_ok,
-                                            st_shared_v4_b32)
+                                            ld_shared_b64, ld_shared_f32, mapa_shared, pow2_scale_bf16x2,
+                                            pow2_scale_ok, st_async_v4_b32, st_shared_v4_b32)
 from dsagen.kernels.common.sm90.reduce import quad_sum
 from dsagen.kernels.common.sm90.softmax import exp_and_rescale, masked_row_max
 
@@ -110,13 +110,13 @@ def params(dtype: str, lse_prefix: bool = False, kv_fp8: bool = False, split_kv:
 
 def build(num_heads: int, d_qk: int, d_v: int, dtype: str, block_n: int, stages: int, regs_producer: int,
           regs_qk: int, regs_pv: int, lse_prefix: bool = False, kv_fp8: bool = False,
-          split_kv: bool = False) -> BuiltKernel:
+          split_kv: bool = False, shared_dequant: bool = False) -> BuiltKernel:
     """A new sparse MLA forward for one SparseAttnFwdSpec's values (SparseMlaFwdSm90 lists the constraints). Each
     call returns distinct function objects, so every rendered module names its own kernel."""
     fwd = SparseMlaFwdSm90(num_heads, d_qk, d_v, dtype, block_n, stages, regs_producer, regs_qk, regs_pv, lse_prefix,
-                           kv_fp8, split_kv)
+                           kv_fp8, split_kv, shared_dequant)
     items = f"s_q * {fwd.HB} * n_splits" if split_kv else f"s_q * {fwd.HB}"
-    return BuiltKernel.of(params(dtype, lse_prefix, kv_fp8, split_kv), fwd, f"min({items}, n_ctas)")
+    return BuiltKernel.of(params(dtype, lse_prefix, kv_fp8, split_kv), fwd, f"min({items}, n_ctas)", fwd.CLUSTER)
 
 
 class KernelArgs(NamedTuple):
@@ -151,6 +151,8 @@ class Barriers(NamedTuple):
     q_free: Any
     mask_mbar: Any
     sValid: Any      # [tile of the pair][row]: 1 = a valid id
+    peer: Any = None        # shared_dequant kernels: the partner CTA's rank in the cluster, and the offset from a
+    peer_delta: Any = None  # shared::cta address here to the same place's shared::cluster address in the partner
 
 
 class ConsumerState(NamedTuple):
@@ -223,10 +225,16 @@ class SparseMlaFwdSm90:
 
     def __init__(self, num_heads: int, d_qk: int, d_v: int, dtype: str, block_n: int, stages: int,
                  regs_producer: int, regs_qk: int, regs_pv: int, lse_prefix: bool = False, kv_fp8: bool = False,
-                 split_kv: bool = False):
+                 split_kv: bool = False, shared_dequant: bool = False):
         self.LSE_PREFIX = lse_prefix            # also write the LSE over each row's first n_prefix slots
         self.KV_FP8 = kv_fp8                    # kv rows are the FP8 cache's (dequantized by the producer)
         self.SPLIT_KV = split_kv                # items per (row, head block, slot range); FP32 partial outputs
+        self.SHARED_DEQUANT = shared_dequant    # a cluster of two CTAs (a row's head blocks) shares the dequantization
+        self.CLUSTER = 2 if shared_dequant else 1
+        self.PEER_HALF_BYTES = 32 * 4 * 128     # the partner's 32 rows x 4 NoPE blocks of a half-stage, bf16
+        self.launch_kw = {"min_blocks_per_mp": 1}
+        if shared_dequant:
+            self.launch_kw["cluster"] = (2, 1, 1)
         self.H = num_heads                      # heads of the op; one item per 64
         self.HB = num_heads // self.M
         self.D_QK = d_qk
@@ -291,7 +299,7 @@ class SparseMlaFwdSm90:
                 kernel(p_q, p_kv, p_idx, p_len, p_sink, p_out, p_lse, p_maxl, s_q, n_kv, topk, ld_q, ld_kv, ld_idx,
                        softmax_scale, has_length, has_sink, n_ctas, n_splits, split_slots).launch(
                     grid=(cutlass.min(s_q * fwd.HB * n_splits, n_ctas), 1, 1), block=(fwd.THREADS, 1, 1),
-                    smem=fwd.Smem.size_in_bytes(), min_blocks_per_mp=1)
+                    smem=fwd.Smem.size_in_bytes(), **fwd.launch_kw)
         elif const_expr(not self.LSE_PREFIX):
             @cute.kernel
             def kernel(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_len: cute.Pointer,
@@ -309,7 +317,7 @@ class SparseMlaFwdSm90:
                 kernel(p_q, p_kv, p_idx, p_len, p_sink, p_out, p_lse, p_maxl, s_q, n_kv, topk, ld_q, ld_kv, ld_idx,
                        softmax_scale, has_length, has_sink, n_ctas).launch(
                     grid=(cutlass.min(s_q * fwd.HB, n_ctas), 1, 1), block=(fwd.THREADS, 1, 1),
-                    smem=fwd.Smem.size_in_bytes(), min_blocks_per_mp=1)
+                    smem=fwd.Smem.size_in_bytes(), **fwd.launch_kw)
         else:
             @cute.kernel
             def kernel(p_q: cute.Pointer, p_kv: cute.Pointer, p_idx: cute.Pointer, p_len: cute.Pointer,
@@ -329,7 +337,7 @@ class SparseMlaFwdSm90:
                 kernel(p_q, p_kv, p_idx, p_len, p_sink, p_out, p_lse, p_maxl, s_q, n_kv, topk, ld_q, ld_kv, ld_idx,
                        softmax_scale, has_length, has_sink, n_ctas, p_lsep, n_prefix).launch(
                     grid=(cutlass.min(s_q * fwd.HB, n_ctas), 1, 1), block=(fwd.THREADS, 1, 1),
-                    smem=fwd.Smem.size_in_bytes(), min_blocks_per_mp=1)
+                    smem=fwd.Smem.size_in_bytes(), **fwd.launch_kw)
 
         return kernel, host
 
@@ -381,11 +389,20 @@ class SparseMlaFwdSm90:
         q_free = st.q_free_mbar.data_ptr()
         mask_mbar = st.mask_mbar.data_ptr()
         sValid = st.valid.get_tensor(cute.make_layout(2 * BN))
+        # ready: the producer's 128 arrivals (noinc for cp.async; shared_dequant: plus the partner's st.async bytes);
+        # free: one consumer warpgroup (shared_dequant: also the partner's, 32 per warp from its lane 0)
+        free_count = 256 if const_expr(self.SHARED_DEQUANT) else 128
         init_mbarriers(c.warp, [(q_mbar, 128),
                                 (q_free, 256),          # every consumer thread, once per item
                                 (mask_mbar, 16)]        # one arrival per producer group of 8 threads
-                       + [(hbar + i, 128) for i in range(8)])   # ready: producer noinc arrivals; free: one WG
+                       + [(hbar + i, 128) for i in range(4)] + [(hbar + 4 + i, free_count) for i in range(4)],
+                       cluster=self.SHARED_DEQUANT)
         bars = Barriers(hbar=hbar, q_mbar=q_mbar, q_free=q_free, mask_mbar=mask_mbar, sValid=sValid)
+        if const_expr(self.SHARED_DEQUANT):
+            peer = Int32(1) - c.bidx % 2                    # clusters of two along x: rank = block index % 2
+            here = hbar.toint()
+            bars = Barriers(hbar=hbar, q_mbar=q_mbar, q_free=q_free, mask_mbar=mask_mbar, sValid=sValid, peer=peer,
+                            peer_delta=mapa_shared(here, peer) - here)
 
         if c.wg == 0:
             self.producer(a, bars, st, lay_q, lay_kv, c.tidx, c.bidx, n_items, c.nctas)
@@ -393,26 +410,37 @@ class SparseMlaFwdSm90:
             self.consumer(0, a, bars, st, sQ, sKV, sVt, sP0, sP1, c.tidx, c.bidx, n_items, c.nctas)
         else:
             self.consumer(1, a, bars, st, sQ, sKV, sVt, sP1, sP0, c.tidx, c.bidx, n_items, c.nctas)
+        if const_expr(self.SHARED_DEQUANT):
+            # no CTA leaves while its partner may still store into its stages or arrive on its barriers
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     @cute.jit
     def item_setup(self, a: KernelArgs, item: Int32):
         """An item = (query row, 64 heads): (tok, head0, kmax, npairs, slot0, orow): its valid slots slot0 + [0,
         kmax), its pairs of BN-slot tiles (an odd tail gets an all-masked partner: zero-filled rows, P = 0) and the
-        row of the outputs it writes. split_kv kernels: item = (query row, 64 heads, range j) with j fastest, the
-        range's slots j split_slots + [0, split_slots) of the row's valid ones, output row tok n_splits + j; else
-        slot0 = 0 and orow = tok."""
+        row of the outputs it writes. split_kv kernels: item = (query row, 64 heads, range j) with j fastest
+        (shared_dequant: the head block fastest, then j), the range's slots j split_slots + [0, split_slots) of the
+        row's valid ones, output row tok n_splits + j; else slot0 = 0 and orow = tok."""
         base = item
         slot0 = Int32(0)
+        j = Int32(0)
         if const_expr(self.SPLIT_KV):
-            base = item // a.n_splits
-            slot0 = (item - base * a.n_splits) * a.split_slots
+            if const_expr(self.SHARED_DEQUANT):           # (row, range, head block): the cluster's CTAs pair up
+                rest = item // self.HB
+                j = rest % a.n_splits
+                base = (rest // a.n_splits) * self.HB + (item - rest * self.HB)
+            else:
+                base = item // a.n_splits
+                j = item - base * a.n_splits
+            slot0 = j * a.split_slots
         tok, head0 = row_head_block(base, self.HB, self.M)
         kmax, ntiles = row_slots(a.p_len, a.has_length, a.topk, tok, self.BN)
         orow = tok
         if const_expr(self.SPLIT_KV):
             kmax = cutlass.min(cutlass.max(kmax - slot0, Int32(0)), a.split_slots)
             ntiles = (kmax + self.BN - 1) // self.BN
-            orow = tok * a.n_splits + (item - base * a.n_splits)
+            orow = tok * a.n_splits + j
         npairs = (ntiles + 1) // 2                         # tiles go in pairs (2k -> stage 0, 2k+1 -> stage 1)
         return tok, head0, kmax, npairs, slot0, orow
 
@@ -535,9 +563,15 @@ class SparseMlaFwdSm90:
                         prims.cp_async_wait_group(1)
                     else:
                         prims.cp_async_wait_group(0)
-                self.dequant_half(lay_kv, sKVb, sw_kv, s, h)
+                self.dequant_half(bars, lay_kv, sKVb, sw_kv, s, h)
                 cute.arch.fence_proxy("async.shared", space="cta")              # st.shared -> the consumers' wgmma
-                cute.arch.mbarrier_arrive(bars.hbar + (2 * s + h))              # ready[s][h]
+                if const_expr(self.SHARED_DEQUANT):
+                    if lanes.tidx == 0:                     # the partner's rows arrive as st.async bytes
+                        cute.arch.mbarrier_arrive_and_expect_tx(bars.hbar + (2 * s + h), self.PEER_HALF_BYTES)
+                    else:
+                        cute.arch.mbarrier_arrive(bars.hbar + (2 * s + h))
+                else:
+                    cute.arch.mbarrier_arrive(bars.hbar + (2 * s + h))          # ready[s][h]
 
     @cute.jit
     def stage_raw_half(self, a, bars, lay_kv, sKVb, sw_kv, ids, s: int, h: int, col0, free_phase):
@@ -557,18 +591,29 @@ class SparseMlaFwdSm90:
             for kb in cutlass.range_constexpr(kb0, kb1):
                 dst = sKVb + (sw_kv + lay_kv.outer((16 * i, kb * 64, s)) * 2)
                 if const_expr(kb < KV_NOPE // 64):
-                    prims.cp_async_shared_global(dst, row + (kb * 64 + col0), 8, "ca",
-                                                 cp_size=Int32(8) if ok else Int32(0))
-                    if const_expr(kb % 2 == 0):
-                        prims.cp_async_shared_global(dst + 8, row + (KV_NOPE + 4 * (kb * 64 // KV_TILE)), 4, "ca",
-                                                     cp_size=Int32(4) if ok else Int32(0))
+                    if self.own_row(bars, i):
+                        prims.cp_async_shared_global(dst, row + (kb * 64 + col0), 8, "ca",
+                                                     cp_size=Int32(8) if ok else Int32(0))
+                        if const_expr(kb % 2 == 0):
+                            prims.cp_async_shared_global(dst + 8, row + (KV_NOPE + 4 * (kb * 64 // KV_TILE)), 4,
+                                                         "ca", cp_size=Int32(4) if ok else Int32(0))
                 else:
                     prims.cp_async_shared_global(dst, row + (KV_ROPE_BYTE + 2 * col0), 16, "cg",
                                                  cp_size=Int32(16) if ok else Int32(0))
         prims.cp_async_commit_group()
 
     @cute.jit
-    def dequant_half(self, lay_kv, sKVb, sw_kv, s: int, h: int):
+    def own_row(self, bars, i: int):
+        """Whether the producer thread dequantizes its row i (0..RPG-1) of a tile: every row, or with shared_dequant
+        rows 0, 1 in the cluster's CTA 0 and 2, 3 in CTA 1 (tile rows 0..31 / 32..63; the partner's come by
+        st.async). A CTA-uniform condition."""
+        own = True
+        if const_expr(self.SHARED_DEQUANT):
+            own = bars.peer == Int32(1 - i // 2)
+        return own
+
+    @cute.jit
+    def dequant_half(self, bars, lay_kv, sKVb, sw_kv, s: int, h: int):
         """FP8 cache kernels: dequantize the thread's NoPE chunks of half h of stage s in place, once their raw bytes
         landed (stage_raw_half): per pair of blocks (kb, kb + 1) of one 128-value tile, both chunks' 8 E4M3 bytes
         and the tile's scale read first, then each chunk rewritten as 8 bf16 values = E4M3 x scale rounded to bf16,
@@ -580,24 +625,35 @@ class SparseMlaFwdSm90:
         RPG = self.BN // 16
         kb0, kb1 = self.half_blocks(h)
         for i in cutlass.range_constexpr(RPG):
-            for kb in cutlass.range_constexpr(kb0, min(kb1, KV_NOPE // 64), 2):
-                c0 = sKVb + (sw_kv + lay_kv.outer((16 * i, kb * 64, s)) * 2)
-                c1 = sKVb + (sw_kv + lay_kv.outer((16 * i, kb * 64 + 64, s)) * 2)
-                x0 = ld_shared_b64(c0)
-                sc = ld_shared_f32(c0 + 8)
-                x1 = ld_shared_b64(c1)
-                if pow2_scale_ok(sc) != Int32(0):           # quantize_kv_fp8's scales (FlashMLA's format)
-                    s2 = pow2_scale_bf16x2(sc)
-                    for c, x in ((c0, x0), (c1, x1)):
-                        lo, hi = Int32(x), Int32(x >> 32)
-                        st_shared_v4_b32(c, e4m3x2_pow2_bf16x2(lo, False, s2), e4m3x2_pow2_bf16x2(lo, True, s2),
-                                         e4m3x2_pow2_bf16x2(hi, False, s2), e4m3x2_pow2_bf16x2(hi, True, s2))
-                else:                                       # any other scale (and a zero-filled row's 0)
-                    for c, x in ((c0, x0), (c1, x1)):
-                        lo, hi = Int32(x), Int32(x >> 32)
-                        st_shared_v4_b32(c, e4m3x2_scaled_bf16x2(lo, False, sc), e4m3x2_scaled_bf16x2(lo, True, sc),
-                                         e4m3x2_scaled_bf16x2(hi, False, sc), e4m3x2_scaled_bf16x2(hi, True, sc))
+            if self.own_row(bars, i):
+                for kb in cutlass.range_constexpr(kb0, min(kb1, KV_NOPE // 64), 2):
+                    c0 = sKVb + (sw_kv + lay_kv.outer((16 * i, kb * 64, s)) * 2)
+                    c1 = sKVb + (sw_kv + lay_kv.outer((16 * i, kb * 64 + 64, s)) * 2)
+                    x0 = ld_shared_b64(c0)
+                    sc = ld_shared_f32(c0 + 8)
+                    x1 = ld_shared_b64(c1)
+                    if pow2_scale_ok(sc) != Int32(0):       # quantize_kv_fp8's scales (FlashMLA's format)
+                        s2 = pow2_scale_bf16x2(sc)
+                        for c, x in ((c0, x0), (c1, x1)):
+                            lo, hi = Int32(x), Int32(x >> 32)
+                            self.store_chunk(bars, c, s, h, e4m3x2_pow2_bf16x2(lo, False, s2),
+                                             e4m3x2_pow2_bf16x2(lo, True, s2), e4m3x2_pow2_bf16x2(hi, False, s2),
+                                             e4m3x2_pow2_bf16x2(hi, True, s2))
+                    else:                                   # any other scale (and a zero-filled row's 0)
+                        for c, x in ((c0, x0), (c1, x1)):
+                            lo, hi = Int32(x), Int32(x >> 32)
+                            self.store_chunk(bars, c, s, h, e4m3x2_scaled_bf16x2(lo, False, sc),
+                                             e4m3x2_scaled_bf16x2(lo, True, sc), e4m3x2_scaled_bf16x2(hi, False, sc),
+                                             e4m3x2_scaled_bf16x2(hi, True, sc))
 
+    @cute.jit
+    def store_chunk(self, bars, c, s: int, h: int, w0, w1, w2, w3):
+        """A dequantized 16-byte chunk at shared pointer c; with shared_dequant also into the partner's stage at the
+        same place by st.async, completing 16 bytes of its ready[s][h]."""
+        st_shared_v4_b32(c, w0, w1, w2, w3)
+        if const_expr(self.SHARED_DEQUANT):
+            st_async_v4_b32(c.toint() + bars.peer_delta, w0, w1, w2, w3,
+                            (bars.hbar + (2 * s + h)).toint() + bars.peer_delta)
     # ----------------------------------------------------------------------------------- consumers (WG1, WG2)
     @cute.jit
     def consumer(self, w: int, a, bars, st, sQ, sKV, sVt, sP_own, sP_other, tidx, bidx, n_items, nctas):
@@ -750,6 +806,16 @@ class SparseMlaFwdSm90:
             f.keep[c] = bars.sValid[tile * self.BN + f.cS[0, c][1]] != Int8(0)
 
     @cute.jit
+    def release_half(self, bars, k: int):
+        """Arrive on free[s][h] = hbar + 4 + k (k = 2 s + h) once this consumer's reads of the half retired; with
+        shared_dequant also on the partner CTA's, which stores its rows into this stage: lane 0 of each warp for
+        its 32 threads (after the warpgroup's wgmma wait, so every lane's reads retired)."""
+        cute.arch.mbarrier_arrive(bars.hbar + (4 + k))
+        if const_expr(self.SHARED_DEQUANT):
+            if cute.arch.lane_idx() == 0:
+                cute.arch.mbarrier_arrive(bars.hbar + (4 + k), peer_cta_rank_in_cluster=bars.peer, arrive_count=32)
+
+    @cute.jit
     def pv(self, f, mma, frg_a, frg_v, stage: int):
         """O half += P V of `stage` (P: registers for mma_rs, smem for mma_ss), committed as one group."""
         warpgroup.fence()
@@ -773,7 +839,7 @@ class SparseMlaFwdSm90:
         f.rP.store(f.accS.load().to(self.dtype))              # P0 -> bf16 once: the RS operand
         self.pv(f, f.mma_rs, f.tOrP, f.tOrV, 0)
         warpgroup.wait_group(0)
-        cute.arch.mbarrier_arrive(bars.hbar + 4)                 # free[0][L]: P0 V0L retired
+        self.release_half(bars, 0)                 # free[0][L]: P0 V0L retired
         # the pair max m from B: rescale P0, O_L and the row sum by exp2(m0 - m) <= 1
         cute.arch.barrier(barrier_id=self.BAR_MAX_B, number_of_threads=256)
         for r in cutlass.range_constexpr(self.rows(f)):
@@ -795,13 +861,13 @@ class SparseMlaFwdSm90:
         self.pv(f, f.mma_ss, f.tCrP, f.tCrV, 1)
         if const_expr(last):
             warpgroup.wait_group(0)
-            cute.arch.mbarrier_arrive(bars.hbar + 6)                 # free[1][L]: P1 V1L retired
+            self.release_half(bars, 2)                 # free[1][L]: P1 V1L retired
         else:
             # the next pair's S0 = Q K0^T (left half) goes out before V1L is freed
             mma_qk = self.qk_half(bars, f, mma_qk, 0, 0, (g + 1) % 2, True)
             warpgroup.commit_group()
             warpgroup.wait_group(1)
-            cute.arch.mbarrier_arrive(bars.hbar + 6)                 # free[1][L]: P1 V1L retired
+            self.release_half(bars, 2)                 # free[1][L]: P1 V1L retired
             mma_qk = self.qk_half(bars, f, mma_qk, 0, 1, (g + 1) % 2, False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
@@ -827,13 +893,13 @@ class SparseMlaFwdSm90:
         # B's next QK^T needs first) starts one P0 hand-off + P0 V0R earlier; the tensor pipe still has P1 V1R
         # to run while B waits here, and P0 V0R would queue behind it anyway
         warpgroup.wait_group(0)
-        cute.arch.mbarrier_arrive(bars.hbar + 7)                 # free[1][R]: P1 V1R retired
+        self.release_half(bars, 3)                 # free[1][R]: P1 V1R retired
         cute.arch.barrier(barrier_id=self.BAR_P_A, number_of_threads=256)     # P0 in smem
         self.pv(f, f.mma_ss, f.tCrP, f.tCrV, 0)
         cute.arch.fence_proxy("async.shared", space="cta")   # st.shared P1 -> A's wgmma
         cute.arch.barrier_arrive(barrier_id=self.BAR_P_B, number_of_threads=256)
         warpgroup.wait_group(0)
-        cute.arch.mbarrier_arrive(bars.hbar + 5)                 # free[0][R]: P0 V0R retired
+        self.release_half(bars, 1)                 # free[0][R]: P0 V0R retired
 
     # --------------------------------------------------------------------------------------------- epilogue
     @cute.jit

@@ -50,6 +50,10 @@ class SparseAttnFwdSpec(KernelSpec):
       arguments), and out / lse are FP32 partials of the (row, range) rows, O / its own row sum with no sink and its
       KV-only LSE (+inf: no valid slot), which SparseAttnCombineSpec's kernel merges (the decode's split over the KV
       slots when the rows alone leave SMs idle; sparse_attention_decode). Not with lse_prefix.
+    shared_dequant: (kv_fp8, num_heads 128) the two CTAs of a cluster of two run a row's two head blocks and share
+      the dequantization: each dequantizes half of every tile's rows into its own stage and, by st.async, into its
+      partner's (FlashMLA's "crossover"), which frees its own half of the producer's work; items go (row, head block)
+      with the head block fastest in both the whole-row and the split forms; the grid is a multiple of two.
 
     Sequence lengths, top-k width, KV pool size, softmax scale and the CTA count are run-time arguments.
     """
@@ -69,9 +73,15 @@ class SparseAttnFwdSpec(KernelSpec):
     lse_prefix: bool = False
     kv_fp8: bool = False
     split_kv: bool = False
+    shared_dequant: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons() + mla_shape_reasons("sparse attention forward", self.arch, self.num_heads, self.d_qk)
+        if not isinstance(self.shared_dequant, bool):
+            out.append(f"shared_dequant={self.shared_dequant!r} must be a bool")
+        elif self.shared_dequant and not (self.kv_fp8 is True and self.num_heads == 128):
+            out.append(f"shared_dequant=True takes kv_fp8=True and num_heads=128 (a row's two head blocks share the "
+                       f"dequantization), got kv_fp8={self.kv_fp8!r}, num_heads={self.num_heads}")
         if not isinstance(self.kv_fp8, bool):
             out.append(f"kv_fp8={self.kv_fp8!r} must be a bool")
         elif self.kv_fp8 and (self.d_qk != 576 or self.dtype != "bfloat16"):
@@ -136,6 +146,8 @@ class SparseAttnFwdConfig:
     grid: "persistent" (one CTA per SM, each looping over the items) or an int n (at most n CTAs; n >= the item
       count runs one CTA per item). Persistent measured 1.02-1.05x one CTA per item at H128 and, with the 16-byte O
       stores, 1.02-1.03x at H64 (H200, 2026-11-29).
+    shared_dequant: the FP8 cache's 128-head kernels pair a row's two head blocks in a cluster that shares the
+      dequantization (SparseAttnFwdSpec.shared_dequant); the other kernels ignore it.
     """
 
     block_n: int = 64
@@ -144,6 +156,7 @@ class SparseAttnFwdConfig:
     regs_qk: int = 232
     regs_pv: int = 224
     grid: str | int = "persistent"
+    shared_dequant: bool = False
 
     def __post_init__(self) -> None:
         check_grid(self.grid, "SparseAttnFwdConfig")
@@ -156,11 +169,14 @@ class SparseAttnFwdConfig:
         return SparseAttnFwdSpec(arch=arch, num_heads=num_heads, d_qk=d_qk, d_v=d_v, dtype=dtype_name(dtype),
                                  block_n=self.block_n, stages=self.stages, regs_producer=self.regs_producer,
                                  regs_qk=self.regs_qk, regs_pv=self.regs_pv, lse_prefix=bool(lse_prefix),
-                                 kv_fp8=bool(kv_fp8), split_kv=bool(split_kv))
+                                 kv_fp8=bool(kv_fp8), split_kv=bool(split_kv),
+                                 shared_dequant=bool(self.shared_dequant and kv_fp8 and num_heads == 128))
 
     def n_ctas(self, num_sms: int) -> int:
-        """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(items, n_ctas))."""
-        return grid_ctas(self.grid, num_sms)
+        """The kernel's n_ctas argument (the most CTAs a launch uses; its grid is min(items, n_ctas)); even when
+        shared_dequant may pair CTAs into clusters of two (the items then come in pairs too)."""
+        n = grid_ctas(self.grid, num_sms)
+        return max(2, n - n % 2) if self.shared_dequant else n
 
 
 # the FP8 cache kernel's budgets: its dequantizing producer spills 29 values at 48 registers, 3 at 56 (CPU compile,

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+from cutlass import const_expr
 
 
 class CtaCoords(NamedTuple):
@@ -43,16 +44,23 @@ def cta_coords() -> CtaCoords:
 
 
 @cute.jit
-def init_mbarriers(warp, counts) -> None:
+def init_mbarriers(warp, counts, cluster: bool = False) -> None:
     """Initialise mbarriers once per CTA, then make them visible to every thread and to the async proxy: one
     elected thread of warp 0 sets counts[i] = (mbarrier pointer, expected arrivals) in order, and every thread of
-    the CTA then passes the pipeline init fence and barrier. Called by all threads, before any role starts."""
+    the CTA then passes the pipeline init fence and barrier (cluster: the cluster's barrier, so that every CTA's
+    mbarriers are initialised before any CTA of the cluster signals one of another). Called by all threads, before
+    any role starts."""
     if warp == 0:
         with cute.arch.elect_one():
             for i in cutlass.range_constexpr(len(counts)):
                 cute.arch.mbarrier_init(counts[i][0], counts[i][1])
-    pipeline.pipeline_init_arrive()
-    pipeline.pipeline_init_wait()
+    if const_expr(cluster):
+        cute.arch.mbarrier_init_fence()
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+    else:
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
 
 
 def row_head_block(item, head_blocks: int, block_heads: int):

@@ -2,8 +2,8 @@
 cp.async and 16-byte store that carry it (cp_async_shared_global has no cache hint), a bf16 / fp16 pair pack, the
 16-byte FP32 atomic add (also with an L2 evict_last policy) and streaming store (red / st .global.v4.f32), and the
 release / acquire / sleep instructions of the grid barrier, read-only-path global loads, 8-byte / FP32 shared loads, a
-16-byte shared store and the E4M3-pair dequantization of an FP8 KV cache. Any thread may call any of them; none
-waits on a barrier.
+16-byte shared store, the E4M3-pair dequantizations of an FP8 KV cache, and a cluster peer's shared-memory address
+and the 16-byte asynchronous store into it. Any thread may call any of them; none waits on a barrier.
 """
 
 import cutlass.cute as cute
@@ -215,6 +215,29 @@ def pow2_scale_ok(scale: Float32, *, loc=None, ip=None) -> Int32:
         "shr.u32 e, t, 23; setp.ge.u32 lo, e, 1; setp.le.u32 hi, e, 134; and.pred m, m, lo; and.pred m, m, hi; "
         "selp.u32 $0, 1, 0, m; }",
         "=r,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def mapa_shared(addr: Int32, rank: Int32, *, loc=None, ip=None) -> Int32:
+    """`mapa.shared::cluster.u32`: the shared::cluster address of the same shared-memory offset `addr` (a 32-bit
+    shared::cta address) in the CTA of cluster rank `rank`."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
+                                 "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r", has_side_effects=False,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def st_async_v4_b32(dst: Int32, w0: Int32, w1: Int32, w2: Int32, w3: Int32, mbar: Int32, *, loc=None,
+                    ip=None) -> None:
+    """`st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32`: 16 bytes into another CTA's shared memory at
+    the shared::cluster address `dst` (mapa_shared), completing 16 bytes of the transaction count of that CTA's
+    mbarrier at shared::cluster address `mbar` once they land."""
+    ops = [Int32(dst).ir_value(loc=loc, ip=ip)] + [Int32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)]
+    ops.append(Int32(mbar).ir_value(loc=loc, ip=ip))
+    llvm.inline_asm(None, ops,
+                    "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [$0], {$1, $2, $3, $4}, [$5];",
+                    "r,r,r,r,r,r,~{memory}", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -46,7 +46,7 @@ from dsagen.kernels.common.sm90.mma import gemm_tile, issue_accumulate_group, is
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
 from dsagen.kernels.common.sm90.reduce import quad_sum
 from dsagen.kernels.common.sm90.softmax import rescale_rows, softmax_step_row
-from dsagen.kernels.qsa.producer_sm90 import BN, M, make_producer, make_smem
+from dsagen.kernels.qsa.producer_sm90 import BN, M, make_producer, make_smem, select_params, select_scalar_params
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -59,32 +59,17 @@ REGS_CONSUMER = 240
 def params(dtype: str, bitmap: bool = False) -> list[dict]:
     """The kernel's flat ABI, in order (a new list on every call); bitmap: the bitmap form's selection arguments
     instead of the index rows'."""
-    select = [
-        {"name": "bm", "kind": "ptr", "dtype": "uint8", "align": 1},        # [T, NB] block bitmap, row stride bm_st
-        {"name": "cu", "kind": "ptr", "dtype": "int32", "align": 4},        # [n_docs + 1] packed offsets
-        {"name": "blk0", "kind": "ptr", "dtype": "int32", "align": 4},      # [n_docs + 1] first block per sequence
-    ] if bitmap else [
-        {"name": "idx", "kind": "ptr", "dtype": "int32", "align": 4},       # [T, W], row stride idx_st
-    ]
-    select_scalars = [
-        {"name": "n_docs", "kind": "i32"},                                  # 0: one sequence of T tokens
-        {"name": "n_blocks", "kind": "i32"},                                # NB (no column past it is read)
-        {"name": "bm_st", "kind": "i64"},
-    ] if bitmap else [
-        {"name": "width", "kind": "i32"},                                   # W
-        {"name": "idx_st", "kind": "i64"},
-    ]
     return [
         {"name": "q", "kind": "ptr", "dtype": dtype, "align": 16},           # [T, Hq, D], token stride q_st
         {"name": "k", "kind": "ptr", "dtype": dtype, "align": 16},           # [T, Hkv, D], token stride k_st
         {"name": "v", "kind": "ptr", "dtype": dtype, "align": 16},           # [T, Hkv, Dv], token stride v_st
-        *select,
+        *select_params(bitmap),
         {"name": "out", "kind": "ptr", "dtype": dtype, "align": 16},         # [T, Hq, Dv] contiguous
         {"name": "out32", "kind": "ptr", "dtype": "float32", "align": 16},   # [T, Hq, Dv] contiguous
         {"name": "lse", "kind": "ptr", "dtype": "float32", "align": 4},      # [Hq, T] contiguous
         {"name": "n_tok", "kind": "i32"},                                    # T
         {"name": "n_kv", "kind": "i32"},                                     # Hkv
-        *select_scalars,
+        *select_scalar_params(bitmap),
         {"name": "q_st", "kind": "i64"},
         {"name": "k_st", "kind": "i64"},
         {"name": "v_st", "kind": "i64"},

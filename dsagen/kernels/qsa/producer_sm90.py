@@ -34,6 +34,32 @@ NI = BN // 16               # tile rows per producer group
 NQ = M // 16                # operand rows per producer group
 
 
+def select_params(bitmap: bool) -> list[dict]:
+    """The pointer parameters of the item's selection (a new list on every call): the index rows, or the bitmap
+    form's bitmap, packed offsets and first blocks."""
+    if bitmap:
+        return [
+            {"name": "bm", "kind": "ptr", "dtype": "uint8", "align": 1},        # [T, NB] block bitmap, row stride bm_st
+            {"name": "cu", "kind": "ptr", "dtype": "int32", "align": 4},        # [n_docs + 1] packed offsets
+            {"name": "blk0", "kind": "ptr", "dtype": "int32", "align": 4},      # [n_docs + 1] first block per sequence
+        ]
+    return [{"name": "idx", "kind": "ptr", "dtype": "int32", "align": 4}]       # [T, W], row stride idx_st
+
+
+def select_scalar_params(bitmap: bool) -> list[dict]:
+    """The scalar parameters of the item's selection, placed after n_tok and n_kv (a new list on every call)."""
+    if bitmap:
+        return [
+            {"name": "n_docs", "kind": "i32"},                                  # 0: one sequence of T tokens
+            {"name": "n_blocks", "kind": "i32"},                                # NB (no column past it is read)
+            {"name": "bm_st", "kind": "i64"},
+        ]
+    return [
+        {"name": "width", "kind": "i32"},                                       # W
+        {"name": "idx_st", "kind": "i64"},
+    ]
+
+
 def make_smem(dtype, head_dim: int, v_dim: int, stages: int, with_do: bool):
     """The kernels' shared-memory struct: mbarriers, the tiles' ids, the bitmap form's search state, then (1024-byte
     aligned) the 64-row Q tile, with_do the 64-row dO tile, and the K and V rings of `stages` 64-row tiles."""

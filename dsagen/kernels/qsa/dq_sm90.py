@@ -1,7 +1,8 @@
 """QSA backward, dq, on Hopper tensor cores (sm_90a): `build(...)` makes the kernel of one QsaDqSpec. With the
 forward's natural-log lse and delta[hq, t] = sum(dO * O) of each query row (bwd_common_sm90):
 
-    P_j = exp(scale q[t, hq] . k[u_j] - lse),  dS_j = P_j (dO[t, hq] . v[u_j] - delta),  dq[t, hq] = scale sum_j dS_j k[u_j]
+    P_j = exp(scale q[t, hq] . k[u_j] - lse),   dS_j = P_j (dO[t, hq] . v[u_j] - delta),
+    dq[t, hq] = scale sum_j dS_j k[u_j]
 
 over the slots j whose id u_j lies in [0, T) (the forward's slots: the index row, or the bitmap form's selected
 blocks; a repeated id counts once per slot).

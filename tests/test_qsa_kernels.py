@@ -48,9 +48,14 @@ def test_binding():
 
 
 def test_preset():
+    """Serving: both forms' forward; training adds both forms' backward (dq, dk / dv) at two stages."""
     want = [spec_for(12, 256, 256, "bfloat16", "sm_90a", bitmap=b) for b in (False, True)]
-    assert get_preset("qsa", "sm_90a") == want
-    assert get_preset("qsa", "sm_90a", serving=True) == get_preset("qsa", "sm_90a")
+    assert get_preset("qsa", "sm_90a", serving=True) == want
+    full = get_preset("qsa", "sm_90a")
+    assert full[:2] == want
+    assert [(s.op, s.bitmap, s.stages) for s in full[2:]] == [("qsa_dq", False, 2), ("qsa_dkv", False, 2),
+                                                              ("qsa_dq", True, 2), ("qsa_dkv", True, 2)]
+    assert get_preset("qsa", "sm_100a") == []
 
 
 @pytest.mark.compile

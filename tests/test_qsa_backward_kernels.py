@@ -7,9 +7,11 @@ kernels' own ABI)."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,13 @@ from dsagen.kernels.qsa import host as qsa_host
 from dsagen.kernels.qsa.spec import SMEM_LIMIT, QsaDkvSpec, QsaDqSpec, QsaFwdSpec, backward_specs_for
 from dsagen.reference.qsa import bitmap_token_layout
 from dsagen.spec import SpecError
+
+# the oracle the GPU tests use (tests/gpu, not on the CPU tests' path)
+_ORACLE = importlib.util.spec_from_file_location("qsa_grad_oracle",
+                                                  Path(__file__).resolve().parent / "gpu" / "qsa_grad_oracle.py")
+oracle = importlib.util.module_from_spec(_ORACLE)
+_ORACLE.loader.exec_module(oracle)
+dense_oracle, grads, oracle_grads = oracle.dense_oracle, oracle.grads, oracle.oracle_grads
 
 ARCH = "sm_90a"
 
@@ -141,38 +150,12 @@ def test_backward_inputs_fold_the_outputs_gradients():
 
 
 # ------------------------------------------------------------------------------------------- oracle and inputs
-def slot_counts(t: int, ids: torch.Tensor) -> torch.Tensor:
-    """[T, T] FP64: how many slots of row t name token u (ids outside [0, T) name nothing)."""
-    idl = ids.long()
-    valid = (idl >= 0) & (idl < t)
-    cnt = torch.zeros(t, t, dtype=torch.float64)
-    return cnt.scatter_add_(1, torch.where(valid, idl, 0), valid.double())
-
-
 def bitmap_counts(t: int, bm: torch.Tensor, cu: torch.Tensor | None) -> torch.Tensor:
     """[T, T] FP64: 1 where query t attends token u under the bitmap API (selected block, same sequence, u <= t)."""
     block, starts, _ = bitmap_token_layout(t, cu, "cpu")
     pos = torch.arange(t)
     allowed = (bm[:, block] != 0) & (pos[None] <= pos[:, None]) & (pos[None] >= starts[:, None])
     return allowed.double()
-
-
-def dense_oracle(q, k, v, cnt, scale):
-    """FP64 dense QSA, each key weighted by its count in the row (a repeated id counts once per slot): (out [T, Hq,
-    Dv], lse [Hq, T], -inf and out 0 on a row without keys). Differentiable, NaN-free on empty rows."""
-    hq, hkv = q.shape[1], k.shape[1]
-    g = hq // hkv
-    kh = k.double().repeat_interleave(g, dim=1)
-    vh = v.double().repeat_interleave(g, dim=1)
-    s = torch.einsum("thd,uhd->htu", q.double(), kh) * scale
-    s = s.masked_fill(cnt[None] == 0, float("-inf"))
-    m = s.amax(-1, keepdim=True).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(s - m) * cnt[None]
-    z = e.sum(-1)
-    zs = torch.where(z > 0, z, torch.ones_like(z))
-    lse = torch.where(z > 0, m[..., 0] + torch.log(zs), torch.full_like(z, float("-inf")))
-    return torch.einsum("htu,uhd->thd", e / zs[..., None], vh), lse
 
 
 def make_indexed(t, hq, hkv, d, dv, w, gen, dtype=torch.float64):
@@ -187,34 +170,6 @@ def make_indexed(t, hq, hkv, d, dv, w, gen, dtype=torch.float64):
     return q, k, v, ids
 
 
-def loss_weights(t, hq, dv, gen, dtype=torch.float64):
-    """Random weights of out, out_fp32 and lse in the test loss (every output takes a gradient)."""
-    return (torch.randn(t, hq, dv, generator=gen).to(dtype), torch.randn(t, hq, dv, generator=gen).to(dtype),
-            torch.randn(hq, t, generator=gen).to(dtype))
-
-
-def loss(outs, weights):
-    out, out32, lse = outs
-    w_out, w_out32, w_lse = weights
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return ((out.to(w_out.dtype) * w_out).sum() + (out32.to(w_out.dtype) * w_out32).sum()
-            + (finite.to(w_out.dtype) * w_lse).sum())
-
-
-def grads(fn, q, k, v, weights):
-    qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-    loss(fn(qq, kk, vv), weights).backward()
-    return qq.grad, kk.grad, vv.grad
-
-
-def oracle_grads(q, k, v, cnt, scale, weights):
-    """Autograd of the dense oracle in FP64 (out and out_fp32 are the same values there)."""
-    def fn(qq, kk, vv):
-        out, lse = dense_oracle(qq, kk, vv, cnt, scale)
-        return out, out, lse
-    return grads(fn, q.double(), k.double(), v.double(), tuple(w.double() for w in weights))
-
-
 @pytest.mark.parametrize("hq,hkv", [(12, 1), (24, 2)])
 def test_reference_autograd_matches_dense_oracle(hq, hkv):
     """dsagen.qsa_indexed_forward / qsa_bitmap_forward(impl="reference") differentiated in FP64 (every output in the
@@ -223,9 +178,9 @@ def test_reference_autograd_matches_dense_oracle(hq, hkv):
     gen = torch.Generator().manual_seed(hq + 7)
     t, d, dv = 23, 32, 16
     q, k, v, ids = make_indexed(t, hq, hkv, d, dv, 12, gen)
-    weights = loss_weights(t, hq, dv, gen)
+    weights = oracle.loss_weights(t, hq, dv, gen, "cpu")
     got = grads(lambda a, b, c: dsagen.qsa_indexed_forward(a, b, c, ids, 0.3, impl="reference"), q, k, v, weights)
-    want = oracle_grads(q, k, v, slot_counts(t, ids), 0.3, weights)
+    want = oracle_grads(q, k, v, oracle.slot_counts(ids, t), 0.3, weights)
     for a, b in zip(got, want):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
@@ -257,7 +212,7 @@ def _selection_counts(a: dict) -> torch.Tensor:
     bitmap with its packed offsets and first blocks)."""
     t = a["n_tok"]
     if "idx" in a:
-        return slot_counts(t, a["idx"][:, :a["width"]])
+        return oracle.slot_counts(a["idx"][:, :a["width"]], t)
     cu = a["cu"] if a["n_docs"] else None
     if cu is not None:
         assert torch.equal(a["blk0"][1:], torch.cumsum((cu[1:] - cu[:-1] + 3) // 4, 0))
@@ -327,10 +282,10 @@ def test_fused_host_autograd(monkeypatch, form):
     calls = _stand_ins(monkeypatch)
     gen = torch.Generator().manual_seed(41 if form == "indexed" else 43)
     q, k, v, ids, bm, cu = _fused_inputs(gen)
-    weights = loss_weights(q.shape[0], q.shape[1], v.shape[2], gen, torch.float32)
+    weights = oracle.loss_weights(q.shape[0], q.shape[1], v.shape[2], gen, "cpu")
     if form == "indexed":
         fn = lambda a, b, c: qsa_host.qsa_indexed_forward(a, b, c, ids, scale=0.2)   # noqa: E731
-        cnt, scale = slot_counts(q.shape[0], ids), 0.2
+        cnt, scale = oracle.slot_counts(ids, q.shape[0]), 0.2
     else:
         fn = lambda a, b, c: qsa_host.qsa_bitmap_forward(a, b, c, bm, cu_seqlens=cu, scale=None)   # noqa: E731
         cnt, scale = bitmap_counts(q.shape[0], bm, cu), 1 / math.sqrt(q.shape[2])
@@ -352,7 +307,7 @@ def test_fused_host_autograd_compiled(monkeypatch):
     calls = _stand_ins(monkeypatch)
     gen = torch.Generator().manual_seed(47)
     q, k, v, ids, bm, cu = _fused_inputs(gen, hq=24, hkv=2)
-    weights = loss_weights(q.shape[0], q.shape[1], v.shape[2], gen, torch.float32)
+    weights = oracle.loss_weights(q.shape[0], q.shape[1], v.shape[2], gen, "cpu")
 
     def both(a, b, c):
         x = qsa_host.qsa_indexed_forward(a, b, c, ids, scale=0.2)

@@ -21,6 +21,7 @@ import torch
 import dsagen
 from dsagen.kernels.qsa.spec import backward_specs_for, spec_for
 from poison import poison_allocator
+from qsa_grad_oracle import grads, loss_weights, oracle_grads, slot_counts
 from test_qsa import bitmap_as_indices, make_bitmap, make_inputs
 
 ARCH = "sm_90a"
@@ -32,57 +33,6 @@ REQUIRED_SPECS = [s for g, d, dv, dt in _SHAPES for b in (False, True)
                   for s in (spec_for(g, d, dv, dt, ARCH, bitmap=b), *backward_specs_for(g, d, dv, dt, ARCH, bitmap=b))]
 
 pytestmark = pytest.mark.gpu
-
-
-def slot_counts(ids: torch.Tensor, t: int) -> torch.Tensor:
-    """[T, T] FP64: how many slots of row t name token u (ids outside [0, T) name nothing)."""
-    idl = ids.long()
-    valid = (idl >= 0) & (idl < t)
-    cnt = torch.zeros(t, t, dtype=torch.float64, device=ids.device)
-    return cnt.scatter_add_(1, torch.where(valid, idl, 0), valid.double())
-
-
-def dense_oracle(q, k, v, cnt, scale):
-    """FP64 dense QSA, each key weighted by its slot count: (out [T, Hq, Dv], lse [Hq, T]); differentiable, NaN-free
-    on rows without keys (out 0, lse -inf)."""
-    g = q.shape[1] // k.shape[1]
-    kh, vh = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    s = torch.einsum("thd,uhd->htu", q, kh) * scale
-    s = s.masked_fill(cnt[None] == 0, float("-inf"))
-    m = s.amax(-1, keepdim=True).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(s - m) * cnt[None]
-    z = e.sum(-1)
-    zs = torch.where(z > 0, z, torch.ones_like(z))
-    lse = torch.where(z > 0, m[..., 0] + torch.log(zs), torch.full_like(z, float("-inf")))
-    return torch.einsum("htu,uhd->thd", e / zs[..., None], vh), lse
-
-
-def loss_weights(t, hq, dv, gen):
-    """Weights of out, out_fp32 and lse in the loss: every output takes a gradient."""
-    return tuple(x.to(DEV) for x in (torch.randn(t, hq, dv, generator=gen), torch.randn(t, hq, dv, generator=gen),
-                                     torch.randn(hq, t, generator=gen)))
-
-
-def loss(outs, weights):
-    out, out32, lse = outs
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    w_out, w_out32, w_lse = (w.to(out32.dtype) for w in weights)
-    return (out.to(out32.dtype) * w_out).sum() + (out32 * w_out32).sum() + (finite.to(out32.dtype) * w_lse).sum()
-
-
-def grads(fn, q, k, v, weights):
-    """(dq, dk, dv) of loss(fn(q, k, v)) by autograd, on fresh leaves."""
-    qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-    loss(fn(qq, kk, vv), weights).backward()
-    return qq.grad, kk.grad, vv.grad
-
-
-def oracle_grads(q, k, v, cnt, scale, weights):
-    def fn(a, b, c):
-        out, lse = dense_oracle(a, b, c, cnt, scale)
-        return out, out, lse
-    return grads(fn, q.double(), k.double(), v.double(), weights)
 
 
 def assert_grads_close(got, want, rel=2e-2):
@@ -97,7 +47,7 @@ def assert_grads_close(got, want, rel=2e-2):
 def check_indexed(q, k, v, ids, scale, gen):
     t, hq, d = q.shape
     sc = 1 / math.sqrt(d) if scale is None else scale
-    weights = loss_weights(t, hq, v.shape[2], gen)
+    weights = loss_weights(t, hq, v.shape[2], gen, DEV)
     got = grads(lambda a, b, c: dsagen.qsa_indexed_forward(a, b, c, ids, scale), q, k, v, weights)
     for g, x in zip(got, (q, k, v)):
         assert g.dtype == x.dtype and g.shape == x.shape
@@ -135,7 +85,7 @@ def test_bitmap_backward_adversarial(t, cu, density):
     bm = make_bitmap(t, cu, density, gen).to(DEV)
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEV)
     ids = bitmap_as_indices(bm.cpu(), t, cu).to(DEV)
-    weights = loss_weights(t, 24, 256, gen)
+    weights = loss_weights(t, 24, 256, gen, DEV)
     poison_allocator()
     got = grads(lambda a, b, c: dsagen.qsa_bitmap_forward(a, b, c, bm, cu_seqlens=cu_t), q, k, v, weights)
     assert_grads_close(got, oracle_grads(q, k, v, slot_counts(ids, t), 1 / 16, weights))
@@ -153,7 +103,7 @@ def test_bitmap_backward_fp16_bool():
     bm = make_bitmap(90, [0, 41, 90], 0.4, gen)
     cu = torch.tensor([0, 41, 90], dtype=torch.int32, device=DEV)
     ids = bitmap_as_indices(bm, 90, [0, 41, 90]).to(DEV)
-    weights = loss_weights(90, 12, 64, gen)
+    weights = loss_weights(90, 12, 64, gen, DEV)
     got = grads(lambda a, b, c: dsagen.qsa_bitmap_forward(a, b, c, bm.bool().to(DEV), cu_seqlens=cu), q, k, v,
                 weights)
     assert_grads_close(got, oracle_grads(q, k, v, slot_counts(ids, 90), 1 / math.sqrt(128), weights))
@@ -163,7 +113,7 @@ def test_repeated_backward_dq_bitwise_equal():
     """dq sums each row's slots in order: bitwise the same every call; dk / dv (FP32 atomics) agree closely."""
     gen = torch.Generator().manual_seed(541)
     q, k, v, ids = make_inputs(300, 24, 2, 256, 256, 512, gen, adversarial=False)
-    weights = loss_weights(300, 24, 256, gen)
+    weights = loss_weights(300, 24, 256, gen, DEV)
     fn = lambda a, b, c: dsagen.qsa_indexed_forward(a, b, c, ids)   # noqa: E731
     first = grads(fn, q, k, v, weights)
     for _ in range(3):
@@ -179,7 +129,7 @@ def test_torch_compile_backward():
     q, k, v, ids = make_inputs(64, 12, 1, 256, 256, 64, gen)
     bm = make_bitmap(64, [0, 30, 64], 0.5, gen).to(DEV)
     cu = torch.tensor([0, 30, 64], dtype=torch.int32, device=DEV)
-    weights = loss_weights(64, 12, 256, gen)
+    weights = loss_weights(64, 12, 256, gen, DEV)
 
     def both(a, b, c):
         x = dsagen.qsa_indexed_forward(a, b, c, ids)

@@ -1,5 +1,5 @@
-"""What the QSA backward's two kernels (dq_sm90.py, dkv_sm90.py) share beyond the producer (producer_sm90.py): the
-flat ABI, the launch, the register split and the per-row statistics of an item's head rows.
+"""What the QSA backward's two kernels (dq_sm90.py, dkv_sm90.py) share beyond the producer and the item's skeleton
+(producer_sm90.py): the flat ABI, the register split and the per-row statistics of an item's head rows.
 
 Both kernels read the forward's natural-log lse [Hq, T] and delta [Hq, T] (delta = sum(dO * O) per query row, minus
 the lse's own gradient where the caller has one: d lse / d s = P, so dS = P (dP - delta + dlse)), and recompute
@@ -13,7 +13,6 @@ from cutlass import Float32, Int32, Int64
 from dsagen.kernels.qsa.producer_sm90 import select_params, select_scalar_params
 
 LOG2E = math.log2(math.e)
-NTHREADS = 256
 REGS_PRODUCER = 56          # the bitmap form's search needs them (the forward's split)
 REGS_CONSUMER = 240
 
@@ -40,11 +39,6 @@ def params(dtype: str, bitmap: bool, outputs: list[dict]) -> list[dict]:
         {"name": "scale_log2", "kind": "f32"},                               # softmax scale x log2(e)
         {"name": "scale", "kind": "f32"},                                    # softmax scale
     ]
-
-
-def launch(smem: int) -> dict:
-    """The launch declaration: one CTA per (token, KV head), as the forward."""
-    return {"grid": ["n_tok * n_kv", 1, 1], "block": [NTHREADS, 1, 1], "cluster": [1, 1, 1], "smem": smem}
 
 
 @cutlass.cute.jit

@@ -31,53 +31,44 @@ from cutlass.cute.nvgpu import warpgroup
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.epilogue import add_row_pair_v4
 from dsagen.kernels.common.sm90.gather import wait_gathered_tile
-from dsagen.kernels.common.sm90.layout import acc_mn_view, sw128
-from dsagen.kernels.common.sm90.mma import issue_gemm, wgmma_tile
-from dsagen.kernels.qsa.bwd_common_sm90 import NTHREADS, REGS_CONSUMER, REGS_PRODUCER, launch, params, row_stats, \
-    valid_id
-from dsagen.kernels.qsa.producer_sm90 import BN, M, make_producer, make_smem
+from dsagen.kernels.common.sm90.mma import issue_gemm, wgmma_tile, wgmma_tile_sibling
+from dsagen.kernels.qsa.bwd_common_sm90 import REGS_CONSUMER, REGS_PRODUCER, params, row_stats, valid_id
+from dsagen.kernels.qsa.producer_sm90 import BN, M, kernel_parts, launch_config, launch_declaration, make_item
 
 
 def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap: bool = False) -> BuiltKernel:
     """The kernel of QsaDkvSpec(group, head_dim, v_dim, dtype, stages, bitmap); each call makes new kernel and host
     functions."""
     G, D, DV, ST = group, head_dim, v_dim, stages
-    DT = cutlass.Float16 if dtype == "float16" else cutlass.BFloat16
-    Smem = make_smem(DT, D, DV, ST, with_do=True)
-    SMEM_BYTES = Smem.size_in_bytes()
-    prod = make_producer(G, D, DV, ST, DT)
+    parts = kernel_parts(G, D, DV, dtype, ST, with_do=True)
+    DT, SMEM_BYTES = parts.dtype, parts.smem_bytes
     PARAMS = params(dtype, bitmap, [
         {"name": "dk32", "kind": "ptr", "dtype": "float32", "align": 16},    # [T, Hkv, D] contiguous, zeroed
         {"name": "dv32", "kind": "ptr", "dtype": "float32", "align": 16},    # [T, Hkv, Dv] contiguous, zeroed
     ])
 
     @cute.jit
-    def product(mma, acc, tA, tB, k_steps: int):
-        """acc = A B (A from registers, B unstaged): fence, issue, commit, wait."""
+    def add_product(prod_tile, rows, row_len, id_even, id_odd, q_odd):
+        """prod_tile.acc = A B (A the 16-bit P^T or dS^T in registers, B unstaged; fence, issue, commit, wait), then
+        its rows added into the key rows of `rows` (row stride row_len) by 16-byte atomics, invalid ids skipped."""
         warpgroup.fence()
-        issue_gemm(mma, acc, tA, tB, k_steps, None)
+        issue_gemm(prod_tile.mma, prod_tile.acc, prod_tile.tA, prod_tile.tB, M // 16, None)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
+        for r in cutlass.range_constexpr(cute.size(id_even)):
+            add_row_pair_v4(prod_tile.acc_mn, prod_tile.coord_mn, r, q_odd, rows, id_even[r], id_odd[r], row_len, 0)
 
     @cute.jit
     def consumer(st, ctid, lane, t, g, n_tiles, p_dk, p_dv, p_lse, p_delta, n_tok, n_kv, scale_log2, scale):
         """S^T, dP^T, P^T, dS^T, then dv_part and dk_part added into the key rows, per tile (module docstring)."""
-        lq, ldo = sw128(DT, (M, D)), sw128(DT, (M, DV))
-        lk, lv = sw128(DT, (BN, D, ST)), sw128(DT, (BN, DV, ST))
-        sQ = st.sQ.get_tensor(lq.outer, swizzle=lq.inner)            # (64 head rows, D)
-        sdO = st.sdO.get_tensor(ldo.outer, swizzle=ldo.inner)        # (64 head rows, DV)
-        sK = st.sK.get_tensor(lk.outer, swizzle=lk.inner)            # (BN slots, D, stage)
-        sV = st.sV.get_tensor(lv.outer, swizzle=lv.inner)            # (BN slots, DV, stage)
-        sQt = cute.composition(sQ, cute.make_layout((D, M), stride=(M, 1)))        # Q^T (MN-major)
-        sdOt = cute.composition(sdO, cute.make_layout((DV, M), stride=(M, 1)))     # dO^T (MN-major)
-        sIds = st.ids.get_tensor(cute.make_layout(BN * ST))
-        k_ready, v_ready, kv_free = st.k_ready.data_ptr(), st.v_ready.data_ptr(), st.kv_free.data_ptr()
-        kq = wgmma_tile(DT, sK, sQ, (BN, M), ctid)                    # S^T = K Q^T (and dP^T = V dO^T)
+        sh = parts.prod.tiles(st)
+        sIds, k_ready, v_ready, kv_free = sh.sIds, sh.k_ready, sh.v_ready, sh.kv_free
+        sQt = cute.composition(sh.sQ, cute.make_layout((D, M), stride=(M, 1)))       # Q^T (MN-major)
+        sdOt = cute.composition(sh.sdO, cute.make_layout((DV, M), stride=(M, 1)))    # dO^T (MN-major)
+        kq = wgmma_tile(DT, sh.sK, sh.sQ, (BN, M), ctid)              # S^T = K Q^T
         mma_t, tSrK, tSrQ, accS, sMN, cS = kq.mma, kq.tA, kq.tB, kq.acc, kq.acc_mn, kq.coord_mn
-        tPrV = mma_t.make_fragment_A(kq.thr.partition_A(sV))
-        tPrdO = mma_t.make_fragment_B(kq.thr.partition_B(sdO))
-        accP = cute.make_rmem_tensor(accS.layout, Float32)
-        pMN = acc_mn_view(accP)
+        vdo = wgmma_tile_sibling(kq, sh.sV, sh.sdO)                   # dP^T = V dO^T
+        tPrV, tPrdO, accP, pMN = vdo.tA, vdo.tB, vdo.acc, vdo.acc_mn
         rP = cute.make_rmem_tensor(accS.layout, DT)
         rdS = cute.make_rmem_tensor(accS.layout, DT)
         dv = wgmma_tile(DT, None, sdOt, (BN, DV), ctid, b_mn_major=True, a_regs=rP)    # dv_part = P^T dO
@@ -119,13 +110,10 @@ def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap
                     pMN[r, c] = p * scale * (pMN[r, c] - col_dlt[c])
             rP.store(accS.load().to(DT))
             rdS.store(accP.load().to(DT))
-            product(dv.mma, dv.acc, dv.tA, dv.tB, M // 16)
-            for r in cutlass.range_constexpr(NR):
-                add_row_pair_v4(dv.acc_mn, dv.coord_mn, r, q_odd, dv_rows, id_even[r], id_odd[r], n_kv * DV, 0)
-            product(dk.mma, dk.acc, dk.tA, dk.tB, M // 16)
-            for r in cutlass.range_constexpr(NR):
-                add_row_pair_v4(dk.acc_mn, dk.coord_mn, r, q_odd, dk_rows, id_even[r], id_odd[r], n_kv * D, 0)
+            add_product(dv, dv_rows, n_kv * DV, id_even, id_odd, q_odd)
+            add_product(dk, dk_rows, n_kv * D, id_even, id_odd, q_odd)
 
+    run_item = make_item(parts, bitmap, (REGS_PRODUCER, REGS_CONSUMER), consumer)
     if bitmap:
         @cute.kernel
         def kernel(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_do: cute.Pointer, p_bm: cute.Pointer,
@@ -133,17 +121,8 @@ def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap
                    p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32, n_kv: Int32, n_docs: Int32,
                    n_blocks: Int32, bm_st: Int64, q_st: Int64, k_st: Int64, v_st: Int64, do_st: Int64,
                    scale_log2: Float32, scale: Float32):
-            c = prod.item_coords(n_tok)
-            st = cutlass.memory.SmemAllocator().allocate(Smem)
-            prod.init_barriers(c.warp, st)
-            if c.wg == 0:
-                cute.arch.setmaxregister_decrease(REGS_PRODUCER)
-                prod.bitmap(st, c.tidx, c.t, c.g, ((p_q, q_st), (p_do, do_st)), p_k, p_v, p_bm, p_cu, p_blk0,
-                            n_tok, n_docs, n_blocks, bm_st, k_st, v_st)
-            else:
-                cute.arch.setmaxregister_increase(REGS_CONSUMER)
-                consumer(st, c.tidx - 128, c.lane, c.t, c.g, prod.bitmap_tiles(st), p_dk, p_dv, p_lse, p_delta,
-                         n_tok, n_kv, scale_log2, scale)
+            run_item(((p_q, q_st), (p_do, do_st)), p_k, p_v, (p_bm, p_cu, p_blk0, n_docs, n_blocks, bm_st), n_tok,
+                     k_st, v_st, (p_dk, p_dv, p_lse, p_delta, n_tok, n_kv, scale_log2, scale))
 
         @cute.jit
         def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_do: cute.Pointer, p_bm: cute.Pointer,
@@ -151,28 +130,16 @@ def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap
                  p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32, n_kv: Int32, n_docs: Int32,
                  n_blocks: Int32, bm_st: Int64, q_st: Int64, k_st: Int64, v_st: Int64, do_st: Int64,
                  scale_log2: Float32, scale: Float32):
-            kernel(p_q, p_k, p_v, p_do, p_bm, p_cu, p_blk0, p_dk, p_dv, p_lse, p_delta, n_tok, n_kv, n_docs,
-                   n_blocks, bm_st, q_st, k_st, v_st, do_st, scale_log2, scale).launch(
-                grid=(n_tok * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1,
-                preferred_smem_carveout=100)
+            kernel(p_q, p_k, p_v, p_do, p_bm, p_cu, p_blk0, p_dk, p_dv, p_lse, p_delta, n_tok, n_kv, n_docs, n_blocks,
+                   bm_st, q_st, k_st, v_st, do_st, scale_log2, scale).launch(**launch_config(n_tok, n_kv, SMEM_BYTES))
     else:
         @cute.kernel
         def kernel(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_do: cute.Pointer, p_idx: cute.Pointer,
                    p_dk: cute.Pointer, p_dv: cute.Pointer, p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32,
                    n_kv: Int32, width: Int32, idx_st: Int64, q_st: Int64, k_st: Int64, v_st: Int64, do_st: Int64,
                    scale_log2: Float32, scale: Float32):
-            c = prod.item_coords(n_tok)
-            n_tiles = (width + BN - 1) // BN
-            st = cutlass.memory.SmemAllocator().allocate(Smem)
-            prod.init_barriers(c.warp, st)
-            if c.wg == 0:
-                cute.arch.setmaxregister_decrease(REGS_PRODUCER)
-                prod.indexed(st, c.tidx, c.t, c.g, ((p_q, q_st), (p_do, do_st)), p_k, p_v, p_idx, n_tok, width,
-                             idx_st, k_st, v_st, n_tiles)
-            else:
-                cute.arch.setmaxregister_increase(REGS_CONSUMER)
-                consumer(st, c.tidx - 128, c.lane, c.t, c.g, n_tiles, p_dk, p_dv, p_lse, p_delta, n_tok, n_kv,
-                         scale_log2, scale)
+            run_item(((p_q, q_st), (p_do, do_st)), p_k, p_v, (p_idx, width, idx_st), n_tok, k_st, v_st,
+                     (p_dk, p_dv, p_lse, p_delta, n_tok, n_kv, scale_log2, scale))
 
         @cute.jit
         def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_do: cute.Pointer, p_idx: cute.Pointer,
@@ -180,8 +147,6 @@ def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap
                  n_kv: Int32, width: Int32, idx_st: Int64, q_st: Int64, k_st: Int64, v_st: Int64, do_st: Int64,
                  scale_log2: Float32, scale: Float32):
             kernel(p_q, p_k, p_v, p_do, p_idx, p_dk, p_dv, p_lse, p_delta, n_tok, n_kv, width, idx_st, q_st, k_st,
-                   v_st, do_st, scale_log2, scale).launch(grid=(n_tok * n_kv, 1, 1), block=(NTHREADS, 1, 1),
-                                                          smem=SMEM_BYTES, min_blocks_per_mp=1,
-                                                          preferred_smem_carveout=100)
+                   v_st, do_st, scale_log2, scale).launch(**launch_config(n_tok, n_kv, SMEM_BYTES))
 
-    return BuiltKernel(PARAMS, launch(SMEM_BYTES), kernel, host)
+    return BuiltKernel(PARAMS, launch_declaration(SMEM_BYTES), kernel, host)

@@ -27,43 +27,31 @@ from cutlass.cute.nvgpu import warpgroup
 from dsagen.kernels.built import BuiltKernel
 from dsagen.kernels.common.sm90.epilogue import store_row_v4
 from dsagen.kernels.common.sm90.gather import wait_gathered_tile
-from dsagen.kernels.common.sm90.layout import acc_mn_view, sw128
-from dsagen.kernels.common.sm90.mma import issue_accumulate_group, issue_gemm, wgmma_tile
+from dsagen.kernels.common.sm90.mma import issue_accumulate_group, issue_gemm, wgmma_tile, wgmma_tile_sibling
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
-from dsagen.kernels.qsa.bwd_common_sm90 import NTHREADS, REGS_CONSUMER, REGS_PRODUCER, launch, params, row_stats, \
-    valid_id
-from dsagen.kernels.qsa.producer_sm90 import BN, M, make_producer, make_smem
+from dsagen.kernels.qsa.bwd_common_sm90 import REGS_CONSUMER, REGS_PRODUCER, params, row_stats, valid_id
+from dsagen.kernels.qsa.producer_sm90 import BN, M, kernel_parts, launch_config, launch_declaration, make_item
 
 
 def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap: bool = False) -> BuiltKernel:
     """The kernel of QsaDqSpec(group, head_dim, v_dim, dtype, stages, bitmap); each call makes new kernel and host
     functions."""
     G, D, DV, ST = group, head_dim, v_dim, stages
-    DT = cutlass.Float16 if dtype == "float16" else cutlass.BFloat16
-    FP16 = dtype == "float16"
-    Smem = make_smem(DT, D, DV, ST, with_do=True)
-    SMEM_BYTES = Smem.size_in_bytes()
-    prod = make_producer(G, D, DV, ST, DT)
+    parts = kernel_parts(G, D, DV, dtype, ST, with_do=True)
+    DT, SMEM_BYTES = parts.dtype, parts.smem_bytes
+    FP16 = parts.fp16
     PARAMS = params(dtype, bitmap, [{"name": "dq", "kind": "ptr", "dtype": dtype, "align": 16}])  # [T, Hq, D]
 
     @cute.jit
     def consumer(st, ctid, lane, t, g, n_tiles, p_dq, p_lse, p_delta, n_tok, n_kv, scale_log2, scale):
         """S, dP, dS and dq += dS K of the item's tiles, then dq's stores (module docstring)."""
-        lq, ldo = sw128(DT, (M, D)), sw128(DT, (M, DV))
-        lk, lv = sw128(DT, (BN, D, ST)), sw128(DT, (BN, DV, ST))
-        sQ = st.sQ.get_tensor(lq.outer, swizzle=lq.inner)            # (64 head rows, D)
-        sdO = st.sdO.get_tensor(ldo.outer, swizzle=ldo.inner)        # (64 head rows, DV)
-        sK = st.sK.get_tensor(lk.outer, swizzle=lk.inner)            # (BN slots, D, stage)
-        sV = st.sV.get_tensor(lv.outer, swizzle=lv.inner)            # (BN slots, DV, stage)
-        sKt = cute.composition(sK, cute.make_layout((D, BN, ST), stride=(BN, 1, BN * D)))   # K^T (MN-major)
-        sIds = st.ids.get_tensor(cute.make_layout(BN * ST))
-        k_ready, v_ready, kv_free = st.k_ready.data_ptr(), st.v_ready.data_ptr(), st.kv_free.data_ptr()
-        qk = wgmma_tile(DT, sQ, sK, (M, BN), ctid)                    # S = Q K^T (and dP = dO V^T)
+        sh = parts.prod.tiles(st)
+        sIds, k_ready, v_ready, kv_free = sh.sIds, sh.k_ready, sh.v_ready, sh.kv_free
+        sKt = cute.composition(sh.sK, cute.make_layout((D, BN, ST), stride=(BN, 1, BN * D)))   # K^T (MN-major)
+        qk = wgmma_tile(DT, sh.sQ, sh.sK, (M, BN), ctid)              # S = Q K^T
         mma_s, tSrQ, tSrK, accS, sMN, cS = qk.mma, qk.tA, qk.tB, qk.acc, qk.acc_mn, qk.coord_mn
-        tPrdO = mma_s.make_fragment_A(qk.thr.partition_A(sdO))
-        tPrV = mma_s.make_fragment_B(qk.thr.partition_B(sV))
-        accP = cute.make_rmem_tensor(accS.layout, Float32)
-        pMN = acc_mn_view(accP)
+        dov = wgmma_tile_sibling(qk, sh.sdO, sh.sV)                   # dP = dO V^T
+        tPrdO, tPrV, accP, pMN = dov.tA, dov.tB, dov.acc, dov.acc_mn
         rdS = cute.make_rmem_tensor(accS.layout, DT)
         dq = wgmma_tile(DT, None, sKt, (M, D), ctid, b_mn_major=True, a_regs=rdS)   # dq += dS K
         NR = cute.size(sMN, mode=[0])
@@ -108,23 +96,15 @@ def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap
             store_row_v4(p_dq + (at + 8 * q4), dq.acc_mn, r, scale, FP16, q4 >= 2, q4 % 2 == 1, policy,
                          keep=row < G)
 
+    run_item = make_item(parts, bitmap, (REGS_PRODUCER, REGS_CONSUMER), consumer)
     if bitmap:
         @cute.kernel
         def kernel(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_do: cute.Pointer, p_bm: cute.Pointer,
                    p_cu: cute.Pointer, p_blk0: cute.Pointer, p_dq: cute.Pointer, p_lse: cute.Pointer,
                    p_delta: cute.Pointer, n_tok: Int32, n_kv: Int32, n_docs: Int32, n_blocks: Int32, bm_st: Int64,
                    q_st: Int64, k_st: Int64, v_st: Int64, do_st: Int64, scale_log2: Float32, scale: Float32):
-            c = prod.item_coords(n_tok)
-            st = cutlass.memory.SmemAllocator().allocate(Smem)
-            prod.init_barriers(c.warp, st)
-            if c.wg == 0:
-                cute.arch.setmaxregister_decrease(REGS_PRODUCER)
-                prod.bitmap(st, c.tidx, c.t, c.g, ((p_q, q_st), (p_do, do_st)), p_k, p_v, p_bm, p_cu, p_blk0,
-                            n_tok, n_docs, n_blocks, bm_st, k_st, v_st)
-            else:
-                cute.arch.setmaxregister_increase(REGS_CONSUMER)
-                consumer(st, c.tidx - 128, c.lane, c.t, c.g, prod.bitmap_tiles(st), p_dq, p_lse, p_delta, n_tok,
-                         n_kv, scale_log2, scale)
+            run_item(((p_q, q_st), (p_do, do_st)), p_k, p_v, (p_bm, p_cu, p_blk0, n_docs, n_blocks, bm_st), n_tok,
+                     k_st, v_st, (p_dq, p_lse, p_delta, n_tok, n_kv, scale_log2, scale))
 
         @cute.jit
         def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_do: cute.Pointer, p_bm: cute.Pointer,
@@ -132,36 +112,22 @@ def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap
                  p_delta: cute.Pointer, n_tok: Int32, n_kv: Int32, n_docs: Int32, n_blocks: Int32, bm_st: Int64,
                  q_st: Int64, k_st: Int64, v_st: Int64, do_st: Int64, scale_log2: Float32, scale: Float32):
             kernel(p_q, p_k, p_v, p_do, p_bm, p_cu, p_blk0, p_dq, p_lse, p_delta, n_tok, n_kv, n_docs, n_blocks,
-                   bm_st, q_st, k_st, v_st, do_st, scale_log2, scale).launch(
-                grid=(n_tok * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES, min_blocks_per_mp=1,
-                preferred_smem_carveout=100)
+                   bm_st, q_st, k_st, v_st, do_st, scale_log2, scale).launch(**launch_config(n_tok, n_kv, SMEM_BYTES))
     else:
         @cute.kernel
         def kernel(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_do: cute.Pointer, p_idx: cute.Pointer,
                    p_dq: cute.Pointer, p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32, n_kv: Int32,
                    width: Int32, idx_st: Int64, q_st: Int64, k_st: Int64, v_st: Int64, do_st: Int64,
                    scale_log2: Float32, scale: Float32):
-            c = prod.item_coords(n_tok)
-            n_tiles = (width + BN - 1) // BN
-            st = cutlass.memory.SmemAllocator().allocate(Smem)
-            prod.init_barriers(c.warp, st)
-            if c.wg == 0:
-                cute.arch.setmaxregister_decrease(REGS_PRODUCER)
-                prod.indexed(st, c.tidx, c.t, c.g, ((p_q, q_st), (p_do, do_st)), p_k, p_v, p_idx, n_tok, width,
-                             idx_st, k_st, v_st, n_tiles)
-            else:
-                cute.arch.setmaxregister_increase(REGS_CONSUMER)
-                consumer(st, c.tidx - 128, c.lane, c.t, c.g, n_tiles, p_dq, p_lse, p_delta, n_tok, n_kv, scale_log2,
-                         scale)
+            run_item(((p_q, q_st), (p_do, do_st)), p_k, p_v, (p_idx, width, idx_st), n_tok, k_st, v_st,
+                     (p_dq, p_lse, p_delta, n_tok, n_kv, scale_log2, scale))
 
         @cute.jit
         def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_do: cute.Pointer, p_idx: cute.Pointer,
                  p_dq: cute.Pointer, p_lse: cute.Pointer, p_delta: cute.Pointer, n_tok: Int32, n_kv: Int32,
                  width: Int32, idx_st: Int64, q_st: Int64, k_st: Int64, v_st: Int64, do_st: Int64,
                  scale_log2: Float32, scale: Float32):
-            kernel(p_q, p_k, p_v, p_do, p_idx, p_dq, p_lse, p_delta, n_tok, n_kv, width, idx_st, q_st, k_st, v_st,
-                   do_st, scale_log2, scale).launch(grid=(n_tok * n_kv, 1, 1), block=(NTHREADS, 1, 1),
-                                                    smem=SMEM_BYTES, min_blocks_per_mp=1,
-                                                    preferred_smem_carveout=100)
+            kernel(p_q, p_k, p_v, p_do, p_idx, p_dq, p_lse, p_delta, n_tok, n_kv, width, idx_st, q_st, k_st,
+                   v_st, do_st, scale_log2, scale).launch(**launch_config(n_tok, n_kv, SMEM_BYTES))
 
-    return BuiltKernel(PARAMS, launch(SMEM_BYTES), kernel, host)
+    return BuiltKernel(PARAMS, launch_declaration(SMEM_BYTES), kernel, host)

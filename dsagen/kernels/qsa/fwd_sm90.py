@@ -46,12 +46,12 @@ from dsagen.kernels.common.sm90.mma import gemm_tile, issue_accumulate_group, is
 from dsagen.kernels.common.sm90.ptx import l2_evict_first_policy
 from dsagen.kernels.common.sm90.reduce import quad_sum
 from dsagen.kernels.common.sm90.softmax import rescale_rows, softmax_step_row
-from dsagen.kernels.qsa.producer_sm90 import BN, M, make_producer, make_smem, select_params, select_scalar_params
+from dsagen.kernels.qsa.producer_sm90 import BN, M, kernel_parts, launch_config, launch_declaration, make_item, \
+    select_params, select_scalar_params
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MAX_INIT = -1.0e30          # initial running max: finite, so no -inf - -inf; masked scores are -inf
-NTHREADS = 256
 REGS_PRODUCER = 56
 REGS_CONSUMER = 240
 
@@ -77,21 +77,12 @@ def params(dtype: str, bitmap: bool = False) -> list[dict]:
     ]
 
 
-def launch(smem: int) -> dict:
-    """The launch declaration: one CTA per (token, KV head)."""
-    return {"grid": ["n_tok * n_kv", 1, 1], "block": [NTHREADS, 1, 1], "cluster": [1, 1, 1], "smem": smem}
-
-
 def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap: bool = False) -> BuiltKernel:
     """The kernel of QsaFwdSpec(group, head_dim, v_dim, dtype, stages, bitmap); each call makes new kernel and host
     functions."""
     G, D, DV, ST = group, head_dim, v_dim, stages
-    DT = cutlass.Float16 if dtype == "float16" else cutlass.BFloat16
-    FP16 = dtype == "float16"
-
-    Smem = make_smem(DT, D, DV, ST, with_do=False)
-    SMEM_BYTES = Smem.size_in_bytes()
-    prod = make_producer(G, D, DV, ST, DT)
+    parts = kernel_parts(G, D, DV, dtype, ST, with_do=False)
+    DT, FP16, SMEM_BYTES = parts.dtype, parts.fp16, parts.smem_bytes
 
     @cute.jit
     def column_ok(sIds, cS, ok, stage, n_tok):
@@ -115,7 +106,7 @@ def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap
             softmax_step_row(sMN, r, nc, row_max, row_sum, corr)
 
     @cute.jit
-    def consumer(st, ctid, lane, t, g, p_out, p_out32, p_lse, n_tok, n_kv, scale_log2, n_tiles):
+    def consumer(st, ctid, lane, t, g, n_tiles, p_out, p_out32, p_lse, n_tok, n_kv, scale_log2):
         """Scores, softmax and PV of the item's tiles, then the epilogue (module docstring)."""
         lq, lk, lv = sw128(DT, (M, D)), sw128(DT, (BN, D, ST)), sw128(DT, (BN, DV, ST))
         sQ = st.sQ.get_tensor(lq.outer, swizzle=lq.inner)            # (64 rows (heads), D)
@@ -188,23 +179,15 @@ def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap
                 (p_lse + (Int64(hq) * n_tok + t)).store(-Float32.inf if s == Float32(0.0)
                                                          else (m + cute.math.log2(s, fastmath=False)) * LN2)
 
+    run_item = make_item(parts, bitmap, (REGS_PRODUCER, REGS_CONSUMER), consumer)
     if bitmap:
         @cute.kernel
         def kernel(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_bm: cute.Pointer, p_cu: cute.Pointer,
                    p_blk0: cute.Pointer, p_out: cute.Pointer, p_out32: cute.Pointer, p_lse: cute.Pointer,
                    n_tok: Int32, n_kv: Int32, n_docs: Int32, n_blocks: Int32, bm_st: Int64, q_st: Int64,
                    k_st: Int64, v_st: Int64, scale_log2: Float32):
-            c = prod.item_coords(n_tok)
-            st = cutlass.memory.SmemAllocator().allocate(Smem)
-            prod.init_barriers(c.warp, st)
-            if c.wg == 0:
-                cute.arch.setmaxregister_decrease(REGS_PRODUCER)
-                prod.bitmap(st, c.tidx, c.t, c.g, ((p_q, q_st),), p_k, p_v, p_bm, p_cu, p_blk0, n_tok, n_docs,
-                            n_blocks, bm_st, k_st, v_st)
-            else:
-                cute.arch.setmaxregister_increase(REGS_CONSUMER)
-                n_tiles = prod.bitmap_tiles(st)
-                consumer(st, c.tidx - 128, c.lane, c.t, c.g, p_out, p_out32, p_lse, n_tok, n_kv, scale_log2, n_tiles)
+            run_item(((p_q, q_st),), p_k, p_v, (p_bm, p_cu, p_blk0, n_docs, n_blocks, bm_st), n_tok, k_st, v_st,
+                     (p_out, p_out32, p_lse, n_tok, n_kv, scale_log2))
 
         @cute.jit
         def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_bm: cute.Pointer, p_cu: cute.Pointer,
@@ -212,32 +195,20 @@ def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap
                  n_kv: Int32, n_docs: Int32, n_blocks: Int32, bm_st: Int64, q_st: Int64, k_st: Int64, v_st: Int64,
                  scale_log2: Float32):
             kernel(p_q, p_k, p_v, p_bm, p_cu, p_blk0, p_out, p_out32, p_lse, n_tok, n_kv, n_docs, n_blocks, bm_st,
-                   q_st, k_st, v_st, scale_log2).launch(grid=(n_tok * n_kv, 1, 1), block=(NTHREADS, 1, 1),
-                                                        smem=SMEM_BYTES, min_blocks_per_mp=1,
-                                                        preferred_smem_carveout=100)
+                   q_st, k_st, v_st, scale_log2).launch(**launch_config(n_tok, n_kv, SMEM_BYTES))
     else:
         @cute.kernel
         def kernel(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_idx: cute.Pointer, p_out: cute.Pointer,
                    p_out32: cute.Pointer, p_lse: cute.Pointer, n_tok: Int32, n_kv: Int32, width: Int32, idx_st: Int64,
                    q_st: Int64, k_st: Int64, v_st: Int64, scale_log2: Float32):
-            c = prod.item_coords(n_tok)
-            n_tiles = (width + BN - 1) // BN
-            st = cutlass.memory.SmemAllocator().allocate(Smem)
-            prod.init_barriers(c.warp, st)
-            if c.wg == 0:
-                cute.arch.setmaxregister_decrease(REGS_PRODUCER)
-                prod.indexed(st, c.tidx, c.t, c.g, ((p_q, q_st),), p_k, p_v, p_idx, n_tok, width, idx_st, k_st, v_st,
-                             n_tiles)
-            else:
-                cute.arch.setmaxregister_increase(REGS_CONSUMER)
-                consumer(st, c.tidx - 128, c.lane, c.t, c.g, p_out, p_out32, p_lse, n_tok, n_kv, scale_log2, n_tiles)
+            run_item(((p_q, q_st),), p_k, p_v, (p_idx, width, idx_st), n_tok, k_st, v_st,
+                     (p_out, p_out32, p_lse, n_tok, n_kv, scale_log2))
 
         @cute.jit
         def host(p_q: cute.Pointer, p_k: cute.Pointer, p_v: cute.Pointer, p_idx: cute.Pointer, p_out: cute.Pointer,
                  p_out32: cute.Pointer, p_lse: cute.Pointer, n_tok: Int32, n_kv: Int32, width: Int32, idx_st: Int64,
                  q_st: Int64, k_st: Int64, v_st: Int64, scale_log2: Float32):
             kernel(p_q, p_k, p_v, p_idx, p_out, p_out32, p_lse, n_tok, n_kv, width, idx_st, q_st, k_st, v_st,
-                   scale_log2).launch(grid=(n_tok * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=SMEM_BYTES,
-                                      min_blocks_per_mp=1, preferred_smem_carveout=100)
+                   scale_log2).launch(**launch_config(n_tok, n_kv, SMEM_BYTES))
 
-    return BuiltKernel(params(dtype, bitmap), launch(SMEM_BYTES), kernel, host)
+    return BuiltKernel(params(dtype, bitmap), launch_declaration(SMEM_BYTES), kernel, host)

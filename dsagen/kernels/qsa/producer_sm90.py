@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32, Int64, const_expr
 
 from dsagen.kernels.common.sm90.cta import cta_coords
 from dsagen.kernels.common.sm90.gather import gather_base, gather_lanes, gather_tile_rows, publish_tile_ids, \
@@ -32,6 +32,7 @@ BLOCKS_PER_TILE = BN // 4   # the bitmap form's four-token blocks per tile
 BAR_PRODUCER = 1            # named barrier of the producer warpgroup's 128 threads (the bitmap form's search)
 NI = BN // 16               # tile rows per producer group
 NQ = M // 16                # operand rows per producer group
+NTHREADS = 256              # the producer warpgroup, then the consumer warpgroup
 
 
 def select_params(bitmap: bool) -> list[dict]:
@@ -95,6 +96,19 @@ class ItemCoords(NamedTuple):
     g: Any
 
 
+class ItemTiles(NamedTuple):
+    """A consumer's views of the item's shared tiles (QsaProducer.tiles): the operand tiles (sdO None without it),
+    the rings (their last mode the stage), the ids per stage and the ring's mbarriers."""
+    sQ: Any              # (64 head rows, D)
+    sdO: Any             # (64 head rows, Dv)
+    sK: Any              # (BN slots, D, stage)
+    sV: Any              # (BN slots, Dv, stage)
+    sIds: Any            # (BN * stages,): tile slot n of stage s at s BN + n
+    k_ready: Any
+    v_ready: Any
+    kv_free: Any
+
+
 class QsaProducer(NamedTuple):
     """The producer side of one QSA kernel (make_producer): its @cute.jit functions."""
     item_coords: Any       # (n_tok) -> ItemCoords; block bid = g T + t, so the tokens of one head are neighbours
@@ -103,6 +117,7 @@ class QsaProducer(NamedTuple):
     bitmap: Any            # (st, tidx, t, g, rows, p_k, p_v, p_bm, p_cu, p_blk0, n_tok, n_docs, n_blocks, bm_st,
     #                         k_st, v_st)
     bitmap_tiles: Any      # (st) -> n_tiles: the consumer's wait for the bitmap form's tile count
+    tiles: Any             # (st) -> ItemTiles
 
 
 def make_producer(group: int, head_dim: int, v_dim: int, stages: int, dtype) -> QsaProducer:
@@ -118,6 +133,17 @@ def make_producer(group: int, head_dim: int, v_dim: int, stages: int, dtype) -> 
         g = coords.bidx // n_tok
         return ItemCoords(tidx=coords.tidx, warp=coords.warp, wg=coords.wg, lane=cute.arch.lane_idx(),
                           t=coords.bidx - g * n_tok, g=g)
+
+    def tiles(st) -> ItemTiles:
+        """The consumer's ItemTiles of the struct `st` (trace-time views, no instructions)."""
+        lq, ldo = sw128(DT, (M, D)), sw128(DT, (M, DV))
+        lk, lv = sw128(DT, (BN, D, ST)), sw128(DT, (BN, DV, ST))
+        sdO = st.sdO.get_tensor(ldo.outer, swizzle=ldo.inner) if hasattr(st, "sdO") else None
+        return ItemTiles(sQ=st.sQ.get_tensor(lq.outer, swizzle=lq.inner), sdO=sdO,
+                         sK=st.sK.get_tensor(lk.outer, swizzle=lk.inner),
+                         sV=st.sV.get_tensor(lv.outer, swizzle=lv.inner),
+                         sIds=st.ids.get_tensor(cute.make_layout(BN * ST)), k_ready=st.k_ready.data_ptr(),
+                         v_ready=st.v_ready.data_ptr(), kv_free=st.kv_free.data_ptr())
 
     @cute.jit
     def init_barriers(warp, st):
@@ -289,4 +315,66 @@ def make_producer(group: int, head_dim: int, v_dim: int, stages: int, dtype) -> 
         return st.sN.get_tensor(cute.make_layout(4))[0]
 
     return QsaProducer(item_coords=item_coords, init_barriers=init_barriers, indexed=indexed, bitmap=bitmap,
-                       bitmap_tiles=bitmap_tiles)
+                       bitmap_tiles=bitmap_tiles, tiles=tiles)
+
+
+class KernelParts(NamedTuple):
+    """What every QSA kernel's build() starts from (kernel_parts)."""
+    dtype: Any           # the cutlass 16-bit element type
+    fp16: bool
+    Smem: Any            # make_smem's struct
+    smem_bytes: int
+    prod: QsaProducer
+
+
+def kernel_parts(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, with_do: bool) -> KernelParts:
+    """The element type, shared-memory struct (with_do: the backward's dO tile) and producer of a QSA kernel."""
+    dt = cutlass.Float16 if dtype == "float16" else cutlass.BFloat16
+    smem = make_smem(dt, head_dim, v_dim, stages, with_do)
+    return KernelParts(dtype=dt, fp16=dtype == "float16", Smem=smem, smem_bytes=smem.size_in_bytes(),
+                       prod=make_producer(group, head_dim, v_dim, stages, dt))
+
+
+def make_item(parts: KernelParts, bitmap: bool, regs: tuple[int, int], consumer):
+    """The body of a QSA kernel (the CTA's one item): coordinates, shared memory, mbarriers, then the producer
+    warpgroup (setmaxnreg regs[0]) gathers the per-row operands `rows` and the tiles of the form's selection `sel`,
+    and the consumer warpgroup (regs[1]) runs consumer(st, ctid, lane, t, g, n_tiles, *cargs). sel: (p_idx, width,
+    idx_st) for the indexed form, (p_bm, p_cu, p_blk0, n_docs, n_blocks, bm_st) for the bitmap form, whose tile
+    count the consumer waits for."""
+    prod, smem = parts.prod, parts.Smem
+
+    @cute.jit
+    def run_item(rows, p_k, p_v, sel, n_tok, k_st, v_st, cargs):
+        c = prod.item_coords(n_tok)
+        n_tiles = Int32(0)
+        if const_expr(not bitmap):
+            n_tiles = (sel[1] + BN - 1) // BN
+        st = cutlass.memory.SmemAllocator().allocate(smem)
+        prod.init_barriers(c.warp, st)
+        if c.wg == 0:
+            cute.arch.setmaxregister_decrease(regs[0])
+            if const_expr(bitmap):
+                prod.bitmap(st, c.tidx, c.t, c.g, rows, p_k, p_v, sel[0], sel[1], sel[2], n_tok, sel[3], sel[4],
+                            sel[5], k_st, v_st)
+            else:
+                prod.indexed(st, c.tidx, c.t, c.g, rows, p_k, p_v, sel[0], n_tok, sel[1], sel[2], k_st, v_st,
+                             n_tiles)
+        else:
+            cute.arch.setmaxregister_increase(regs[1])
+            if const_expr(bitmap):
+                consumer(st, c.tidx - 128, c.lane, c.t, c.g, prod.bitmap_tiles(st), *cargs)
+            else:
+                consumer(st, c.tidx - 128, c.lane, c.t, c.g, n_tiles, *cargs)
+
+    return run_item
+
+
+def launch_declaration(smem: int) -> dict:
+    """The rendered module's LAUNCH: one CTA per (token, KV head), 256 threads, `smem` dynamic bytes."""
+    return {"grid": ["n_tok * n_kv", 1, 1], "block": [NTHREADS, 1, 1], "cluster": [1, 1, 1], "smem": smem}
+
+
+def launch_config(n_tok, n_kv, smem: int) -> dict:
+    """The host's launch arguments of a QSA kernel: one CTA per (token, KV head), one CTA per SM."""
+    return dict(grid=(n_tok * n_kv, 1, 1), block=(NTHREADS, 1, 1), smem=smem, min_blocks_per_mp=1,
+                preferred_smem_carveout=100)

@@ -1,5 +1,5 @@
 """Warpgroup MMA helpers of the Hopper kernels: the set-up of one product (`wgmma_tile`: tiled MMA, fragments,
-accumulator and its views), one whole product over a K loop of k16 steps, issued, committed as one group and
+accumulator and its views; `wgmma_tile_sibling`: another product on the same tiled MMA), one whole product over a K loop of k16 steps, issued, committed as one group and
 waited (`gemm_tile`), and the issue alone of a product that overwrites its accumulator (`issue_gemm`), for groups of
 several products or a product left in flight. Called by the 128 threads of the consumer warpgroup that owns the accumulator
 (wgmma is a warpgroup instruction: every thread of the warpgroup must reach it, converged)."""
@@ -96,3 +96,14 @@ def wgmma_tile(dtype, sA, sB, tiler_mn: tuple, ctid, a_mn_major: bool = False, b
     acc = cute.make_rmem_tensor(thr.partition_shape_C(tiler_mn), Float32)
     return WgmmaTile(mma=mma, thr=thr, tA=tA, tB=tB, acc=acc, acc_mn=acc_mn_view(acc),
                      coord_mn=acc_mn_view(thr.partition_C(cute.make_identity_tensor(tiler_mn))))
+
+
+def wgmma_tile_sibling(tile: WgmmaTile, sA, sB) -> WgmmaTile:
+    """A second product of `tile`'s shape on its tiled MMA (one wgmma group may issue both, e.g. S = Q K^T and
+    dP = dO V^T of an attention backward): the A and B fragments of the shared tiles sA and sB (majorness and mode
+    order as tile's, K may differ) and a new FP32 accumulator with its views."""
+    tA = tile.mma.make_fragment_A(tile.thr.partition_A(sA))
+    tB = tile.mma.make_fragment_B(tile.thr.partition_B(sB))
+    acc = cute.make_rmem_tensor(tile.acc.layout, Float32)
+    return WgmmaTile(mma=tile.mma, thr=tile.thr, tA=tA, tB=tB, acc=acc, acc_mn=acc_mn_view(acc),
+                     coord_mn=tile.coord_mn)

@@ -113,22 +113,27 @@ def _t(*shape, dtype=torch.bfloat16):
 
 def test_backward_operands_name_the_argument():
     """check_backward and the backward custom op (torch.ops.dsagen.qsa_indexed_bwd_fused) refuse bad operands before
-    any device query."""
+    any device query; a missing gradient (None) is allowed."""
     q, k, v = _t(8, 12, 256), _t(8, 1, 256), _t(8, 1, 128)
-    good = dict(dout=_t(8, 12, 128), lse=_t(12, 8, dtype=torch.float32), delta=_t(12, 8, dtype=torch.float32))
+    f32 = torch.float32
+    good = dict(out32=_t(8, 12, 128, dtype=f32), lse=_t(12, 8, dtype=f32), d_out=_t(8, 12, 128), d_out32=None,
+                d_lse=_t(12, 8, dtype=torch.float64))
     qsa_host.check_backward(q, v, **good)
-    for name, bad, needle in (("dout", _t(8, 12, 256), "dout must be torch.bfloat16 [8, 12, 128]"),
-                              ("dout", _t(8, 12, 128, dtype=torch.float16), "dout must be"),
-                              ("lse", _t(8, 12, dtype=torch.float32), "lse must be float32 [Hq, T] = [12, 8]"),
-                              ("delta", _t(12, 8), "delta must be float32")):
+    for name, bad, needle in (("out32", _t(8, 12, 128), "out_fp32 must be float32 [8, 12, 128]"),
+                              ("lse", _t(8, 12, dtype=f32), "lse must be float32 [12, 8]"),
+                              ("lse", None, "lse must be float32 [12, 8] on cpu, got None"),
+                              ("d_out", _t(8, 12, 256), "d_out must be floating point [8, 12, 128]"),
+                              ("d_out32", _t(8, 12, 128, dtype=torch.int32), "d_out_fp32 must be floating point"),
+                              ("d_lse", _t(8, 12, dtype=f32), "d_lse must be floating point [12, 8]")):
         with pytest.raises(ValueError, match=re.escape(needle)):
             qsa_host.check_backward(q, v, **{**good, name: bad})
     idx = torch.zeros(8, 4, dtype=torch.int32)
-    with pytest.raises(ValueError, match="dout must be"):
-        torch.ops.dsagen.qsa_indexed_bwd_fused(q, k, v, idx, _t(8, 12, 64), good["lse"], good["delta"], 0.1)
+    with pytest.raises(ValueError, match="d_out must be"):
+        torch.ops.dsagen.qsa_indexed_bwd_fused(q, k, v, idx, good["out32"], good["lse"], _t(8, 12, 64), None, None,
+                                               0.1)
     with pytest.raises(ValueError, match="at most 64 query heads per KV head"):
-        qsa_host.backward(_t(8, 65, 256), k, v, (idx,), _t(8, 65, 128), _t(65, 8, dtype=torch.float32),
-                          _t(65, 8, dtype=torch.float32), 0.1)
+        qsa_host.backward(_t(8, 65, 256), k, v, (idx,), _t(8, 65, 128, dtype=f32), _t(65, 8, dtype=f32), None, None,
+                          None, 0.1)
 
 
 def test_backward_inputs_fold_the_outputs_gradients():

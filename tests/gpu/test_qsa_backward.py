@@ -124,7 +124,7 @@ def test_repeated_backward_dq_bitwise_equal():
 
 def test_torch_compile_backward():
     """torch.compile(fullgraph=True) of both forms with gradients: the forward and backward custom ops run as opaque
-    nodes; dq is the eager dq bitwise, dk / dv within rounding."""
+    nodes (dO and delta formed inside the backward op); dq is the eager dq bitwise, dk / dv within rounding."""
     gen = torch.Generator().manual_seed(551)
     q, k, v, ids = make_inputs(64, 12, 1, 256, 256, 64, gen)
     bm = make_bitmap(64, [0, 30, 64], 0.5, gen).to(DEV)
@@ -143,14 +143,14 @@ def test_torch_compile_backward():
 
 
 def test_backward_custom_op_direct():
-    """torch.ops.dsagen.qsa_indexed_bwd_fused called with the forward's statistics gives autograd's gradients."""
+    """torch.ops.dsagen.qsa_indexed_bwd_fused called with the forward's statistics and one output's gradient gives
+    autograd's gradients (dq bitwise)."""
     gen = torch.Generator().manual_seed(561)
     q, k, v, ids = make_inputs(40, 12, 1, 256, 256, 64, gen)
     out, out32, lse = dsagen.qsa_indexed_forward(q, k, v, ids)
-    dout = torch.randn(out.shape, generator=gen).to(DEV)
-    delta = (dout * out32).sum(-1).t().contiguous()
-    dq, dk, dv = torch.ops.dsagen.qsa_indexed_bwd_fused(q, k, v, ids, dout.to(q.dtype), lse, delta, 1 / 16)
+    d_out32 = torch.randn(out.shape, generator=gen).to(DEV)
+    dq, dk, dv = torch.ops.dsagen.qsa_indexed_bwd_fused(q, k, v, ids, out32, lse, None, d_out32, None, 1 / 16)
     want = grads(lambda a, b, c: dsagen.qsa_indexed_forward(a, b, c, ids), q, k, v,
-                 (torch.zeros_like(dout), dout, torch.zeros_like(lse)))
+                 (torch.zeros_like(d_out32), d_out32, torch.zeros_like(lse)))
     assert torch.equal(dq, want[0])
     assert_grads_close((dk, dv), [x.double() for x in want[1:]], rel=1e-2)

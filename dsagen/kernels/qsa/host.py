@@ -161,19 +161,23 @@ def _(q, k, v, block_bitmap, cu_seqlens, scale):
     return _fake_outputs(q, v)
 
 
-def check_backward(q: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                   delta: torch.Tensor) -> None:
-    """The backward's operands beside q, k, v (ValueError naming the argument): dout [T, Hq, Dv] in q's dtype on q's
-    device, lse and delta FP32 [Hq, T]."""
+def check_backward(q: torch.Tensor, v: torch.Tensor, out32: torch.Tensor, lse: torch.Tensor,
+                   d_out: torch.Tensor | None, d_out32: torch.Tensor | None, d_lse: torch.Tensor | None) -> None:
+    """The backward's operands beside q, k, v (ValueError naming the argument), all on q's device: the forward's
+    out_fp32 [T, Hq, Dv] and lse [Hq, T] in FP32, and its outputs' gradients (None: no gradient), d_out and
+    d_out_fp32 [T, Hq, Dv], d_lse [Hq, T], floating point."""
     t, hq = q.shape[:2]
-    want = (t, hq, v.shape[2])
-    if tuple(dout.shape) != want or dout.dtype != q.dtype or dout.device != q.device:
-        raise ValueError(f"dout must be {q.dtype} {list(want)} on {q.device} like the forward's out, got "
-                         f"{dout.dtype} {list(dout.shape)} on {dout.device}")
-    for name, x in (("lse", lse), ("delta", delta)):
-        if tuple(x.shape) != (hq, t) or x.dtype != torch.float32 or x.device != q.device:
-            raise ValueError(f"{name} must be float32 [Hq, T] = [{hq}, {t}] on {q.device}, got {x.dtype} "
-                             f"{list(x.shape)} on {x.device}")
+    rows, stats = (t, hq, v.shape[2]), (hq, t)
+    for name, x, shape, fp32 in (("out_fp32", out32, rows, True), ("lse", lse, stats, True),
+                                 ("d_out", d_out, rows, False), ("d_out_fp32", d_out32, rows, False),
+                                 ("d_lse", d_lse, stats, False)):
+        if x is None and not fp32:
+            continue
+        if (x is None or tuple(x.shape) != shape or x.device != q.device or not x.is_floating_point()
+                or (fp32 and x.dtype != torch.float32)):
+            got = "None" if x is None else f"{x.dtype} {list(x.shape)} on {x.device}"
+            raise ValueError(f"{name} must be {'float32' if fp32 else 'floating point'} {list(shape)} on "
+                             f"{q.device}, got {got}")
 
 
 def backward_inputs(out32: torch.Tensor, d_out: torch.Tensor | None, d_out32: torch.Tensor | None,
@@ -193,16 +197,17 @@ def backward_inputs(out32: torch.Tensor, d_out: torch.Tensor | None, d_out32: to
     return d_o.to(dtype), delta.contiguous()
 
 
-def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, select: tuple, dout: torch.Tensor,
-             lse: torch.Tensor, delta: torch.Tensor, scale: float
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in q's dtype for the forward's lse and delta (check_backward's layouts): the dq kernel, then the
-    dk / dv kernel, over the forward's items. select: (indices,) for the indexed form, (block_bitmap, cu_seqlens) for
-    the bitmap form, whose producer makes the same tiles from the bitmap (no index scratch). dq is bitwise
-    repeatable; dk and dv are summed by FP32 atomics into zeroed [T, Hkv, D] buffers (their low bits can change
-    from call to call), then rounded to q's dtype."""
+def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, select: tuple, out32: torch.Tensor,
+             lse: torch.Tensor, d_out: torch.Tensor | None, d_out32: torch.Tensor | None, d_lse: torch.Tensor | None,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in q's dtype for the forward's out_fp32 and lse and its outputs' gradients (check_backward's
+    layouts; backward_inputs makes dO and delta): the dq kernel, then the dk / dv kernel, over the forward's items.
+    select: (indices,) for the indexed form, (block_bitmap, cu_seqlens) for the bitmap form, whose producer makes the
+    same tiles from the bitmap (no index scratch). dq is bitwise repeatable; dk and dv are summed by FP32 atomics
+    into zeroed [T, Hkv, D] buffers (their low bits can change from call to call), then rounded to q's dtype."""
     check_supported(q, k, v)
-    check_backward(q, v, dout, lse, delta)
+    check_backward(q, v, out32, lse, d_out, d_out32, d_lse)
+    dout, delta = backward_inputs(out32, d_out, d_out32, d_lse, q.dtype)
     t, hq, d = q.shape
     hkv, dv = k.shape[1], v.shape[2]
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -229,28 +234,32 @@ def _fake_grads(q, k, v):
 
 
 @torch.library.custom_op("dsagen::qsa_indexed_bwd_fused", mutates_args=())
-def _indexed_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, dout: torch.Tensor,
-                    lse: torch.Tensor, delta: torch.Tensor, scale: float
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The indexed form's backward as a custom op (the backward of dsagen::qsa_indexed_fwd_fused): (dq, dk, dv)."""
-    return backward(q, k, v, (indices,), dout, lse, delta, scale)
+def _indexed_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, out_fp32: torch.Tensor,
+                    lse: torch.Tensor, d_out: torch.Tensor | None, d_out_fp32: torch.Tensor | None,
+                    d_lse: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The indexed form's backward as a custom op (the backward of dsagen::qsa_indexed_fwd_fused): (dq, dk, dv) from
+    the forward's out_fp32 and lse and its outputs' gradients; dO and delta are formed inside, so a compiled step
+    gives the eager bytes."""
+    return backward(q, k, v, (indices,), out_fp32, lse, d_out, d_out_fp32, d_lse, scale)
 
 
 @_indexed_bwd_op.register_fake
-def _(q, k, v, indices, dout, lse, delta, scale):
+def _(q, k, v, indices, out_fp32, lse, d_out, d_out_fp32, d_lse, scale):
     return _fake_grads(q, k, v)
 
 
 @torch.library.custom_op("dsagen::qsa_bitmap_bwd_fused", mutates_args=())
 def _bitmap_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_bitmap: torch.Tensor,
-                   cu_seqlens: torch.Tensor | None, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                   cu_seqlens: torch.Tensor | None, out_fp32: torch.Tensor, lse: torch.Tensor,
+                   d_out: torch.Tensor | None, d_out_fp32: torch.Tensor | None, d_lse: torch.Tensor | None,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The bitmap form's backward as a custom op (the backward of dsagen::qsa_bitmap_fwd_fused): (dq, dk, dv)."""
-    return backward(q, k, v, (block_bitmap, cu_seqlens), dout, lse, delta, scale)
+    """The bitmap form's backward as a custom op (the backward of dsagen::qsa_bitmap_fwd_fused), as the indexed
+    form's."""
+    return backward(q, k, v, (block_bitmap, cu_seqlens), out_fp32, lse, d_out, d_out_fp32, d_lse, scale)
 
 
 @_bitmap_bwd_op.register_fake
-def _(q, k, v, block_bitmap, cu_seqlens, dout, lse, delta, scale):
+def _(q, k, v, block_bitmap, cu_seqlens, out_fp32, lse, d_out, d_out_fp32, d_lse, scale):
     return _fake_grads(q, k, v)
 
 
@@ -261,12 +270,11 @@ def _setup(ctx, inputs, output):
 
 
 def _grad(ctx, d_out, d_out32, d_lse):
-    """(dq, dk, dv, None...) through the form's backward custom op (backward_inputs: dO and delta)."""
+    """(dq, dk, dv, None...) through the form's backward custom op."""
     saved = ctx.saved_tensors
     q, k, v, select, out32, lse = saved[0], saved[1], saved[2], saved[3:-2], saved[-2], saved[-1]
-    dout, delta = backward_inputs(out32, d_out, d_out32, d_lse, q.dtype)
     op = _indexed_bwd_op if len(select) == 1 else _bitmap_bwd_op
-    dq, dk, dv = op(q, k, v, *select, dout, lse, delta, ctx.scale)
+    dq, dk, dv = op(q, k, v, *select, out32, lse, d_out, d_out32, d_lse, ctx.scale)
     return (dq, dk, dv) + (None,) * (len(select) + 1)
 
 

@@ -85,6 +85,8 @@ def build(group: int, head_dim: int, v_dim: int, dtype: str, stages: int, bitmap
             rdS.store(accS.load().to(DT))
             issue_accumulate_group(dq.mma, dq.acc, dq.tA, dq.tB, BN // 16, s)
             warpgroup.wait_group(0)
+            # the stage's K, V and ids are read: every lane's reads ordered before lane 0's arrival
+            cute.arch.sync_warp()
             if lane == 0:
                 cute.arch.mbarrier_arrive(kv_free + s)
 

@@ -82,17 +82,10 @@ def test_backward_compiles_without_spills(spec, tmp_path):
     """dq: S and dP (D / 16 + Dv / 16 SS steps, one group) then dq += dS K (4 RS steps, K transposed), each waited;
     dk / dv: S^T and dP^T (one group), then dv_part (4 RS steps, dO transposed) and dk_part (4, Q transposed), each
     waited, with (D + Dv) / 8 16-byte FP32 atomics per tile; no local memory; the smem size is the spec's."""
-    from dsagen.jit.build import compile_module
-    from dsagen.jit.sass import disassemble, find_nvdisasm
     from dsagen.kernels.qsa.bwd_common_sm90 import REGS_CONSUMER, REGS_PRODUCER
+    from test_qsa_kernels import compiled_sass
 
-    ck = compile_module(spec, render(spec), tmp_path)
-    assert ck.record["launch"]["block"] == [256, 1, 1]
-    assert ck.record["launch"]["smem"] == spec.smem_bytes()
-    assert 128 * (REGS_PRODUCER + REGS_CONSUMER) <= ck.record["regcount"] * 256 <= 65536
-    if find_nvdisasm() is None:
-        pytest.skip("nvdisasm not found")
-    sass = disassemble(ck.cubin)
+    sass = compiled_sass(spec, tmp_path, REGS_PRODUCER + REGS_CONSUMER)
     mma = "" if spec.dtype == "float16" else r"\.BF16"
     d, dv = spec.head_dim, spec.v_dim
     ss = re.findall(rf"HGMMA\.64x64x16\.F32{mma} R\d+, gdesc", sass)

@@ -48,9 +48,14 @@ def test_binding():
 
 
 def test_preset():
+    """Serving: both forms' forward; training adds both forms' backward (dq, dk / dv) at two stages."""
     want = [spec_for(12, 256, 256, "bfloat16", "sm_90a", bitmap=b) for b in (False, True)]
-    assert get_preset("qsa", "sm_90a") == want
-    assert get_preset("qsa", "sm_90a", serving=True) == get_preset("qsa", "sm_90a")
+    assert get_preset("qsa", "sm_90a", serving=True) == want
+    full = get_preset("qsa", "sm_90a")
+    assert full[:2] == want
+    assert [(s.op, s.bitmap, s.stages) for s in full[2:]] == [("qsa_dq", False, 2), ("qsa_dkv", False, 2),
+                                                              ("qsa_dq", True, 2), ("qsa_dkv", True, 2)]
+    assert get_preset("qsa", "sm_100a") == []
 
 
 @pytest.mark.compile
@@ -62,24 +67,31 @@ def test_compiles_without_spills(spec, tmp_path):
     """S (D / 16 steps) and PV (4 steps, P from registers, V transposed) each issued at two places (the first tile,
     then the loop that issues the next tile's S before this tile's PV), waited as groups: the first S, the next S
     with this PV in flight (gsb0 0x1), this PV, the last PV; no local memory; the smem size is the spec's."""
-    from dsagen.jit.build import compile_module
-    from dsagen.jit.sass import disassemble, find_nvdisasm
     from dsagen.kernels.qsa.fwd_sm90 import REGS_CONSUMER, REGS_PRODUCER
 
-    ck = compile_module(spec, render(spec), tmp_path)
-    assert ck.record["launch"]["block"] == [256, 1, 1]
-    assert ck.record["launch"]["smem"] == spec.smem_bytes()
-    # setmaxnreg moves registers within the CTA's pool: the producer's and the consumer's counts must fit in it
-    assert 128 * (REGS_PRODUCER + REGS_CONSUMER) <= ck.record["regcount"] * 256 <= 65536
-    if find_nvdisasm() is None:
-        pytest.skip("nvdisasm not found")
-    sass = disassemble(ck.cubin)
+    sass = compiled_sass(spec, tmp_path, REGS_PRODUCER + REGS_CONSUMER)
     mma = "" if spec.dtype == "float16" else r"\.BF16"          # fp16 inputs print no suffix
     assert len(re.findall(rf"HGMMA\.64x64x16\.F32{mma} R\d+, gdesc", sass)) == 2 * (spec.head_dim // 16)
     pv = rf"HGMMA\.64x{spec.v_dim}x16\.F32{mma} R\d+, R\d+, gdesc\[UR\d+\]\.tnspB"
     assert len(re.findall(pv, sass)) == 2 * 4
     assert re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass) == ["0x0", "0x1", "0x0", "0x0"]
     assert not re.findall(r"\b(LDL|STL)\b", sass)
+
+
+def compiled_sass(spec, tmp_path, regs_split: int) -> str:
+    """Compile a QSA kernel's spec into tmp_path, check its launch (256 threads, the spec's shared memory, the
+    producer's and consumer's setmaxnreg counts, summing to regs_split, within the CTA's register pool: setmaxnreg
+    moves registers inside it) and return its SASS; skips without nvdisasm."""
+    from dsagen.jit.build import compile_module
+    from dsagen.jit.sass import disassemble, find_nvdisasm
+
+    ck = compile_module(spec, render(spec), tmp_path)
+    assert ck.record["launch"]["block"] == [256, 1, 1]
+    assert ck.record["launch"]["smem"] == spec.smem_bytes()
+    assert 128 * regs_split <= ck.record["regcount"] * 256 <= 65536
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    return disassemble(ck.cubin)
 
 
 def test_unsupported_inputs_name_the_reason():

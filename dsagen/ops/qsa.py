@@ -1,5 +1,7 @@
 """Public packed query sparse attention (QSA) ops of FlashInfer QSA: `qsa_indexed_forward` (int32 token
-indices) and `qsa_bitmap_forward` (uint8 four-token block bitmap). Forward only, as in FlashInfer QSA.
+indices) and `qsa_bitmap_forward` (uint8 four-token block bitmap). Both are differentiable in q, k and v (every
+output may take a gradient): impl="fused" through generated backward kernels (dq, then dk / dv), impl="reference"
+through plain autograd.
 
 `impl="fused"` (the default) runs a generated CUDA kernel through `dsagen.ops._fused.fused_impl`
 (ValueError on CPU tensors, NotImplementedError on a GPU other than sm_90a); `impl="reference"` runs
@@ -66,6 +68,12 @@ def qsa_indexed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indic
         output before casting; FP64 for FP64 inputs), lse `[Hq, T]` FP32 natural-log LSE. A row with no
         valid id gives zero outputs and lse = -inf.
 
+    Gradients: with q, k or v requiring grad, autograd gives dq, dk, dv in their dtypes from the gradients of all
+    three outputs (not of the indices; a row with no valid id contributes nothing). impl="fused" (compiled, not
+    yet run on a GPU; notes/kernels/qsa.md) runs the forward kernel, then a dq kernel over the same tiles
+    (bitwise repeatable) and a dk / dv kernel that adds each slot's contribution into FP32 buffers by atomics, so
+    dk and dv can differ in their last bits from call to call; under torch.compile both are opaque custom ops.
+
     Raises:
         TypeError: wrong dtypes (k/v not q's dtype, indices not int32), scale not a number.
         ValueError: wrong ranks/shapes/devices, Hq not a multiple of Hkv, W not a positive multiple of
@@ -114,6 +122,9 @@ def qsa_bitmap_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
 
     Returns:
         `(out, out_fp32, lse)` as qsa_indexed_forward; an empty selection gives zeros and lse = -inf.
+
+    Gradients: as qsa_indexed_forward's (dq repeatable, dk / dv by atomics); the fused backward's kernels read
+    the bitmap themselves (the forward's tiles, no compacted-index scratch).
 
     Raises:
         TypeError: wrong dtypes (bitmap not uint8/bool, cu_seqlens not int32), scale not a number.

@@ -38,8 +38,9 @@ def _attend(q_c: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(scores - m_safe.unsqueeze(-1))
     sumexp = e.sum(dim=-1)
-    lse = torch.where(sumexp > 0, m_safe + torch.log(sumexp), torch.full_like(m, -_INF))
-    inv = torch.where(sumexp > 0, 1 / torch.where(sumexp > 0, sumexp, 1), 0)
+    safe_sum = torch.where(sumexp > 0, sumexp, 1)   # log / 1 of a positive sum only: no NaN in autograd's rows
+    lse = torch.where(sumexp > 0, m_safe + torch.log(safe_sum), torch.full_like(m, -_INF))
+    inv = torch.where(sumexp > 0, 1 / safe_sum, 0)
     out = torch.matmul(e, values) * inv.unsqueeze(-1)
     return out, lse
 

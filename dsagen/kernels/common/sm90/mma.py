@@ -1,5 +1,5 @@
 """Warpgroup MMA helpers of the Hopper kernels: the set-up of one product (`wgmma_tile`: tiled MMA, fragments,
-accumulator and its views), one whole product over a K loop of k16 steps, issued, committed as one group and
+accumulator and its views; `wgmma_tile_sibling`: another product on the same tiled MMA), one whole product over a K loop of k16 steps, issued, committed as one group and
 waited (`gemm_tile`), and the issue alone of a product that overwrites its accumulator (`issue_gemm`), for groups of
 several products or a product left in flight. Called by the 128 threads of the consumer warpgroup that owns the accumulator
 (wgmma is a warpgroup instruction: every thread of the warpgroup must reach it, converged)."""
@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, const_expr
+from cutlass import Float32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view
@@ -23,27 +23,26 @@ def gemm_tile(mma, acc, tA, tB, k_steps: int, a_stage=None, b_stage=None) -> Non
     acc.fill(0.0)
     warpgroup.fence()
     for ks in cutlass.range_constexpr(k_steps):
-        if const_expr(a_stage is None):
-            a = tA[None, None, ks]
-        else:
-            a = tA[None, None, ks, a_stage]
-        if const_expr(b_stage is None):
-            b = tB[None, None, ks]
-        else:
-            b = tB[None, None, ks, b_stage]
-        cute.gemm(mma, acc, a, b, acc)
+        cute.gemm(mma, acc, k_step(tA, ks, a_stage), k_step(tB, ks, b_stage), acc)
     warpgroup.commit_group()
     warpgroup.wait_group(0)
 
 
+def k_step(frag, ks: int, stage=None):
+    """k16 step ks of a wgmma fragment whose mode 2 is the k step: frag[.., .., ks], or, where `stage` is given
+    (mode 3 a ring stage), frag[.., .., ks, stage]. Trace-time indexing only."""
+    return frag[None, None, ks] if stage is None else frag[None, None, ks, stage]
+
+
 @cute.jit
-def issue_gemm(mma, acc, tA, tB, k_steps: int, b_stage) -> None:
+def issue_gemm(mma, acc, tA, tB, k_steps: int, b_stage, a_stage=None) -> None:
     """acc = sum over the k16 steps ks < k_steps of A[.., .., ks] B[.., .., ks, b_stage] on wgmma, the first step
     overwriting acc (no zero fill), issued only: the caller fences the warpgroup's registers before and commits the
-    group after (one group may hold several products), then waits for it. Leaves ACCUMULATE set."""
+    group after (one group may hold several products), then waits for it. Leaves ACCUMULATE set. b_stage None: B
+    has no stage mode; a_stage: A's ring stage (mode 3), None: A has none."""
     mma.set(warpgroup.Field.ACCUMULATE, False)
     for ks in cutlass.range_constexpr(k_steps):
-        cute.gemm(mma, acc, tA[None, None, ks], tB[None, None, ks, b_stage], acc)
+        cute.gemm(mma, acc, k_step(tA, ks, a_stage), k_step(tB, ks, b_stage), acc)
         mma.set(warpgroup.Field.ACCUMULATE, True)
 
 
@@ -97,3 +96,14 @@ def wgmma_tile(dtype, sA, sB, tiler_mn: tuple, ctid, a_mn_major: bool = False, b
     acc = cute.make_rmem_tensor(thr.partition_shape_C(tiler_mn), Float32)
     return WgmmaTile(mma=mma, thr=thr, tA=tA, tB=tB, acc=acc, acc_mn=acc_mn_view(acc),
                      coord_mn=acc_mn_view(thr.partition_C(cute.make_identity_tensor(tiler_mn))))
+
+
+def wgmma_tile_sibling(tile: WgmmaTile, sA, sB) -> WgmmaTile:
+    """A second product of `tile`'s shape on its tiled MMA (one wgmma group may issue both, e.g. S = Q K^T and
+    dP = dO V^T of an attention backward): the A and B fragments of the shared tiles sA and sB (majorness and mode
+    order as tile's, K may differ) and a new FP32 accumulator with its views."""
+    tA = tile.mma.make_fragment_A(tile.thr.partition_A(sA))
+    tB = tile.mma.make_fragment_B(tile.thr.partition_B(sB))
+    acc = cute.make_rmem_tensor(tile.acc.layout, Float32)
+    return WgmmaTile(mma=tile.mma, thr=tile.thr, tA=tA, tB=tB, acc=acc, acc_mn=acc_mn_view(acc),
+                     coord_mn=tile.coord_mn)

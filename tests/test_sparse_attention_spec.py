@@ -166,7 +166,8 @@ def test_render(d_qk):
     # the CTAs loop over the items: grid min(items, n_ctas), the Q hand-over barrier, phases from the pair count
     assert kern.count("for item in cutlass.range(bidx, n_items, nctas, unroll=1):") == 2     # producer, consumers
     assert 'items = f"s_q * {fwd.HB} * n_splits" if split_kv else f"s_q * {fwd.HB}"' in kern
-    assert 'BuiltKernel.of(params(dtype, lse_prefix, kv_fp8, split_kv), fwd, f"min({items}, n_ctas)")' in kern
+    assert ('BuiltKernel.of(params(dtype, lse_prefix, kv_fp8, split_kv), fwd, f"min({items}, n_ctas)", fwd.CLUSTER)'
+            in kern)
     assert "q_free" in kern and "g = gp + k" in kern
     # the producer fills the halves V0L, V1R, V0R, V1L: free[0][L], free[1][R], free[0][R], free[1][L]
     assert "mbarrier_wait(bars.hbar + (4 + 2 * s + h), free_phase)" in kern

@@ -142,15 +142,18 @@ def test_sparse_forward(h, d_qk):
 
 
 @gpu
+@pytest.mark.parametrize("shared", [False, True], ids=["one_cta", "shared_dequant"])
 @pytest.mark.parametrize("split", [None, (3, 128)], ids=["whole", "split"])
-def test_sparse_decode_fp8(split):
-    """The FP8 cache kernel (its producer dequantizes the gathered rows), 3 CTAs looping over 6 query rows' items
-    (split: 18 items of 128-slot ranges, some empty by the lengths, and the combine kernel), adversarial ids and
-    lengths as test_sparse_forward's, against the reference on the dequantized rows."""
+def test_sparse_decode_fp8(split, shared):
+    """The FP8 cache kernel (its producer dequantizes the gathered rows), 3 CTAs (shared_dequant: one cluster of
+    two) looping over 6 query rows' items (split: 18 items of 128-slot ranges, some empty by the lengths, and the
+    combine kernel), adversarial ids and lengths as test_sparse_forward's, against the reference on the
+    dequantized rows."""
     q, kv, ids, sink, tl = _sparse_inputs(6, 128, 576, 320, 900, seed=11)
     f = torch.tensor([4.0 ** -(c // 128) if c < 512 else 1.0 for c in range(576)], device=kv.device)
     rows = dsagen.quantize_kv_fp8((kv.float() * f).bfloat16(), impl="reference")   # [900, 656] uint8, 4 scales
-    out, lse, _ = fused_sa._launch(q, rows, ids, sink, tl, 0.05, 512, replace(FP8_CACHE_CONFIG, grid=3), split=split)
+    config = replace(FP8_CACHE_CONFIG, grid=3, shared_dequant=shared)
+    out, lse, _ = fused_sa._launch(q, rows, ids, sink, tl, 0.05, 512, config, split=split)
     r_out, r_lse, _ = dsagen.sparse_attention(q, dsagen.dequantize_kv_fp8(rows, impl="reference"), ids,
                                               attn_sink=sink, topk_length=tl, softmax_scale=0.05, impl="reference")
     torch.testing.assert_close(out.float(), r_out.float(), atol=2e-2, rtol=2e-2)

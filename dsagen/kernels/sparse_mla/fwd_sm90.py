@@ -61,9 +61,8 @@ from dsagen.kernels.common.sm90.epilogue import store_row_f32_v4, store_row_v4
 from dsagen.kernels.common.sm90.gather import cp_async_rows, gather_base, gather_lanes, gather_tile_rows, smem_bytes
 from dsagen.kernels.common.sm90.ids import row_slots
 from dsagen.kernels.common.sm90.layout import acc_as_frg_a, acc_mn_view, sw128
-from dsagen.kernels.common.sm90.ptx import (e4m3x2_pow2_bf16x2, e4m3x2_scaled_bf16x2, l2_evict_first_policy,
-                                            ld_shared_b64, ld_shared_f32, mapa_shared, pow2_scale_bf16x2,
-                                            pow2_scale_ok, st_async_v4_b32, st_shared_v4_b32)
+from dsagen.kernels.common.sm90.ptx import (e4m3x2_scaled_bf16x2, l2_evict_first_policy, ld_shared_b64, ld_shared_f32,
+                                            mapa_shared, st_async_v4_b32, st_shared_v4_b32)
 from dsagen.kernels.common.sm90.reduce import quad_sum
 from dsagen.kernels.common.sm90.softmax import exp_and_rescale, masked_row_max
 
@@ -533,36 +532,36 @@ class SparseMlaFwdSm90:
     def fp8_item_pairs(self, a, bars, lay_kv, sKVb, sw_kv, ids, mIdx, kmax, npairs, gp, lanes):
         """FP8 cache kernels: the item's pairs, each half-stage in two steps: its rows' raw bytes copied by cp.async
         into the half-stage itself (stage_raw_half, one commit group), then dequantized in place (dequant_half).
-        The next half's copies go out before this half is dequantized, so a half's global-load latency passes
-        under the previous half's dequantization (with the gathered bytes in flight in the cp.async unit, not in
-        the producer's few registers). Order per pair as the BF16 kernel's (V0L, V1R, V0R, V1L), the next pair's
-        V0L copied before this pair's V1L is dequantized. No wait here can deadlock: the free barrier of the half
-        copied ahead depends only on halves already dequantized (V1R(g): B's pair g - 1; V0R(g): B's pair g - 1
-        after A's P0; V1L(g): A's S0(g) over V0L(g); V0L(g + 1): A's P0 V0L of g over V0L(g), V0R(g) and the
-        validity bytes, published once V1L(g)'s free was waited)."""
+        Order per pair as the BF16 kernel's (V0L, V1R, V0R, V1L; the last one's successor is the next pair's V0L).
+        Before dequantizing a half, the thread copies the next one ahead when its free barrier has already passed
+        (a test, no wait), so that its gather latency passes under this dequantization; otherwise it dequantizes
+        first and then waits for that barrier, so a late release never holds back a half whose bytes are here.
+        Threads may take either order (each orders its own copies by its commit groups). No wait can deadlock:
+        every free barrier waited depends only on halves already dequantized (V1R(g): B's pair g - 1; V0R(g):
+        B's pair g - 1 after A's P0; V1L(g): A's S0(g) over V0L(g); V0L(g + 1): A's P0 V0L of g over V0L(g),
+        V0R(g) and the validity bytes, published after V1L(g)'s free passed)."""
         if npairs > 0:
             self.load_pair_ids(ids, mIdx, kmax, 0, lanes.grp)
             s0, h0 = self.FILL_ORDER[0]
-            self.stage_raw_half(a, bars, lay_kv, sKVb, sw_kv, ids, s0, h0, lanes.col0, (gp % 2) ^ 1)
+            cute.arch.mbarrier_wait(bars.hbar + (4 + 2 * s0 + h0), (gp % 2) ^ 1)
+            self.stage_raw_half(a, bars, lay_kv, sKVb, sw_kv, ids, s0, h0, lanes.col0)
         for k in cutlass.range(npairs, unroll=1):
             g = gp + k
             for n in cutlass.range_constexpr(4):
                 s, h = self.FILL_ORDER[n]
-                if const_expr(n < 3):
-                    s1, h1 = self.FILL_ORDER[n + 1]
-                    self.stage_raw_half(a, bars, lay_kv, sKVb, sw_kv, ids, s1, h1, lanes.col0, (g % 2) ^ 1)
-                    if const_expr(n == 2):
-                        self.publish_valid(a, bars, ids, lanes)      # V1L(g)'s free was waited just above
-                    prims.cp_async_wait_group(1)                     # all but the half just issued have landed
+                s1, h1 = self.FILL_ORDER[(n + 1) % 4]
+                free1 = bars.hbar + (4 + 2 * s1 + h1)
+                phase1 = (g % 2) ^ 1 if n < 3 else ((g + 1) % 2) ^ 1
+                has_next = True if n < 3 else k + 1 < npairs
+                ahead = Int32(0)
+                if has_next:
+                    if cute.arch.mbarrier_test_wait(free1, phase1):
+                        self.next_half(a, bars, lay_kv, sKVb, sw_kv, ids, mIdx, kmax, k, n, lanes)
+                        ahead = Int32(1)
+                if ahead != Int32(0):
+                    prims.cp_async_wait_group(1)                 # all but the half just copied have landed
                 else:
-                    if k + 1 < npairs:
-                        self.load_pair_ids(ids, mIdx, kmax, k + 1, lanes.grp)
-                        s0, h0 = self.FILL_ORDER[0]
-                        self.stage_raw_half(a, bars, lay_kv, sKVb, sw_kv, ids, s0, h0, lanes.col0,
-                                            ((g + 1) % 2) ^ 1)
-                        prims.cp_async_wait_group(1)
-                    else:
-                        prims.cp_async_wait_group(0)
+                    prims.cp_async_wait_group(0)
                 self.dequant_half(bars, lay_kv, sKVb, sw_kv, s, h)
                 cute.arch.fence_proxy("async.shared", space="cta")              # st.shared -> the consumers' wgmma
                 if const_expr(self.SHARED_DEQUANT):
@@ -572,10 +571,25 @@ class SparseMlaFwdSm90:
                         cute.arch.mbarrier_arrive(bars.hbar + (2 * s + h))
                 else:
                     cute.arch.mbarrier_arrive(bars.hbar + (2 * s + h))          # ready[s][h]
+                if has_next:
+                    if ahead == Int32(0):
+                        cute.arch.mbarrier_wait(free1, phase1)
+                        self.next_half(a, bars, lay_kv, sKVb, sw_kv, ids, mIdx, kmax, k, n, lanes)
+                if const_expr(n == 2):
+                    self.publish_valid(a, bars, ids, lanes)          # V1L(g)'s free has passed: copied above
 
     @cute.jit
-    def stage_raw_half(self, a, bars, lay_kv, sKVb, sw_kv, ids, s: int, h: int, col0, free_phase):
-        """FP8 cache kernels: wait free[s][h], then cp.async half h of stage s's raw bytes from the cache rows
+    def next_half(self, a, bars, lay_kv, sKVb, sw_kv, ids, mIdx, kmax, k, n: int, lanes):
+        """The copies of the half after half n of pair k (fp8_item_pairs' order), its free barrier passed: the next
+        pair's ids first when it is that pair's V0L."""
+        s1, h1 = self.FILL_ORDER[(n + 1) % 4]
+        if const_expr(n == 3):
+            self.load_pair_ids(ids, mIdx, kmax, k + 1, lanes.grp)
+        self.stage_raw_half(a, bars, lay_kv, sKVb, sw_kv, ids, s1, h1, lanes.col0)
+
+    @cute.jit
+    def stage_raw_half(self, a, bars, lay_kv, sKVb, sw_kv, ids, s: int, h: int, col0):
+        """FP8 cache kernels (free[s][h] passed): cp.async half h of stage s's raw bytes from the cache rows
         ids[s * RPG + i] (reference.kv_cache's 656-byte format) into the chunks the thread will dequantize: per NoPE
         block kb its 8 E4M3 bytes to the first 8 bytes of its 16-byte chunk, and per 128-value tile (kb even) the
         tile's FP32 scale to bytes 8..11 of block kb's chunk; the RoPE block's 16 bf16 bytes straight to their
@@ -583,7 +597,6 @@ class SparseMlaFwdSm90:
         One cp.async commit group."""
         RPG = self.BN // 16
         kb0, kb1 = self.half_blocks(h)
-        cute.arch.mbarrier_wait(bars.hbar + (4 + 2 * s + h), free_phase)        # free[s][h]
         for i in cutlass.range_constexpr(RPG):
             kv = ids[s * RPG + i]
             ok = kv >= 0 and kv < a.n_kv
@@ -616,12 +629,9 @@ class SparseMlaFwdSm90:
     def dequant_half(self, bars, lay_kv, sKVb, sw_kv, s: int, h: int):
         """FP8 cache kernels: dequantize the thread's NoPE chunks of half h of stage s in place, once their raw bytes
         landed (stage_raw_half): per pair of blocks (kb, kb + 1) of one 128-value tile, both chunks' 8 E4M3 bytes
-        and the tile's scale read first, then each chunk rewritten as 8 bf16 values = E4M3 x scale rounded to bf16,
-        the bytes reference.kv_cache.dequantize_kv_fp8 gives: by e4m3x2_pow2_bf16x2 (integer and bf16 pipes) when
-        the scale is a power of two, as quantize_kv_fp8 writes them, else by e4m3x2_scaled_bf16x2 (the conversion
-        unit; zero-filled rows' scale 0 too). The branch is per row and tile, uniform over a warp unless its four
-        rows' scales differ in kind. E4M3 NaN bytes (never written by quantize_kv_fp8) give finite values on the
-        power-of-two path."""
+        and the tile's scale read first, then each chunk rewritten as 8 bf16 values = E4M3 x scale rounded to bf16
+        (e4m3x2_scaled_bf16x2: the bytes reference.kv_cache.dequantize_kv_fp8 gives; zeros stay zeros); with
+        shared_dequant only the CTA's own rows, each chunk also stored into the partner's stage (store_chunk)."""
         RPG = self.BN // 16
         kb0, kb1 = self.half_blocks(h)
         for i in cutlass.range_constexpr(RPG):
@@ -632,19 +642,11 @@ class SparseMlaFwdSm90:
                     x0 = ld_shared_b64(c0)
                     sc = ld_shared_f32(c0 + 8)
                     x1 = ld_shared_b64(c1)
-                    if pow2_scale_ok(sc) != Int32(0):       # quantize_kv_fp8's scales (FlashMLA's format)
-                        s2 = pow2_scale_bf16x2(sc)
-                        for c, x in ((c0, x0), (c1, x1)):
-                            lo, hi = Int32(x), Int32(x >> 32)
-                            self.store_chunk(bars, c, s, h, e4m3x2_pow2_bf16x2(lo, False, s2),
-                                             e4m3x2_pow2_bf16x2(lo, True, s2), e4m3x2_pow2_bf16x2(hi, False, s2),
-                                             e4m3x2_pow2_bf16x2(hi, True, s2))
-                    else:                                   # any other scale (and a zero-filled row's 0)
-                        for c, x in ((c0, x0), (c1, x1)):
-                            lo, hi = Int32(x), Int32(x >> 32)
-                            self.store_chunk(bars, c, s, h, e4m3x2_scaled_bf16x2(lo, False, sc),
-                                             e4m3x2_scaled_bf16x2(lo, True, sc), e4m3x2_scaled_bf16x2(hi, False, sc),
-                                             e4m3x2_scaled_bf16x2(hi, True, sc))
+                    for c, x in ((c0, x0), (c1, x1)):
+                        lo, hi = Int32(x), Int32(x >> 32)
+                        self.store_chunk(bars, c, s, h, e4m3x2_scaled_bf16x2(lo, False, sc),
+                                         e4m3x2_scaled_bf16x2(lo, True, sc), e4m3x2_scaled_bf16x2(hi, False, sc),
+                                         e4m3x2_scaled_bf16x2(hi, True, sc))
 
     @cute.jit
     def store_chunk(self, bars, c, s: int, h: int, w0, w1, w2, w3):

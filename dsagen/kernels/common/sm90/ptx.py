@@ -2,7 +2,7 @@
 cp.async and 16-byte store that carry it (cp_async_shared_global has no cache hint), a bf16 / fp16 pair pack, the
 16-byte FP32 atomic add (also with an L2 evict_last policy) and streaming store (red / st .global.v4.f32), and the
 release / acquire / sleep instructions of the grid barrier, read-only-path global loads, 8-byte / FP32 shared loads, a
-16-byte shared store, the E4M3-pair dequantizations of an FP8 KV cache, and a cluster peer's shared-memory address
+16-byte shared store, the E4M3-pair dequantization of an FP8 KV cache, and a cluster peer's shared-memory address
 and the 16-byte asynchronous store into it. Any thread may call any of them; none waits on a barrier.
 """
 
@@ -177,44 +177,6 @@ def e4m3x2_scaled_bf16x2(word: Int32, high: bool, scale: Float32, *, loc=None, i
         "cvt.f32.f16 f0, a0; cvt.f32.f16 f1, a1; mul.f32 f0, f0, $2; mul.f32 f1, f1, $2; "
         "cvt.rn.bf16x2.f32 $0, f1, f0; }",
         "=r,r,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def e4m3x2_pow2_bf16x2(word: Int32, high: bool, scale2: Int32, *, loc=None, ip=None) -> Int32:
-    """e4m3x2_scaled_bf16x2 for a power-of-two scale, on the integer and bf16 pipes instead of the conversion unit:
-    each E4M3 byte's sign, exponent and mantissa moved into a bf16's fields (its value times 2 ** -120 exactly,
-    subnormals included), then one bf16x2 multiply by `scale2` = the scale times 2 ** 120 as a bf16 pair
-    (pow2_scale_bf16x2). The product of two exact factors whose result is representable is exact, so the bytes
-    equal e4m3x2_scaled_bf16x2's for every finite E4M3 value; an E4M3 NaN byte gives a finite value."""
-    sel = "0x3424" if high else "0x1404"      # bytes 0 / 1 (or 2 / 3) of word to bytes 1 and 3, zeros elsewhere
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int32(word).ir_value(loc=loc, ip=ip), Int32(scale2).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b32 p, q; "
-        f"prmt.b32 p, $1, 0, {sel}; and.b32 q, p, 0x7f007f00; shr.b32 q, q, 4; and.b32 p, p, 0x80008000; "
-        "or.b32 p, p, q; mul.rn.bf16x2 $0, p, $2; }",
-        "=r,r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def pow2_scale_bf16x2(scale: Float32, *, loc=None, ip=None) -> Int32:
-    """scale * 2 ** 120 as a packed bf16 pair (both halves), exact when the scale is a positive normal power of two
-    below 2 ** 8 (pow2_scale_ok); e4m3x2_pow2_bf16x2's second factor."""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Float32(scale).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b32 t; mov.b32 t, $1; add.u32 t, t, 0x3c000000; prmt.b32 $0, t, 0, 0x3232; }",
-        "=r,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def pow2_scale_ok(scale: Float32, *, loc=None, ip=None) -> Int32:
-    """1 if `scale` is a positive normal power of two below 2 ** 8 (its FP32 mantissa zero, exponent field 1..134),
-    where e4m3x2_pow2_bf16x2 is exact; else 0."""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Float32(scale).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b32 t, e; .reg .pred m, lo, hi; mov.b32 t, $1; and.b32 e, t, 0x807fffff; setp.eq.u32 m, e, 0; "
-        "shr.u32 e, t, 23; setp.ge.u32 lo, e, 1; setp.le.u32 hi, e, 134; and.pred m, m, lo; and.pred m, m, hi; "
-        "selp.u32 $0, 1, 0, m; }",
-        "=r,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 @dsl_user_op

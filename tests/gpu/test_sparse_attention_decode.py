@@ -30,7 +30,9 @@ REQUIRED_SPECS = [config_for(h, 576, "bfloat16", None, ARCH, None, fp8).spec(h, 
                   for h in (64, 128) for fp8 in (False, True) for split in (False, True)]
 REQUIRED_SPECS += [SparseAttnCombineSpec(arch=ARCH)]
 SHARED = dataclasses.replace(config_for(128, 576, "bfloat16", None, ARCH, None, True), shared_dequant=True)
-REQUIRED_SPECS += [SHARED.spec(128, 576, "bfloat16", ARCH, kv_fp8=True, split_kv=split) for split in (False, True)]
+ONE_CTA = dataclasses.replace(SHARED, shared_dequant=False)
+REQUIRED_SPECS += [c.spec(128, 576, "bfloat16", ARCH, kv_fp8=True, split_kv=split)
+                   for c in (SHARED, ONE_CTA) for split in (False, True)]
 
 pytestmark = pytest.mark.gpu
 
@@ -188,7 +190,7 @@ def test_fp8_shared_dequant_matches_the_one_cta_kernel(split):
     length = length.to(DEV)
     sink = torch.randn(128, generator=gen).to(DEV)
     got = fwd_host._launch(q3, rows, ids2, sink, length, 0.05, 512, split=split, config=SHARED)
-    want = fwd_host._launch(q3, rows, ids2, sink, length, 0.05, 512, split=split)
+    want = fwd_host._launch(q3, rows, ids2, sink, length, 0.05, 512, split=split, config=ONE_CTA)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

@@ -194,6 +194,27 @@ def test_reference_autograd_matches_dense_oracle(hq, hkv):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reference_autograd_16bit_rounds_once(dtype):
+    """impl="reference" on 16-bit inputs with ids drawn per slot (each key in ~200 slots of ~100 rows, repeats
+    within rows): its FP32 autograd sums every key's slots before rounding dk / dv to the inputs' dtype once, so each
+    gradient element is the FP64 oracle's within one rounding (half an ulp: 2^-8 relative in bf16, 2^-11 in fp16)
+    plus a small FP32 term. Gathering the 16-bit rows before the cast would sum the slots in 16 bits (~2% in bf16)."""
+    gen = torch.Generator().manual_seed(611)
+    t, hq, d, dv, w = 100, 12, 64, 64, 200
+    q, k, v, ids = make_indexed(t, hq, 1, d, dv, w, gen, dtype)
+    w_out, w_out32, w_lse = oracle.loss_weights(t, hq, dv, gen, "cpu")
+    weights = (w_out.to(dtype).float(), w_out32, w_lse)       # out's gradient arrives in `dtype`: exact there
+    got = grads(lambda a, b, c: dsagen.qsa_indexed_forward(a, b, c, ids, 0.11, impl="reference"), q, k, v, weights)
+    want = oracle_grads(q, k, v, oracle.slot_counts(ids, t), 0.11, weights)
+    half_ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert a.dtype == dtype
+        err = (a.double() - b).abs()
+        bound = half_ulp * b.abs() + 1e-5 * b.abs().max()
+        assert (err <= bound).all(), f"{name}: {(err - bound).max().item():.3g} past the bound"
+
+
 # -------------------------------------------------------------------------- the fused host path with stand-ins
 def _abi_names(part: str, dtype: str, bitmap: bool) -> list[str]:
     """The parameter names of the kernel the host launches for `part`, from the kernel modules' own ABI."""

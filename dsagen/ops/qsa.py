@@ -69,8 +69,8 @@ def qsa_indexed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indic
         valid id gives zero outputs and lse = -inf.
 
     Gradients: with q, k or v requiring grad, autograd gives dq, dk, dv in their dtypes from the gradients of all
-    three outputs (not of the indices; a row with no valid id contributes nothing). impl="fused" (compiled, not
-    yet run on a GPU; notes/kernels/qsa.md) runs the forward kernel, then a dq kernel over the same tiles
+    three outputs (not of the indices; a row with no valid id contributes nothing). impl="fused" (first run on an
+    H200: notes/kernels/qsa.md) runs the forward kernel, then a dq kernel over the same tiles
     (bitwise repeatable) and a dk / dv kernel that adds each slot's contribution into FP32 buffers by atomics, so
     dk and dv can differ in their last bits from call to call; under torch.compile both are opaque custom ops.
 

@@ -9,7 +9,8 @@ h // (Hq // Hkv). Query t attends a caller-selected set of key tokens u:
 
 The set is either explicit token ids (`indexed_forward`) or four-token blocks picked by a bitmap
 (`bitmap_forward`). An empty set gives out = 0 and lse = -inf. Chunked over query rows; FP16/BF16/FP32
-accumulate in FP32, FP64 stays FP64; CPU and CUDA.
+accumulate in FP32, FP64 stays FP64, autograd's sums included (k and v are cast before their rows are gathered, so
+dk / dv are rounded to the inputs' dtype once); CPU and CUDA.
 """
 
 from __future__ import annotations
@@ -70,15 +71,17 @@ def indexed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: 
     lse = torch.full((t, hkv, g), -_INF, dtype=acc, device=q.device)
     if t == 0 or w == 0:
         return _finish(out, lse, q.dtype)
-    k_h, v_h = k.transpose(0, 1), v.transpose(0, 1)                        # (Hkv, T, D)
+    # cast before the gather: autograd then sums a key's slots (repeats, other rows, other chunks) in `acc` and
+    # rounds dk / dv to the inputs' dtype once, not after every slot's addition
+    k_h, v_h = k.to(acc).transpose(0, 1), v.to(acc).transpose(0, 1)        # (Hkv, T, D)
     step = rows_per_chunk(w * (hkv * (d + dv) + 2 * hq))
     for r0 in range(0, t, step):
         r1 = min(r0 + step, t)
         ids = indices[r0:r1].long()
         valid = (ids >= 0) & (ids < t)
         safe = torch.where(valid, ids, 0)
-        keys = k_h[:, safe].to(acc).permute(1, 0, 2, 3)                      # (C, Hkv, W, D)
-        values = v_h[:, safe].to(acc).permute(1, 0, 2, 3)
+        keys = k_h[:, safe].permute(1, 0, 2, 3)                              # (C, Hkv, W, D)
+        values = v_h[:, safe].permute(1, 0, 2, 3)
         values = values.masked_fill(~valid[:, None, :, None], 0)              # never read masked rows
         q_c = q[r0:r1].to(acc).reshape(r1 - r0, hkv, g, d)
         out[r0:r1], lse[r0:r1] = _attend(q_c, keys, values, valid, scale)

@@ -145,7 +145,8 @@ def racecheck_verdict(log_text: str) -> tuple[dict, list[str]]:
         m = head.search(line)
         if not m:
             continue
-        kind, addr = m.group(1), int(m.group(2), 16)
+        # a cluster's CTA of rank r prints its shared::cluster address, r * 0x1000000 + the CTA's own offset
+        kind, addr = m.group(1), int(m.group(2), 16) & 0xFFFFFF
         who = {}
         for nxt in lines[i + 1:i + 3]:
             a = acc.search(nxt)

@@ -181,7 +181,7 @@ class SparseAttnFwdConfig:
 
 # the FP8 cache kernel's budgets: its dequantizing producer spills 29 values at 48 registers, 3 at 56 (CPU compile,
 # 2026-12-04); consumer A at 224 keeps the same wgmma waits as at 232. At 128 heads a cluster of two shares the
-# dequantization: 1.06-1.24x the one-CTA kernel at B 1-128 (H200, 2026-12-05, bench/sparse_attention_decode.py)
+# dequantization: 1.03-1.20x the one-CTA kernel at B 1-128 (H200, 2026-12-05, bench/sparse_attention_decode.py)
 FP8_CACHE_CONFIG = SparseAttnFwdConfig(regs_producer=56, regs_qk=224, regs_pv=224, shared_dequant=True)
 
 

@@ -45,29 +45,29 @@ def _check_grid(n: int, op: str) -> None:
         raise ValueError(f"the fused {op} takes at most {_MAX_GRID_X * _WARPS} tokens, got {n}")
 
 
+def _convert(x: torch.Tensor, width: int, unit: int, out_width: int, out_dtype: torch.dtype, dequantize: bool,
+             op: str) -> torch.Tensor:
+    """One codec launch over x [..., width] (rows as _rows makes them, `unit` elements = 16 bytes) into a new
+    contiguous [..., out_width] tensor of out_dtype: the writer (dequantize False) or the reader."""
+    lead = tuple(x.shape[:-1])
+    rows = _rows(x, width, unit)
+    n = rows.shape[0]
+    _check_grid(n, op)
+    out = torch.empty((n, out_width), dtype=out_dtype, device=x.device)
+    if n:
+        _kernel(x.device, dequantize).launch(rows, out, n, rows.stride(0))
+    return out.view(*lead, out_width)
+
+
 def quantize(kv: torch.Tensor) -> torch.Tensor:
     """bf16 kv [..., 576] -> the cache bytes [..., 656] (new, contiguous)."""
-    lead = tuple(kv.shape[:-1])
-    rows = _rows(kv, KV_DIM, 8)
-    n = rows.shape[0]
-    _check_grid(n, "quantize_kv_fp8")
-    out = torch.empty((n, ROW_BYTES), dtype=torch.uint8, device=kv.device)
-    if n:
-        _kernel(kv.device, False).launch(rows, out, n, rows.stride(0))
-    return out.view(*lead, ROW_BYTES)
+    return _convert(kv, KV_DIM, 8, ROW_BYTES, torch.uint8, False, "quantize_kv_fp8")
 
 
 def dequantize(cache: torch.Tensor) -> torch.Tensor:
     """The cache bytes [..., 656] (uint8 or float8_e4m3fn) -> bf16 kv [..., 576] (new, contiguous)."""
-    lead = tuple(cache.shape[:-1])
     b = cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
-    rows = _rows(b, ROW_BYTES, 16)
-    n = rows.shape[0]
-    _check_grid(n, "dequantize_kv_fp8")
-    out = torch.empty((n, KV_DIM), dtype=torch.bfloat16, device=cache.device)
-    if n:
-        _kernel(cache.device, True).launch(rows, out, n, rows.stride(0))
-    return out.view(*lead, KV_DIM)
+    return _convert(b, ROW_BYTES, 16, KV_DIM, torch.bfloat16, True, "dequantize_kv_fp8")
 
 
 @torch.library.custom_op("dsagen::kv_fp8_quantize_fused", mutates_args=())

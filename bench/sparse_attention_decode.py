@@ -65,9 +65,8 @@ def run_case(b, s_q, cache_tokens, topk, reps, graph, flashmla, seed, shared=Fal
         "bf16": lambda: dsagen.sparse_attention_decode(q, bf16, ids, attn_sink=sink, softmax_scale=scale),
     }
     if shared:     # the other shared_dequant setting than the op's, whole rows and with the op's split
-        other = dataclasses.replace(config_for(H, D_QK, "bfloat16", None, "sm_90a", None, True),
-                                    shared_dequant=not config_for(H, D_QK, "bfloat16", None, "sm_90a", None,
-                                                                  True).shared_dequant)
+        op_config = config_for(H, D_QK, "bfloat16", None, "sm_90a", None, True)
+        other = dataclasses.replace(op_config, shared_dequant=not op_config.shared_dequant)
         split = split_plan(b * s_q, H, topk, torch.cuda.get_device_properties(0).multi_processor_count)
         fns["fp8_other"] = lambda: fused_sa._launch(q.view(-1, H, D_QK), rows, ids.view(b * s_q, topk), sink, None,
                                                     scale, D_V, config=other, split=split)[:2]

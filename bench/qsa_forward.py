@@ -1,7 +1,9 @@
-"""QSA indexed forward: dsagen's fused kernel against the plain-PyTorch reference (GPU; no Hopper peer exists).
+"""QSA indexed forward (and backward): dsagen's fused kernels against the plain-PyTorch reference (GPU; no Hopper
+peer exists).
 
     python bench/qsa_forward.py [--T 32768 131072] [--width 2048 512] [--heads 12/1 24/2]
-                                [--indices random local] [--ref-max-T 8192] [--rounds 7] [--seed 0] [--json FILE]
+                                [--indices random local] [--ref-max-T 8192] [--rounds 7] [--seed 0] [--backward]
+                                [--json FILE]
 
 Shape: packed tokens T, Hq / Hkv query / KV heads, D = Dv = 256, bf16 (FlashInfer QSA's). Ids int32 [T, W] drawn on
 the GPU: per query its own four-token block cut at the query (the partial causal tail, then -1 in the block's
@@ -17,6 +19,11 @@ Contenders (interleaved, common.print_paired): dsagen.qsa_indexed_forward(impl="
 reference (dsagen.qsa_indexed_forward(impl="reference"), FP32 accumulation in chunks of rows). Checks: at the first
 T (and T <= --ref-max-T) the fused out_fp32 / lse against the reference (max abs difference), and two fused calls
 bitwise equal.
+
+--backward times, instead, the fused forward alone and forward + backward through autograd (q, k, v requiring
+gradients, the loss the sum of out_fp32 times a fixed random tensor, so dq / dk / dv all run), interleaved; the
+backward's figure is their difference, counting 10 * Hq * 256 * W FLOPs a query (S recomputed, dP, dQ, dK, dV: 2.5x
+the forward's). No reference contender there.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import argparse
 import json
 
 import torch
-from common import print_paired
+from common import paired_time_ms, print_paired
 
 import dsagen
 
@@ -50,6 +57,30 @@ def make_ids(t: int, w: int, mode: str, gen: torch.Generator) -> torch.Tensor:
     return torch.cat([tail, ids], dim=1).int().contiguous()
 
 
+def time_backward(q, k, v, ids, label: str, rounds: int, gen: torch.Generator) -> dict:
+    """Forward alone and forward + backward of the fused op, interleaved; prints and returns ms and TFLOP/s."""
+    t, hq, d = q.shape
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    dout = torch.randn((t, hq, v.shape[2]), generator=gen, device="cuda")
+
+    def fwd():
+        with torch.no_grad():
+            dsagen.qsa_indexed_forward(qg, kg, vg, ids)
+
+    def fwd_bwd():
+        out = dsagen.qsa_indexed_forward(qg, kg, vg, ids)[1]
+        torch.autograd.grad((out * dout).sum(), (qg, kg, vg))
+
+    ms_f, ms_fb = paired_time_ms([fwd, fwd_bwd], rounds=rounds)
+    w = ids.shape[1]
+    flops_f = 4.0 * hq * d * w * t
+    ms_b = ms_fb - ms_f
+    print(f"{label}: forward {ms_f:.3f} ms ({flops_f / (ms_f * 1e9):.0f} TFLOP/s)  forward + backward {ms_fb:.3f} ms"
+          f"  backward {ms_b:.3f} ms ({2.5 * flops_f / (ms_b * 1e9):.0f} TFLOP/s)", flush=True)
+    return {"label": label, "fwd_ms": ms_f, "fwd_bwd_ms": ms_fb, "bwd_ms": ms_b,
+            "bwd_tflops": 2.5 * flops_f / (ms_b * 1e9)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, nargs="+", default=[32768, 131072])
@@ -59,6 +90,7 @@ def main() -> None:
     ap.add_argument("--ref-max-T", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backward", action="store_true", help="time forward + backward (see the module docstring)")
     ap.add_argument("--json")
     args = ap.parse_args()
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  dsagen {dsagen.__version__}")
@@ -74,6 +106,9 @@ def main() -> None:
             for w in args.width:
                 for mode in args.indices:
                     ids = make_ids(t, w, mode, gen)
+                    if args.backward:
+                        rows.append(time_backward(q, k, v, ids, f"{heads} T {t} W {w} {mode}", args.rounds, gen))
+                        continue
                     fused = lambda: dsagen.qsa_indexed_forward(q, k, v, ids)           # noqa: E731
                     fns = [("dsagen", fused)]
                     if t <= args.ref_max_T:

@@ -105,6 +105,34 @@ def test_custom_op_compile_and_graph():
     check_selection(captured, q, w, cache, table, lens, 128, True)
 
 
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("cache_tokens,b", [(16384, 2), (65536, 1)])
+def test_long_rows_eager_side_stream_and_graph(fp8, cache_tokens, b):
+    """Long cached rows (bench/indexer_decode.py's shapes: every sequence cache_tokens long in random pages, top_k
+    2048) run eagerly, on a side stream and as a CUDA graph of two calls captured there (the benchmark's pattern):
+    the same bytes every time, and a valid selection."""
+    gen = torch.Generator().manual_seed(cache_tokens + b + fp8)
+    pages = cache_tokens // PAGE
+    q, w, cache, table, lens = make_case(b, 1, [cache_tokens] * b, pages, b * pages, fp8, gen)
+    call = lambda: dsagen.indexer_decode_topk(q, w, cache, table, lens, 2048)      # noqa: E731
+    want = call()
+    torch.cuda.synchronize()
+    check_selection(want, q, w, cache, table, lens, 2048, fp8)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        again = call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert torch.equal(again, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first, second = call(), call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(first, want) and torch.equal(second, want)
+
+
 def test_pages_outside_the_cache_read_zeros():
     """A table entry past the cache within a sequence's length: the kernel reads zeros there (no fault) and, with
     top_k above the length, still selects every visible key once (the reference refuses such a table)."""

@@ -18,7 +18,13 @@ One layer step on rank r:
 4. backward by autograd: dq stays local, the gradient of the gathered KV is reduce-scattered back to the
    ranks that own the rows (`reduce_scatter_single` / `reduce_scatter_tensor`, which gloo has in torch 2.13;
    where a backend raises on it, an `all_reduce` and a slice), and the sink's gradient, a sum over all query
-   rows, is all-reduced.
+   rows, is all-reduced;
+5. optionally the indexer's training ops (DeepSeek-V3.2's KL loss between the attention's and the indexer's
+   distributions over the selected slots) per query chunk: `dsagen.sparse_attn_score_recompute` (the target, from
+   the attention's lse), `dsagen.sparse_indexer_score_recompute` (the prediction) and `dsagen.indexer_backward`
+   with each row weighted 1 / (B T), so that the ranks' gradients add up to one call's over the whole sequence;
+   dq_index and dw stay local, dk_index (every query's contribution to every key) is reduce-scattered to the key
+   rows' owners like dkv.
 
 `dsagen.lightning_indexer` takes no offset for query rows that start inside the sequence (its causal mask
 places query 0 at token 0), hence `indexer_forward_topk`, the same scores (up to the positive factor
@@ -38,6 +44,7 @@ T must be a multiple of 2 * world size.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -46,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 import dsagen
+from dsagen.ops.indexer_training import IndexerGrads
 
 
 @dataclass
@@ -114,14 +122,19 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         """grad [W, B, 2C, D] -> this rank's sum over all ranks' grad[rank], [B, 2C, D]."""
-        grad = grad.contiguous()
-        out = grad.new_empty(grad.shape[1:])
-        try:
-            _reduce_scatter(out, grad.flatten(0, 1))
-            return out
-        except RuntimeError:    # gloo before reduce-scatter support raises on every rank, before communicating
-            dist.all_reduce(grad)
-            return grad[ctx.rank].clone()
+        return reduce_scatter_ranks(grad, ctx.rank)
+
+
+def reduce_scatter_ranks(parts: torch.Tensor, rank: int) -> torch.Tensor:
+    """parts [W, ...] on every rank -> sum over the ranks of their parts[rank], [...]."""
+    parts = parts.contiguous()
+    out = parts.new_empty(parts.shape[1:])
+    try:
+        _reduce_scatter(out, parts.flatten(0, 1))
+        return out
+    except RuntimeError:    # gloo before reduce-scatter support raises on every rank, before communicating
+        dist.all_reduce(parts)
+        return parts[rank].clone()
 
 
 def gather_sequence(x: torch.Tensor) -> torch.Tensor:
@@ -139,6 +152,22 @@ def gather_sequence(x: torch.Tensor) -> torch.Tensor:
     chunks = gathered.reshape(world_size, b, 2, c, -1).permute(1, 0, 2, 3, 4).reshape(b, 2 * world_size, c, -1)
     ordered = chunks.index_select(1, unshard_order(world_size, x.device))
     return ordered.reshape(b, world_size * rows, *tail)
+
+
+def scatter_sequence(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's full-sequence gradient [B, T, ...] -> this rank's shard rows [B, 2C, ...] of their sum over
+    ranks (the reduce-scatter that gather_sequence's backward does, for gradients computed outside autograd).
+
+    With one process the gradient is the shard's already."""
+    rank, world_size = world()
+    if world_size == 1:
+        return x
+    b, t = x.shape[:2]
+    tail = x.shape[2:]
+    chunks = x.reshape(b, 2 * world_size, t // (2 * world_size), -1)
+    order = torch.tensor([c for r in range(world_size) for c in chunk_ids(r, world_size)], device=x.device)
+    by_rank = chunks.index_select(1, order).reshape(b, world_size, -1).transpose(0, 1)    # [W, B, 2C * F]
+    return reduce_scatter_ranks(by_rank, rank).reshape(b, t // world_size, *tail)
 
 
 def all_reduce_grad(t: torch.Tensor) -> None:
@@ -167,13 +196,33 @@ def chunk_attention(q: torch.Tensor, kv: torch.Tensor, ids: torch.Tensor, sink: 
     return out, lse
 
 
-def dsa_layer(shard: Shard, sink: torch.Tensor | None, topk: int, d_v: int, impl: str
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chunk_indexer_grads(q: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, ids: torch.Tensor,
+                        q_index: torch.Tensor, k_index: torch.Tensor, w_index: torch.Tensor, index_scale: float,
+                        loss_coeff: float, impl: str):
+    """The indexer's training ops for C query rows (DeepSeek-V3.2's KL loss between the attention's and the
+    indexer's distributions over the selected slots): q [B, C, H, D_qk], kv [B, T, D_qk], lse [B, C, H] (the
+    attention's), ids [B, C, K], q_index [B, C, H_i, D_i], k_index [B, T, D_i], w_index [B, C, H_i]
+    -> IndexerGrads (d_index_k over the full sequence, [B, T, D_i])."""
+    target = dsagen.sparse_attn_score_recompute(q, kv, lse, ids, impl=impl)
+    predict = dsagen.sparse_indexer_score_recompute(q_index, k_index, w_index, ids, sm_scale=index_scale, impl=impl)
+    return dsagen.indexer_backward(q_index, w_index, k_index, target, predict, ids, sm_scale=index_scale,
+                                   loss_coeff=loss_coeff, impl=impl)
+
+
+def dsa_layer(shard: Shard, sink: torch.Tensor | None, topk: int, d_v: int, impl: str,
+              index_scale: float | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, IndexerGrads | None]:
     """The context-parallel DSA layer on this rank's shard.
 
     Returns out [B, 2C, H, d_v], lse [B, 2C, H] and the indexer ids [B, 2C, topk] (global token positions) for
     the shard's query rows, in the shard's order. Gradients reach shard.q, shard.kv (reduce-scattered) and the
     sink (this rank's part: call all_reduce_grad(sink) after backward).
+
+    index_scale: None, or the indexer's softmax scale to also train it: the indexer's KL loss over the selected
+    slots (dsagen.sparse_attn_score_recompute's target, dsagen.sparse_indexer_score_recompute's prediction) and its
+    gradients by dsagen.indexer_backward, each row weighted 1 / (B T) as one call over the whole sequence weighs it.
+    Returned as IndexerGrads of the shard's rows (else None): d_index_q [B, 2C, H_i, D_i], d_weights
+    [B, 2C, H_i] and d_index_k [B, 2C, D_i], reduce-scattered to the key rows' owners.
     """
     rank, world_size = world()
     rows = shard.q.shape[1]
@@ -181,15 +230,25 @@ def dsa_layer(shard: Shard, sink: torch.Tensor | None, topk: int, d_v: int, impl
     kv = gather_sequence(shard.kv)                                         # [B, T, D_qk], differentiable
     with torch.no_grad():
         k_index = gather_sequence(shard.k_index)                           # [B, T, D_i]
-    outs, lses, all_ids = [], [], []
+    outs, lses, all_ids, index_grads = [], [], [], []
     for j, chunk in enumerate(chunk_ids(rank, world_size)):
         rows_j = slice(j * c, (j + 1) * c)
-        ids = chunk_topk(shard.q_index[:, rows_j], k_index, shard.w_index[:, rows_j], chunk * c, topk, impl)
+        q_index, w_index = shard.q_index[:, rows_j], shard.w_index[:, rows_j]
+        ids = chunk_topk(q_index, k_index, w_index, chunk * c, topk, impl)
         out, lse = chunk_attention(shard.q[:, rows_j], kv, ids, sink, d_v, impl)
+        if index_scale is not None:
+            with torch.no_grad():
+                index_grads.append(chunk_indexer_grads(shard.q[:, rows_j].detach(), kv.detach(), lse, ids, q_index,
+                                                       k_index, w_index, index_scale, c / (world_size * rows), impl))
         outs.append(out)
         lses.append(lse)
         all_ids.append(ids)
-    return torch.cat(outs, 1), torch.cat(lses, 1), torch.cat(all_ids, 1)
+    grads = None
+    if index_scale is not None:
+        grads = IndexerGrads(torch.cat([g.d_index_q for g in index_grads], 1),
+                                    torch.cat([g.d_weights for g in index_grads], 1),
+                                    scatter_sequence(index_grads[0].d_index_k + index_grads[1].d_index_k))
+    return torch.cat(outs, 1), torch.cat(lses, 1), torch.cat(all_ids, 1), grads
 
 
 def make_inputs(batch: int, seq: int, heads: int, d_qk: int, index_heads: int, index_dim: int,
@@ -224,12 +283,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--index-heads", type=int, default=64)
     p.add_argument("--index-dim", type=int, default=128)
     p.add_argument("--topk", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up step)")
+    p.add_argument("--no-indexer-training", action="store_true",
+                   help="leave out step 5 (the indexer's training ops)")
+    p.add_argument("--json", help="append the run's step times (ms, the slowest rank's per step) to this file")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
-    """One process per rank (torchrun): NCCL + impl="fused" + bf16 on CUDA, gloo + impl="reference" + fp32 on CPU."""
+    """One process per rank (torchrun): NCCL + impl="fused" + bf16 on CUDA, gloo + impl="reference" + fp32 on CPU.
+    Each step (forward, backward of a fixed loss, the sink's all-reduce, the indexer's gradients) is timed between
+    barriers; rank 0 prints the slowest rank's median step time. Runs with 1, 2 and 4 processes give the scaling
+    efficiency t(1) / (W t(W))."""
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
     if cuda:
@@ -241,18 +306,33 @@ def main(argv=None) -> None:
     full = make_inputs(args.batch, args.T, args.heads, args.d_qk, args.index_heads, args.index_dim, dtype, device)
     shard = shard_inputs(full, rank, world_size)
     sink = full["sink"].requires_grad_(True)
-    for step in range(args.steps):
+    index_scale = None if args.no_indexer_training else args.index_dim ** -0.5
+    times = []
+    for step in range(args.steps + 1):
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out, lse, _ = dsa_layer(shard, sink, args.topk, args.d_v, impl)
+        out, _, _, _ = dsa_layer(shard, sink, args.topk, args.d_v, impl, index_scale)
         out.float().square().mean().backward()
         all_reduce_grad(sink)
         if cuda:
             torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        if rank == 0:
-            print(f"step {step}: world {world_size}, T {args.T}, {impl}: forward + backward {dt * 1e3:.1f} ms, "
-                  f"out {tuple(out.shape)}, dkv {tuple(shard.kv.grad.shape)}")
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if step > 0:                                    # step 0 warms up (kernel loads, allocator)
+            times.append(dt.item() * 1e3)
         shard.q.grad = shard.kv.grad = sink.grad = None
+    if rank == 0:
+        med = sorted(times)[len(times) // 2]
+        print(f"world {world_size}, T {args.T}, {impl}, indexer training {index_scale is not None}: "
+              f"step {med:.2f} ms (median of {len(times)}; {', '.join(f'{t:.2f}' for t in times)})")
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps({"world": world_size, "T": args.T, "impl": impl,
+                                    "indexer_training": index_scale is not None, "step_ms": times, "median_ms": med,
+                                    "device": torch.cuda.get_device_name() if cuda else "cpu",
+                                    "torch": torch.__version__}) + "\n")
     dist.destroy_process_group()
 
 

@@ -1,8 +1,9 @@
-"""examples/context_parallel_dsa.py on a world of 2 CPU processes (gloo, impl="reference") against one process.
+"""examples/context_parallel_dsa.py on worlds of 2 and 4 CPU processes (gloo, impl="reference") against one process.
 
-Every output (out, lse, the indexer ids) and gradient (dq, dkv, d_sink) of the 2-rank run, put back in sequence
-order, must equal the single-process run of the same layer within FP32 tolerance; the single-process ids must
-equal `dsagen.lightning_indexer(causal=True)`'s and its outputs `dsagen.sparse_attention`'s on the full sequence.
+Every output (out, lse, the indexer ids) and gradient (dq, dkv, d_sink, and the indexer's d_index_q, d_weights,
+d_index_k) of the multi-rank run, put back in sequence order, must equal the single-process run of the same layer
+within FP32 tolerance; the single-process ids must equal `dsagen.lightning_indexer(causal=True)`'s, its outputs
+`dsagen.sparse_attention`'s and its indexer gradients one `dsagen.indexer_backward` call's on the full sequence.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -18,7 +20,9 @@ import dsagen
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "context_parallel_dsa.py"
 SHAPES = dict(batch=1, seq=64, heads=16, d_qk=24, index_heads=4, index_dim=16)
-TOPK, D_V, WORLD = 16, 16, 2
+TOPK, D_V = 16, 16
+INDEX_SCALE = SHAPES["index_dim"] ** -0.5
+INDEXER_GRADS = ("d_index_q", "d_weights", "d_index_k")
 
 
 def _example():
@@ -45,12 +49,13 @@ def _run_layer(cp, rank: int, world_size: int) -> dict[str, torch.Tensor]:
     full = _inputs(cp)
     shard = cp.shard_inputs(full, rank, world_size)
     sink = full["sink"].requires_grad_(True)
-    out, lse, ids = cp.dsa_layer(shard, sink, TOPK, D_V, "reference")
+    out, lse, ids, index_grads = cp.dsa_layer(shard, sink, TOPK, D_V, "reference", INDEX_SCALE)
     dout = cp.shard_rows(torch.randn(*out.shape[:1], SHAPES["seq"], *out.shape[2:],
                                      generator=torch.Generator().manual_seed(1)), rank, world_size)
     (out * dout).sum().backward()
     cp.all_reduce_grad(sink)
-    return dict(out=out.detach(), lse=lse, ids=ids, dq=shard.q.grad, dkv=shard.kv.grad, d_sink=sink.grad)
+    return dict(out=out.detach(), lse=lse, ids=ids, dq=shard.q.grad, dkv=shard.kv.grad, d_sink=sink.grad,
+                **index_grads._asdict())
 
 
 def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
@@ -71,14 +76,15 @@ def _unshard(cp, parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(chunks, dim=1)
 
 
-def test_two_ranks_match_one_process(tmp_path):
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_match_one_process(tmp_path, world_size):
     cp = _example()
     torch.set_num_threads(1)
-    mp.spawn(_worker, args=(WORLD, str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    mp.spawn(_worker, args=(world_size, str(tmp_path / "init"), str(tmp_path)), nprocs=world_size, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
     single = _run_layer(cp, 0, 1)
 
-    for name in ("out", "lse", "ids", "dq", "dkv"):
+    for name in ("out", "lse", "ids", "dq", "dkv", *INDEXER_GRADS):
         got = _unshard(cp, [r[name] for r in ranks])
         if name == "ids":
             assert torch.equal(got, single[name])
@@ -86,7 +92,8 @@ def test_two_ranks_match_one_process(tmp_path):
             torch.testing.assert_close(got, single[name], rtol=1e-5, atol=1e-5, msg=name)
     for r in ranks:                                    # the sink's gradient is the same, all-reduced, on each rank
         torch.testing.assert_close(r["d_sink"], single["d_sink"], rtol=1e-5, atol=1e-5)
-    assert single["d_sink"].abs().sum() > 0
+    for name in ("d_sink", "dkv", *INDEXER_GRADS):
+        assert single[name].abs().sum() > 0, name
 
 
 def test_single_process_is_the_plain_ops():
@@ -101,3 +108,10 @@ def test_single_process_is_the_plain_ops():
                                           impl="reference")
     torch.testing.assert_close(got["out"], out)
     torch.testing.assert_close(got["lse"], lse)
+    target = dsagen.sparse_attn_score_recompute(full["q"], full["kv"], lse, ids, impl="reference")
+    predict = dsagen.sparse_indexer_score_recompute(full["q_index"], full["k_index"], full["w_index"], ids,
+                                                    sm_scale=INDEX_SCALE, impl="reference")
+    want = dsagen.indexer_backward(full["q_index"], full["w_index"], full["k_index"], target, predict, ids,
+                                   sm_scale=INDEX_SCALE, impl="reference")
+    for name, w in zip(INDEXER_GRADS, want):
+        torch.testing.assert_close(got[name], w, msg=name)

@@ -34,6 +34,15 @@ def test_signature_tells_apart_what_checks_read():
         assert call_signature(base, 1, True) != key                      # autograd recording
 
 
+def test_flat_signature_keeps_argument_boundaries():
+    """The key is one flat tuple; argument lists whose fields could line up differently still get distinct keys."""
+    t = torch.zeros(2)
+    lists = [(None, t), (t, None), (None, None, t), (t,), (None, 1), (1, None), (int, 1), (None, int),
+             (type(None), None), (None, type(None)), (t, torch.Tensor), (torch.Tensor, t)]
+    keys = [call_signature(*args) for args in lists]
+    assert len(set(keys)) == len(keys)
+
+
 def test_signature_of_misaligned_view_differs():
     flat = torch.zeros(64, dtype=torch.uint8)
     assert call_signature(flat[16:48].view(4, 8)) != call_signature(flat[1:33].view(4, 8))

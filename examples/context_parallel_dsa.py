@@ -23,8 +23,8 @@ One layer step on rank r:
    distributions over the selected slots) per query chunk: `dsagen.sparse_attn_score_recompute` (the target, from
    the attention's lse), `dsagen.sparse_indexer_score_recompute` (the prediction) and `dsagen.indexer_backward`
    with each row weighted 1 / (B T), so that the ranks' gradients add up to one call's over the whole sequence;
-   dq_index and dw stay local, dk_index (every query's contribution to every key) is reduce-scattered to the key
-   rows' owners like dkv.
+   d_index_q and d_weights stay local, d_index_k (every query's term for every key) is reduce-scattered to the
+   key rows' owners like dkv.
 
 `dsagen.lightning_indexer` takes no offset for query rows that start inside the sequence (its causal mask
 places query 0 at token 0), hence `indexer_forward_topk`, the same scores (up to the positive factor
@@ -198,7 +198,7 @@ def chunk_attention(q: torch.Tensor, kv: torch.Tensor, ids: torch.Tensor, sink: 
 
 def chunk_indexer_grads(q: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, ids: torch.Tensor,
                         q_index: torch.Tensor, k_index: torch.Tensor, w_index: torch.Tensor, index_scale: float,
-                        loss_coeff: float, impl: str):
+                        loss_coeff: float, impl: str) -> IndexerGrads:
     """The indexer's training ops for C query rows (DeepSeek-V3.2's KL loss between the attention's and the
     indexer's distributions over the selected slots): q [B, C, H, D_qk], kv [B, T, D_qk], lse [B, C, H] (the
     attention's), ids [B, C, K], q_index [B, C, H_i, D_i], k_index [B, T, D_i], w_index [B, C, H_i]
@@ -246,8 +246,8 @@ def dsa_layer(shard: Shard, sink: torch.Tensor | None, topk: int, d_v: int, impl
     grads = None
     if index_scale is not None:
         grads = IndexerGrads(torch.cat([g.d_index_q for g in index_grads], 1),
-                                    torch.cat([g.d_weights for g in index_grads], 1),
-                                    scatter_sequence(index_grads[0].d_index_k + index_grads[1].d_index_k))
+                             torch.cat([g.d_weights for g in index_grads], 1),
+                             scatter_sequence(index_grads[0].d_index_k + index_grads[1].d_index_k))
     return torch.cat(outs, 1), torch.cat(lses, 1), torch.cat(all_ids, 1), grads
 
 

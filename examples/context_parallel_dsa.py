@@ -8,7 +8,8 @@ One layer step on rank r:
 
 1. all-gather the indexer keys and the KV latent of every rank (`all_gather_single`, formerly
    `all_gather_into_tensor`) and put the chunks back in sequence order, so each rank holds the full
-   [B, T, D] keys its queries may see;
+   [B, T, D] keys its queries may see; the KV latent's gather is started first and waited for only after the
+   indexer's top-k of both query chunks (step 2), so its transfer runs under the indexer's kernels;
 2. for each of its two query chunks, starting at global token `start`: the indexer's top-k with the causal mask
    placed at `start` (`dsagen.indexer_forward_topk(..., q_causal_offsets=start, topk_indices_global=False)`: row t
    selects among the first `start + t + 1` keys, without materializing the chunk's [C, T] scores); the ids are
@@ -48,6 +49,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -106,23 +108,20 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class _GatherRows(torch.autograd.Function):
-    """All-gather along a new leading rank dim; backward reduce-scatters the gradient (sum over ranks)."""
+class _GatheredRows(torch.autograd.Function):
+    """The all-gathered rows as an autograd node of the local rows: forward returns `gathered` ([W, B, 2C, F], rank
+    r's rows at index r, filled by an all-gather the caller has waited for); backward reduce-scatters the gradient
+    (sum over ranks) back to the local rows x [B, 2C, F]."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        """x [B, 2C, D] -> [W, B, 2C, D], rank r's x at index r."""
-        rank, world_size = world()
-        ctx.rank, ctx.world_size = rank, world_size
-        x = x.contiguous()
-        out = x.new_empty((world_size * x.shape[0], *x.shape[1:]))     # ranks concatenated along dim 0
-        _all_gather(out, x)
-        return out.view(world_size, *x.shape)
+    def forward(ctx, x: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+        ctx.rank = world()[0]
+        return gathered.view_as(gathered)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        """grad [W, B, 2C, D] -> this rank's sum over all ranks' grad[rank], [B, 2C, D]."""
-        return reduce_scatter_ranks(grad, ctx.rank)
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """grad [W, B, 2C, F] -> this rank's sum over all ranks' grad[rank], [B, 2C, F]."""
+        return reduce_scatter_ranks(grad, ctx.rank), None
 
 
 def reduce_scatter_ranks(parts: torch.Tensor, rank: int) -> torch.Tensor:
@@ -137,21 +136,51 @@ def reduce_scatter_ranks(parts: torch.Tensor, rank: int) -> torch.Tensor:
         return parts[rank].clone()
 
 
-def gather_sequence(x: torch.Tensor) -> torch.Tensor:
-    """Every rank's shard [B, 2C, ...] -> the full sequence [B, T, ...] in token order (differentiable).
+class PendingGather(NamedTuple):
+    """An all-gather of a shard's rows in flight (start_gather): the local rows x [B, 2C, ...], the contiguous
+    [B, 2C, F] rows sent (kept alive until the gather is waited for), the buffer the ranks' rows land in
+    ([W B, 2C, F]) and the collective's handle (None without a process group)."""
 
-    With one process (no process group) the shard is the sequence already."""
+    x: torch.Tensor
+    sent: torch.Tensor | None
+    buffer: torch.Tensor | None
+    work: object | None
+
+
+def start_gather(x: torch.Tensor) -> PendingGather:
+    """Start the all-gather of every rank's shard rows x [B, 2C, ...] (asynchronous: the caller's next kernels run
+    while the rows travel); finish_gather waits and orders them."""
+    _, world_size = world()
+    if world_size == 1:
+        return PendingGather(x, None, None, None)
+    flat = x.reshape(*x.shape[:2], -1).contiguous()
+    buffer = flat.new_empty((world_size * flat.shape[0], *flat.shape[1:]))     # ranks concatenated along dim 0
+    sent = flat.detach()
+    return PendingGather(x, sent, buffer, _all_gather(buffer, sent, async_op=True))
+
+
+def finish_gather(pending: PendingGather) -> torch.Tensor:
+    """The full sequence [B, T, ...] in token order of a started gather, differentiable with respect to its local
+    rows (backward: the reduce-scatter). With one process the shard is the sequence already."""
+    x = pending.x
     rank, world_size = world()
     if world_size == 1:
         return x
+    pending.work.wait()
     b, rows = x.shape[:2]
     tail = x.shape[2:]
     flat = x.reshape(b, rows, -1)
-    gathered = _GatherRows.apply(flat)                                   # [W, B, 2C, F]
+    gathered = _GatheredRows.apply(flat, pending.buffer.view(world_size, *flat.shape))     # [W, B, 2C, F]
     c = rows // 2
     chunks = gathered.reshape(world_size, b, 2, c, -1).permute(1, 0, 2, 3, 4).reshape(b, 2 * world_size, c, -1)
     ordered = chunks.index_select(1, unshard_order(world_size, x.device))
     return ordered.reshape(b, world_size * rows, *tail)
+
+
+def gather_sequence(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's shard [B, 2C, ...] -> the full sequence [B, T, ...] in token order (differentiable; the gather
+    waited for at once)."""
+    return finish_gather(start_gather(x))
 
 
 def scatter_sequence(x: torch.Tensor) -> torch.Tensor:
@@ -227,14 +256,17 @@ def dsa_layer(shard: Shard, sink: torch.Tensor | None, topk: int, d_v: int, impl
     rank, world_size = world()
     rows = shard.q.shape[1]
     c = rows // 2
-    kv = gather_sequence(shard.kv)                                         # [B, T, D_qk], differentiable
+    kv_pending = start_gather(shard.kv)                                    # in flight under the indexer
     with torch.no_grad():
         k_index = gather_sequence(shard.k_index)                           # [B, T, D_i]
+    chunks = [(j, chunk, slice(j * c, (j + 1) * c)) for j, chunk in enumerate(chunk_ids(rank, world_size))]
+    chunk_ids_j = [chunk_topk(shard.q_index[:, rows_j], k_index, shard.w_index[:, rows_j], chunk * c, topk, impl)
+                   for _, chunk, rows_j in chunks]
+    kv = finish_gather(kv_pending)                                         # [B, T, D_qk], differentiable
     outs, lses, all_ids, index_grads = [], [], [], []
-    for j, chunk in enumerate(chunk_ids(rank, world_size)):
-        rows_j = slice(j * c, (j + 1) * c)
+    for j, chunk, rows_j in chunks:
         q_index, w_index = shard.q_index[:, rows_j], shard.w_index[:, rows_j]
-        ids = chunk_topk(q_index, k_index, w_index, chunk * c, topk, impl)
+        ids = chunk_ids_j[j]
         out, lse = chunk_attention(shard.q[:, rows_j], kv, ids, sink, d_v, impl)
         if index_scale is not None:
             with torch.no_grad():

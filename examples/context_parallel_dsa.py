@@ -191,12 +191,7 @@ def scatter_sequence(x: torch.Tensor) -> torch.Tensor:
     rank, world_size = world()
     if world_size == 1:
         return x
-    b, t = x.shape[:2]
-    tail = x.shape[2:]
-    chunks = x.reshape(b, 2 * world_size, t // (2 * world_size), -1)
-    order = torch.tensor([c for r in range(world_size) for c in chunk_ids(r, world_size)], device=x.device)
-    by_rank = chunks.index_select(1, order).reshape(b, world_size, -1).transpose(0, 1)    # [W, B, 2C * F]
-    return reduce_scatter_ranks(by_rank, rank).reshape(b, t // world_size, *tail)
+    return reduce_scatter_ranks(torch.stack([shard_rows(x, r, world_size) for r in range(world_size)]), rank)
 
 
 def all_reduce_grad(t: torch.Tensor) -> None:
@@ -259,14 +254,13 @@ def dsa_layer(shard: Shard, sink: torch.Tensor | None, topk: int, d_v: int, impl
     kv_pending = start_gather(shard.kv)                                    # in flight under the indexer
     with torch.no_grad():
         k_index = gather_sequence(shard.k_index)                           # [B, T, D_i]
-    chunks = [(j, chunk, slice(j * c, (j + 1) * c)) for j, chunk in enumerate(chunk_ids(rank, world_size))]
-    chunk_ids_j = [chunk_topk(shard.q_index[:, rows_j], k_index, shard.w_index[:, rows_j], chunk * c, topk, impl)
-                   for _, chunk, rows_j in chunks]
+    rows_of = [slice(j * c, (j + 1) * c) for j in range(2)]               # the shard's head and tail chunk
+    topk_ids = [chunk_topk(shard.q_index[:, rows_j], k_index, shard.w_index[:, rows_j], chunk * c, topk, impl)
+                for rows_j, chunk in zip(rows_of, chunk_ids(rank, world_size))]
     kv = finish_gather(kv_pending)                                         # [B, T, D_qk], differentiable
-    outs, lses, all_ids, index_grads = [], [], [], []
-    for j, chunk, rows_j in chunks:
+    outs, lses, index_grads = [], [], []
+    for rows_j, ids in zip(rows_of, topk_ids):
         q_index, w_index = shard.q_index[:, rows_j], shard.w_index[:, rows_j]
-        ids = chunk_ids_j[j]
         out, lse = chunk_attention(shard.q[:, rows_j], kv, ids, sink, d_v, impl)
         if index_scale is not None:
             with torch.no_grad():
@@ -274,13 +268,12 @@ def dsa_layer(shard: Shard, sink: torch.Tensor | None, topk: int, d_v: int, impl
                                                        k_index, w_index, index_scale, c / (world_size * rows), impl))
         outs.append(out)
         lses.append(lse)
-        all_ids.append(ids)
     grads = None
     if index_scale is not None:
         grads = IndexerGrads(torch.cat([g.d_index_q for g in index_grads], 1),
                              torch.cat([g.d_weights for g in index_grads], 1),
                              scatter_sequence(index_grads[0].d_index_k + index_grads[1].d_index_k))
-    return torch.cat(outs, 1), torch.cat(lses, 1), torch.cat(all_ids, 1), grads
+    return torch.cat(outs, 1), torch.cat(lses, 1), torch.cat(topk_ids, 1), grads
 
 
 def make_inputs(batch: int, seq: int, heads: int, d_qk: int, index_heads: int, index_dim: int,

@@ -4,7 +4,8 @@ Times dsagen.native_sparse_attention(impl="fused") against FLA's Triton `paralle
 
     PYTHONPATH=.peer/fla python bench/nsa_forward.py [--T 8192 32768 65536] [--indices random local]
                                                      [--rounds 7] [--backward] [--check-T 1024] [--seed 0]
-                                                     [--variant stages=3] [--json FILE]
+                                                     [--variant stages=3] [--dkv-variant stages=3,overlap=true]
+                                                     [--profile] [--json FILE]
 
 Shape: B 1, HQ 64 query heads over H 4 KV heads (G 16), D = Dv = 128, blocks of 64 tokens, S 16 selected blocks
 per (token, KV head), bf16, causal, no compressed branch, no sliding window, no gate. Block ids int32
@@ -41,6 +42,11 @@ with --backward their dq, dk, dv; at --check-T (default 1024; 0 skips) both agai
 dsagen.native_sparse_attention(impl="reference") (plain PyTorch, FP32 accumulation; slow at large T).
 Time: CUDA events around one call after a warm-up, median over --rounds rounds (default 7). --json FILE writes
 the device, versions, shape, checks and one row per (T, indices).
+--dkv-variant: the backward alone (host.select_backward on the forward's out and lse: delta, the dq kernel, the
+inverse index, the dk / dv kernel) with the op's dk / dv kernel and with each variant (NsaSelectDkvSpec fields
+replaced), interleaved; every variant's dq, dk, dv checked bytewise against the op's.
+--profile: one dsagen forward + backward through autograd under torch.profiler, its GPU time per kernel (the dq and
+dk / dv kernels, the inverse index's sort and the torch glue), so the backward's split is measured, not inferred.
 """
 
 from __future__ import annotations
@@ -143,13 +149,8 @@ def _variant(idx: torch.Tensor, var: str):
     from dsagen.kernels.nsa.host import select_forward
     from dsagen.kernels.nsa.spec import select_fwd_spec_for
 
-    fields = {}
-    for item in var.split(","):
-        name, value = item.split("=")
-        fields[name] = {"true": True, "false": False}.get(value.lower(), value)
-        if isinstance(fields[name], str):
-            fields[name] = int(value)
-    spec = dataclasses.replace(select_fwd_spec_for(HQ // H, D, DV, BLOCK, S, "bfloat16", "sm_90a"), **fields)
+    spec = dataclasses.replace(select_fwd_spec_for(HQ // H, D, DV, BLOCK, S, "bfloat16", "sm_90a"),
+                               **_spec_fields(var))
     return lambda q, k, v: select_forward(q, k, v, idx, S, None, SCALE, BLOCK, spec=spec)[0]
 
 
@@ -241,7 +242,69 @@ def run_case(t: int, mode: str, args, parallel_nsa, noted: set, check: bool) -> 
                 print(f"{label} bwd (fwd+bwd - fwd): {line}{ratio}", flush=True)
             if len(ms) > 1:
                 row["fwd_bwd_speedup"] = ms[1] / ms[0]
+    if args.dkv_variant:
+        row.update(dkv_variants(t, mode, args, label))
+    if args.profile:
+        row.update(profile_step(t, mode, args, label))
     return row, checks
+
+
+def _spec_fields(var: str) -> dict:
+    """ "field=value[,field=value]" -> {field: int or bool}."""
+    fields = {}
+    for item in var.split(","):
+        name, value = item.split("=")
+        low = value.lower()
+        fields[name] = low == "true" if low in ("true", "false") else int(value)
+    return fields
+
+
+def dkv_variants(t: int, mode: str, args, label: str) -> dict:
+    """The backward alone with the op's dk / dv kernel and each --dkv-variant: ms per call (interleaved) and a
+    bytewise check of dq, dk, dv against the op's kernel."""
+    import dataclasses
+
+    from dsagen.kernels.nsa.host import _forward, _Operands, select_backward
+    from dsagen.kernels.nsa.spec import select_dkv_spec_for
+
+    q, k, v, do, idx = make_inputs(t, mode, args.seed)
+    ops = _Operands(q, k, v, idx, S, None, SCALE, BLOCK)
+    out, lse = _forward(ops, None)
+    base = select_dkv_spec_for(HQ // H, D, DV, "bfloat16", "sm_90a")
+    specs = {"op": base}
+    specs.update({var: dataclasses.replace(base, **_spec_fields(var)) for var in args.dkv_variant})
+    want = select_backward(ops, out, lse, do, base)
+    for name, spec in specs.items():
+        same = all(torch.equal(a, b) for a, b in zip(select_backward(ops, out, lse, do, spec), want))
+        print(f"# check {label} bwd dkv {name}: {'bytes equal to the op' if same else 'DIFFERS from the op'}")
+    ms = print_paired(f"{label} bwd alone", [(name, (lambda sp=spec: select_backward(ops, out, lse, do, sp)))
+                                            for name, spec in specs.items()], 2.5 * 4.0 * HQ * D * S * BLOCK * t,
+                      args.rounds)
+    return {f"bwd_{name}_ms": m for name, m in zip(specs, ms)}
+
+
+def profile_step(t: int, mode: str, args, label: str) -> dict:
+    """GPU ms per kernel name of one dsagen forward + backward (after a warm-up step), from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, do, idx = make_inputs(t, mode, args.seed)
+    fn = contenders(idx, None)["dsagen"]
+    leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
+    torch.autograd.grad(fn(*leaves), leaves, do)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(fn(*leaves), leaves, do)
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            per[e.key] = us / 1e3
+    total = sum(per.values())
+    print(f"{label} profile (GPU ms per kernel, total {total:.3f}):")
+    for name, ms in sorted(per.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"    {ms:8.3f}  {ms / total:6.1%}  {name[:100]}")
+    return {"profile_ms": per}
 
 
 def _has_backward(name, fn, q, k, v, do, noted: set) -> bool:
@@ -266,6 +329,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variant", nargs="*", default=[],
                     help="extra dsagen contenders: NsaSelectFwdSpec fields replaced, e.g. stages=3")
+    ap.add_argument("--dkv-variant", nargs="*", default=[],
+                    help="the backward alone against dk / dv kernels with NsaSelectDkvSpec fields replaced, e.g. "
+                         "stages=3,overlap=true")
+    ap.add_argument("--profile", action="store_true", help="GPU time per kernel of one dsagen forward + backward")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

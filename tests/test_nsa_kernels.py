@@ -106,6 +106,7 @@ def test_unsupported_inputs_name_the_reason():
     (dict(block_size=32), "block_size=32 must be 64"),
     (dict(group=12), "group=12 must be one of"),
     (dict(stages=4), "stages=4 must be 2 or 3"),
+    (dict(overlap=1), "field overlap must be a bool"),
     (dict(head_dim=256), "head_dim=256 must be one of (64, 128)"),
 ])
 def test_invalid_dkv_specs_say_why(kw, needle):
@@ -142,6 +143,32 @@ def test_backward_kernels_compile_without_spills(spec, tmp_path):
     regs = int(re.findall(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP0, (0x[0-9a-f]+)", sass)[0], 16)
     assert 128 * (40 + regs) <= ck.record["regcount"] * 256
 
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", [NsaSelectDkvSpec(arch="sm_90a", stages=3, overlap=True),
+                                  NsaSelectDkvSpec(arch="sm_90a", group=4, v_dim=64, stages=3, overlap=True)],
+                         ids=["g16", "g4_dv64"])
+def test_overlapped_dkv_kernel_issues_the_next_scores_first(spec, tmp_path):
+    """The overlapped dk / dv loop: the first chunk's S^T / dP^T peeled before the loop and the last chunk's dv / dk
+    after it (each product's instructions twice), no wgmma under a branch, and in the loop a wait that leaves this
+    chunk's products in flight (wait_group 1) while the next chunk's P^T / dS^T are formed: waits 0 (first chunk),
+    1 and 0 (loop), 0 (last chunk). What it costs in registers (spills at D = Dv = 128) is recorded in
+    select_dkv_spec_for's note, not asserted."""
+    from dsagen.jit.build import compile_module
+    from dsagen.jit.sass import disassemble, find_nvdisasm
+
+    ck = compile_module(spec, render(spec), tmp_path)
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not found")
+    sass = disassemble(ck.cubin)
+    d, dv = spec.head_dim, spec.v_dim
+    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 R\d+, gdesc", sass)) == 2 * (d + dv) // 16
+    for n, steps in (({d: 8} if d == dv else {d: 4, dv: 4})).items():
+        assert len(re.findall(rf"HGMMA\.64x{n}x16\.F32\.BF16 R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 2 * steps
+    assert re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass) == ["0x0", "0x1", "0x0", "0x0"]
+    regs = int(re.findall(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP0, (0x[0-9a-f]+)", sass)[0], 16)
+    assert 128 * (40 + regs) <= ck.record["regcount"] * 256
 
 def _inverse_loop(ids, counts, starts_of, lens_of, h_count, bs, rows):
     """{(h, first key row of the tile): [tokens]} by loops: the slots the kernels take (an id in the token's

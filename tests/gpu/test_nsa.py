@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import dsagen
-from dsagen.kernels.nsa.host import select_forward
+from dsagen.kernels.nsa.host import _forward, _Operands, select_backward, select_forward
 from dsagen.kernels.nsa.spec import NsaSelectDkvSpec, select_dq_spec_for, select_fwd_spec_for
 from poison import poison_allocator
 
@@ -39,6 +39,12 @@ REQUIRED_SPECS += [select_fwd_spec_for(4, 128, 128, 128, 16, "bfloat16", ARCH),
 REQUIRED_SPECS += [select_dq_spec_for(*x, ARCH) for x in _BWD_SHAPES]
 REQUIRED_SPECS += [NsaSelectDkvSpec(arch=ARCH, group=g, head_dim=d, v_dim=dv, dtype=dt)
                    for g, d, dv, bs, _, dt in _BWD_SHAPES if bs == 64]
+# the overlapped dk / dv kernel beside the one-chunk-at-a-time one (test_dkv_overlap_same_bytes)
+_OVERLAP_SHAPES = [(16, 128, 128), (4, 128, 64), (1, 64, 64)]
+REQUIRED_SPECS += [NsaSelectDkvSpec(arch=ARCH, group=g, head_dim=d, v_dim=dv, stages=st, overlap=ov)
+                   for g, d, dv in _OVERLAP_SHAPES for st, ov in ((2, False), (3, True), (2, True))]
+REQUIRED_SPECS += [f(g, d, dv, 64, 16, "bfloat16", ARCH) for g, d, dv in _OVERLAP_SHAPES
+                   for f in (select_fwd_spec_for, select_dq_spec_for)]
 
 pytestmark = pytest.mark.gpu
 
@@ -352,6 +358,37 @@ def test_backward_bitwise_repeatable():
     a = _grads("fused", q, k, v, ids, 16, None, 64, None, dout)[1]
     b2 = _grads("fused", q, k, v, ids, 16, None, 64, None, dout)[1]
     assert all(torch.equal(x, y) for x, y in zip(a, b2))
+
+
+def select_grads(q, k, v, ids, counts, cu, bs, dout, dkv_spec):
+    """(dq, dk, dv) of the fused selected branch with the dk / dv kernel of `dkv_spec` (host.select_backward)."""
+    ops = _Operands(q, k, v, ids, counts, cu, 1.0 / math.sqrt(q.shape[-1]), bs)
+    out, lse = _forward(ops, None)
+    return select_backward(ops, out, lse, dout.to(q.dtype), dkv_spec=dkv_spec)
+
+
+@pytest.mark.parametrize("g,d,dv", _OVERLAP_SHAPES)
+def test_dkv_overlap_same_bytes(g, d, dv):
+    """The overlapped dk / dv kernel (the next chunk's S^T / dP^T issued before this chunk's dv / dk; 3 stages, and
+    2 where the next chunk's load waits for this chunk's release) gives the bytes of the one-chunk-at-a-time kernel:
+    the same products in the same order. Adversarial ids, per-token counts with zeros, packed sequences with empty and
+    short ones (lists of one token, of many chunks, and blocks no token chose)."""
+    gen = torch.Generator().manual_seed(40 + g)
+    lens = [300, 0, 1, 63, 64, 700, 5]
+    t, h = sum(lens), 4
+    ids = make_ids(1, t, h, 16, 64, gen, seq_lens=lens).to(DEV)
+    counts = torch.randint(0, 20, (1, t, h), generator=gen, dtype=torch.int32).to(DEV)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q, k, v = _inputs(1, t, g * h, h, d, dv, torch.bfloat16, gen)
+    dout = torch.randn((1, t, g * h, dv), generator=gen).to(DEV)
+    base = NsaSelectDkvSpec(arch=ARCH, group=g, head_dim=d, v_dim=dv)
+    want = select_grads(q, k, v, ids, counts, cu, 64, dout, base)
+    assert want[1].abs().max() > 0 and want[2].abs().max() > 0
+    for stages in (3, 2):
+        got = select_grads(q, k, v, ids, counts, cu, 64, dout,
+                           NsaSelectDkvSpec(arch=ARCH, group=g, head_dim=d, v_dim=dv, stages=stages, overlap=True))
+        for name, a, w in zip(("dq", "dk", "dv"), got, want):
+            assert torch.equal(a, w), f"{name} differs with stages={stages}"
 
 
 def test_graph_capture_forward_backward():

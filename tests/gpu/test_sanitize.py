@@ -85,6 +85,7 @@ REQUIRED_SPECS = [config_for(h, d, "bfloat16", None, ARCH, None).spec(h, d, "bfl
     nsa_spec_for(g, 128, 128, 64, 16, "bfloat16", ARCH) for g in (1, 16)] + [
     nsa_dq_spec_for(g, 128, 128, 64, 16, "bfloat16", ARCH) for g in (1, 16)] + [
     NsaSelectDkvSpec(arch=ARCH, group=g) for g in (1, 16)] + [
+    NsaSelectDkvSpec(arch=ARCH, group=g, stages=3, overlap=True) for g in (1, 16)] + [
     nsa_cmp_fwd_spec_for(g, 128, 128, 1, "bfloat16", ARCH) for g in (1, 16)] + [
     nsa_spec_for(g, 128, 128, 32, 19, "bfloat16", ARCH) for g in (1, 16)] + [
     nsa_cmp_importance_spec_for(g, 128, 1, "bfloat16", ARCH) for g in (1, 16)] + [NsaCmpTopkSpec(arch=ARCH)] + [
@@ -738,6 +739,26 @@ def test_nsa_select_backward(hq, packed, bs):
         torch.cuda.synchronize()
     for got, want in zip(*grads):
         torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=5e-2)
+
+
+@gpu
+@pytest.mark.parametrize("hq,packed", [(64, False), (4, True)])
+def test_nsa_select_backward_overlap(hq, packed):
+    """The overlapped dk / dv kernel (NsaSelectDkvSpec overlap, 3 stages) on the forward case's adversarial inputs:
+    dk and dv the bytes of the one-chunk-at-a-time kernel's."""
+    from dsagen.kernels.nsa.host import _forward, _Operands, select_backward
+
+    gen = torch.Generator().manual_seed(335 + hq)
+    q, k, v, ids, counts, cu = _nsa_inputs(hq, packed, gen)
+    dout = torch.randn(q.shape, generator=gen).bfloat16().to(DEV)
+    ops = _Operands(q, k, v, ids, counts, cu, 0.1, NSA_BLOCK)
+    out, lse = _forward(ops, None)
+    g = hq // k.shape[2]
+    grads = [select_backward(ops, out, lse, dout, NsaSelectDkvSpec(arch=ARCH, group=g, stages=st, overlap=ov))
+             for st, ov in ((2, False), (3, True))]
+    torch.cuda.synchronize()
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
 
 
 @gpu

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from ...runtime import device_arch, device_index
-from .spec import (CMP_TILE, NSA_MAX_SLOTS, NsaCmpDkvSpec, NsaCmpTopkSpec, cmp_dq_spec_for, cmp_fwd_spec_for,
-                   cmp_importance_spec_for, item_tokens)
+from .spec import (CMP_TILE, NSA_MAX_SLOTS, NsaCmpTopkSpec, cmp_dq_spec_for, cmp_fwd_spec_for,
+                   cmp_importance_spec_for, item_tokens, select_dkv_spec_for)
 
 IMP_SCRATCH_BYTES = 256 << 20     # the FP32 importance rows of one chunk of tokens, at most (or one item's)
 
@@ -192,8 +192,7 @@ def compressed_backward(ops, rows: CompressedRows, k_cmp: torch.Tensor, v_cmp: t
     tiles = CompressedTiles(ops, rows)
     pk = torch.zeros((tiles.nbd * CMP_TILE, h, ops.d), dtype=out.dtype, device=dev)
     pv = torch.zeros((tiles.nbd * CMP_TILE, h, ops.dv), dtype=out.dtype, device=dev)
-    _kernel(dev, NsaCmpDkvSpec(arch=arch, group=ops.g, head_dim=ops.d, v_dim=ops.dv, block_size=CMP_TILE,
-                               dtype=ops.dtype_name)).launch(
+    _kernel(dev, select_dkv_spec_for(ops.g, ops.d, ops.dv, ops.dtype_name, arch, compressed=True)).launch(
         ops.q3, k_cmp, v_cmp, do3, tiles.off, tiles.toks, tiles.starts, tiles.ends, tiles.lims, pk, pv, lse2, delta,
         n, h, tiles.nbd, rows.n_keys, ops.scale * LOG2E, ops.scale)
 

@@ -23,7 +23,7 @@ from ...jit import get_kernel
 from ...runtime import LoadedKernel, device_arch, device_index
 from .cmp_host import CompressedRows, compressed_backward, compressed_branch, mean_pool
 from .spec import (DKV_ROWS, NSA_BLOCK_SIZES, NSA_GROUPS, NSA_HEAD_DIMS, NSA_MAX_SLOTS, NsaSelectDkvSpec,
-                   NsaSelectFwdSpec, item_tokens, select_dq_spec_for, select_fwd_spec_for)
+                   NsaSelectFwdSpec, item_tokens, select_dkv_spec_for, select_dq_spec_for, select_fwd_spec_for)
 
 LOG2E = math.log2(math.e)
 
@@ -195,11 +195,12 @@ def inverse_index(ops: _Operands, rows: int = DKV_ROWS
             ends.clamp(0, 2**31 - 1).to(torch.int32), nbd)
 
 
-def select_backward(ops: _Operands, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def select_backward(ops: _Operands, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                    dkv_spec: NsaSelectDkvSpec | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the selected branch for the forward's out `[N, HQ, Dv]` and lse `[N, HQ]` and dout like out:
     the dq kernel over the forward's work items, then the dk / dv kernel over the key blocks (inverse_index); both sum
-    in a fixed order (bitwise repeatable, no atomics). Shapes [B, T, heads, dim] in query's dtype."""
+    in a fixed order (bitwise repeatable, no atomics). Shapes [B, T, heads, dim] in query's dtype. dkv_spec: None
+    (the op's, select_dkv_spec_for) or another NsaSelectDkvSpec of the same shape (benchmarks and tests)."""
     n, hq, h = ops.n_tok, ops.hq, ops.h
     do3 = _tma_ready(dout.reshape(ops.b, ops.t, hq, ops.dv))
     delta = (do3.float() * out.reshape(n, hq, ops.dv).float()).sum(-1)
@@ -213,8 +214,8 @@ def select_backward(ops: _Operands, out: torch.Tensor, lse: torch.Tensor, dout: 
         _kernel(out.device, dq_spec).launch(ops.q3, ops.k3, ops.v3, do3, ops.idx, ops.cnt, ops.cu, dq, lse2, delta,
                                             *ops.list_args(), ops.scale * LOG2E, ops.scale)
         off, toks, starts, ends, nbd = inverse_index(ops)
-        dkv_spec = NsaSelectDkvSpec(arch=arch, group=ops.g, head_dim=ops.d, v_dim=ops.dv, block_size=DKV_ROWS,
-                                    dtype=ops.dtype_name)
+        if dkv_spec is None:
+            dkv_spec = select_dkv_spec_for(ops.g, ops.d, ops.dv, ops.dtype_name, arch)
         _kernel(out.device, dkv_spec).launch(ops.q3, ops.k3, ops.v3, do3, off, toks, starts, ends, dk, dv, lse2,
                                              delta, n, h, nbd, ops.scale * LOG2E, ops.scale)
     shape = (ops.b, ops.t)

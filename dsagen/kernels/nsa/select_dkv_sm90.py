@@ -11,8 +11,10 @@ over the listed tokens' G query heads, keys after a token masked. Everything is 
 the accumulator registers), so no tile is transposed through shared memory. The CTA's K and V load once (TMA); the
 listed tokens come in chunks of TOKB = 64 // max(G, 8) tokens whose Q and dO rows (one TMA box of G heads per token,
 8-row aligned slots: G < 8 leaves zero rows) fill a ring of `stages` chunk tiles; warp 1 writes each chunk's
-per-row position, lse and delta. The sums run over the list in its order: dk and dv are bitwise the same every call,
-with no atomics (each key row belongs to one block). Rows of the block past its sequence's end are not stored.
+per-row position, lse and delta. With `overlap` the next chunk's S^T and dP^T are issued before this chunk's dv
+and dk, and the next P^T / dS^T are formed while those run (the forward's order of S and PV). The sums run over the
+list in its order: dk and dv are bitwise the same every call, with no atomics (each key row belongs to one block).
+Rows of the block past its sequence's end are not stored.
 """
 import math
 
@@ -44,14 +46,17 @@ def chunk_tokens(group: int) -> int:
     return NQ // max(group, 8)
 
 
-def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, stages: int, compressed: bool = False):
-    """The kernel of NsaSelectDkvSpec(group, head_dim, v_dim, block_size, dtype, stages), or with compressed=True of
-    NsaCmpDkvSpec: the compressed branch's dk / dv over tiles of 64 compressed rows, each list entry carrying its
-    token's last compressed row (`lims`, the mask's bound in place of the token's own row), the lists shared by the
-    heads (off [nbd + 1]: CTA h * nbd + i takes list i for head h), and CTA i of head h storing its rows at (i *
-    block_size + r) of a partial [nbd * block_size, H, ..] pair of outputs (a tile's tokens come in several lists,
-    each its own CTA; the host sums the partials in a fixed order): returns (kernel, host, PARAMS, HOST_ARGS,
-    LAUNCH)."""
+def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, stages: int, compressed: bool = False,
+          overlap: bool = False):
+    """The kernel of NsaSelectDkvSpec(group, head_dim, v_dim, block_size, dtype, stages, overlap), or with
+    compressed=True of NsaCmpDkvSpec: the compressed branch's dk / dv over tiles of 64 compressed rows, each list
+    entry carrying its token's last compressed row (`lims`, the mask's bound in place of the token's own row), the
+    lists shared by the heads (off [nbd + 1]: CTA h * nbd + i takes list i for head h), and CTA i of head h storing
+    its rows at (i * block_size + r) of a partial [nbd * block_size, H, ..] pair of outputs (a tile's tokens come in
+    several lists, each its own CTA; the host sums the partials in a fixed order). overlap: the consumer issues the
+    next chunk's S^T / dP^T before this chunk's dv / dk and forms the next P^T / dS^T while those run (the same
+    products in the same order, so the same bytes); False: one chunk at a time.
+    Returns (kernel, host, PARAMS, HOST_ARGS, LAUNCH)."""
     G, D, DV, BN, ST = group, head_dim, v_dim, block_size, stages
     SLOT = max(G, 8)                     # rows per token slot in a chunk tile
     TOKB = NQ // SLOT
@@ -100,6 +105,45 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, st
 
     SMEM_BYTES = Smem.size_in_bytes()
     LAUNCH = {"grid": ["nbd * n_kv", 1, 1], "block": [NTHREADS, 1, 1], "cluster": [1, 1, 1], "smem": SMEM_BYTES}
+
+    @cute.jit
+    def issue_scores(mma_t, accS, accP, tSrK, tSrQ, tPrV, tPrdO, c_full, c: Int32):
+        """Wait for chunk c's tiles, then issue S^T = K Q^T and dP^T = V dO^T as one wgmma group."""
+        stage = c % ST
+        ring_wait_ready(c_full, c, ST)
+        warpgroup.fence()
+        issue_gemm(mma_t, accS, tSrK, tSrQ, D // 16, stage)
+        issue_gemm(mma_t, accP, tPrV, tPrdO, DV // 16, stage)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def probabilities(sMN, pMN, cS, c_pos, c_lse, c_dlt, start: Int32, scale_log2: Float32, stage: Int32):
+        """P^T and dS^T of the stage's chunk in place of S^T and dP^T (sMN / pMN: their (key, chunk row) views), 0
+        for keys after a row's token and for rows without a token."""
+        for cc in cutlass.range_constexpr(cute.size(sMN, mode=[1])):
+            col = cS[0, cc][1]
+            pos = c_pos[stage * NQ + col]
+            l2 = c_lse[stage * NQ + col]
+            dl = c_dlt[stage * NQ + col]
+            for r in cutlass.range_constexpr(cute.size(sMN, mode=[0])):
+                p = cute.math.exp2(sMN[r, cc] * scale_log2 - l2, fastmath=True)
+                ds = p * (pMN[r, cc] - dl)
+                if start + cS[r, cc][0] > pos:           # a key after the token (pos -1: no row)
+                    p = Float32(0.0)
+                    ds = Float32(0.0)
+                sMN[r, cc] = p
+                pMN[r, cc] = ds
+
+    @cute.jit
+    def issue_grads(mma_v, mma_k, accV, accK, tVrP, tVrdO, tKrdS, tKrQ, stage: Int32):
+        """dv += P^T dO and dk += dS^T Q over the stage's 64 chunk rows (P^T, dS^T from registers), one wgmma
+        group."""
+        warpgroup.fence()
+        for ks in cutlass.range_constexpr(NQ // 16):
+            cute.gemm(mma_v, accV, tVrP[None, None, ks], tVrdO[None, None, ks, stage], accV)
+        for ks in cutlass.range_constexpr(NQ // 16):
+            cute.gemm(mma_k, accK, tKrdS[None, None, ks], tKrQ[None, None, ks, stage], accK)
+        warpgroup.commit_group()
 
     @cute.jit
     def body(q_tma, k_tma, v_tma, do_tma, p_off: cute.Pointer, p_toks: cute.Pointer, p_starts: cute.Pointer,
@@ -239,48 +283,51 @@ def build(group: int, head_dim: int, v_dim: int, block_size: int, dtype: str, st
                 sMN, pMN = acc_mn_view(accS), acc_mn_view(accP)
                 kMN, vMN = acc_mn_view(accK), acc_mn_view(accV)
                 cS = acc_mn_view(thr_t.partition_C(cute.make_identity_tensor((BN, NQ))))
-                NR = cute.size(sMN, mode=[0])
-                NC = cute.size(sMN, mode=[1])
                 accK.fill(0.0)
                 accV.fill(0.0)
                 mma_k.set(warpgroup.Field.ACCUMULATE, True)
                 mma_v.set(warpgroup.Field.ACCUMULATE, True)
                 q4 = ctid % 4
 
+                scores = (mma_t, accS, accP, tSrK, tSrQ, tPrV, tPrdO, c_full)
+                probs = (sMN, pMN, cS, c_pos, c_lse, c_dlt, start, scale_log2)
+                grads = (mma_v, mma_k, accV, accK, tVrP, tVrdO, tKrdS, tKrQ)
                 cute.arch.mbarrier_wait(kv_full, 0)
-                for c in cutlass.range(n_chunks, unroll=1):
-                    stage = c % ST
-                    ring_wait_ready(c_full, c, ST)
-                    warpgroup.fence()
-                    issue_gemm(mma_t, accS, tSrK, tSrQ, D // 16, stage)
-                    issue_gemm(mma_t, accP, tPrV, tPrdO, DV // 16, stage)
-                    warpgroup.commit_group()
+                if cutlass.const_expr(overlap):
+                    # S^T / dP^T of the next chunk and dv / dk of this one go to the tensor cores back to back: the
+                    # next chunk's P^T / dS^T are formed while this chunk's products run and replace its register
+                    # operands once those retired (every product, and each accumulator's order, as the serial loop's)
+                    issue_scores(*scores, Int32(0))
                     warpgroup.wait_group(0)
-                    for cc in cutlass.range_constexpr(NC):
-                        col = cS[0, cc][1]
-                        pos = c_pos[stage * NQ + col]
-                        l2 = c_lse[stage * NQ + col]
-                        dl = c_dlt[stage * NQ + col]
-                        for r in cutlass.range_constexpr(NR):
-                            p = cute.math.exp2(sMN[r, cc] * scale_log2 - l2, fastmath=True)
-                            ds = p * (pMN[r, cc] - dl)
-                            if start + cS[r, cc][0] > pos:           # a key after the token (pos -1: no row)
-                                p = Float32(0.0)
-                                ds = Float32(0.0)
-                            sMN[r, cc] = p
-                            pMN[r, cc] = ds
+                    probabilities(*probs, Int32(0))
                     rP.store(accS.load().to(DT))
                     rdS.store(accP.load().to(DT))
-                    warpgroup.fence()
-                    for ks in cutlass.range_constexpr(NQ // 16):
-                        cute.gemm(mma_v, accV, tVrP[None, None, ks], tVrdO[None, None, ks, stage], accV)
-                    for ks in cutlass.range_constexpr(NQ // 16):
-                        cute.gemm(mma_k, accK, tKrdS[None, None, ks], tKrQ[None, None, ks, stage], accK)
-                    warpgroup.commit_group()
+                    for c in cutlass.range(n_chunks - 1, unroll=1):      # no wgmma under a branch (ptxas serializes)
+                        nxt = c + 1
+                        issue_scores(*scores, nxt)
+                        issue_grads(*grads, c % ST)
+                        warpgroup.wait_group(1)                          # the next chunk's S^T and dP^T
+                        probabilities(*probs, nxt % ST)
+                        warpgroup.wait_group(0)                          # this chunk's dv / dk: P^T, dS^T free
+                        cute.arch.mbarrier_arrive(c_free + c % ST)
+                        rP.store(accS.load().to(DT))
+                        rdS.store(accP.load().to(DT))
+                    last = n_chunks - 1
+                    issue_grads(*grads, last % ST)
                     warpgroup.wait_group(0)
-                    # every thread arrives: its own loads of the chunk's row info (c_pos / c_lse / c_dlt, which warp 1
-                    # rewrites for the stage's next chunk) are then ordered before that write
-                    cute.arch.mbarrier_arrive(c_free + stage)
+                    cute.arch.mbarrier_arrive(c_free + last % ST)
+                else:
+                    for c in cutlass.range(n_chunks, unroll=1):
+                        issue_scores(*scores, c)
+                        warpgroup.wait_group(0)
+                        probabilities(*probs, c % ST)
+                        rP.store(accS.load().to(DT))
+                        rdS.store(accP.load().to(DT))
+                        issue_grads(*grads, c % ST)
+                        warpgroup.wait_group(0)
+                        # every thread arrives: its own loads of the chunk's row info (c_pos / c_lse / c_dlt, which
+                        # warp 1 rewrites for the stage's next chunk) are then ordered before that write
+                        cute.arch.mbarrier_arrive(c_free + c % ST)
 
                 # the block's key rows before its end: dk * scale and dv, 16-byte stores
                 q_hi = q4 >= 2

@@ -189,7 +189,10 @@ class NsaSelectDkvSpec(KernelSpec):
     SM (256 consumer registers).
 
     group / head_dim / v_dim / dtype: as NsaSelectFwdSpec.  block_size: 64 (the keys are the wgmma M).
-    stages: chunk tiles in flight (2..3)."""
+    stages: chunk tiles in flight (2..3).
+    overlap: the next chunk's S^T / dP^T issued before this chunk's dv / dk, its P^T / dS^T formed while they run
+      (the same products in the same order: the same bytes as overlap=False); the chunk after the next is then
+      loaded only once this chunk's products retired, so it takes stages=3 to keep a load ahead."""
 
     op = "nsa_select_dkv"
     template = "nsa/select_dkv_{arch}.py.j2"
@@ -200,6 +203,7 @@ class NsaSelectDkvSpec(KernelSpec):
     block_size: int = 64
     dtype: str = "bfloat16"
     stages: int = 2
+    overlap: bool = False
 
     def reasons(self) -> list[str]:
         out = super().reasons() + _shape_reasons(self, "selected-branch backward", ("head_dim", "v_dim"))
@@ -208,6 +212,22 @@ class NsaSelectDkvSpec(KernelSpec):
         if not 2 <= self.stages <= 3:
             out.append(f"stages={self.stages} must be 2 or 3")
         return out
+
+
+#: the dk / dv kernel the fused backward runs: two chunk tiles in flight, one chunk at a time. The overlapped form
+#: (stages 3, overlap True) spills at D = Dv = 128 (23 local loads / stores per chunk: the next chunk's S^T / dP^T
+#: live beside this chunk's register operands and dk / dv, 224 registers) and ptxas splits its dv / dk group in two,
+#: so only dk runs under the next chunk's P^T / dS^T; not run on a GPU yet (bench/nsa_forward.py --dkv-variant).
+DKV_STAGES, DKV_OVERLAP = 2, False
+
+
+def select_dkv_spec_for(group: int, head_dim: int, v_dim: int, dtype: str, arch: str,
+                        compressed: bool = False) -> "NsaSelectDkvSpec":
+    """The dk / dv kernel the fused backward runs for G, D, Dv, dtype: NsaSelectDkvSpec (with compressed=True the
+    compressed branch's NsaCmpDkvSpec) of 64-row tiles, DKV_STAGES chunk tiles, DKV_OVERLAP."""
+    cls = NsaCmpDkvSpec if compressed else NsaSelectDkvSpec
+    return cls(arch=arch, group=group, head_dim=head_dim, v_dim=v_dim, block_size=CMP_TILE if compressed else DKV_ROWS,
+               dtype=dtype, stages=DKV_STAGES, overlap=DKV_OVERLAP)
 
 
 def select_fwd_spec_for(group: int, head_dim: int, v_dim: int, block_size: int, slots: int, dtype: str,

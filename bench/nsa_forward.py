@@ -285,6 +285,7 @@ def dkv_variants(t: int, mode: str, args, label: str) -> dict:
 
 def profile_step(t: int, mode: str, args, label: str) -> dict:
     """GPU ms per kernel name of one dsagen forward + backward (after a warm-up step), from torch.profiler."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     q, k, v, do, idx = make_inputs(t, mode, args.seed)
@@ -296,9 +297,9 @@ def profile_step(t: int, mode: str, args, label: str) -> dict:
         torch.autograd.grad(fn(*leaves), leaves, do)
         torch.cuda.synchronize()
     per = {}
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us > 0:
+    for e in prof.key_averages():           # the GPU's own events (kernels, memsets, copies), not the host ops above
+        if e.device_type == DeviceType.CUDA:
+            us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
             per[e.key] = us / 1e3
     total = sum(per.values())
     print(f"{label} profile (GPU ms per kernel, total {total:.3f}):")

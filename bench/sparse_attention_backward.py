@@ -8,6 +8,7 @@ backward, in one run (GPU).
     python bench/sparse_attention_backward.py --cases 0,4 --item-split        # the same work in items of 3 sizes
     python bench/sparse_attention_backward.py --cases 0 --id-order            # each row's ids drawn / sorted / shuffled
     python bench/sparse_attention_backward.py --cases 0 --clocks 4            # SM clock and power while it runs
+    python bench/sparse_attention_backward.py --cudnn [--energy 2]           # cuDNN's SM90 kernel beside ours
 
 Shapes: T = 4096 and 32768 query rows over a KV pool of 32768 and 131072 rows, H=128, D_qk 576, d_v 512, top-k
 2048, with sink; H=64 with D_qk 512 (--quick: T = 4096 only). Ids are distinct per row (start + i * odd stride mod
@@ -20,6 +21,15 @@ FLOPs = 2 * T * H * topk * (3 * D_qk + 2 * d_v) (the five products: S, dP, dQ, a
 impl="reference".
 Time: CUDA events around `reps` back-to-back calls after a warm-up, median of 7 rounds; the fused variants run
 interleaved round by round (common.paired_time_ms).
+
+--cudnn: the cuDNN frontend's SM90 DSA backward (`cudnn.DSA.sparse_attention_backward_wrapper`, CuTe-DSL kernels;
+../shared/peers/ shows how to carry the frontend and CuTe-DSL to the GPU machine) joins the interleaved timing on the
+same tensors (dsagen's forward out and KV-only lse, the sink; cuDNN has no deterministic mode on SM90), and its dq,
+dkv and d_sink are compared with dsagen's atomic mode's (largest difference relative to the largest value, against
+bf16's 2e-2). Optional: without the import a note is printed and the table has dsagen's rows only. --energy SECONDS
+adds each contender's energy per call from the board's NVML counter (bench/energy.py's method: back-to-back calls
+for SECONDS per segment, interleaved rotating rounds, idle segment for the board's idle power), so the comparison
+is also per joule.
 """
 
 from __future__ import annotations
@@ -149,14 +159,58 @@ def probes(cases, args) -> None:
         torch.cuda.empty_cache()
 
 
-def run_case(s_q, h, d_qk, n_kv, topk, reps, ref_max_t):
-    q, kv, dout, ids, sink, scale, out, lse = make_inputs(s_q, h, d_qk, n_kv, topk)
+def load_cudnn():
+    """cuDNN frontend DSA's wrappers (`cudnn.DSA`), or None with a note printed (the peer is optional)."""
+    try:
+        from cudnn import DSA
+        DSA.sparse_attention_backward_wrapper            # imports the op's module (and CuTe-DSL)
+    except Exception as e:                               # noqa: BLE001 - the peer is optional
+        print(f"# cuDNN frontend DSA not importable ({type(e).__name__}: {e}); dsagen rows only")
+        return None
+    return DSA
+
+
+def cudnn_call(dsa, inputs):
+    """One call of cuDNN's SM90 backward on make_inputs' tensors: (dq, dkv, d_sink)."""
+    q, kv, dout, ids, sink, scale, out, lse = inputs
+
+    def call():
+        r = dsa.sparse_attention_backward_wrapper(q, kv, out, dout, lse, sink, ids, softmax_scale=scale,
+                                                  deterministic=False)
+        return r["dq"], r["dkv"], r["d_sink"]
+    return call
+
+
+def agreement(got, want) -> dict:
+    """Per gradient (dq, dkv, d_sink): the largest |got - want| over the largest |want|."""
+    out = {}
+    for name, a, b in zip(("dq", "dkv", "d_sink"), got, want):
+        out[name] = (a.float() - b.float()).abs().max().item() / max(b.float().abs().max().item(), 1e-30)
+    return out
+
+
+def energy_rows(fns: dict, seconds: float) -> dict:
+    """bench/energy.py's measurement of `fns` (plus an idle segment): per name J, W, ms and MHz per call."""
+    from energy import Nvml, measure
+    return measure(Nvml(), {"idle": None, **fns}, seconds, rounds=3)
+
+
+def run_case(s_q, h, d_qk, n_kv, topk, reps, ref_max_t, dsa=None, energy=None):
+    inputs = make_inputs(s_q, h, d_qk, n_kv, topk)
+    q, kv, dout, ids, sink, scale, out, lse = inputs
     kw = dict(attn_sink=sink, topk_length=None, softmax_scale=scale, d_v=512)
     fused = lambda det: bwd_host.sparse_attention_backward(q, kv, out, dout, lse, ids, deterministic=det, **kw)  # noqa
     flops = backward_flops(s_q, h, d_qk, topk)
-    ms, det_ms = paired_time_ms([lambda: fused(False), lambda: fused(True)], calls=reps)
+    fns = [lambda: fused(False), lambda: fused(True)] + ([cudnn_call(dsa, inputs)] if dsa is not None else [])
+    ms, det_ms, *peer = paired_time_ms(fns, calls=reps)
     row = dict(T=s_q, H=h, d_qk=d_qk, kv=n_kv, topk=topk, fused_ms=ms, tflops=flops / ms / 1e9, det_ms=det_ms,
                det_cost=det_ms / ms)
+    if peer:
+        row.update(cudnn_ms=peer[0], cudnn_tflops=flops / peer[0] / 1e9, vs_cudnn=peer[0] / ms,
+                   agreement=agreement(fused(False), fns[2]()))
+    if energy:
+        named = {"dsagen": fns[0], **({"cudnn": fns[2]} if peer else {})}
+        row["energy"] = energy_rows(named, energy)
     if s_q <= ref_max_t:
         row["ref_ms"] = cuda_time_ms(lambda: ref.sparse_attention_backward(q, kv, out, dout, lse, sink, ids,
                                                                            softmax_scale=scale, d_v=512), rounds=3)
@@ -190,6 +244,9 @@ def main() -> None:
                     help="instead of the table: each row's ids as drawn, sorted and shuffled")
     ap.add_argument("--clocks", type=float, metavar="SECONDS",
                     help="instead of the table: SM clock and board power while the op runs back to back")
+    ap.add_argument("--cudnn", action="store_true", help="cuDNN frontend's SM90 backward beside ours (optional)")
+    ap.add_argument("--energy", type=float, metavar="SECONDS", help="energy per call (NVML) of each contender")
+    ap.add_argument("--json", metavar="FILE", help="the table's rows as JSON")
     args = ap.parse_args()
     cases = CASES if args.cases is None else [CASES[int(i)] for i in args.cases.split(",")]
     if args.quick:
@@ -212,16 +269,35 @@ def main() -> None:
                 print(f"  {t:8.3f} ms  {backward_flops(s_q, h, d, args.topk) / t / 1e9:6.1f} TFLOP/s  "
                       f"{json.dumps(o) if o else 'the op config'}", flush=True)
         return
+    dsa = load_cudnn() if args.cudnn else None
     print(f"{'T':>6} {'H':>4} {'D':>4} {'KV':>7} | {'fused ms':>9} {'TFLOP/s':>8} | {'det ms':>8} {'cost':>5} | "
-          f"{'ref ms':>8} {'x':>6} | {'step ms':>8} {'ref step':>9}")
+          f"{'ref ms':>8} {'x':>6} | {'step ms':>8} {'ref step':>9}" + (" | cuDNN ms  TFLOP/s  dsagen / cuDNN"
+                                                                           if dsa is not None else ""))
+    rows = []
     for s_q, h, d, n_kv in cases:
         n_kv = args.kv or n_kv
-        r = run_case(s_q, h, d, n_kv, args.topk, args.reps, args.ref_max_T)
+        r = run_case(s_q, h, d, n_kv, args.topk, args.reps, args.ref_max_T, dsa, args.energy)
+        rows.append(r)
         ref_cols = (f"{r['ref_ms']:8.2f} {r['speedup']:6.1f} | {r['step_ms']:8.2f} {r['step_ref_ms']:9.2f}"
                     if "ref_ms" in r else f"{'-':>8} {'-':>6} | {'-':>8} {'-':>9}")
+        peer_cols = (f" | {r['cudnn_ms']:8.3f} {r['cudnn_tflops']:8.1f} {r['vs_cudnn']:8.3f}x"
+                     if "cudnn_ms" in r else "")
         print(f"{s_q:6d} {h:4d} {d:4d} {n_kv:7d} | {r['fused_ms']:9.3f} {r['tflops']:8.1f} | {r['det_ms']:8.2f} "
-              f"{r['det_cost']:5.2f} | {ref_cols}", flush=True)
+              f"{r['det_cost']:5.2f} | {ref_cols}{peer_cols}", flush=True)
+        if "agreement" in r:
+            worst = max(r["agreement"].values())
+            print("    vs cuDNN: " + "  ".join(f"{k} {v:.2e}" for k, v in r["agreement"].items())
+                  + f"  ({'within' if worst <= 2e-2 else 'OUTSIDE'} bf16's 2e-2)", flush=True)
+        for name, e in r.get("energy", {}).items():
+            tfl = f"  {backward_flops(s_q, h, d, args.topk) / e['j_per_call'] / 1e12:6.2f} TFLOP/J" \
+                if name != "idle" else ""
+            print(f"    energy {name:<7} {e['j_per_call']:8.3f} J/call  {e['watts']:5.0f} W  "
+                  f"{e['ms_per_call']:8.3f} ms  {e['mhz']:5.0f} MHz{tfl}", flush=True)
         torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "topk": args.topk,
+                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Times dsagen.native_sparse_attention(impl="fused") against FLA's Triton `paralle
     PYTHONPATH=.peer/fla python bench/nsa_forward.py [--T 8192 32768 65536] [--indices random local]
                                                      [--rounds 7] [--backward] [--check-T 1024] [--seed 0]
                                                      [--variant stages=3] [--dkv-variant stages=3,overlap=true]
-                                                     [--profile] [--json FILE]
+                                                     [--profile] [--cudnn] [--json FILE]
 
 Shape: B 1, HQ 64 query heads over H 4 KV heads (G 16), D = Dv = 128, blocks of 64 tokens, S 16 selected blocks
 per (token, KV head), bf16, causal, no compressed branch, no sliding window, no gate. Block ids int32
@@ -37,6 +37,12 @@ Contenders, timed interleaved round by round (common.paired_time_ms, the order s
   here; scale defaults to K ** -0.5 and is passed explicitly. One Triton program per (token, KV head): the Q
   tile [16, 128] against 16 gathered K / V blocks of 64 rows. Its forward's autotune key (block and head sizes)
   is the same for every T, so the configuration chosen on the first call serves all T.
+  cudnn:  (--cudnn) the cuDNN frontend's SM90 NSA selection forward (`cudnn.NSA.selection_attention_wrapper`,
+          CuTe-DSL kernel HopperSelectAttentionFwd, 1.32; ../shared/peers/ shows how to carry the frontend and
+          CuTe-DSL): packed THD views of the same tensors (one sequence), int32 block ids [T, H, S] with
+          block_counts = each token's valid (non -1, leading) slots, is_causal=True (token-level causal masking inside
+          the selected blocks), forward only (no SM90 NSA backward in the frontend); it takes groups up to 16, so it
+          also runs the small group (--hq 16) that FLA refuses. Optional: without the import a note is printed.
 Checks: on the first T, dsagen's output against FLA's (max abs difference, and relative to max |FLA out|), and
 with --backward their dq, dk, dv; at --check-T (default 1024; 0 skips) both against
 dsagen.native_sparse_attention(impl="reference") (plain PyTorch, FP32 accumulation; slow at large T).
@@ -130,11 +136,37 @@ def load_fla():
     return parallel_nsa
 
 
-def contenders(idx: torch.Tensor, parallel_nsa, variants=()) -> dict:
+def load_cudnn_nsa():
+    """The cuDNN frontend's NSA namespace (`cudnn.NSA`), or None with a note printed (the peer is optional)."""
+    try:
+        from cudnn import NSA
+        NSA.selection_attention_wrapper                  # imports the op's module (and CuTe-DSL)
+    except Exception as e:                               # noqa: BLE001 - the peer is optional
+        print(f"# cuDNN frontend NSA not importable ({type(e).__name__}: {e}); no cudnn rows")
+        return None
+    return NSA
+
+
+def cudnn_selection(nsa, idx: torch.Tensor):
+    """fn(q, k, v) -> out [1, T, HQ, Dv] through cudnn.NSA.selection_attention_wrapper on packed views of one
+    sequence (module docstring); the ids' int32 copy, counts and offsets are made here, outside the timed call."""
+    t = idx.shape[1]
+    ids = idx[0].to(torch.int32).contiguous()                          # [T, H, S], valid slots first
+    counts = (ids >= 0).sum(-1, dtype=torch.int32)                     # [T, H]
+    cu = torch.tensor([0, t], dtype=torch.int32, device=idx.device)
+    return lambda q, k, v: nsa.selection_attention_wrapper(
+        q[0], k[0], v[0], ids, counts, cu, cu, block_size=BLOCK, scale_softmax=SCALE, max_s_q=t, max_s_k=t,
+        is_causal=True)[0][None]
+
+
+def contenders(idx: torch.Tensor, parallel_nsa, variants=(), cudnn_nsa=None) -> dict:
     """name -> fn(q, k, v) -> out, the selected branch alone; `variants`: extra dsagen contenders, each
-    "field=value[,field=value]" of NsaSelectFwdSpec replaced in the op's spec (select_forward's spec=)."""
+    "field=value[,field=value]" of NsaSelectFwdSpec replaced in the op's spec (select_forward's spec=); cudnn_nsa:
+    cuDNN's NSA namespace (the selection forward joins as "cudnn")."""
     fns = {"dsagen": lambda q, k, v: dsagen.native_sparse_attention(q, k, v, block_indices=idx, block_counts=S,
                                                                     block_size=BLOCK, impl="fused")}
+    if cudnn_nsa is not None:
+        fns["cudnn"] = cudnn_selection(cudnn_nsa, idx)
     if parallel_nsa is not None:
         fns["fla"] = lambda q, k, v: parallel_nsa(q, k, v, block_indices=idx, block_counts=S, block_size=BLOCK,
                                                   scale=SCALE)
@@ -201,13 +233,14 @@ def run_case(t: int, mode: str, args, parallel_nsa, noted: set, check: bool) -> 
     valid = (idx >= 0).float().mean().item()
     row = {"T": t, "indices": mode, "valid_slots": valid}
     checks = []
-    fns = available(contenders(idx, parallel_nsa, args.variant), q, k, v, noted)
+    fns = available(contenders(idx, parallel_nsa, args.variant, args.cudnn_nsa), q, k, v, noted)
     flops = 4.0 * HQ * D * S * BLOCK * t
     label = f"T {t:<6} {mode:<6} valid {valid:6.1%}"
-    if check and {"dsagen", "fla"} <= fns.keys():
-        d = diff(fns["dsagen"](q, k, v), fns["fla"](q, k, v))
-        print_diff(f"T {t} {mode} dsagen vs fla", d)
-        checks.append({"T": t, "indices": mode, "what": "dsagen vs fla", **d})
+    for peer in ("fla", "cudnn"):
+        if check and {"dsagen", peer} <= fns.keys():
+            d = diff(fns["dsagen"](q, k, v), fns[peer](q, k, v))
+            print_diff(f"T {t} {mode} dsagen vs {peer}", d)
+            checks.append({"T": t, "indices": mode, "what": f"dsagen vs {peer}", **d})
     fwd_ms = {}
     if fns:
         ms = print_paired(f"{label} fwd", [(n, (lambda f=f: f(q, k, v))) for n, f in fns.items()], flops,
@@ -217,6 +250,8 @@ def run_case(t: int, mode: str, args, parallel_nsa, noted: set, check: bool) -> 
             row.update({f"{n}_fwd_ms": m, f"{n}_fwd_tflops": flops / m / 1e9})
         if {"dsagen", "fla"} <= fwd_ms.keys():
             row["fwd_speedup"] = fwd_ms["fla"] / fwd_ms["dsagen"]
+        if {"dsagen", "cudnn"} <= fwd_ms.keys():
+            row["fwd_vs_cudnn"] = fwd_ms["cudnn"] / fwd_ms["dsagen"]
     if args.backward:
         # the op and FLA only (a --variant runs the forward kernel alone, with no autograd)
         bfns = {n: f for n, f in fns.items() if n in ("dsagen", "fla") and _has_backward(n, f, q, k, v, do, noted)}
@@ -334,11 +369,13 @@ def main(argv=None) -> int:
                     help="the backward alone against dk / dv kernels with NsaSelectDkvSpec fields replaced, e.g. "
                          "stages=3,overlap=true")
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel of one dsagen forward + backward")
+    ap.add_argument("--cudnn", action="store_true", help="the cuDNN frontend's SM90 selection forward beside ours")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     parallel_nsa = load_fla()
+    args.cudnn_nsa = load_cudnn_nsa() if args.cudnn else None
     fla_version = None
     if parallel_nsa is not None:
         import fla

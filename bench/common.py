@@ -11,15 +11,25 @@ from typing import Callable
 import torch
 
 
+def cudnn_namespace(name: str, wrapper: str | None = None, rows: str = "dsagen rows only"):
+    """cuDNN frontend's `name` namespace (cudnn.DSA, cudnn.NSA: same-process peers), or None with a note printed when
+    it cannot be imported (the peer is optional: the benchmark then times without it; `rows` says what remains).
+    wrapper: one of its wrappers to touch now, which imports that op's module (and CuTe-DSL) before any timing."""
+    try:
+        import cudnn
+        namespace = getattr(cudnn, name)
+        if wrapper is not None:
+            getattr(namespace, wrapper)
+    except Exception as e:                       # noqa: BLE001 - the peer is optional
+        print(f"# cuDNN frontend {name} not importable ({type(e).__name__}: {e}); {rows}")
+        return None
+    return namespace
+
+
 def cudnn_dsa():
     """cuDNN frontend's DSA module (the same-process peer of the DSA benchmarks), or None with a note printed when it
     cannot be imported (the peer is optional: the benchmark then times dsagen alone)."""
-    try:
-        from cudnn import DSA
-    except Exception as e:                       # noqa: BLE001 - the peer is optional
-        print(f"# cuDNN frontend DSA not importable ({type(e).__name__}: {e}); dsagen rows only")
-        return None
-    return DSA
+    return cudnn_namespace("DSA")
 
 
 def dsa_bench_start(no_cudnn: bool):

@@ -62,7 +62,7 @@ import json
 import math
 
 import torch
-from common import print_paired
+from common import cudnn_namespace, print_paired
 
 import dsagen
 
@@ -134,17 +134,6 @@ def load_fla():
               "dsagen rows only")
         return None
     return parallel_nsa
-
-
-def load_cudnn_nsa():
-    """The cuDNN frontend's NSA namespace (`cudnn.NSA`), or None with a note printed (the peer is optional)."""
-    try:
-        from cudnn import NSA
-        NSA.selection_attention_wrapper                  # imports the op's module (and CuTe-DSL)
-    except Exception as e:                               # noqa: BLE001 - the peer is optional
-        print(f"# cuDNN frontend NSA not importable ({type(e).__name__}: {e}); no cudnn rows")
-        return None
-    return NSA
 
 
 def cudnn_selection(nsa, idx: torch.Tensor):
@@ -375,7 +364,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     parallel_nsa = load_fla()
-    args.cudnn_nsa = load_cudnn_nsa() if args.cudnn else None
+    args.cudnn_nsa = (cudnn_namespace("NSA", "selection_attention_wrapper", "no cudnn rows") if args.cudnn
+                      else None)
     fla_version = None
     if parallel_nsa is not None:
         import fla

@@ -42,7 +42,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cuda_time_ms, paired_time_ms, distinct_ids  # noqa: E402
+from common import cuda_time_ms, cudnn_namespace, distinct_ids, paired_time_ms  # noqa: E402
 
 import dsagen  # noqa: E402
 from dsagen.kernels.sparse_mla_bwd import host as bwd_host  # noqa: E402
@@ -159,17 +159,6 @@ def probes(cases, args) -> None:
         torch.cuda.empty_cache()
 
 
-def load_cudnn():
-    """cuDNN frontend DSA's wrappers (`cudnn.DSA`), or None with a note printed (the peer is optional)."""
-    try:
-        from cudnn import DSA
-        DSA.sparse_attention_backward_wrapper            # imports the op's module (and CuTe-DSL)
-    except Exception as e:                               # noqa: BLE001 - the peer is optional
-        print(f"# cuDNN frontend DSA not importable ({type(e).__name__}: {e}); dsagen rows only")
-        return None
-    return DSA
-
-
 def cudnn_call(dsa, inputs):
     """One call of cuDNN's SM90 backward on make_inputs' tensors: (dq, dkv, d_sink)."""
     q, kv, dout, ids, sink, scale, out, lse = inputs
@@ -269,7 +258,7 @@ def main() -> None:
                 print(f"  {t:8.3f} ms  {backward_flops(s_q, h, d, args.topk) / t / 1e9:6.1f} TFLOP/s  "
                       f"{json.dumps(o) if o else 'the op config'}", flush=True)
         return
-    dsa = load_cudnn() if args.cudnn else None
+    dsa = cudnn_namespace("DSA", "sparse_attention_backward_wrapper") if args.cudnn else None
     print(f"{'T':>6} {'H':>4} {'D':>4} {'KV':>7} | {'fused ms':>9} {'TFLOP/s':>8} | {'det ms':>8} {'cost':>5} | "
           f"{'ref ms':>8} {'x':>6} | {'step ms':>8} {'ref step':>9}" + (" | cuDNN ms  TFLOP/s  dsagen / cuDNN"
                                                                            if dsa is not None else ""))

@@ -144,7 +144,6 @@ def test_backward_kernels_compile_without_spills(spec, tmp_path):
     assert 128 * (40 + regs) <= ck.record["regcount"] * 256
 
 
-
 @pytest.mark.compile
 @pytest.mark.parametrize("spec", [NsaSelectDkvSpec(arch="sm_90a", stages=3, overlap=True),
                                   NsaSelectDkvSpec(arch="sm_90a", group=4, v_dim=64, stages=3, overlap=True)],
@@ -169,6 +168,7 @@ def test_overlapped_dkv_kernel_issues_the_next_scores_first(spec, tmp_path):
     assert re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", sass) == ["0x0", "0x1", "0x0", "0x0"]
     regs = int(re.findall(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP0, (0x[0-9a-f]+)", sass)[0], 16)
     assert 128 * (40 + regs) <= ck.record["regcount"] * 256
+
 
 def _inverse_loop(ids, counts, starts_of, lens_of, h_count, bs, rows):
     """{(h, first key row of the tile): [tokens]} by loops: the slots the kernels take (an id in the token's
